@@ -1,0 +1,34 @@
+# The README's two commands: `make demo` and `make test`. Both create .venv/ on first use.
+# [Note: torch install] A machine that already has torch (e.g. a CUDA build on a GPU box) keeps it:
+# the venv then sees the system site-packages. Otherwise torch is pinned to 2.13.0, the CPU build
+# served locally on the CI/dev machines, so setup never pulls a multi-GB CUDA wheel there.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.zcomm-installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test install clean-venv nvcc-check
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	@if [ ! -x $(PY) ]; then \
+	  if python3 -c 'import torch' >/dev/null 2>&1; then python3 -m venv --system-site-packages $(VENV); \
+	  else python3 -m venv $(VENV); fi; \
+	fi
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c 'import torch' >/dev/null 2>&1 || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(PY) -m bench.kernels
+
+nvcc-check: $(STAMP)
+	$(PY) -m pytest tests/test_cuda_compile.py -q
+
+clean-venv:
+	rm -rf $(VENV)

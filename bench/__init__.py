@@ -1,0 +1,1 @@
+"""zcomm benchmark suites (run as ``python -m bench.<suite>``)."""

@@ -1,0 +1,139 @@
+"""The ``reference`` backend: plain torch, written to be obviously right, not fast.
+
+It is the oracle the ``cpu`` and ``cuda`` backends are tested against, byte for byte. Each
+step follows :mod:`zcomm.quant.wire_format` literally: pad to whole groups, per-group
+NaN/Inf/absmax, fp32 division, round half to even, clamp, pack, append the scales.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..registry import register
+from ..wire_format import CANONICAL_NAN_BITS, QMAX, num_groups, payload_nbytes, scales_offset, values_nbytes
+
+_NAN = float("nan")
+
+
+def _group_view(values: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``values`` zero-padded to whole groups, as ``(G, group_size)``."""
+    pad = num_groups(values.numel(), group_size) * group_size - values.numel()
+    return torch.nn.functional.pad(values, (0, pad)).view(-1, group_size)
+
+
+def _scales(groups: torch.Tensor, qmax: int) -> torch.Tensor:
+    absmax = groups.abs().amax(dim=1)
+    scale = absmax / qmax
+    scale = torch.where(torch.isinf(groups).any(dim=1), torch.full_like(scale, float("inf")), scale)
+    return torch.where(torch.isnan(groups).any(dim=1), torch.full_like(scale, _NAN), scale)
+
+
+def _quantize_values(values: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``values`` -> (int8 codes of ``values.numel()``, fp32 scales per group)."""
+    qmax = QMAX[bits]
+    groups = _group_view(values, group_size)
+    scale = _scales(groups, qmax)
+    usable = torch.isfinite(scale) & (scale != 0)
+    divisor = torch.where(usable, scale, torch.ones_like(scale))
+    codes = torch.round(groups / divisor[:, None]).clamp(-qmax, qmax)
+    codes = torch.where(usable[:, None], codes, torch.zeros_like(codes))
+    return codes.reshape(-1)[: values.numel()].to(torch.int8), scale
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == 8:
+        return codes.view(torch.uint8)
+    nibbles = codes.to(torch.int16) & 0xF
+    if nibbles.numel() % 2:
+        nibbles = torch.cat([nibbles, nibbles.new_zeros(1)])
+    return (nibbles[0::2] | (nibbles[1::2] << 4)).to(torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
+    if bits == 8:
+        return packed.view(torch.int8)
+    as_int = packed.to(torch.int16)
+    nibbles = torch.stack([as_int & 0xF, as_int >> 4], dim=1).reshape(-1)[:numel]
+    return torch.where(nibbles >= 8, nibbles - 16, nibbles).to(torch.int8)
+
+
+def _encode(values: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> None:
+    """Quantize fp32 ``values`` into the payload ``out`` (wire layout)."""
+    codes, scale = _quantize_values(values, bits, group_size)
+    packed = _pack(codes, bits)
+    offset = scales_offset(values.numel(), bits)
+    out.zero_()
+    out[: packed.numel()] = packed
+    out[offset:] = scale.contiguous().view(torch.uint8)
+
+
+def _decode(payload: torch.Tensor, numel: int, bits: int, group_size: int) -> torch.Tensor:
+    """One payload -> its ``numel`` values in fp32 (non-finite scales give canonical NaN)."""
+    codes = _unpack(payload[: values_nbytes(numel, bits)], numel, bits)
+    offset = scales_offset(numel, bits)
+    scale = payload[offset : offset + 4 * num_groups(numel, group_size)].clone().view(torch.float32)
+    per_element = scale.repeat_interleave(group_size)[:numel]
+    values = codes.to(torch.float32) * per_element
+    return torch.where(torch.isfinite(per_element), values, torch.full_like(values, _NAN))
+
+
+def _canonical_nan(values: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isnan(values), torch.full_like(values, _NAN), values)
+
+
+def _store(values: torch.Tensor, out: torch.Tensor) -> None:
+    """Convert fp32 ``values`` into ``out``'s dtype, writing NaNs as the canonical pattern.
+
+    torch's own vectorized fp32 -> bf16 conversion writes NaN as 0xFFFF, so the NaN
+    positions are rewritten from the bit pattern the wire format names.
+    """
+    out.copy_(values.to(out.dtype))
+    nan = torch.isnan(values)
+    if out.dtype != torch.float32 and bool(nan.any()):
+        out.view(torch.int16)[nan] = CANONICAL_NAN_BITS[out.dtype]
+
+
+@register("quantize", "reference")
+def quantize(x: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> None:
+    _encode(x.to(torch.float32), bits, group_size, out)
+
+
+@register("dequantize", "reference")
+def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, out: torch.Tensor) -> None:
+    for row in range(payloads.shape[0]):
+        _store(_decode(payloads[row], numel, bits, group_size), out[row * numel : (row + 1) * numel])
+
+
+@register("reorder_quantize", "reference")
+def reorder_quantize(
+    x: torch.Tensor, perm: tuple[int, ...], num_chunks: int, bits: int, group_size: int, out: torch.Tensor
+) -> None:
+    slices = x.to(torch.float32).view(len(perm), -1)
+    reordered = slices[list(perm)].reshape(num_chunks, -1)
+    for chunk in range(num_chunks):
+        _encode(reordered[chunk], bits, group_size, out[chunk])
+
+
+@register("dequant_reduce", "reference")
+def dequant_reduce(
+    payloads: torch.Tensor,
+    numel: int,
+    bits: int,
+    group_size: int,
+    divide_by: float,
+    out: torch.Tensor | None,
+    requant_out: torch.Tensor | None,
+) -> None:
+    acc = _decode(payloads[0], numel, bits, group_size)
+    for row in range(1, payloads.shape[0]):
+        acc = acc + _decode(payloads[row], numel, bits, group_size)
+    if divide_by != 1.0:
+        acc = acc / torch.tensor(divide_by, dtype=torch.float32)
+    acc = _canonical_nan(acc)
+    if out is not None:
+        _store(acc, out)
+        return
+    chunks = requant_out.shape[0]
+    assert requant_out.shape[1] == payload_nbytes(numel // chunks, bits, group_size)
+    for chunk, values in enumerate(acc.view(chunks, -1)):
+        _encode(values, bits, group_size, requant_out[chunk])

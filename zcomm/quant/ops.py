@@ -1,0 +1,227 @@
+"""The four block-quantization ops, defined once.
+
+Each public function validates its arguments (``TypeError``/``ValueError`` naming the
+argument and what is accepted), allocates its output unless ``out=`` is given, and calls
+the kernel that the selected backend registered (see :mod:`zcomm.quant.registry`). The
+bytes produced are those of :mod:`zcomm.quant.wire_format`.
+
+Kernel contract (what a backend implements; arguments are already validated, inputs are
+contiguous and non-empty, outputs preallocated on the same device):
+
+* ``quantize(x, bits, group_size, out)``: ``x`` 1-D float, ``out`` 1-D uint8 payload.
+* ``dequantize(payloads, numel, bits, group_size, out)``: ``payloads`` 2-D uint8
+  ``(k, payload_nbytes(numel))``; ``out`` 1-D float of ``k * numel``.
+* ``reorder_quantize(x, perm, num_chunks, bits, group_size, out)``: ``perm`` a tuple of ints;
+  ``out`` 2-D uint8 ``(num_chunks, payload_nbytes(x.numel() // num_chunks))``.
+* ``dequant_reduce(payloads, numel, bits, group_size, divide_by, out, requant_out)``: exactly
+  one of ``out`` (1-D float of ``numel``) and ``requant_out`` (2-D uint8 ``(m, payload_nbytes(numel // m))``)
+  is a tensor, the other is ``None``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from . import registry
+from .wire_format import check_bits, check_dtype, check_group_size, payload_nbytes
+
+
+def _check_float_input(x: torch.Tensor, name: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    check_dtype(x.dtype, name)
+    if not x.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_payloads(payloads: torch.Tensor, name: str) -> None:
+    if not isinstance(payloads, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(payloads).__name__}")
+    if payloads.dtype != torch.uint8:
+        raise TypeError(f"{name} must have dtype torch.uint8, got {payloads.dtype}")
+    if not payloads.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_numel(numel: int, name: str = "numel") -> None:
+    if isinstance(numel, bool) or not isinstance(numel, int):
+        raise TypeError(f"{name} must be an int, got {numel!r}")
+    if numel < 0:
+        raise ValueError(f"{name} must be >= 0, got {numel}")
+
+
+def _check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise TypeError(f"out must have dtype {dtype}, got {out.dtype}")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device} but the input is on {device}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    if out.numel() != math.prod(shape):
+        raise ValueError(f"out must have {math.prod(shape)} elements (shape {shape}), got shape {tuple(out.shape)}")
+
+
+def _output(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    _check_out(out, shape, dtype, device)
+    return out.view(shape)
+
+
+def _as_rows(payloads: torch.Tensor, numel: int, bits: int, group_size: int, name: str) -> torch.Tensor:
+    """View ``payloads`` as ``(k, payload_nbytes(numel))`` rows, checking the length."""
+    row = payload_nbytes(numel, bits, group_size)
+    if payloads.dim() == 1:
+        if payloads.numel() != row:
+            raise ValueError(
+                f"{name} has {payloads.numel()} bytes but numel={numel}, bits={bits}, "
+                f"group_size={group_size} needs a payload of {row} bytes"
+            )
+        return payloads.view(1, row)
+    if payloads.dim() != 2 or payloads.shape[1] != row:
+        raise ValueError(
+            f"{name} must be 1-D ({row} bytes) or 2-D (k, {row}) for numel={numel}, bits={bits}, "
+            f"group_size={group_size}; got shape {tuple(payloads.shape)}"
+        )
+    return payloads
+
+
+def quantize(
+    x: torch.Tensor, bits: int, group_size: int, *, backend: str | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Quantize ``x`` (any shape, read flat) into one self-contained payload.
+
+    Returns a 1-D ``uint8`` tensor of ``payload_nbytes(x.numel(), bits, group_size)`` bytes.
+    """
+    _check_float_input(x, "x")
+    check_bits(bits)
+    check_group_size(group_size, bits)
+    nbytes = payload_nbytes(x.numel(), bits, group_size)
+    result = _output(out, (nbytes,), torch.uint8, x.device)
+    if x.numel():
+        registry.lookup("quantize", backend, x.device)(x.view(-1), bits, group_size, result)
+    return result
+
+
+def dequantize(
+    payload: torch.Tensor,
+    numel: int,
+    bits: int,
+    group_size: int,
+    dtype: torch.dtype,
+    *,
+    backend: str | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dequantize one payload (1-D) or ``k`` payloads stacked as rows (2-D ``(k, nbytes)``).
+
+    ``numel`` is the element count of each payload; the result has ``k * numel`` elements
+    of ``dtype``, payload ``i`` landing at ``[i * numel, (i + 1) * numel)``.
+    """
+    _check_payloads(payload, "payload")
+    _check_numel(numel)
+    check_bits(bits)
+    check_group_size(group_size, bits)
+    check_dtype(dtype, "dtype")
+    rows = _as_rows(payload, numel, bits, group_size, "payload")
+    result = _output(out, (rows.shape[0] * numel,), dtype, payload.device)
+    if result.numel():
+        registry.lookup("dequantize", backend, payload.device)(rows, numel, bits, group_size, result)
+    return result
+
+
+def _check_perm(perm: Sequence[int], numel: int) -> tuple[int, ...]:
+    if isinstance(perm, torch.Tensor):
+        perm = perm.tolist()
+    try:
+        perm_t = tuple(int(p) for p in perm)
+    except TypeError as exc:
+        raise TypeError(f"perm must be a sequence of ints, got {perm!r}") from exc
+    if not perm_t or sorted(perm_t) != list(range(len(perm_t))):
+        raise ValueError(f"perm must be a permutation of range(len(perm)), got {perm_t}")
+    if numel % len(perm_t):
+        raise ValueError(f"x.numel()={numel} is not divisible into len(perm)={len(perm_t)} equal slices")
+    return perm_t
+
+
+def reorder_quantize(
+    x: torch.Tensor,
+    perm: Sequence[int],
+    num_chunks: int,
+    bits: int,
+    group_size: int,
+    *,
+    backend: str | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reorder the slices of ``x``, then quantize into ``num_chunks`` self-contained payloads.
+
+    ``x`` is viewed as ``len(perm)`` equal slices; output slice ``p`` is input slice
+    ``perm[p]``. The reordered tensor is cut into ``num_chunks`` equal pieces, each quantized
+    as its own payload (own groups, own scales), so row ``c`` of the result can be handed
+    to peer ``c`` of an all-to-all. Returns ``(num_chunks, payload_nbytes(x.numel() // num_chunks))``.
+    """
+    _check_float_input(x, "x")
+    check_bits(bits)
+    check_group_size(group_size, bits)
+    perm_t = _check_perm(perm, x.numel())
+    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
+        raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
+    if x.numel() % num_chunks:
+        raise ValueError(f"x.numel()={x.numel()} is not divisible into num_chunks={num_chunks} equal chunks")
+    chunk = x.numel() // num_chunks
+    result = _output(out, (num_chunks, payload_nbytes(chunk, bits, group_size)), torch.uint8, x.device)
+    if x.numel():
+        registry.lookup("reorder_quantize", backend, x.device)(x.view(-1), perm_t, num_chunks, bits, group_size, result)
+    return result
+
+
+def dequant_reduce(
+    payloads: torch.Tensor,
+    numel: int,
+    bits: int,
+    group_size: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    requant_chunks: int | None = None,
+    divide_by: float = 1.0,
+    backend: str | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dequantize ``k`` payloads, sum them in fp32, and return the sum or its re-quantization.
+
+    ``payloads`` is 2-D ``(k, payload_nbytes(numel))`` as an all-to-all delivers them. The
+    fp32 sum (in row order, then divided by ``divide_by``) is returned as ``numel`` elements
+    of ``dtype``, or, with ``requant_chunks=m``, re-quantized in the same pass (same bits and
+    group size) into ``(m, payload_nbytes(numel // m))`` self-contained payloads.
+    """
+    _check_payloads(payloads, "payloads")
+    _check_numel(numel)
+    check_bits(bits)
+    check_group_size(group_size, bits)
+    if payloads.dim() != 2 or payloads.shape[0] < 1:
+        raise ValueError(f"payloads must be 2-D (k >= 1, nbytes), got shape {tuple(payloads.shape)}")
+    rows = _as_rows(payloads, numel, bits, group_size, "payloads")
+    if isinstance(divide_by, bool) or not isinstance(divide_by, (int, float)) or not divide_by > 0:
+        raise ValueError(f"divide_by must be a positive number, got {divide_by!r}")
+    kernel = registry.lookup("dequant_reduce", backend, payloads.device) if numel else None
+    if requant_chunks is None:
+        check_dtype(dtype, "dtype")
+        result = _output(out, (numel,), dtype, payloads.device)
+        if kernel is not None:
+            kernel(rows, numel, bits, group_size, float(divide_by), result, None)
+        return result
+    if isinstance(requant_chunks, bool) or not isinstance(requant_chunks, int) or requant_chunks < 1:
+        raise ValueError(f"requant_chunks must be a positive int or None, got {requant_chunks!r}")
+    if numel % requant_chunks:
+        raise ValueError(f"numel={numel} is not divisible into requant_chunks={requant_chunks} equal chunks")
+    chunk_bytes = payload_nbytes(numel // requant_chunks, bits, group_size)
+    result = _output(out, (requant_chunks, chunk_bytes), torch.uint8, payloads.device)
+    if kernel is not None:
+        kernel(rows, numel, bits, group_size, float(divide_by), None, result)
+    return result

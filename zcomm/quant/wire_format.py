@@ -1,0 +1,116 @@
+"""The zcomm wire format: blocked, symmetric INT8 / INT4 payloads with fp32 scales.
+
+This module is the single written-down definition of the bytes that every quantized
+collective puts on the wire. Every backend (``reference``, ``cpu``, ``cuda``) must produce
+these exact bytes for the same input; the tests compare them byte for byte.
+
+Groups
+    A 1-D tensor of ``n`` elements (fp32, bf16 or fp16) is split into
+    ``G = ceil(n / group_size)`` groups of ``group_size`` consecutive elements; the last
+    group may be short. Every element is first converted to fp32 (exact for all three
+    input dtypes); all arithmetic below is IEEE fp32 with round-to-nearest-even, no fused
+    multiply-add and no flush-to-zero.
+
+Scale of a group (``qmax = 127`` for INT8, ``7`` for INT4)
+    * the group holds a NaN            -> ``scale = NaN`` (canonical quiet NaN, 0x7FC00000)
+    * else the group holds a +-Inf     -> ``scale = +Inf``
+    * else ``absmax = max |x|`` and ``scale = absmax / qmax`` (an fp32 *division*).
+    An all-zero group therefore has ``scale = 0``.
+
+Quantized values
+    * ``scale`` is 0, NaN or Inf        -> ``q = 0`` for the whole group
+    * else ``q = clamp(rint(x / scale), -qmax, qmax)``, where ``x / scale`` is an fp32
+      *division* (never a multiplication by a reciprocal) and ``rint`` rounds half to even.
+
+Dequantized values
+    * ``scale`` is NaN or Inf           -> every element is the canonical NaN
+      (never a finite number: training code relies on non-finite values to detect overflow)
+    * else ``y = float32(q) * scale`` (fp32 multiply), then converted to the requested
+      dtype with round-to-nearest-even (bf16: canonical NaN 0x7FC0; fp16: 0x7E00,
+      overflow to +-Inf). ``scale = 0`` gives exact (+0) zeros.
+
+Payload layout (one contiguous ``uint8`` buffer, so one collective carries values and scales)
+    ``[ values | zero padding to a multiple of 4 bytes | G fp32 scales, little-endian ]``
+
+    * INT8: ``n`` bytes, one two's-complement int8 per element.
+    * INT4: ``ceil(n / 2)`` bytes; element ``2i`` is in the **low** nibble of byte ``i`` and
+      element ``2i + 1`` in the **high** nibble, each as a 4-bit two's-complement number
+      (-7..7). An odd ``n`` leaves the last high nibble 0. INT4 needs an even
+      ``group_size`` so that every group starts on a byte boundary.
+    * ``n = 0`` gives an empty payload.
+
+    Every payload length is a multiple of 4, so payloads stacked as rows of a 2-D
+    ``(k, payload_nbytes)`` tensor (what an all-to-all delivers) keep their scales aligned.
+
+Reductions (``dequant_reduce``)
+    ``k`` payloads of the same ``n`` are dequantized to fp32 as above and summed in payload
+    order: ``acc = d_0; acc = acc + d_1; ...`` (no leading ``0 +``, which would turn -0 into +0).
+    An optional divisor is applied as one fp32 division ``acc / float32(divide_by)`` at the end.
+    Any NaN is then made the canonical NaN. The result is converted to the requested dtype,
+    or re-quantized into ``m`` self-contained payloads of ``n / m`` elements each, with the
+    group rules above applied to the fp32 sums.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QMAX: dict[int, int] = {8: 127, 4: 7}
+SUPPORTED_BITS = tuple(sorted(QMAX))
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+SCALE_BYTES = 4
+ALIGN = 4
+
+CANONICAL_NAN_BITS = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
+
+
+def _align_up(value: int, align: int) -> int:
+    return (value + align - 1) // align * align
+
+
+def num_groups(numel: int, group_size: int) -> int:
+    """Number of quantization groups for ``numel`` elements (the last may be short)."""
+    return (numel + group_size - 1) // group_size
+
+
+def values_nbytes(numel: int, bits: int) -> int:
+    """Bytes taken by the packed quantized values (before padding)."""
+    return numel if bits == 8 else (numel + 1) // 2
+
+
+def scales_offset(numel: int, bits: int) -> int:
+    """Byte offset of the fp32 scales inside a payload."""
+    return _align_up(values_nbytes(numel, bits), ALIGN)
+
+
+def payload_nbytes(numel: int, bits: int, group_size: int) -> int:
+    """Total length in bytes of the payload for ``numel`` elements."""
+    check_bits(bits)
+    check_group_size(group_size, bits)
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    if numel == 0:
+        return 0
+    return scales_offset(numel, bits) + SCALE_BYTES * num_groups(numel, group_size)
+
+
+def check_bits(bits: int) -> None:
+    if isinstance(bits, bool) or not isinstance(bits, int):
+        raise TypeError(f"bits must be an int in {SUPPORTED_BITS}, got {bits!r}")
+    if bits not in QMAX:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
+
+
+def check_group_size(group_size: int, bits: int) -> None:
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"group_size must be an int >= 2, got {group_size!r}")
+    if group_size < 2:
+        raise ValueError(f"group_size must be >= 2, got {group_size}")
+    if bits == 4 and group_size % 2:
+        raise ValueError(f"group_size must be even for 4-bit quantization, got {group_size}")
+
+
+def check_dtype(dtype: torch.dtype, name: str) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise TypeError(f"{name} must have dtype in ({names}), got {dtype}")

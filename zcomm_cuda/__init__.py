@@ -1,0 +1,1 @@
+"""CUDA kernels for zcomm's quantization ops (loaded lazily; importing this needs no GPU)."""
