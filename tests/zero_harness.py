@@ -3,7 +3,8 @@
 ``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, initializes a
 gloo process group in each (one intra-op thread: the CI machine has two cores), calls
 ``fn(rank, world_size, *args)`` and returns the per-rank results in rank order. A failure
-on any rank raises here with that rank's traceback. ``fn`` must be importable (module level).
+on any rank raises here with that rank's traceback; a rank that dies without reporting
+(a crash) or a hang past ``timeout`` raises too. ``fn`` must be importable (module level).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -43,7 +46,7 @@ def _worker(fn, rank, world_size, port, args, queue) -> None:
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -51,9 +54,19 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, ok, value = queue.get(timeout=timeout)
+        while len(results) < world_size:
+            try:
+                rank, ok, value = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0][0]} died with exit code {dead[0][1]}") from None
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(results))
+                    raise TimeoutError(f"ranks {missing} did not finish within {timeout} s") from None
+                continue
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             results[rank] = torch.load(io.BytesIO(value), weights_only=False)
