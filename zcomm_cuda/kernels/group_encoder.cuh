@@ -80,9 +80,9 @@ ZC_HD u32 lane_absmax(const Source& src, const GroupSpan& s, int lane, int lanes
     for (int e = 8 * lane; e < vector_end; e += 8 * lanes) {
         float v[8];
         src.load8(s.first + e, v);
-        for (int k = 0; k < 8; ++k) m = umax(m, abs_bits(v[k]));
+        for (int k = 0; k < 8; ++k) m = max_u32(m, abs_bits(v[k]));
     }
-    for (int e = vector_end + lane; e < s.len; e += lanes) m = umax(m, abs_bits(src.load1(s.first + e)));
+    for (int e = vector_end + lane; e < s.len; e += lanes) m = max_u32(m, abs_bits(src.load1(s.first + e)));
     return m;
 }
 
@@ -126,7 +126,7 @@ ZC_HD void encode_group_lane(const Source& src, const GroupSpan& s, int lane, in
 #ifdef __CUDACC__
 // Max over the `lanes` aligned lanes of a team; every lane of the warp must call it.
 __device__ __forceinline__ u32 team_max(u32 v, int lanes) {
-    for (int offset = lanes / 2; offset > 0; offset /= 2) v = umax(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+    for (int offset = lanes / 2; offset > 0; offset /= 2) v = max_u32(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
     return v;
 }
 

@@ -99,7 +99,7 @@ ZC_HD float rint_even(float x) {
 #endif
 }
 
-ZC_HD u32 umax(u32 a, u32 b) { return a > b ? a : b; }
+ZC_HD u32 max_u32(u32 a, u32 b) { return a > b ? a : b; }
 ZC_HD bool is_nan(float f) { return (float_bits(f) & kF32AbsMask) > kF32Inf; }
 ZC_HD bool is_finite(float f) { return (float_bits(f) & kF32AbsMask) < kF32Inf; }
 ZC_HD float canonical_nan() { return bits_float(kF32CanonicalNan); }
