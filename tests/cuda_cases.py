@@ -18,42 +18,35 @@ DTYPE_TAG = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 KINDS = 9
 
 
-def _group_values(kind: int, size: int, dtype: torch.dtype, bits: int, gen: torch.Generator) -> torch.Tensor:
-    info = torch.finfo(dtype)
-    normal = torch.randn(size, generator=gen)
-    if kind == 0:
-        return normal * torch.exp(3 * torch.randn(size, generator=gen))
-    if kind == 1:
-        return torch.where(normal > 0, torch.zeros(size), -torch.zeros(size))
-    if kind in (2, 3, 4):
-        special = {2: (float("nan"),), 3: (float("inf"),), 4: (float("-inf"), float("nan"))}[kind]
-        for offset, value in enumerate(special):
-            normal[(size // 2 + offset) % size] = value
-        return normal
-    if kind == 5:
-        return normal * info.smallest_normal / 4  # subnormal in the input dtype
-    if kind == 6:
-        return torch.rand(size, generator=gen).mul(2).sub(1).mul(info.max)
-    if kind == 7:
-        qmax = QMAX[bits]
-        ties = torch.randint(-qmax, qmax, (size,), generator=gen).float() + 0.5
-        ties[0] = qmax  # absmax = qmax, so scale = 1 and x / scale is the tie itself
-        return ties
-    lone = torch.zeros(size)
-    lone[size // 3] = info.smallest_normal * info.eps  # the smallest subnormal
-    return lone
-
-
 def make_input(numel: int, group_size: int, dtype: torch.dtype, bits: int, seed: int) -> torch.Tensor:
     """``numel`` elements of ``dtype`` whose groups cycle through the hard cases."""
     gen = torch.Generator().manual_seed(seed)
-    parts, done, kind = [], 0, seed % KINDS
-    while done < numel:
-        size = min(group_size, numel - done)
-        parts.append(_group_values(kind, size, dtype, bits, gen).to(dtype))
-        done += size
-        kind = (kind + 1) % KINDS
-    return torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
+    info = torch.finfo(dtype)
+    index = torch.arange(numel)
+    group = index // group_size
+    pos = index % group_size  # position inside the group
+    length = torch.clamp(numel - group * group_size, max=group_size)  # the group's length
+    kind = (group + seed) % KINDS
+    normal = torch.randn(numel, generator=gen)
+    mid, after_mid = pos == length // 2, pos == (length // 2 + 1) % length
+    qmax = QMAX[bits]
+    nan, inf = float("nan"), float("inf")
+    cases = [
+        normal * torch.exp(3 * torch.randn(numel, generator=gen)),
+        torch.where(normal > 0, 0.0, -0.0),
+        torch.where(mid, nan, normal),
+        torch.where(mid, inf, normal),
+        torch.where(mid, -inf, torch.where(after_mid, nan, normal)),
+        normal * info.smallest_normal / 4,  # subnormal in the input dtype
+        torch.rand(numel, generator=gen).mul(2).sub(1).mul(info.max),
+        # absmax = qmax makes scale = 1, so x / scale is the .5 tie itself
+        torch.where(pos == 0, float(qmax), torch.randint(-qmax, qmax, (numel,), generator=gen) + 0.5),
+        torch.where(pos == length // 3, info.smallest_normal * info.eps, 0.0),  # a lone smallest subnormal
+    ]
+    values = torch.zeros(numel)
+    for k, case in enumerate(cases):
+        values = torch.where(kind == k, case.float(), values)
+    return values.to(dtype)
 
 
 def make_payloads(numel: int, group_size: int, bits: int, k: int, seed: int) -> torch.Tensor:

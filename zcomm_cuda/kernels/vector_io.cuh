@@ -32,9 +32,13 @@ template <int N> ZC_HD void load_words(u32 (&w)[N], const void* p) {
 template <int N> ZC_HD void store_words(void* p, const u32 (&w)[N]) {
 #ifdef __CUDA_ARCH__
     if constexpr (N == 4) {
-        *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+        uint4 v;
+        v.x = w[0]; v.y = w[1]; v.z = w[2]; v.w = w[3];
+        *reinterpret_cast<uint4*>(p) = v;
     } else if constexpr (N == 2) {
-        *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+        uint2 v;
+        v.x = w[0]; v.y = w[1];
+        *reinterpret_cast<uint2*>(p) = v;
     } else {
         static_assert(N == 1, "store_words: 1, 2 or 4 words");
         *reinterpret_cast<u32*>(p) = w[0];
