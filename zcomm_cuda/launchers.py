@@ -50,7 +50,7 @@ def _decoder_blocks(device: torch.device, runs: int) -> int:
     return _blocks(device, -(-runs // THREADS))
 
 
-def _check_group_size(group_size: int) -> None:
+def _check_int32_group_size(group_size: int) -> None:
     if group_size >= 2**31:
         raise ValueError(f"group_size must be < 2**31 for the cuda backend, got {group_size}")
 
@@ -73,7 +73,7 @@ def _device_perm(perm: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> None:
-    _check_group_size(group_size)
+    _check_int32_group_size(group_size)
     jobs = num_groups(x.numel(), group_size)
     loader.launch(
         "quantize.cu",
@@ -86,7 +86,7 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> 
 
 
 def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, out: torch.Tensor) -> None:
-    _check_group_size(group_size)
+    _check_int32_group_size(group_size)
     rows = payloads.shape[0]
     loader.launch(
         "dequantize.cu",
@@ -101,7 +101,7 @@ def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, o
 def reorder_quantize(
     x: torch.Tensor, perm: tuple[int, ...], num_chunks: int, bits: int, group_size: int, out: torch.Tensor
 ) -> None:
-    _check_group_size(group_size)
+    _check_int32_group_size(group_size)
     chunk = x.numel() // num_chunks
     jobs = num_groups(chunk, group_size) * num_chunks
     loader.launch(
@@ -137,7 +137,7 @@ def dequant_reduce(
     The divisor is rounded to fp32 here (round to nearest even, as the wire format says:
     ``acc / float32(divide_by)``); a Python float would reach the kernel as a double.
     """
-    _check_group_size(group_size)
+    _check_int32_group_size(group_size)
     rows = payloads.shape[0]
     common = (_ptr(payloads), _i64(payloads.shape[1]), _i64(numel), _i64(group_size), _i64(rows))
     divisor = np.float32(divide_by)
