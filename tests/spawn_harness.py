@@ -105,7 +105,8 @@ def _rank_main(rank: int, settings: tuple, fn: Callable[..., Any], args: tuple, 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=pg_timeout))
     try:
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+        timeout = timedelta(seconds=pg_timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         report = (rank, True, fn(rank, world_size, *args))
     except BaseException:
         report = (rank, False, traceback.format_exc())

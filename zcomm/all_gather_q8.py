@@ -65,7 +65,8 @@ def all_gather_q8(
     def finish() -> None:
         work.wait()
         if numel:
-            quant.dequantize(received.view(info.world_size, payload_bytes), numel, BITS, group_size, output.dtype, out=output.view(-1))
+            rows = received.view(info.world_size, payload_bytes)
+            quant.dequantize(rows, numel, BITS, group_size, output.dtype, out=output.view(-1))
 
     handle = Handle(finish=finish, ready=work.is_completed)
     if async_op:

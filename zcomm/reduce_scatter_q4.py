@@ -179,7 +179,8 @@ def _chain(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:
     source = _padded_input(input, world, slice_numel, k * q) if padded else input.view(-1)
     result = torch.empty(k * q, dtype=output.dtype, device=output.device) if padded else output.view(-1)
     perm = reorder_permutation(topo.num_nodes, topo.local_size, k)
-    rows = quant.reorder_quantize(source, perm, first_hop_rows(topo.num_nodes, topo.local_size, k), BITS, plan.group_size)
+    num_rows = first_hop_rows(topo.num_nodes, topo.local_size, k)
+    rows = quant.reorder_quantize(source, perm, num_rows, BITS, plan.group_size)
     _pipeline(plan, rows, result.view(k, q))
     if padded:
         output.view(-1).copy_(result[:slice_numel])
@@ -199,29 +200,35 @@ def _pipeline(plan: _Plan, rows: torch.Tensor, out_parts: torch.Tensor) -> None:
     stage ``s``'s inter hop is issued as soon as its intra hop is reduced, and its final
     reduction waits until stage ``s+1``'s inter hop is issued, so the inter-node link
     carries stage ``s`` while the intra-node link carries stage ``s+1``. Every receive
-    buffer lives in ``pending`` until its reduction has consumed it.
+    buffer stays referenced (``intra``, ``in_flight``) until its reduction has consumed it.
     """
     topo, k = plan.info.topology, plan.stages
     nodes, local = topo.num_nodes, topo.local_size
-    intra_works = [_all_to_all(rows[s * local : (s + 1) * local], plan.groups.intra) for s in range(k)] if local > 1 else None
-    pending: tuple[int, torch.Tensor, dist.Work] | None = None
-    for s in range(k):
-        if nodes == 1:
-            received, work = intra_works[s] if local > 1 else (rows[s : s + 1], None)
+    intra = [_all_to_all(rows[s * local : (s + 1) * local], plan.groups.intra) for s in range(k)] if local > 1 else []
+    if nodes == 1:
+        for s in range(k):
+            received, work = intra[s] if intra else (rows[s : s + 1], None)
             _finish(plan, received, work, out_parts[s])
-            continue
-        if local > 1:
-            received, work = intra_works[s]
-            work.wait()
-            node_sum = quant.dequant_reduce(received, nodes * plan.part, BITS, plan.group_size, requant_chunks=nodes)
-        else:
-            node_sum = rows[s * nodes : (s + 1) * nodes]
-        issued = (s, *_all_to_all(node_sum, plan.groups.inter))
-        if pending is not None:
-            _finish(plan, pending[1], pending[2], out_parts[pending[0]])
-        pending = issued
-    if pending is not None:
-        _finish(plan, pending[1], pending[2], out_parts[pending[0]])
+        return
+    in_flight: list[tuple[int, torch.Tensor, dist.Work]] = []
+    for s in range(k):
+        in_flight.append((s, *_all_to_all(_inter_rows(plan, rows, intra, s), plan.groups.inter)))
+        if len(in_flight) == 2:
+            done, received, work = in_flight.pop(0)
+            _finish(plan, received, work, out_parts[done])
+    for done, received, work in in_flight:
+        _finish(plan, received, work, out_parts[done])
+
+
+def _inter_rows(plan: _Plan, rows: torch.Tensor, intra: list, stage: int) -> torch.Tensor:
+    """Stage ``stage``'s ``N`` rows for the inter-node hop: the node's re-quantized sum (step 3), or
+    the quantized input itself when there is one rank per node."""
+    nodes = plan.info.topology.num_nodes
+    if not intra:
+        return rows[stage * nodes : (stage + 1) * nodes]
+    received, work = intra[stage]
+    work.wait()
+    return quant.dequant_reduce(received, nodes * plan.part, BITS, plan.group_size, requant_chunks=nodes)
 
 
 def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
