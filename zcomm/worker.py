@@ -6,8 +6,9 @@ its chain the way CUDA streams allow. The whole chain runs on a worker thread in
 and *every* call (sync ones too, which then wait) goes through the same single-threaded
 FIFO queue: each rank thus issues its collectives on zcomm's private subgroups in its own
 program order, which is the same order on every member, as torch.distributed requires.
-The quantization kernels of the ``cpu`` backend release the GIL, so the worker overlaps
-with the caller's Python.
+The worker overlaps with the caller's Python only as far as the quantization kernels
+release the GIL (the ``cpu`` backend's numba kernels are meant to; the ``reference``
+backend's torch ops do inside each op).
 """
 
 from __future__ import annotations
