@@ -115,12 +115,19 @@ def _assert_within(name: str, case: dict, error: torch.Tensor, bound: torch.Tens
 
 
 def _check_avg_divides_by_world(group: dist.ProcessGroup, topology: zcomm.Topology) -> None:
-    """AVG and SUM share every quantization step, so in fp32 AVG x W must equal SUM to one rounding."""
+    """AVG and SUM share every quantization step, so in fp32 AVG x W must equal SUM to one rounding.
+
+    Both calls are in flight together, so this also checks that queued async calls keep their buffers apart.
+    """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     inputs = _inputs(7, world, world * 300, torch.float32)
     outputs = {op: torch.empty(300) for op in OPS}
-    for op, out in outputs.items():
-        zcomm.reduce_scatter_q4(out, inputs[rank].clone(), op, group, pipeline_stages=2, topology=topology)
+    handles = [
+        zcomm.reduce_scatter_q4(out, inputs[rank].clone(), op, group, True, pipeline_stages=2, topology=topology)
+        for op, out in outputs.items()
+    ]
+    for handle in handles:
+        handle.wait()
     total = outputs[dist.ReduceOp.SUM].double()
     assert torch.all((outputs[dist.ReduceOp.AVG].double() * world - total).abs() <= total.abs() * 2.0**-23)
 
