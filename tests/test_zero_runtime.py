@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.zero_harness import run_distributed
+from tests.zero_harness import run
 from tests.zero_workloads import global_batch, local_slice, loss_of, make_model, make_optimizer, zero_steps
 
 CHECKPOINTED = {  # name -> (model, config); resumed in fresh processes
@@ -157,13 +157,13 @@ def _single_rank_loads(rank: int, world: int, root: str) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    first = run_distributed(_train_and_save, 2, str(root))
+    first = run(_train_and_save, 2, str(root))
     for name in CHECKPOINTED:
         broken = root / f"{name}-truncated"
         shutil.copytree(root / name, broken)
         data = (broken / "rank00001.pt").read_bytes()
         (broken / "rank00001.pt").write_bytes(data[: len(data) // 2])
-    resumed = run_distributed(_resume, 2, str(root))
+    resumed = run(_resume, 2, str(root))
     return first, resumed, root
 
 
@@ -230,7 +230,7 @@ def test_damaged_or_foreign_checkpoints_are_rejected_untouched(runs):
     incomplete = root / "incomplete"  # as if the save crashed before meta.json was written
     shutil.copytree(root / "gpt-s3-bf16", incomplete)
     (incomplete / "meta.json").unlink()
-    wrong_world, no_meta = run_distributed(_single_rank_loads, 1, str(root))[0]
+    wrong_world, no_meta = run(_single_rank_loads, 1, str(root))[0]
     assert "written by 2 ranks, this run has 1" in wrong_world
     assert "no complete checkpoint" in no_meta
 

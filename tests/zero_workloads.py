@@ -19,8 +19,25 @@ GLOBAL_BATCH = 8
 LR = 1e-2
 
 
+class OutsideUse(torch.nn.Module):
+    """Reads its children's parameters in its own forward, without calling them (and calls
+    ``inner`` twice): the case stage 3's gather-on-access must handle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(12, 20)
+        self.head = torch.nn.Linear(20, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.inner(x))
+        h = h + self.inner(x * 0.5)
+        return F.linear(h, self.head.weight) + self.head.bias
+
+
 def make_model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
+    if kind == "outside":
+        return OutsideUse()
     return MLP(d_in=12, d_hidden=20, d_out=5, depth=3) if kind == "mlp" else TinyGPT(GPT)
 
 
@@ -30,7 +47,7 @@ def make_optimizer():
 
 def global_batch(kind: str, step: int) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(1000 + step)
-    if kind == "mlp":
+    if kind in ("mlp", "outside"):
         return torch.randn(GLOBAL_BATCH, 12, generator=gen), torch.randn(GLOBAL_BATCH, 5, generator=gen)
     return (torch.randint(0, GPT.vocab_size, (GLOBAL_BATCH, GPT.seq_len), generator=gen),)
 
@@ -41,7 +58,7 @@ def local_slice(batch: tuple[torch.Tensor, ...], index: int, parts: int) -> tupl
 
 
 def loss_of(kind: str, model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    if kind == "mlp":
+    if kind in ("mlp", "outside"):
         x, y = batch
         return F.mse_loss(model(x).float(), y)
     return model.loss(batch[0])

@@ -14,6 +14,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+import zcomm
+
 from .comm import CommPlan, build_comm_plan
 from .config import LossScaleConfig, ZeroConfig, resolve_config
 from .engine import DTYPES, ZeroOptimizer
@@ -27,8 +29,10 @@ OptimizerSpec = Callable[[list[nn.Parameter]], torch.optim.Optimizer] | torch.op
 
 def initialize(model: nn.Module, optimizer: OptimizerSpec,
                config: ZeroConfig | Mapping[str, Any] | str | os.PathLike, *,
-               group: dist.ProcessGroup | None = None) -> tuple[nn.Module, ZeroOptimizer]:
-    """Partition ``model``'s training state over the ranks of ``group`` (default: WORLD).
+               group: dist.ProcessGroup | None = None,
+               topology: zcomm.Topology | None = None) -> tuple[nn.Module, ZeroOptimizer]:
+    """Partition ``model``'s training state over the ranks of ``group`` (default: WORLD),
+    whose node layout is ``topology`` (default: detected by zcomm).
 
     Every rank must pass an identical model (same initial weights). The model is modified in
     place: parameters become views of flat buffers in the compute dtype (stage 3: freed
@@ -44,7 +48,7 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec,
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     config = resolve_config(config)
     group = group if group is not None else dist.group.WORLD
-    plan = build_comm_plan(config, group)
+    plan = build_comm_plan(config, group, topology)
     names = trainable_named_parameters(model)
     if not names:
         raise ValueError("the model has no trainable parameters (requires_grad=True); nothing to optimize")

@@ -18,6 +18,11 @@ backward, dropping its copies in ``weights_changed``; qgZ is a ``GradReduceScatt
 calls ``zcomm.reduce_scatter_q4``. ``shard_alignment`` lets an option ask for shard sizes
 that are multiples of its quantization group.
 
+The plain objects call zcomm's counted pass-throughs (``zcomm.all_gather_into_tensor``,
+``zcomm.reduce_scatter_tensor``), so ``zcomm.comm_stats()`` sees the runtime's traffic and
+plain stage 3 and ZeRO++ are measured by the same counters. ``topology`` (which ranks share
+a node) is passed to every collective; hpZ and qgZ need it.
+
 [Note: gloo] torch 2.13's gloo backend implements ``reduce_scatter_tensor`` and
 ``all_gather_into_tensor`` natively (checked with async handles), so no all-reduce
 emulation is needed here; older torch versions emulated reduce-scatter with an all-reduce.
@@ -34,13 +39,10 @@ from typing import Hashable, Protocol
 import torch
 import torch.distributed as dist
 
+import zcomm
+
 from .config import ZeroConfig
 
-
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (same contracts) and
-# warns on the old names.
-_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 class Phase(enum.Enum):
@@ -72,11 +74,12 @@ class GradReduceScatter(Protocol):
 class PlainAllGather:
     """Unquantized all-gather over one process group (stage 3's default in both phases)."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, topology: zcomm.Topology | None = None) -> None:
         self.group = group
+        self.topology = topology
 
     def gather(self, full: torch.Tensor, shard: torch.Tensor, *, unit: Hashable, phase: Phase) -> Handle:
-        return _all_gather(full, shard, group=self.group, async_op=True)
+        return zcomm.all_gather_into_tensor(full, shard, group=self.group, async_op=True, topology=self.topology)
 
     def after_forward(self, full: torch.Tensor, *, unit: Hashable) -> None:
         pass
@@ -88,11 +91,13 @@ class PlainAllGather:
 class PlainReduceScatter:
     """Unquantized SUM reduce-scatter over one process group."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, topology: zcomm.Topology | None = None) -> None:
         self.group = group
+        self.topology = topology
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, *, unit: Hashable) -> Handle:
-        return _reduce_scatter(shard, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return zcomm.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True,
+                                           topology=self.topology)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,6 +106,7 @@ class CommPlan:
     forward_gather: ParamGather
     backward_gather: ParamGather
     reduce_scatter: GradReduceScatter
+    topology: zcomm.Topology | None = None
     shard_alignment: int = 1
 
     @property
@@ -123,7 +129,7 @@ class CommPlan:
 
     def exact_all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
         """Blocking, never-quantized all-gather (fp32 masters for consolidation)."""
-        _all_gather(full, shard, group=self.group)
+        zcomm.all_gather_into_tensor(full, shard, group=self.group, topology=self.topology)
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
@@ -140,13 +146,17 @@ class CommPlan:
         return out
 
 
-def build_comm_plan(config: ZeroConfig, group: dist.ProcessGroup) -> CommPlan:
-    """The communication objects ``config`` asks for on ``group``."""
+def build_comm_plan(config: ZeroConfig, group: dist.ProcessGroup,
+                    topology: zcomm.Topology | None = None) -> CommPlan:
+    """The communication objects ``config`` asks for on ``group`` (``topology``: which of
+    its ranks share a node; None detects it from the environment or host names)."""
     requested = config.zeropp_options()
     if requested:
         raise ValueError(
             f"ZeRO++ options {', '.join(requested)} are not yet supported by this runtime "
             "(they are validated now and wired in by issue 6); turn them off to train")
-    gather = PlainAllGather(group)
+    # Detected once here, collectively, rather than inside a backward hook.
+    topology = topology if topology is not None else zcomm.Topology.detect(group)
+    gather = PlainAllGather(group, topology)
     return CommPlan(group=group, forward_gather=gather, backward_gather=gather,
-                    reduce_scatter=PlainReduceScatter(group))
+                    reduce_scatter=PlainReduceScatter(group, topology), topology=topology)

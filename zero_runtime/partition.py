@@ -63,7 +63,6 @@ class FlatUnit:
         self.handle = None
         self.refs = 0
         self.in_backward = False
-        self.gathered_for = None
         if partition_params:
             self.free_full()
 
