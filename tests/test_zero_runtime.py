@@ -73,6 +73,27 @@ def _memory_reports(rank: int, world: int) -> dict:
     return out
 
 
+def _traffic(rank: int, world: int) -> dict:
+    """Bytes each rank sends per step (zcomm's counters) and stage-3 prefetch counts."""
+    import zcomm
+
+    out = {}
+    for name, stage, prefetch in (("s2", 2, 0), ("s3", 3, 0), ("s3-prefetch", 3, 10**6)):
+        model, opt = _initialize("mlp", {"zero_optimization": {"stage": stage, "stage3_prefetch_bucket_size": prefetch},
+                                         "bf16": {"enabled": True}})
+        zero_steps("mlp", model, opt, rank, world, range(1))  # the first step records the order
+        zcomm.reset_comm_stats()
+        zero_steps("mlp", model, opt, rank, world, range(1, 2))
+        stats = zcomm.comm_stats()
+        out[name] = {
+            "gather": stats["all_gather_into_tensor"].total_bytes,
+            "reduce_scatter": stats["reduce_scatter_tensor"].total_bytes,
+            "shard_bytes": sum(u.grad_shard.numel() * 2 for u in opt.units),
+            "prefetches": opt.scheduler.prefetches if opt.scheduler else 0,
+        }
+    return out
+
+
 def _bad_input(rank: int, world: int) -> dict:
     import zero_runtime
 
@@ -105,6 +126,7 @@ def _train_and_save(rank: int, world: int, root: str) -> dict:
                  for kind, stage in (("mlp", 1), ("mlp", 2), ("gpt", 3))},
         "fp16": _fp16_overflow(rank, world),
         "memory": _memory_reports(rank, world),
+        "traffic": _traffic(rank, world),
         "errors": _bad_input(rank, world),
     }
     for name, (kind, config) in CHECKPOINTED.items():
@@ -200,6 +222,21 @@ def test_memory_report_matches_formulas_within_padding(runs):
             slack = (2 * pad, 2 * pad, 12 * pad + 8 * units)  # padding, plus Adam's step counters
             for got, want, extra in zip(report, formulas[stage], slack):
                 assert want <= got <= want + extra, (stage, report, formulas[stage])
+
+
+@pytest.mark.slow
+def test_traffic_per_step_is_2M_for_stage_2_and_3M_for_stage_3(runs):
+    """ZeRO paper section 7: stage 2 moves a reduce-scatter and an all-gather of the model
+    per step, stage 3 an extra all-gather (forward and backward); ring bytes per rank are
+    (W - 1) x shard. Prefetching changes when gathers run, not how many."""
+    for rank_results in runs[0]:
+        traffic = rank_results["traffic"]
+        for name, gathers in (("s2", 1), ("s3", 2), ("s3-prefetch", 2)):
+            shard = traffic[name]["shard_bytes"]
+            assert traffic[name]["reduce_scatter"] == shard  # (W - 1) = 1 on two ranks
+            assert traffic[name]["gather"] == gathers * shard
+        assert traffic["s3"]["prefetches"] == 0
+        assert traffic["s3-prefetch"]["prefetches"] > 0
 
 
 @pytest.mark.slow

@@ -44,10 +44,12 @@ class GradReducer:
                     self._hooks.append(param.register_post_accumulate_grad_hook(self._hook(unit, slot_index)))
 
     def _hook(self, unit: FlatUnit, slot_index: int) -> Callable[[torch.Tensor], None]:
+        slot = unit.layout.slots[slot_index]
+
         def accumulate(param: torch.Tensor) -> None:
             if unit.full_grad is None:
                 unit.full_grad = unit.new_full_grad()
-            unit.layout.views(unit.full_grad)[slot_index].add_(param.grad)
+            unit.full_grad[slot.offset : slot.offset + slot.numel].view(slot.shape).add_(param.grad)
             param.grad = None
             unit.grads_seen += 1
             if unit.grads_seen == unit.grad_params:

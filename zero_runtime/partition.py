@@ -80,10 +80,6 @@ class FlatUnit:
     def new_full_grad(self) -> torch.Tensor:
         return torch.zeros(self.layout.numel, dtype=self.dtype, device=self.full.device)
 
-    def grad_views(self) -> list[torch.Tensor]:
-        assert self.full_grad is not None
-        return self.layout.views(self.full_grad)
-
 
 def trainable_named_parameters(model: nn.Module) -> "OrderedDict[nn.Parameter, str]":
     """Each trainable parameter once (tied ones under their first name), in model order."""

@@ -30,6 +30,7 @@ class ParamScheduler:
         self.prefetch_numel = prefetch_numel
         self.recording = True
         self.order: dict[Phase, list[FlatUnit]] = {Phase.FORWARD: [], Phase.BACKWARD: []}
+        self.prefetches = 0  # gathers issued ahead of need, for tests and reports
         self._position: dict[Phase, dict[int, int]] = {Phase.FORWARD: {}, Phase.BACKWARD: {}}
 
     def acquire(self, unit: FlatUnit) -> None:
@@ -107,3 +108,4 @@ class ParamScheduler:
                 break
             if nxt.state is GatherState.FREE:
                 self._start(nxt, phase)
+                self.prefetches += 1
