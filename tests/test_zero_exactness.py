@@ -30,8 +30,8 @@ CORE = [  # (name, model, stage, extra config): every stage, both models, prefet
     ("mlp-s3", "mlp", 3, {}),
     ("gpt-s1", "gpt", 1, {"reduce_bucket_size": 5000}),
     ("gpt-s2", "gpt", 2, {"reduce_bucket_size": 5000}),
-    ("gpt-s3", "gpt", 3, {"stage3_prefetch_bucket_size": 10_000}),
-    ("gpt-s3-noprefetch", "gpt", 3, {"stage3_prefetch_bucket_size": 0}),
+    ("gpt-s3", "gpt", 3, {"stage3_prefetch_bucket_size": 10_000, "reduce_bucket_size": 3000}),
+    ("gpt-s3-noprefetch", "gpt", 3, {"stage3_prefetch_bucket_size": 0, "reduce_bucket_size": 3000}),
 ]
 EXTRA = [  # on 2 ranks only (CPU budget): clipping, accumulation, parameters read outside their module
     ("mlp-s2-clip", "mlp", 2, {"gradient_clipping": 0.5}),

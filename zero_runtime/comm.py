@@ -67,8 +67,9 @@ class ParamGather(Protocol):
 
 
 class GradReduceScatter(Protocol):
-    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, *, unit: Hashable) -> Handle:
-        """Start summing ``full`` across ranks into this rank's ``shard``."""
+    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, *, key: Hashable) -> Handle:
+        """Start summing ``full`` across ranks into this rank's ``shard``; ``key`` names the
+        bucket (the tuple of its unit indices), stable across steps."""
 
 
 class PlainAllGather:
@@ -95,7 +96,7 @@ class PlainReduceScatter:
         self.group = group
         self.topology = topology
 
-    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, *, unit: Hashable) -> Handle:
+    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, *, key: Hashable) -> Handle:
         return zcomm.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True,
                                            topology=self.topology)
 

@@ -45,7 +45,8 @@ class ZeroOptimizer:
             self.scheduler = ParamScheduler(units=units, plan=plan, prefetch_numel=config.prefetch_bucket_size)
             self.hooks = ModuleHooks(model=model, units=units, scheduler=self.scheduler)
             on_ready = self.scheduler.grads_ready
-        self.reducer = GradReducer(units=units, plan=plan, stage=config.stage, on_unit_ready=on_ready)
+        self.reducer = GradReducer(units=units, plan=plan, stage=config.stage,
+                                   bucket_numel=config.reduce_bucket_size, on_unit_ready=on_ready)
         self.micro_step = 0
         self.global_step = 0
         self.skipped_steps = 0
