@@ -65,6 +65,9 @@ class ParamGather(Protocol):
     def weights_changed(self) -> None:
         """The shards changed (step, checkpoint or state-dict load): drop derived copies."""
 
+    def held_bytes(self) -> int:
+        """Bytes of parameter copies this object keeps between uses (hpZ's secondaries)."""
+
 
 class GradReduceScatter(Protocol):
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, *, key: Hashable) -> Handle:
@@ -87,6 +90,9 @@ class PlainAllGather:
 
     def weights_changed(self) -> None:
         pass
+
+    def held_bytes(self) -> int:
+        return 0
 
 
 class PlainReduceScatter:
@@ -118,10 +124,15 @@ class CommPlan:
     def rank(self) -> int:
         return dist.get_rank(self.group)
 
+    def gathers(self) -> tuple[ParamGather, ...]:
+        """The distinct parameter-gather objects of this plan."""
+        if self.backward_gather is self.forward_gather:
+            return (self.forward_gather,)
+        return (self.forward_gather, self.backward_gather)
+
     def weights_changed(self) -> None:
-        self.forward_gather.weights_changed()
-        if self.backward_gather is not self.forward_gather:
-            self.backward_gather.weights_changed()
+        for gather in self.gathers():
+            gather.weights_changed()
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Blocking SUM of a small tensor of scalars (norms, overflow flags)."""

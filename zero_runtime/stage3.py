@@ -87,9 +87,8 @@ class ParamScheduler:
             unit.handle.wait()
             unit.handle = None
         if after_forward:
-            self.plan.forward_gather.after_forward(unit.full, unit=unit.index)
-            if self.plan.backward_gather is not self.plan.forward_gather:
-                self.plan.backward_gather.after_forward(unit.full, unit=unit.index)
+            for gather in self.plan.gathers():
+                gather.after_forward(unit.full, unit=unit.index)
         unit.free_full()
 
     def _record_and_prefetch(self, unit: FlatUnit, phase: Phase) -> None:
