@@ -7,10 +7,11 @@ objects):
 * ``forward_gather``  fills a unit's full flat parameter buffer before forward (and, for
   stages 1 and 2, after each optimizer step);
 * ``backward_gather`` fills it again before backward (stage 3);
-* ``reduce_scatter``  reduces a unit's full flat gradient buffer into this rank's shard.
+* ``reduce_scatter``  reduces a bucket of units' flat gradients into this rank's shards.
 
-Each returns a handle with ``wait()`` and is told which unit and phase it serves, so an
-implementation may keep per-unit state. The ZeRO++ options slot in as other classes here:
+Each returns a handle with ``wait()`` and is told which unit (or bucket) and phase it
+serves, so an implementation may keep per-unit state; ``held_bytes`` reports what it keeps
+between uses for ``memory_report()``. The ZeRO++ options slot in as other classes here:
 qwZ is a ``ParamGather`` whose ``gather`` calls ``zcomm.all_gather_q8``, used as
 ``forward_gather`` only; hpZ is a ``ParamGather`` used as ``backward_gather`` that keeps a
 secondary shard over the node-local group in ``after_forward`` and gathers from it in
@@ -23,10 +24,11 @@ The plain objects call zcomm's counted pass-throughs (``zcomm.all_gather_into_te
 plain stage 3 and ZeRO++ are measured by the same counters. ``topology`` (which ranks share
 a node) is passed to every collective; hpZ and qgZ need it.
 
-[Note: gloo] torch 2.13's gloo backend implements ``reduce_scatter_tensor`` and
-``all_gather_into_tensor`` natively (checked with async handles), so no all-reduce
-emulation is needed here; older torch versions emulated reduce-scatter with an all-reduce.
-The reduction is always SUM, and callers divide by the world size themselves: gloo's AVG
+[Note: gloo] torch 2.13's gloo backend accepts ``reduce_scatter_tensor`` and
+``all_gather_into_tensor`` with async handles (checked), so the runtime needs no fallback of
+its own; how gloo runs a reduce-scatter inside (possibly as an all-reduce, twice the wire
+traffic) is a torch limitation, and zcomm's counters report the ring volume. The reduction
+is always SUM, and callers divide by the world size themselves: gloo's AVG
 has been reported wrong, and a SUM keeps the fp32 path bit-reproducible.
 """
 
@@ -42,7 +44,6 @@ import torch.distributed as dist
 import zcomm
 
 from .config import ZeroConfig
-
 
 
 class Phase(enum.Enum):

@@ -85,31 +85,46 @@ class ZeroOptimizer:
         self._backward_since_step = False
         if self.micro_step % self.config.gradient_accumulation_steps:
             return
+        grads = self._unscaled_grads()
+        self.last_step_skipped = not self._clip_or_detect_overflow(grads)
+        if self.last_step_skipped:
+            self.skipped_steps += 1
+        else:
+            for unit, grad in zip(self.units, grads):
+                unit.master.grad = grad
+            self.optimizer.step()
+            for unit in self.units:
+                unit.master.grad = None
+        self.reducer.discard()
+        if not self.last_step_skipped:
+            self.sync_params_from_masters()
+            self.global_step += 1
+
+    def _unscaled_grads(self) -> list[torch.Tensor]:
+        """fp32 copies of the reduced gradient shards, divided by the loss scale."""
         grads = [u.grad_shard.float() for u in self.units]
         if self.scaler.scale != 1.0:
             for grad in grads:
                 grad.div_(self.scaler.scale)
-        if self.config.gradient_clipping > 0 or self.scaler.dynamic:
-            norm = global_grad_norm(grads, self.plan)
-            self.last_step_skipped = not bool(torch.isfinite(norm))
-            self.scaler.update(overflow=self.last_step_skipped)
-            if self.last_step_skipped:
-                self.skipped_steps += 1
-                self.reducer.discard()
-                return
-            if self.config.gradient_clipping > 0:
-                coef = clip_coefficient(norm, self.config.gradient_clipping)
-                if coef < 1.0:
-                    for grad in grads:
-                        grad.mul_(coef)
-        for unit, grad in zip(self.units, grads):
-            unit.master.grad = grad
-        self.optimizer.step()
-        for unit in self.units:
-            unit.master.grad = None
-        self.reducer.discard()
-        self.sync_params_from_masters()
-        self.global_step += 1
+        return grads
+
+    def _clip_or_detect_overflow(self, grads: list[torch.Tensor]) -> bool:
+        """Clip ``grads`` in place by the global norm; False if that norm is not finite.
+
+        [Note: loss-scale handling] The norm is one all-reduce over every rank's shard, so an
+        overflow on any rank is seen by all ranks in the same step; see ``loss_scaler``.
+        """
+        if not (self.config.gradient_clipping > 0 or self.scaler.dynamic):
+            return True
+        norm = global_grad_norm(grads, self.plan)
+        finite = bool(torch.isfinite(norm))
+        self.scaler.update(overflow=not finite)
+        if finite and self.config.gradient_clipping > 0:
+            coef = clip_coefficient(norm, self.config.gradient_clipping)
+            if coef < 1.0:
+                for grad in grads:
+                    grad.mul_(coef)
+        return finite
 
     def zero_grad(self) -> None:
         """Drop gradients accumulated since the last update (``step`` already clears them)."""
