@@ -68,7 +68,8 @@ def validate_rank_state(opt: "ZeroOptimizer", state: Any) -> dict[str, Any]:
         raise CheckpointError(f"state was written by rank {state['rank']} of {state['world_size']} ranks; "
                               f"this is rank {opt.plan.rank} of {opt.plan.world_size} (resharding is not supported)")
     if state["stage"] != opt.config.stage:
-        raise CheckpointError(f"state was written at ZeRO stage {state['stage']}, this run uses stage {opt.config.stage}")
+        raise CheckpointError(f"state was written at ZeRO stage {state['stage']}, "
+                              f"this run uses stage {opt.config.stage}")
     if state["fingerprint"] != fingerprint(opt):
         raise CheckpointError("state was written for another model or bucketing (parameter names, shapes or "
                               "bucket sizes differ)")

@@ -64,7 +64,8 @@ ROWS: Sequence[Row] = (
 
 def format_table(rows: Sequence[Estimate]) -> str:
     gib = float(1 << 30)
-    header = f"{'stage':<8} {'params GiB':>11} {'grads GiB':>10} {'optim GiB':>10} {'hpZ 2nd GiB':>12} {'total GiB':>10}"
+    header = (f"{'stage':<8} {'params GiB':>11} {'grads GiB':>10} {'optim GiB':>10} "
+              f"{'hpZ 2nd GiB':>12} {'total GiB':>10}")
     lines = [header]
     for row in rows:
         lines.append(f"{row.label:<8} {row.parameters / gib:>11.2f} {row.gradients / gib:>10.2f} "
