@@ -4,7 +4,8 @@ Order: refuse plainly without root or iproute2; remove namespaces left by launch
 died; build the network; start the ranks; wait for all to succeed or one to fail; print each
 node's uplink totals; then, in every case (failure, Ctrl-C, SIGTERM, SIGHUP), stop the ranks
 still running and delete every namespace created. The signal handlers turn the signal into
-an exception so the clean-up in ``finally`` runs; the status is then ``128 + signal``.
+an exception so the clean-up in ``finally`` runs (with those signals ignored until it is
+done); the status is then ``128 + signal``.
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ def launch(config: ClusterConfig) -> int:
             print(f"# simcluster: interrupted ({exc or 'SIGINT'}); cleaning up", file=sys.stderr)
             return exc.status if isinstance(exc, _Stopped) else 130
         finally:
+            # A second Ctrl-C must not cut the clean-up short.
+            for sig in _HANDLED:
+                signal.signal(sig, signal.SIG_IGN)
             ranks.terminate(procs)
             for name in network.destroy():
                 print(f"bench.simcluster: could not delete namespace {name}", file=sys.stderr)
