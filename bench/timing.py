@@ -5,8 +5,8 @@ the elapsed time over ``iters`` and the reported value is its maximum over the r
 (nccl-tests' ``-a 3``): a collective is only done when its slowest rank is done. The timed
 region only calls ``fn``: buffers are allocated by the caller beforehand.
 
-An optional ``counter`` (e.g. the node's wire bytes) is read just before the timed loop and
-after a barrier that follows it; its per-iteration increase is summed over the ranks, so a
+An optional ``counter`` (e.g. the node's wire bytes) is read between two barriers before the
+timed loop and after a barrier that follows it; its per-iteration increase is summed over the ranks, so a
 counter shared by the ranks of a node should be read by one of them only (others return 0).
 """
 
@@ -46,7 +46,11 @@ def time_collective(
     for _ in range(warmup):
         fn()
     dist.barrier(group=group)
-    before = counter() if counter is not None else 0
+    before = 0
+    if counter is not None:
+        before = counter()
+        # Peers on the same node must not start sending before this rank has read the counter.
+        dist.barrier(group=group)
     start = time.perf_counter()
     for _ in range(iters):
         fn()
