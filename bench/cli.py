@@ -55,7 +55,7 @@ class BenchConfig:
     dtype: str = "float"
     ops: tuple[str, ...] = ALL_OPS
     stages: tuple[int | None, ...] = (None,)
-    group_size: int = 256
+    group_size: int | None = None
     seed: int = 0
     json_path: str | None = None
     plot_path: str | None = None
@@ -74,7 +74,7 @@ class BenchConfig:
             raise ValueError(f"ops must be a non-empty subset of {ALL_OPS}, got {self.ops}")
         if not self.stages:
             raise ValueError("stages must not be empty")
-        if self.group_size < 2 or self.group_size % 2:
+        if self.group_size is not None and (self.group_size < 2 or self.group_size % 2):
             raise ValueError(f"group size must be an even int >= 2, got {self.group_size}")
 
     @property
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-d", "--datatype", choices=tuple(DTYPES), default="float")
     parser.add_argument("--ops", default=",".join(ALL_OPS), help=f"comma-separated subset of {','.join(ALL_OPS)}")
     parser.add_argument("--stages", type=parse_stages, default="auto", help="pipeline_stages of reduce_scatter_q4: auto or e.g. 1,2,4")
-    parser.add_argument("--group-size", type=int, default=256, help="quantization group size of the zcomm ops")
+    parser.add_argument("--group-size", type=int, help="quantization group size of the zcomm ops (default: each op's own)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", dest="json_path", metavar="PATH", help="write the rows as a JSON list")
     parser.add_argument("--plot", dest="plot_path", metavar="PATH", help="write a PNG of busbw vs size")

@@ -73,7 +73,7 @@ def measure(case: ops.Case, config: BenchConfig, env: dist_env.DistEnv) -> repor
 
 def run_sweep(config: BenchConfig, env: dist_env.DistEnv) -> list[report.Row]:
     """Every (op, stages, size) of ``config``; rank 0 prints each row as it completes."""
-    have_zcomm = ops.zcomm_available()
+    have_zcomm = ops.zcomm_problem() is None
     jobs = [(op, stages, size) for op, stages in _variants(config, have_zcomm) for size in config.sizes()]
     rows = []
     for op, stages, size in tqdm(jobs, desc="collectives", disable=env.rank != 0, file=sys.stderr):
@@ -87,12 +87,13 @@ def run_sweep(config: BenchConfig, env: dist_env.DistEnv) -> list[report.Row]:
 
 
 def _preamble(config: BenchConfig, env: dist_env.DistEnv) -> str:
-    skipped = [op for op in config.ops if op in ZCOMM_OPS and not ops.zcomm_available()]
-    note = f"# not in this zcomm install, skipped: {', '.join(skipped)}\n" if skipped else ""
+    problem = ops.zcomm_problem()
+    skipped = [op for op in config.ops if op in ZCOMM_OPS] if problem else []
+    note = f"# skipped {', '.join(skipped)}: {problem}\n" if skipped else ""
     return note + (
         f"# zcomm collectives: {env.world_size} ranks = {env.nodes} node(s) x {env.node_size} "
         f"({env.launcher}), dtype {config.dtype}, iters {config.iters}, warmup {config.warmup}, "
-        f"group size {config.group_size}, torch {torch.__version__}\n"
+        f"group size {config.group_size or 'zcomm default'}, torch {torch.__version__}\n"
         f"# time = max over ranks of the per-call time; wire = inter-node bytes per call (all nodes)"
     )
 

@@ -44,13 +44,20 @@ class Case:
     check: Callable[[], int]
 
 
-def zcomm_available() -> bool:
-    """Whether the installed zcomm has the quantized collectives (they may not be merged yet)."""
+def zcomm_problem() -> str | None:
+    """Why zcomm's quantized collectives cannot run here (not merged yet, no quantization
+    backend for CPU tensors), or None when they can."""
     try:
         import zcomm
-    except ImportError:
-        return False
-    return hasattr(zcomm, "all_gather_q8") and hasattr(zcomm, "reduce_scatter_q4")
+    except ImportError as exc:
+        return f"zcomm does not import ({exc})"
+    if not (hasattr(zcomm, "all_gather_q8") and hasattr(zcomm, "reduce_scatter_q4")):
+        return "this zcomm has no all_gather_q8 / reduce_scatter_q4"
+    try:
+        zcomm.quant.quantize(torch.zeros(2), 8, 2)
+    except zcomm.quant.BackendUnavailableError as exc:
+        return str(exc)
+    return None
 
 
 def _payload_nbytes(count: int, bits: int, group_size: int) -> int:
@@ -59,13 +66,24 @@ def _payload_nbytes(count: int, bits: int, group_size: int) -> int:
     return payload_nbytes(count, bits, group_size)
 
 
+def effective_group_size(op: str, group_size: int | None) -> int:
+    """``group_size``, or the default of zcomm's ``op`` when None (what users get)."""
+    if group_size is not None:
+        return group_size
+    if op == "all_gather_q8":
+        from zcomm.all_gather_q8 import DEFAULT_GROUP_SIZE
+    else:
+        from zcomm.reduce_scatter_q4 import DEFAULT_GROUP_SIZE
+    return DEFAULT_GROUP_SIZE
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _Spec:
     env: DistEnv
     dtype: torch.dtype
     count: int
     seed: int
-    group_size: int
+    group_size: int | None
 
     @property
     def world(self) -> int:
@@ -146,11 +164,23 @@ def _label(op: str, stages: int | None) -> str:
 
 
 def build_case(
-    op: str, size_bytes: int, *, env: DistEnv, dtype: torch.dtype, seed: int, group_size: int, stages: int | None = None
+    op: str,
+    size_bytes: int,
+    *,
+    env: DistEnv,
+    dtype: torch.dtype,
+    seed: int,
+    group_size: int | None = None,
+    stages: int | None = None,
 ) -> Case:
-    """Allocate the buffers of ``op`` at ``size_bytes`` (rounded down) on this rank."""
+    """Allocate the buffers of ``op`` at ``size_bytes`` (rounded down) on this rank.
+
+    ``group_size`` None means each zcomm op's own default; torch's ops ignore it.
+    """
     if op not in KIND:
         raise ValueError(f"op must be one of {tuple(KIND)}, got {op!r}")
+    if op in BASELINE_OF:
+        group_size = effective_group_size(op, group_size)
     itemsize = torch.empty((), dtype=dtype).element_size()
     count = max(1, size_bytes // (itemsize * env.world_size))
     spec = _Spec(env=env, dtype=dtype, count=count, seed=seed, group_size=group_size)

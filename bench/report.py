@@ -51,7 +51,7 @@ class Row:
 
 
 _COLUMNS = (
-    ("op", 24, "s"),
+    ("op", 28, "s"),
     ("size(B)", 12, "d"),
     ("count", 11, "d"),
     ("type", 8, "s"),
