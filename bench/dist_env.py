@@ -40,7 +40,7 @@ TIMEOUT = datetime.timedelta(minutes=10)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DistEnv:
-    """This process's place in the job; ``launcher`` is ``torchrun``, ``mpich``, ``openmpi`` or ``single``."""
+    """This process's place in the job; ``launcher`` is ``env`` (torchrun-style variables), ``mpich``, ``openmpi`` or ``single``."""
 
     rank: int
     world_size: int
@@ -85,7 +85,7 @@ def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
             local_rank=_int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else _int(environ, "RANK"),
             local_world_size=local_world,
             node_size=_node_size(environ, local_world),
-            launcher="torchrun",
+            launcher="env",
         )
     for launcher, (rank, size, local_rank, local_size) in _MPI_KEYS.items():
         if rank in environ and size in environ:
@@ -117,7 +117,7 @@ def _mpi_store(env: DistEnv) -> dist.TCPStore:
 
 def init_process_group(env: DistEnv, backend: str = "gloo") -> None:
     """Join the default process group as ``env`` describes."""
-    if env.launcher == "torchrun":
+    if env.launcher == "env":
         dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size, timeout=TIMEOUT)
         return
     if env.launcher == "single":
