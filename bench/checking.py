@@ -22,7 +22,9 @@ finite). Bounds, with ``u`` the unit roundoff of the output dtype (2^-8 bf16, 2^
   output dtype adds ``u (|exact| + E)``. The implementation's groups are ``group_size``
   consecutive elements of one destination slice, but where they start (pipeline chunks,
   padding) is its business, so every absmax is taken over the aligned block of the element
-  and its two neighbours, which covers any such group. Both hops are counted even when the
+  and its two neighbours, which covers any such group. (A group could straddle two
+  destination slices only if a pipeline part were not a multiple of ``group_size``, which
+  the power-of-two sweeps never produce.) Both hops are counted even when the
   topology skips one, which only loosens the bound.
 
 All quantized bounds add ``2^-20 * n * (sum |a_i| + E)`` for the fp32 arithmetic inside.

@@ -11,6 +11,7 @@ fp32 scales) per rank's block, per :func:`zcomm.quant.payload_nbytes`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import torch
@@ -112,9 +113,9 @@ def _all_gather(spec: _Spec, quantized: bool) -> tuple[Callable[[], object], Cal
     if quantized:
         import zcomm
 
-        run = lambda: zcomm.all_gather_q8(out, inp, group_size=spec.group_size)  # noqa: E731
+        run = functools.partial(zcomm.all_gather_q8, out, inp, group_size=spec.group_size)
     else:
-        run = lambda: dist.all_gather_into_tensor(out, inp)  # noqa: E731
+        run = functools.partial(dist.all_gather_into_tensor, out, inp)
 
     def check() -> int:
         blocks = spec.gathered()
@@ -130,12 +131,12 @@ def _reduce_scatter(
     inp = spec.input(spec.world)
     out = torch.empty(spec.count, dtype=spec.dtype)
     if not quantized:
-        run = lambda: dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM)  # noqa: E731
+        run = functools.partial(dist.reduce_scatter_tensor, out, inp, op=dist.ReduceOp.SUM)
     else:
         import zcomm
 
-        run = lambda: zcomm.reduce_scatter_q4(  # noqa: E731
-            out, inp, dist.ReduceOp.SUM, group_size=spec.group_size, pipeline_stages=stages
+        run = functools.partial(
+            zcomm.reduce_scatter_q4, out, inp, dist.ReduceOp.SUM, group_size=spec.group_size, pipeline_stages=stages
         )
 
     def check() -> int:
@@ -156,7 +157,7 @@ def _all_to_all(spec: _Spec) -> tuple[Callable[[], object], Callable[[], int]]:
     def check() -> int:
         return sum(checking.count_wrong(o, e, 0.0) for o, e in zip(out.split(spec.count), spec.my_slices()))
 
-    return (lambda: dist.all_to_all_single(out, inp)), check
+    return functools.partial(dist.all_to_all_single, out, inp), check
 
 
 def _label(op: str, stages: int | None) -> str:
