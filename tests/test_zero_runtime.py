@@ -94,6 +94,18 @@ def _traffic(rank: int, world: int) -> dict:
     return out
 
 
+def _stage3_reads(rank: int, world: int) -> dict:
+    """Stage-3 parameters read outside a forward: through the module they are gathered,
+    through ``parameters()`` they are empty (never freed memory), and training goes on."""
+    model, opt = _initialize("mlp", {"zero_optimization": {"stage": 3}})
+    zero_steps("mlp", model, opt, rank, world, range(1))
+    freed = [p.numel() for p in model.parameters()]
+    read = model.layers[0].weight.detach().clone()
+    full = opt.full_state_dict()
+    after = zero_steps("mlp", model, opt, rank, world, range(1, 2))
+    return {"freed": freed, "read": read, "full": full.get("layers.0.weight"), "after": after}
+
+
 def _bad_input(rank: int, world: int) -> dict:
     import zero_runtime
 
@@ -127,6 +139,7 @@ def _train_and_save(rank: int, world: int, root: str) -> dict:
         "fp16": _fp16_overflow(rank, world),
         "memory": _memory_reports(rank, world),
         "traffic": _traffic(rank, world),
+        "stage3_reads": _stage3_reads(rank, world),
         "errors": _bad_input(rank, world),
     }
     for name, (kind, config) in CHECKPOINTED.items():
@@ -238,6 +251,16 @@ def test_traffic_per_step_is_2M_for_stage_2_and_3M_for_stage_3(runs):
             assert traffic[name]["gather"] == gathers * shard
         assert traffic["s3"]["prefetches"] == 0
         assert traffic["s3-prefetch"]["prefetches"] > 0
+
+
+@pytest.mark.slow
+def test_stage3_parameters_read_outside_forward(runs):
+    reads = [r["stage3_reads"] for r in runs[0]]
+    for rank_reads in reads:
+        assert rank_reads["freed"] == [0] * len(rank_reads["freed"])
+        assert torch.isfinite(torch.tensor(rank_reads["after"])).all()
+    assert torch.equal(reads[0]["read"], reads[0]["full"])
+    assert torch.equal(reads[1]["read"], reads[0]["full"])
 
 
 @pytest.mark.slow

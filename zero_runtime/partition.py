@@ -3,8 +3,9 @@
 A ``FlatUnit`` is the runtime's bucket: a group of parameters of one optimizer group laid out
 by one ``FlatLayout``. It owns
 
-* ``full``   the flat parameter buffer in the compute dtype; every parameter's ``.data`` is a
-  view of it. Stages 1 and 2 keep it allocated; stage 3 frees its storage between uses;
+* ``full``   the flat parameter buffer in the compute dtype; while it is allocated every
+  parameter's ``.data`` is a view of it. Stages 1 and 2 keep it allocated; stage 3 frees it
+  between uses;
 * ``shard``  this rank's slice of the parameters in the compute dtype (stage 3 keeps it as its
   own tensor, stages 1 and 2 as a view of ``full``);
 * ``master`` this rank's fp32 slice, the ``nn.Parameter`` the torch optimizer updates;
@@ -12,10 +13,14 @@ by one ``FlatLayout``. It owns
 * ``full_grad`` the flat gradient buffer the reduce-scatter reads (stage 1 keeps it,
   stages 2 and 3 allocate it for one backward).
 
-[Note: freeing stage-3 parameters] Freeing resizes the storage of ``full`` to zero bytes
-instead of swapping ``.data``: autograd saves views of parameters (``weight.t()`` in linear),
-and those views share the storage, so after the next gather refills it they read the
-gathered values again, and while freed they hold no memory. This is FSDP's technique.
+[Note: freeing stage-3 parameters] Freeing does two things. It resizes the storage of
+``full`` to zero bytes: autograd saves views of parameters (``weight.t()`` in linear) that
+share that storage, so they hold no memory while freed and read the gathered values again
+after the next gather refills the same storage (FSDP's technique). And it points every
+parameter's ``.data`` at an empty tensor (DeepSpeed's technique), so code that reads a freed
+parameter without going through the module (``model.parameters()``, ``state_dict()``) sees
+an empty tensor instead of reading freed memory; gathering points ``.data`` back at views of
+``full``.
 """
 
 from __future__ import annotations
@@ -52,8 +57,9 @@ class FlatUnit:
             self.master = nn.Parameter(flat32[lo:hi].clone())
             self.full = flat32.to(dtype) if dtype != torch.float32 else flat32
             self.shard = self.full[lo:hi].clone() if partition_params else self.full[lo:hi]
-            for param, view in zip(params, self.layout.views(self.full)):
-                param.data = view
+        self._views = self.layout.views(self.full)
+        self._empty = torch.empty(0, dtype=dtype, device=self.full.device)
+        self._point_params_at_full()
         self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=self.full.device)
         self.full_grad: torch.Tensor | None = None
         self.grads_seen = 0
@@ -71,11 +77,19 @@ class FlatUnit:
         return self.layout.numel * self.full.element_size()
 
     def alloc_full(self) -> None:
+        """Give ``full`` its memory back (contents undefined until a gather fills it)."""
         self.full.untyped_storage().resize_(self.full_nbytes)
+        self._point_params_at_full()
 
     def free_full(self) -> None:
+        for param in self.params:
+            param.data = self._empty
         self.full.untyped_storage().resize_(0)
         self.state = GatherState.FREE
+
+    def _point_params_at_full(self) -> None:
+        for param, view in zip(self.params, self._views):
+            param.data = view
 
     def new_full_grad(self) -> torch.Tensor:
         return torch.zeros(self.layout.numel, dtype=self.dtype, device=self.full.device)
