@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.zero_harness import run
-from tests.zero_workloads import make_model, make_optimizer, reference_run, zero_steps
+from tests.zero_workloads import grouped_optimizer, make_model, make_optimizer, reference_run, zero_steps
 
 STEPS = 20
 CORE = [  # (name, model, stage, extra config): every stage, both models, prefetch on and off
@@ -33,9 +33,11 @@ CORE = [  # (name, model, stage, extra config): every stage, both models, prefet
     ("gpt-s3", "gpt", 3, {"stage3_prefetch_bucket_size": 10_000, "reduce_bucket_size": 3000}),
     ("gpt-s3-noprefetch", "gpt", 3, {"stage3_prefetch_bucket_size": 0, "reduce_bucket_size": 3000}),
 ]
-EXTRA = [  # on 2 ranks only (CPU budget): clipping, accumulation, parameters read outside their module
+EXTRA = [  # on 2 ranks only (CPU budget): clipping, accumulation, optimizer groups, outside reads
     ("mlp-s2-clip", "mlp", 2, {"gradient_clipping": 0.5}),
+    ("mlp-s1-accum", "mlp", 1, {"gradient_accumulation_steps": 2}),
     ("mlp-s3-accum", "mlp", 3, {"gradient_accumulation_steps": 2}),
+    ("mlp-s2-groups", "mlp", 2, {"grouped": True, "reduce_bucket_size": 300}),
     ("outside-s3", "outside", 3, {}),
 ]
 CASES = {2: CORE + EXTRA, 4: CORE}
@@ -46,9 +48,13 @@ def _train_all(rank: int, world: int) -> dict[str, tuple[list[float], dict[str, 
 
     out = {}
     for name, kind, stage, extra in CASES[world]:
+        extra = dict(extra)
+        grouped = extra.pop("grouped", False)
         zero = {"stage": stage, **{k: v for k, v in extra.items() if k not in _TOP_LEVEL}}
         config = {"zero_optimization": zero, **{k: v for k, v in extra.items() if k in _TOP_LEVEL}}
-        model, opt = zero_runtime.initialize(make_model(kind), make_optimizer(), config)
+        model = make_model(kind)
+        optimizer = grouped_optimizer(model) if grouped else make_optimizer()
+        model, opt = zero_runtime.initialize(model, optimizer, config)
         losses = zero_steps(kind, model, opt, rank, world, range(STEPS),
                             accumulation=extra.get("gradient_accumulation_steps", 1))
         out[name] = (losses, opt.full_state_dict())
@@ -69,7 +75,8 @@ def _comparable(key: str, tensor: torch.Tensor) -> torch.Tensor:
 def references():
     refs = {}
     for name, kind, _, extra in CORE + EXTRA:
-        refs[name] = reference_run(kind, STEPS, clip=extra.get("gradient_clipping", 0.0))
+        refs[name] = reference_run(kind, STEPS, clip=extra.get("gradient_clipping", 0.0),
+                                   grouped=extra.get("grouped", False))
     return refs
 
 

@@ -45,6 +45,14 @@ def make_optimizer():
     return functools.partial(torch.optim.AdamW, lr=LR, weight_decay=0.01)
 
 
+def grouped_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """A torch optimizer with per-group hyper-parameters, built on the (MLP) model itself:
+    the runtime takes it as a template, the oracle uses it directly."""
+    first, rest = model.layers[0], model.layers[1:]
+    return torch.optim.AdamW([{"params": first.parameters(), "weight_decay": 0.1},
+                              {"params": rest.parameters(), "lr": LR / 2}], lr=LR, weight_decay=0.01)
+
+
 def global_batch(kind: str, step: int) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(1000 + step)
     if kind in ("mlp", "outside"):
@@ -64,10 +72,11 @@ def loss_of(kind: str, model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) 
     return model.loss(batch[0])
 
 
-def reference_run(kind: str, steps: int, *, clip: float = 0.0) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_run(kind: str, steps: int, *, clip: float = 0.0,
+                  grouped: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain single-process training on the global batch: the oracle."""
     model = make_model(kind)
-    opt = make_optimizer()(model.parameters())
+    opt = grouped_optimizer(model) if grouped else make_optimizer()(model.parameters())
     losses = []
     for step in range(steps):
         loss = loss_of(kind, model, global_batch(kind, step))
