@@ -36,7 +36,6 @@ class FlatLayout:
         self.world_size = world_size
         self.numel = _round_up(max(offset, 1), world_size * alignment)
         self.shard_numel = self.numel // world_size
-        self.param_numel = sum(s.numel for s in slots)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of ``flat`` shaped like the parameters (they share its storage)."""
@@ -45,17 +44,6 @@ class FlatLayout:
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
-
-    def shard_pieces(self, rank: int) -> list[tuple[int, int, int]]:
-        """(parameter index, start inside the parameter, start inside the shard, length) of
-        every parameter slice that falls in ``rank``'s shard, in flat order."""
-        lo, hi = self.shard_range(rank)
-        pieces = []
-        for index, slot in enumerate(self.slots):
-            start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if start < end:
-                pieces.append((index, start - slot.offset, start - lo, end - start))
-        return pieces
 
     def flatten(self, tensors: Sequence[torch.Tensor], *, dtype: torch.dtype) -> torch.Tensor:
         """A new zero-padded flat buffer holding ``tensors`` (shaped like the slots)."""

@@ -54,13 +54,12 @@ class GradReducer:
         self._filling: list[FlatUnit] = []
         self._launched: set[int] = set()
         self._in_flight: list[_InFlight] = []
-        self._hooks = []
         for unit in self.units:
             if self.keep_full_grads:
                 unit.full_grad = unit.new_full_grad()
             for slot_index, param in enumerate(unit.params):
                 if param.requires_grad:
-                    self._hooks.append(param.register_post_accumulate_grad_hook(self._hook(unit, slot_index)))
+                    param.register_post_accumulate_grad_hook(self._hook(unit, slot_index))
 
     def _hook(self, unit: FlatUnit, slot_index: int) -> Callable[[torch.Tensor], None]:
         slot = unit.layout.slots[slot_index]

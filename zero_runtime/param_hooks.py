@@ -35,7 +35,6 @@ class ModuleHooks:
         self._used: dict[nn.Module, list[FlatUnit]] = {}
         self.outside: list[FlatUnit] = []
         self._static: dict[nn.Module, list[FlatUnit]] = {}
-        self._handles = []
         for module in model.modules():
             units_here = []
             for param in module._parameters.values():
@@ -43,8 +42,8 @@ class ModuleHooks:
                 if unit is not None and unit not in units_here:
                     units_here.append(unit)
             self._static[module] = units_here
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward))
-            self._handles.append(module.register_forward_hook(self._post_forward))
+            module.register_forward_pre_hook(self._pre_forward)
+            module.register_forward_hook(self._post_forward)
             if units_here:
                 _install_access_hook(module, self)
 
