@@ -40,7 +40,7 @@ HPZ = {"zero_hpz_partition_size": 2}
 QWZ = {"zero_quantized_weights": True}
 QGZ = {"zero_quantized_gradients": True}
 OPTIONS = {"qwZ": QWZ, "hpZ": HPZ, "qgZ": QGZ, "ZeRO++": {**QWZ, **HPZ, **QGZ}}
-TRAIN_STEPS = 10
+TRAIN_STEPS = 12
 EXACT_STEPS = 4
 
 
