@@ -68,41 +68,38 @@ def _code(value, scale, limit):
 
 
 @njit(**_HELPER)
-def _pack8(buf, n, scale, limit, values, start):
-    for i in range(n):
-        values[start + i] = _code(buf[i], scale, limit)
+def _pack8(buf, scale, limit, dst):
+    for i in range(dst.size):
+        dst[i] = _code(buf[i], scale, limit)
 
 
 @njit(**_HELPER)
-def _pack4(buf, n, scale, limit, values, start):
+def _pack4(buf, n, scale, limit, dst):
     """Element ``2i`` in the low nibble, ``2i + 1`` in the high one; a lone last element
     leaves its high nibble 0."""
-    first_byte = start // 2
     for j in range(n // 2):
         low = _code(buf[2 * j], scale, limit) & 15
         high = _code(buf[2 * j + 1], scale, limit) & 15
-        values[first_byte + j] = low | (high << 4)
+        dst[j] = low | (high << 4)
     if n % 2:
-        values[first_byte + n // 2] = _code(buf[n - 1], scale, limit) & 15
+        dst[n // 2] = _code(buf[n - 1], scale, limit) & 15
 
 
 @njit(**_HELPER)
 def _encode_group(buf, n, bits, values, start, scales, group):
-    """Quantize the group ``buf[:n]`` whose first element is element ``start`` of the payload
-    with ``values`` (int8 or packed uint8) and fp32 ``scales``."""
+    """Quantize the group ``buf[:n]`` whose first element is element ``start`` (a multiple
+    of the group size, so byte aligned for INT4) of the payload with ``values`` and ``scales``."""
     qmax = _INT8_QMAX if bits == 8 else _INT4_QMAX
     scale = _group_scale(buf, n, qmax)
     scales[group] = scale
+    dst = values[start : start + n] if bits == 8 else values[start // 2 : (start + n + 1) // 2]
     if scale == 0 or not np.isfinite(scale):
         # All-zero, NaN and Inf groups carry only their scale; their codes are 0.
-        first_byte = start if bits == 8 else start // 2
-        values[first_byte : first_byte + (n if bits == 8 else (n + 1) // 2)] = 0
-        return
-    limit = np.float32(qmax)
-    if bits == 8:
-        _pack8(buf, n, scale, limit, values, start)
+        dst[:] = 0
+    elif bits == 8:
+        _pack8(buf, scale, np.float32(qmax), dst)
     else:
-        _pack4(buf, n, scale, limit, values, start)
+        _pack4(buf, n, scale, np.float32(qmax), dst)
 
 
 @njit(**_HELPER)
@@ -112,55 +109,69 @@ def _nibble(byte, high):
 
 
 @njit(**_HELPER)
-def _add_decoded4(values, start, stop, scale, buf, base):
-    """``buf[j - base] += code_j * scale`` for INT4 elements ``start <= j < stop``: a leading
+def _add_decoded4(values, first, scale, acc):
+    """``acc[j] += code(first + j) * scale`` for the INT4 elements of one group: a leading
     odd element, then whole bytes, then a trailing even element."""
-    j = start
-    if j % 2 and j < stop:
-        buf[j - base] += np.float32(_nibble(values[j // 2], 1)) * scale
-        j += 1
-    for p in range((stop - j) // 2):
-        byte = values[j // 2 + p]
-        buf[j - base + 2 * p] += np.float32(_nibble(byte, 0)) * scale
-        buf[j - base + 2 * p + 1] += np.float32(_nibble(byte, 1)) * scale
-    j += (stop - j) // 2 * 2
-    if j < stop:
-        buf[j - base] += np.float32(_nibble(values[j // 2], 0)) * scale
+    n = acc.size
+    j = first % 2
+    if j:
+        acc[0] += np.float32(_nibble(values[first // 2], 1)) * scale
+    pairs = (n - j) // 2
+    src = values[(first + j) // 2 : (first + j) // 2 + pairs]
+    dst = acc[j : j + 2 * pairs]
+    for p in range(pairs):
+        dst[2 * p] += np.float32(_nibble(src[p], 0)) * scale
+        dst[2 * p + 1] += np.float32(_nibble(src[p], 1)) * scale
+    if j + 2 * pairs < n:
+        acc[n - 1] += np.float32(_nibble(values[(first + n - 1) // 2], 0)) * scale
 
 
 @njit(**_HELPER)
-def _add_decoded(values, scales, bits, group_size, start, n, buf):
-    """``buf[:n] += dequantized elements [start, start + n)`` of one payload, which may span
-    several of its groups; a NaN or Inf scale gives NaN."""
+def _add_decoded(values, scales, bits, group_size, start, acc):
+    """``acc += dequantized elements [start, start + acc.size)`` of one payload, which may
+    span several of its groups; a NaN or Inf scale gives NaN."""
     i = start
-    while i < start + n:
+    while i < start + acc.size:
         group = i // group_size
-        stop = min(start + n, (group + 1) * group_size)
+        stop = min(start + acc.size, (group + 1) * group_size)
         scale = scales[group]
+        dst = acc[i - start : stop - start]
         if not np.isfinite(scale):
-            buf[i - start : stop - start] = f32_from_bits(F32_CANONICAL_NAN_BITS)
+            dst[:] = f32_from_bits(F32_CANONICAL_NAN_BITS)
         elif bits == 8:
-            for j in range(i, stop):
-                buf[j - start] += np.float32(values[j]) * scale
+            codes = values[i:stop].view(np.int8)
+            for j in range(dst.size):
+                dst[j] += np.float32(codes[j]) * scale
         else:
-            _add_decoded4(values, i, stop, scale, buf, start)
+            _add_decoded4(values, i, scale, dst)
         i = stop
 
 
 @njit(**_HELPER)
-def _sum_rows(values2d, scales2d, bits, group_size, start, n, divisor, buf):
-    """fp32 sum over the payload rows of elements ``[start, start + n)``, divided by
-    ``divisor`` unless it is 1, into ``buf[:n]``.
+def _payload_parts(payload, numel, bits):
+    """(codes, scales) views of one payload of ``numel`` elements: the value bytes (int8
+    codes or packed INT4 pairs, as uint8) and the fp32 scales behind the padding."""
+    values_end = numel if bits == 8 else (numel + 1) // 2
+    scales_start = (values_end + 3) // 4 * 4
+    return payload[:values_end], payload[scales_start:].view(np.float32)
+
+
+@njit(**_HELPER)
+def _sum_rows(payloads, numel, bits, group_size, start, n, divisor, buf):
+    """fp32 sum over the payload rows (of ``numel`` elements each) of their elements
+    ``[start, start + n)``, divided by ``divisor`` unless it is 1, into ``buf[:n]``.
 
     [Note: -0 start] The sum starts from -0.0, the exact identity of fp32 addition
     (-0 + x == x bit for bit, -0 + +0 == +0), so the result is d_0 + d_1 + ... as the wire
     format spells it, with no special first row."""
-    buf[:n] = _NEGATIVE_ZERO
-    for row in range(values2d.shape[0]):
-        _add_decoded(values2d[row], scales2d[row], bits, group_size, start, n, buf)
+    acc = buf[:n]
+    acc[:] = _NEGATIVE_ZERO
+    for row in range(payloads.shape[0]):
+        values, scales = _payload_parts(payloads[row], numel, bits)
+        _add_decoded(values, scales, bits, group_size, start, acc)
     if divisor != 1:
         for i in range(n):
-            buf[i] = buf[i] / divisor
+            acc[i] = acc[i] / divisor
 
 
 @njit(**_HELPER)
@@ -173,82 +184,91 @@ def _gather_reordered(src, perm, start, n, buf):
         offset = i % slice_len
         stop = min(start + n, i - offset + slice_len)
         source = perm[i // slice_len] * slice_len + offset
-        for j in range(stop - i):
-            buf[i - start + j] = load_f32(src, source + j)
+        segment = src[source : source + stop - i]
+        dst = buf[i - start : stop - start]
+        for j in range(dst.size):
+            dst[j] = load_f32(segment, j)
         i = stop
 
 
+@njit(**_HELPER)
+def _store(buf, n, out, start):
+    """``out[start : start + n]`` = ``buf[:n]`` rounded to ``out``'s float format."""
+    dst = out[start : start + n]
+    for i in range(n):
+        store_f32(dst, i, buf[i])
+
+
 @njit(**_KERNEL)
-def _reorder_quantize_kernel(src, perm, bits, group_size, values2d, scales2d):
-    """Payload ``c`` of ``values2d``/``scales2d`` = chunk ``c`` of the reordered ``src``."""
-    chunks, groups = scales2d.shape
+def _reorder_quantize_kernel(src, perm, bits, group_size, payloads):
+    """Payload row ``c`` = chunk ``c`` of the reordered ``src``."""
+    chunks = payloads.shape[0]
     chunk = src.size // chunks
+    groups = (chunk + group_size - 1) // group_size
     for unit in prange(chunks * groups):
         # [Note: buffer] numba hoists this allocation out of the loop: one buffer per thread.
-        # prange's index is unsigned; int64 keeps the index arithmetic in signed integers.
         buf = np.empty(group_size, np.float32)
+        # prange's index is unsigned; int64 keeps the index arithmetic in signed integers.
         c, g = divmod(np.int64(unit), groups)
         n = min(group_size, chunk - g * group_size)
         _gather_reordered(src, perm, c * chunk + g * group_size, n, buf)
-        _encode_group(buf, n, bits, values2d[c], g * group_size, scales2d[c], g)
+        values, scales = _payload_parts(payloads[c], chunk, bits)
+        _encode_group(buf, n, bits, values, g * group_size, scales, g)
 
 
 @njit(**_KERNEL)
-def _dequantize_kernel(values2d, scales2d, bits, group_size, out):
-    """``out[r * numel : (r + 1) * numel]`` = payload ``r`` dequantized."""
-    rows, groups = scales2d.shape
+def _dequantize_kernel(payloads, bits, group_size, out):
+    """``out[r * numel : (r + 1) * numel]`` = payload row ``r`` dequantized."""
+    rows = payloads.shape[0]
     numel = out.size // rows
+    groups = (numel + group_size - 1) // group_size
     for unit in prange(rows * groups):
         buf = np.empty(group_size, np.float32)
         r, g = divmod(np.int64(unit), groups)
         start = g * group_size
         n = min(group_size, numel - start)
-        _sum_rows(values2d[r : r + 1], scales2d[r : r + 1], bits, group_size, start, n, np.float32(1), buf)
-        for i in range(n):
-            store_f32(out, r * numel + start + i, buf[i])
+        _sum_rows(payloads[r : r + 1], numel, bits, group_size, start, n, np.float32(1), buf)
+        _store(buf, n, out, r * numel + start)
 
 
 @njit(**_KERNEL)
-def _reduce_kernel(values2d, scales2d, bits, group_size, divisor, out):
-    """``out`` = (sum of the payloads) / divisor, one input group per unit."""
-    groups = scales2d.shape[1]
-    for g in prange(groups):
+def _reduce_kernel(payloads, bits, group_size, divisor, out):
+    """``out`` = (sum of the payload rows) / divisor, one input group per unit."""
+    numel = out.size
+    for g in prange((numel + group_size - 1) // group_size):
         buf = np.empty(group_size, np.float32)
         start = np.int64(g) * group_size
-        n = min(group_size, out.size - start)
-        _sum_rows(values2d, scales2d, bits, group_size, start, n, divisor, buf)
-        for i in range(n):
-            store_f32(out, start + i, buf[i])
+        n = min(group_size, numel - start)
+        _sum_rows(payloads, numel, bits, group_size, start, n, divisor, buf)
+        _store(buf, n, out, start)
 
 
 @njit(**_KERNEL)
-def _reduce_requant_kernel(values2d, scales2d, numel, bits, group_size, divisor, out_values2d, out_scales2d):
-    """Payload ``c`` of ``out_*`` = chunk ``c`` of (sum of the payloads) / divisor, one output
-    group per unit, summed straight into the buffer it is quantized from."""
-    chunks, groups = out_scales2d.shape
+def _reduce_requant_kernel(payloads, numel, bits, group_size, divisor, requant):
+    """Row ``c`` of ``requant`` = chunk ``c`` of (sum of the payload rows) / divisor, one
+    output group per unit, summed straight into the buffer it is quantized from."""
+    chunks = requant.shape[0]
     chunk = numel // chunks
+    groups = (chunk + group_size - 1) // group_size
     for unit in prange(chunks * groups):
         buf = np.empty(group_size, np.float32)
         c, g = divmod(np.int64(unit), groups)
         n = min(group_size, chunk - g * group_size)
-        _sum_rows(values2d, scales2d, bits, group_size, c * chunk + g * group_size, n, divisor, buf)
-        _encode_group(buf, n, bits, out_values2d[c], g * group_size, out_scales2d[c], g)
+        _sum_rows(payloads, numel, bits, group_size, c * chunk + g * group_size, n, divisor, buf)
+        values, scales = _payload_parts(requant[c], chunk, bits)
+        _encode_group(buf, n, bits, values, g * group_size, scales, g)
 
 
-def _payload_views(payloads: torch.Tensor, numel: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """(values, scales) numpy views of the ``(rows, nbytes)`` payloads: int8 codes or packed
-    INT4 bytes, and the fp32 scales (rows are 4-byte multiples, so the scales stay aligned)."""
+def _zero_padding(payloads: torch.Tensor, numel: int, bits: int) -> np.ndarray:
+    """The ``(rows, nbytes)`` payloads as numpy, with the padding before the scales zeroed."""
     rows = payloads.numpy()
-    values = rows[:, : values_nbytes(numel, bits)]
-    scales = rows[:, scales_offset(numel, bits) :].view(np.float32)
-    return (values.view(np.int8) if bits == 8 else values), scales
+    rows[:, values_nbytes(numel, bits) : scales_offset(numel, bits)] = 0
+    return rows
 
 
 def _quantize_into(x: torch.Tensor, perm: tuple[int, ...], bits: int, group_size: int, out2d: torch.Tensor) -> None:
-    chunk = x.numel() // out2d.shape[0]
-    out2d.numpy()[:, values_nbytes(chunk, bits) : scales_offset(chunk, bits)] = 0
-    values, scales = _payload_views(out2d, chunk, bits)
-    _reorder_quantize_kernel(kernel_view(x.detach()), np.asarray(perm, np.int64), bits, group_size, values, scales)
+    payloads = _zero_padding(out2d, x.numel() // out2d.shape[0], bits)
+    _reorder_quantize_kernel(kernel_view(x.detach()), np.asarray(perm, np.int64), bits, group_size, payloads)
 
 
 @register("quantize", "cpu")
@@ -265,8 +285,7 @@ def reorder_quantize(
 
 @register("dequantize", "cpu")
 def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, out: torch.Tensor) -> None:
-    values, scales = _payload_views(payloads, numel, bits)
-    _dequantize_kernel(values, scales, bits, group_size, kernel_view(out.detach()))
+    _dequantize_kernel(payloads.numpy(), bits, group_size, kernel_view(out.detach()))
 
 
 @register("dequant_reduce", "cpu")
@@ -279,13 +298,10 @@ def dequant_reduce(
     out: torch.Tensor | None,
     requant_out: torch.Tensor | None,
 ) -> None:
-    values, scales = _payload_views(payloads, numel, bits)
     # The same fp32 rounding of divide_by as the reference's torch.tensor(divide_by, float32).
     divisor = np.float32(torch.tensor(divide_by, dtype=torch.float32).item())
     if out is not None:
-        _reduce_kernel(values, scales, bits, group_size, divisor, kernel_view(out.detach()))
+        _reduce_kernel(payloads.numpy(), bits, group_size, divisor, kernel_view(out.detach()))
         return
-    chunk = numel // requant_out.shape[0]
-    requant_out.numpy()[:, values_nbytes(chunk, bits) : scales_offset(chunk, bits)] = 0
-    out_values, out_scales = _payload_views(requant_out, chunk, bits)
-    _reduce_requant_kernel(values, scales, numel, bits, group_size, divisor, out_values, out_scales)
+    requant = _zero_padding(requant_out, numel // requant_out.shape[0], bits)
+    _reduce_requant_kernel(payloads.numpy(), numel, bits, group_size, divisor, requant)
