@@ -6,6 +6,8 @@ and dequantized tensors must agree byte for byte, NaN and Inf included.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -141,3 +143,25 @@ def test_input_requiring_grad() -> None:
     with torch.no_grad():
         expected = q.quantize(x, 8, 128, backend="reference")
     assert_same_bytes(q.quantize(x, 8, 128, backend="cpu"), expected, "quantize of a leaf requiring grad")
+
+
+def test_concurrent_calls_from_threads() -> None:
+    """Kernels release the GIL and may run from several threads at once (a communication
+    thread beside the training thread): each call still produces its own exact bytes."""
+    inputs = [make_input(200_003, torch.float32, "normal", seed) for seed in range(4)]
+    expected = [q.quantize(x, 4, 128, backend="reference") for x in inputs]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda x: q.quantize(x, 4, 128, backend="cpu"), inputs * 3))
+    for i, got in enumerate(results):
+        assert_same_bytes(got, expected[i % len(inputs)], f"threaded quantize #{i}")
+
+
+def test_payloads_at_odd_byte_offsets() -> None:
+    """Payloads living inside a larger byte buffer (unaligned scales) read and write correctly."""
+    x = make_input(1000, torch.float32, "nonfinite", 3)
+    expected = q.quantize(x, 8, 128, backend="reference")
+    buffer = torch.zeros(expected.numel() + 1, dtype=torch.uint8)
+    got = q.quantize(x, 8, 128, backend="cpu", out=buffer[1:])
+    assert_same_bytes(got, expected, "quantize into an odd offset")
+    ref = q.dequantize(expected, 1000, 8, 128, torch.float32, backend="reference")
+    assert_same_bytes(q.dequantize(buffer[1:], 1000, 8, 128, torch.float32, backend="cpu"), ref, "dequantize")

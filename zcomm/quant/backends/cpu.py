@@ -150,7 +150,10 @@ def _add_decoded(values, scales, bits, group_size, start, acc):
 @njit(**_HELPER)
 def _payload_parts(payload, numel, bits):
     """(codes, scales) views of one payload of ``numel`` elements: the value bytes (int8
-    codes or packed INT4 pairs, as uint8) and the fp32 scales behind the padding."""
+    codes or packed INT4 pairs, as uint8) and the fp32 scales behind the padding.
+
+    The offsets are :func:`~zcomm.quant.wire_format.values_nbytes` and
+    :func:`~zcomm.quant.wire_format.scales_offset`, restated because numba cannot call them."""
     values_end = numel if bits == 8 else (numel + 1) // 2
     scales_start = (values_end + 3) // 4 * 4
     return payload[:values_end], payload[scales_start:].view(np.float32)
@@ -206,7 +209,8 @@ def _reorder_quantize_kernel(src, perm, bits, group_size, payloads):
     chunk = src.size // chunks
     groups = (chunk + group_size - 1) // group_size
     for unit in prange(chunks * groups):
-        # [Note: buffer] numba hoists this allocation out of the loop: one buffer per thread.
+        # [Note: buffer] numba hoists this allocation into the per-thread part of the parallel
+        # loop (see its parallel diagnostics): one buffer per thread, reused for its units.
         buf = np.empty(group_size, np.float32)
         # prange's index is unsigned; int64 keeps the index arithmetic in signed integers.
         c, g = divmod(np.int64(unit), groups)
