@@ -18,7 +18,11 @@ round half to even (``np.rint``), an fp32 multiply to dequantize, no fastmath (n
 contraction, no flush-to-zero), and ``error_model="numpy"`` so a division by zero gives
 IEEE results instead of raising. Kernels are compiled with ``cache=True`` (spawned worker
 processes load them from ``__pycache__`` instead of compiling) and ``nogil=True`` (a
-communication thread runs while a kernel does).
+communication thread runs while a kernel does). They use numba's default thread count (the
+machine's cores). Calls from several Python threads at once need a thread-safe numba
+threading layer (``omp``, numba's pick when OpenMP is present, or ``tbb``; ``workqueue``
+aborts on concurrent use), and GNU OpenMP is not fork-safe: worker processes must be
+spawned, not forked, once a kernel has run.
 """
 
 from __future__ import annotations
