@@ -72,7 +72,10 @@ def run_sweep(config: BenchConfig, env: dist_env.DistEnv) -> list[report.Row]:
     """Every (op, stages, size) of ``config``; rank 0 prints each row as it completes."""
     jobs = [(op, stages, size) for op, stages in _variants(config) for size in config.sizes()]
     rows = []
-    for op, stages, size in tqdm(jobs, desc="collectives", disable=env.rank != 0, file=sys.stderr):
+    # The bar redraws with carriage returns: only on an interactive stderr, or a log that
+    # shares stdout's pipe interleaves it with the table rows.
+    show_bar = env.rank == 0 and sys.stderr.isatty()
+    for op, stages, size in tqdm(jobs, desc="collectives", disable=not show_bar, file=sys.stderr):
         case = ops.build_case(
             op, size, env=env, dtype=config.torch_dtype, seed=config.seed, group_size=config.group_size, stages=stages
         )
