@@ -15,7 +15,7 @@ every member must issue its hops on each private group in the same order.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

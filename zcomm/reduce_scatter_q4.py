@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 from . import quant
 from .chain_runner import run_chain
-from .comm_stats import record
 from .collective_args import GroupInfo, check_group_size, check_tensors, resolve_group
+from .comm_stats import record
 from .groups import NodeGroups, node_groups
 from .handle import Handle
 from .slice_reorder import first_hop_rows, reorder_permutation
