@@ -3,7 +3,8 @@
 * ``QuantizedAllGather`` is the forward ``ParamGather`` of qwZ: each rank quantizes its
   shard of a unit to blocked INT8 and one ``zcomm.all_gather_q8`` per unit (per module:
   a unit holds one module's parameters) fills the unit's full buffer, halving the bytes of
-  stage 3's forward all-gather. Backward gathers stay exact (plain, or hpZ's secondary).
+  stage 3's forward all-gather (and, being hierarchical, sending only ``N - 1`` payloads
+  per rank across nodes). Backward gathers stay exact (plain, or hpZ's secondary).
 * ``QuantizedReduceScatter`` is qgZ's ``GradReduceScatter``: one ``zcomm.reduce_scatter_q4``
   per gradient bucket (hierarchical: INT4 within the node, the node's fp32 partial sum
   re-quantized to INT4 across nodes), a quarter of the inter-node bytes of a bf16 ring.
@@ -55,9 +56,12 @@ class QuantizedAllGather:
         self.group_size = group_size
 
     def gather(self, full: torch.Tensor, shard: torch.Tensor, *, unit: Hashable, phase: Phase) -> Handle:
-        # [Note: quantize early] all_gather_q8 quantizes on the calling thread and returns
-        # once the collective is issued; the scheduler issues prefetched units before it
-        # waits for the current one, so unit i+1's quantization overlaps unit i's transfer.
+        # [Note: quantize early] all_gather_q8 returns as soon as its chain (quantize, inter- and
+        # intra-node hop, dequantize into ``full``) is queued: on zcomm's FIFO worker thread on
+        # CPU, on a side stream on CUDA. The scheduler queues prefetched units before it waits
+        # for the current one, so their quantization runs while this thread computes and, on
+        # CUDA, while the current unit's bytes are on the wire. ``full`` is written only by the
+        # chain, and read or freed only after the handle's wait().
         return zcomm.all_gather_q8(full, shard, group=self.group, async_op=True, topology=self.topology,
                                    group_size=resolved_group_size(self.group_size, shard.numel(), even=False))
 
