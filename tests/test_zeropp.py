@@ -25,6 +25,7 @@ to see that.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import tempfile
 from pathlib import Path
@@ -337,10 +338,14 @@ def test_qwz_gathered_weights_within_the_int8_bound(results):
         assert quantized
 
 
+def _ceil_div(numel: int, divisor: int) -> int:
+    return -(-numel // divisor)
+
+
 def _payload(numel: int, bits: int, groups: int) -> int:
     """Wire-format bytes: values (INT8: 1 byte, INT4: half a byte each) padded to 4, then 4 per scale."""
-    values = numel if bits == 8 else -(-numel // 2)
-    return -(-values // 4) * 4 + 4 * groups
+    values = numel if bits == 8 else _ceil_div(numel, 2)
+    return _ceil_div(values, 4) * 4 + 4 * groups
 
 
 @pytest.mark.slow
@@ -351,9 +356,7 @@ def test_quant_group_size_sets_the_scales_per_payload(results):
     nodes = local = 2
     for rank, rank_results in enumerate(results):
         for size, run_ in rank_results["group_size"].items():
-            def groups(numel: int) -> int:
-                return 1 if size == "tensor" else -(-numel // size)
-
+            groups = (lambda numel: 1) if size == "tensor" else functools.partial(_ceil_div, divisor=size)
             payloads = [_payload(n, 8, groups(n)) for n in run_["forward_gathers"]]
             assert run_["phases"]["forward"]["all_gather_q8"] == (
                 len(payloads), sum((local - 1) * nodes * p for p in payloads), sum((nodes - 1) * p for p in payloads))

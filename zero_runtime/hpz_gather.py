@@ -30,8 +30,9 @@ and NCCL's stream waits for the current stream.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Hashable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist

@@ -23,7 +23,8 @@ up to 2048 elements per rank would send more bytes than it saves.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Hashable
+from collections.abc import Hashable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist

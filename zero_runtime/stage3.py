@@ -14,12 +14,12 @@ occurrence in the trace (wrapping around at the start of a new pass) and starts 
 gathers of the units that follow it there, up to ``prefetch_numel`` elements, so their
 communication overlaps the current module's compute. Following the trace rather than each
 unit's first position keeps a repeated use from prefetching the whole model a second time.
-The prefetches are issued *before* waiting for the current unit's own gather: issuing a
-gather does its host work (qwZ quantizes the shard), so unit i+1's quantization runs while
-unit i's bytes are on the wire (ZeRO++ section 4.1.1). Prefetching only changes *when* a
-gather is issued, never its inputs, so results are identical with it on or off. Every rank
-records the same trace (same model, same control flow), so the collectives stay matched
-across ranks.
+The prefetches are issued *before* waiting for the current unit's own gather, so the next
+units' gathers, qwZ's quantization included, are queued while unit i's bytes are on the wire
+(ZeRO++ section 4.1.1; see [Note: quantize early] in ``quantized_comm``). Prefetching only
+changes *when* a gather is issued, never its inputs, so results are identical with it on or
+off. Every rank records the same trace (same model, same control flow), so the collectives
+stay matched across ranks.
 """
 
 from __future__ import annotations
