@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     choose = parser.add_argument_group("what to compare")
     listing = ", ".join(f"{c.name} ({c.summary})" for c in CONFIGS.values())
     choose.add_argument("--configs", nargs="+", metavar="NAME", help=f"default: {' '.join(DEFAULT_CONFIGS)}. {listing}")
-    choose.add_argument("--impl", nargs="+", choices=("zero", "fsdp2", "deepspeed"), help="issue 5 spelling of --configs")
+    choose.add_argument(
+        "--impl", nargs="+", choices=("zero", "fsdp2", "deepspeed"), help="issue 5's spelling of --configs"
+    )
     choose.add_argument("--stage", nargs="+", type=int, default=[3], help="ZeRO stages for --impl zero")
     choose.add_argument("--model", nargs="+", choices=MODELS, default=["tinygpt"])
     shape = parser.add_argument_group("model and data")
@@ -145,7 +147,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(
-    rows: list[ConfigResult], params: dict[str, int | None], corpus: ByteCorpus, ctx: DistContext, args: argparse.Namespace
+    rows: list[ConfigResult],
+    params: dict[str, int | None],
+    corpus: ByteCorpus,
+    ctx: DistContext,
+    args: argparse.Namespace,
 ) -> None:
     title = f"{ctx.num_nodes} node(s) x {ctx.ranks_per_node} rank(s), {args.dtype}, batch {args.batch} x {args.seq_len}"
     sizes = ", ".join(f"{model} {count:,} params" for model, count in params.items() if count is not None)

@@ -139,7 +139,12 @@ def _eval_due(step: int, settings: LoopSettings) -> bool:
 
 
 def run_config(
-    name: str, model: str, make_runner: Callable[[], Runner], corpus: ByteCorpus, ctx: DistContext, settings: LoopSettings
+    name: str,
+    model: str,
+    make_runner: Callable[[], Runner],
+    corpus: ByteCorpus,
+    ctx: DistContext,
+    settings: LoopSettings,
 ) -> ConfigResult:
     """Train one configuration from the seed and measure it; collective, call on every rank."""
     torch.manual_seed(settings.seed)
@@ -152,8 +157,8 @@ def run_config(
     for step in range(settings.steps):
         if step == settings.warmup:
             meter.start()
-        tokens = rank_slice(corpus.train_batch(step, batch=settings.batch, seed=settings.seed), ctx.rank, ctx.world_size)
-        tokens = tokens.to(ctx.device)
+        global_batch = corpus.train_batch(step, batch=settings.batch, seed=settings.seed)
+        tokens = rank_slice(global_batch, ctx.rank, ctx.world_size).to(ctx.device)
         began = time.perf_counter()
         losses.append(runner.train_step(tokens))
         times.append(time.perf_counter() - began)

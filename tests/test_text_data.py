@@ -56,7 +56,8 @@ def test_corpus_is_deterministic_and_skips_non_sources(tmp_path: Path) -> None:
     config = TextDataConfig(seq_len=16, val_fraction=0.3, root=str(tmp_path))
     one, two = ByteCorpus(config), ByteCorpus(config)
     assert one.train_files == two.train_files and one.val_files == two.val_files
-    assert all(name.endswith(".py") and not name.startswith("site-packages") for name in one.train_files + one.val_files)
+    names = one.train_files + one.val_files
+    assert all(name.endswith(".py") and not name.startswith("site-packages") for name in names)
     assert torch.equal(one.train_batch(3, batch=6, seed=7), two.train_batch(3, batch=6, seed=7))
     assert not torch.equal(one.train_batch(3, batch=6, seed=7), one.train_batch(4, batch=6, seed=7))
     assert not torch.equal(one.train_batch(3, batch=6, seed=7), one.train_batch(3, batch=6, seed=8))

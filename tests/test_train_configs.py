@@ -28,8 +28,10 @@ def test_zero_runtime_configs_carry_exactly_the_zeropp_keys() -> None:
         "zero_hpz_partition_size": 4,
         "zero_quantized_gradients": True,
     }
-    alone = {name: zero_runtime_config(CONFIGS[name], ranks_per_node=2, bf16=True)["zero_optimization"]
-             for name in ("zero3+qwz", "zero3+hpz", "zero3+qgz")}
+    alone = {
+        name: zero_runtime_config(CONFIGS[name], ranks_per_node=2, bf16=True)["zero_optimization"]
+        for name in ("zero3+qwz", "zero3+hpz", "zero3+qgz")
+    }
     assert alone == {
         "zero3+qwz": {"stage": 3, "zero_quantized_weights": True},
         "zero3+hpz": {"stage": 3, "zero_hpz_partition_size": 2},
@@ -86,14 +88,24 @@ def test_tensorscale_rejection_by_the_runtime_is_a_clear_error(monkeypatch: pyte
     monkeypatch.setitem(sys.modules, "zero_runtime", types.SimpleNamespace(initialize=initialize))
     spec = model_spec("tinygpt", ModelSize(seq_len=8, d_model=8, n_layers=1, n_heads=2))
     with pytest.raises(ValueError, match="'zeropp-tensorscale' needs zero_runtime to accept"):
-        ZeroRunner(CONFIGS["zeropp-tensorscale"], spec, lr=1e-3, ranks_per_node=2, bf16=True, device=torch.device("cpu"))
+        ZeroRunner(
+            CONFIGS["zeropp-tensorscale"], spec, lr=1e-3, ranks_per_node=2, bf16=True, device=torch.device("cpu")
+        )
 
 
 def test_table_shows_measured_values_and_skip_notes() -> None:
     rows = [
-        ConfigResult(config="zero3", model="tinygpt", median_step_s=0.0125, tokens_per_s=81920.0,
-                     wire_tx_bytes_per_step=None, memory_bytes=3 * 2**20, first_loss=5.5, last_loss=4.25,
-                     val_loss=4.5),
+        ConfigResult(
+            config="zero3",
+            model="tinygpt",
+            median_step_s=0.0125,
+            tokens_per_s=81920.0,
+            wire_tx_bytes_per_step=None,
+            memory_bytes=3 * 2**20,
+            first_loss=5.5,
+            last_loss=4.25,
+            val_loss=4.5,
+        ),
         ConfigResult(config="deepspeed-z3", model="tinygpt", status="skipped", note="needs deepspeed"),
     ]
     lines = format_table(rows).splitlines()
