@@ -3,7 +3,9 @@
 The job is launched by torchrun, by ``python -m bench.simcluster`` (both set RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT) or by anything
 else that sets those variables. ``ZCOMM_LOCAL_SIZE`` overrides the ranks per node, as in
-the rest of zcomm. With CUDA each rank takes GPU ``LOCAL_RANK`` and NCCL; otherwise gloo.
+the rest of zcomm (e.g. to pretend one machine is several nodes); nodes hold consecutive
+ranks, so a rank's position in its node is ``rank % ranks_per_node``. With CUDA each rank
+takes GPU ``LOCAL_RANK`` (the launcher's, i.e. physical) and NCCL; otherwise gloo.
 """
 
 from __future__ import annotations
@@ -55,11 +57,10 @@ def init_distributed() -> DistContext:
         raise ValueError(
             f"missing {missing}: launch with torchrun, python -m bench.simcluster, or set the variables yourself"
         )
-    world_size = _int_env("WORLD_SIZE", 1)
+    rank, world_size = _int_env("RANK", 0), _int_env("WORLD_SIZE", 1)
     ranks_per_node = _int_env("ZCOMM_LOCAL_SIZE", _int_env("LOCAL_WORLD_SIZE", world_size))
-    local_rank = _int_env("LOCAL_RANK", _int_env("RANK", 0) % ranks_per_node)
     if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", _int_env("LOCAL_RANK", rank % torch.cuda.device_count()))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -67,7 +68,7 @@ def init_distributed() -> DistContext:
     return DistContext(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
-        local_rank=local_rank,
+        local_rank=dist.get_rank() % ranks_per_node,
         ranks_per_node=ranks_per_node,
         device=device,
     )
