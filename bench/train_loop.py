@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from bench.text_data import ByteCorpus, rank_slice
 from bench.train_dist import DistContext
-from bench.train_runner import Runner
+from bench.train_runner import MemoryReading, Runner
 
 try:
     from bench.wire import read_wire_bytes
@@ -138,6 +138,15 @@ def _eval_due(step: int, settings: LoopSettings) -> bool:
     return settings.eval_every > 0 and step % settings.eval_every == 0 and step < settings.steps
 
 
+@dataclass
+class _RankLog:
+    """This rank's own measurements, before they are combined across ranks."""
+
+    losses: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    val_curve: list[tuple[int, float]] = field(default_factory=list)
+
+
 def run_config(
     name: str,
     model: str,
@@ -149,55 +158,55 @@ def run_config(
     """Train one configuration from the seed and measure it; collective, call on every rank."""
     torch.manual_seed(settings.seed)
     runner = make_runner()
-    val_batches = corpus.val_batches(batch=settings.batch, num_batches=settings.eval_batches)
     meter = WireMeter(ctx)
-    losses: list[float] = []
-    times: list[float] = []
-    val_curve: list[tuple[int, float]] = []
+    log = _train(runner, meter, corpus, ctx, settings)
+    return _summarize(name, model, log, runner.memory(), meter.totals(), ctx, settings)
+
+
+def _train(runner: Runner, meter: WireMeter, corpus: ByteCorpus, ctx: DistContext, settings: LoopSettings) -> _RankLog:
+    val_batches = corpus.val_batches(batch=settings.batch, num_batches=settings.eval_batches)
+    log = _RankLog()
     for step in range(settings.steps):
         if step == settings.warmup:
             meter.start()
         global_batch = corpus.train_batch(step, batch=settings.batch, seed=settings.seed)
         tokens = rank_slice(global_batch, ctx.rank, ctx.world_size).to(ctx.device)
         began = time.perf_counter()
-        losses.append(runner.train_step(tokens))
-        times.append(time.perf_counter() - began)
+        log.losses.append(runner.train_step(tokens))
+        log.times.append(time.perf_counter() - began)
         if _eval_due(step + 1, settings):
             measuring = step >= settings.warmup
             if measuring:
                 meter.stop()
-            val_curve.append((step + 1, evaluate(runner, val_batches, ctx)))
+            log.val_curve.append((step + 1, evaluate(runner, val_batches, ctx)))
             if measuring:
                 meter.start()
     meter.stop()
-    val_loss = evaluate(runner, val_batches, ctx)
-    val_curve.append((settings.steps, val_loss))
-    return _summarize(name, model, runner, meter, losses, times, val_curve, ctx, settings)
+    log.val_curve.append((settings.steps, evaluate(runner, val_batches, ctx)))
+    return log
+
+
+def _combine(values: list[float], op: dist.ReduceOp, ctx: DistContext) -> list[float]:
+    combined = torch.tensor(values, dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(combined, op=op)
+    return combined.tolist()
 
 
 def _summarize(
     name: str,
     model: str,
-    runner: Runner,
-    meter: WireMeter,
-    losses: list[float],
-    times: list[float],
-    val_curve: list[tuple[int, float]],
+    log: _RankLog,
+    memory: MemoryReading,
+    wire: tuple[int, int] | None,
     ctx: DistContext,
     settings: LoopSettings,
 ) -> ConfigResult:
-    mean_losses = torch.tensor(losses, dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(mean_losses)
-    mean_losses /= ctx.world_size
-    slowest = torch.tensor(times, dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    memory = runner.memory()
-    peak = torch.tensor([-1 if memory.peak_bytes is None else memory.peak_bytes], device=ctx.device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    wire = meter.totals()
+    train_losses = [total / ctx.world_size for total in _combine(log.losses, dist.ReduceOp.SUM, ctx)]
+    slowest = _combine(log.times, dist.ReduceOp.MAX, ctx)
+    # -1 stands for "not measured" so that MAX keeps any rank's real figure.
+    (peak,) = _combine([-1 if memory.peak_bytes is None else memory.peak_bytes], dist.ReduceOp.MAX, ctx)
     measured_steps = settings.steps - settings.warmup
-    median = statistics.median(slowest.tolist()[settings.warmup :])
-    train_losses = mean_losses.tolist()
+    median = statistics.median(slowest[settings.warmup :])
     return ConfigResult(
         config=name,
         model=model,
@@ -205,12 +214,12 @@ def _summarize(
         tokens_per_s=settings.batch * settings.seq_len / median,
         wire_tx_bytes_per_step=None if wire is None else wire[0] / measured_steps,
         wire_rx_bytes_per_step=None if wire is None else wire[1] / measured_steps,
-        memory_bytes=None if peak.item() < 0 else int(peak.item()),
+        memory_bytes=None if peak < 0 else int(peak),
         memory_source=memory.source,
         first_loss=train_losses[0],
         last_loss=train_losses[-1],
-        val_loss=val_curve[-1][1],
+        val_loss=log.val_curve[-1][1],
         train_losses=train_losses,
-        val_curve=val_curve,
-        step_times_s=slowest.tolist(),
+        val_curve=log.val_curve,
+        step_times_s=slowest,
     )
