@@ -9,7 +9,6 @@ runtime's own ``memory_report()`` (parameters, gradients, optimizer states on th
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
 
 import torch
 
@@ -44,7 +43,7 @@ class ZeroRunner:
         self.opt.backward(loss)
         self.opt.step()
         # After step, before zero_grad: gradients and updated states are both still held.
-        self.peak_bytes = max(self.peak_bytes, _report_total(self.opt.memory_report()))
+        self.peak_bytes = max(self.peak_bytes, self.opt.memory_report().total)
         self.opt.zero_grad()
         return loss.item()
 
@@ -54,10 +53,3 @@ class ZeroRunner:
 
     def memory(self) -> MemoryReading:
         return MemoryReading(self.peak_bytes, "zero_runtime memory_report()")
-
-
-def _report_total(report: Mapping[str, int] | int) -> int:
-    """The total of ``memory_report()``: its ``total`` entry, else the sum of its byte counts."""
-    if isinstance(report, Mapping):
-        return int(report["total"]) if "total" in report else sum(int(v) for v in report.values())
-    return int(report)
