@@ -91,16 +91,8 @@ def runner_factory(
     return make
 
 
-def run_model(
-    model: str, configs: list[TrainConfig], corpus: ByteCorpus, ctx: DistContext, args: argparse.Namespace
-) -> tuple[list[ConfigResult], int | None]:
-    """All configurations on one model; returns the rows and the model's parameter count."""
-    size = ModelSize(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads)
-    try:
-        spec = model_spec(model, size)
-    except Unavailable as note:
-        return [ConfigResult(config=c.name, model=model, status="skipped", note=str(note)) for c in configs], None
-    settings = LoopSettings(
+def loop_settings(args: argparse.Namespace) -> LoopSettings:
+    return LoopSettings(
         steps=args.steps,
         warmup=args.warmup,
         batch=args.batch,
@@ -109,6 +101,26 @@ def run_model(
         eval_every=args.eval_every,
         eval_batches=args.eval_batches,
     )
+
+
+def model_size(args: argparse.Namespace) -> ModelSize:
+    return ModelSize(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads)
+
+
+def run_model(
+    model: str,
+    size: ModelSize,
+    configs: list[TrainConfig],
+    settings: LoopSettings,
+    corpus: ByteCorpus,
+    ctx: DistContext,
+    args: argparse.Namespace,
+) -> tuple[list[ConfigResult], int | None]:
+    """All configurations on one model; returns the rows and the model's parameter count."""
+    try:
+        spec = model_spec(model, size)
+    except Unavailable as note:
+        return [ConfigResult(config=c.name, model=model, status="skipped", note=str(note)) for c in configs], None
     rows = []
     for config in configs:
         _progress(ctx, f"{model}: {config.name}")
@@ -129,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         configs = chosen_configs(args)
-    except ValueError as error:
+        settings, size = loop_settings(args), model_size(args)
+    except (TypeError, ValueError) as error:
         parser.error(str(error))
     ctx = init_distributed()
     if args.batch % ctx.world_size:
@@ -138,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[ConfigResult] = []
     params: dict[str, int | None] = {}
     for model in args.model:
-        model_rows, params[model] = run_model(model, configs, corpus, ctx, args)
+        model_rows, params[model] = run_model(model, size, configs, settings, corpus, ctx, args)
         rows.extend(model_rows)
     if ctx.rank == 0:
         report(rows, params, corpus, ctx, args)
