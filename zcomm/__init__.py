@@ -1,8 +1,32 @@
 """zcomm: ZeRO++ quantized collectives on torch.distributed.
 
-``zcomm.quant`` holds the block-quantization ops and the wire format.
+* :func:`all_gather_q8` (qwZ) and :func:`reduce_scatter_q4` (qgZ): drop-ins for
+  ``torch.distributed.all_gather_into_tensor`` / ``reduce_scatter_tensor``.
+* :func:`all_gather_into_tensor`, :func:`reduce_scatter_tensor`: the unquantized ones, counted.
+* :class:`Topology`: which ranks share a node; :func:`consecutive_group`: hpZ's blocks.
+* :func:`comm_stats` / :func:`reset_comm_stats`: bytes each rank sent, intra vs inter node.
+* ``zcomm.quant``: the block-quantization ops and the wire format.
 """
 
 from . import quant
+from .all_gather_q8 import all_gather_q8
+from .comm_stats import OpStats, comm_stats, reset_comm_stats
+from .groups import consecutive_group
+from .handle import Handle
+from .plain_collectives import all_gather_into_tensor, reduce_scatter_tensor
+from .reduce_scatter_q4 import reduce_scatter_q4
+from .topology import Topology
 
-__all__ = ["quant"]
+__all__ = [
+    "Handle",
+    "OpStats",
+    "Topology",
+    "all_gather_into_tensor",
+    "all_gather_q8",
+    "comm_stats",
+    "consecutive_group",
+    "quant",
+    "reduce_scatter_q4",
+    "reduce_scatter_tensor",
+    "reset_comm_stats",
+]

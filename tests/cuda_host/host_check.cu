@@ -1,0 +1,171 @@
+// Host-side driver of the CUDA kernels' code, for tests/test_cuda_host_math.py.
+//
+// It runs the same __host__ __device__ functions the kernels run (the group encoder's
+// lane_absmax / encode_group_lane, the run decoder's decode_run, the sources, the packing
+// and the wire-format math), with the GPU parallelism replaced by loops: a team's shuffle
+// max becomes a max over its lanes, the grid-stride loops become plain loops. What the
+// device alone contributes (__shfl_xor_sync, uint4 memory instructions, the _rn
+// intrinsics) is not exercised here.
+//
+// Usage (raw little-endian bytes in and out; MISALIGN=1 shifts every buffer off its
+// vector alignment, forcing the scalar paths):
+//   host_check quantize   DTYPE BITS GS MISALIGN IN OUT
+//   host_check reorder    DTYPE BITS GS MISALIGN NUM_CHUNKS PERM(comma-separated) IN OUT
+//   host_check dequantize DTYPE BITS GS MISALIGN NUMEL K IN OUT
+//   host_check reduce     DTYPE BITS GS MISALIGN NUMEL K DIVISOR_BITS(hex fp32) M IN OUT
+//     (reduce: M = 0 stores DTYPE values, M > 0 re-quantizes into M payloads)
+// Prints "vec=0" or "vec=1": whether the vector paths were taken.
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "group_encoder.cuh"
+#include "run_decoder.cuh"
+
+using namespace zc;
+
+namespace {
+
+// A buffer whose data() is 64-byte aligned, or deliberately `shift` bytes past that.
+struct Buffer {
+    std::vector<u8> storage;
+    u8* data;
+    Buffer(size_t bytes, size_t shift) : storage(bytes + 128) {
+        const auto base = reinterpret_cast<unsigned long long>(storage.data());
+        data = storage.data() + ((64 - base % 64) % 64) + shift;
+    }
+};
+
+std::vector<u8> read_file(const char* path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::vector<u8>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+void write_file(const char* path, const u8* data, size_t bytes) {
+    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(bytes));
+}
+
+Buffer load_input(const char* path, size_t shift) {
+    const std::vector<u8> bytes = read_file(path);
+    Buffer b(bytes.size(), shift);
+    std::memcpy(b.data, bytes.data(), bytes.size());
+    return b;
+}
+
+i64 payload_bytes(i64 numel, int bits, i64 gs) {
+    return numel == 0 ? 0 : scales_offset(numel, bits) + 4 * num_groups(numel, gs);
+}
+
+template <int BITS, class Source> bool encode_all(const Source& src, const ChunkLayout<BITS>& layout) {
+    const bool vec = src.can_vectorize() && layout.can_vectorize();
+    const int lanes = team_lanes(layout.group_size);
+    for (i64 job = 0; job < layout.jobs(); ++job) {
+        const GroupSpan s = layout.span(job);
+        u32 absmax_bits = 0;
+        for (int lane = 0; lane < lanes; ++lane) absmax_bits = max_u32(absmax_bits, lane_absmax<BITS>(src, s, lane, lanes, vec));
+        for (int lane = 0; lane < lanes; ++lane) {
+            encode_group_lane<BITS>(src, s, lane, lanes, vec, layout.words_aligned(), absmax_bits);
+        }
+    }
+    return vec;
+}
+
+template <class T, int BITS> bool decode_all(const SegmentLayout<T, BITS>& layout) {
+    const bool vec = layout.can_vectorize();
+    for (i64 run = 0; run < layout.runs(); ++run) decode_run(layout, run, vec);
+    return vec;
+}
+
+std::vector<i64> parse_perm(const std::string& text) {
+    std::vector<i64> perm;
+    std::stringstream ss(text);
+    for (std::string item; std::getline(ss, item, ',');) perm.push_back(std::atoll(item.c_str()));
+    return perm;
+}
+
+// Runs one op for element type T and BITS; returns whether vector paths ran.
+template <class T, int BITS> bool run_op(const std::string& op, char** argv, int argc) {
+    const i64 gs = std::atoll(argv[4]);
+    const size_t elem_shift = std::atoi(argv[5]) ? sizeof(T) : 0;
+    const size_t byte_shift = std::atoi(argv[5]) ? 1 : 0;
+    const char* in_path = argv[argc - 2];
+    const char* out_path = argv[argc - 1];
+    if (op == "quantize" || op == "reorder") {
+        Buffer in = load_input(in_path, elem_shift);
+        const i64 numel = static_cast<i64>(read_file(in_path).size() / sizeof(T));
+        const T* x = reinterpret_cast<const T*>(in.data);
+        const i64 chunks = op == "reorder" ? std::atoll(argv[6]) : 1;
+        const i64 row = payload_bytes(numel / chunks, BITS, gs);
+        Buffer out(row * chunks, byte_shift);
+        // quantize.cu passes row_stride 0 (one payload); mirror it so the vector decision matches
+        const ChunkLayout<BITS> layout{out.data, numel / chunks, chunks, gs, op == "quantize" ? 0 : row};
+        bool vec;
+        if (op == "quantize") {
+            vec = encode_all<BITS>(FlatSource<T>{x}, layout);
+        } else {
+            const std::vector<i64> perm = parse_perm(argv[7]);
+            vec = encode_all<BITS>(PermutedSource<T>{x, perm.data(), numel / static_cast<i64>(perm.size())}, layout);
+        }
+        write_file(out_path, out.data, row * chunks);
+        return vec;
+    }
+    const i64 numel = std::atoll(argv[6]);
+    const i64 k = std::atoll(argv[7]);
+    const i64 stride = payload_bytes(numel, BITS, gs);
+    Buffer in = load_input(in_path, byte_shift);
+    const PayloadRows<BITS> rows{in.data, stride, numel, gs};
+    const i64 segments = op == "dequantize" ? k : 1;
+    float divisor = 1.0f;
+    i64 m = 0;
+    if (op == "reduce") {
+        const u32 divisor_bits = static_cast<u32>(std::strtoul(argv[8], nullptr, 16));
+        divisor = bits_float(divisor_bits);
+        m = std::atoll(argv[9]);
+    }
+    if (m > 0) {
+        const i64 row = payload_bytes(numel / m, BITS, gs);
+        Buffer out(row * m, byte_shift);
+        const bool vec = encode_all<BITS>(PayloadSum<BITS>(rows, 0, k, divisor), ChunkLayout<BITS>{out.data, numel / m, m, gs, row});
+        write_file(out_path, out.data, row * m);
+        return vec;
+    }
+    Buffer out(segments * numel * sizeof(T), elem_shift);
+    T* dst = reinterpret_cast<T*>(out.data);
+    const bool vec = decode_all(SegmentLayout<T, BITS>{rows, dst, segments, op == "dequantize" ? 1 : k, divisor});
+    write_file(out_path, out.data, segments * numel * sizeof(T));
+    return vec;
+}
+
+template <class T> bool dispatch_bits(const std::string& op, int bits, char** argv, int argc) {
+    return bits == 8 ? run_op<T, 8>(op, argv, argc) : run_op<T, 4>(op, argv, argc);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    if (argc < 8) {
+        std::fprintf(stderr, "usage: see the header of host_check.cu\n");
+        return 2;
+    }
+    const std::string op = argv[1];
+    const std::string dtype = argv[2];
+    const int bits = std::atoi(argv[3]);
+    bool vec;
+    if (dtype == "f32") {
+        vec = dispatch_bits<float>(op, bits, argv, argc);
+    } else if (dtype == "bf16") {
+        vec = dispatch_bits<bf16_t>(op, bits, argv, argc);
+    } else if (dtype == "f16") {
+        vec = dispatch_bits<fp16_t>(op, bits, argv, argc);
+    } else {
+        std::fprintf(stderr, "unknown dtype %s\n", dtype.c_str());
+        return 2;
+    }
+    std::printf("vec=%d\n", vec ? 1 : 0);
+    return 0;
+}

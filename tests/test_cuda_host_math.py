@@ -1,0 +1,164 @@
+"""The CUDA kernels' arithmetic, run on the CPU, against the reference backend's bytes.
+
+tests/cuda_host/host_check.cu is compiled with nvcc as a host program that runs the very
+__host__ __device__ code of the kernels (encoder lanes, decoder runs, sources, packing,
+wire-format math) with loops in place of the GPU's parallelism. Each case writes its input
+to a file, runs the program, and compares the output bytes with ``zcomm.quant``'s
+reference backend, for the aligned (vector) and misaligned (scalar) paths. The program
+reports which path it took, and the test checks that too, so both are known to be covered.
+"""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import zcomm.quant as zq
+from cuda_cases import DTYPE_TAG, DTYPES, make_input, make_payloads
+from cuda_support import NVCC, REPO, requires_nvcc
+
+pytestmark = requires_nvcc
+
+KERNELS = REPO / "zcomm_cuda" / "kernels"
+SOURCE = Path(__file__).resolve().parent / "cuda_host" / "host_check.cu"
+
+
+@pytest.fixture(scope="module")
+def host_check(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    binary = tmp_path_factory.mktemp("host_check") / "host_check"
+    subprocess.run(
+        [NVCC, "-std=c++17", "-O1", "-Xcompiler", "-ffp-contract=off", f"-I{KERNELS}", "-o", str(binary), str(SOURCE)],
+        check=True,
+        capture_output=True,
+    )
+    return binary
+
+
+def _run(binary: Path, tmp_path: Path, args: list[object], data: torch.Tensor) -> tuple[bytes, bool]:
+    """Run one op on ``data``'s bytes; returns (output bytes, whether vector paths ran)."""
+    src, dst = tmp_path / "in.bin", tmp_path / "out.bin"
+    src.write_bytes(data.contiguous().view(torch.uint8).numpy().tobytes())
+    done = subprocess.run(
+        [str(binary), *map(str, args), str(src), str(dst)], check=True, capture_output=True, text=True
+    )
+    return dst.read_bytes(), done.stdout.strip() == "vec=1"
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _run_bytes(bits: int) -> int:
+    """Bytes of 8 codes (the vector unit of vector_io.cuh)."""
+    return 8 if bits == 8 else 4
+
+
+def _sizes(group_size: int) -> tuple[int, ...]:
+    return (1, group_size - 1, 9 * group_size + 3, 18 * group_size)
+
+
+# 520: teams of 32 lanes, each lane looping over several runs and a partial one
+GROUP_SIZES = {8: (7, 8, 40, 520), 4: (2, 6, 32, 100)}
+QUANT_CASES = [
+    (dtype, bits, gs, n)
+    for dtype in DTYPES
+    for bits in (8, 4)
+    for gs in GROUP_SIZES[bits]
+    for n in sorted(set(_sizes(gs)))
+]
+
+
+@pytest.mark.parametrize("misalign", (0, 1))
+@pytest.mark.parametrize("dtype,bits,group_size,numel", QUANT_CASES)
+def test_quantize(host_check, tmp_path, dtype, bits, group_size, numel, misalign):
+    x = make_input(numel, group_size, dtype, bits, seed=numel + group_size)
+    got, vec = _run(host_check, tmp_path, ["quantize", DTYPE_TAG[dtype], bits, group_size, misalign], x)
+    assert got == _bytes(zq.quantize(x, bits, group_size, backend="reference"))
+    assert vec == (not misalign and group_size % 8 == 0 and numel % 8 == 0)
+
+
+REORDER_CASES = [
+    # (numel, perm, num_chunks, group_size): slices and chunks on and off run boundaries
+    (64 * 8, (3, 1, 0, 2), 2, 32),
+    (64 * 8, (7, 6, 5, 4, 3, 2, 1, 0), 4, 40),
+    (4 * 36, (1, 0, 3, 2), 4, 8),
+    (6 * 10, (2, 0, 1), 6, 4),
+    (3 * 2 * 17, (1, 2, 0), 2, 6),
+    (12 * 64, (5, 3, 1, 0, 2, 4), 3, 256),
+]
+
+
+@pytest.mark.parametrize("misalign", (0, 1))
+@pytest.mark.parametrize("bits", (8, 4))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numel,perm,num_chunks,group_size", REORDER_CASES)
+def test_reorder_quantize(host_check, tmp_path, dtype, bits, numel, perm, num_chunks, group_size, misalign):
+    x = make_input(numel, group_size, dtype, bits, seed=numel)
+    args = ["reorder", DTYPE_TAG[dtype], bits, group_size, misalign, num_chunks, ",".join(map(str, perm))]
+    got, vec = _run(host_check, tmp_path, args, x)
+    assert got == _bytes(zq.reorder_quantize(x, perm, num_chunks, bits, group_size, backend="reference"))
+    chunk, row = numel // num_chunks, zq.payload_nbytes(numel // num_chunks, bits, group_size)
+    aligned = group_size % 8 == 0 and chunk % 8 == 0 and (numel // len(perm)) % 8 == 0 and row % _run_bytes(bits) == 0
+    assert vec == (not misalign and aligned)
+
+
+DECODE_CASES = [(bits, gs, n) for bits in (8, 4) for gs in (8, 6) for n in (1, gs + 3, 10 * gs, 16 * gs + 6)]
+
+
+@pytest.mark.parametrize("misalign", (0, 1))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits,group_size,numel", DECODE_CASES)
+def test_dequantize(host_check, tmp_path, dtype, bits, group_size, numel, misalign):
+    payloads = make_payloads(numel, group_size, bits, k=3, seed=numel)
+    args = ["dequantize", DTYPE_TAG[dtype], bits, group_size, misalign, numel, 3]
+    got, vec = _run(host_check, tmp_path, args, payloads)
+    assert got == _bytes(zq.dequantize(payloads, numel, bits, group_size, dtype, backend="reference"))
+    stride = payloads.shape[1]
+    aligned = group_size % 8 == 0 and numel % 8 == 0 and stride % _run_bytes(bits) == 0
+    assert vec == (not misalign and aligned)
+
+
+def _fp32_hex(value: float) -> str:
+    return format(struct.unpack("<I", struct.pack("<f", value))[0], "08x")
+
+
+REDUCE_CASES = [(bits, gs, n) for bits in (8, 4) for gs in (8, 6) for n in (6, 24 * gs)]
+
+
+@pytest.mark.parametrize("misalign", (0, 1))
+@pytest.mark.parametrize("divide_by", (1.0, 3.0, 0.1))
+@pytest.mark.parametrize("k", (1, 4))
+@pytest.mark.parametrize("bits,group_size,numel", REDUCE_CASES)
+def test_dequant_reduce_store(host_check, tmp_path, bits, group_size, numel, k, divide_by, misalign):
+    payloads = make_payloads(numel, group_size, bits, k=k, seed=numel + k)
+    for dtype in DTYPES:
+        args = ["reduce", DTYPE_TAG[dtype], bits, group_size, misalign, numel, k, _fp32_hex(divide_by), 0]
+        got, _ = _run(host_check, tmp_path, args, payloads)
+        expected = zq.dequant_reduce(
+            payloads, numel, bits, group_size, dtype=dtype, divide_by=divide_by, backend="reference"
+        )
+        assert got == _bytes(expected), dtype
+
+
+@pytest.mark.parametrize("misalign", (0, 1))
+@pytest.mark.parametrize("divide_by", (1.0, 3.0))
+@pytest.mark.parametrize("k", (1, 4))
+@pytest.mark.parametrize("bits,group_size,numel", REDUCE_CASES)
+def test_dequant_reduce_requantize(host_check, tmp_path, bits, group_size, numel, k, divide_by, misalign):
+    payloads = make_payloads(numel, group_size, bits, k=k, seed=numel + 7 * k)
+    for m in (1, 2, 3):
+        args = ["reduce", "f32", bits, group_size, misalign, numel, k, _fp32_hex(divide_by), m]
+        got, vec = _run(host_check, tmp_path, args, payloads)
+        expected = zq.dequant_reduce(
+            payloads, numel, bits, group_size, requant_chunks=m, divide_by=divide_by, backend="reference"
+        )
+        assert got == _bytes(expected), m
+        chunk, stride = numel // m, payloads.shape[1]
+        out_row = zq.payload_nbytes(chunk, bits, group_size)
+        run = _run_bytes(bits)
+        aligned = group_size % 8 == 0 and chunk % 8 == 0 and stride % run == 0 and out_row % run == 0
+        assert vec == (not misalign and aligned), m

@@ -1,0 +1,246 @@
+"""qgZ: hierarchical 2-hop INT4 reduce-scatter (ZeRO++ sections 3.3 and 4, Algorithm 2).
+
+On ``W = N * L`` ranks (``N`` nodes of ``L`` ranks, node-major), for each of ``k``
+pipeline stages:
+
+1. (once, fused for all stages) reorder the input's sub-slices
+   (:mod:`zcomm.slice_reorder`) and quantize them to INT4 rows, one per intra-node peer
+   and stage;
+2. intra-node all-to-all of stage ``s``'s ``L`` rows on zcomm's private intra-node group;
+3. dequantize the ``L`` received rows, sum them in fp32 and re-quantize the node's sum to
+   INT4 as ``N`` rows, one per node, in one fused op;
+4. inter-node all-to-all of those rows among the ``N`` ranks with this local rank;
+5. dequantize the ``N`` node sums, add them in fp32 (dividing by ``W`` for AVG) and write
+   them straight into part ``s`` of ``output``: the reordering made this rank's slice
+   arrive in place.
+
+The intra hop of stage ``s+1`` runs while the inter hop of stage ``s`` is in flight (all
+intra hops are issued up front on one group, each inter hop as soon as its stage is
+reduced). One node: step 2 is the only all-to-all and step 3 writes ``output``. One rank
+per node: steps 2-3 are skipped.
+
+Error: each INT4 quantization moves an element by at most half its group's scale
+(``absmax / 7 / 2``), so an output element is off by at most the sum, over the ``W``
+sources, of their hop-1 half-scales plus, over the ``N`` nodes, the hop-2 half-scale of
+that node's partial sum (then fp32 and output-dtype rounding).
+
+Padding: each rank's slice of ``m = output.numel()`` elements is cut into ``k`` parts of
+``q = ceil(m / k)``; when ``k * q != m`` the input is copied into a zero-padded
+``(W, k*q)`` staging buffer and the real part of the result copied back, so any ``numel``
+works and the collective is never swapped for an unquantized one.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from . import quant
+from .comm_stats import record, ring_bytes
+from .collective_args import GroupInfo, check_group_size, check_tensors, resolve_group
+from .groups import NodeGroups, node_groups
+from .handle import Handle
+from .slice_reorder import first_hop_rows, reorder_permutation
+from .topology import Topology
+from .worker import ordered_worker
+
+OP_NAME = "reduce_scatter_q4"
+BITS = 4
+# Elements per INT4 scale: 4 scale bytes per 256 value bytes (1.6% overhead). INT4 has only
+# 15 levels, so groups stay smaller than INT8's to keep one outlier from flattening many values.
+DEFAULT_GROUP_SIZE = 512
+# Default pipeline depth: one stage per STAGE_BYTES of input, at most MAX_DEFAULT_STAGES, and
+# only when there are two hops to overlap (N > 1 and L > 1). A 64 MB bf16 gradient gets 4.
+STAGE_BYTES = 8 << 20
+MAX_DEFAULT_STAGES = 4
+
+
+class _Plan(NamedTuple):
+    """Everything the chain needs, fixed at call time on the caller's thread."""
+
+    info: GroupInfo
+    groups: NodeGroups
+    stages: int
+    part: int  # q: elements of each stage's part of one slice
+    group_size: int
+    divide_by: float
+
+
+def default_pipeline_stages(input_nbytes: int, slice_numel: int, topology: Topology) -> int:
+    """The ``pipeline_stages`` used when none is given (see :data:`STAGE_BYTES`)."""
+    if topology.num_nodes == 1 or topology.local_size == 1:
+        return 1
+    return max(1, min(MAX_DEFAULT_STAGES, input_nbytes // STAGE_BYTES, slice_numel))
+
+
+def reduce_scatter_q4(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    group_size: int | None = None,
+    pipeline_stages: int | None = None,
+    topology: Topology | None = None,
+) -> Handle | None:
+    """INT4 2-hop drop-in for ``torch.distributed.reduce_scatter_tensor`` with ``op`` SUM or AVG.
+
+    Args:
+        output: contiguous, ``input.numel() / world`` elements, same dtype (fp32/bf16/fp16) and device.
+        input: contiguous; slice ``r`` (``[r*m, (r+1)*m)``) is reduced onto rank ``r``.
+        op: ``ReduceOp.SUM`` or ``ReduceOp.AVG`` (divides by the whole group size).
+        group: the process group (default: world).
+        async_op: return a :class:`~zcomm.handle.Handle`; ``output`` is valid after its ``wait()``.
+        group_size: elements per INT4 scale (even; default :data:`DEFAULT_GROUP_SIZE`).
+        pipeline_stages: chunks overlapping intra- and inter-node hops (default
+            :func:`default_pipeline_stages`).
+        topology: which ranks share a node (default: :meth:`Topology.detect`).
+    """
+    info = resolve_group(group, topology)
+    check_tensors(output, input, world=info.world_size, gather=False, quantized=True)
+    divide_by = _divisor(op, info.world_size)
+    group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+    check_group_size(group_size, BITS)
+    stages = _stages(pipeline_stages, input, output.numel(), info.topology)
+    part = -(-output.numel() // stages)
+    plan = _Plan(info, node_groups(info.group, info.topology), stages, part, group_size, divide_by)
+    intra, inter = _bytes_sent(plan)
+    record(OP_NAME, intra_bytes=intra, inter_bytes=inter)
+    if output.numel() == 0:
+        return Handle(finish=lambda: None, ready=lambda: True) if async_op else None
+    if input.is_cuda:
+        return _run_on_stream(plan, output, input, async_op)
+    # [Note: worker ordering] see zcomm.worker: sync calls queue behind pending async ones.
+    future = ordered_worker((info.group.group_name, info.topology)).submit(_chain, plan, output, input)
+    handle = Handle(finish=future.result, ready=future.done)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def _divisor(op: dist.ReduceOp, world: int) -> float:
+    if op == dist.ReduceOp.SUM:
+        return 1.0
+    if op == dist.ReduceOp.AVG:
+        return float(world)
+    raise ValueError(f"op must be ReduceOp.SUM or ReduceOp.AVG, got {op}")
+
+
+def _stages(pipeline_stages: int | None, input: torch.Tensor, slice_numel: int, topology: Topology) -> int:
+    if pipeline_stages is None:
+        return default_pipeline_stages(input.numel() * input.element_size(), slice_numel, topology)
+    if isinstance(pipeline_stages, bool) or not isinstance(pipeline_stages, int) or pipeline_stages < 1:
+        raise ValueError(f"pipeline_stages must be a positive int or None, got {pipeline_stages!r}")
+    return pipeline_stages
+
+
+def _bytes_sent(plan: _Plan) -> tuple[int, int]:
+    """(intra, inter) bytes of the all-to-all rows this rank sends to other ranks (comm_stats model)."""
+    topo, k, q = plan.info.topology, plan.stages, plan.part
+    if q == 0:
+        return 0, 0
+    inter = k * (topo.num_nodes - 1) * quant.payload_nbytes(q, BITS, plan.group_size)
+    intra = k * (topo.local_size - 1) * quant.payload_nbytes(topo.num_nodes * q, BITS, plan.group_size)
+    return intra, inter
+
+
+def _run_on_stream(plan: _Plan, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Handle | None:
+    """CUDA: enqueue the whole chain without blocking the host.
+
+    [Note: CUDA streams] Sync calls run on the current stream (NCCL's ``work.wait()`` makes
+    it wait for each hop). Async calls run on a side stream that first waits for the current
+    one; ``wait()`` makes the current stream wait for the chain's end event. ``input`` and
+    ``output`` are recorded on the side stream so the allocator keeps them until then.
+    """
+    if not async_op:
+        _chain(plan, output, input)
+        return None
+    current = torch.cuda.current_stream(input.device)
+    side = torch.cuda.Stream(device=input.device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        _chain(plan, output, input)
+        done = torch.cuda.Event()
+        done.record(side)
+    input.record_stream(side)
+    output.record_stream(side)
+    return Handle(finish=lambda: torch.cuda.current_stream(input.device).wait_event(done), ready=done.query)
+
+
+def _chain(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:
+    """Steps 1-5 of the module docstring, on this thread (or enqueued on the current CUDA stream)."""
+    topo, k, q = plan.info.topology, plan.stages, plan.part
+    world, slice_numel = plan.info.world_size, output.numel()
+    padded = k * q != slice_numel
+    source = _padded_input(input, world, slice_numel, k * q) if padded else input.view(-1)
+    result = torch.empty(k * q, dtype=output.dtype, device=output.device) if padded else output.view(-1)
+    perm = reorder_permutation(topo.num_nodes, topo.local_size, k)
+    num_rows = first_hop_rows(topo.num_nodes, topo.local_size, k)
+    rows = quant.reorder_quantize(source, perm, num_rows, BITS, plan.group_size)
+    _pipeline(plan, rows, result.view(k, q))
+    if padded:
+        output.view(-1).copy_(result[:slice_numel])
+
+
+def _padded_input(input: torch.Tensor, world: int, slice_numel: int, padded_numel: int) -> torch.Tensor:
+    """``input``'s ``world`` slices, each zero-padded to ``padded_numel``, as one flat buffer."""
+    staged = torch.zeros((world, padded_numel), dtype=input.dtype, device=input.device)
+    staged[:, :slice_numel].copy_(input.view(world, slice_numel))
+    return staged.view(-1)
+
+
+def _pipeline(plan: _Plan, rows: torch.Tensor, out_parts: torch.Tensor) -> None:
+    """Run the ``k`` stages' hops on ``rows`` (from step 1), writing stage ``s`` to ``out_parts[s]``.
+
+    [Note: hop overlap] All intra hops are issued first (their group runs them in order);
+    stage ``s``'s inter hop is issued as soon as its intra hop is reduced, and its final
+    reduction waits until stage ``s+1``'s inter hop is issued, so the inter-node link
+    carries stage ``s`` while the intra-node link carries stage ``s+1``. Every receive
+    buffer stays referenced (``intra``, ``in_flight``) until its reduction has consumed it.
+    """
+    topo, k = plan.info.topology, plan.stages
+    nodes, local = topo.num_nodes, topo.local_size
+    intra = [_all_to_all(rows[s * local : (s + 1) * local], plan.groups.intra) for s in range(k)] if local > 1 else []
+    if nodes == 1:
+        for s in range(k):
+            received, work = intra[s] if intra else (rows[s : s + 1], None)
+            _finish(plan, received, work, out_parts[s])
+        return
+    in_flight: list[tuple[int, torch.Tensor, dist.Work]] = []
+    for s in range(k):
+        in_flight.append((s, *_all_to_all(_inter_rows(plan, rows, intra, s), plan.groups.inter)))
+        if len(in_flight) == 2:
+            done, received, work = in_flight.pop(0)
+            _finish(plan, received, work, out_parts[done])
+    for done, received, work in in_flight:
+        _finish(plan, received, work, out_parts[done])
+
+
+def _inter_rows(plan: _Plan, rows: torch.Tensor, intra: list, stage: int) -> torch.Tensor:
+    """Stage ``stage``'s ``N`` rows for the inter-node hop: the node's re-quantized sum (step 3), or
+    the quantized input itself when there is one rank per node."""
+    nodes = plan.info.topology.num_nodes
+    if not intra:
+        return rows[stage * nodes : (stage + 1) * nodes]
+    received, work = intra[stage]
+    work.wait()
+    return quant.dequant_reduce(received, nodes * plan.part, BITS, plan.group_size, requant_chunks=nodes)
+
+
+def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
+    """Start row ``i`` of ``send`` to rank ``i`` of ``group``; returns (receive buffer, work)."""
+    received = torch.empty_like(send)
+    return received, dist.all_to_all_single(received, send, group=group, async_op=True)
+
+
+def _finish(plan: _Plan, received: torch.Tensor, work: dist.Work | None, out: torch.Tensor) -> None:
+    """Wait for the last hop of a stage and reduce its rows into this rank's output part."""
+    if work is not None:
+        work.wait()
+    quant.dequant_reduce(
+        received, plan.part, BITS, plan.group_size, dtype=out.dtype, divide_by=plan.divide_by, out=out
+    )

@@ -1,0 +1,28 @@
+"""One FIFO worker thread per (process group, topology) for collectives that need host work between hops.
+
+[Note: worker ordering] qgZ on CPU tensors has host work (dequantize, reduce, requantize)
+between its intra- and inter-node hops, so an ``async_op=True`` call cannot just enqueue
+its chain the way CUDA streams allow. The whole chain runs on a worker thread instead,
+and *every* call (sync ones too, which then wait) goes through the same single-threaded
+FIFO queue: each rank thus issues its collectives on zcomm's private subgroups in its own
+program order, which is the same order on every member, as torch.distributed requires.
+The worker overlaps with the caller's Python only as far as the quantization kernels
+release the GIL (the ``cpu`` backend's numba kernels are meant to; the ``reference``
+backend's torch ops do inside each op).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Hashable
+
+# (group name, topology) -> its single worker
+_WORKERS: dict[Hashable, ThreadPoolExecutor] = {}
+
+
+def ordered_worker(key: Hashable) -> ThreadPoolExecutor:
+    """The single-threaded executor for ``key``, created on first use."""
+    if key not in _WORKERS:
+        # setdefault keeps the first one if two threads race here; an unused executor starts no thread
+        _WORKERS.setdefault(key, ThreadPoolExecutor(max_workers=1, thread_name_prefix="zcomm-worker"))
+    return _WORKERS[key]

@@ -1,0 +1,27 @@
+// dequant_reduce: k payload rows, dequantized and summed in fp32 in row order, divided
+// once, then either stored as floats (the run decoder with one segment of k rows) or
+// re-quantized in the same pass into m payloads (the group encoder reading a PayloadSum,
+// so the fp32 sums never go to memory).
+#include "group_encoder.cuh"
+#include "instantiate.cuh"
+#include "run_decoder.cuh"
+
+#define ZC_DEQUANT_REDUCE(TAG, T, BITS)                                                               \
+    extern "C" __global__ void zc_dequant_reduce_##TAG##_int##BITS(                                   \
+        const zc::u8* payloads, zc::i64 stride, zc::i64 numel, zc::i64 group_size, zc::i64 k, float divisor, \
+        T* out) {                                                                                     \
+        const zc::PayloadRows<BITS> rows{payloads, stride, numel, group_size};                        \
+        zc::decode_segments(zc::SegmentLayout<T, BITS>{rows, out, 1, k, divisor});                    \
+    }
+
+#define ZC_DEQUANT_REDUCE_REQUANT(BITS)                                                               \
+    extern "C" __global__ void zc_dequant_reduce_requant_int##BITS(                                   \
+        const zc::u8* payloads, zc::i64 stride, zc::i64 numel, zc::i64 group_size, zc::i64 k, float divisor, \
+        zc::i64 num_chunks, zc::i64 out_stride, zc::u8* out) {                                        \
+        const zc::PayloadRows<BITS> rows{payloads, stride, numel, group_size};                        \
+        const zc::ChunkLayout<BITS> layout{out, numel / num_chunks, num_chunks, group_size, out_stride}; \
+        zc::encode_groups<BITS>(zc::PayloadSum<BITS>(rows, 0, k, divisor), layout);                   \
+    }
+
+ZC_FOR_EACH_DTYPE_BITS(ZC_DEQUANT_REDUCE)
+ZC_FOR_EACH_BITS(ZC_DEQUANT_REDUCE_REQUANT)

@@ -1,0 +1,18 @@
+// Expands a kernel-defining macro M(TAG, T, BITS) for every input/output dtype and bit
+// width, so each .cu file states its kernel once and the loader finds it by name
+// (zcomm_cuda/loader.py builds the same "<op>_<TAG>_int<BITS>" names).
+#pragma once
+
+#include "wire_math.cuh"
+
+#define ZC_FOR_EACH_DTYPE_BITS(M) \
+    M(f32, float, 8)              \
+    M(f32, float, 4)              \
+    M(bf16, zc::bf16_t, 8)        \
+    M(bf16, zc::bf16_t, 4)        \
+    M(f16, zc::fp16_t, 8)         \
+    M(f16, zc::fp16_t, 4)
+
+#define ZC_FOR_EACH_BITS(M) \
+    M(8)                    \
+    M(4)

@@ -1,0 +1,102 @@
+// Value sources: where the group encoder and the run decoder get their fp32 inputs.
+//
+// A source maps a logical element index j (over the concatenation of all output payloads)
+// to an fp32 value, one at a time (load1) or as a run of 8 (load8, only when its
+// can_vectorize() holds and j is a multiple of 8). Three sources cover the four ops:
+//   FlatSource      x[j]                                  (quantize)
+//   PermutedSource  x[perm[j / slice] * slice + j % slice] (reorder_quantize: the
+//                   reordered tensor is never materialized)
+//   PayloadSum      sum over k payload rows of the dequantized element j, then the
+//                   divisor (dequantize with k = 1, dequant_reduce)
+#pragma once
+
+#include "vector_io.cuh"
+
+namespace zc {
+
+template <class T> struct FlatSource {
+    const T* x;
+
+    ZC_HD bool can_vectorize() const { return aligned(x, 16); }
+    ZC_HD float load1(i64 j) const { return to_float(x[j]); }
+    ZC_HD void load8(i64 j, float (&v)[8]) const { zc::load8(x + j, v); }
+};
+
+template <class T> struct PermutedSource {
+    const T* x;
+    const i64* perm;  // output slice p is input slice perm[p]
+    i64 slice_numel;
+
+    ZC_HD i64 source_index(i64 j) const { return perm[j / slice_numel] * slice_numel + j % slice_numel; }
+    // A run of 8 stays inside one slice when slices are whole runs.
+    ZC_HD bool can_vectorize() const { return aligned(x, 16) && slice_numel % 8 == 0; }
+    ZC_HD float load1(i64 j) const { return to_float(x[source_index(j)]); }
+    ZC_HD void load8(i64 j, float (&v)[8]) const { zc::load8(x + source_index(j), v); }
+};
+
+// k payloads of `numel` elements each, stacked as rows of `stride` bytes.
+template <int BITS> struct PayloadRows {
+    const u8* base;
+    i64 stride;
+    i64 numel;
+    i64 group_size;
+
+    ZC_HD const u8* row(i64 r) const { return base + r * stride; }
+    ZC_HD bool words_aligned() const { return aligned(base, 4) && stride % 4 == 0; }
+    // Runs of 8 codes are 8 (INT8) or 4 (INT4) bytes and share one scale.
+    ZC_HD bool can_vectorize() const {
+        constexpr int run_bytes = 4 * Codes8<BITS>::kWords;
+        return group_size % 8 == 0 && aligned(base, run_bytes) && stride % run_bytes == 0;
+    }
+    ZC_HD float scale(const u8* row_bytes, i64 j, bool word_aligned) const {
+        const u8* slot = row_bytes + scales_offset(numel, BITS) + 4 * (j / group_size);
+        return bits_float(load_u32(slot, word_aligned));
+    }
+    ZC_HD float value1(const u8* row_bytes, i64 j, bool word_aligned) const {
+        return dequantize_value(load_code<BITS>(row_bytes, j), scale(row_bytes, j, word_aligned));
+    }
+    ZC_HD void value8(const u8* row_bytes, i64 j, bool word_aligned, float (&v)[8]) const {
+        u32 w[Codes8<BITS>::kWords];
+        load_words(w, row_bytes + j / Bits<BITS>::kElementsPerByte);
+        int q[8];
+        Codes8<BITS>::unpack(w, q);
+        const float s = scale(row_bytes, j, word_aligned);
+        for (int k = 0; k < 8; ++k) v[k] = dequantize_value(q[k], s);
+    }
+};
+
+// Rows [first_row, first_row + count) summed in row order, starting from the first row's
+// value (no leading 0 +, which would turn -0 into +0), then divided once by `divisor`.
+template <int BITS> struct PayloadSum {
+    PayloadRows<BITS> rows;
+    i64 first_row;
+    i64 count;
+    float divisor;
+    bool word_aligned;
+
+    ZC_HD PayloadSum(const PayloadRows<BITS>& rows_, i64 first_row_, i64 count_, float divisor_)
+        : rows(rows_), first_row(first_row_), count(count_), divisor(divisor_), word_aligned(rows_.words_aligned()) {}
+
+    ZC_HD bool can_vectorize() const { return rows.can_vectorize(); }
+
+    // x / 1 == x exactly, so skipping the division when divisor is 1 changes no byte.
+    ZC_HD float finish(float acc) const { return canonicalize(divisor != 1.0f ? div_rn(acc, divisor) : acc); }
+
+    ZC_HD float load1(i64 j) const {
+        float acc = rows.value1(rows.row(first_row), j, word_aligned);
+        for (i64 r = 1; r < count; ++r) acc = add_rn(acc, rows.value1(rows.row(first_row + r), j, word_aligned));
+        return finish(acc);
+    }
+
+    ZC_HD void load8(i64 j, float (&v)[8]) const {
+        rows.value8(rows.row(first_row), j, word_aligned, v);
+        for (i64 r = 1; r < count; ++r) {
+            float d[8];
+            rows.value8(rows.row(first_row + r), j, word_aligned, d);
+            for (int k = 0; k < 8; ++k) v[k] = add_rn(v[k], d[k]);
+        }
+        for (int k = 0; k < 8; ++k) v[k] = finish(v[k]);
+    }
+};
+
+}  // namespace zc

@@ -1,0 +1,214 @@
+// Scalar arithmetic of the zcomm wire format (zcomm/quant/wire_format.py), shared by the
+// device kernels and the host-side check (tests/cuda_host/host_check.cu).
+//
+// Every function here is __host__ __device__ so that the same source that runs on the GPU
+// can be compiled for the CPU and compared byte for byte with the reference backend.
+//
+// [Note: explicit rounding] The wire format fixes the fp32 operations (division, not a
+// multiplication by a reciprocal; no fused multiply-add; no flush-to-zero). On the device
+// every such operation goes through an _rn intrinsic (__fdiv_rn, __fmul_rn, __fadd_rn):
+// the compiler never contracts them into an FMA nor substitutes an approximate division,
+// whatever flags a caller passes (the loader also passes --fmad=false --ftz=false
+// --prec-div=true, belt and braces). On the host the plain operators are IEEE fp32 on
+// x86-64 SSE, and the host check is built with -ffp-contract=off.
+//
+// [Note: software conversions] fp32 <-> bf16/fp16 are done on the bit patterns instead of
+// through cuda_bf16.h / cuda_fp16.h: NVRTC then needs no headers, the code is identical
+// on host and device (so the host check covers it), and NaN is written as the canonical
+// pattern directly (hardware conversions produce other NaN payloads). The rounding is
+// round-to-nearest-even, exactly what __float2bfloat16_rn / __float2half_rn compute.
+#pragma once
+
+#ifndef __CUDACC_RTC__
+#include <cmath>
+#include <cstring>
+#endif
+
+#if defined(__CUDACC__)
+#define ZC_HD __host__ __device__ __forceinline__
+#else
+#define ZC_HD inline
+#endif
+
+namespace zc {
+
+using u8 = unsigned char;
+using u16 = unsigned short;
+using u32 = unsigned int;
+using i64 = long long;
+
+// 16-bit element types, kept distinct so that overloads pick the right conversion.
+struct bf16_t { u16 bits; };
+struct fp16_t { u16 bits; };
+
+constexpr u32 kF32CanonicalNan = 0x7FC00000u;
+constexpr u16 kBf16CanonicalNan = 0x7FC0u;
+constexpr u16 kF16CanonicalNan = 0x7E00u;
+constexpr u32 kF32Inf = 0x7F800000u;
+constexpr u32 kF32AbsMask = 0x7FFFFFFFu;
+
+ZC_HD u32 float_bits(float f) {
+#ifdef __CUDA_ARCH__
+    return __float_as_uint(f);
+#else
+    u32 u;
+    std::memcpy(&u, &f, sizeof u);
+    return u;
+#endif
+}
+
+ZC_HD float bits_float(u32 u) {
+#ifdef __CUDA_ARCH__
+    return __uint_as_float(u);
+#else
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+#endif
+}
+
+ZC_HD float div_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+    return __fdiv_rn(a, b);
+#else
+    return a / b;
+#endif
+}
+
+ZC_HD float mul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+    return __fmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+
+ZC_HD float add_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+    return __fadd_rn(a, b);
+#else
+    return a + b;
+#endif
+}
+
+ZC_HD float rint_even(float x) {
+#ifdef __CUDA_ARCH__
+    return rintf(x);
+#else
+    return std::rint(x);  // default rounding mode: to nearest, ties to even
+#endif
+}
+
+ZC_HD u32 max_u32(u32 a, u32 b) { return a > b ? a : b; }
+ZC_HD bool is_nan(float f) { return (float_bits(f) & kF32AbsMask) > kF32Inf; }
+ZC_HD bool is_finite(float f) { return (float_bits(f) & kF32AbsMask) < kF32Inf; }
+ZC_HD float canonical_nan() { return bits_float(kF32CanonicalNan); }
+ZC_HD float canonicalize(float f) { return is_nan(f) ? canonical_nan() : f; }
+
+// |x| as bits. For non-negative floats the unsigned order of the bit patterns is the float
+// order, with +Inf (0x7F800000) above every finite value and every NaN above +Inf. So an
+// integer max over these bits is a NaN-propagating absmax that also tells NaN from Inf,
+// with no separate flags (fmaxf would drop the NaN).
+ZC_HD u32 abs_bits(float x) { return float_bits(x) & kF32AbsMask; }
+
+// ---- element types -> fp32 (exact for all three) ----
+
+ZC_HD float to_float(float v) { return v; }
+ZC_HD float to_float(bf16_t v) { return bits_float(static_cast<u32>(v.bits) << 16); }
+
+ZC_HD float to_float(fp16_t v) {
+    const u32 sign = static_cast<u32>(v.bits & 0x8000u) << 16;
+    const u32 exponent = (v.bits >> 10) & 0x1Fu;
+    const u32 mantissa = v.bits & 0x3FFu;
+    if (exponent == 0x1Fu) return bits_float(sign | kF32Inf | (mantissa << 13));
+    if (exponent == 0) {
+        // zero or subnormal: mantissa * 2^-24, exact in fp32 (a power-of-two scaling)
+        const float magnitude = mul_rn(static_cast<float>(mantissa), 5.9604644775390625e-08f);
+        return bits_float(float_bits(magnitude) | sign);
+    }
+    return bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+// ---- fp32 -> element types (round to nearest even, canonical NaN) ----
+
+template <class T> ZC_HD T from_float(float f);
+
+template <> ZC_HD float from_float<float>(float f) { return canonicalize(f); }
+
+template <> ZC_HD bf16_t from_float<bf16_t>(float f) {
+    if (is_nan(f)) return bf16_t{kBf16CanonicalNan};
+    const u32 u = float_bits(f);
+    const u32 rounding = 0x7FFFu + ((u >> 16) & 1u);  // ties go to the even upper half
+    return bf16_t{static_cast<u16>((u + rounding) >> 16)};
+}
+
+template <> ZC_HD fp16_t from_float<fp16_t>(float f) {
+    if (is_nan(f)) return fp16_t{kF16CanonicalNan};
+    const u32 u = float_bits(f);
+    const u16 sign = static_cast<u16>((u >> 16) & 0x8000u);
+    u32 a = u & kF32AbsMask;
+    if (a >= 0x477FF000u) return fp16_t{static_cast<u16>(sign | 0x7C00u)};  // >= 65520 rounds to Inf
+    if (a >= 0x38800000u) {  // normal fp16 range (>= 2^-14): rebias, round on the dropped 13 bits
+        a += 0xC8000FFFu + ((a >> 13) & 1u);
+        return fp16_t{static_cast<u16>(sign | (a >> 13))};
+    }
+    // subnormal fp16: adding 0.5f aligns the fp16 subnormal grid (2^-24) to the last fp32
+    // mantissa bit, so the fp32 addition itself performs the round-to-nearest-even.
+    const u32 shifted = float_bits(add_rn(bits_float(a), 0.5f)) - 0x3F000000u;
+    return fp16_t{static_cast<u16>(sign | shifted)};
+}
+
+// ---- wire-format rules per group and per element ----
+
+// The scale of a group from the max of abs_bits over its elements (see abs_bits).
+ZC_HD float scale_from_absmax_bits(u32 absmax_bits, float qmax) {
+    if (absmax_bits > kF32Inf) return canonical_nan();
+    if (absmax_bits == kF32Inf) return bits_float(kF32Inf);
+    return div_rn(bits_float(absmax_bits), qmax);
+}
+
+// Quantizes elements of one group: q = clamp(rint(x / scale), -qmax, qmax), or 0 for the
+// whole group when the scale is 0, NaN or Inf.
+struct Quantizer {
+    float scale;
+    float qmax;
+    bool usable;
+
+    ZC_HD Quantizer(float scale_, float qmax_)
+        : scale(scale_), qmax(qmax_), usable(is_finite(scale_) && scale_ != 0.0f) {}
+
+    ZC_HD int operator()(float x) const {
+        if (!usable) return 0;
+        float r = rint_even(div_rn(x, scale));
+        r = r > qmax ? qmax : r;
+        r = r < -qmax ? -qmax : r;
+        return static_cast<int>(r);
+    }
+};
+
+// One element's fp32 value: q * scale, or the canonical NaN when the scale is NaN or Inf
+// (a non-finite group never dequantizes to finite numbers).
+ZC_HD float dequantize_value(int q, float scale) {
+    return is_finite(scale) ? mul_rn(static_cast<float>(q), scale) : canonical_nan();
+}
+
+template <int BITS> struct Bits;
+template <> struct Bits<8> {
+    static constexpr float kQmax = 127.0f;
+    static constexpr int kElementsPerByte = 1;
+};
+template <> struct Bits<4> {
+    static constexpr float kQmax = 7.0f;
+    static constexpr int kElementsPerByte = 2;
+};
+
+// ---- payload layout ----
+
+ZC_HD i64 values_nbytes(i64 numel, int bits) { return bits == 8 ? numel : (numel + 1) / 2; }
+ZC_HD i64 scales_offset(i64 numel, int bits) { return (values_nbytes(numel, bits) + 3) / 4 * 4; }
+ZC_HD i64 num_groups(i64 numel, i64 group_size) { return (numel + group_size - 1) / group_size; }
+ZC_HD bool aligned(const void* p, i64 bytes) {
+    return reinterpret_cast<unsigned long long>(p) % static_cast<unsigned long long>(bytes) == 0;
+}
+
+}  // namespace zc
