@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	$(PY) -m bench.kernels
+	$(PY) -m bench.demo
 
 nvcc-check: $(STAMP)
 	$(PY) -m pytest tests/test_cuda_compile.py -q

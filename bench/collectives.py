@@ -1,0 +1,140 @@
+"""nccl-tests for zcomm: time, bandwidth and correctness of torch's and zcomm's collectives.
+
+Run under any launcher ``bench.dist_env`` knows, e.g.::
+
+    mpirun -n 4 python -m bench.collectives -b 1M -e 64M -f 2 -d bfloat16
+    python -m bench.simcluster --nodes 2 --local 2 --rate 200mbit -- python -m bench.collectives ...
+
+For every op and size it allocates the buffers, warms up, times ``-n`` calls (max over ranks),
+reads the node's wire counters around the timed calls when the cluster launcher provides
+them, then checks the last output against the fp64 oracle. Rank 0 prints one row per
+(op, size) as it completes, then the zcomm-vs-torch comparison, and writes the JSON and plot.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from . import comparison, dist_env, ops, report
+from .bandwidth import algbw_gbps, busbw_gbps
+from .cli import BenchConfig, parse_config
+from .timing import time_collective
+from .wire import read_wire_bytes
+
+ZCOMM_OPS = ("all_gather_q8", "reduce_scatter_q4")
+
+
+def _variants(config: BenchConfig, have_zcomm: bool) -> Iterator[tuple[str, int | None]]:
+    for op in config.ops:
+        if op in ZCOMM_OPS and not have_zcomm:
+            continue
+        for stages in config.stages if op == "reduce_scatter_q4" else (None,):
+            yield op, stages
+
+
+def _wire_counter(env: dist_env.DistEnv) -> Callable[[], int] | None:
+    if read_wire_bytes() is None:
+        return None
+    # Every rank of a node reads the same counters: let one of them report the node's bytes.
+    return lambda: read_wire_bytes()[0] if env.local_rank == 0 else 0
+
+
+def _sum_over_ranks(value: int) -> int:
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor)
+    return int(tensor.item())
+
+
+def measure(case: ops.Case, config: BenchConfig, env: dist_env.DistEnv) -> report.Row:
+    """Time one case, count its wire bytes and its wrong elements."""
+    timing = time_collective(case.run, iters=config.iters, warmup=config.warmup, counter=_wire_counter(env))
+    wrong = _sum_over_ranks(case.check())
+    return report.Row(
+        op=case.label,
+        size_bytes=case.size_bytes,
+        count=case.count,
+        dtype=config.dtype,
+        redop=case.redop,
+        time_us=timing.seconds * 1e6,
+        algbw_gbps=algbw_gbps(case.size_bytes, timing.seconds),
+        busbw_gbps=busbw_gbps(case.kind, case.size_bytes, timing.seconds, env.world_size),
+        wrong=wrong,
+        logical_bytes=case.size_bytes,
+        payload_bytes=case.payload_bytes,
+        wire_bytes=timing.counter_delta,
+    )
+
+
+def run_sweep(config: BenchConfig, env: dist_env.DistEnv) -> list[report.Row]:
+    """Every (op, stages, size) of ``config``; rank 0 prints each row as it completes."""
+    have_zcomm = ops.zcomm_problem() is None
+    jobs = [(op, stages, size) for op, stages in _variants(config, have_zcomm) for size in config.sizes()]
+    rows = []
+    for op, stages, size in tqdm(jobs, desc="collectives", disable=env.rank != 0, file=sys.stderr):
+        case = ops.build_case(
+            op, size, env=env, dtype=config.torch_dtype, seed=config.seed, group_size=config.group_size, stages=stages
+        )
+        rows.append(measure(case, config, env))
+        if env.rank == 0:
+            tqdm.write(report.format_row(rows[-1]), file=sys.stdout)
+    return rows
+
+
+def _preamble(config: BenchConfig, env: dist_env.DistEnv) -> str:
+    problem = ops.zcomm_problem()
+    skipped = [op for op in config.ops if op in ZCOMM_OPS] if problem else []
+    note = f"# skipped {', '.join(skipped)}: {problem}\n" if skipped else ""
+    return note + (
+        f"# zcomm collectives: {env.world_size} ranks = {env.nodes} node(s) x {env.node_size} "
+        f"({env.launcher}), dtype {config.dtype}, iters {config.iters}, warmup {config.warmup}, "
+        f"group size {config.group_size or 'zcomm default'}, torch {torch.__version__}\n"
+        f"# time = max over ranks of the per-call time; wire = inter-node bytes per call (all nodes)"
+    )
+
+
+def _print_comparison(rows: Sequence[report.Row], config: BenchConfig, env: dist_env.DistEnv) -> None:
+    itemsize = config.torch_dtype.itemsize
+    sections = (
+        ("speedup over torch", comparison.speedups(rows)),
+        ("inter-node wire bytes vs a bandwidth-optimal bf16 ring", comparison.wire_ratios(
+            rows, nodes=env.nodes, ranks_per_node=env.node_size, itemsize=itemsize
+        )),
+        ("pipelining of reduce_scatter_q4", comparison.pipelining(rows)),
+    )
+    for title, lines in sections:
+        if lines:
+            print(f"\n# {title}")
+            print("\n".join(lines))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_config(argv)
+    # torch 2.13 renamed the tensor collectives; the names benchmarked here are the ones users call.
+    warnings.filterwarnings("ignore", message=r".* is deprecated\. Please use `torch\.distributed\.", category=FutureWarning)
+    env = dist_env.detect()
+    dist_env.init_process_group(env)
+    try:
+        if env.rank == 0:
+            print(_preamble(config, env))
+            print(report.header(), flush=True)
+        rows = run_sweep(config, env)
+        if env.rank == 0:
+            _print_comparison(rows, config, env)
+            if config.json_path:
+                report.write_json(rows, config.json_path)
+            if config.plot_path:
+                report.write_plot(rows, config.plot_path, f"{env.nodes}x{env.node_size} ranks, {config.dtype}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

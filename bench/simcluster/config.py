@@ -1,0 +1,78 @@
+"""What cluster to simulate: nodes, ranks per node, link rate and delay, and the command."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from typing import Sequence
+
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+_RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$", re.IGNORECASE)
+_DELAY_RE = re.compile(r"^\d+(?:\.\d+)?(us|ms|s)$")
+MAX_NODES = 250
+
+
+def parse_rate(text: str) -> int:
+    """``"200mbit"`` -> 200_000_000 bits per second (tc's SI units)."""
+    match = _RATE_RE.match(text.strip())
+    if match is None:
+        raise ValueError(f"rate must look like 200mbit (units {', '.join(_RATE_UNITS)}), got {text!r}")
+    bits = float(match.group(1)) * _RATE_UNITS[match.group(2).lower()]
+    if bits < 8000:
+        raise ValueError(f"rate must be at least 8kbit, got {text!r}")
+    return int(bits)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """``nodes`` namespaces of ``local`` ranks each; every node's link limited to ``rate_bps`` both ways."""
+
+    nodes: int
+    local: int
+    rate_bps: int
+    delay: str | None = None
+    command: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.nodes <= MAX_NODES:
+            raise ValueError(f"--nodes must be in 1..{MAX_NODES}, got {self.nodes}")
+        if self.local < 1:
+            raise ValueError(f"--local must be >= 1, got {self.local}")
+        if self.rate_bps < 8000:
+            raise ValueError(f"rate must be at least 8000 bit/s, got {self.rate_bps}")
+        if self.delay is not None and not _DELAY_RE.match(self.delay):
+            raise ValueError(f"--delay must look like 1ms (units us, ms, s), got {self.delay!r}")
+        if not self.command:
+            raise ValueError("no command given: put it after --, e.g. -- python -m bench.collectives")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.local
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.simcluster",
+        description="Run CMD as nodes x local ranks on a simulated cluster of network namespaces (needs root).",
+        usage="%(prog)s --nodes N --local L --rate 200mbit [--delay 1ms] -- CMD ...",
+    )
+    parser.add_argument("--nodes", type=int, required=True, help="number of simulated nodes")
+    parser.add_argument("--local", type=int, required=True, help="ranks per node")
+    parser.add_argument("--rate", required=True, help="each node's link rate, both directions (tc units: 200mbit)")
+    parser.add_argument("--delay", help="one-way delay added to each node's link (tc netem, e.g. 1ms)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None) -> ClusterConfig:
+    """Parse the launcher's arguments; bad values exit through argparse (status 2)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        return ClusterConfig(
+            nodes=args.nodes, local=args.local, rate_bps=parse_rate(args.rate), delay=args.delay, command=tuple(command)
+        )
+    except ValueError as exc:
+        parser.error(str(exc))

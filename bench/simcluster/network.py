@@ -1,0 +1,133 @@
+"""The simulated network: one namespace per node, joined by veth links to a bridge namespace.
+
+Layout for a launch with prefix ``zcsim-<pid>`` (the launcher's pid, so concurrent launches
+never share a name)::
+
+    zcsim-<pid>-n<i>  (node i)                      zcsim-<pid>-br
+      lo (up: ranks of the node talk here)           br0 (bridge)
+      zc-up 10.213.0.<i+1>/24  <-- veth pair -->     p<i> (port of br0)
+
+The host's root namespace is never touched: each veth pair is created inside the node's
+namespace with its peer moved straight into the bridge namespace. Every node's link is
+shaped with a token bucket (``tbf``) on both ends, i.e. on the node's egress (zc-up) and on
+the bridge's egress towards the node (p<i>), so the limit holds in both directions; an
+optional ``netem`` delay sits under each ``tbf``. IPv6 address generation is off on every
+link so no router solicitations add to the counters. Deleting a namespace deletes its end
+of each veth pair and therefore the pair.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+
+from .config import ClusterConfig
+
+UPLINK = "zc-up"
+SUBNET = "10.213.0"
+PREFIX = "zcsim"
+_OURS = re.compile(rf"^{PREFIX}-(\d+)-")
+
+
+class NetworkError(RuntimeError):
+    """An ``ip``/``tc`` command failed; the message carries its stderr."""
+
+
+def _run(*argv: str) -> str:
+    result = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if result.returncode:
+        raise NetworkError(f"{' '.join(argv)} failed: {result.stderr.strip() or result.returncode}")
+    return result.stdout
+
+
+def list_namespaces() -> list[str]:
+    """Names of all network namespaces (``ip netns list`` prints ``name (id: k)``)."""
+    return [line.split()[0] for line in _run("ip", "netns", "list").splitlines() if line.strip()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale() -> list[str]:
+    """Delete namespaces left by launches whose process is gone; returns their names."""
+    stale = [name for name in list_namespaces() if (m := _OURS.match(name)) and not _alive(int(m.group(1)))]
+    for name in stale:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+    return stale
+
+
+def _burst_bytes(rate_bps: int) -> int:
+    # tbf needs a bucket of at least rate / HZ (HZ can be as low as 100) plus one GSO packet.
+    return max(rate_bps // 8 // 100, 64 * 1024)
+
+
+@dataclasses.dataclass
+class SimNetwork:
+    """Create with :meth:`build`, always :meth:`destroy` (also after a failed build)."""
+
+    config: ClusterConfig
+    prefix: str = dataclasses.field(default_factory=lambda: f"{PREFIX}-{os.getpid()}")
+    created: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def bridge_ns(self) -> str:
+        return f"{self.prefix}-br"
+
+    def node_ns(self, node: int) -> str:
+        return f"{self.prefix}-n{node}"
+
+    @staticmethod
+    def node_addr(node: int) -> str:
+        return f"{SUBNET}.{node + 1}"
+
+    def _add_ns(self, name: str) -> None:
+        _run("ip", "netns", "add", name)
+        self.created.append(name)
+        _run("ip", "-n", name, "link", "set", "lo", "up")
+
+    def _shape(self, ns: str, dev: str) -> None:
+        rate = f"{self.config.rate_bps}bit"
+        burst = str(_burst_bytes(self.config.rate_bps))
+        _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", rate, "burst", burst, "latency", "100ms")
+        if self.config.delay:
+            _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "netem", "delay", self.config.delay)
+
+    def build(self) -> None:
+        self._add_ns(self.bridge_ns)
+        _run("ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", self.bridge_ns, "link", "set", "br0", "addrgenmode", "none", "up")
+        for node in range(self.config.nodes):
+            ns, port = self.node_ns(node), f"p{node}"
+            self._add_ns(ns)
+            _run("ip", "-n", ns, "link", "add", UPLINK, "type", "veth", "peer", "name", port, "netns", self.bridge_ns)
+            _run("ip", "-n", self.bridge_ns, "link", "set", port, "master", "br0", "addrgenmode", "none", "up")
+            _run("ip", "-n", ns, "link", "set", UPLINK, "addrgenmode", "none")
+            _run("ip", "-n", ns, "addr", "add", f"{self.node_addr(node)}/24", "dev", UPLINK)
+            _run("ip", "-n", ns, "link", "set", UPLINK, "up")
+            self._shape(ns, UPLINK)
+            self._shape(self.bridge_ns, port)
+
+    def counters(self, node: int) -> tuple[int, int]:
+        """``(tx_bytes, rx_bytes)`` of node ``node``'s uplink."""
+        info = json.loads(_run("ip", "-n", self.node_ns(node), "-j", "-s", "link", "show", "dev", UPLINK))
+        stats = info[0]["stats64"]
+        return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
+
+    def destroy(self) -> list[str]:
+        """Delete every namespace this network created; returns the names that failed."""
+        failed = []
+        for name in reversed(self.created):
+            if subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False).returncode:
+                failed.append(name)
+        self.created = failed
+        return failed

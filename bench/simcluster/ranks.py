@@ -1,0 +1,106 @@
+"""Start the ranks inside their nodes' namespaces and supervise them.
+
+Rank ``r`` runs on node ``r // local`` (node-major, as zcomm's topology expects) through
+``ip netns exec``, in its own session so that it can be signalled as a process group. It gets
+torchrun's variables, ``GLOO_SOCKET_IFNAME`` (gloo binds to the node's address; peers on the
+same node reach that address over loopback, so their traffic stays off the link),
+``ZCOMM_LOCAL_SIZE`` (zcomm's topology) and ``ZCOMM_WIRE_IFACE`` (:mod:`bench.wire`).
+
+The first rank that exits non-zero decides the exit status; the others are then terminated
+(SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+from typing import Mapping, Sequence
+
+from ..wire import WIRE_IFACE_ENV
+from .config import ClusterConfig
+from .network import UPLINK, SimNetwork
+
+GRACE_S = 5.0
+_POLL_S = 0.05
+# Launcher variables that would make a rank think it runs under MPI instead.
+_FOREIGN = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
+
+
+def rank_env(config: ClusterConfig, rank: int, master_addr: str, master_port: int, base: Mapping[str, str]) -> dict[str, str]:
+    """The environment of ``rank``: ``base`` plus the launcher's variables."""
+    env = {key: value for key, value in base.items() if key not in _FOREIGN}
+    # The namespaces have no resolver entries for their addresses, so c10d would warn on
+    # every connection that it cannot name the peer; keep its errors, drop those warnings.
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(config.world_size),
+        LOCAL_RANK=str(rank % config.local),
+        LOCAL_WORLD_SIZE=str(config.local),
+        GROUP_RANK=str(rank // config.local),
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+        GLOO_SOCKET_IFNAME=UPLINK,
+        ZCOMM_LOCAL_SIZE=str(config.local),
+        **{WIRE_IFACE_ENV: UPLINK},
+    )
+    return env
+
+
+def pick_master_port() -> int:
+    # Node 0's namespace is new and holds only our ranks, and the kernel hands out ephemeral
+    # ports from 32768 up, so any port below that is free there: no probing needed.
+    return random.randrange(20000, 30000)
+
+
+def start(network: SimNetwork, command: Sequence[str]) -> list[subprocess.Popen]:
+    """Start every rank; the caller must :func:`terminate` them whatever happens."""
+    config = network.config
+    port = pick_master_port()
+    procs = []
+    for rank in range(config.world_size):
+        env = rank_env(config, rank, network.node_addr(0), port, os.environ)
+        argv = ["ip", "netns", "exec", network.node_ns(rank // config.local), *command]
+        procs.append(subprocess.Popen(argv, env=env, start_new_session=True))
+    return procs
+
+
+def exit_status(returncode: int) -> int:
+    """A shell-style status: ``128 + n`` for a rank killed by signal ``n``."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def wait(procs: Sequence[subprocess.Popen]) -> tuple[int, int | None]:
+    """Wait until all ranks succeed or one fails: ``(status, failing rank or None)``."""
+    while True:
+        codes = [proc.poll() for proc in procs]
+        for rank, code in enumerate(codes):
+            if code:
+                return exit_status(code), rank
+        if all(code == 0 for code in codes):
+            return 0, None
+        time.sleep(_POLL_S)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def terminate(procs: Sequence[subprocess.Popen]) -> None:
+    """SIGTERM every rank still running, SIGKILL what is left after ``GRACE_S``, reap all."""
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
+        _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for proc in running:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
