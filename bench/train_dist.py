@@ -1,29 +1,26 @@
-"""Who this process is in the training job: rank, node-local rank, device.
+"""Who this process is in the training job: rank, node layout, device.
 
-The job is launched by torchrun, by ``python -m bench.simcluster`` (both set RANK,
-WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT) or by anything
-else that sets those variables. ``ZCOMM_LOCAL_SIZE`` overrides the ranks per node, as in
-the rest of zcomm (e.g. to pretend one machine is several nodes); nodes hold consecutive
-ranks, so a rank's position in its node is ``rank % ranks_per_node``. With CUDA each rank
-takes GPU ``LOCAL_RANK`` (the launcher's, i.e. physical) and NCCL; otherwise gloo.
+``bench.dist_env`` recognises the launcher (torchrun, ``python -m bench.simcluster``,
+mpirun with MPICH or Open MPI, or none: a single rank) and joins the process group. A node
+is ``node_size`` consecutive ranks (``ZCOMM_LOCAL_SIZE`` when set, so one machine can
+pretend to be several nodes, else the launcher's local world size), so a rank's position
+in its node, which decides who reads the node's wire counters, is ``rank % node_size``.
+With CUDA each rank takes the GPU of its launcher-given local rank and NCCL; otherwise gloo.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-REQUIRED_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+from bench import dist_env
 
 
 @dataclass(frozen=True, kw_only=True)
 class DistContext:
     rank: int
     world_size: int
-    local_rank: int
     ranks_per_node: int
     device: torch.device
 
@@ -32,43 +29,24 @@ class DistContext:
             raise ValueError(f"rank {self.rank} outside world of {self.world_size}")
         if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
             raise ValueError(f"{self.ranks_per_node} ranks per node do not divide world of {self.world_size}")
-        if not 0 <= self.local_rank < self.ranks_per_node:
-            raise ValueError(f"local rank {self.local_rank} outside a node of {self.ranks_per_node}")
 
     @property
     def num_nodes(self) -> int:
         return self.world_size // self.ranks_per_node
 
-
-def _int_env(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+    @property
+    def node_rank(self) -> int:
+        """This rank's position inside its node."""
+        return self.rank % self.ranks_per_node
 
 
 def init_distributed() -> DistContext:
-    """Join the process group from the environment and describe this rank."""
-    missing = [name for name in REQUIRED_VARIABLES if name not in os.environ]
-    if missing:
-        raise ValueError(
-            f"missing {missing}: launch with torchrun, python -m bench.simcluster, or set the variables yourself"
-        )
-    rank, world_size = _int_env("RANK", 0), _int_env("WORLD_SIZE", 1)
-    ranks_per_node = _int_env("ZCOMM_LOCAL_SIZE", _int_env("LOCAL_WORLD_SIZE", world_size))
+    """Join the process group the launcher describes and say who this rank is."""
+    env = dist_env.detect()
     if torch.cuda.is_available():
-        device = torch.device("cuda", _int_env("LOCAL_RANK", rank % torch.cuda.device_count()))
+        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return DistContext(
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
-        local_rank=dist.get_rank() % ranks_per_node,
-        ranks_per_node=ranks_per_node,
-        device=device,
-    )
+    dist_env.init_process_group(env, "nccl" if device.type == "cuda" else "gloo")
+    return DistContext(rank=env.rank, world_size=env.world_size, ranks_per_node=env.node_size, device=device)

@@ -27,14 +27,7 @@ import torch.distributed as dist
 from bench.text_data import ByteCorpus, rank_slice
 from bench.train_dist import DistContext
 from bench.train_runner import MemoryReading, Runner
-
-try:
-    from bench.wire import read_wire_bytes
-except ImportError:
-    # bench.wire comes with the simulated-cluster launcher (issue 4); without it nothing
-    # is measured on the wire and the table says "n/a".
-    def read_wire_bytes() -> tuple[int, int] | None:
-        return None
+from bench.wire import read_wire_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,7 +88,7 @@ class WireMeter:
     """Inter-node bytes of the measured steps, summed over nodes (see the module docstring)."""
 
     def __init__(self, ctx: DistContext) -> None:
-        self.reads = ctx.local_rank == 0
+        self.reads = ctx.node_rank == 0
         self.device = ctx.device
         self.tx = self.rx = 0
         self.missing = False

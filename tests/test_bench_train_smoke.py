@@ -1,8 +1,9 @@
 """A tiny 2-process ``python -m bench.train`` run: table, JSON and PNG outputs, finite losses.
 
 The ranks are started here with torchrun's variables on 127.0.0.1 (gloo), the way
-torchrun or the simulated-cluster launcher starts them. Optional engines and models that
-are not installed must appear as skipped rows with a note, not as failures.
+torchrun or the simulated-cluster launcher starts them; as root, also a real 2-node
+simulated cluster whose wire bytes are checked. Optional engines and models that are not
+installed must appear as skipped rows with a note, not as failures.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from bench.simcluster import launcher
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--steps", "4", "--warmup", "1", "--batch", "4", "--seq-len", "16", "--d-model", "32", "--n-layers", "1",
@@ -114,3 +117,27 @@ def test_zero_configs_two_ranks(tmp_path: Path) -> None:
             memory.append(rows[(config, model)]["memory_bytes"])
         # Each stage partitions one more kind of model state.
         assert memory[0] > memory[1] > memory[2]
+
+
+@pytest.mark.root
+@pytest.mark.skipif(launcher.missing_prerequisite() is not None, reason=str(launcher.missing_prerequisite()))
+def test_simulated_cluster_counts_wire_bytes(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    command = [sys.executable, "-m", "bench.simcluster", "--nodes", "2", "--local", "1", "--rate", "100mbit", "--",
+               sys.executable, "-m", "bench.train", "--configs", "fsdp2", "fsdp2-hpz", *TINY, "--json", str(out)]
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    rows = {row["config"]: row for row in result["results"]}
+    params = result["meta"]["params"]["tinygpt"]
+    assert result["meta"]["nodes"] == 2
+    for row in rows.values():
+        assert row["status"] == "ok"
+        # At least the forward all-gather and the gradient reduction of bf16 weights cross:
+        # each node sends its half of both, 2 bytes x params/2 x 2 nodes, twice.
+        assert row["wire_tx_bytes_per_step"] >= 4 * params
+        assert row["wire_rx_bytes_per_step"] == pytest.approx(row["wire_tx_bytes_per_step"], rel=0.1)
+    # One rank per node: fsdp2-hpz keeps whole weights after forward, so its backward
+    # gathers nothing across nodes.
+    assert rows["fsdp2-hpz"]["wire_tx_bytes_per_step"] < rows["fsdp2"]["wire_tx_bytes_per_step"]
