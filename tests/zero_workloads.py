@@ -1,0 +1,108 @@
+"""Shared workloads for the runtime tests: models, deterministic data, training loops.
+
+The oracle is plain single-process training of the unwrapped model on the *global* batch;
+the runtime trains the same model (same seed) with each rank taking its slice of that
+batch. Both sides call the same functions here, so they differ only in the runtime.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from bench.models import MLP, GPTConfig, TinyGPT
+
+GPT = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=2)
+GLOBAL_BATCH = 8
+LR = 1e-2
+
+
+class OutsideUse(torch.nn.Module):
+    """Reads its children's parameters in its own forward, without calling them (and calls
+    ``inner`` twice): the case stage 3's gather-on-access must handle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(12, 20)
+        self.head = torch.nn.Linear(20, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.inner(x))
+        h = h + self.inner(x * 0.5)
+        return F.linear(h, self.head.weight) + self.head.bias
+
+
+def make_model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "outside":
+        return OutsideUse()
+    return MLP(d_in=12, d_hidden=20, d_out=5, depth=3) if kind == "mlp" else TinyGPT(GPT)
+
+
+def make_optimizer():
+    return functools.partial(torch.optim.AdamW, lr=LR, weight_decay=0.01)
+
+
+def grouped_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """A torch optimizer with per-group hyper-parameters, built on the (MLP) model itself:
+    the runtime takes it as a template, the oracle uses it directly."""
+    first, rest = model.layers[0], model.layers[1:]
+    return torch.optim.AdamW([{"params": first.parameters(), "weight_decay": 0.1},
+                              {"params": rest.parameters(), "lr": LR / 2}], lr=LR, weight_decay=0.01)
+
+
+def global_batch(kind: str, step: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    if kind in ("mlp", "outside"):
+        return torch.randn(GLOBAL_BATCH, 12, generator=gen), torch.randn(GLOBAL_BATCH, 5, generator=gen)
+    return (torch.randint(0, GPT.vocab_size, (GLOBAL_BATCH, GPT.seq_len), generator=gen),)
+
+
+def local_slice(batch: tuple[torch.Tensor, ...], index: int, parts: int) -> tuple[torch.Tensor, ...]:
+    size = batch[0].shape[0] // parts
+    return tuple(t[index * size : (index + 1) * size] for t in batch)
+
+
+def loss_of(kind: str, model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    if kind in ("mlp", "outside"):
+        x, y = batch
+        return F.mse_loss(model(x).float(), y)
+    return model.loss(batch[0])
+
+
+def reference_run(kind: str, steps: int, *, clip: float = 0.0,
+                  grouped: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain single-process training on the global batch: the oracle."""
+    model = make_model(kind)
+    opt = grouped_optimizer(model) if grouped else make_optimizer()(model.parameters())
+    losses = []
+    for step in range(steps):
+        loss = loss_of(kind, model, global_batch(kind, step))
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def zero_steps(kind: str, model, opt, rank: int, world: int, steps: range, *, accumulation: int = 1) -> list[float]:
+    """Runtime training; returns the global-batch loss of every step (mean over ranks and
+    micro-batches, reduced exactly in float64 so it is comparable to the oracle)."""
+    import torch.distributed as dist
+
+    losses = []
+    for step in steps:
+        mine = local_slice(global_batch(kind, step), rank, world)
+        total = torch.zeros(1, dtype=torch.float64)
+        for micro in range(accumulation):
+            loss = loss_of(kind, model, local_slice(mine, micro, accumulation))
+            opt.backward(loss)
+            opt.step()
+            total += loss.item()
+        dist.all_reduce(total)
+        losses.append(total.item() / (world * accumulation))
+    return losses

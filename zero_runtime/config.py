@@ -1,0 +1,160 @@
+"""Configuration of the ZeRO runtime: a keyword-only dataclass and a DeepSpeed-style parser.
+
+``ZeroConfig`` is the validated, typed form. ``ZeroConfig.from_dict`` accepts the subset of
+DeepSpeed's JSON schema this runtime implements, under DeepSpeed's own key names, and rejects
+every other key with an error that lists them: a misspelt key must never silently fall back
+to a default and change training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+Precision = Literal["fp32", "bf16", "fp16"]
+
+# DeepSpeed key -> ZeroConfig/LossScaleConfig field, per section.
+_ZERO_KEYS = {
+    "stage": "stage",
+    "reduce_bucket_size": "reduce_bucket_size",
+    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+    "zero_quantized_weights": "quantized_weights",
+    "zero_hpz_partition_size": "hpz_partition_size",
+    "zero_quantized_gradients": "quantized_gradients",
+}
+_FP16_KEYS = {
+    "enabled": None,
+    "loss_scale": "loss_scale",
+    "initial_scale_power": "initial_scale_power",
+    "loss_scale_window": "loss_scale_window",
+    "hysteresis": "hysteresis",
+    "min_loss_scale": "min_loss_scale",
+}
+_TOP_KEYS = {"zero_optimization", "bf16", "fp16", "gradient_clipping", "gradient_accumulation_steps"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossScaleConfig:
+    """fp16 loss scaling, DeepSpeed semantics: ``loss_scale == 0`` means dynamic scaling
+    starting at ``2 ** initial_scale_power``; the scale is halved after ``hysteresis``
+    consecutive overflows (never below ``min_loss_scale``) and doubled after
+    ``loss_scale_window`` overflow-free steps. A positive ``loss_scale`` is static."""
+
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.loss_scale < 0:
+            raise ValueError(f"fp16.loss_scale must be >= 0 (0 = dynamic), got {self.loss_scale}")
+        if not 0 <= self.initial_scale_power <= 64:
+            raise ValueError(f"fp16.initial_scale_power must be in [0, 64], got {self.initial_scale_power}")
+        for name in ("loss_scale_window", "hysteresis"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"fp16.{name} must be >= 1, got {getattr(self, name)}")
+        if self.min_loss_scale <= 0:
+            raise ValueError(f"fp16.min_loss_scale must be > 0, got {self.min_loss_scale}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """Everything that changes what the runtime computes or communicates.
+
+    ``reduce_bucket_size`` and ``prefetch_bucket_size`` are in elements (DeepSpeed's unit).
+    ``prefetch_bucket_size == 0`` turns stage-3 prefetching off. ``gradient_clipping == 0``
+    turns clipping off. The three ZeRO++ fields (qwZ, hpZ, qgZ) are accepted and validated
+    now; the runtime rejects them until their communication objects exist (issue 6).
+    """
+
+    stage: int = 2
+    precision: Precision = "fp32"
+    reduce_bucket_size: int = 50_000_000
+    prefetch_bucket_size: int = 50_000_000
+    gradient_clipping: float = 0.0
+    gradient_accumulation_steps: int = 1
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    quantized_weights: bool = False
+    hpz_partition_size: int = 1
+    quantized_gradients: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"zero_optimization.stage must be 1, 2 or 3, got {self.stage!r}")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {self.precision!r}")
+        if self.reduce_bucket_size < 1:
+            raise ValueError(f"reduce_bucket_size must be >= 1 element, got {self.reduce_bucket_size}")
+        if self.prefetch_bucket_size < 0:
+            raise ValueError(f"stage3_prefetch_bucket_size must be >= 0, got {self.prefetch_bucket_size}")
+        if self.gradient_clipping < 0:
+            raise ValueError(f"gradient_clipping must be >= 0 (0 = off), got {self.gradient_clipping}")
+        if self.gradient_accumulation_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be >= 1, got {self.gradient_accumulation_steps}")
+        if not isinstance(self.loss_scale, LossScaleConfig):
+            raise TypeError(f"loss_scale must be a LossScaleConfig, got {type(self.loss_scale).__name__}")
+        if self.hpz_partition_size < 1:
+            raise ValueError(f"zero_hpz_partition_size must be >= 1, got {self.hpz_partition_size}")
+        zeropp = self.zeropp_options()
+        if zeropp and self.stage != 3:
+            raise ValueError(f"{', '.join(zeropp)} need zero_optimization.stage 3, got stage {self.stage}")
+
+    def zeropp_options(self) -> list[str]:
+        """DeepSpeed names of the ZeRO++ options this config turns on."""
+        on = []
+        if self.quantized_weights:
+            on.append("zero_quantized_weights")
+        if self.hpz_partition_size > 1:
+            on.append("zero_hpz_partition_size")
+        if self.quantized_gradients:
+            on.append("zero_quantized_gradients")
+        return on
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> "ZeroConfig":
+        """Parse a DeepSpeed-style dict; unknown keys raise ValueError naming all of them."""
+        if not isinstance(config, Mapping):
+            raise TypeError(f"config must be a mapping, got {type(config).__name__}")
+        unknown = [k for k in config if k not in _TOP_KEYS]
+        zero = _section(config, "zero_optimization")
+        unknown += [f"zero_optimization.{k}" for k in zero if k not in _ZERO_KEYS]
+        bf16, fp16 = _section(config, "bf16"), _section(config, "fp16")
+        unknown += [f"bf16.{k}" for k in bf16 if k != "enabled"]
+        unknown += [f"fp16.{k}" for k in fp16 if k not in _FP16_KEYS]
+        if unknown:
+            raise ValueError(f"unknown config keys: {', '.join(sorted(unknown))}")
+        if bf16.get("enabled") and fp16.get("enabled"):
+            raise ValueError("bf16.enabled and fp16.enabled are both true; pick one")
+        precision = "bf16" if bf16.get("enabled") else "fp16" if fp16.get("enabled") else "fp32"
+        kwargs: dict[str, Any] = {_ZERO_KEYS[k]: v for k, v in zero.items()}
+        scale = {_FP16_KEYS[k]: v for k, v in fp16.items() if k != "enabled"}
+        for key in ("gradient_clipping", "gradient_accumulation_steps"):
+            if key in config:
+                kwargs[key] = config[key]
+        return cls(precision=precision, loss_scale=LossScaleConfig(**scale), **kwargs)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "ZeroConfig":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+def _section(config: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    value = config.get(name, {})
+    if not isinstance(value, Mapping):
+        raise TypeError(f"config section {name!r} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def resolve_config(config: "ZeroConfig | Mapping[str, Any] | str | os.PathLike") -> ZeroConfig:
+    """Accept a ZeroConfig, a DeepSpeed-style dict, or the path of a DeepSpeed JSON file."""
+    if isinstance(config, ZeroConfig):
+        return config
+    if isinstance(config, Mapping):
+        return ZeroConfig.from_dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        return ZeroConfig.from_json(config)
+    raise TypeError(f"config must be a ZeroConfig, a dict or a JSON path, got {type(config).__name__}")

@@ -1,0 +1,174 @@
+"""``ZeroOptimizer``: the object ``initialize`` returns as ``opt``.
+
+It owns the flat units, the torch optimizer over their fp32 master shards, the gradient
+reducer, the loss scaler and (stage 3) the parameter scheduler and module hooks. A training
+step is ``opt.backward(loss)`` then ``opt.step()`` for every micro-batch; with
+``gradient_accumulation_steps = n`` the update happens on every n-th ``step()`` (DeepSpeed's
+accumulation-boundary semantics) and the loss is divided by n in ``backward``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import checkpoint as ckpt
+from .clip import clip_coefficient, global_grad_norm
+from .comm import CommPlan, Phase
+from .config import ZeroConfig
+from .grad_reduce import GradReducer
+from .loss_scaler import make_scaler
+from .memory import MemoryReport, measure
+from .param_hooks import ModuleHooks
+from .partition import FlatUnit
+from .stage3 import ParamScheduler
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ZeroOptimizer:
+    def __init__(self, *, model: nn.Module, units: list[FlatUnit], optimizer: torch.optim.Optimizer,
+                 config: ZeroConfig, plan: CommPlan) -> None:
+        self.model = model
+        self.units = units
+        self.optimizer = optimizer
+        self.config = config
+        self.plan = plan
+        self.scaler = make_scaler(config.precision, config.loss_scale)
+        self.scheduler: ParamScheduler | None = None
+        self.hooks: ModuleHooks | None = None
+        on_ready = None
+        if config.stage == 3:
+            self.scheduler = ParamScheduler(units=units, plan=plan, prefetch_numel=config.prefetch_bucket_size)
+            self.hooks = ModuleHooks(model=model, units=units, scheduler=self.scheduler)
+            on_ready = self.scheduler.grads_ready
+        self.reducer = GradReducer(units=units, plan=plan, stage=config.stage,
+                                   bucket_numel=config.reduce_bucket_size, on_unit_ready=on_ready)
+        self.micro_step = 0
+        self.global_step = 0
+        self.skipped_steps = 0
+        self.last_step_skipped = False
+        self._backward_since_step = False
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` (scaled for fp16 and divided for accumulation), then the
+        gradient reduce-scatter of this micro-step."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError("backward() expects a scalar loss tensor")
+        if not loss.requires_grad:
+            raise ValueError("the loss does not require grad: was it computed under torch.no_grad()?")
+        if self._backward_since_step:
+            raise RuntimeError("backward() called twice without step() in between; call step() after "
+                               "every backward (it only updates on accumulation boundaries)")
+        factor = self.scaler.scale / self.config.gradient_accumulation_steps
+        (loss * factor if factor != 1.0 else loss).backward()
+        self.micro_step += 1
+        boundary = self.micro_step % self.config.gradient_accumulation_steps == 0
+        self.reducer.finish(reduce=self.config.stage >= 2 or boundary)
+        if self.scheduler is not None:
+            self.scheduler.end_backward()
+            self.hooks.end_of_outside_uses()
+        self._backward_since_step = True
+
+    def step(self) -> None:
+        """Update on an accumulation boundary: unscale, check overflow, clip by the global
+        norm, step the master shards and write them back to the compute-dtype parameters."""
+        if not self._backward_since_step:
+            raise RuntimeError("step() called without backward() since the last step()")
+        self._backward_since_step = False
+        if self.micro_step % self.config.gradient_accumulation_steps:
+            return
+        grads = self._unscaled_grads()
+        self.last_step_skipped = not self._clip_or_detect_overflow(grads)
+        if self.last_step_skipped:
+            self.skipped_steps += 1
+        else:
+            for unit, grad in zip(self.units, grads):
+                unit.master.grad = grad
+            self.optimizer.step()
+            for unit in self.units:
+                unit.master.grad = None
+        self.reducer.discard()
+        if not self.last_step_skipped:
+            self.sync_params_from_masters()
+            self.global_step += 1
+
+    def _unscaled_grads(self) -> list[torch.Tensor]:
+        """fp32 copies of the reduced gradient shards, divided by the loss scale."""
+        grads = [u.grad_shard.float() for u in self.units]
+        if self.scaler.scale != 1.0:
+            for grad in grads:
+                grad.div_(self.scaler.scale)
+        return grads
+
+    def _clip_or_detect_overflow(self, grads: list[torch.Tensor]) -> bool:
+        """Clip ``grads`` in place by the global norm; False if that norm is not finite.
+
+        [Note: loss-scale handling] The norm is one all-reduce over every rank's shard, so an
+        overflow on any rank is seen by all ranks in the same step; see ``loss_scaler``.
+        """
+        if not (self.config.gradient_clipping > 0 or self.scaler.dynamic):
+            return True
+        norm = global_grad_norm(grads, self.plan)
+        finite = bool(torch.isfinite(norm))
+        self.scaler.update(overflow=not finite)
+        if finite and self.config.gradient_clipping > 0:
+            coef = clip_coefficient(norm, self.config.gradient_clipping)
+            if coef < 1.0:
+                for grad in grads:
+                    grad.mul_(coef)
+        return finite
+
+    def zero_grad(self) -> None:
+        """Drop gradients accumulated since the last update (``step`` already clears them)."""
+        self.reducer.discard()
+        self.micro_step = 0
+        self._backward_since_step = False
+
+    def sync_params_from_masters(self) -> None:
+        """Write the fp32 masters into the compute-dtype parameters: stage 3 updates its
+        shards (the next forward gathers them); stages 1 and 2 all-gather the full buffers."""
+        if self.scheduler is not None:
+            self.scheduler.free_all()
+            self.hooks.end_of_outside_uses()
+        with torch.no_grad():
+            handles = []
+            for unit in self.units:
+                if self.scheduler is not None:
+                    unit.shard.copy_(unit.master)
+                else:
+                    shard = unit.master.detach().to(unit.dtype)
+                    handles.append((self.plan.forward_gather.gather(unit.full, shard, unit=unit.index,
+                                                                    phase=Phase.STEP), shard))
+            for handle, _ in handles:
+                handle.wait()
+        self.plan.weights_changed()
+
+    # ----- state -----
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the training state (masters, optimizer, scaler, counters)."""
+        return ckpt.rank_state(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what ``state_dict`` returned on this rank; validated before anything changes."""
+        ckpt.apply_rank_state(self, ckpt.validate_rank_state(self, state))
+
+    def save_checkpoint(self, directory: str | os.PathLike) -> None:
+        ckpt.save(self, directory)
+
+    def load_checkpoint(self, directory: str | os.PathLike) -> None:
+        ckpt.load(self, directory)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Consolidated fp32 weights under the model's state-dict keys, on rank 0 ({} elsewhere)."""
+        return ckpt.full_state_dict(self)
+
+    def memory_report(self) -> MemoryReport:
+        return measure(self)

@@ -1,0 +1,93 @@
+"""Per-rank model-state memory of ZeRO stages, from the ZeRO paper's formulas.
+
+Mixed-precision training keeps 2 bytes/parameter of fp16/bf16 weights, 2 of gradients and K
+of optimizer state (K = 12 for Adam: fp32 master, momentum, variance). With Nd data-parallel
+ranks (ZeRO paper, section 5 and Figure 1):
+
+    stage 0:  (2 + 2 + K) * P
+    stage 1:  (2 + 2) * P + K * P / Nd
+    stage 2:  2 * P + (2 + K) * P / Nd
+    stage 3:  (2 + 2 + K) * P / Nd
+
+The ``3 + hpZ`` row is ZeRO++'s hierarchical partitioning: stage 3 plus a secondary copy of
+the 2-byte weights partitioned over the ``--ranks-per-node`` ranks of a node
+(2 * P / ranks_per_node). Further ZeRO++ rows (issue 6) are added to ``ROWS``.
+
+    python -m zero_runtime.estimate --params 7e9 --ranks 64 --ranks-per-node 8
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable, NamedTuple, Sequence
+
+
+class Estimate(NamedTuple):
+    label: str
+    parameters: float
+    gradients: float
+    optimizer_states: float
+    secondary: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer_states + self.secondary
+
+
+def stage_estimate(stage: int, *, params: float, ranks: int, k: float = 12.0) -> Estimate:
+    """Bytes per rank for ZeRO ``stage`` (0-3)."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0-3, got {stage}")
+    if params <= 0 or ranks < 1:
+        raise ValueError(f"need params > 0 and ranks >= 1, got {params}, {ranks}")
+    shard = params / ranks
+    return Estimate(
+        label=str(stage),
+        parameters=2 * (shard if stage == 3 else params),
+        gradients=2 * (shard if stage >= 2 else params),
+        optimizer_states=k * (shard if stage >= 1 else params),
+    )
+
+
+def hpz_estimate(*, params: float, ranks: int, ranks_per_node: int, k: float = 12.0) -> Estimate:
+    """Stage 3 plus hpZ's node-local secondary weight partition."""
+    base = stage_estimate(3, params=params, ranks=ranks, k=k)
+    return base._replace(label="3 + hpZ", secondary=2 * params / ranks_per_node)
+
+
+Row = Callable[[argparse.Namespace], Estimate]
+ROWS: Sequence[Row] = (
+    *(lambda a, s=s: stage_estimate(s, params=a.params, ranks=a.ranks, k=a.k) for s in range(4)),
+    lambda a: hpz_estimate(params=a.params, ranks=a.ranks, ranks_per_node=a.ranks_per_node, k=a.k),
+)
+
+
+def format_table(rows: Sequence[Estimate]) -> str:
+    gib = float(1 << 30)
+    header = (f"{'stage':<8} {'params GiB':>11} {'grads GiB':>10} {'optim GiB':>10} "
+              f"{'hpZ 2nd GiB':>12} {'total GiB':>10}")
+    lines = [header]
+    for row in rows:
+        lines.append(f"{row.label:<8} {row.parameters / gib:>11.2f} {row.gradients / gib:>10.2f} "
+                     f"{row.optimizer_states / gib:>10.2f} {row.secondary / gib:>12.2f} {row.total / gib:>10.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m zero_runtime.estimate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", type=float, required=True, help="number of model parameters, e.g. 7e9")
+    parser.add_argument("--ranks", type=int, required=True, help="data-parallel ranks (Nd)")
+    parser.add_argument("--ranks-per-node", type=int, default=8, help="ranks per node (hpZ partition size)")
+    parser.add_argument("--k", type=float, default=12.0, help="optimizer bytes per parameter (Adam: 12)")
+    args = parser.parse_args(argv)
+    if args.ranks < 1 or args.ranks_per_node < 1 or args.params <= 0:
+        parser.error("--params must be > 0 and --ranks/--ranks-per-node >= 1")
+    if args.ranks % args.ranks_per_node:
+        parser.error(f"--ranks {args.ranks} is not a multiple of --ranks-per-node {args.ranks_per_node}")
+    print(f"model-state memory per rank: {args.params:.3g} parameters, {args.ranks} ranks "
+          f"({args.ranks_per_node} per node), K = {args.k:g}")
+    print(format_table([row(args) for row in ROWS]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Gradient partitioning: grad hooks, gradient buckets and their reduce-scatter.
+
+Every trainable parameter gets a post-accumulate-grad hook. It adds ``param.grad`` into its
+unit's flat gradient buffer and drops ``param.grad``. In stages 2 and 3 a unit whose last
+gradient arrived joins the bucket being filled; once the bucket holds ``bucket_numel``
+elements it is reduce-scattered (async), so communication overlaps the rest of backward.
+Stage 1 keeps full gradients and reduce-scatters them once per optimizer step, at the end
+of the accumulation boundary's backward. ``finish`` launches what is left, in unit order so
+every rank issues the same collectives in the same order, waits for all handles, and folds
+each rank's reduced slice, divided by the world size (the gradient of the global-batch
+mean), into the units' ``grad_shard``.
+
+A bucket of several units is one collective over their flat gradients interleaved rank by
+rank (``[u0 chunk 0, u1 chunk 0, ..., u0 chunk 1, ...]``), so that rank r's output is the
+concatenation of the units' r-th shards. Stage 2's units are already bucket-sized; stage 3's
+are per module, and small modules (norms, biases) share a collective.
+
+[Note: hook ordering] autograd runs a leaf's AccumulateGrad node once per backward, after all
+uses of the parameter contributed (a tied embedding and LM head sum first), so "all of a
+unit's hooks fired" means no later autograd node reads those parameters or gradients. Stage 3
+relies on this to free a unit's gathered parameters from ``on_unit_ready``.
+
+[Note: buffer lifetimes] A stage-2/3 unit's ``full_grad`` lives from its first gradient to
+the wait of its bucket's reduce-scatter; the interleaved copy of a multi-unit bucket lives
+only while its collective is in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+
+from .comm import CommPlan, Handle
+from .partition import FlatUnit
+
+
+class _InFlight(NamedTuple):
+    units: tuple[FlatUnit, ...]
+    handle: Handle
+    output: torch.Tensor
+    input: torch.Tensor  # kept alive until the collective is done
+
+
+class GradReducer:
+    def __init__(self, *, units: Sequence[FlatUnit], plan: CommPlan, stage: int, bucket_numel: int,
+                 on_unit_ready: Callable[[FlatUnit], None] | None = None) -> None:
+        self.units = list(units)
+        self.plan = plan
+        self.eager = stage >= 2
+        self.keep_full_grads = stage == 1
+        self.bucket_numel = bucket_numel
+        self.on_unit_ready = on_unit_ready
+        self._filling: list[FlatUnit] = []
+        self._launched: set[int] = set()
+        self._in_flight: list[_InFlight] = []
+        for unit in self.units:
+            if self.keep_full_grads:
+                unit.full_grad = unit.new_full_grad()
+            for slot_index, param in enumerate(unit.params):
+                if param.requires_grad:
+                    param.register_post_accumulate_grad_hook(self._hook(unit, slot_index))
+
+    def _hook(self, unit: FlatUnit, slot_index: int) -> Callable[[torch.Tensor], None]:
+        slot = unit.layout.slots[slot_index]
+
+        def accumulate(param: torch.Tensor) -> None:
+            if unit.full_grad is None:
+                unit.full_grad = unit.new_full_grad()
+            unit.full_grad[slot.offset : slot.offset + slot.numel].view(slot.shape).add_(param.grad)
+            param.grad = None
+            unit.grads_seen += 1
+            if unit.grads_seen == unit.grad_params:
+                if self.on_unit_ready is not None:
+                    self.on_unit_ready(unit)
+                if self.eager:
+                    self._add_to_bucket(unit)
+        return accumulate
+
+    def _add_to_bucket(self, unit: FlatUnit) -> None:
+        assert unit.index not in self._launched, "a unit's gradients were reduced twice in one backward"
+        self._launched.add(unit.index)
+        self._filling.append(unit)
+        if sum(u.layout.numel for u in self._filling) >= self.bucket_numel:
+            self._launch_bucket()
+
+    def _launch_bucket(self) -> None:
+        units, self._filling = tuple(self._filling), []
+        if not units:
+            return
+        world = self.plan.world_size
+        for unit in units:
+            if unit.full_grad is None:
+                unit.full_grad = unit.new_full_grad()
+        if len(units) == 1:
+            flat = units[0].full_grad
+        else:
+            flat = torch.cat([u.full_grad.view(world, -1) for u in units], dim=1).view(-1)
+        out = torch.empty(flat.numel() // world, dtype=flat.dtype, device=flat.device)
+        handle = self.plan.reduce_scatter.reduce_scatter(out, flat, key=tuple(u.index for u in units))
+        self._in_flight.append(_InFlight(units, handle, out, flat))
+        if not self.keep_full_grads:
+            for unit in units:
+                unit.full_grad = None
+
+    def finish(self, *, reduce: bool) -> None:
+        """End of a backward: with ``reduce``, reduce every unit not yet reduced; then wait and
+        accumulate. Stage 1 passes ``reduce=False`` on non-boundary micro-steps."""
+        if reduce:
+            for unit in self.units:
+                if unit.index not in self._launched:
+                    self._add_to_bucket(unit)
+            self._launch_bucket()
+        world = self.plan.world_size
+        for flight in self._in_flight:
+            flight.handle.wait()
+            shards = flight.output.split([u.layout.shard_numel for u in flight.units])
+            for unit, shard in zip(flight.units, shards):
+                unit.grad_shard.add_(shard.div_(world))
+                if self.keep_full_grads:
+                    unit.full_grad.zero_()
+        self._in_flight.clear()
+        self._launched.clear()
+        for unit in self.units:
+            unit.grads_seen = 0
+
+    def discard(self) -> None:
+        """Forget accumulated gradients (``zero_grad``); nothing may be in flight."""
+        assert not self._in_flight and not self._filling
+        for unit in self.units:
+            unit.grad_shard.zero_()
+            unit.grads_seen = 0
+            if self.keep_full_grads:
+                unit.full_grad.zero_()
+            else:
+                unit.full_grad = None

@@ -1,0 +1,132 @@
+"""Flat parameter units: how parameters are grouped, flattened and partitioned.
+
+A ``FlatUnit`` is the runtime's bucket: a group of parameters of one optimizer group laid out
+by one ``FlatLayout``. It owns
+
+* ``full``   the flat parameter buffer in the compute dtype; while it is allocated every
+  parameter's ``.data`` is a view of it. Stages 1 and 2 keep it allocated; stage 3 frees it
+  between uses;
+* ``shard``  this rank's slice of the parameters in the compute dtype (stage 3 keeps it as its
+  own tensor, stages 1 and 2 as a view of ``full``);
+* ``master`` this rank's fp32 slice, the ``nn.Parameter`` the torch optimizer updates;
+* ``grad_shard`` this rank's reduced gradient, accumulated over micro-steps;
+* ``full_grad`` the flat gradient buffer the reduce-scatter reads (stage 1 keeps it,
+  stages 2 and 3 allocate it for one backward).
+
+[Note: freeing stage-3 parameters] Freeing does two things. It resizes the storage of
+``full`` to zero bytes: autograd saves views of parameters (``weight.t()`` in linear) that
+share that storage, so they hold no memory while freed and read the gathered values again
+after the next gather refills the same storage (FSDP's technique). And it points every
+parameter's ``.data`` at an empty tensor (DeepSpeed's technique), so code that reads a freed
+parameter without going through the module (``model.parameters()``, ``state_dict()``) sees
+an empty tensor instead of reading freed memory; gathering points ``.data`` back at views of
+``full``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from .flat_buffer import FlatLayout
+
+
+class GatherState(enum.Enum):
+    FREE = "free"
+    GATHERING = "gathering"
+    READY = "ready"
+
+
+class FlatUnit:
+    def __init__(self, *, index: int, group_index: int, names: Sequence[str], params: Sequence[nn.Parameter],
+                 world_size: int, rank: int, alignment: int, dtype: torch.dtype, partition_params: bool) -> None:
+        assert params and len(names) == len(params)
+        self.index = index
+        self.group_index = group_index
+        self.names = tuple(names)
+        self.params = tuple(params)
+        self.dtype = dtype
+        self.layout = FlatLayout([p.shape for p in params], world_size=world_size, alignment=alignment)
+        lo, hi = self.layout.shard_range(rank)
+        with torch.no_grad():
+            flat32 = self.layout.flatten([p.detach() for p in params], dtype=torch.float32)
+            self.master = nn.Parameter(flat32[lo:hi].clone())
+            self.full = flat32.to(dtype) if dtype != torch.float32 else flat32
+            self.shard = self.full[lo:hi].clone() if partition_params else self.full[lo:hi]
+        self._views = self.layout.views(self.full)
+        self._empty = torch.empty(0, dtype=dtype, device=self.full.device)
+        self._point_params_at_full()
+        self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=self.full.device)
+        self.full_grad: torch.Tensor | None = None
+        self.grads_seen = 0
+        self.grad_params = sum(p.requires_grad for p in params)
+        # Stage-3 gather bookkeeping, driven by ``stage3.ParamScheduler``.
+        self.state = GatherState.READY
+        self.handle = None
+        self.refs = 0
+        self.in_backward = False
+        if partition_params:
+            self.free_full()
+
+    @property
+    def full_nbytes(self) -> int:
+        return self.layout.numel * self.full.element_size()
+
+    def alloc_full(self) -> None:
+        """Give ``full`` its memory back (contents undefined until a gather fills it)."""
+        self.full.untyped_storage().resize_(self.full_nbytes)
+        self._point_params_at_full()
+
+    def free_full(self) -> None:
+        for param in self.params:
+            param.data = self._empty
+        self.full.untyped_storage().resize_(0)
+        self.state = GatherState.FREE
+
+    def _point_params_at_full(self) -> None:
+        for param, view in zip(self.params, self._views):
+            param.data = view
+
+    def new_full_grad(self) -> torch.Tensor:
+        return torch.zeros(self.layout.numel, dtype=self.dtype, device=self.full.device)
+
+
+def trainable_named_parameters(model: nn.Module) -> "OrderedDict[nn.Parameter, str]":
+    """Each trainable parameter once (tied ones under their first name), in model order."""
+    found: OrderedDict[nn.Parameter, str] = OrderedDict()
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            found.setdefault(param, name)
+    return found
+
+
+def group_by_size(params: Sequence[nn.Parameter], bucket_numel: int) -> list[list[nn.Parameter]]:
+    """Consecutive buckets of about ``bucket_numel`` elements, filled in reverse model order:
+    gradients become ready roughly in that order, so a bucket fills during backward."""
+    buckets: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for param in reversed(params):
+        if buckets[-1] and size + param.numel() > bucket_numel:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(param)
+        size += param.numel()
+    return buckets
+
+
+def group_by_module(model: nn.Module, params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """One bucket per module holding its directly registered parameters (the first module to
+    register a tied parameter owns it), in module order: the unit stage 3 gathers."""
+    wanted = set(params)
+    owned: set[nn.Parameter] = set()
+    buckets = []
+    for module in model.modules():
+        mine = [p for p in module._parameters.values() if p is not None and p in wanted and p not in owned]
+        owned.update(mine)
+        if mine:
+            buckets.append(mine)
+    return buckets
