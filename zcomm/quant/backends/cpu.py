@@ -1,0 +1,315 @@
+"""The ``cpu`` backend: fused numba kernels that read and write each byte once.
+
+Every op is a parallel loop over *units*: one quantization group of one output payload
+(``quantize``, ``reorder_quantize``, re-quantizing ``dequant_reduce``) or one input group
+(``dequantize``, ``dequant_reduce`` to a float dtype). A unit's fp32 values are first
+gathered into a small per-thread buffer of ``group_size`` floats, which then stays in L1:
+
+1. *gather*: convert the source elements to fp32 (reading ``reorder_quantize``'s input
+   through the permutation, slice segment by slice segment, with no intermediate copy), or
+   decode and sum the ``k`` payloads' elements in row order (``dequant_reduce``);
+2. *encode* (:func:`_encode_group`): one integer max over the fp32 bit patterns with the
+   sign cleared gives the absmax and the NaN/Inf flags at once (NaN > Inf > every finite
+   magnitude as unsigned integers), then the scale, then the codes, packed straight into
+   the payload, or *store*: round the fp32 values into the output dtype.
+
+The arithmetic is that of :mod:`zcomm.quant.wire_format`: fp32 division by the scale,
+round half to even (``np.rint``), an fp32 multiply to dequantize, no fastmath (no FMA
+contraction, no flush-to-zero), and ``error_model="numpy"`` so a division by zero gives
+IEEE results instead of raising. Kernels are compiled with ``cache=True`` (spawned worker
+processes load them from ``__pycache__`` instead of compiling) and ``nogil=True`` (a
+communication thread runs while a kernel does). They use numba's default thread count (the
+machine's cores). Calls from several Python threads at once need a thread-safe numba
+threading layer (``omp``, numba's pick when OpenMP is present, or ``tbb``; ``workqueue``
+aborts on concurrent use), and GNU OpenMP is not fork-safe: worker processes must be
+spawned, not forked, once a kernel has run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from ..registry import register
+from ..wire_format import QMAX, scales_offset, values_nbytes
+from .cpu_float_bits import (
+    F32_CANONICAL_NAN_BITS,
+    F32_INF_BITS,
+    F32_MAGNITUDE_MASK,
+    f32_bits,
+    f32_from_bits,
+    kernel_view,
+    load_f32,
+    store_f32,
+)
+
+_KERNEL = dict(parallel=True, cache=True, nogil=True, error_model="numpy")
+_HELPER = dict(error_model="numpy")
+_NEGATIVE_ZERO = np.float32(-0.0)
+_INT8_QMAX = QMAX[8]
+_INT4_QMAX = QMAX[4]
+
+
+@njit(**_HELPER)
+def _group_scale(buf, n, qmax):
+    """The scale of ``buf[:n]``: canonical NaN, +Inf, or the fp32 division ``absmax / qmax``."""
+    magnitude = 0
+    for i in range(n):
+        magnitude = max(magnitude, np.int64(f32_bits(buf[i])) & F32_MAGNITUDE_MASK)
+    if magnitude > F32_INF_BITS:
+        return f32_from_bits(F32_CANONICAL_NAN_BITS)
+    return f32_from_bits(magnitude) / np.float32(qmax)
+
+
+@njit(**_HELPER)
+def _code(value, scale, limit):
+    """``clamp(rint(value / scale), -limit, limit)`` in fp32, as an integer."""
+    rounded = np.rint(value / scale)
+    rounded = rounded if rounded < limit else limit
+    rounded = rounded if rounded > -limit else -limit
+    return np.int64(rounded)
+
+
+@njit(**_HELPER)
+def _pack8(buf, scale, limit, dst):
+    for i in range(dst.size):
+        dst[i] = _code(buf[i], scale, limit)
+
+
+@njit(**_HELPER)
+def _pack4(buf, n, scale, limit, dst):
+    """Element ``2i`` in the low nibble, ``2i + 1`` in the high one; a lone last element
+    leaves its high nibble 0."""
+    for j in range(n // 2):
+        low = _code(buf[2 * j], scale, limit) & 15
+        high = _code(buf[2 * j + 1], scale, limit) & 15
+        dst[j] = low | (high << 4)
+    if n % 2:
+        dst[n // 2] = _code(buf[n - 1], scale, limit) & 15
+
+
+@njit(**_HELPER)
+def _encode_group(buf, n, bits, values, start, scales, group):
+    """Quantize the group ``buf[:n]`` whose first element is element ``start`` (a multiple
+    of the group size, so byte aligned for INT4) of the payload with ``values`` and ``scales``."""
+    qmax = _INT8_QMAX if bits == 8 else _INT4_QMAX
+    scale = _group_scale(buf, n, qmax)
+    scales[group] = scale
+    dst = values[start : start + n] if bits == 8 else values[start // 2 : (start + n + 1) // 2]
+    if scale == 0 or not np.isfinite(scale):
+        # All-zero, NaN and Inf groups carry only their scale; their codes are 0.
+        dst[:] = 0
+    elif bits == 8:
+        _pack8(buf, scale, np.float32(qmax), dst)
+    else:
+        _pack4(buf, n, scale, np.float32(qmax), dst)
+
+
+@njit(**_HELPER)
+def _nibble(byte, high):
+    """The signed 4-bit number in the low (``high == 0``) or high nibble of ``byte``."""
+    return (((np.int64(byte) >> (4 * high)) & 15) ^ 8) - 8
+
+
+@njit(**_HELPER)
+def _add_decoded4(values, first, scale, acc):
+    """``acc[j] += code(first + j) * scale`` for the INT4 elements of one group: a leading
+    odd element, then whole bytes, then a trailing even element."""
+    n = acc.size
+    j = first % 2
+    if j:
+        acc[0] += np.float32(_nibble(values[first // 2], 1)) * scale
+    pairs = (n - j) // 2
+    src = values[(first + j) // 2 : (first + j) // 2 + pairs]
+    dst = acc[j : j + 2 * pairs]
+    for p in range(pairs):
+        dst[2 * p] += np.float32(_nibble(src[p], 0)) * scale
+        dst[2 * p + 1] += np.float32(_nibble(src[p], 1)) * scale
+    if j + 2 * pairs < n:
+        acc[n - 1] += np.float32(_nibble(values[(first + n - 1) // 2], 0)) * scale
+
+
+@njit(**_HELPER)
+def _add_decoded(values, scales, bits, group_size, start, acc):
+    """``acc += dequantized elements [start, start + acc.size)`` of one payload, which may
+    span several of its groups; a NaN or Inf scale gives NaN."""
+    i = start
+    while i < start + acc.size:
+        group = i // group_size
+        stop = min(start + acc.size, (group + 1) * group_size)
+        scale = scales[group]
+        dst = acc[i - start : stop - start]
+        if not np.isfinite(scale):
+            dst[:] = f32_from_bits(F32_CANONICAL_NAN_BITS)
+        elif bits == 8:
+            codes = values[i:stop].view(np.int8)
+            for j in range(dst.size):
+                dst[j] += np.float32(codes[j]) * scale
+        else:
+            _add_decoded4(values, i, scale, dst)
+        i = stop
+
+
+@njit(**_HELPER)
+def _payload_parts(payload, numel, bits):
+    """(codes, scales) views of one payload of ``numel`` elements: the value bytes (int8
+    codes or packed INT4 pairs, as uint8) and the fp32 scales behind the padding.
+
+    The offsets are :func:`~zcomm.quant.wire_format.values_nbytes` and
+    :func:`~zcomm.quant.wire_format.scales_offset`, restated because numba cannot call them."""
+    values_end = numel if bits == 8 else (numel + 1) // 2
+    scales_start = (values_end + 3) // 4 * 4
+    return payload[:values_end], payload[scales_start:].view(np.float32)
+
+
+@njit(**_HELPER)
+def _sum_rows(payloads, numel, bits, group_size, start, n, divisor, buf):
+    """fp32 sum over the payload rows (of ``numel`` elements each) of their elements
+    ``[start, start + n)``, divided by ``divisor`` unless it is 1, into ``buf[:n]``.
+
+    [Note: -0 start] The sum starts from -0.0, the exact identity of fp32 addition
+    (-0 + x == x bit for bit, -0 + +0 == +0), so the result is d_0 + d_1 + ... as the wire
+    format spells it, with no special first row."""
+    acc = buf[:n]
+    acc[:] = _NEGATIVE_ZERO
+    for row in range(payloads.shape[0]):
+        values, scales = _payload_parts(payloads[row], numel, bits)
+        _add_decoded(values, scales, bits, group_size, start, acc)
+    if divisor != 1:
+        for i in range(n):
+            acc[i] = acc[i] / divisor
+
+
+@njit(**_HELPER)
+def _gather_reordered(src, perm, start, n, buf):
+    """``buf[:n]`` = fp32 elements ``[start, start + n)`` of the reordered input, whose slice
+    ``p`` is ``src``'s slice ``perm[p]``, read one contiguous segment at a time."""
+    slice_len = src.size // perm.size
+    i = start
+    while i < start + n:
+        offset = i % slice_len
+        stop = min(start + n, i - offset + slice_len)
+        source = perm[i // slice_len] * slice_len + offset
+        segment = src[source : source + stop - i]
+        dst = buf[i - start : stop - start]
+        for j in range(dst.size):
+            dst[j] = load_f32(segment, j)
+        i = stop
+
+
+@njit(**_HELPER)
+def _store(buf, n, out, start):
+    """``out[start : start + n]`` = ``buf[:n]`` rounded to ``out``'s float format."""
+    dst = out[start : start + n]
+    for i in range(n):
+        store_f32(dst, i, buf[i])
+
+
+@njit(**_KERNEL)
+def _reorder_quantize_kernel(src, perm, bits, group_size, payloads):
+    """Payload row ``c`` = chunk ``c`` of the reordered ``src``."""
+    chunks = payloads.shape[0]
+    chunk = src.size // chunks
+    groups = (chunk + group_size - 1) // group_size
+    for unit in prange(chunks * groups):
+        # [Note: buffer] numba hoists this allocation into the per-thread part of the parallel
+        # loop (see its parallel diagnostics): one buffer per thread, reused for its units.
+        buf = np.empty(group_size, np.float32)
+        # prange's index is unsigned; int64 keeps the index arithmetic in signed integers.
+        c, g = divmod(np.int64(unit), groups)
+        n = min(group_size, chunk - g * group_size)
+        _gather_reordered(src, perm, c * chunk + g * group_size, n, buf)
+        values, scales = _payload_parts(payloads[c], chunk, bits)
+        _encode_group(buf, n, bits, values, g * group_size, scales, g)
+
+
+@njit(**_KERNEL)
+def _dequantize_kernel(payloads, bits, group_size, out):
+    """``out[r * numel : (r + 1) * numel]`` = payload row ``r`` dequantized."""
+    rows = payloads.shape[0]
+    numel = out.size // rows
+    groups = (numel + group_size - 1) // group_size
+    for unit in prange(rows * groups):
+        buf = np.empty(group_size, np.float32)
+        r, g = divmod(np.int64(unit), groups)
+        start = g * group_size
+        n = min(group_size, numel - start)
+        _sum_rows(payloads[r : r + 1], numel, bits, group_size, start, n, np.float32(1), buf)
+        _store(buf, n, out, r * numel + start)
+
+
+@njit(**_KERNEL)
+def _reduce_kernel(payloads, bits, group_size, divisor, out):
+    """``out`` = (sum of the payload rows) / divisor, one input group per unit."""
+    numel = out.size
+    for g in prange((numel + group_size - 1) // group_size):
+        buf = np.empty(group_size, np.float32)
+        start = np.int64(g) * group_size
+        n = min(group_size, numel - start)
+        _sum_rows(payloads, numel, bits, group_size, start, n, divisor, buf)
+        _store(buf, n, out, start)
+
+
+@njit(**_KERNEL)
+def _reduce_requant_kernel(payloads, numel, bits, group_size, divisor, requant):
+    """Row ``c`` of ``requant`` = chunk ``c`` of (sum of the payload rows) / divisor, one
+    output group per unit, summed straight into the buffer it is quantized from."""
+    chunks = requant.shape[0]
+    chunk = numel // chunks
+    groups = (chunk + group_size - 1) // group_size
+    for unit in prange(chunks * groups):
+        buf = np.empty(group_size, np.float32)
+        c, g = divmod(np.int64(unit), groups)
+        n = min(group_size, chunk - g * group_size)
+        _sum_rows(payloads, numel, bits, group_size, c * chunk + g * group_size, n, divisor, buf)
+        values, scales = _payload_parts(requant[c], chunk, bits)
+        _encode_group(buf, n, bits, values, g * group_size, scales, g)
+
+
+def _zero_padding(payloads: torch.Tensor, numel: int, bits: int) -> np.ndarray:
+    """The ``(rows, nbytes)`` payloads as numpy, with the padding before the scales zeroed."""
+    rows = payloads.numpy()
+    rows[:, values_nbytes(numel, bits) : scales_offset(numel, bits)] = 0
+    return rows
+
+
+def _quantize_into(x: torch.Tensor, perm: tuple[int, ...], bits: int, group_size: int, out2d: torch.Tensor) -> None:
+    payloads = _zero_padding(out2d, x.numel() // out2d.shape[0], bits)
+    _reorder_quantize_kernel(kernel_view(x.detach()), np.asarray(perm, np.int64), bits, group_size, payloads)
+
+
+@register("quantize", "cpu")
+def quantize(x: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> None:
+    _quantize_into(x, (0,), bits, group_size, out.view(1, -1))
+
+
+@register("reorder_quantize", "cpu")
+def reorder_quantize(
+    x: torch.Tensor, perm: tuple[int, ...], num_chunks: int, bits: int, group_size: int, out: torch.Tensor
+) -> None:
+    _quantize_into(x, perm, bits, group_size, out)
+
+
+@register("dequantize", "cpu")
+def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, out: torch.Tensor) -> None:
+    _dequantize_kernel(payloads.numpy(), bits, group_size, kernel_view(out.detach()))
+
+
+@register("dequant_reduce", "cpu")
+def dequant_reduce(
+    payloads: torch.Tensor,
+    numel: int,
+    bits: int,
+    group_size: int,
+    divide_by: float,
+    out: torch.Tensor | None,
+    requant_out: torch.Tensor | None,
+) -> None:
+    # The same fp32 rounding of divide_by as the reference's torch.tensor(divide_by, float32).
+    divisor = np.float32(torch.tensor(divide_by, dtype=torch.float32).item())
+    if out is not None:
+        _reduce_kernel(payloads.numpy(), bits, group_size, divisor, kernel_view(out.detach()))
+        return
+    requant = _zero_padding(requant_out, numel // requant_out.shape[0], bits)
+    _reduce_requant_kernel(payloads.numpy(), numel, bits, group_size, divisor, requant)
