@@ -7,7 +7,7 @@ communicated inside a step besides what the engine itself does; losses and times
 gathered once at the end: the step time of a step is the slowest rank's, the train loss
 the mean over ranks (= the loss of the global batch, since the slices are equal).
 
-Wire bytes: local rank 0 of every node reads its node's uplink counters
+Wire bytes: the first rank of every node reads its node's uplink counters
 (``bench.wire.read_wire_bytes``) at the edges of the measured steps (after the warm-up),
 with barriers there so every rank's traffic of those steps has finished; validation in
 between is left out. The per-node deltas are summed over nodes: ``tx`` summed over nodes

@@ -12,6 +12,7 @@ import functools
 
 import torch
 
+import zero_runtime
 from bench.train_configs import QUANT_GROUP_SIZE_KEY, TENSOR_SCALE, TrainConfig, zero_runtime_config
 from bench.train_models import ModelSpec
 from bench.train_runner import MemoryReading
@@ -21,8 +22,6 @@ class ZeroRunner:
     def __init__(
         self, config: TrainConfig, spec: ModelSpec, *, lr: float, ranks_per_node: int, bf16: bool, device: torch.device
     ) -> None:
-        import zero_runtime
-
         self.spec = spec
         engine_config = zero_runtime_config(config, ranks_per_node=ranks_per_node, bf16=bf16)
         optimizer_factory = functools.partial(torch.optim.AdamW, lr=lr)

@@ -103,7 +103,6 @@ def test_fsdp2_and_skips_two_ranks(tmp_path: Path) -> None:
 
 
 def test_zero_configs_two_ranks(tmp_path: Path) -> None:
-    pytest.importorskip("zero_runtime", reason="zero_runtime (issue 5) is not in this tree yet")
     args = ["--impl", "zero", "--stage", "1", "2", "3", "--model", "tinygpt", "hf-gpt2", *TINY]
     result, _ = _launch(args, tmp_path)
     rows = {(row["config"], row["model"]): row for row in result["results"]}

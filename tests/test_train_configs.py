@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 import types
 
 import pytest
 import torch
 
+from bench import zero_runner
 from bench.fsdp2_runner import reshard_after_forward
 from bench.train import build_parser, chosen_configs
 from bench.train_configs import CONFIGS, TrainConfig, deepspeed_config, select_configs, zero_runtime_config
@@ -85,7 +85,7 @@ def test_tensorscale_rejection_by_the_runtime_is_a_clear_error(monkeypatch: pyte
         unknown = [k for k in config["zero_optimization"] if k.startswith("zcomm_")]
         raise ValueError(f"unknown config keys: {['zero_optimization.' + k for k in unknown]}")
 
-    monkeypatch.setitem(sys.modules, "zero_runtime", types.SimpleNamespace(initialize=initialize))
+    monkeypatch.setattr(zero_runner, "zero_runtime", types.SimpleNamespace(initialize=initialize))
     spec = model_spec("tinygpt", ModelSize(seq_len=8, d_model=8, n_layers=1, n_heads=2))
     with pytest.raises(ValueError, match="'zeropp-tensorscale' needs zero_runtime to accept"):
         ZeroRunner(
