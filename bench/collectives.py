@@ -27,13 +27,10 @@ from .cli import BenchConfig, parse_config
 from .timing import time_collective
 from .wire import read_wire_bytes
 
-ZCOMM_OPS = ("all_gather_q8", "reduce_scatter_q4")
 
 
-def _variants(config: BenchConfig, have_zcomm: bool) -> Iterator[tuple[str, int | None]]:
+def _variants(config: BenchConfig) -> Iterator[tuple[str, int | None]]:
     for op in config.ops:
-        if op in ZCOMM_OPS and not have_zcomm:
-            continue
         for stages in config.stages if op == "reduce_scatter_q4" else (None,):
             yield op, stages
 
@@ -73,10 +70,12 @@ def measure(case: ops.Case, config: BenchConfig, env: dist_env.DistEnv) -> repor
 
 def run_sweep(config: BenchConfig, env: dist_env.DistEnv) -> list[report.Row]:
     """Every (op, stages, size) of ``config``; rank 0 prints each row as it completes."""
-    have_zcomm = ops.zcomm_problem() is None
-    jobs = [(op, stages, size) for op, stages in _variants(config, have_zcomm) for size in config.sizes()]
+    jobs = [(op, stages, size) for op, stages in _variants(config) for size in config.sizes()]
     rows = []
-    for op, stages, size in tqdm(jobs, desc="collectives", disable=env.rank != 0, file=sys.stderr):
+    # The bar redraws with carriage returns: only on an interactive stderr, or a log that
+    # shares stdout's pipe interleaves it with the table rows.
+    show_bar = env.rank == 0 and sys.stderr.isatty()
+    for op, stages, size in tqdm(jobs, desc="collectives", disable=not show_bar, file=sys.stderr):
         case = ops.build_case(
             op, size, env=env, dtype=config.torch_dtype, seed=config.seed, group_size=config.group_size, stages=stages
         )
@@ -87,10 +86,7 @@ def run_sweep(config: BenchConfig, env: dist_env.DistEnv) -> list[report.Row]:
 
 
 def _preamble(config: BenchConfig, env: dist_env.DistEnv) -> str:
-    problem = ops.zcomm_problem()
-    skipped = [op for op in config.ops if op in ZCOMM_OPS] if problem else []
-    note = f"# skipped {', '.join(skipped)}: {problem}\n" if skipped else ""
-    return note + (
+    return (
         f"# zcomm collectives: {env.world_size} ranks = {env.nodes} node(s) x {env.node_size} "
         f"({env.launcher}), dtype {config.dtype}, iters {config.iters}, warmup {config.warmup}, "
         f"group size {config.group_size or 'zcomm default'}, torch {torch.__version__}\n"

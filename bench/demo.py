@@ -5,8 +5,6 @@ and with four pipeline stages. At 200 Mbit/s one 64 MiB torch reduce-scatter tak
 so the iteration counts are small; the whole sweep takes a few minutes on 2 cores. Without
 root or iproute2 it warns and runs the same sweep under mpirun on plain loopback, with
 ``ZCOMM_LOCAL_SIZE=2`` so zcomm still sees two nodes (but no link is limited or counted).
-When zcomm's default CPU quantization backend is not installed, it falls back to the
-reference backend with a warning.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .ops import zcomm_problem
 from .simcluster.launcher import missing_prerequisite
 
 NODES, LOCAL, RATE = 2, 2, "200mbit"
@@ -32,24 +29,10 @@ def command(simulated: bool) -> list[str]:
     return [str(mpirun) if mpirun.exists() else "mpirun", "-n", str(NODES * LOCAL), *suite]
 
 
-def _backend_fallback() -> None:
-    """Use zcomm's pure-torch reference backend when the default CPU backend is missing, so
-    the zcomm rows still run (their times then include its slower quantization)."""
-    problem = zcomm_problem()
-    if problem is None or "ZCOMM_BACKEND" in os.environ:
-        return
-    os.environ["ZCOMM_BACKEND"] = "reference"
-    if zcomm_problem() is None:
-        print(f"WARNING: {problem}\nWARNING: using ZCOMM_BACKEND=reference (pure torch, slower quantization).", file=sys.stderr)
-    else:
-        del os.environ["ZCOMM_BACKEND"]
-
-
 def main() -> int:
     problem = missing_prerequisite()
     if problem:
         print(f"WARNING: {problem}\nWARNING: running on plain loopback: no 200 Mbit/s link, no wire bytes.", file=sys.stderr)
-    _backend_fallback()
     argv = command(simulated=problem is None)
     print("$ " + " ".join(argv), flush=True)
     env = dict(os.environ, ZCOMM_LOCAL_SIZE=str(LOCAL))

@@ -45,22 +45,6 @@ class Case:
     check: Callable[[], int]
 
 
-def zcomm_problem() -> str | None:
-    """Why zcomm's quantized collectives cannot run here (not merged yet, no quantization
-    backend for CPU tensors), or None when they can."""
-    try:
-        import zcomm
-    except ImportError as exc:
-        return f"zcomm does not import ({exc})"
-    if not (hasattr(zcomm, "all_gather_q8") and hasattr(zcomm, "reduce_scatter_q4")):
-        return "this zcomm has no all_gather_q8 / reduce_scatter_q4"
-    try:
-        zcomm.quant.quantize(torch.zeros(2), 8, 2)
-    except zcomm.quant.BackendUnavailableError as exc:
-        return str(exc)
-    return None
-
-
 def _payload_nbytes(count: int, bits: int, group_size: int) -> int:
     from zcomm.quant import payload_nbytes
 

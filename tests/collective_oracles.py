@@ -51,6 +51,16 @@ def ring_volume(chunk_bytes: int, rank: int, world: int, local_size: int) -> tup
     return (sent, 0) if same_node else (0, sent)
 
 
+def qwz_volume(numel: int, nodes: int, local: int, group_size: int) -> tuple[int, int]:
+    """(intra, inter) bytes per rank of all_gather_q8.
+
+    Its own INT8 payload to the N-1 other nodes (one rank each), then the N payloads of its
+    local rank's column to the node's L-1 other ranks.
+    """
+    payload = payload_bytes(numel, 8, group_size)
+    return (local - 1) * nodes * payload, (nodes - 1) * payload
+
+
 def qgz_volume(slice_numel: int, nodes: int, local: int, stages: int, group_size: int) -> tuple[int, int]:
     """(intra, inter) bytes per rank of reduce_scatter_q4.
 

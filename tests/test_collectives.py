@@ -5,6 +5,8 @@ ZCOMM_LOCAL_SIZE); sizes below the world size, primes and sizes that do not divi
 group size; fp32/bf16/fp16; SUM and AVG; sync and async; 1-4 pipeline stages. Outputs are
 compared with torch.distributed collectives on fp64 copies, within the per-element bounds
 of ``collective_oracles`` (derived there), and ``comm_stats()`` with the analytic volumes.
+The hierarchical all_gather_q8 must also equal, bit for bit, the flat algorithm (the same
+payloads in one all-gather on the caller's group, dequantized in rank order).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import zcomm
-from collective_oracles import all_gather_bound, payload_bytes, qgz_volume, reduce_scatter_bound, ring_volume
+from collective_oracles import all_gather_bound, qgz_volume, qwz_volume, reduce_scatter_bound, ring_volume
 from spawn_harness import run_distributed
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -94,9 +96,21 @@ def _check_case(case: dict, group: dist.ProcessGroup, topology: zcomm.Topology, 
     ag_gs = gs or DEFAULT_GROUP_SIZES["all_gather_q8"]
     bound = all_gather_bound(torch.stack(expected), ag_gs, dtype).view(-1)
     _assert_within("all_gather_q8", case, gathered.double() - torch.cat(expected), bound)
+    flat = _flat_all_gather_q8(gathered_inputs[rank], group, ag_gs)
+    assert torch.equal(gathered, flat), ("all_gather_q8 differs from the flat quantize/all-gather/dequantize", case)
 
     _assert_stats("reduce_scatter_q4", qgz_volume(m, topology.num_nodes, topology.local_size, stages, rs_gs), case)
-    _assert_stats("all_gather_q8", ring_volume(payload_bytes(m, 8, ag_gs), rank, world, topology.local_size), case)
+    _assert_stats("all_gather_q8", qwz_volume(m, topology.num_nodes, topology.local_size, ag_gs), case)
+
+
+def _flat_all_gather_q8(input: torch.Tensor, group: dist.ProcessGroup, group_size: int) -> torch.Tensor:
+    """The one-hop algorithm the hierarchical all_gather_q8 must reproduce bit for bit:
+    the same payloads, gathered by torch in rank order, dequantized together."""
+    world = dist.get_world_size(group)
+    payload = zcomm.quant.quantize(input, 8, group_size)
+    rows = torch.empty(world, payload.numel(), dtype=torch.uint8)
+    dist.all_gather(list(rows.unbind(0)), payload, group=group)
+    return zcomm.quant.dequantize(rows, input.numel(), 8, group_size, input.dtype)
 
 
 def _assert_stats(name: str, volume: tuple[int, int], context: object) -> None:

@@ -1,22 +1,59 @@
-"""qwZ: all-gather with blocked INT8 quantization (ZeRO++ section 3.1).
+"""qwZ: hierarchical all-gather with blocked INT8 quantization (ZeRO++ section 3.1).
 
-Each rank quantizes its input into one self-contained INT8 payload (values, padding and
-fp32 scales in one ``uint8`` buffer, see :mod:`zcomm.quant.wire_format`), one all-gather
-of those equal-length payloads runs on the caller's group, and the ``W`` received payloads
-are dequantized into ``output`` (rank ``i``'s input lands at ``output[i*n:(i+1)*n]``).
-Every element is within half its group's scale (``absmax / 127 / 2``) of the original
-before the final rounding to the output dtype. Any ``numel`` works: the last group of a
-payload is simply short.
+On ``W = N * L`` ranks (``N`` nodes of ``L`` ranks, node-major; rank ``n*L + l`` is local
+rank ``l`` of node ``n``):
+
+1. each rank quantizes its input into one self-contained INT8 payload of ``P`` bytes
+   (values, padding and fp32 scales in one ``uint8`` buffer, see
+   :mod:`zcomm.quant.wire_format`);
+2. inter-node hop: all-gather of that payload among the ``N`` ranks with this local rank
+   (zcomm's private inter-node group), giving ``N`` payloads in node order;
+3. intra-node hop: all-gather of those ``N * P`` bytes among the ``L`` ranks of the node
+   (zcomm's private intra-node group). Every rank now holds all ``W`` payloads laid out
+   ``[local rank l][node n]``;
+4. the payload of rank ``r = n*L + l`` is dequantized into ``output[r*numel : (r+1)*numel]``
+   (``numel = input.numel()``).
+
+Only ``N - 1`` payloads leave each rank across nodes, so a node's uplink carries
+``L * (N - 1)`` payloads where a flat ring in rank order makes the node's boundary rank
+send ``W - 1`` (1.5x more on 2 nodes x 2 ranks). One node: step 2 is skipped; one rank
+per node: step 3 is skipped (a single hop is a flat all-gather of the ``W`` payloads).
+The payloads and their dequantization are the flat algorithm's, so ``output`` is
+bit-identical to quantize -> one all-gather -> dequantize.
+
+Error: every element is within half its group's scale (``absmax / 127 / 2``) of the
+original before the final rounding to the output dtype. Any ``numel`` works: the last
+group of a payload is simply short.
+
+Buffers: the ``P``-byte payload, the ``N * P`` bytes gathered by step 2 and the ``W * P``
+bytes gathered by step 3 (all ``uint8``) live for one call; ``output`` is written only in
+step 4.
+
+[Note: buffer lifetime] The chain keeps each hop's send buffer referenced until that hop's
+``wait()`` has returned, and the last hop's receive buffer until step 4 has consumed it. On
+CUDA the buffers are allocated on the stream the chain is enqueued on and the process
+group records their use on its stream, so the allocator does not hand them out early.
+
+[Note: hop order] Steps 1-4 run as one chain (:mod:`zcomm.chain_runner`): on CPU on the
+FIFO worker shared with qgZ for the same group, so every rank issues the hops of all
+zcomm calls on the private groups in one order, inter hop before intra hop; sync calls
+wait for the chain, async calls return its handle.
 """
 
 from __future__ import annotations
+
+from functools import partial
+from itertools import product
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from . import quant
-from .comm_stats import record, ring_bytes
+from .chain_runner import run_chain
 from .collective_args import check_group_size, check_tensors, resolve_group
+from .comm_stats import hierarchical_gather_bytes, record
+from .groups import node_groups
 from .handle import Handle
 from .topology import Topology
 from .torch_compat import all_gather_single
@@ -28,6 +65,14 @@ BITS = 8
 DEFAULT_GROUP_SIZE = 2048
 
 
+class _Plan(NamedTuple):
+    """Everything the chain needs, fixed at call time on the caller's thread."""
+
+    hops: tuple[dist.ProcessGroup, ...]  # the inter-node group, then the intra-node group, where they have peers
+    topology: Topology
+    group_size: int
+
+
 def all_gather_q8(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -37,7 +82,7 @@ def all_gather_q8(
     group_size: int | None = None,
     topology: Topology | None = None,
 ) -> Handle | None:
-    """INT8-quantized drop-in for ``torch.distributed.all_gather_into_tensor``.
+    """INT8-quantized hierarchical drop-in for ``torch.distributed.all_gather_into_tensor``.
 
     Args:
         output: contiguous, ``world * input.numel()`` elements, same dtype (fp32/bf16/fp16) and device.
@@ -45,31 +90,37 @@ def all_gather_q8(
         group: the process group (default: world).
         async_op: return a :class:`~zcomm.handle.Handle`; ``output`` is valid after its ``wait()``.
         group_size: elements per quantization scale (default :data:`DEFAULT_GROUP_SIZE`).
-        topology: only used to split ``comm_stats`` into intra/inter-node bytes (default: detected).
+        topology: which ranks share a node (default: :meth:`Topology.detect`).
     """
     info = resolve_group(group, topology)
     check_tensors(output, input, world=info.world_size, gather=True, quantized=True)
     group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
     check_group_size(group_size, BITS)
-    numel = input.numel()
-    payload_bytes = quant.payload_nbytes(numel, BITS, group_size)
-    intra, inter = ring_bytes(payload_bytes, info.rank, info.topology)
+    payload_bytes = quant.payload_nbytes(input.numel(), BITS, group_size)
+    intra, inter = hierarchical_gather_bytes(payload_bytes, info.topology)
     record(OP_NAME, intra_bytes=intra, inter_bytes=inter)
-    # [Note: buffer lifetime] ``sent`` and ``received`` are referenced by the closures below
-    # until the handle's wait() has dequantized; on CUDA the process group records their use
-    # on its stream, so the allocator does not reuse them early.
-    sent = quant.quantize(input.reshape(-1), BITS, group_size)
-    received = torch.empty(info.world_size * payload_bytes, dtype=torch.uint8, device=input.device)
-    work = all_gather_single(received, sent, group=info.group, async_op=True)
+    groups = node_groups(info.group, info.topology)
+    hops = tuple(hop for hop in (groups.inter, groups.intra) if hop is not None)
+    plan = _Plan(hops, info.topology, group_size)
+    return run_chain(partial(_chain, plan), info, output, input, async_op)
 
-    def finish() -> None:
-        work.wait()
-        if numel:
-            rows = received.view(info.world_size, payload_bytes)
-            quant.dequantize(rows, numel, BITS, group_size, output.dtype, out=output.view(-1))
 
-    handle = Handle(finish=finish, ready=work.is_completed)
-    if async_op:
-        return handle
-    handle.wait()
-    return None
+def _chain(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:
+    """Steps 1-4 of the module docstring, on this thread (or enqueued on the current CUDA stream)."""
+    nodes, local_size, numel = plan.topology.num_nodes, plan.topology.local_size, input.numel()
+    # [Note: buffer lifetime] ``_all_gather`` returns only after its hop has read ``gathered``
+    gathered = quant.quantize(input.reshape(-1), BITS, plan.group_size)
+    for hop in plan.hops:
+        gathered = _all_gather(gathered, hop)
+    rows = gathered.view(local_size, nodes, gathered.numel() // plan.topology.world_size)
+    out = output.view(nodes, local_size, numel)
+    # one call per row: the rows arrive [local rank][node], the ranks are [node][local rank]
+    for local, node in product(range(local_size), range(nodes)):
+        quant.dequantize(rows[local, node], numel, BITS, plan.group_size, output.dtype, out=out[node, local])
+
+
+def _all_gather(send: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``group``'s members' ``send`` buffers concatenated in group-rank order (on CUDA: once the stream gets there)."""
+    received = torch.empty(dist.get_world_size(group) * send.numel(), dtype=send.dtype, device=send.device)
+    all_gather_single(received, send, group=group, async_op=True).wait()
+    return received

@@ -9,11 +9,15 @@ and topology; quantized payloads count in full: values, padding and scales):
   ``q = ceil((input.numel() / W) / k)``: intra ``= k * (L-1) * payload(N*q, INT4)``,
   inter ``= k * (N-1) * payload(q, INT4)`` (with ``L = 1`` the rows go straight across
   nodes: inter ``= k * (N-1) * payload(q, INT4)``, intra 0).
-* flat all-gather / reduce-scatter (``all_gather_q8`` and the plain pass-throughs): the
-  bandwidth-optimal ring in group-rank order, where each rank sends ``W - 1`` chunks to
-  rank ``(r + 1) % W``: ``(W - 1) * chunk`` bytes, intra-node if that neighbour shares the
-  node, else inter-node. ``chunk`` is one rank's INT8 payload for ``all_gather_q8``, the
-  input bytes for ``all_gather_into_tensor`` and the output bytes for ``reduce_scatter_tensor``.
+* hierarchical all-gather (``all_gather_q8``): a ring all-gather of this rank's INT8
+  payload (``P`` bytes) among the ``N`` ranks with its local rank, then a ring all-gather
+  of the ``N`` gathered payloads among the node's ``L`` ranks: inter ``= (N-1) * P``,
+  intra ``= (L-1) * N * P``.
+* flat all-gather / reduce-scatter (the plain pass-throughs): the bandwidth-optimal ring
+  in group-rank order, where each rank sends ``W - 1`` chunks to rank ``(r + 1) % W``:
+  ``(W - 1) * chunk`` bytes, intra-node if that neighbour shares the node, else
+  inter-node. ``chunk`` is the input bytes for ``all_gather_into_tensor`` and the output
+  bytes for ``reduce_scatter_tensor``.
 
 This is the model the ZeRO++ paper reasons with, not a packet capture: gloo's actual
 algorithms differ (its reduce-scatter is an all-reduce). Counts are per process, updated
@@ -70,3 +74,9 @@ def ring_bytes(chunk_bytes: int, rank: int, topology: Topology) -> tuple[int, in
     world = topology.world_size
     sent = (world - 1) * chunk_bytes
     return (sent, 0) if topology.same_node(rank, (rank + 1) % world) else (0, sent)
+
+
+def hierarchical_gather_bytes(chunk_bytes: int, topology: Topology) -> tuple[int, int]:
+    """(intra, inter) bytes a rank sends in an inter-node then intra-node all-gather of ``chunk_bytes`` chunks."""
+    nodes, local = topology.num_nodes, topology.local_size
+    return (local - 1) * nodes * chunk_bytes, (nodes - 1) * chunk_bytes

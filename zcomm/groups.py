@@ -1,6 +1,6 @@
 """zcomm's private subgroups of a caller's process group, created once and cached.
 
-qgZ's two hops run on an intra-node group (the ranks of this rank's node) and an
+qgZ's and qwZ's two hops run on an intra-node group (the ranks of this rank's node) and an
 inter-node group (the ranks with this rank's local rank, one per node); hpZ (the ZeRO
 runtime) gathers inside a block of consecutive ranks. zcomm creates these groups itself,
 so its traffic never interleaves with the caller's collectives on the caller's group.
@@ -34,7 +34,7 @@ from .torch_compat import new_named_group
 
 
 class NodeGroups(NamedTuple):
-    """This rank's qgZ subgroups; ``None`` where a hop has a single member (and is skipped)."""
+    """This rank's hierarchical-hop subgroups; ``None`` where a hop has a single member (and is skipped)."""
 
     intra: dist.ProcessGroup | None
     inter: dist.ProcessGroup | None

@@ -32,19 +32,20 @@ works and the collective is never swapped for an unquantized one.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from . import quant
-from .comm_stats import record, ring_bytes
+from .chain_runner import run_chain
 from .collective_args import GroupInfo, check_group_size, check_tensors, resolve_group
+from .comm_stats import record
 from .groups import NodeGroups, node_groups
 from .handle import Handle
 from .slice_reorder import first_hop_rows, reorder_permutation
 from .topology import Topology
-from .worker import ordered_worker
 
 OP_NAME = "reduce_scatter_q4"
 BITS = 4
@@ -111,15 +112,7 @@ def reduce_scatter_q4(
     record(OP_NAME, intra_bytes=intra, inter_bytes=inter)
     if output.numel() == 0:
         return Handle(finish=lambda: None, ready=lambda: True) if async_op else None
-    if input.is_cuda:
-        return _run_on_stream(plan, output, input, async_op)
-    # [Note: worker ordering] see zcomm.worker: sync calls queue behind pending async ones.
-    future = ordered_worker((info.group.group_name, info.topology)).submit(_chain, plan, output, input)
-    handle = Handle(finish=future.result, ready=future.done)
-    if async_op:
-        return handle
-    handle.wait()
-    return None
+    return run_chain(partial(_chain, plan), info, output, input, async_op)
 
 
 def _divisor(op: dist.ReduceOp, world: int) -> float:
@@ -146,29 +139,6 @@ def _bytes_sent(plan: _Plan) -> tuple[int, int]:
     inter = k * (topo.num_nodes - 1) * quant.payload_nbytes(q, BITS, plan.group_size)
     intra = k * (topo.local_size - 1) * quant.payload_nbytes(topo.num_nodes * q, BITS, plan.group_size)
     return intra, inter
-
-
-def _run_on_stream(plan: _Plan, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Handle | None:
-    """CUDA: enqueue the whole chain without blocking the host.
-
-    [Note: CUDA streams] Sync calls run on the current stream (NCCL's ``work.wait()`` makes
-    it wait for each hop). Async calls run on a side stream that first waits for the current
-    one; ``wait()`` makes the current stream wait for the chain's end event. ``input`` and
-    ``output`` are recorded on the side stream so the allocator keeps them until then.
-    """
-    if not async_op:
-        _chain(plan, output, input)
-        return None
-    current = torch.cuda.current_stream(input.device)
-    side = torch.cuda.Stream(device=input.device)
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        _chain(plan, output, input)
-        done = torch.cuda.Event()
-        done.record(side)
-    input.record_stream(side)
-    output.record_stream(side)
-    return Handle(finish=lambda: torch.cuda.current_stream(input.device).wait_event(done), ready=done.query)
 
 
 def _chain(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:

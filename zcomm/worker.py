@@ -1,14 +1,15 @@
 """One FIFO worker thread per (process group, topology) for collectives that need host work between hops.
 
-[Note: worker ordering] qgZ on CPU tensors has host work (dequantize, reduce, requantize)
-between its intra- and inter-node hops, so an ``async_op=True`` call cannot just enqueue
-its chain the way CUDA streams allow. The whole chain runs on a worker thread instead,
-and *every* call (sync ones too, which then wait) goes through the same single-threaded
-FIFO queue: each rank thus issues its collectives on zcomm's private subgroups in its own
-program order, which is the same order on every member, as torch.distributed requires.
-The worker overlaps with the caller's Python only as far as the quantization kernels
-release the GIL (the ``cpu`` backend's numba kernels are meant to; the ``reference``
-backend's torch ops do inside each op).
+[Note: worker ordering] qgZ and qwZ on CPU tensors have host work between their hops
+(each hop waits for the previous one's data; qgZ also dequantizes, reduces and
+requantizes it), so an ``async_op=True`` call cannot just enqueue its chain the way CUDA
+streams allow. The whole chain runs on a worker thread instead, and *every* call (sync
+ones too, which then wait) goes through the same single-threaded FIFO queue: each rank
+thus issues its collectives on zcomm's private subgroups in its own program order, which
+is the same order on every member, as torch.distributed requires. The worker overlaps
+with the caller's Python only as far as the quantization kernels release the GIL (the
+``cpu`` backend's numba kernels are meant to; the ``reference`` backend's torch ops do
+inside each op).
 """
 
 from __future__ import annotations

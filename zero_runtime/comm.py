@@ -22,7 +22,7 @@ that are multiples of its quantization group.
 The plain objects call zcomm's counted pass-throughs (``zcomm.all_gather_into_tensor``,
 ``zcomm.reduce_scatter_tensor``), so ``zcomm.comm_stats()`` sees the runtime's traffic and
 plain stage 3 and ZeRO++ are measured by the same counters. ``topology`` (which ranks share
-a node) is passed to every collective; hpZ and qgZ need it.
+a node) is passed to every collective; hpZ, qwZ and qgZ need it.
 
 [Note: gloo] torch 2.13's gloo backend accepts ``reduce_scatter_tensor`` and
 ``all_gather_into_tensor`` with async handles (checked), so the runtime needs no fallback of

@@ -1,0 +1,63 @@
+"""Running a hierarchical collective's chain of hops in the same order on every rank.
+
+A hierarchical collective (qwZ's 2-hop all-gather, qgZ's 2-hop reduce-scatter) is a chain:
+quantize, a hop on one of zcomm's private subgroups (:mod:`zcomm.groups`), work on what
+arrived, the next hop, and so on. A hop may only start once the previous one has
+delivered, so the chain cannot be issued up front as one asynchronous collective; and
+every member must issue its hops on each private group in the same order.
+
+* CUDA: the chain is enqueued on a stream without blocking the host ([Note: CUDA streams]).
+* CPU: the chain runs on the ordered worker of the caller's (group, topology)
+  ([Note: worker ordering] in :mod:`zcomm.worker`). All of zcomm's chains on one group
+  share that worker, so the hops of a qwZ call and of a qgZ call in flight together never
+  interleave on the private groups they share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .collective_args import GroupInfo
+from .handle import Handle
+from .worker import ordered_worker
+
+# chain(output, input): runs every hop and leaves the result in ``output``
+Chain = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def run_chain(chain: Chain, info: GroupInfo, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Handle | None:
+    """Run ``chain(output, input)`` for a collective on ``info``'s group; a handle if ``async_op``, else wait."""
+    if input.is_cuda:
+        return _run_on_stream(chain, output, input, async_op)
+    # [Note: worker ordering] sync calls queue behind pending async ones.
+    future = ordered_worker((info.group.group_name, info.topology)).submit(chain, output, input)
+    handle = Handle(finish=future.result, ready=future.done)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def _run_on_stream(chain: Chain, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Handle | None:
+    """CUDA: enqueue the whole chain without blocking the host.
+
+    [Note: CUDA streams] Sync calls run on the current stream (NCCL's ``work.wait()`` makes
+    it wait for each hop). Async calls run on a side stream that first waits for the current
+    one; ``wait()`` makes the current stream wait for the chain's end event. ``input`` and
+    ``output`` are recorded on the side stream so the allocator keeps them until then.
+    """
+    if not async_op:
+        chain(output, input)
+        return None
+    current = torch.cuda.current_stream(input.device)
+    side = torch.cuda.Stream(device=input.device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        chain(output, input)
+        done = torch.cuda.Event()
+        done.record(side)
+    input.record_stream(side)
+    output.record_stream(side)
+    return Handle(finish=lambda: torch.cuda.current_stream(input.device).wait_event(done), ready=done.query)
