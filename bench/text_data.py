@@ -1,0 +1,137 @@
+"""Byte-level language-modelling data from the Python standard library's own sources.
+
+Every machine that runs this benchmark has a Python installation, so its standard library
+is real text that needs no download. The corpus is built deterministically:
+
+1. list every ``*.py`` file under ``root`` (by default ``sysconfig.get_paths()["stdlib"]``,
+   without ``site-packages``), sorted by relative path;
+2. assign each file to validation when the first 8 bytes of the SHA-256 of its relative
+   path, read as a fraction of 2**64, fall below ``val_fraction``; otherwise to training.
+   The split depends only on file names, so it is fixed and the two sides are disjoint;
+3. concatenate each side's bytes in sorted order, files separated by a NUL byte (which
+   never occurs in source text, so the model sees document boundaries).
+
+Tokens are bytes (vocabulary 256). A sample is a window of ``seq_len + 1`` consecutive
+tokens: a next-token loss predicts its last ``seq_len`` tokens from the first ``seq_len``.
+
+Batches are *global*: ``train_batch(step, ...)`` draws window offsets from a generator
+seeded with ``(seed, step)``, so every rank computes the same global batch without
+communicating, and ``rank_slice`` gives each rank its contiguous rows. Validation uses a
+fixed set of evenly spaced windows, identical for every configuration and every run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SEPARATOR = 0
+VOCAB_SIZE = 256
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextDataConfig:
+    """Where the corpus comes from and how it is cut.
+
+    Args:
+        seq_len: tokens the model predicts per sample (windows hold ``seq_len + 1``).
+        val_fraction: expected fraction of files that go to validation, in (0, 1).
+        root: directory to read ``*.py`` files from; ``None`` is the standard library.
+    """
+
+    seq_len: int = 128
+    val_fraction: float = 0.1
+    root: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int):
+            raise TypeError(f"seq_len must be an int, got {self.seq_len!r}")
+        if self.seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def list_source_files(root: Path) -> list[str]:
+    """Relative paths of the ``*.py`` files under ``root``, sorted, without site-packages."""
+    return sorted(
+        path.relative_to(root).as_posix()
+        for path in root.rglob("*.py")
+        if "site-packages" not in path.relative_to(root).parts and path.is_file()
+    )
+
+
+def is_validation_file(relative_path: str, val_fraction: float) -> bool:
+    digest = hashlib.sha256(relative_path.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") < val_fraction * 2**64
+
+
+def _concatenate(root: Path, files: list[str]) -> np.ndarray:
+    separator = bytes([SEPARATOR])
+    return np.frombuffer(separator.join((root / name).read_bytes() for name in files), dtype=np.uint8)
+
+
+class ByteCorpus:
+    """The train and validation byte streams and the samplers over them."""
+
+    def __init__(self, config: TextDataConfig) -> None:
+        self.config = config
+        root = Path(config.root) if config.root is not None else stdlib_root()
+        files = list_source_files(root)
+        self.val_files = [name for name in files if is_validation_file(name, config.val_fraction)]
+        self.train_files = [name for name in files if not is_validation_file(name, config.val_fraction)]
+        if not self.train_files or not self.val_files:
+            raise ValueError(
+                f"{root} gives {len(self.train_files)} training and {len(self.val_files)} validation "
+                f"files at val_fraction={config.val_fraction}; both must be non-empty"
+            )
+        self.train = _concatenate(root, self.train_files)
+        self.val = _concatenate(root, self.val_files)
+        for name, stream in (("training", self.train), ("validation", self.val)):
+            if stream.size < self.window:
+                raise ValueError(f"the {name} stream has {stream.size} bytes, fewer than one window ({self.window})")
+
+    @property
+    def window(self) -> int:
+        return self.config.seq_len + 1
+
+    def train_batch(self, step: int, *, batch: int, seed: int) -> torch.Tensor:
+        """The global batch of ``step``: ``(batch, seq_len + 1)`` int64 tokens, same on every rank."""
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        rng = np.random.default_rng([seed, step])
+        offsets = rng.integers(0, self.train.size - self.window + 1, size=batch)
+        return self._windows(self.train, offsets)
+
+    def val_batches(self, *, batch: int, num_batches: int) -> list[torch.Tensor]:
+        """``num_batches`` global batches of evenly spaced validation windows (fixed, no seed)."""
+        if batch < 1 or num_batches < 1:
+            raise ValueError(f"batch and num_batches must be >= 1, got {batch} and {num_batches}")
+        count = batch * num_batches
+        offsets = np.linspace(0, self.val.size - self.window, num=count).astype(np.int64)
+        tokens = self._windows(self.val, offsets)
+        return list(tokens.split(batch))
+
+    def _windows(self, stream: np.ndarray, offsets: np.ndarray) -> torch.Tensor:
+        rows = np.stack([stream[start : start + self.window] for start in offsets])
+        return torch.from_numpy(rows.astype(np.int64))
+
+
+def rank_slice(global_batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s contiguous rows of a global batch; the slices partition it."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    rows = global_batch.shape[0]
+    if rows % world_size:
+        raise ValueError(f"global batch of {rows} rows does not split evenly over {world_size} ranks")
+    per_rank = rows // world_size
+    return global_batch[rank * per_rank : (rank + 1) * per_rank]

@@ -1,0 +1,60 @@
+"""What every training engine of ``python -m bench.train`` provides, and shared helpers.
+
+A runner owns one model and its optimizer under one engine (zero_runtime, FSDP2,
+DeepSpeed). The training loop only calls ``train_step`` (forward, backward, optimizer
+step, zero grad; returns this rank's loss), ``eval_loss`` (forward without gradients) and
+``memory`` (what this rank holds, and where that figure comes from), so the loop, the
+timing and the wire-byte accounting are the same code for every configuration.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+class Unavailable(RuntimeError):
+    """An optional dependency (an engine or a model library) is missing: skip with this note."""
+
+
+class MemoryReading(NamedTuple):
+    """Peak bytes on this rank (``None`` when the engine cannot tell) and how it was measured."""
+
+    peak_bytes: int | None
+    source: str
+
+
+class Runner(Protocol):
+    def train_step(self, tokens: torch.Tensor) -> float: ...
+
+    def eval_loss(self, tokens: torch.Tensor) -> float: ...
+
+    def memory(self) -> MemoryReading: ...
+
+
+def local_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank stores for ``tensor`` (its shard when it is a DTensor)."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def model_state_nbytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's parameters, gradients and optimizer states, as the optimizer sees them.
+
+    Taken after ``step()`` and before ``zero_grad()`` this is the model-state peak of the
+    ZeRO paper's accounting; it leaves out activations and temporarily gathered weights.
+    """
+    total = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            total += local_nbytes(param)
+            if param.grad is not None:
+                total += local_nbytes(param.grad)
+            total += sum(local_nbytes(v) for v in optimizer.state.get(param, {}).values() if torch.is_tensor(v))
+    return total
+
+
+def cuda_peak(device: torch.device) -> MemoryReading:
+    return MemoryReading(torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated")

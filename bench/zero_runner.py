@@ -1,0 +1,54 @@
+"""The bundled ``zero_runtime`` as a training engine of ``python -m bench.train``.
+
+The model is built unchanged and handed to ``zero_runtime.initialize`` with a factory for
+AdamW and the DeepSpeed-style dict of ``bench.train_configs.zero_runtime_config``; the
+loop then drives ``opt.backward``, ``opt.step`` and ``opt.zero_grad``. Peak memory is the
+runtime's own ``memory_report()`` (parameters, gradients, optimizer states on this rank).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import zero_runtime
+from bench.train_configs import QUANT_GROUP_SIZE_KEY, TENSOR_SCALE, TrainConfig, zero_runtime_config
+from bench.train_models import ModelSpec
+from bench.train_runner import MemoryReading
+
+
+class ZeroRunner:
+    def __init__(
+        self, config: TrainConfig, spec: ModelSpec, *, lr: float, ranks_per_node: int, bf16: bool, device: torch.device
+    ) -> None:
+        self.spec = spec
+        engine_config = zero_runtime_config(config, ranks_per_node=ranks_per_node, bf16=bf16)
+        optimizer_factory = functools.partial(torch.optim.AdamW, lr=lr)
+        try:
+            self.model, self.opt = zero_runtime.initialize(spec.build().to(device), optimizer_factory, engine_config)
+        except ValueError as error:
+            if config.tensor_scale and QUANT_GROUP_SIZE_KEY in str(error):
+                raise ValueError(
+                    f"configuration {config.name!r} needs zero_runtime to accept "
+                    f"zero_optimization.{QUANT_GROUP_SIZE_KEY}={TENSOR_SCALE!r} (one quantization scale per "
+                    f"tensor); this runtime rejected it: {error}"
+                ) from error
+            raise
+        self.peak_bytes = 0
+
+    def train_step(self, tokens: torch.Tensor) -> float:
+        loss = self.spec.loss(self.model, tokens)
+        self.opt.backward(loss)
+        self.opt.step()
+        # After step, before zero_grad: gradients and updated states are both still held.
+        self.peak_bytes = max(self.peak_bytes, self.opt.memory_report().total)
+        self.opt.zero_grad()
+        return loss.item()
+
+    @torch.no_grad()
+    def eval_loss(self, tokens: torch.Tensor) -> float:
+        return self.spec.loss(self.model, tokens).item()
+
+    def memory(self) -> MemoryReading:
+        return MemoryReading(self.peak_bytes, "zero_runtime memory_report()")
