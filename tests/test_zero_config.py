@@ -6,9 +6,10 @@ import json
 
 import pytest
 
+from zcomm import Topology
 from zero_runtime import ZeroConfig
-from zero_runtime.comm import build_comm_plan
 from zero_runtime.estimate import hpz_estimate, main, stage_estimate
+from zero_runtime.hpz_gather import hpz_block_topology
 
 
 def test_deepspeed_dict_maps_to_fields(tmp_path):
@@ -52,13 +53,53 @@ def test_invalid_values_are_rejected(bad, message):
         ZeroConfig.from_dict(bad)
 
 
-def test_zeropp_keys_validate_but_are_not_yet_wired():
+def test_zeropp_keys_map_to_fields():
     config = ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "zero_quantized_weights": True,
                                                          "zero_hpz_partition_size": 2,
-                                                         "zero_quantized_gradients": True}})
+                                                         "zero_quantized_gradients": True,
+                                                         "zcomm_quant_group_size": "tensor"}})
     assert config.zeropp_options() == ["zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients"]
-    with pytest.raises(ValueError, match="not yet supported"):
-        build_comm_plan(config, group=None)
+    assert (config.quantized_weights, config.hpz_partition_size, config.quantized_gradients) == (True, 2, True)
+    assert config.quant_group_size == "tensor"
+    assert ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True,
+                                                       "zcomm_quant_group_size": 64}}).quant_group_size == 64
+    assert ZeroConfig(stage=3).quant_group_size is None  # zcomm's defaults
+
+
+@pytest.mark.parametrize("zero, message", [
+    ({"stage": 2, "zero_quantized_gradients": True}, "zero_quantized_gradients need zero_optimization.stage 3"),
+    ({"stage": 1, "zero_hpz_partition_size": 2}, "zero_hpz_partition_size need zero_optimization.stage 3"),
+    ({"stage": 3, "zero_quantized_weights": 1}, "zero_quantized_weights must be true or false"),
+    ({"stage": 3, "zero_hpz_partition_size": 2.0}, "zero_hpz_partition_size must be an int"),
+    ({"stage": 3, "zero_quantized_weights": True, "zcomm_quant_group_size": 7}, "even int >= 2"),
+    ({"stage": 3, "zero_quantized_weights": True, "zcomm_quant_group_size": 0}, "even int >= 2"),
+    ({"stage": 3, "zero_quantized_weights": True, "zcomm_quant_group_size": True}, "even int >= 2"),
+    ({"stage": 3, "zero_quantized_weights": True, "zcomm_quant_group_size": "block"}, "even int >= 2"),
+    ({"stage": 3, "zcomm_quant_group_size": 64}, "neither zero_quantized_weights nor"),
+    ({"stage": 2, "zcomm_quant_group_size": 64}, "neither zero_quantized_weights nor"),
+])
+def test_zeropp_config_errors(zero, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        ZeroConfig.from_dict({"zero_optimization": zero})
+
+
+@pytest.mark.parametrize("world, local, size, message", [
+    (4, 2, 3, "3 must divide the world size 4"),
+    (8, 2, 16, "16 must divide the world size 8"),
+    (6, 3, 2, "must divide the ranks per node \\(3\\) or be a multiple of it"),
+    (12, 3, 4, "must divide the ranks per node \\(3\\) or be a multiple of it"),
+])
+def test_hpz_partition_size_must_divide_the_world_and_line_up_with_nodes(world, local, size, message):
+    with pytest.raises(ValueError, match=message):
+        hpz_block_topology(Topology(world_size=world, local_size=local), 0, size)
+
+
+def test_hpz_block_topology_follows_the_nodes():
+    two_by_two = Topology(world_size=4, local_size=2)
+    assert hpz_block_topology(two_by_two, 3, 2) == Topology(world_size=2, local_size=2)  # one node
+    assert hpz_block_topology(two_by_two, 1, 4) == Topology(world_size=4, local_size=2)  # spans both nodes
+    assert hpz_block_topology(Topology(world_size=8, local_size=4), 5, 2) == Topology(world_size=2, local_size=2)
+    assert hpz_block_topology(Topology(world_size=4, local_size=1), 2, 2) == Topology(world_size=2, local_size=1)
 
 
 def test_keyword_only_dataclass():
@@ -76,7 +117,7 @@ def test_estimator_matches_paper_formulas(capsys):
     # The paper's headline numbers: 16P bytes without ZeRO, ~4P, ~2P, and 16P/Nd.
     assert stage_estimate(0, params=P, ranks=N).total == pytest.approx(16 * P)
     assert stage_estimate(3, params=P, ranks=N).total == pytest.approx(16 * P / N)
-    assert hpz_estimate(params=P, ranks=N, ranks_per_node=8).secondary == pytest.approx(2 * P / 8)
+    assert hpz_estimate(params=P, ranks=N, partition_size=8).secondary == pytest.approx(2 * P / 8)
 
     main(["--params", "7e9", "--ranks", "64", "--ranks-per-node", "8"])
     lines = capsys.readouterr().out.splitlines()
@@ -85,8 +126,12 @@ def test_estimator_matches_paper_formulas(capsys):
     for stage in range(4):
         assert float(table[str(stage)]) == pytest.approx(sum(expected[stage]) / gib, abs=0.006)
     assert lines[6].startswith("3 + hpZ")
+    main(["--params", "7e9", "--ranks", "64", "--ranks-per-node", "8", "--hpz-partition-size", "16"])
+    hpz_row = capsys.readouterr().out.splitlines()[6].split()
+    assert float(hpz_row[-2]) == pytest.approx(2 * P / 16 / gib, abs=0.006)  # the secondary column
 
 
-def test_estimator_rejects_bad_arguments():
+@pytest.mark.parametrize("extra", [["--ranks-per-node", "8"], ["--ranks-per-node", "4", "--hpz-partition-size", "8"]])
+def test_estimator_rejects_bad_arguments(extra):
     with pytest.raises(SystemExit):
-        main(["--params", "7e9", "--ranks", "12", "--ranks-per-node", "8"])
+        main(["--params", "7e9", "--ranks", "12", *extra])

@@ -1,6 +1,6 @@
 """The runtime tests' use of the shared ``tests/spawn_harness.py``.
 
-``run(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` on fresh gloo ranks and
+``run(fn, world_size, *args, env=...)`` runs ``fn(rank, world_size, *args)`` on fresh gloo ranks and
 returns the per-rank results. Results travel as ``torch.save`` bytes: tensors pickled onto a
 multiprocessing queue travel as shared-memory handles owned by the rank process, which
 exits right after reporting.
@@ -9,7 +9,7 @@ exits right after reporting.
 from __future__ import annotations
 
 import io
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -24,6 +24,7 @@ def _serialized(rank: int, world_size: int, fn: Callable[..., Any], *args: Any) 
     return buffer.getvalue()
 
 
-def run(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    raw = run_distributed(_serialized, world_size, args=(fn, *args), timeout=TIMEOUT, pg_timeout=TIMEOUT)
+def run(fn: Callable[..., Any], world_size: int, *args: Any, env: Mapping[str, str] | None = None) -> list[Any]:
+    """``env``: variables set in every rank before torch.distributed starts."""
+    raw = run_distributed(_serialized, world_size, args=(fn, *args), env=env, timeout=TIMEOUT, pg_timeout=TIMEOUT)
     return [torch.load(io.BytesIO(blob), weights_only=False) for blob in raw]

@@ -2,6 +2,10 @@
 
     model, opt = zero_runtime.initialize(model, functools.partial(torch.optim.AdamW, lr=1e-3), config)
     loss = model(batch)...; opt.backward(loss); opt.step()
+
+Stage 3 takes the ZeRO++ options (``zero_quantized_weights``, ``zero_hpz_partition_size``,
+``zero_quantized_gradients``, ``zcomm_quant_group_size``; see ``ZeroConfig``): they change
+only the communication objects of ``comm.build_comm_plan``.
 """
 
 from __future__ import annotations

@@ -11,13 +11,17 @@ objects):
 
 Each returns a handle with ``wait()`` and is told which unit (or bucket) and phase it
 serves, so an implementation may keep per-unit state; ``held_bytes`` reports what it keeps
-between uses for ``memory_report()``. The ZeRO++ options slot in as other classes here:
-qwZ is a ``ParamGather`` whose ``gather`` calls ``zcomm.all_gather_q8``, used as
-``forward_gather`` only; hpZ is a ``ParamGather`` used as ``backward_gather`` that keeps a
-secondary shard over the node-local group in ``after_forward`` and gathers from it in
-backward, dropping its copies in ``weights_changed``; qgZ is a ``GradReduceScatter`` that
-calls ``zcomm.reduce_scatter_q4``. ``shard_alignment`` lets an option ask for shard sizes
-that are multiples of its quantization group.
+between uses for ``memory_report()``. The ZeRO++ options are other classes behind the same
+seam, chosen by ``build_comm_plan``:
+
+* qwZ (``quantized_comm.QuantizedAllGather``, ``forward_gather`` only): ``zcomm.all_gather_q8``;
+* hpZ (``hpz_gather.HpzGather``, ``backward_gather``): keeps a secondary shard over a block
+  of consecutive ranks in ``after_forward``, gathers from it in backward over the block's
+  group, invalidates its copies in ``weights_changed``;
+* qgZ (``quantized_comm.QuantizedReduceScatter``): ``zcomm.reduce_scatter_q4`` per bucket.
+
+``shard_alignment`` lets an option ask for shard sizes that are multiples of some number of
+elements (none does today: see [Note: shard alignment] in ``quantized_comm``).
 
 The plain objects call zcomm's counted pass-throughs (``zcomm.all_gather_into_tensor``,
 ``zcomm.reduce_scatter_tensor``), so ``zcomm.comm_stats()`` sees the runtime's traffic and
@@ -44,6 +48,8 @@ import torch.distributed as dist
 import zcomm
 
 from .config import ZeroConfig
+from .hpz_gather import HpzGather
+from .quantized_comm import QuantizedAllGather, QuantizedReduceScatter
 
 
 class Phase(enum.Enum):
@@ -60,8 +66,9 @@ class ParamGather(Protocol):
     def gather(self, full: torch.Tensor, shard: torch.Tensor, *, unit: Hashable, phase: Phase) -> Handle:
         """Start filling ``full`` (all shards, flat) from this rank's ``shard``."""
 
-    def after_forward(self, full: torch.Tensor, *, unit: Hashable) -> None:
-        """Called with the still-valid full buffer just before it is freed after forward."""
+    def after_forward(self, full: torch.Tensor, shard: torch.Tensor, *, unit: Hashable) -> None:
+        """Called with the still-valid full buffer (gathered from ``shard``) just before it is
+        freed after forward; no gather of ``unit`` is in flight then."""
 
     def weights_changed(self) -> None:
         """The shards changed (step, checkpoint or state-dict load): drop derived copies."""
@@ -86,7 +93,7 @@ class PlainAllGather:
     def gather(self, full: torch.Tensor, shard: torch.Tensor, *, unit: Hashable, phase: Phase) -> Handle:
         return zcomm.all_gather_into_tensor(full, shard, group=self.group, async_op=True, topology=self.topology)
 
-    def after_forward(self, full: torch.Tensor, *, unit: Hashable) -> None:
+    def after_forward(self, full: torch.Tensor, shard: torch.Tensor, *, unit: Hashable) -> None:
         pass
 
     def weights_changed(self) -> None:
@@ -162,14 +169,23 @@ class CommPlan:
 def build_comm_plan(config: ZeroConfig, group: dist.ProcessGroup,
                     topology: zcomm.Topology | None = None) -> CommPlan:
     """The communication objects ``config`` asks for on ``group`` (``topology``: which of
-    its ranks share a node; None detects it from the environment or host names)."""
-    requested = config.zeropp_options()
-    if requested:
-        raise ValueError(
-            f"ZeRO++ options {', '.join(requested)} are not yet supported by this runtime "
-            "(they are validated now and wired in by issue 6); turn them off to train")
+    its ranks share a node; None detects it from the environment or host names).
+
+    Collective: hpZ creates its block group here, so every rank of ``group`` calls this at
+    the same point. Raises ``ValueError`` if ``zero_hpz_partition_size`` does not divide the
+    world size or its blocks do not line up with nodes.
+    """
     # Detected once here, collectively, rather than inside a backward hook.
     topology = topology if topology is not None else zcomm.Topology.detect(group)
-    gather = PlainAllGather(group, topology)
-    return CommPlan(group=group, forward_gather=gather, backward_gather=gather,
-                    reduce_scatter=PlainReduceScatter(group, topology), topology=topology)
+    plain = PlainAllGather(group, topology)
+    forward: ParamGather = plain
+    if config.quantized_weights:
+        forward = QuantizedAllGather(group, topology, group_size=config.quant_group_size)
+    backward: ParamGather = plain
+    if config.hpz_partition_size > 1:
+        backward = HpzGather(group, topology, partition_size=config.hpz_partition_size, primary=plain)
+    reduce: GradReduceScatter = PlainReduceScatter(group, topology)
+    if config.quantized_gradients:
+        reduce = QuantizedReduceScatter(group, topology, group_size=config.quant_group_size)
+    return CommPlan(group=group, forward_gather=forward, backward_gather=backward, reduce_scatter=reduce,
+                    topology=topology)

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
 Precision = Literal["fp32", "bf16", "fp16"]
+# Elements per quantization scale: an even int >= 2, or "tensor" (one scale per communicated
+# shard or bucket, the ZeRO++ paper's non-blocked ablation); None keeps zcomm's defaults.
+QuantGroupSize = int | Literal["tensor"] | None
 
 # DeepSpeed key -> ZeroConfig/LossScaleConfig field, per section.
 _ZERO_KEYS = {
@@ -23,6 +26,7 @@ _ZERO_KEYS = {
     "zero_quantized_weights": "quantized_weights",
     "zero_hpz_partition_size": "hpz_partition_size",
     "zero_quantized_gradients": "quantized_gradients",
+    "zcomm_quant_group_size": "quant_group_size",
 }
 _FP16_KEYS = {
     "enabled": None,
@@ -66,8 +70,16 @@ class ZeroConfig:
 
     ``reduce_bucket_size`` and ``prefetch_bucket_size`` are in elements (DeepSpeed's unit).
     ``prefetch_bucket_size == 0`` turns stage-3 prefetching off. ``gradient_clipping == 0``
-    turns clipping off. The three ZeRO++ fields (qwZ, hpZ, qgZ) are accepted and validated
-    now; the runtime rejects them until their communication objects exist (issue 6).
+    turns clipping off.
+
+    ZeRO++ (stage 3 only; each can be on alone, all three together are ZeRO++):
+    ``quantized_weights`` (qwZ) gathers parameters for forward with zcomm's INT8
+    ``all_gather_q8``; ``hpz_partition_size > 1`` (hpZ) keeps a secondary copy of each
+    module's parameters partitioned over that many consecutive ranks after its forward and
+    gathers from it in backward (it must divide the world size and line up with nodes,
+    checked when the runtime starts); ``quantized_gradients`` (qgZ) reduce-scatters
+    gradient buckets with zcomm's INT4 ``reduce_scatter_q4``. ``quant_group_size`` sets the
+    elements per quantization scale of both quantized collectives (see ``QuantGroupSize``).
     """
 
     stage: int = 2
@@ -80,6 +92,7 @@ class ZeroConfig:
     quantized_weights: bool = False
     hpz_partition_size: int = 1
     quantized_gradients: bool = False
+    quant_group_size: QuantGroupSize = None
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -96,11 +109,29 @@ class ZeroConfig:
             raise ValueError(f"gradient_accumulation_steps must be >= 1, got {self.gradient_accumulation_steps}")
         if not isinstance(self.loss_scale, LossScaleConfig):
             raise TypeError(f"loss_scale must be a LossScaleConfig, got {type(self.loss_scale).__name__}")
+        for name in ("quantized_weights", "quantized_gradients"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"zero_{name} must be true or false, got {getattr(self, name)!r}")
+        if isinstance(self.hpz_partition_size, bool) or not isinstance(self.hpz_partition_size, int):
+            raise TypeError(f"zero_hpz_partition_size must be an int, got {self.hpz_partition_size!r}")
         if self.hpz_partition_size < 1:
             raise ValueError(f"zero_hpz_partition_size must be >= 1, got {self.hpz_partition_size}")
         zeropp = self.zeropp_options()
         if zeropp and self.stage != 3:
             raise ValueError(f"{', '.join(zeropp)} need zero_optimization.stage 3, got stage {self.stage}")
+        self._check_quant_group_size()
+
+    def _check_quant_group_size(self) -> None:
+        size = self.quant_group_size
+        if size is None:
+            return
+        if size != "tensor" and (isinstance(size, bool) or not isinstance(size, int) or size < 2 or size % 2):
+            raise ValueError("zcomm_quant_group_size must be an even int >= 2 or \"tensor\", "
+                             f"got {size!r}")
+        if not (self.quantized_weights or self.quantized_gradients):
+            # A group size with nothing quantized is almost surely a config mistake.
+            raise ValueError("zcomm_quant_group_size is set but neither zero_quantized_weights nor "
+                             "zero_quantized_gradients is on")
 
     def zeropp_options(self) -> list[str]:
         """DeepSpeed names of the ZeRO++ options this config turns on."""

@@ -10,8 +10,10 @@ ranks (ZeRO paper, section 5 and Figure 1):
     stage 3:  (2 + 2 + K) * P / Nd
 
 The ``3 + hpZ`` row is ZeRO++'s hierarchical partitioning: stage 3 plus a secondary copy of
-the 2-byte weights partitioned over the ``--ranks-per-node`` ranks of a node
-(2 * P / ranks_per_node). Further ZeRO++ rows (issue 6) are added to ``ROWS``.
+the 2-byte weights partitioned over blocks of ``--hpz-partition-size`` ranks (default: the
+``--ranks-per-node`` ranks of a node), 2 * P / hpz_partition_size: the runtime's
+``zero_hpz_partition_size`` and its ``memory_report().secondary_parameters``. It is also the
+row for full ZeRO++: qwZ and qgZ add only transient buffers of one unit or bucket.
 
     python -m zero_runtime.estimate --params 7e9 --ranks 64 --ranks-per-node 8
 """
@@ -49,16 +51,16 @@ def stage_estimate(stage: int, *, params: float, ranks: int, k: float = 12.0) ->
     )
 
 
-def hpz_estimate(*, params: float, ranks: int, ranks_per_node: int, k: float = 12.0) -> Estimate:
-    """Stage 3 plus hpZ's node-local secondary weight partition."""
+def hpz_estimate(*, params: float, ranks: int, partition_size: int, k: float = 12.0) -> Estimate:
+    """Stage 3 plus hpZ's secondary weight partition over blocks of ``partition_size`` ranks."""
     base = stage_estimate(3, params=params, ranks=ranks, k=k)
-    return base._replace(label="3 + hpZ", secondary=2 * params / ranks_per_node)
+    return base._replace(label="3 + hpZ", secondary=2 * params / partition_size)
 
 
 Row = Callable[[argparse.Namespace], Estimate]
 ROWS: Sequence[Row] = (
     *(lambda a, s=s: stage_estimate(s, params=a.params, ranks=a.ranks, k=a.k) for s in range(4)),
-    lambda a: hpz_estimate(params=a.params, ranks=a.ranks, ranks_per_node=a.ranks_per_node, k=a.k),
+    lambda a: hpz_estimate(params=a.params, ranks=a.ranks, partition_size=a.hpz_partition_size, k=a.k),
 )
 
 
@@ -78,14 +80,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--params", type=float, required=True, help="number of model parameters, e.g. 7e9")
     parser.add_argument("--ranks", type=int, required=True, help="data-parallel ranks (Nd)")
     parser.add_argument("--ranks-per-node", type=int, default=8, help="ranks per node (hpZ partition size)")
+    parser.add_argument("--hpz-partition-size", type=int, default=None,
+                        help="ranks per hpZ secondary partition (default: --ranks-per-node)")
     parser.add_argument("--k", type=float, default=12.0, help="optimizer bytes per parameter (Adam: 12)")
     args = parser.parse_args(argv)
-    if args.ranks < 1 or args.ranks_per_node < 1 or args.params <= 0:
-        parser.error("--params must be > 0 and --ranks/--ranks-per-node >= 1")
-    if args.ranks % args.ranks_per_node:
-        parser.error(f"--ranks {args.ranks} is not a multiple of --ranks-per-node {args.ranks_per_node}")
+    if args.hpz_partition_size is None:
+        args.hpz_partition_size = args.ranks_per_node
+    if args.ranks < 1 or args.ranks_per_node < 1 or args.hpz_partition_size < 1 or args.params <= 0:
+        parser.error("--params must be > 0 and --ranks/--ranks-per-node/--hpz-partition-size >= 1")
+    for flag, value in (("--ranks-per-node", args.ranks_per_node), ("--hpz-partition-size", args.hpz_partition_size)):
+        if args.ranks % value:
+            parser.error(f"--ranks {args.ranks} is not a multiple of {flag} {value}")
     print(f"model-state memory per rank: {args.params:.3g} parameters, {args.ranks} ranks "
-          f"({args.ranks_per_node} per node), K = {args.k:g}")
+          f"({args.ranks_per_node} per node, hpZ blocks of {args.hpz_partition_size}), K = {args.k:g}")
     print(format_table([row(args) for row in ROWS]))
 
 

@@ -7,12 +7,19 @@ when the gradient of an output of a module that used it arrives (``need_for_back
 freed when its parameters' gradients have all been accumulated (``grads_ready``).
 ``end_backward`` frees whatever is still gathered.
 
-[Note: prefetch] The first iteration records, per phase, the order in which units are first
-gathered. From then on, gathering unit i also starts the async gathers of the units that
-follow it in the recorded order, up to ``prefetch_numel`` elements, so their communication
-overlaps the current module's compute. Prefetching only changes *when* a gather is issued,
-never its inputs, so results are identical with it on or off. Every rank records the same
-order (same model, same control flow), so the collectives stay matched across ranks.
+[Note: prefetch] The first iteration records, per phase, the trace of gathers: every unit
+each time it has to be gathered (a tied embedding gathered again for the LM head appears
+twice). From then on, each gather of a unit moves that phase's cursor to the unit's next
+occurrence in the trace (wrapping around at the start of a new pass) and starts the async
+gathers of the units that follow it there, up to ``prefetch_numel`` elements, so their
+communication overlaps the current module's compute. Following the trace rather than each
+unit's first position keeps a repeated use from prefetching the whole model a second time.
+The prefetches are issued *before* waiting for the current unit's own gather, so the next
+units' gathers, qwZ's quantization included, are queued while unit i's bytes are on the wire
+(ZeRO++ section 4.1.1; see [Note: quantize early] in ``quantized_comm``). Prefetching only
+changes *when* a gather is issued, never its inputs, so results are identical with it on or
+off. Every rank records the same trace (same model, same control flow), so the collectives
+stay matched across ranks.
 """
 
 from __future__ import annotations
@@ -29,9 +36,9 @@ class ParamScheduler:
         self.plan = plan
         self.prefetch_numel = prefetch_numel
         self.recording = True
-        self.order: dict[Phase, list[FlatUnit]] = {Phase.FORWARD: [], Phase.BACKWARD: []}
+        self.trace: dict[Phase, list[FlatUnit]] = {Phase.FORWARD: [], Phase.BACKWARD: []}
         self.prefetches = 0  # gathers issued ahead of need, for tests and reports
-        self._position: dict[Phase, dict[int, int]] = {Phase.FORWARD: {}, Phase.BACKWARD: {}}
+        self._cursor: dict[Phase, int] = {Phase.FORWARD: 0, Phase.BACKWARD: 0}
 
     def acquire(self, unit: FlatUnit) -> None:
         """A forward user needs ``unit`` now."""
@@ -68,13 +75,14 @@ class ParamScheduler:
                 self._free(unit, after_forward=False)
 
     def _ensure(self, unit: FlatUnit, phase: Phase) -> None:
+        if unit.state is GatherState.READY:
+            return
         if unit.state is GatherState.FREE:
             self._start(unit, phase)
-        if unit.state is GatherState.GATHERING:
-            unit.handle.wait()
-            unit.handle = None
-            unit.state = GatherState.READY
-        self._record_and_prefetch(unit, phase)
+        self._trace_and_prefetch(unit, phase)
+        unit.handle.wait()
+        unit.handle = None
+        unit.state = GatherState.READY
 
     def _start(self, unit: FlatUnit, phase: Phase) -> None:
         unit.alloc_full()
@@ -88,23 +96,33 @@ class ParamScheduler:
             unit.handle = None
         if after_forward:
             for gather in self.plan.gathers():
-                gather.after_forward(unit.full, unit=unit.index)
+                gather.after_forward(unit.full, unit.shard, unit=unit.index)
         unit.free_full()
 
-    def _record_and_prefetch(self, unit: FlatUnit, phase: Phase) -> None:
-        position = self._position[phase]
+    def _trace_and_prefetch(self, unit: FlatUnit, phase: Phase) -> None:
+        """``unit`` is needed and not resident: record it (first step) or prefetch what follows it."""
+        trace = self.trace[phase]
         if self.recording:
-            if unit.index not in position:
-                position[unit.index] = len(self.order[phase])
-                self.order[phase].append(unit)
+            trace.append(unit)
             return
-        if self.prefetch_numel == 0 or unit.index not in position:
+        position = _next_occurrence(trace, unit, self._cursor[phase])
+        if position is None or self.prefetch_numel == 0:
             return
+        self._cursor[phase] = position + 1
         budget = self.prefetch_numel
-        for nxt in self.order[phase][position[unit.index] + 1 :]:
+        for nxt in trace[position + 1 :]:
             budget -= nxt.layout.numel
             if budget < 0:
                 break
             if nxt.state is GatherState.FREE:
                 self._start(nxt, phase)
                 self.prefetches += 1
+
+
+def _next_occurrence(trace: Sequence[FlatUnit], unit: FlatUnit, start: int) -> int | None:
+    """The first index >= ``start`` holding ``unit``, else the first before it, else None."""
+    for positions in (range(start, len(trace)), range(min(start, len(trace)))):
+        for position in positions:
+            if trace[position] is unit:
+                return position
+    return None

@@ -41,6 +41,7 @@ from .cpu_float_bits import (
     f32_from_bits,
     kernel_view,
     load_f32,
+    shared_array,
     store_f32,
 )
 
@@ -269,7 +270,7 @@ def _reduce_requant_kernel(payloads, numel, bits, group_size, divisor, requant):
 
 def _zero_padding(payloads: torch.Tensor, numel: int, bits: int) -> np.ndarray:
     """The ``(rows, nbytes)`` payloads as numpy, with the padding before the scales zeroed."""
-    rows = payloads.numpy()
+    rows = shared_array(payloads)
     rows[:, values_nbytes(numel, bits) : scales_offset(numel, bits)] = 0
     return rows
 
@@ -293,7 +294,7 @@ def reorder_quantize(
 
 @register("dequantize", "cpu")
 def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, out: torch.Tensor) -> None:
-    _dequantize_kernel(payloads.numpy(), bits, group_size, kernel_view(out.detach()))
+    _dequantize_kernel(shared_array(payloads), bits, group_size, kernel_view(out.detach()))
 
 
 @register("dequant_reduce", "cpu")
@@ -309,7 +310,7 @@ def dequant_reduce(
     # The same fp32 rounding of divide_by as the reference's torch.tensor(divide_by, float32).
     divisor = np.float32(torch.tensor(divide_by, dtype=torch.float32).item())
     if out is not None:
-        _reduce_kernel(payloads.numpy(), bits, group_size, divisor, kernel_view(out.detach()))
+        _reduce_kernel(shared_array(payloads), bits, group_size, divisor, kernel_view(out.detach()))
         return
     requant = _zero_padding(requant_out, numel // requant_out.shape[0], bits)
-    _reduce_requant_kernel(payloads.numpy(), numel, bits, group_size, divisor, requant)
+    _reduce_requant_kernel(shared_array(payloads), numel, bits, group_size, divisor, requant)

@@ -29,6 +29,8 @@ so the kernels are recompiled with the new helpers.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 from llvmlite import ir
@@ -43,11 +45,30 @@ F32_MAGNITUDE_MASK = 0x7FFFFFFF
 
 # The numpy dtype each torch dtype is handed to the kernels as (see the module docstring).
 _KERNEL_DTYPE = {torch.float32: torch.float32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+# Payloads (uint8) and kernel views (see _KERNEL_DTYPE) as numpy dtypes.
+_NUMPY_DTYPE = {torch.uint8: np.uint8, torch.int16: np.int16, torch.float32: np.float32}
+
+
+def shared_array(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy array over the memory of the contiguous CPU ``tensor``, made without ``Tensor.numpy()``.
+
+    [Note: resizable storage] ``Tensor.numpy()`` marks the tensor's storage non-resizable for
+    good (so numpy can never hold a dangling pointer). That breaks callers that free a buffer
+    between uses by resizing its storage to zero, as ZeRO-3 and FSDP do with the parameter
+    buffer they hand to ``all_gather_q8`` as ``output``. The kernels use the array only during
+    the call, while the caller holds ``tensor``, so a view over its data pointer is safe here.
+    """
+    assert tensor.is_contiguous() and tensor.device.type == "cpu"
+    dtype = _NUMPY_DTYPE[tensor.dtype]
+    if tensor.numel() == 0:
+        return np.empty(tuple(tensor.shape), dtype)
+    pointer = ctypes.cast(tensor.data_ptr(), ctypes.POINTER(np.ctypeslib.as_ctypes_type(dtype)))
+    return np.ctypeslib.as_array(pointer, shape=tuple(tensor.shape))
 
 
 def kernel_view(tensor: torch.Tensor) -> np.ndarray:
     """The numpy array a kernel reads or writes for a float ``tensor`` (shares memory)."""
-    array = tensor.view(_KERNEL_DTYPE[tensor.dtype]).numpy()
+    array = shared_array(tensor.view(_KERNEL_DTYPE[tensor.dtype]))
     return array.view(np.uint16) if tensor.dtype == torch.float16 else array
 
 
