@@ -13,8 +13,9 @@ y = dequantize(quantize(x)) computed in fp32 and then rounded to the output dtyp
                                          u = 2^-24 (fp32), 2^-8 (bf16), 2^-11 (fp16); t its
                                          half subnormal step
 
-Only elements whose magnitude is at the very top of the output dtype's range may come back
+Only elements within that bound of the output dtype's largest finite value may come back
 as Inf (q * s can round past fp32's largest finite value; fp16 cannot hold large values).
+Examples are derandomized so CI sees the same cases on every run.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ _OUTPUT_ROUNDING = {  # (relative half ulp, absolute half subnormal step)
     torch.bfloat16: (2.0**-8, 2.0**-134),
     torch.float16: (2.0**-11, 2.0**-25),
 }
-_SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
@@ -68,12 +69,13 @@ def test_round_trip_error_is_bounded_by_half_a_scale(case) -> None:
     x = x.double()
     for dtype in DTYPES:
         y = q.dequantize(payload, numel, bits, group_size, dtype, backend="cpu").double()
-        # Only the top of the output range may overflow: q * s rounds past fp32's largest
-        # finite value, or the value does not fit in fp16.
-        overflow = ~y.isfinite()
-        assert torch.all(x[overflow].abs() >= torch.finfo(dtype).max * (1 - 2.0**-20)), f"to {dtype}"
         relative, absolute = _OUTPUT_ROUNDING[dtype]
         bound = scale / 2 + qmax * scale * 2.0**-22 + qmax * 2.0**-149 + (x.abs() + scale) * relative + absolute
+        # Only the top of the output range may overflow: an element may come back as Inf only
+        # where the bound lets |y| reach the dtype's largest finite value (q * s rounding past
+        # it, or a value fp16 cannot hold).
+        overflow = ~y.isfinite()
+        assert torch.all(x[overflow].abs() + bound[overflow] >= torch.finfo(dtype).max), f"to {dtype}"
         error = (x - y).abs()[~overflow]
         excess = (error - bound[~overflow]).max().item() if error.numel() else 0.0
         assert excess <= 0, f"to {dtype}: error exceeds the bound by {excess}"
