@@ -1,0 +1,32 @@
+"""bench.demo's summary arithmetic and argument handling (the runs themselves are benchmarks)."""
+
+import pytest
+
+from bench import demo
+
+
+def _row(config, seconds, wire, status="ok"):
+    return {"config": config, "status": status, "median_step_s": seconds, "wire_tx_bytes_per_step": wire}
+
+
+def test_summary_reports_speedup_and_wire_ratio_against_each_other_config():
+    lines = demo.training_summary([_row("zero3", 0.9, 40e6), _row("zeropp", 0.3, 5e6), _row("fsdp2", 0.6, 40e6)])
+    assert lines == [
+        "zeropp vs zero3 : step time 3.00x faster, inter-node wire bytes 0.125x",
+        "zeropp vs fsdp2 : step time 2.00x faster, inter-node wire bytes 0.125x",
+    ]
+
+
+def test_summary_without_wire_counters_or_zeropp():
+    assert demo.training_summary([_row("zero3", 1.0, None), _row("zeropp", 0.5, None)]) == [
+        "zeropp vs zero3 : step time 2.00x faster"
+    ]
+    assert demo.training_summary([_row("zero3", 1.0, 1.0), _row("zeropp", 0.5, 1.0, status="skipped")]) == [
+        "zeropp did not run: no comparison"
+    ]
+
+
+@pytest.mark.parametrize("argv", [["bogus"], ["training", "collectives"]])
+def test_unknown_job_is_a_usage_error(argv, capsys):
+    assert demo.main(argv) == 2
+    assert "usage" in capsys.readouterr().err
