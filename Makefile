@@ -2,6 +2,8 @@
 # [Note: torch install] A machine that already has torch (e.g. a CUDA build on a GPU box) keeps it:
 # the venv then sees the system site-packages. Otherwise torch is pinned to 2.13.0, the CPU build
 # served locally on the CI/dev machines, so setup never pulls a multi-GB CUDA wheel there.
+# The `hf` extra (transformers) lets the tests train an unmodified Hugging Face GPT-2; the
+# `peers` extra (DeepSpeed) is left to users who want its rows in bench.train.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.zcomm-installed
@@ -18,7 +20,7 @@ $(STAMP): setup.cfg pyproject.toml
 	fi
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c 'import torch' >/dev/null 2>&1 || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,hf]'
 	touch $@
 
 test: $(STAMP)
