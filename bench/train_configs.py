@@ -22,6 +22,10 @@ Engine = Literal["zero", "fsdp2", "deepspeed"]
 
 QUANT_GROUP_SIZE_KEY = "zcomm_quant_group_size"
 TENSOR_SCALE = "tensor"
+# zero_runtime's stage 3 gathers any module of at most this many parameter elements as one
+# unit: a whole block of the bench models (TinyGPT's is 198k), the same units as FSDP2's
+# per-block fully_shard, instead of dozens of per-module collectives (see PERFORMANCE.md).
+STAGE3_FUSE_NUMEL = 250_000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,7 +142,10 @@ def _zero_optimization(config: TrainConfig, ranks_per_node: int) -> dict[str, An
 
 def zero_runtime_config(config: TrainConfig, *, ranks_per_node: int, bf16: bool) -> dict[str, Any]:
     """The dict for ``zero_runtime.initialize``: only keys the runtime knows (it rejects others)."""
-    return {"zero_optimization": _zero_optimization(config, ranks_per_node), "bf16": {"enabled": bf16}}
+    section = _zero_optimization(config, ranks_per_node)
+    if config.stage == 3:
+        section["zcomm_stage3_fuse_numel"] = STAGE3_FUSE_NUMEL
+    return {"zero_optimization": section, "bf16": {"enabled": bf16}}
 
 
 def deepspeed_config(config: TrainConfig, *, ranks_per_node: int, bf16: bool, micro_batch: int) -> dict[str, Any]:

@@ -47,6 +47,8 @@ def test_unknown_keys_are_all_listed():
     ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 0}}, "zero_hpz_partition_size must be >= 1"),
     ({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}}, "need zero_optimization.stage 3"),
     ({"zero_optimization": []}, "must be a mapping"),
+    ({"zero_optimization": {"stage": 3, "zcomm_stage3_fuse_numel": -1}}, "zcomm_stage3_fuse_numel must be an int >= 0"),
+    ({"zero_optimization": {"stage": 2, "zcomm_stage3_fuse_numel": 100}}, "zcomm_stage3_fuse_numel needs"),
 ])
 def test_invalid_values_are_rejected(bad, message):
     with pytest.raises((ValueError, TypeError), match=message):

@@ -32,6 +32,8 @@ CORE = [  # (name, model, stage, extra config): every stage, both models, prefet
     ("gpt-s2", "gpt", 2, {"reduce_bucket_size": 5000}),
     ("gpt-s3", "gpt", 3, {"stage3_prefetch_bucket_size": 10_000, "reduce_bucket_size": 3000}),
     ("gpt-s3-noprefetch", "gpt", 3, {"stage3_prefetch_bucket_size": 0, "reduce_bucket_size": 3000}),
+    ("gpt-s3-fused", "gpt", 3, {"zcomm_stage3_fuse_numel": 13_000, "stage3_prefetch_bucket_size": 13_000,
+                                "reduce_bucket_size": 3000}),
 ]
 EXTRA = [  # on 2 ranks only (CPU budget): clipping, accumulation, optimizer groups, outside reads
     ("mlp-s2-clip", "mlp", 2, {"gradient_clipping": 0.5}),

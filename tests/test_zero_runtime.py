@@ -94,6 +94,21 @@ def _traffic(rank: int, world: int) -> dict:
     return out
 
 
+def _gathers_per_step(rank: int, world: int) -> dict:
+    """Stage-3 units and all-gather calls of one step of the GPT (blocks of 12,704 elements,
+    28,032 in all), one unit per module and with blocks fused."""
+    import zcomm
+
+    out = {}
+    for fuse in (0, 13_000):
+        model, opt = _initialize("gpt", {"zero_optimization": {"stage": 3, "zcomm_stage3_fuse_numel": fuse}})
+        zero_steps("gpt", model, opt, rank, world, range(1))
+        zcomm.reset_comm_stats()
+        zero_steps("gpt", model, opt, rank, world, range(1, 2))
+        out[fuse] = (len(opt.units), zcomm.comm_stats()["all_gather_into_tensor"].calls)
+    return out
+
+
 def _stage3_reads(rank: int, world: int) -> dict:
     """Stage-3 parameters read outside a forward: through the module they are gathered,
     through ``parameters()`` they are empty (never freed memory), and training goes on."""
@@ -139,6 +154,7 @@ def _train_and_save(rank: int, world: int, root: str) -> dict:
         "fp16": _fp16_overflow(rank, world),
         "memory": _memory_reports(rank, world),
         "traffic": _traffic(rank, world),
+        "gathers": _gathers_per_step(rank, world),
         "stage3_reads": _stage3_reads(rank, world),
         "errors": _bad_input(rank, world),
     }
@@ -251,6 +267,18 @@ def test_traffic_per_step_is_2M_for_stage_2_and_3M_for_stage_3(runs):
             assert traffic[name]["gather"] == gathers * shard
         assert traffic["s3"]["prefetches"] == 0
         assert traffic["s3-prefetch"]["prefetches"] > 0
+
+
+@pytest.mark.slow
+def test_fused_blocks_gather_once_per_block_and_phase(runs):
+    """With ``zcomm_stage3_fuse_numel`` a block is one unit, gathered once in forward and once
+    in backward, not once per module (token and position embeddings, 2 blocks, final norm);
+    the tied LM head re-gathers the token embedding in forward either way."""
+    for rank_results in runs[0]:
+        (per_module, per_module_calls), (fused, fused_calls) = rank_results["gathers"][0], rank_results["gathers"][13_000]
+        assert fused == 5 and per_module > 2 * fused
+        assert per_module_calls == 2 * per_module + 1
+        assert fused_calls == 2 * fused + 1
 
 
 @pytest.mark.slow

@@ -100,7 +100,7 @@ def _build_units(model: nn.Module, groups: Sequence[Sequence[nn.Parameter]], nam
     units: list[FlatUnit] = []
     for group_index, params in enumerate(groups):
         if config.stage == 3:
-            buckets = group_by_module(model, params)
+            buckets = group_by_module(model, params, fuse_numel=config.fuse_numel)
         else:
             buckets = group_by_size(params, config.reduce_bucket_size)
         for bucket in buckets:

@@ -27,6 +27,7 @@ _ZERO_KEYS = {
     "zero_hpz_partition_size": "hpz_partition_size",
     "zero_quantized_gradients": "quantized_gradients",
     "zcomm_quant_group_size": "quant_group_size",
+    "zcomm_stage3_fuse_numel": "fuse_numel",
 }
 _FP16_KEYS = {
     "enabled": None,
@@ -80,6 +81,11 @@ class ZeroConfig:
     checked when the runtime starts); ``quantized_gradients`` (qgZ) reduce-scatters
     gradient buckets with zcomm's INT4 ``reduce_scatter_q4``. ``quant_group_size`` sets the
     elements per quantization scale of both quantized collectives (see ``QuantGroupSize``).
+
+    ``fuse_numel`` (stage 3, zcomm key ``zcomm_stage3_fuse_numel``, in elements): a module
+    whose subtree holds at most this many parameter elements is gathered as one unit, e.g. a
+    whole transformer block, instead of one unit per module (0, the default); see
+    [Note: fused units] in ``partition``.
     """
 
     stage: int = 2
@@ -93,6 +99,7 @@ class ZeroConfig:
     hpz_partition_size: int = 1
     quantized_gradients: bool = False
     quant_group_size: QuantGroupSize = None
+    fuse_numel: int = 0
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -105,6 +112,10 @@ class ZeroConfig:
             raise ValueError(f"stage3_prefetch_bucket_size must be >= 0, got {self.prefetch_bucket_size}")
         if self.gradient_clipping < 0:
             raise ValueError(f"gradient_clipping must be >= 0 (0 = off), got {self.gradient_clipping}")
+        if isinstance(self.fuse_numel, bool) or not isinstance(self.fuse_numel, int) or self.fuse_numel < 0:
+            raise ValueError(f"zcomm_stage3_fuse_numel must be an int >= 0, got {self.fuse_numel!r}")
+        if self.fuse_numel and self.stage != 3:
+            raise ValueError(f"zcomm_stage3_fuse_numel needs zero_optimization.stage 3, got stage {self.stage}")
         if self.gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be >= 1, got {self.gradient_accumulation_steps}")
         if not isinstance(self.loss_scale, LossScaleConfig):

@@ -1,7 +1,9 @@
 """Stage 3's automatic data movement: module hooks that drive the ``ParamScheduler``.
 
 * forward pre-hook: push the module on the call stack and acquire the units that own its
-  directly registered parameters (a tied LM head acquires the embedding's unit);
+  directly registered parameters (a tied LM head acquires the embedding's unit) and the
+  fused units rooted at it (the lowest module holding all of a unit's parameters: a fused
+  block is gathered once for the whole block, not re-gathered per child);
 * forward post-hook: register a hook on the module's outputs that, when their gradient
   arrives, gathers every unit the module used for backward; then release its units;
 * attribute access: each module with managed parameters gets a subclass whose
@@ -16,6 +18,8 @@ node that produced the output, so they fire before any autograd node of that mod
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -35,8 +39,9 @@ class ModuleHooks:
         self._used: dict[nn.Module, list[FlatUnit]] = {}
         self.outside: list[FlatUnit] = []
         self._static: dict[nn.Module, list[FlatUnit]] = {}
+        rooted = _units_by_root(model, units)
         for module in model.modules():
-            units_here = []
+            units_here = list(rooted.get(module, []))
             for param in module._parameters.values():
                 unit = self.unit_of.get(param) if param is not None else None
                 if unit is not None and unit not in units_here:
@@ -81,6 +86,16 @@ class ModuleHooks:
     def end_of_outside_uses(self) -> None:
         """Outside-forward readers are done (end of backward, or the weights change)."""
         self.outside.clear()
+
+
+def _units_by_root(model: nn.Module, units: list[FlatUnit]) -> dict[nn.Module, list[FlatUnit]]:
+    """Each unit under the lowest module whose subtree holds all its parameters (their first
+    names share that module's path)."""
+    rooted: dict[nn.Module, list[FlatUnit]] = {}
+    for unit in units:
+        common = os.path.commonprefix([name.split(".")[:-1] for name in unit.names])
+        rooted.setdefault(model.get_submodule(".".join(common)), []).append(unit)
+    return rooted
 
 
 def _on_first_output_grad(output: object, callback) -> None:

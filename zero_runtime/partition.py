@@ -118,15 +118,37 @@ def group_by_size(params: Sequence[nn.Parameter], bucket_numel: int) -> list[lis
     return buckets
 
 
-def group_by_module(model: nn.Module, params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """One bucket per module holding its directly registered parameters (the first module to
-    register a tied parameter owns it), in module order: the unit stage 3 gathers."""
+def group_by_module(model: nn.Module, params: Iterable[nn.Parameter], *, fuse_numel: int = 0) -> list[list[nn.Parameter]]:
+    """The units stage 3 gathers, in module order (the first module to register a tied
+    parameter owns it).
+
+    Walking the modules top-down, a module whose whole subtree holds at most ``fuse_numel``
+    not yet owned elements becomes one unit with all of them (its descendants are not
+    visited); any other module gets one unit with its directly registered parameters.
+    ``fuse_numel == 0`` gives one unit per module. [Note: fused units] Every gather is one
+    collective whose latency does not shrink with its size, so one unit per small module
+    (norms, biases) pays that latency dozens of times per step; fusing a transformer block
+    into one unit makes the same traffic a few large collectives, as FSDP2 does.
+    """
     wanted = set(params)
     owned: set[nn.Parameter] = set()
-    buckets = []
-    for module in model.modules():
-        mine = [p for p in module._parameters.values() if p is not None and p in wanted and p not in owned]
+    buckets: list[list[nn.Parameter]] = []
+
+    def take(candidates: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+        mine = [p for p in dict.fromkeys(candidates) if p in wanted and p not in owned]
         owned.update(mine)
+        return mine
+
+    def visit(module: nn.Module) -> None:
+        subtree = [p for p in module.parameters() if p in wanted and p not in owned]
+        if subtree and sum(p.numel() for p in subtree) <= fuse_numel:
+            buckets.append(take(subtree))
+            return
+        mine = take(p for p in module._parameters.values() if p is not None)
         if mine:
             buckets.append(mine)
+        for child in module.children():
+            visit(child)
+
+    visit(model)
     return buckets
