@@ -50,6 +50,7 @@ import zcomm
 from .config import ZeroConfig
 from .hpz_gather import HpzGather
 from .quantized_comm import QuantizedAllGather, QuantizedReduceScatter
+from .stateless_gather import StatelessGather
 
 
 class Phase(enum.Enum):
@@ -83,7 +84,7 @@ class GradReduceScatter(Protocol):
         bucket (the tuple of its unit indices), stable across steps."""
 
 
-class PlainAllGather:
+class PlainAllGather(StatelessGather):
     """Unquantized all-gather over one process group (stage 3's default in both phases)."""
 
     def __init__(self, group: dist.ProcessGroup, topology: zcomm.Topology | None = None) -> None:
@@ -92,15 +93,6 @@ class PlainAllGather:
 
     def gather(self, full: torch.Tensor, shard: torch.Tensor, *, unit: Hashable, phase: Phase) -> Handle:
         return zcomm.all_gather_into_tensor(full, shard, group=self.group, async_op=True, topology=self.topology)
-
-    def after_forward(self, full: torch.Tensor, shard: torch.Tensor, *, unit: Hashable) -> None:
-        pass
-
-    def weights_changed(self) -> None:
-        pass
-
-    def held_bytes(self) -> int:
-        return 0
 
 
 class PlainReduceScatter:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import zcomm
 
 from .config import QuantGroupSize
+from .stateless_gather import StatelessGather
 
 if TYPE_CHECKING:  # comm.py builds these objects, so it is imported only for type hints
     from .comm import Handle, Phase
@@ -47,7 +48,7 @@ def resolved_group_size(setting: QuantGroupSize, payload_numel: int, *, even: bo
     return size + size % 2 if even else size
 
 
-class QuantizedAllGather:
+class QuantizedAllGather(StatelessGather):
     """qwZ: INT8 blocked all-gather of a unit's shards (forward only)."""
 
     def __init__(self, group: dist.ProcessGroup, topology: zcomm.Topology, *,
@@ -65,15 +66,6 @@ class QuantizedAllGather:
         # chain, and read or freed only after the handle's wait().
         return zcomm.all_gather_q8(full, shard, group=self.group, async_op=True, topology=self.topology,
                                    group_size=resolved_group_size(self.group_size, shard.numel(), even=False))
-
-    def after_forward(self, full: torch.Tensor, shard: torch.Tensor, *, unit: Hashable) -> None:
-        pass
-
-    def weights_changed(self) -> None:
-        pass
-
-    def held_bytes(self) -> int:
-        return 0
 
 
 class QuantizedReduceScatter:
