@@ -10,7 +10,7 @@ import torch
 from bench import zero_runner
 from bench.fsdp2_runner import reshard_after_forward
 from bench.train import build_parser, chosen_configs
-from bench.train_configs import CONFIGS, TrainConfig, deepspeed_config, select_configs, zero_runtime_config
+from bench.train_configs import CONFIGS, STAGE3_FUSE_NUMEL, TrainConfig, deepspeed_config, select_configs, zero_runtime_config
 from bench.train_loop import ConfigResult, LoopSettings
 from bench.train_models import ModelSize, model_spec
 from bench.train_report import format_table
@@ -22,20 +22,23 @@ def test_zero_runtime_configs_carry_exactly_the_zeropp_keys() -> None:
         "zero_optimization": {"stage": 1},
         "bf16": {"enabled": True},
     }
+    # Stage 3 also gets the unit-fusion threshold (zcomm's own key, not a ZeRO++ one).
+    fuse = {"zcomm_stage3_fuse_numel": STAGE3_FUSE_NUMEL}
     assert zero_runtime_config(CONFIGS["zeropp"], ranks_per_node=4, bf16=False)["zero_optimization"] == {
         "stage": 3,
         "zero_quantized_weights": True,
         "zero_hpz_partition_size": 4,
         "zero_quantized_gradients": True,
+        **fuse,
     }
     alone = {
         name: zero_runtime_config(CONFIGS[name], ranks_per_node=2, bf16=True)["zero_optimization"]
         for name in ("zero3+qwz", "zero3+hpz", "zero3+qgz")
     }
     assert alone == {
-        "zero3+qwz": {"stage": 3, "zero_quantized_weights": True},
-        "zero3+hpz": {"stage": 3, "zero_hpz_partition_size": 2},
-        "zero3+qgz": {"stage": 3, "zero_quantized_gradients": True},
+        "zero3+qwz": {"stage": 3, "zero_quantized_weights": True, **fuse},
+        "zero3+hpz": {"stage": 3, "zero_hpz_partition_size": 2, **fuse},
+        "zero3+qgz": {"stage": 3, "zero_quantized_gradients": True, **fuse},
     }
     tensorscale = zero_runtime_config(CONFIGS["zeropp-tensorscale"], ranks_per_node=2, bf16=True)
     assert tensorscale["zero_optimization"]["zcomm_quant_group_size"] == "tensor"
