@@ -11,6 +11,8 @@ node so backward gathers stay inside a node) and ``zero_quantized_gradients`` (q
 ``zeropp-tensorscale`` is the ablation of the ZeRO++ paper's Figure 14: ZeRO++ with one
 quantization scale per communicated tensor instead of per block, through the zcomm key
 ``zcomm_quant_group_size`` (``TENSOR_SCALE``), which DeepSpeed does not have.
+``zeropp-g128`` is ZeRO++ with 128 elements per scale for both quantized collectives (zcomm's
+defaults are 2048 for INT8 and 512 for INT4): finer blocks, ~5% more qgZ bytes, closer loss.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ class TrainConfig:
         hpz: secondary weight partition inside each node (FSDP2: ``reshard_after_forward``
             set to the ranks per node).
         quantized_gradients: qgZ, INT4 two-hop reduce-scatter of gradients.
-        tensor_scale: one quantization scale per tensor instead of per block (ablation).
+        quant_group_size: elements per quantization scale for qwZ and qgZ, ``TENSOR_SCALE``
+            for one scale per tensor (the ablation), or None for zcomm's defaults.
         summary: one line for ``--help`` and TRAINING.md.
     """
 
@@ -51,7 +54,7 @@ class TrainConfig:
     quantized_weights: bool = False
     hpz: bool = False
     quantized_gradients: bool = False
-    tensor_scale: bool = False
+    quant_group_size: int | str | None = None
     summary: str
 
     def __post_init__(self) -> None:
@@ -62,8 +65,8 @@ class TrainConfig:
         uses_zeropp = self.quantized_weights or self.hpz or self.quantized_gradients
         if uses_zeropp and self.stage != 3:
             raise ValueError(f"{self.name}: the ZeRO++ options need stage 3")
-        if self.tensor_scale and not (self.quantized_weights or self.quantized_gradients):
-            raise ValueError(f"{self.name}: tensor_scale needs qwZ or qgZ")
+        if self.quant_group_size is not None and not (self.quantized_weights or self.quantized_gradients):
+            raise ValueError(f"{self.name}: quant_group_size needs qwZ or qgZ")
         if self.engine == "fsdp2" and (self.quantized_weights or self.quantized_gradients or self.stage != 3):
             raise ValueError(f"{self.name}: FSDP2 has no quantized collectives and is always stage 3")
 
@@ -93,8 +96,17 @@ CONFIGS: dict[str, TrainConfig] = _configs(
         quantized_weights=True,
         hpz=True,
         quantized_gradients=True,
-        tensor_scale=True,
+        quant_group_size=TENSOR_SCALE,
         summary="ZeRO++ with one scale per tensor (Figure 14 ablation)",
+    ),
+    TrainConfig(
+        name="zeropp-g128",
+        engine="zero",
+        quantized_weights=True,
+        hpz=True,
+        quantized_gradients=True,
+        quant_group_size=128,
+        summary="ZeRO++ with 128 elements per quantization scale",
     ),
     TrainConfig(name="fsdp2", engine="fsdp2", summary="torch fully_shard, bf16 MixedPrecisionPolicy"),
     TrainConfig(name="fsdp2-hpz", engine="fsdp2", hpz=True, summary="fully_shard, reshard_after_forward=ranks/node"),
@@ -135,8 +147,8 @@ def _zero_optimization(config: TrainConfig, ranks_per_node: int) -> dict[str, An
         section["zero_hpz_partition_size"] = ranks_per_node
     if config.quantized_gradients:
         section["zero_quantized_gradients"] = True
-    if config.tensor_scale:
-        section[QUANT_GROUP_SIZE_KEY] = TENSOR_SCALE
+    if config.quant_group_size is not None:
+        section[QUANT_GROUP_SIZE_KEY] = config.quant_group_size
     return section
 
 

@@ -13,7 +13,7 @@ import functools
 import torch
 
 import zero_runtime
-from bench.train_configs import QUANT_GROUP_SIZE_KEY, TENSOR_SCALE, TrainConfig, zero_runtime_config
+from bench.train_configs import TrainConfig, zero_runtime_config
 from bench.train_models import ModelSpec
 from bench.train_runner import MemoryReading
 
@@ -25,16 +25,7 @@ class ZeroRunner:
         self.spec = spec
         engine_config = zero_runtime_config(config, ranks_per_node=ranks_per_node, bf16=bf16)
         optimizer_factory = functools.partial(torch.optim.AdamW, lr=lr)
-        try:
-            self.model, self.opt = zero_runtime.initialize(spec.build().to(device), optimizer_factory, engine_config)
-        except ValueError as error:
-            if config.tensor_scale and QUANT_GROUP_SIZE_KEY in str(error):
-                raise ValueError(
-                    f"configuration {config.name!r} needs zero_runtime to accept "
-                    f"zero_optimization.{QUANT_GROUP_SIZE_KEY}={TENSOR_SCALE!r} (one quantization scale per "
-                    f"tensor); this runtime rejected it: {error}"
-                ) from error
-            raise
+        self.model, self.opt = zero_runtime.initialize(spec.build().to(device), optimizer_factory, engine_config)
         self.peak_bytes = 0
 
     def train_step(self, tokens: torch.Tensor) -> float:

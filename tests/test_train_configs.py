@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import types
 
 import pytest
-import torch
 
-from bench import zero_runner
 from bench.fsdp2_runner import reshard_after_forward
 from bench.train import build_parser, chosen_configs
 from bench.train_configs import CONFIGS, STAGE3_FUSE_NUMEL, TrainConfig, deepspeed_config, select_configs, zero_runtime_config
 from bench.train_loop import ConfigResult, LoopSettings
-from bench.train_models import ModelSize, model_spec
 from bench.train_report import format_table
-from bench.zero_runner import ZeroRunner
 
 
 def test_zero_runtime_configs_carry_exactly_the_zeropp_keys() -> None:
@@ -42,6 +37,8 @@ def test_zero_runtime_configs_carry_exactly_the_zeropp_keys() -> None:
     }
     tensorscale = zero_runtime_config(CONFIGS["zeropp-tensorscale"], ranks_per_node=2, bf16=True)
     assert tensorscale["zero_optimization"]["zcomm_quant_group_size"] == "tensor"
+    g128 = zero_runtime_config(CONFIGS["zeropp-g128"], ranks_per_node=2, bf16=True)
+    assert g128["zero_optimization"]["zcomm_quant_group_size"] == 128
 
 
 def test_deepspeed_config_has_its_batch_and_optimizer_keys() -> None:
@@ -56,8 +53,8 @@ def test_invalid_configurations_are_rejected() -> None:
         TrainConfig(name="x", engine="zero", stage=2, hpz=True, summary="")
     with pytest.raises(ValueError, match="FSDP2"):
         TrainConfig(name="x", engine="fsdp2", quantized_weights=True, summary="")
-    with pytest.raises(ValueError, match="tensor_scale"):
-        TrainConfig(name="x", engine="zero", tensor_scale=True, summary="")
+    with pytest.raises(ValueError, match="quant_group_size"):
+        TrainConfig(name="x", engine="zero", quant_group_size="tensor", summary="")
     with pytest.raises(ValueError, match="unknown configuration"):
         select_configs(["zero3", "zero4"])
     with pytest.raises(ValueError, match="more than once"):
@@ -81,19 +78,6 @@ def test_fsdp2_hpz_reshards_to_the_node(ranks_per_node: int, world_size: int, ex
     got = reshard_after_forward(CONFIGS["fsdp2-hpz"], ranks_per_node=ranks_per_node, world_size=world_size)
     assert got is expected if isinstance(expected, bool) else got == expected
     assert reshard_after_forward(CONFIGS["fsdp2"], ranks_per_node=2, world_size=4) is True
-
-
-def test_tensorscale_rejection_by_the_runtime_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    def initialize(model, optimizer_factory, config):
-        unknown = [k for k in config["zero_optimization"] if k.startswith("zcomm_")]
-        raise ValueError(f"unknown config keys: {['zero_optimization.' + k for k in unknown]}")
-
-    monkeypatch.setattr(zero_runner, "zero_runtime", types.SimpleNamespace(initialize=initialize))
-    spec = model_spec("tinygpt", ModelSize(seq_len=8, d_model=8, n_layers=1, n_heads=2))
-    with pytest.raises(ValueError, match="'zeropp-tensorscale' needs zero_runtime to accept"):
-        ZeroRunner(
-            CONFIGS["zeropp-tensorscale"], spec, lr=1e-3, ranks_per_node=2, bf16=True, device=torch.device("cpu")
-        )
 
 
 def test_table_shows_measured_values_and_skip_notes() -> None:
