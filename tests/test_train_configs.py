@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from bench.fsdp2_runner import reshard_after_forward
