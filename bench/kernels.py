@@ -17,6 +17,7 @@ the reason printed; nothing falls back to another backend.
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 import statistics
 import subprocess
@@ -128,12 +129,11 @@ def _devices() -> tuple[list[torch.device], list[str]]:
 def _measure(args: argparse.Namespace, device: torch.device) -> tuple[list[Row], list[str]]:
     x = torch.randn(args.numel, device=device).to(_DTYPES[args.dtype])
     copy_bytes = 2 * x.numel() * x.element_size()
-    into = torch.empty_like(x)
     rows = [
         Row("torch", "clone", _median_seconds(x.clone, args.repeats, device), copy_bytes),
-        Row("torch", "copy_ (preallocated)", _median_seconds(lambda: into.copy_(x), args.repeats, device), copy_bytes),
+        Row("torch", "copy_ (preallocated)",
+            _median_seconds(functools.partial(torch.empty_like(x).copy_, x), args.repeats, device), copy_bytes),
     ]
-    del into
     backends, skipped = _backends(device)
     for backend in backends:
         # The reference compiles nothing and allocates its temporaries on every call anyway,
