@@ -287,3 +287,23 @@ def test_malformed_outputs_are_reported_not_raised(tmp_path):
     assert result.status == "failed" and "could not be verified" in result.problems[0]
     text = report.render(title="t", results=[result], environment={}, gpus=1, seconds=1, budget_s=570, command="c")
     assert "could not read this stage's output" in text
+
+
+def test_an_interrupted_check_takes_its_stage_down(tmp_path, monkeypatch):
+    real_wait = subprocess.Popen.wait
+
+    def wait(self, timeout=None):
+        if timeout is not None and timeout > 20:  # the stage's own wait, not _kill's
+            log = tmp_path / "interrupted.log"
+            deadline = time.monotonic() + 30
+            while len(log.read_text().splitlines()) < 2 and time.monotonic() < deadline:
+                time.sleep(0.1)  # until the stage has started and printed its pid
+            raise KeyboardInterrupt
+        return real_wait(self, timeout)
+
+    monkeypatch.setattr(subprocess.Popen, "wait", wait)
+    with pytest.raises(KeyboardInterrupt):
+        stages.run_stage(_stage("interrupted", "import os, time; print(os.getpid(), flush=True); time.sleep(120)"), tmp_path, _far())
+    pid = int((tmp_path / "interrupted.log").read_text().splitlines()[1])
+    status = Path(f"/proc/{pid}/status")
+    assert not status.exists() or "State:\tZ" in status.read_text()

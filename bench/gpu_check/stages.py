@@ -153,6 +153,10 @@ def run_stage(stage: Stage, out_dir: Path, deadline: float, base_env: Mapping[st
             _kill(process)
             seconds = time.monotonic() - start
             return result("timed out", seconds, None, [f"killed after its {limit:.0f} s limit", *stage.missing])
+        except BaseException:
+            # Ctrl-C reaches only the driver: the stage runs in its own session and would outlive it.
+            _kill(process)
+            raise
     seconds = time.monotonic() - start
     problems = list(stage.missing)
     if returncode != 0:
@@ -258,7 +262,7 @@ def plan(out_dir: Path, *, gpus: int, python: str = sys.executable) -> list[Stag
                   "--batch", str(4 * max(gpus, 1)), "--seq-len", "64", "--eval-batches", "1",
                   "--json", str(out_dir / "train.json")),  # fmt: skip
             limit_s=120,
-            needs=("cupy",),
+            needs=("cupy", "numpy"),
             verify=_verify_training,
         ),
     ]
