@@ -7,7 +7,7 @@ Run under any launcher ``bench.dist_env`` knows, e.g.::
     python -m bench.simcluster --nodes 2 --local 2 --rate 200mbit -- python -m bench.collectives ...
 
 Each rank works on ``cuda:LOCAL_RANK`` with NCCL when a GPU is visible, else on the CPU with
-gloo (``--device``/``--backend`` override). For every op and size it allocates the buffers
+gloo (``--device``/``--backend`` override; ``--backend gloo`` alone means the CPU). For every op and size it allocates the buffers
 on that device, warms up, times ``-n`` calls (CUDA events on a GPU; max over ranks),
 reads the node's wire counters around the timed calls when the cluster launcher provides
 them, then checks the last output against the fp64 oracle. Rank 0 prints one row per

@@ -16,8 +16,9 @@ Launchers are recognised from their environment, in this order:
 world size.
 
 Device and backend: a rank works on ``cuda:LOCAL_RANK`` (modulo the visible GPUs) when CUDA
-is available, else on the CPU; the backend follows the device (NCCL on CUDA, gloo on the
-CPU). Both can be overridden; NCCL on the CPU is refused, since NCCL only moves CUDA memory.
+is available, unless gloo was asked for, else on the CPU; the backend follows the device
+(NCCL on CUDA, gloo on the CPU). Both can be overridden; NCCL on the CPU is refused, since
+NCCL only moves CUDA memory.
 """
 
 from __future__ import annotations
@@ -122,19 +123,21 @@ def _mpi_store(env: DistEnv) -> dist.TCPStore:
     return dist.TCPStore(host, port, env.world_size, False, timeout=TIMEOUT)
 
 
-def select_device(env: DistEnv, choice: str = "auto", *, cuda_devices: int | None = None) -> torch.device:
+def select_device(
+    env: DistEnv, choice: str = "auto", *, backend: str = "auto", cuda_devices: int | None = None
+) -> torch.device:
     """The device this rank works on: ``cuda:LOCAL_RANK`` (mod the GPU count) or ``cpu``.
 
-    ``choice`` is ``auto`` (CUDA when a GPU is visible), ``cpu`` or ``cuda`` (an error
-    without a GPU: nothing falls back). ``cuda_devices`` defaults to
-    ``torch.cuda.device_count()`` (0 on a machine or build without CUDA).
+    ``choice`` is ``auto`` (CUDA when a GPU is visible and ``backend`` is not ``gloo``),
+    ``cpu`` or ``cuda`` (an error without a GPU: nothing falls back). ``cuda_devices``
+    defaults to ``torch.cuda.device_count()`` (0 on a machine or build without CUDA).
     """
     if choice not in DEVICE_CHOICES:
         raise ValueError(f"device must be one of {DEVICE_CHOICES}, got {choice!r}")
     count = torch.cuda.device_count() if cuda_devices is None else cuda_devices
     if choice == "cuda" and count == 0:
         raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device")
-    if choice == "cpu" or count == 0:
+    if choice == "cpu" or count == 0 or (choice == "auto" and backend == "gloo"):
         return torch.device("cpu")
     return torch.device("cuda", env.local_rank % count)
 
@@ -170,7 +173,7 @@ def init_process_group(env: DistEnv, backend: str = "gloo") -> None:
 
 def join(env: DistEnv, *, device: str = "auto", backend: str = "auto") -> tuple[torch.device, str]:
     """Pick this rank's device and backend, make the device current, join the default group."""
-    chosen = select_device(env, device)
+    chosen = select_device(env, device, backend=backend)
     name = select_backend(chosen, backend)
     if chosen.type == "cuda":
         torch.cuda.set_device(chosen)

@@ -35,6 +35,12 @@ def test_select_device_takes_the_local_ranks_gpu(choice, gpus, local_rank, expec
     assert dist_env.select_device(env, choice, cuda_devices=gpus) == torch.device(expected)
 
 
+def test_asking_for_gloo_keeps_an_automatic_device_on_the_cpu():
+    assert dist_env.select_device(_env(), "auto", backend="gloo", cuda_devices=4) == torch.device("cpu")
+    assert dist_env.select_device(_env(), "cuda", backend="gloo", cuda_devices=4) == torch.device("cuda", 0)
+    assert dist_env.select_device(_env(), "auto", backend="nccl", cuda_devices=4) == torch.device("cuda", 0)
+
+
 def test_select_device_refuses_cuda_without_a_gpu_and_unknown_choices():
     with pytest.raises(ValueError, match="no CUDA device"):
         dist_env.select_device(_env(), "cuda", cuda_devices=0)
