@@ -4,12 +4,18 @@
 # served locally on the CI/dev machines, so setup never pulls a multi-GB CUDA wheel there.
 # The `hf` extra (transformers) lets the tests train an unmodified Hugging Face GPT-2; the
 # `peers` extra (DeepSpeed) is left to users who want its rows in bench.train.
+# [Note: gpu-check python] `make gpu-check` needs no venv and installs nothing: GPU machines
+# have no package registry, so it runs the checkout (PYTHONPATH) with the interpreter that
+# holds the machine's CUDA torch and cupy, python3 unless GPU_PYTHON names another. It exits
+# 2 at once on a machine without a GPU; see bench/gpu_check/__init__.py.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.zcomm-installed
 PYTEST_ARGS ?=
+GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
 
-.PHONY: demo test install clean-venv nvcc-check
+.PHONY: demo test install clean-venv nvcc-check gpu-check
 
 install: $(STAMP)
 
@@ -31,6 +37,9 @@ demo: $(STAMP)
 
 nvcc-check: $(STAMP)
 	$(PY) -m pytest tests/test_cuda_compile.py -q
+
+gpu-check:
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -65,8 +65,8 @@ def block_absmax(x: torch.Tensor, group_size: int, *, neighbours: bool) -> torch
 
 
 def count_wrong(output: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor | float) -> int:
-    """Elements of ``output`` farther than ``bound`` from ``exact`` (non-finite counts as wrong)."""
-    got = output.to(torch.float64)
+    """Elements of ``output`` (on any device) farther than ``bound`` from the host's ``exact``; non-finite counts as wrong."""
+    got = output.to(device=exact.device, dtype=torch.float64)
     error = (got - exact).abs()
     bad = ~torch.isfinite(got) | (error > bound)
     return int(bad.sum().item())

@@ -3,7 +3,9 @@
 ``-b/-e/-f`` give a geometric sweep of sizes in bytes (``K``/``M``/``G`` suffixes are powers
 of 1024, as in nccl-tests), ``-n`` timed iterations, ``-w`` warm-up iterations, ``-d`` the
 element type by nccl-tests' names. The zcomm-specific flags select the ops, the pipeline
-stages of ``reduce_scatter_q4`` and the quantization group size.
+stages of ``reduce_scatter_q4`` and the quantization group size; ``--device`` and
+``--backend`` override the rank's device and process-group backend (by default CUDA and
+NCCL when a GPU is visible, else the CPU and gloo; see ``bench.dist_env``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import re
 from typing import Sequence
 
 import torch
+
+from .dist_env import BACKEND_CHOICES, DEVICE_CHOICES
 
 DTYPES: dict[str, torch.dtype] = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
 ALL_OPS = ("all_gather", "reduce_scatter", "all_to_all", "all_gather_q8", "reduce_scatter_q4")
@@ -57,6 +61,8 @@ class BenchConfig:
     stages: tuple[int | None, ...] = (None,)
     group_size: int | None = None
     seed: int = 0
+    device: str = "auto"
+    backend: str = "auto"
     json_path: str | None = None
     plot_path: str | None = None
 
@@ -101,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stages", type=parse_stages, default="auto", help="pipeline_stages of reduce_scatter_q4: auto or e.g. 1,2,4")
     parser.add_argument("--group-size", type=int, help="quantization group size of the zcomm ops (default: each op's own)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto", help="auto: cuda:LOCAL_RANK when a GPU is visible (unless --backend gloo), else cpu")
+    parser.add_argument("--backend", choices=BACKEND_CHOICES, default="auto", help="auto: nccl on cuda, gloo on cpu")
     parser.add_argument("--json", dest="json_path", metavar="PATH", help="write the rows as a JSON list")
     parser.add_argument("--plot", dest="plot_path", metavar="PATH", help="write a PNG of busbw vs size")
     return parser
@@ -122,6 +130,8 @@ def parse_config(argv: Sequence[str] | None = None) -> BenchConfig:
             stages=args.stages,
             group_size=args.group_size,
             seed=args.seed,
+            device=args.device,
+            backend=args.backend,
             json_path=args.json_path,
             plot_path=args.plot_path,
         )

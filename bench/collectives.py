@@ -3,9 +3,12 @@
 Run under any launcher ``bench.dist_env`` knows, e.g.::
 
     mpirun -n 4 python -m bench.collectives -b 1M -e 64M -f 2 -d bfloat16
+    torchrun --nproc-per-node 8 -m bench.collectives -b 1M -e 1G -f 2 -d bfloat16
     python -m bench.simcluster --nodes 2 --local 2 --rate 200mbit -- python -m bench.collectives ...
 
-For every op and size it allocates the buffers, warms up, times ``-n`` calls (max over ranks),
+Each rank works on ``cuda:LOCAL_RANK`` with NCCL when a GPU is visible, else on the CPU with
+gloo (``--device``/``--backend`` override; ``--backend gloo`` alone means the CPU). For every op and size it allocates the buffers
+on that device, warms up, times ``-n`` calls (CUDA events on a GPU; max over ranks),
 reads the node's wire counters around the timed calls when the cluster launcher provides
 them, then checks the last output against the fp64 oracle. Rank 0 prints one row per
 (op, size) as it completes, then the zcomm-vs-torch comparison, and writes the JSON and plot.
@@ -24,10 +27,8 @@ from tqdm import tqdm
 from . import comparison, dist_env, ops, report
 from .bandwidth import algbw_gbps, busbw_gbps
 from .cli import BenchConfig, parse_config
-from .timing import time_collective
+from .timing import reduce_over_ranks, time_collective
 from .wire import read_wire_bytes
-
-
 
 def _variants(config: BenchConfig) -> Iterator[tuple[str, int | None]]:
     for op in config.ops:
@@ -42,16 +43,12 @@ def _wire_counter(env: dist_env.DistEnv) -> Callable[[], int] | None:
     return lambda: read_wire_bytes()[0] if env.local_rank == 0 else 0
 
 
-def _sum_over_ranks(value: int) -> int:
-    tensor = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(tensor)
-    return int(tensor.item())
-
-
 def measure(case: ops.Case, config: BenchConfig, env: dist_env.DistEnv) -> report.Row:
     """Time one case, count its wire bytes and its wrong elements."""
-    timing = time_collective(case.run, iters=config.iters, warmup=config.warmup, counter=_wire_counter(env))
-    wrong = _sum_over_ranks(case.check())
+    timing = time_collective(
+        case.run, iters=config.iters, warmup=config.warmup, device=case.device, counter=_wire_counter(env)
+    )
+    (wrong,) = reduce_over_ranks([case.check()], dist.ReduceOp.SUM, device=case.device)
     return report.Row(
         op=case.label,
         size_bytes=case.size_bytes,
@@ -61,14 +58,14 @@ def measure(case: ops.Case, config: BenchConfig, env: dist_env.DistEnv) -> repor
         time_us=timing.seconds * 1e6,
         algbw_gbps=algbw_gbps(case.size_bytes, timing.seconds),
         busbw_gbps=busbw_gbps(case.kind, case.size_bytes, timing.seconds, env.world_size),
-        wrong=wrong,
+        wrong=int(wrong),
         logical_bytes=case.size_bytes,
         payload_bytes=case.payload_bytes,
         wire_bytes=timing.counter_delta,
     )
 
 
-def run_sweep(config: BenchConfig, env: dist_env.DistEnv) -> list[report.Row]:
+def run_sweep(config: BenchConfig, env: dist_env.DistEnv, device: torch.device) -> list[report.Row]:
     """Every (op, stages, size) of ``config``; rank 0 prints each row as it completes."""
     jobs = [(op, stages, size) for op, stages in _variants(config) for size in config.sizes()]
     rows = []
@@ -77,7 +74,7 @@ def run_sweep(config: BenchConfig, env: dist_env.DistEnv) -> list[report.Row]:
     show_bar = env.rank == 0 and sys.stderr.isatty()
     for op, stages, size in tqdm(jobs, desc="collectives", disable=not show_bar, file=sys.stderr):
         case = ops.build_case(
-            op, size, env=env, dtype=config.torch_dtype, seed=config.seed, group_size=config.group_size, stages=stages
+            op, size, env=env, device=device, dtype=config.torch_dtype, seed=config.seed, group_size=config.group_size, stages=stages
         )
         rows.append(measure(case, config, env))
         if env.rank == 0:
@@ -85,10 +82,11 @@ def run_sweep(config: BenchConfig, env: dist_env.DistEnv) -> list[report.Row]:
     return rows
 
 
-def _preamble(config: BenchConfig, env: dist_env.DistEnv) -> str:
+def _preamble(config: BenchConfig, env: dist_env.DistEnv, device: torch.device, backend: str) -> str:
     return (
         f"# zcomm collectives: {env.world_size} ranks = {env.nodes} node(s) x {env.node_size} "
-        f"({env.launcher}), dtype {config.dtype}, iters {config.iters}, warmup {config.warmup}, "
+        f"({env.launcher}), rank 0 on {device} ({backend}), "
+        f"dtype {config.dtype}, iters {config.iters}, warmup {config.warmup}, "
         f"group size {config.group_size or 'zcomm default'}, torch {torch.__version__}\n"
         f"# time = max over ranks of the per-call time; wire = inter-node bytes per call (all nodes)"
     )
@@ -114,12 +112,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # torch 2.13 renamed the tensor collectives; the names benchmarked here are the ones users call.
     warnings.filterwarnings("ignore", message=r".* is deprecated\. Please use `torch\.distributed\.", category=FutureWarning)
     env = dist_env.detect()
-    dist_env.init_process_group(env)
+    device, backend = dist_env.join(env, device=config.device, backend=config.backend)
     try:
         if env.rank == 0:
-            print(_preamble(config, env))
+            print(_preamble(config, env, device, backend))
             print(report.header(), flush=True)
-        rows = run_sweep(config, env)
+        rows = run_sweep(config, env, device)
         if env.rank == 0:
             _print_comparison(rows, config, env)
             if config.json_path:

@@ -14,6 +14,11 @@ Launchers are recognised from their environment, in this order:
 ``node_size`` is the number of ranks that count as one node, as zcomm sees it:
 ``ZCOMM_LOCAL_SIZE`` when set (one machine pretending to be several nodes), else the local
 world size.
+
+Device and backend: a rank works on ``cuda:LOCAL_RANK`` (modulo the visible GPUs) when CUDA
+is available, unless gloo was asked for, else on the CPU; the backend follows the device
+(NCCL on CUDA, gloo on the CPU). Both can be overridden; NCCL on the CPU is refused, since
+NCCL only moves CUDA memory.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import os
 import socket
 from typing import Mapping
 
+import torch
 import torch.distributed as dist
 
 _MPI_KEYS = {
@@ -36,6 +42,8 @@ _MPI_KEYS = {
     ),
 }
 TIMEOUT = datetime.timedelta(minutes=10)
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+BACKEND_CHOICES = ("auto", "nccl", "gloo")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -115,8 +123,44 @@ def _mpi_store(env: DistEnv) -> dist.TCPStore:
     return dist.TCPStore(host, port, env.world_size, False, timeout=TIMEOUT)
 
 
+def select_device(
+    env: DistEnv, choice: str = "auto", *, backend: str = "auto", cuda_devices: int | None = None
+) -> torch.device:
+    """The device this rank works on: ``cuda:LOCAL_RANK`` (mod the GPU count) or ``cpu``.
+
+    ``choice`` is ``auto`` (CUDA when a GPU is visible and ``backend`` is not ``gloo``),
+    ``cpu`` or ``cuda`` (an error without a GPU: nothing falls back). ``cuda_devices``
+    defaults to ``torch.cuda.device_count()`` (0 on a machine or build without CUDA).
+    """
+    if choice not in DEVICE_CHOICES:
+        raise ValueError(f"device must be one of {DEVICE_CHOICES}, got {choice!r}")
+    count = torch.cuda.device_count() if cuda_devices is None else cuda_devices
+    if choice == "cuda" and count == 0:
+        raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device")
+    if choice == "cpu" or count == 0 or (choice == "auto" and backend == "gloo"):
+        return torch.device("cpu")
+    return torch.device("cuda", env.local_rank % count)
+
+
+def select_backend(device: torch.device, choice: str = "auto") -> str:
+    """The process-group backend for ``device``: ``nccl`` on CUDA, ``gloo`` on the CPU, unless overridden."""
+    if choice not in BACKEND_CHOICES:
+        raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {choice!r}")
+    if choice == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if choice == "nccl" and device.type != "cuda":
+        raise ValueError(f"backend 'nccl' needs a CUDA device, got {device}")
+    return choice
+
+
 def init_process_group(env: DistEnv, backend: str = "gloo") -> None:
-    """Join the default process group as ``env`` describes."""
+    """Join the default process group as ``env`` describes.
+
+    No ``device_id`` is bound: with a bound device torch creates every later NCCL group by
+    splitting the default one, which all ranks of the world must join, while zcomm creates
+    its groups on their members only. Callers on CUDA select the device with
+    ``torch.cuda.set_device`` before calling this.
+    """
     if env.launcher == "env":
         dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size, timeout=TIMEOUT)
         return
@@ -125,3 +169,13 @@ def init_process_group(env: DistEnv, backend: str = "gloo") -> None:
     else:
         store = _mpi_store(env)
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=TIMEOUT)
+
+
+def join(env: DistEnv, *, device: str = "auto", backend: str = "auto") -> tuple[torch.device, str]:
+    """Pick this rank's device and backend, make the device current, join the default group."""
+    chosen = select_device(env, device, backend=backend)
+    name = select_backend(chosen, backend)
+    if chosen.type == "cuda":
+        torch.cuda.set_device(chosen)
+    init_process_group(env, name)
+    return chosen, name

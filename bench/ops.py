@@ -6,6 +6,11 @@ reduce-scatter and the per-rank buffer of an all-to-all, rounded down to a multi
 of an all-gather, receive count of a reduce-scatter, per-peer count of an all-to-all).
 ``payload_bytes`` is what quantization makes of ``size``: one zcomm payload (values, padding,
 fp32 scales) per rank's block, per :func:`zcomm.quant.payload_nbytes`.
+
+Every buffer lives on ``device``, the rank's device (the group's backend sees nothing else):
+inputs are generated on the host from their seed, so every device gets the same values,
+and copied over once, before anything is timed; outputs are allocated on the device. The
+check moves the last output back to the host, after the timed calls.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class Case:
     op: str
     label: str
     kind: str
+    device: torch.device
     count: int
     size_bytes: int
     payload_bytes: int
@@ -65,6 +71,7 @@ def effective_group_size(op: str, group_size: int | None) -> int:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _Spec:
     env: DistEnv
+    device: torch.device
     dtype: torch.dtype
     count: int
     seed: int
@@ -82,7 +89,10 @@ class _Spec:
         return checking.chunk(self.seed, rank, index, self.count, self.dtype)
 
     def input(self, chunks: int) -> torch.Tensor:
-        return checking.rank_input(self.seed, self.rank, chunks, self.count, self.dtype)
+        return checking.rank_input(self.seed, self.rank, chunks, self.count, self.dtype).to(self.device)
+
+    def output(self, numel: int) -> torch.Tensor:
+        return torch.empty(numel, dtype=self.dtype, device=self.device)
 
     def gathered(self) -> list[torch.Tensor]:
         return [self.chunk(i, 0).to(torch.float64) for i in range(self.world)]
@@ -93,7 +103,7 @@ class _Spec:
 
 def _all_gather(spec: _Spec, quantized: bool) -> tuple[Callable[[], object], Callable[[], int]]:
     inp = spec.input(1)
-    out = torch.empty(spec.count * spec.world, dtype=spec.dtype)
+    out = spec.output(spec.count * spec.world)
     if quantized:
         import zcomm
 
@@ -113,7 +123,7 @@ def _reduce_scatter(
     spec: _Spec, quantized: bool, stages: int | None
 ) -> tuple[Callable[[], object], Callable[[], int]]:
     inp = spec.input(spec.world)
-    out = torch.empty(spec.count, dtype=spec.dtype)
+    out = spec.output(spec.count)
     if not quantized:
         run = functools.partial(dist.reduce_scatter_tensor, out, inp, op=dist.ReduceOp.SUM)
     else:
@@ -136,7 +146,7 @@ def _reduce_scatter(
 
 def _all_to_all(spec: _Spec) -> tuple[Callable[[], object], Callable[[], int]]:
     inp = spec.input(spec.world)
-    out = torch.empty(spec.count * spec.world, dtype=spec.dtype)
+    out = spec.output(spec.count * spec.world)
 
     def check() -> int:
         return sum(checking.count_wrong(o, e, 0.0) for o, e in zip(out.split(spec.count), spec.my_slices()))
@@ -153,12 +163,13 @@ def build_case(
     size_bytes: int,
     *,
     env: DistEnv,
+    device: torch.device,
     dtype: torch.dtype,
     seed: int,
     group_size: int | None = None,
     stages: int | None = None,
 ) -> Case:
-    """Allocate the buffers of ``op`` at ``size_bytes`` (rounded down) on this rank.
+    """Allocate the buffers of ``op`` at ``size_bytes`` (rounded down) on this rank's ``device``.
 
     ``group_size`` None means each zcomm op's own default; torch's ops ignore it.
     """
@@ -166,9 +177,9 @@ def build_case(
         raise ValueError(f"op must be one of {tuple(KIND)}, got {op!r}")
     if op in BASELINE_OF:
         group_size = effective_group_size(op, group_size)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     count = max(1, size_bytes // (itemsize * env.world_size))
-    spec = _Spec(env=env, dtype=dtype, count=count, seed=seed, group_size=group_size)
+    spec = _Spec(env=env, device=device, dtype=dtype, count=count, seed=seed, group_size=group_size)
     payload = count * env.world_size * itemsize
     if op in ("all_gather", "all_gather_q8"):
         run, check = _all_gather(spec, quantized=op == "all_gather_q8")
@@ -184,6 +195,7 @@ def build_case(
         op=op,
         label=_label(op, stages),
         kind=KIND[op],
+        device=device,
         count=count,
         size_bytes=count * env.world_size * itemsize,
         payload_bytes=payload,

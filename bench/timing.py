@@ -1,9 +1,16 @@
-"""Barrier-synchronised timing of a collective, as nccl-tests does it.
+"""Barrier-synchronised timing of a collective, as nccl-tests does it, on the CPU or a GPU.
 
-Warm up, barrier, run ``iters`` back-to-back calls, stop the clock; the per-iteration time is
-the elapsed time over ``iters`` and the reported value is its maximum over the ranks
-(nccl-tests' ``-a 3``): a collective is only done when its slowest rank is done. The timed
-region only calls ``fn``: buffers are allocated by the caller beforehand.
+Warm up, wait for the warm-up to finish, barrier, run ``iters`` back-to-back calls, stop the
+clock once they are done; the per-iteration time is the elapsed time over ``iters`` and the
+reported value is its maximum over the ranks (nccl-tests' ``-a 3``): a collective is only
+done when its slowest rank is done. The timed region only calls ``fn``: buffers are
+allocated by the caller beforehand.
+
+The clock follows the device (:func:`clock_for`): the host's monotonic clock on the CPU,
+where gloo's calls return when they are done, and CUDA events on the current stream on a
+GPU, where calls only enqueue work (see ``[Note: CUDA event timing]``). The max and sum over
+the ranks are all-reduced in a tensor on ``device``, the device of the group's backend
+(NCCL moves CUDA memory only).
 
 An optional ``counter`` (e.g. the node's wire bytes) is read between two barriers before the
 timed loop and after a barrier that follows it; its per-iteration increase is summed over the ranks, so a
@@ -14,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,10 +33,84 @@ class Timing:
     counter_delta: float | None
 
 
-def _reduce(value: float, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64)
+class Clock(Protocol):
+    """Measures the work enqueued between ``start`` and ``stop`` on one device."""
+
+    def synchronize(self) -> None: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> float:
+        """Seconds since ``start``, once the work enqueued since then has finished."""
+        ...
+
+
+class HostClock:
+    """``time.perf_counter``: CPU work is done when the call returns."""
+
+    def __init__(self) -> None:
+        self._start = 0.0
+
+    def synchronize(self) -> None:
+        pass
+
+    def start(self) -> None:
+        self._start = time.perf_counter()
+
+    def stop(self) -> float:
+        return time.perf_counter() - self._start
+
+
+class CudaEventClock:
+    """A pair of CUDA events on ``device``'s current stream.
+
+    [Note: CUDA event timing]
+    A CUDA call returns once its kernels are enqueued, so a host clock would time the
+    launches, not the work. The start event is recorded on the current stream before the
+    first call and the end event after the last; ``stop`` waits for the end event only, so
+    nothing synchronizes between the timed calls. The end event covers the collectives'
+    work because a synchronous torch.distributed call makes the current stream wait for
+    the communication stream before returning, and zcomm's synchronous calls enqueue their
+    whole chain on the current stream. The events are created on ``start``, not in
+    ``__init__``, so choosing this clock needs no CUDA.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        assert device.type == "cuda", device
+        self.device = device
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        self._events[0].record(torch.cuda.current_stream(self.device))
+
+    def stop(self) -> float:
+        assert self._events is not None, "stop() before start()"
+        begin, end = self._events
+        end.record(torch.cuda.current_stream(self.device))
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
+
+
+def clock_for(device: torch.device) -> Clock:
+    """CUDA events for a ``cuda`` device, the host clock for the CPU."""
+    if device.type == "cuda":
+        return CudaEventClock(device)
+    if device.type == "cpu":
+        return HostClock()
+    raise ValueError(f"no clock for device type {device.type!r} (cpu or cuda)")
+
+
+def reduce_over_ranks(
+    values: list[float], op: dist.ReduceOp, *, device: torch.device, group: dist.ProcessGroup | None = None
+) -> list[float]:
+    """``values`` reduced element-wise over the ranks of ``group``, through a float64 tensor on ``device``."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=op, group=group)
-    return float(tensor.item())
+    return tensor.tolist()
 
 
 def time_collective(
@@ -37,26 +118,29 @@ def time_collective(
     *,
     iters: int,
     warmup: int,
+    device: torch.device,
     counter: Callable[[], int] | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> Timing:
-    """Max-over-ranks seconds per call of ``fn``, and the summed per-call counter increase."""
+    """Max-over-ranks seconds per call of ``fn`` on ``device``, and the summed per-call counter increase."""
     if iters < 1 or warmup < 0:
         raise ValueError(f"need iters >= 1 and warmup >= 0, got {iters} and {warmup}")
+    clock = clock_for(device)
     for _ in range(warmup):
         fn()
+    clock.synchronize()
     dist.barrier(group=group)
     before = 0
     if counter is not None:
         before = counter()
         # Peers on the same node must not start sending before this rank has read the counter.
         dist.barrier(group=group)
-    start = time.perf_counter()
+    clock.start()
     for _ in range(iters):
         fn()
-    elapsed = (time.perf_counter() - start) / iters
+    elapsed = clock.stop() / iters
     dist.barrier(group=group)
     delta = (counter() - before) / iters if counter is not None else 0.0
-    seconds = _reduce(elapsed, dist.ReduceOp.MAX, group)
-    summed = _reduce(delta, dist.ReduceOp.SUM, group)
+    (seconds,) = reduce_over_ranks([elapsed], dist.ReduceOp.MAX, device=device, group=group)
+    (summed,) = reduce_over_ranks([delta], dist.ReduceOp.SUM, device=device, group=group)
     return Timing(seconds=seconds, counter_delta=summed if counter is not None else None)

@@ -43,10 +43,5 @@ class DistContext:
 def init_distributed() -> DistContext:
     """Join the process group the launcher describes and say who this rank is."""
     env = dist_env.detect()
-    if torch.cuda.is_available():
-        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    dist_env.init_process_group(env, "nccl" if device.type == "cuda" else "gloo")
+    device, _ = dist_env.join(env)
     return DistContext(rank=env.rank, world_size=env.world_size, ranks_per_node=env.node_size, device=device)

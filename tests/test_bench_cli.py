@@ -62,3 +62,16 @@ def test_bad_flag_exits_with_usage(capsys):
         parse_config(["--ops", "broadcast"])
     assert info.value.code == 2
     assert "ops must be" in capsys.readouterr().err
+
+
+def test_device_and_backend_flags():
+    assert (parse_config([]).device, parse_config([]).backend) == ("auto", "auto")
+    config = parse_config(["--device", "cpu", "--backend", "gloo"])
+    assert (config.device, config.backend) == ("cpu", "gloo")
+
+
+def test_unknown_device_exits_with_usage(capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_config(["--device", "tpu"])
+    assert info.value.code == 2
+    assert "--device" in capsys.readouterr().err

@@ -1,0 +1,97 @@
+"""The gpu-check command: refuse at once without a GPU, run the stages, write the report.
+
+See :mod:`bench.gpu_check` for what it checks and ``[Note: gpu-check time budget]`` in
+:mod:`bench.gpu_check.stages` for how the 10 minutes are shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+from . import environment, report, stages
+
+EXIT_PASSED, EXIT_FAILED, EXIT_NO_GPU = 0, 1, 2
+RESULTS = stages.REPO / "bench" / "results"
+
+
+def gpu_problem() -> str | None:
+    """Why this interpreter cannot check anything on a GPU, or None when torch sees a CUDA device."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"no usable CUDA GPU: {sys.executable} cannot import torch ({exc})"
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        return f"no CUDA GPU on this machine: torch {torch.__version__} ({build}) sees no CUDA device (torch.cuda.is_available() is False)"
+    return None
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
+
+
+def default_out_dir(gpu_name: str) -> Path:
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return RESULTS / f"gpu-check_{_slug(gpu_name)}_{stamp}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="result folder (default: bench/results/gpu-check_<gpu>_<UTC time>)")
+    parser.add_argument("--only", nargs="+", metavar="STAGE", help="run only these stages (names as in the report)")
+    return parser
+
+
+def _cleared_notes() -> list[str]:
+    return [f"`{key}={os.environ[key]}` was set in the caller's environment; the stages ran without it."
+            for key in stages.CLEARED_ENV if key in os.environ]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    problem = gpu_problem()
+    if problem is not None:
+        print(f"gpu-check: {problem}. Nothing was run; "
+              "run `make gpu-check` on a machine with an NVIDIA GPU, a CUDA build of torch and cupy.", file=sys.stderr)  # fmt: skip
+        return EXIT_NO_GPU
+    import torch
+
+    gpus = torch.cuda.device_count()
+    gpu_name = torch.cuda.get_device_name(0)
+    out_dir = args.out or default_out_dir(gpu_name)
+    plan = stages.plan(out_dir, gpus=gpus)
+    if args.only:
+        unknown = sorted(set(args.only) - {stage.name for stage in plan})
+        if unknown:
+            parser.error(f"unknown stage(s) {unknown}; choose from {[stage.name for stage in plan]}")
+        plan = [stage for stage in plan if stage.name in args.only]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"gpu-check: {gpus} GPU(s), results in {out_dir}", flush=True)
+    env = environment.collect(stages.REPO)
+    (out_dir / "environment.json").write_text(json.dumps(env, indent=1) + "\n")
+    deadline = started + stages.TOTAL_BUDGET_S
+    results = []
+    for stage in plan:
+        print(f"gpu-check: {stage.name} (limit {stage.limit_s:.0f} s) ...", flush=True)
+        results.append(stages.run_stage(stage, out_dir, deadline))
+        print(f"gpu-check: {stage.name}: {results[-1].status} in {results[-1].seconds:.0f} s", flush=True)
+    text = report.render(
+        title=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.node()}, {gpus} x {gpu_name}",
+        results=results, environment=env, gpus=gpus, seconds=time.monotonic() - started,
+        budget_s=stages.TOTAL_BUDGET_S, command=" ".join([Path(sys.executable).name, "-m", "bench.gpu_check", *(sys.argv[1:] if argv is None else argv)]),
+        notes=_cleared_notes(),
+    )  # fmt: skip
+    (out_dir / "report.md").write_text(text)
+    failed = [r.stage.name for r in results if not r.passed]
+    print(f"gpu-check: {'FAILED: ' + ', '.join(failed) if failed else 'PASSED'}; report: {out_dir / 'report.md'}")
+    return EXIT_FAILED if failed else EXIT_PASSED

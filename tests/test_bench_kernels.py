@@ -1,0 +1,77 @@
+"""bench.kernels: the copy-of-the-same-bytes yardstick, the GPU targets and the device/backend choice.
+
+Timings are measurements: nothing here asserts how fast anything is.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import kernels
+
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+
+
+def test_vs_copy_is_the_bandwidth_ratio():
+    row = kernels.Row("cuda", "quantize INT8", seconds=2e-3, nbytes=6_000_000, copy_seconds=1.5e-3)
+    assert row.gbps == pytest.approx(3.0)
+    assert row.vs_copy == pytest.approx(0.75)  # 3 GB/s against the copy's 4 GB/s
+
+
+def test_gpu_targets_use_the_copy_of_the_same_bytes():
+    rows = [
+        kernels.Row("torch", "copy_ (preallocated)", 1.0, 10, 1.0),
+        kernels.Row("cuda", "quantize INT8", 1.0, 10, 0.90),
+        kernels.Row("cuda", "dequantize INT4", 1.0, 10, 0.80),
+        kernels.Row("cuda", "reorder_quantize INT8 (8 slices, 4 chunks)", 1.0, 10, 0.75),
+        kernels.Row("cuda", "dequant_reduce INT4 k=4 -> requant m=4", 1.0, 10, 0.60),
+    ]
+    assert kernels._target_lines(rows, torch.device("cuda"), "bf16") == [
+        "| bf16 cuda quantize INT8 GB/s / copy GB/s (same bytes) | 90% | >= 85% | PASS |",
+        "| bf16 cuda dequantize INT4 GB/s / copy GB/s (same bytes) | 80% | >= 85% | MISS |",
+        "| bf16 cuda reorder_quantize INT8 (8 slices, 4 chunks) GB/s / copy GB/s (same bytes) | 75% | >= 70% | PASS |",
+        "| bf16 cuda dequant_reduce INT4 k=4 -> requant m=4 GB/s / copy GB/s (same bytes) | 60% | >= 70% | MISS |",
+    ]
+
+
+def test_copy_yardstick_moves_the_same_bytes_and_is_cached(monkeypatch):
+    timer = kernels._Timer(torch.device("cpu"), repeats=1)
+    copied = []
+    real = timer.seconds
+
+    def seconds(fn, **kwargs):
+        copied.append(fn.func.__self__.numel() + fn.args[0].numel())  # target + source bytes
+        return real(fn, **kwargs)
+
+    monkeypatch.setattr(timer, "seconds", seconds)
+    timer.copy_seconds(1000)
+    timer.copy_seconds(1000)
+    assert copied == [1000]
+
+
+@NO_GPU
+def test_asking_for_cuda_without_a_gpu_is_an_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        kernels.main(["--device", "cuda", "--numel", "64"])
+    assert info.value.code == 2
+    assert "torch sees no GPU" in capsys.readouterr().err
+
+
+@NO_GPU
+def test_a_backend_that_runs_on_no_measured_device_is_an_error(capsys):
+    with pytest.raises(SystemExit):
+        kernels.main(["--backends", "cuda", "--numel", "64"])
+    assert "'cuda' runs on none of the devices measured" in capsys.readouterr().err
+
+
+def test_small_cpu_run_reports_every_op_against_a_copy(tmp_path):
+    out = tmp_path / "k.md"
+    report = kernels.main(["--numel", "4096", "--group-size", "32", "--device", "cpu", "--backends", "reference",
+                           "--dtype", "fp32", "bf16", "--repeats", "2", "--output", str(out)])  # fmt: skip
+    assert out.read_text() == "\n".join(report) + "\n"
+    rows = [line for line in report if line.startswith("| cpu |")]
+    assert len(rows) == 2 * (2 + 10)  # per dtype: clone, copy_, five ops at INT8 and INT4
+    assert all(line.endswith("% |") for line in rows)
+    assert "| device | dtype | backend | op | median ms | GB/s | vs copy |" in report
+    assert report[-2:] == ["| target (this run) | measured | target | result |", "|---|---:|---|---|"]  # no cpu backend: no targets
