@@ -11,7 +11,7 @@ only the communication objects of ``comm.build_comm_plan``.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,9 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec,
     fp32 master shards) or a torch optimizer built on the model's parameters, used as a
     template: its class, defaults and per-group hyper-parameters are kept, each group is
     partitioned separately.
+
+    The trainable parameters must all be on one device that ``group``'s backend supports
+    (``cuda:<local rank>`` for NCCL); every tensor the runtime creates lives there.
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
@@ -52,10 +55,10 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec,
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     config = resolve_config(config)
     group = group if group is not None else dist.group.WORLD
-    plan = build_comm_plan(config, group, topology)
     names = trainable_named_parameters(model)
     if not names:
         raise ValueError("the model has no trainable parameters (requires_grad=True); nothing to optimize")
+    plan = build_comm_plan(config, group, topology, device=_training_device(names, group))
     groups, build = _optimizer_groups(optimizer, names)
     dtype = DTYPES[config.precision]
     _cast_untrained_state(model, dtype)
@@ -65,6 +68,24 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec,
     if dtype != torch.float32:
         model.register_forward_pre_hook(_input_caster(dtype), with_kwargs=True)
     return model, ZeroOptimizer(model=model, units=units, optimizer=torch_opt, config=config, plan=plan)
+
+
+def _training_device(params: Iterable[nn.Parameter], group: dist.ProcessGroup) -> torch.device:
+    """The one device of the trainable parameters, checked against the devices ``group``'s
+    backend runs on (``get_backend_config`` reads e.g. ``cuda:nccl`` or ``cpu:gloo,cuda:gloo``)."""
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) > 1:
+        raise ValueError(f"the trainable parameters are on several devices ({', '.join(devices)}); the runtime "
+                         "trains on one device per rank: move the model there before initialize()")
+    device = torch.device(devices[0])
+    config = dist.get_backend_config(group)
+    supported = [pair.split(":")[0] for pair in config.split(",")]
+    if device.type not in supported:
+        raise ValueError(f"the model's parameters are on {device}, but the process group's backend ({config}) "
+                         f"runs on {', '.join(supported)} only: move the model to that device (e.g. "
+                         "cuda:<local rank> for NCCL) or pass a group whose backend supports "
+                         f"{device.type}")
+    return device
 
 
 def _optimizer_groups(optimizer: OptimizerSpec, names: Mapping[nn.Parameter, str]):

@@ -13,7 +13,17 @@ checkpoint or none, never a mix that loads.
 
 [Note: nothing half-applied] Loading validates this rank's file completely, then all ranks
 agree through one all-reduce that every rank validated, and only then does any rank change
-its state; a failure anywhere raises on every rank with the model untouched.
+its state; a failure anywhere raises on every rank with the model untouched. The agreement
+flag lives on the plan's device (an NCCL group reduces only CUDA tensors) and is read on the
+host once per load (see [Note: host syncs] in ``host_sync``).
+
+[Note: where loaded state lives] Files are read to the CPU. The masters are then copied
+into this run's master shards, and the optimizer state goes through
+``torch.optim.Optimizer.load_state_dict``, which places every state tensor as the optimizer
+itself would (moments on their parameter's device and dtype; Adam's ``step`` counters stay
+on the CPU unless the optimizer is fused or capturable). Loading onto the GPU directly
+would move the ``step`` counters there and make torch's non-fused Adam read each one on the
+host every step.
 """
 
 from __future__ import annotations
@@ -26,6 +36,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from . import host_sync
 
 if TYPE_CHECKING:
     from .engine import ZeroOptimizer
@@ -158,7 +170,7 @@ def _read_rank_state(opt: "ZeroOptimizer", root: Path) -> dict[str, Any]:
     if _sha256(path) != info["sha256"]:
         raise CheckpointError(f"{path} does not match its recorded sha256: corrupt")
     try:
-        state = torch.load(path, map_location=opt.units[0].master.device, weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # a damaged file surfaces as many different torch errors
         raise CheckpointError(f"{path} cannot be read: {err}") from err
     if state.get("tag") != meta["tag"]:
@@ -172,11 +184,11 @@ def load(opt: "ZeroOptimizer", directory: str | os.PathLike) -> None:
         state = _read_rank_state(opt, Path(directory))
     except CheckpointError as err:
         error = err
-    failed = torch.tensor([0.0 if error is None else 1.0])
+    failed = torch.full((1,), 0.0 if error is None else 1.0, device=opt.plan.device)
     opt.plan.all_reduce_sum(failed)
     if error is not None:
         raise error
-    if failed.item():
+    if host_sync.read_flag(failed > 0):
         raise CheckpointError(f"checkpoint {directory} failed validation on another rank; nothing was loaded")
     apply_rank_state(opt, state)
 

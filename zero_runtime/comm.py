@@ -20,6 +20,16 @@ seam, chosen by ``build_comm_plan``:
   group, invalidates its copies in ``weights_changed``;
 * qgZ (``quantized_comm.QuantizedReduceScatter``): ``zcomm.reduce_scatter_q4`` per bucket.
 
+``device`` is where every tensor the runtime creates lives: the device of the model's
+trainable parameters, which ``initialize`` checks the group's backend supports.
+
+[Note: object collectives on NCCL] ``broadcast_object_list``, ``all_gather_object`` and
+``barrier`` on an NCCL group stage their bytes on ``torch.cuda.current_device()``, which is
+device 0 on every rank unless the caller ran ``torch.cuda.set_device``: ranks would then
+share one GPU, or hang. The plan runs them inside ``torch.cuda.device(self.device)``, so
+they use the parameters' GPU whether or not the caller set the current device. zcomm's
+topology detection (host names, an object all-gather) runs under the same guard.
+
 ``shard_alignment`` lets an option ask for shard sizes that are multiples of some number of
 elements (none does today: see [Note: shard alignment] in ``quantized_comm``).
 
@@ -38,6 +48,7 @@ has been reported wrong, and a SUM keeps the fp32 path bit-reproducible.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from dataclasses import dataclass
 from typing import Hashable, Protocol
@@ -113,6 +124,7 @@ class CommPlan:
     forward_gather: ParamGather
     backward_gather: ParamGather
     reduce_scatter: GradReduceScatter
+    device: torch.device
     topology: zcomm.Topology | None = None
     shard_alignment: int = 1
 
@@ -135,7 +147,9 @@ class CommPlan:
             gather.weights_changed()
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
-        """Blocking SUM of a small tensor of scalars (norms, overflow flags)."""
+        """SUM of a small tensor of scalars (norms, flags) on ``device``; it returns once the
+        reduction is queued (on CUDA, ordered before later work on the current stream)."""
+        assert values.device == self.device, (values.device, self.device)
         dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
         return values
 
@@ -144,31 +158,43 @@ class CommPlan:
         zcomm.all_gather_into_tensor(full, shard, group=self.group, topology=self.topology)
 
     def barrier(self) -> None:
-        dist.barrier(group=self.group)
+        with current_device(self.device):
+            dist.barrier(group=self.group)
 
     def broadcast_from_first(self, value: object) -> object:
         """Rank 0's ``value`` on every rank (small Python objects: checkpoint tags)."""
         box = [value]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        with current_device(self.device):
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
         return box[0]
 
     def all_gather_objects(self, value: object) -> list[object]:
         out: list[object] = [None] * self.world_size
-        dist.all_gather_object(out, value, group=self.group)
+        with current_device(self.device):
+            dist.all_gather_object(out, value, group=self.group)
         return out
 
 
-def build_comm_plan(config: ZeroConfig, group: dist.ProcessGroup,
-                    topology: zcomm.Topology | None = None) -> CommPlan:
+def current_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` torch's current CUDA device for the block (a no-op off CUDA); see
+    [Note: object collectives on NCCL]."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def build_comm_plan(config: ZeroConfig, group: dist.ProcessGroup, topology: zcomm.Topology | None = None, *,
+                    device: torch.device) -> CommPlan:
     """The communication objects ``config`` asks for on ``group`` (``topology``: which of
-    its ranks share a node; None detects it from the environment or host names).
+    its ranks share a node; None detects it from the environment or host names), for
+    tensors on ``device``.
 
     Collective: hpZ creates its block group here, so every rank of ``group`` calls this at
     the same point. Raises ``ValueError`` if ``zero_hpz_partition_size`` does not divide the
     world size or its blocks do not line up with nodes.
     """
     # Detected once here, collectively, rather than inside a backward hook.
-    topology = topology if topology is not None else zcomm.Topology.detect(group)
+    if topology is None:
+        with current_device(device):
+            topology = zcomm.Topology.detect(group)
     plain = PlainAllGather(group, topology)
     forward: ParamGather = plain
     if config.quantized_weights:
@@ -180,4 +206,4 @@ def build_comm_plan(config: ZeroConfig, group: dist.ProcessGroup,
     if config.quantized_gradients:
         reduce = QuantizedReduceScatter(group, topology, group_size=config.quant_group_size)
     return CommPlan(group=group, forward_gather=forward, backward_gather=backward, reduce_scatter=reduce,
-                    topology=topology)
+                    device=device, topology=topology)

@@ -71,7 +71,8 @@ class ZeroConfig:
 
     ``reduce_bucket_size`` and ``prefetch_bucket_size`` are in elements (DeepSpeed's unit).
     ``prefetch_bucket_size == 0`` turns stage-3 prefetching off. ``gradient_clipping == 0``
-    turns clipping off.
+    turns clipping off; clipping follows ``torch.nn.utils.clip_grad_norm_`` (a non-finite
+    norm is not detected: only fp16 with dynamic loss scaling skips such a step).
 
     ZeRO++ (stage 3 only; each can be on alone, all three together are ZeRO++):
     ``quantized_weights`` (qwZ) gathers parameters for forward with zcomm's INT8

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from . import checkpoint as ckpt
-from .clip import clip_coefficient, global_grad_norm
+from . import host_sync
+from .clip import clip_by_norm_, global_grad_norm
 from .comm import CommPlan, Phase
 from .config import ZeroConfig
 from .grad_reduce import GradReducer
@@ -78,8 +79,9 @@ class ZeroOptimizer:
         self._backward_since_step = True
 
     def step(self) -> None:
-        """Update on an accumulation boundary: unscale, check overflow, clip by the global
-        norm, step the master shards and write them back to the compute-dtype parameters."""
+        """Update on an accumulation boundary: unscale, check overflow (fp16 dynamic loss
+        scaling only), clip by the global norm, step the master shards and write them back to
+        the compute-dtype parameters."""
         if not self._backward_since_step:
             raise RuntimeError("step() called without backward() since the last step()")
         self._backward_since_step = False
@@ -109,22 +111,27 @@ class ZeroOptimizer:
         return grads
 
     def _clip_or_detect_overflow(self, grads: list[torch.Tensor]) -> bool:
-        """Clip ``grads`` in place by the global norm; False if that norm is not finite.
+        """Clip ``grads`` in place by the global norm; with the fp16 dynamic scaler, False
+        (skip the step) if that norm is not finite.
 
         [Note: loss-scale handling] The norm is one all-reduce over every rank's shard, so an
-        overflow on any rank is seen by all ranks in the same step; see ``loss_scaler``.
+        overflow on any rank is seen by all ranks in the same step; see ``loss_scaler``. Only
+        the dynamic scaler reads the norm on the host (see [Note: host syncs] in
+        ``host_sync``); clipping alone stays on the device, like
+        ``torch.nn.utils.clip_grad_norm_``, and so does not detect a non-finite norm.
         """
-        if not (self.config.gradient_clipping > 0 or self.scaler.dynamic):
+        clip = self.config.gradient_clipping > 0
+        if not (clip or self.scaler.dynamic):
             return True
         norm = global_grad_norm(grads, self.plan)
-        finite = bool(torch.isfinite(norm))
-        self.scaler.update(overflow=not finite)
-        if finite and self.config.gradient_clipping > 0:
-            coef = clip_coefficient(norm, self.config.gradient_clipping)
-            if coef < 1.0:
-                for grad in grads:
-                    grad.mul_(coef)
-        return finite
+        if self.scaler.dynamic:
+            finite = host_sync.read_flag(torch.isfinite(norm))
+            self.scaler.update(overflow=not finite)
+            if not finite:
+                return False
+        if clip:
+            clip_by_norm_(grads, norm, self.config.gradient_clipping)
+        return True
 
     def zero_grad(self) -> None:
         """Drop gradients accumulated since the last update (``step`` already clears them)."""

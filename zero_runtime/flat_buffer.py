@@ -46,8 +46,9 @@ class FlatLayout:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
     def flatten(self, tensors: Sequence[torch.Tensor], *, dtype: torch.dtype) -> torch.Tensor:
-        """A new zero-padded flat buffer holding ``tensors`` (shaped like the slots)."""
-        flat = torch.zeros(self.numel, dtype=dtype, device=tensors[0].device if tensors else "cpu")
+        """A new zero-padded flat buffer holding ``tensors`` (shaped like the slots), on their device."""
+        assert tensors, "nothing to flatten: the buffer's device comes from its tensors"
+        flat = torch.zeros(self.numel, dtype=dtype, device=tensors[0].device)
         for view, tensor in zip(self.views(flat), tensors):
             view.copy_(tensor)
         return flat
