@@ -1,0 +1,72 @@
+"""``QuantSpec``: how a tensor is block-quantized, validated once for every layer.
+
+A spec is the pair the wire format needs (:mod:`zcomm.quant.wire_format`): ``bits`` per
+value (8 or 4) and ``group_size``, the number of consecutive elements that share one fp32
+scale. ``group_size`` is either an int (>= 2, even for INT4, so that a group never ends in
+the middle of a byte), ``None`` for zcomm's default of that width, or ``"tensor"``: one
+group per payload, the ZeRO++ paper's non-blocked ablation, whose concrete size is only
+known once the payload's element count is (:meth:`QuantSpec.group_size_for`).
+
+The ops, the collectives and the runtime all build a ``QuantSpec`` from what their callers
+pass, so a bad setting fails in one place with one message, whichever entry point it
+came through.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Union
+
+from .wire_format import QMAX, SUPPORTED_BITS
+
+TENSOR: Literal["tensor"] = "tensor"
+
+# Elements per scale when the caller does not say: qwZ's INT8 weights and qgZ's INT4
+# gradients, as measured in bench/results (finer groups cost scale bytes).
+DEFAULT_GROUP_SIZE: dict[int, int] = {8: 2048, 4: 512}
+
+GroupSize = Union[int, Literal["tensor"], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantSpec:
+    """Bits per value and elements per scale; ``group_size=None`` becomes the width's default."""
+
+    bits: int
+    group_size: GroupSize = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int):
+            raise TypeError(f"bits must be an int in {SUPPORTED_BITS}, got {self.bits!r}")
+        if self.bits not in QMAX:
+            raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits}")
+        if self.group_size is None:
+            object.__setattr__(self, "group_size", DEFAULT_GROUP_SIZE[self.bits])
+        elif self.group_size != TENSOR:
+            _check_int_group_size(self.group_size, self.bits)
+
+    @property
+    def per_tensor(self) -> bool:
+        """One scale per payload (``group_size="tensor"``)."""
+        return self.group_size == TENSOR
+
+    def group_size_for(self, numel: int) -> int:
+        """The concrete group size for a payload of ``numel`` elements.
+
+        ``"tensor"`` covers the whole payload with one group: ``numel`` elements, at least 2
+        and rounded up to even for INT4 (the extra element is padding the wire format
+        already zero-fills).
+        """
+        if not self.per_tensor:
+            return self.group_size
+        size = max(2, numel)
+        return size + size % 2 if self.bits == 4 else size
+
+
+def _check_int_group_size(group_size: object, bits: int) -> None:
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"group_size must be an int >= 2, \"tensor\" or None, got {group_size!r}")
+    if group_size < 2:
+        raise ValueError(f"group_size must be >= 2, got {group_size}")
+    if bits == 4 and group_size % 2:
+        raise ValueError(f"group_size must be even for 4-bit quantization, got {group_size}")
