@@ -147,4 +147,4 @@ def launch(source: str, name: str, device: torch.device, blocks: int, threads: i
     function = kernel(source, name, index)
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream, index)
     with cupy.cuda.Device(index):
-        function((blocks,), (threads,), tuple(args), stream=stream)
+        function((blocks,), (threads,), tuple(args), 0, stream)  # (grid, block, args, shared_mem, stream)
