@@ -45,7 +45,10 @@ def kernel_params(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[st
 @pytest.fixture()
 def launches(monkeypatch) -> list[tuple[str, str, tuple]]:
     recorded = []
-    monkeypatch.setattr(loader, "launch", lambda source, name, device, blocks, threads, args: recorded.append((source, name, tuple(args))))
+    def record(source, name, device, blocks, threads, args):
+        recorded.append((source, name, tuple(args)))
+
+    monkeypatch.setattr(loader, "launch", record)
     monkeypatch.setattr(launchers, "_max_blocks", lambda device: 1056)
     monkeypatch.setattr(launchers, "_device_perm", lambda perm, device: torch.tensor(perm, dtype=torch.int64))
     return recorded

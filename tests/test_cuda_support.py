@@ -78,7 +78,8 @@ def _expect(outcomes: dict[str, str], output: str, names: list[str], reason: str
 @pytest.mark.parametrize("gpu_check", (False, True), ids=("plain", "gpu-check"))
 def test_markers_skip_or_fail(tmp_path, gpu_check):
     outcomes, output = _outcomes(tmp_path, gpu_check)
-    _expect(outcomes, output, ["test_module_marked", "test_gpu_decorated", "test_gpu_param[1]"], GPU_UNAVAILABLE, gpu_check)
+    gpu_tests = ["test_module_marked", "test_gpu_decorated", "test_gpu_param[1]"]
+    _expect(outcomes, output, gpu_tests, GPU_UNAVAILABLE, gpu_check)
     _expect(outcomes, output, ["test_nvrtc_decorated"], NVRTC_UNAVAILABLE, gpu_check)
     expected_skips = 0 if gpu_check else (3 if GPU_UNAVAILABLE else 0) + (1 if NVRTC_UNAVAILABLE else 0)
     summary = output.strip().splitlines()[-1]

@@ -82,7 +82,9 @@ template <int BITS, class Source> void encode_tiles(const Source& src, const Chu
     for (i64 tile = 0; tile < layout.tiles(); ++tile) {  // pass kTileAbsmax
         const GroupSpan s = layout.tile_span(tile);
         u32& m = group_absmax[static_cast<size_t>(tile / layout.tiles_per_group())];
-        for (int lane = 0; lane < kTileThreads; ++lane) m = max_u32(m, lane_absmax<BITS>(src, s, lane, kTileThreads, vec));
+        for (int lane = 0; lane < kTileThreads; ++lane) {
+            m = max_u32(m, lane_absmax<BITS>(src, s, lane, kTileThreads, vec));
+        }
     }
     for (i64 tile = layout.tiles() - 1; tile >= 0; --tile) {  // pass kTileEncode
         const GroupSpan s = layout.tile_span(tile);

@@ -199,7 +199,8 @@ struct Quantizer {
     int qmax;
     bool usable;
 
-    ZC_HD Quantizer(float scale_, int qmax_) : scale(scale_), qmax(qmax_), usable(is_finite(scale_) && !is_zero(scale_)) {}
+    ZC_HD Quantizer(float scale_, int qmax_)
+        : scale(scale_), qmax(qmax_), usable(is_finite(scale_) && !is_zero(scale_)) {}
 
     ZC_HD int operator()(float x) const {
         if (!usable) return 0;
