@@ -1,10 +1,19 @@
-"""Every CUDA source compiles with the machine's nvcc, with the run-time compile's flags.
+"""Every CUDA source compiles, and its PTX keeps the wire format whatever flags are added.
 
-Two forms per source and architecture: the ``.cu`` file as it sits in ``kernels/`` and the
-single translation unit the loader hands NVRTC (headers inlined by
-:func:`zcomm_cuda.loader.expand_includes`). The PTX must define every kernel the
-launchers ask for and, as the wire format requires, contain no approximate division, no
-flush-to-zero and no fused multiply-add.
+The loader compiles each source with NVRTC through :func:`zcomm_cuda.loader.compile_source`
+(exactly its options, then ``-arch``). Two compilers check that code path:
+
+* NVRTC itself, through ``compile_source``, the very function the loader runs, wherever
+  cupy and an NVRTC library are importable (no GPU needed: the arch is given);
+* nvcc, when found, on the same translation unit (headers inlined by ``expand_includes``)
+  with the same options, and on each ``.cu`` file as it sits in ``kernels/``.
+
+Both compile with the loader's options as they are and with hostile flags appended:
+``-ftz=true`` (what cupy's cached compile path appends after a caller's options) and
+``--use_fast_math``. The PTX must define every kernel the launchers ask for and contain no
+flush-to-zero, approximate, fused multiply-add, reciprocal or ``div.full`` instruction: the
+wire format's bytes must not depend on how the kernels were compiled ([Note: explicit
+rounding] in wire_math.cuh).
 """
 
 from __future__ import annotations
@@ -15,12 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from cuda_support import NVCC, requires_nvcc
-from zcomm_cuda.loader import KERNEL_DIR, KERNEL_SOURCES, NVRTC_OPTIONS, expand_includes
-
-pytestmark = requires_nvcc
+from cuda_support import NVCC, requires_nvcc, requires_nvrtc
+from zcomm_cuda.loader import KERNEL_DIR, KERNEL_SOURCES, NVRTC_OPTIONS, compile_source, expand_includes, target_arch
 
 ARCHES = ("sm_80", "sm_90")
+HOSTILE_FLAGS = {"as-is": (), "ftz": ("-ftz=true",), "ftz+fast-math": ("-ftz=true", "--use_fast_math")}
 TAGS = ("f32", "bf16", "f16")
 EXPECTED_KERNELS = {
     "quantize.cu": [f"zc_quantize_{t}_int{b}" for t in TAGS for b in (8, 4)],
@@ -29,13 +37,26 @@ EXPECTED_KERNELS = {
     "dequant_reduce.cu": [f"zc_dequant_reduce_{t}_int{b}" for t in TAGS for b in (8, 4)]
     + [f"zc_dequant_reduce_requant_int{b}" for b in (8, 4)],
 }
+# opcode fragments the wire format forbids: flush-to-zero, approximations (div/rcp/sqrt/ex2
+# .approx, div.full), contraction into fused multiply-adds, multiplication by a reciprocal
+FORBIDDEN = re.compile(r"\.ftz\b|\.approx\b|\bdiv\.full\b|\bfma\.|\brcp\.")
 
 
-def _ptx(source: Path, arch: str, out: Path) -> str:
+def _instructions(ptx: str) -> list[str]:
+    """The PTX's instruction lines (comments and blank lines dropped)."""
+    lines = (line.split("//", 1)[0].strip() for line in ptx.splitlines())
+    return [line for line in lines if line]
+
+
+def _check_ptx(ptx: str, source: str) -> None:
+    assert set(re.findall(r"\.entry\s+(\w+)\(", ptx)) == set(EXPECTED_KERNELS[source])
+    bad = sorted({line for line in _instructions(ptx) if FORBIDDEN.search(line)})
+    assert not bad, f"{len(bad)} forbidden instructions, e.g. {bad[:5]}"
+
+
+def _nvcc_ptx(source: Path, arch: str, options: tuple[str, ...], out: Path) -> str:
     done = subprocess.run(
-        [NVCC, "--ptx", f"-arch={arch}", *NVRTC_OPTIONS, "-Werror", "all-warnings", "-o", str(out), str(source)],
-        capture_output=True,
-        text=True,
+        [NVCC, "--ptx", f"-arch={arch}", *options, "-o", str(out), str(source)], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
     return out.read_text()
@@ -45,20 +66,46 @@ def test_every_source_is_listed():
     assert sorted(KERNEL_SOURCES) == sorted(p.name for p in KERNEL_DIR.glob("*.cu")) == sorted(EXPECTED_KERNELS)
 
 
+@requires_nvcc
 @pytest.mark.parametrize("arch", ARCHES)
 @pytest.mark.parametrize("source", KERNEL_SOURCES)
-def test_source_compiles(tmp_path, source, arch):
-    ptx = _ptx(KERNEL_DIR / source, arch, tmp_path / "k.ptx")
-    entries = set(re.findall(r"\.entry\s+(\w+)\(", ptx))
-    assert entries == set(EXPECTED_KERNELS[source])
-    for forbidden in ("div.approx", "div.full", ".ftz", "fma.", "rcp.approx"):
-        assert forbidden not in ptx, forbidden
+def test_nvcc_compiles_each_file_without_warnings(tmp_path, source, arch):
+    ptx = _nvcc_ptx(KERNEL_DIR / source, arch, (*NVRTC_OPTIONS, "-Werror", "all-warnings"), tmp_path / "k.ptx")
+    _check_ptx(ptx, source)
 
 
+@requires_nvcc
+@pytest.mark.parametrize("flags", HOSTILE_FLAGS.values(), ids=HOSTILE_FLAGS.keys())
 @pytest.mark.parametrize("source", KERNEL_SOURCES)
-def test_nvrtc_translation_unit_compiles(tmp_path, source):
+def test_nvcc_translation_unit_under_hostile_flags(tmp_path, source, flags):
+    """nvcc takes the last value of a repeated option, as NVRTC does (with a warning)."""
     unit = tmp_path / source
     unit.write_text(expand_includes(KERNEL_DIR / source))
     assert '#include "' not in unit.read_text()
-    ptx = _ptx(unit, "sm_90", tmp_path / "k.ptx")
-    assert set(re.findall(r"\.entry\s+(\w+)\(", ptx)) == set(EXPECTED_KERNELS[source])
+    _check_ptx(_nvcc_ptx(unit, "sm_90", (*NVRTC_OPTIONS, *flags), tmp_path / "k.ptx"), source)
+
+
+@requires_nvrtc
+@pytest.mark.parametrize("flags", HOSTILE_FLAGS.values(), ids=HOSTILE_FLAGS.keys())
+@pytest.mark.parametrize("source", KERNEL_SOURCES)
+def test_loader_nvrtc_compile_under_hostile_flags(source, flags):
+    compiled = compile_source(source, "sm_90", (*NVRTC_OPTIONS, *flags))
+    _check_ptx(compiled.ptx, source)
+    assert compiled.cubin  # what the loader loads for a device NVRTC knows
+
+
+@requires_nvrtc
+def test_loader_nvrtc_compile_reports_errors(monkeypatch, tmp_path):
+    (tmp_path / "broken.cu").write_text('extern "C" __global__ void k() { this is not C++; }\n')
+    monkeypatch.setattr("zcomm_cuda.loader.KERNEL_DIR", tmp_path)
+    with pytest.raises(RuntimeError, match=r"NVRTC could not compile broken\.cu for sm_90"):
+        compile_source("broken.cu", "sm_90")
+
+
+def test_target_arch_prefers_a_cubin_for_the_device():
+    supported = (75, 80, 86, 89, 90, 100, 120)
+    assert target_arch((9, 0), supported) == "sm_90"
+    assert target_arch((8, 6), supported) == "sm_86"
+    assert target_arch((12, 1), supported) == "compute_120"  # newer than NVRTC: PTX, JIT-compiled at load
+    with pytest.raises(RuntimeError, match="none of them runs on compute capability 70"):
+        target_arch((7, 0), supported)

@@ -4,15 +4,19 @@ tests/cuda_host/host_check.cu is compiled with nvcc as a host program that runs 
 __host__ __device__ code of the kernels (encoder lanes, decoder runs, sources, packing,
 wire-format math) with loops in place of the GPU's parallelism. Each case writes its input
 to a file, runs the program, and compares the output bytes with ``zcomm.quant``'s
-reference backend, for the aligned (vector) and misaligned (scalar) paths. The program
-reports which path it took, and the test checks that too, so both are known to be covered.
+reference backend, for the aligned (vector) and misaligned (scalar) paths and for both
+encoder schemes (teams for groups up to ``TEAM_MAX_GROUP`` elements, tiles above: groups of
+several tiles, a short last tile, one group for the whole tensor). The program reports
+which path and scheme it took, and the tests check that too, so all are known to be covered.
 """
 
 from __future__ import annotations
 
+import re
 import struct
 import subprocess
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -20,6 +24,7 @@ import torch
 import zcomm.quant as zq
 from cuda_cases import DTYPE_TAG, DTYPES, make_input, make_payloads
 from cuda_support import NVCC, REPO, requires_nvcc
+from zcomm_cuda import launchers
 
 pytestmark = requires_nvcc
 
@@ -38,14 +43,26 @@ def host_check(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return binary
 
 
-def _run(binary: Path, tmp_path: Path, args: list[object], data: torch.Tensor) -> tuple[bytes, bool]:
-    """Run one op on ``data``'s bytes; returns (output bytes, whether vector paths ran)."""
+class Ran(NamedTuple):
+    out: bytes
+    vec: bool  # the vector paths ran
+    tiles: bool  # the encoder ran the tile scheme
+
+
+def _run(binary: Path, tmp_path: Path, args: list[object], data: torch.Tensor) -> Ran:
+    """Run one op on ``data``'s bytes."""
     src, dst = tmp_path / "in.bin", tmp_path / "out.bin"
     src.write_bytes(data.contiguous().view(torch.uint8).numpy().tobytes())
     done = subprocess.run(
         [str(binary), *map(str, args), str(src), str(dst)], check=True, capture_output=True, text=True
     )
-    return dst.read_bytes(), done.stdout.strip() == "vec=1"
+    flags = dict(item.split("=") for item in done.stdout.split())
+    return Ran(dst.read_bytes(), flags["vec"] == "1", flags["tiles"] == "1")
+
+
+def _tiles(extent: int) -> bool:
+    """Whether the launcher runs the tile scheme for groups of ``extent`` elements."""
+    return launchers.encoder_passes(1, extent, 1)[0][0] != launchers.TEAMS
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -61,14 +78,17 @@ def _sizes(group_size: int) -> tuple[int, ...]:
     return (1, group_size - 1, 9 * group_size + 3, 18 * group_size)
 
 
-# 520: teams of 32 lanes, each lane looping over several runs and a partial one
-GROUP_SIZES = {8: (7, 8, 40, 520), 4: (2, 6, 32, 100)}
+# 520: teams of 32 lanes, each lane looping over several runs and a partial one.
+# 4096 / 4097: the largest team group, the smallest tiled one; 20000 / 10006: three tiles,
+# the last one short (10006: scalar paths, not a multiple of 8).
+GROUP_SIZES = {8: (7, 8, 40, 520, 4096, 4097, 20000), 4: (2, 6, 32, 100, 4096, 10006)}
+LARGE = 4096
 QUANT_CASES = [
     (dtype, bits, gs, n)
     for dtype in DTYPES
     for bits in (8, 4)
     for gs in GROUP_SIZES[bits]
-    for n in sorted(set(_sizes(gs)))
+    for n in sorted(set(_sizes(gs) if gs < LARGE else (1, gs - 1, 2 * gs + 3, 3 * gs)))
 ]
 
 
@@ -76,9 +96,22 @@ QUANT_CASES = [
 @pytest.mark.parametrize("dtype,bits,group_size,numel", QUANT_CASES)
 def test_quantize(host_check, tmp_path, dtype, bits, group_size, numel, misalign):
     x = make_input(numel, group_size, dtype, bits, seed=numel + group_size)
-    got, vec = _run(host_check, tmp_path, ["quantize", DTYPE_TAG[dtype], bits, group_size, misalign], x)
-    assert got == _bytes(zq.quantize(x, bits, group_size, backend="reference"))
-    assert vec == (not misalign and group_size % 8 == 0 and numel % 8 == 0)
+    ran = _run(host_check, tmp_path, ["quantize", DTYPE_TAG[dtype], bits, group_size, misalign], x)
+    assert ran.out == _bytes(zq.quantize(x, bits, group_size, backend="reference"))
+    assert ran.vec == (not misalign and group_size % 8 == 0 and numel % 8 == 0)
+    assert ran.tiles == _tiles(min(group_size, numel))
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numel", (3 * 8192 + 16, 5 * 8192 + 2))
+def test_quantize_one_group_per_tensor(host_check, tmp_path, dtype, bits, numel):
+    """``quant_group_size="tensor"``: one group of the whole input, cut into tiles."""
+    x = make_input(numel, numel, dtype, bits, seed=numel)
+    x[numel // 2] = torch.finfo(dtype).smallest_normal / 8  # one subnormal among many normals
+    ran = _run(host_check, tmp_path, ["quantize", DTYPE_TAG[dtype], bits, numel, 0], x)
+    assert ran.out == _bytes(zq.quantize(x, bits, numel, backend="reference"))
+    assert ran.tiles and ran.vec == (numel % 8 == 0)
 
 
 REORDER_CASES = [
@@ -89,6 +122,9 @@ REORDER_CASES = [
     (6 * 10, (2, 0, 1), 6, 4),
     (3 * 2 * 17, (1, 2, 0), 2, 6),
     (12 * 64, (5, 3, 1, 0, 2, 4), 3, 256),
+    # tiled groups: 2.5 tiles per group, a short last group per chunk; then scalar paths
+    (8 * 5000 * 3, (7, 6, 5, 4, 3, 2, 1, 0), 2, 20480),
+    (6 * 3 * 3400, (5, 3, 1, 0, 2, 4), 3, 10002),
 ]
 
 
@@ -99,11 +135,12 @@ REORDER_CASES = [
 def test_reorder_quantize(host_check, tmp_path, dtype, bits, numel, perm, num_chunks, group_size, misalign):
     x = make_input(numel, group_size, dtype, bits, seed=numel)
     args = ["reorder", DTYPE_TAG[dtype], bits, group_size, misalign, num_chunks, ",".join(map(str, perm))]
-    got, vec = _run(host_check, tmp_path, args, x)
-    assert got == _bytes(zq.reorder_quantize(x, perm, num_chunks, bits, group_size, backend="reference"))
+    ran = _run(host_check, tmp_path, args, x)
+    assert ran.out == _bytes(zq.reorder_quantize(x, perm, num_chunks, bits, group_size, backend="reference"))
     chunk, row = numel // num_chunks, zq.payload_nbytes(numel // num_chunks, bits, group_size)
     aligned = group_size % 8 == 0 and chunk % 8 == 0 and (numel // len(perm)) % 8 == 0 and row % _run_bytes(bits) == 0
-    assert vec == (not misalign and aligned)
+    assert ran.vec == (not misalign and aligned)
+    assert ran.tiles == _tiles(min(group_size, chunk))
 
 
 DECODE_CASES = [(bits, gs, n) for bits in (8, 4) for gs in (8, 6) for n in (1, gs + 3, 10 * gs, 16 * gs + 6)]
@@ -115,11 +152,11 @@ DECODE_CASES = [(bits, gs, n) for bits in (8, 4) for gs in (8, 6) for n in (1, g
 def test_dequantize(host_check, tmp_path, dtype, bits, group_size, numel, misalign):
     payloads = make_payloads(numel, group_size, bits, k=3, seed=numel)
     args = ["dequantize", DTYPE_TAG[dtype], bits, group_size, misalign, numel, 3]
-    got, vec = _run(host_check, tmp_path, args, payloads)
-    assert got == _bytes(zq.dequantize(payloads, numel, bits, group_size, dtype, backend="reference"))
+    ran = _run(host_check, tmp_path, args, payloads)
+    assert ran.out == _bytes(zq.dequantize(payloads, numel, bits, group_size, dtype, backend="reference"))
     stride = payloads.shape[1]
     aligned = group_size % 8 == 0 and numel % 8 == 0 and stride % _run_bytes(bits) == 0
-    assert vec == (not misalign and aligned)
+    assert ran.vec == (not misalign and aligned)
 
 
 def _fp32_hex(value: float) -> str:
@@ -127,6 +164,8 @@ def _fp32_hex(value: float) -> str:
 
 
 REDUCE_CASES = [(bits, gs, n) for bits in (8, 4) for gs in (8, 6) for n in (6, 24 * gs)]
+# re-quantized groups in the tile scheme: whole and short tiles, vector and scalar paths
+REQUANT_CASES = REDUCE_CASES + [(8, 8200, 6 * 8200), (4, 9000, 6 * 9001)]
 
 
 @pytest.mark.parametrize("misalign", (0, 1))
@@ -137,28 +176,45 @@ def test_dequant_reduce_store(host_check, tmp_path, bits, group_size, numel, k, 
     payloads = make_payloads(numel, group_size, bits, k=k, seed=numel + k)
     for dtype in DTYPES:
         args = ["reduce", DTYPE_TAG[dtype], bits, group_size, misalign, numel, k, _fp32_hex(divide_by), 0]
-        got, _ = _run(host_check, tmp_path, args, payloads)
+        ran = _run(host_check, tmp_path, args, payloads)
         expected = zq.dequant_reduce(
             payloads, numel, bits, group_size, dtype=dtype, divide_by=divide_by, backend="reference"
         )
-        assert got == _bytes(expected), dtype
+        assert ran.out == _bytes(expected), dtype
 
 
 @pytest.mark.parametrize("misalign", (0, 1))
 @pytest.mark.parametrize("divide_by", (1.0, 3.0))
 @pytest.mark.parametrize("k", (1, 4))
-@pytest.mark.parametrize("bits,group_size,numel", REDUCE_CASES)
+@pytest.mark.parametrize("bits,group_size,numel", REQUANT_CASES)
 def test_dequant_reduce_requantize(host_check, tmp_path, bits, group_size, numel, k, divide_by, misalign):
     payloads = make_payloads(numel, group_size, bits, k=k, seed=numel + 7 * k)
     for m in (1, 2, 3):
         args = ["reduce", "f32", bits, group_size, misalign, numel, k, _fp32_hex(divide_by), m]
-        got, vec = _run(host_check, tmp_path, args, payloads)
+        ran = _run(host_check, tmp_path, args, payloads)
         expected = zq.dequant_reduce(
             payloads, numel, bits, group_size, requant_chunks=m, divide_by=divide_by, backend="reference"
         )
-        assert got == _bytes(expected), m
+        assert ran.out == _bytes(expected), m
         chunk, stride = numel // m, payloads.shape[1]
         out_row = zq.payload_nbytes(chunk, bits, group_size)
         run = _run_bytes(bits)
         aligned = group_size % 8 == 0 and chunk % 8 == 0 and stride % run == 0 and out_row % run == 0
-        assert vec == (not misalign and aligned), m
+        assert ran.vec == (not misalign and aligned), m
+        assert ran.tiles == _tiles(min(group_size, chunk)), m
+
+
+def test_launcher_mirrors_the_encoder_constants():
+    """launchers.py sizes the encoder grids with copies of group_encoder.cuh's constants."""
+    header = (KERNELS / "group_encoder.cuh").read_text()
+
+    def constant(name: str) -> str:
+        return re.search(rf"constexpr \w+ {name} = ([^;]+);", header).group(1)
+
+    assert int(constant("kTeamMaxGroup")) == launchers.TEAM_MAX_GROUP
+    assert int(constant("kTileThreads")) == launchers.TILE_THREADS == launchers.THREADS
+    assert constant("kTileElems") == "8 * 4 * kTileThreads" and 8 * 4 * launchers.TILE_THREADS == launchers.TILE_ELEMS
+    passes = re.search(r"enum EncoderPass : int \{([^}]*)\}", header).group(1)
+    assert passes.replace(" ", "") == (
+        f"kTeams={launchers.TEAMS},kTileAbsmax={launchers.TILE_ABSMAX},kTileEncode={launchers.TILE_ENCODE}"
+    )

@@ -26,8 +26,9 @@ original before the final rounding to the output dtype. Any ``numel`` works: the
 group of a payload is simply short.
 
 Buffers: the ``P``-byte payload, the ``N * P`` bytes gathered by step 2 and the ``W * P``
-bytes gathered by step 3 (all ``uint8``) live for one call; ``output`` is written only in
-step 4.
+bytes gathered by step 3 (all ``uint8``; with several nodes of several ranks, also a copy
+of them in rank order for step 4's single dequantize) live for one call; ``output`` is
+written only in step 4.
 
 [Note: buffer lifetime] The chain keeps each hop's send buffer referenced until that hop's
 ``wait()`` has returned, and the last hop's receive buffer until step 4 has consumed it. On
@@ -43,7 +44,6 @@ wait for the chain, async calls return its handle.
 from __future__ import annotations
 
 from functools import partial
-from itertools import product
 from typing import NamedTuple
 
 import torch
@@ -112,11 +112,11 @@ def _chain(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:
     gathered = quant.quantize(input.reshape(-1), BITS, plan.group_size)
     for hop in plan.hops:
         gathered = _all_gather(gathered, hop)
-    rows = gathered.view(local_size, nodes, gathered.numel() // plan.topology.world_size)
-    out = output.view(nodes, local_size, numel)
-    # one call per row: the rows arrive [local rank][node], the ranks are [node][local rank]
-    for local, node in product(range(local_size), range(nodes)):
-        quant.dequantize(rows[local, node], numel, BITS, plan.group_size, output.dtype, out=out[node, local])
+    world, row_bytes = plan.topology.world_size, gathered.numel() // plan.topology.world_size
+    # the rows arrive [local rank][node], the ranks are [node][local rank]: one dequantize of
+    # all W rows in rank order (reshape copies the payload bytes only when both are > 1)
+    in_rank_order = gathered.view(local_size, nodes, row_bytes).transpose(0, 1).reshape(world, row_bytes)
+    quant.dequantize(in_rank_order, numel, BITS, plan.group_size, output.dtype, out=output)
 
 
 def _all_gather(send: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

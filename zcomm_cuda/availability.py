@@ -1,4 +1,4 @@
-"""Whether the CUDA kernels can run on this machine, and if not, what is missing.
+"""Whether the CUDA kernels can run (or be compiled) on this machine, and if not, what is missing.
 
 Imports nothing heavy at module level: ``cupy`` is only imported when asked, so
 ``import zcomm_cuda`` works on a machine with no GPU and no cupy.
@@ -9,11 +9,32 @@ from __future__ import annotations
 import torch
 
 
-def _cupy_problem() -> str | None:
+def _cupy_package() -> str:
+    """The cupy wheel that matches torch's CUDA (``cupy-cuda12x`` for CUDA 12, ...)."""
+    major = (torch.version.cuda or "13").split(".")[0]
+    return f"cupy-cuda{major}x"
+
+
+def nvrtc_problem() -> str | None:
+    """``None`` when cupy can run NVRTC here (no GPU needed), else what is missing, in words.
+
+    cupy finds the NVRTC library of its CUDA major version on the library path or in the
+    ``nvidia-cuda-nvrtc`` wheel (which CUDA builds of torch install).
+    """
     try:
-        import cupy
+        from cupy.cuda import nvrtc
     except ImportError as exc:
-        return f"cupy is not importable ({exc}); install the cuda extra: pip install 'zcomm[cuda]' (cupy-cuda12x)"
+        return f"cupy is not importable ({exc}); install {_cupy_package()} (the package matching torch's CUDA)"
+    try:
+        nvrtc.getVersion()
+    except Exception as exc:  # noqa: BLE001  (cupy raises its own error types, or the loader's)
+        return f"cupy cannot load the NVRTC library ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _driver_problem() -> str | None:
+    import cupy
+
     try:
         cupy.cuda.runtime.getDeviceCount()
     except cupy.cuda.runtime.CUDARuntimeError as exc:
@@ -33,8 +54,10 @@ def unavailable_reason() -> str | None:
     """``None`` when the cuda backend can run here, else what is missing, in words.
 
     Checks, and names every one that fails: torch's CUDA support and device (a CUDA build
-    and a GPU behind a working driver), then the ``cupy`` package (the ``cuda`` extra,
-    ``cupy-cuda12x``) and its own access to the driver.
+    and a GPU behind a working driver), then cupy (the package matching torch's CUDA, e.g.
+    ``cupy-cuda13x``) with its NVRTC library and its own access to the driver.
     """
-    problems = [p for p in (_torch_problem(), _cupy_problem()) if p is not None]
-    return "; ".join(problems) or None
+    problems = [_torch_problem()]
+    cupy_problem = nvrtc_problem()
+    problems.append(cupy_problem if cupy_problem is not None else _driver_problem())
+    return "; ".join(p for p in problems if p is not None) or None

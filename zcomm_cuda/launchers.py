@@ -2,14 +2,19 @@
 
 Each function picks the kernel by dtype and bits, sizes the grid, and launches it on
 torch's current stream (:func:`zcomm_cuda.loader.launch`). Arguments arrive validated,
-contiguous, non-empty and on one CUDA device; outputs are preallocated.
+contiguous, non-empty and on one CUDA device; outputs are preallocated. Nothing here
+synchronizes the host, so every op can be captured in a CUDA graph.
 
 Grid sizing: the kernels walk their work grid-stride, so the grid is the work size capped
 at a few resident blocks per multiprocessor (enough to keep every SM's memory pipeline
-busy without launching blocks that would only find no work).
+busy without launching blocks that would only find no work). The encoder kernels run one
+of two schemes chosen from the group size (:func:`encoder_passes`; [Note: large groups]
+in kernels/group_encoder.cuh).
 """
 
 from __future__ import annotations
+
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -23,10 +28,17 @@ WARPS_PER_BLOCK = THREADS // 32
 BLOCKS_PER_SM = 8
 RUN = 8  # elements per vector run in the kernels (vector_io.cuh)
 
+# Mirrors of group_encoder.cuh (tests/test_cuda_host_math.py checks that they agree).
+TEAM_MAX_GROUP = 4096  # kTeamMaxGroup: larger groups take the tile scheme
+TILE_THREADS = 256  # kTileThreads: the block size of the tile passes
+TILE_ELEMS = 8192  # kTileElems: elements per tile
+TEAMS, TILE_ABSMAX, TILE_ENCODE = 0, 1, 2  # EncoderPass
+assert TILE_THREADS == THREADS
+
 _DTYPE_TAG = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
-# (device index, perm) -> int64 perm on that device; see [Note: perm lifetime].
-_PERMS: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+# perm -> the same perm as a pinned int64 CPU tensor, never freed; see [Note: perm lifetime].
+_PINNED_PERMS: dict[tuple[int, ...], torch.Tensor] = {}
 
 
 def _ptr(t: torch.Tensor) -> np.uint64:
@@ -37,56 +49,79 @@ def _i64(value: int) -> np.int64:
     return np.int64(value)
 
 
-def _blocks(device: torch.device, work_blocks: int) -> int:
-    return max(1, min(work_blocks, BLOCKS_PER_SM * loader.multiprocessor_count(loader.device_index(device))))
+def _max_blocks(device: torch.device) -> int:
+    return BLOCKS_PER_SM * loader.multiprocessor_count(loader.device_index(device))
 
 
-def _encoder_blocks(device: torch.device, jobs: int) -> int:
-    """At most one warp per group job (teams of fewer lanes share a warp)."""
-    return _blocks(device, -(-jobs // WARPS_PER_BLOCK))
+def _cap(work_blocks: int, max_blocks: int) -> int:
+    return max(1, min(work_blocks, max_blocks))
+
+
+def encoder_passes(jobs: int, group_extent: int, max_blocks: int) -> list[tuple[int, int]]:
+    """``(pass, blocks)`` for each launch of an encoder kernel over ``jobs`` groups.
+
+    ``group_extent`` is the longest group, ``min(group_size, elements per payload)``. Groups
+    of at most :data:`TEAM_MAX_GROUP` elements: one launch of the team scheme, at most one
+    warp per group (teams of fewer lanes share a warp). Larger groups: the tile scheme's two
+    passes, one block per tile of :data:`TILE_ELEMS` elements.
+    """
+    if group_extent <= TEAM_MAX_GROUP:
+        return [(TEAMS, _cap(-(-jobs // WARPS_PER_BLOCK), max_blocks))]
+    blocks = _cap(jobs * -(-group_extent // TILE_ELEMS), max_blocks)
+    return [(TILE_ABSMAX, blocks), (TILE_ENCODE, blocks)]
+
+
+def _encode(source: str, name: str, device: torch.device, jobs: int, group_extent: int, args: Sequence[Any]) -> None:
+    """Run encoder kernel ``name`` with ``args`` (all but its last two, group_absmax and pass).
+
+    The tile scheme's per-group absmax lives in a zeroed temporary allocated on the current
+    stream, which both passes use in stream order (see [Note: large groups]).
+    """
+    passes = encoder_passes(jobs, group_extent, _max_blocks(device))
+    absmax = torch.zeros(jobs, dtype=torch.int32, device=device) if passes[0][0] != TEAMS else None
+    absmax_ptr = np.uint64(0) if absmax is None else _ptr(absmax)
+    for encoder_pass, blocks in passes:
+        loader.launch(source, name, device, blocks, THREADS, (*args, absmax_ptr, np.int32(encoder_pass)))
 
 
 def _decoder_blocks(device: torch.device, runs: int) -> int:
-    return _blocks(device, -(-runs // THREADS))
-
-
-def _check_int32_group_size(group_size: int) -> None:
-    if group_size >= 2**31:
-        raise ValueError(f"group_size must be < 2**31 for the cuda backend, got {group_size}")
+    return _cap(-(-runs // THREADS), _max_blocks(device))
 
 
 def _device_perm(perm: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``perm`` as an int64 tensor on ``device``, created once per (device, perm).
+    """``perm`` as an int64 tensor on ``device``, uploaded on the current stream.
 
-    [Note: perm lifetime] The cached tensor is never freed, so a kernel still queued on any
-    stream can never read memory the allocator has handed out again. Its host-to-device
-    copy is synchronized once, at creation, so a later launch on another stream never reads
-    it half-written.
+    [Note: perm lifetime] The kernel reads the permutation from device memory. Every call
+    uploads it on the caller's current stream from a pinned host copy cached per perm:
+    ``.to(device, non_blocking=True)`` is a cudaMemcpyAsync that does not synchronize the
+    host, and under CUDA-graph capture it becomes a copy node of the graph. The device copy
+    is an ordinary stream-ordered temporary: allocated on the current stream, read by the
+    kernel queued after the copy on that same stream, and not handed to any other stream by
+    torch's caching allocator before that work has run (during capture it belongs to the
+    graph's pool). The pinned host copy is never freed nor written after creation, so every
+    copy in flight and every replay of a captured graph reads valid, complete data. Creating
+    it pins memory once per perm; a warm-up call before a graph capture does that outside
+    the capture (pinning during capture needs torch's pinned allocator to support it).
     """
-    index = loader.device_index(device)
-    key = (index, perm)
-    if key not in _PERMS:
-        tensor = torch.tensor(perm, dtype=torch.int64, device=torch.device("cuda", index))
-        torch.cuda.current_stream(index).synchronize()
-        _PERMS[key] = tensor
-    return _PERMS[key]
+    host = _PINNED_PERMS.get(perm)
+    if host is None:
+        host = _PINNED_PERMS[perm] = torch.tensor(perm, dtype=torch.int64).pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> None:
-    _check_int32_group_size(group_size)
-    jobs = num_groups(x.numel(), group_size)
-    loader.launch(
+    numel = x.numel()
+    _encode(
         "quantize.cu",
         f"zc_quantize_{_DTYPE_TAG[x.dtype]}_int{bits}",
         x.device,
-        _encoder_blocks(x.device, jobs),
-        THREADS,
-        (_ptr(x), _i64(x.numel()), _i64(group_size), _ptr(out)),
+        num_groups(numel, group_size),
+        min(group_size, numel),
+        (_ptr(x), _i64(numel), _i64(group_size), _ptr(out)),
     )
 
 
 def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, out: torch.Tensor) -> None:
-    _check_int32_group_size(group_size)
     rows = payloads.shape[0]
     loader.launch(
         "dequantize.cu",
@@ -101,18 +136,17 @@ def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, o
 def reorder_quantize(
     x: torch.Tensor, perm: tuple[int, ...], num_chunks: int, bits: int, group_size: int, out: torch.Tensor
 ) -> None:
-    _check_int32_group_size(group_size)
     chunk = x.numel() // num_chunks
-    jobs = num_groups(chunk, group_size) * num_chunks
-    loader.launch(
+    device_perm = _device_perm(perm, x.device)
+    _encode(
         "reorder_quantize.cu",
         f"zc_reorder_quantize_{_DTYPE_TAG[x.dtype]}_int{bits}",
         x.device,
-        _encoder_blocks(x.device, jobs),
-        THREADS,
+        num_groups(chunk, group_size) * num_chunks,
+        min(group_size, chunk),
         (
             _ptr(x),
-            _ptr(_device_perm(perm, x.device)),
+            _ptr(device_perm),
             _i64(x.numel() // len(perm)),
             _i64(chunk),
             _i64(num_chunks),
@@ -137,17 +171,20 @@ def dequant_reduce(
     The divisor is rounded to fp32 here (round to nearest even, as the wire format says:
     ``acc / float32(divide_by)``); a Python float would reach the kernel as a double.
     """
-    _check_int32_group_size(group_size)
     rows = payloads.shape[0]
-    common = (_ptr(payloads), _i64(payloads.shape[1]), _i64(numel), _i64(group_size), _i64(rows))
-    divisor = np.float32(divide_by)
+    common = (_ptr(payloads), _i64(payloads.shape[1]), _i64(numel), _i64(group_size), _i64(rows), np.float32(divide_by))
     if out is not None:
-        name = f"zc_dequant_reduce_{_DTYPE_TAG[out.dtype]}_int{bits}"
         blocks = _decoder_blocks(payloads.device, -(-numel // RUN))
-        args = (*common, divisor, _ptr(out))
-    else:
-        chunks = requant_out.shape[0]
-        name = f"zc_dequant_reduce_requant_int{bits}"
-        blocks = _encoder_blocks(payloads.device, num_groups(numel // chunks, group_size) * chunks)
-        args = (*common, divisor, _i64(chunks), _i64(requant_out.shape[1]), _ptr(requant_out))
-    loader.launch("dequant_reduce.cu", name, payloads.device, blocks, THREADS, args)
+        name = f"zc_dequant_reduce_{_DTYPE_TAG[out.dtype]}_int{bits}"
+        loader.launch("dequant_reduce.cu", name, payloads.device, blocks, THREADS, (*common, _ptr(out)))
+        return
+    chunks = requant_out.shape[0]
+    chunk = numel // chunks
+    _encode(
+        "dequant_reduce.cu",
+        f"zc_dequant_reduce_requant_int{bits}",
+        payloads.device,
+        num_groups(chunk, group_size) * chunks,
+        min(group_size, chunk),
+        (*common, _i64(chunks), _i64(requant_out.shape[1]), _ptr(requant_out)),
+    )

@@ -1,8 +1,20 @@
-"""Run-time compilation of the ``.cu`` sources (cupy/NVRTC) and launches on torch's stream.
+"""Run-time compilation of the ``.cu`` sources with NVRTC, and launches on torch's stream.
 
-Each source in ``kernels/`` is compiled once per device, on its first use, with
-:data:`NVRTC_OPTIONS`; kernels are looked up by their ``extern "C"`` names. cupy is imported
-inside the functions, so this module imports on machines without it.
+Each source in ``kernels/`` is compiled once per process and device, on its first use, by
+:func:`compile_source` (NVRTC through ``cupy.cuda.nvrtc``, with :data:`NVRTC_OPTIONS` and the
+device's architecture, nothing else), loaded with ``cupy.cuda.function.Module``, and its
+kernels are looked up by their ``extern "C"`` names. cupy is imported inside the functions,
+so this module imports on machines without it.
+
+[Note: why not cupy.RawModule] RawModule compiles through cupy's cached path, which appends
+``-ftz=true`` after the caller's options (NVRTC takes the last value) and keys its disk
+cache on the source text and options only. The kernels' wire-format arithmetic is immune
+to that flag (see [Note: explicit rounding] in wire_math.cuh), but a compile that adds
+options of its own could not be checked without a GPU, as it queries the device for the
+architecture. :func:`compile_source` runs with exactly the options it is given, on any
+machine with an NVRTC library, so tests/test_cuda_compile.py checks the PTX of the very
+function the loader runs, hostile flags included. The price is one NVRTC compile per
+source per process (a few seconds in all, spent on first use); there is no disk cache.
 """
 
 from __future__ import annotations
@@ -10,29 +22,33 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 KERNEL_SOURCES = ("quantize.cu", "reorder_quantize.cu", "dequantize.cu", "dequant_reduce.cu")
 
-# [Note: explicit rounding] The wire format forbids FMA contraction, flush-to-zero and
-# approximate division; the kernels already use _rn intrinsics for every such operation
-# (see wire_math.cuh), and these options make the same true of any other float code.
-# Never add --use_fast_math.
+# The wire format forbids FMA contraction, flush-to-zero and approximate division. The
+# kernels do not depend on these options for it (see [Note: explicit rounding] in
+# wire_math.cuh); they keep any other float code honest as well.
 NVRTC_OPTIONS = ("-std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true")
 
 _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\s*$")
 
 
+class CompiledSource(NamedTuple):
+    """What NVRTC produced for one source: PTX text, and a cubin for a real (``sm_``) arch."""
+
+    ptx: str
+    cubin: bytes | None
+
+
 def expand_includes(path: Path, seen: set[Path] | None = None) -> str:
     """``path``'s text with every local ``#include "..."`` inlined once (``#pragma once``).
 
-    [Note: kernel cache keys] cupy caches compiled binaries on disk keyed by the source
-    text and options, not by the headers that text includes. Inlining the headers makes
-    every header edit change the key, so a stale binary can never be loaded.
+    NVRTC then needs no include paths: the source is one self-contained translation unit.
     """
     seen = set() if seen is None else seen
     seen.add(path)
@@ -48,21 +64,60 @@ def expand_includes(path: Path, seen: set[Path] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def compile_source(source: str, arch: str, options: Sequence[str] = NVRTC_OPTIONS) -> CompiledSource:
+    """Compile ``kernels/<source>`` with NVRTC for ``arch`` (``"sm_90"`` or ``"compute_90"``).
+
+    The options are exactly ``options`` followed by ``-arch=<arch>``. Needs cupy and an NVRTC
+    library, no GPU. Raises ``RuntimeError`` with NVRTC's log when the compile fails.
+    """
+    from cupy.cuda import nvrtc
+
+    program = nvrtc.createProgram(expand_includes(KERNEL_DIR / source), source, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(program, (*options, f"-arch={arch}"))
+        except nvrtc.NVRTCError as exc:
+            log = nvrtc.getProgramLog(program)
+            raise RuntimeError(f"NVRTC could not compile {source} for {arch}: {exc}\n{log}") from exc
+        ptx = nvrtc.getPTX(program)
+        cubin = nvrtc.getCUBIN(program) if arch.startswith("sm_") else None
+    finally:
+        nvrtc.destroyProgram(program)
+    return CompiledSource(ptx.decode() if isinstance(ptx, bytes) else ptx, cubin)
+
+
+def target_arch(capability: tuple[int, int], supported: Sequence[int]) -> str:
+    """The ``-arch`` for a device of compute ``capability`` given NVRTC's ``supported`` archs.
+
+    A cubin for the device itself when NVRTC knows it; for a device newer than NVRTC, PTX for
+    the newest older arch NVRTC knows (the driver compiles it for the device at load time).
+    """
+    cc = 10 * capability[0] + capability[1]
+    if cc in supported:
+        return f"sm_{cc}"
+    older = [arch for arch in supported if arch < cc]
+    if not older:
+        raise RuntimeError(f"NVRTC supports archs {sorted(supported)}, none of them runs on compute capability {cc}")
+    return f"compute_{max(older)}"
+
+
 @lru_cache(maxsize=None)
 def _module(source: str, device_index: int) -> Any:
     import cupy
+    from cupy.cuda import nvrtc
 
+    arch = target_arch(torch.cuda.get_device_capability(device_index), nvrtc.getSupportedArchs())
+    compiled = compile_source(source, arch)
+    module = cupy.cuda.function.Module()
     with cupy.cuda.Device(device_index):
-        return cupy.RawModule(code=expand_includes(KERNEL_DIR / source), options=NVRTC_OPTIONS)
+        module.load(compiled.cubin if compiled.cubin is not None else compiled.ptx.encode())
+    return module
 
 
 @lru_cache(maxsize=None)
 def kernel(source: str, name: str, device_index: int) -> Any:
     """The compiled kernel ``name`` of ``kernels/<source>`` for one device (cached)."""
-    import cupy
-
-    with cupy.cuda.Device(device_index):
-        return _module(source, device_index).get_function(name)
+    return _module(source, device_index).get_function(name)
 
 
 @lru_cache(maxsize=None)
@@ -79,7 +134,7 @@ def launch(source: str, name: str, device: torch.device, blocks: int, threads: i
     """Launch kernel ``name`` on ``device`` on torch's current stream for that device.
 
     [Note: stream ordering] The kernel is enqueued on ``torch.cuda.current_stream(device)``
-    through a cupy ExternalStream, so it runs after everything the caller already queued on
+    (as a cupy ExternalStream), so it runs after everything the caller already queued on
     that stream (the producer of the input) and before everything queued after it (the
     collective that sends the payload): the caller's ordering holds with no synchronization,
     exactly as for a torch op. Tensors are passed as raw ``data_ptr()`` addresses; the
@@ -91,5 +146,5 @@ def launch(source: str, name: str, device: torch.device, blocks: int, threads: i
     index = device_index(device)
     function = kernel(source, name, index)
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream, index)
-    with cupy.cuda.Device(index), stream:
-        function((blocks,), (threads,), tuple(args))
+    with cupy.cuda.Device(index):
+        function((blocks,), (threads,), tuple(args), 0, stream)  # (grid, block, args, shared_mem, stream)

@@ -1,11 +1,14 @@
 // Host-side driver of the CUDA kernels' code, for tests/test_cuda_host_math.py.
 //
 // It runs the same __host__ __device__ functions the kernels run (the group encoder's
-// lane_absmax / encode_group_lane, the run decoder's decode_run, the sources, the packing
-// and the wire-format math), with the GPU parallelism replaced by loops: a team's shuffle
-// max becomes a max over its lanes, the grid-stride loops become plain loops. What the
-// device alone contributes (__shfl_xor_sync, uint4 memory instructions, the _rn
-// intrinsics) is not exercised here.
+// lane_absmax / encode_group_lane in the team or the tile scheme, chosen as the launcher
+// chooses, the run decoder's decode_run, the sources, the packing and the wire-format
+// math), with the GPU parallelism replaced by loops: a team's shuffle max and a tile's
+// block max become maxima over their lanes, the tile scheme's atomicMax a max per group,
+// the grid-stride loops plain loops (the tile encode pass walks the tiles backwards, as
+// blocks may run in any order). What the device alone contributes (__shfl_xor_sync,
+// shared memory, atomics, uint4 memory instructions, the inline PTX arithmetic) is not
+// exercised here; on the host that arithmetic is the plain IEEE operators.
 //
 // Usage (raw little-endian bytes in and out; MISALIGN=1 shifts every buffer off its
 // vector alignment, forcing the scalar paths):
@@ -14,7 +17,8 @@
 //   host_check dequantize DTYPE BITS GS MISALIGN NUMEL K IN OUT
 //   host_check reduce     DTYPE BITS GS MISALIGN NUMEL K DIVISOR_BITS(hex fp32) M IN OUT
 //     (reduce: M = 0 stores DTYPE values, M > 0 re-quantizes into M payloads)
-// Prints "vec=0" or "vec=1": whether the vector paths were taken.
+// Prints "vec=V tiles=T": whether the vector paths were taken (V) and, for the encoder,
+// whether the tile scheme ran (T; see [Note: large groups] in group_encoder.cuh).
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -61,8 +65,7 @@ i64 payload_bytes(i64 numel, int bits, i64 gs) {
     return numel == 0 ? 0 : scales_offset(numel, bits) + 4 * num_groups(numel, gs);
 }
 
-template <int BITS, class Source> bool encode_all(const Source& src, const ChunkLayout<BITS>& layout) {
-    const bool vec = src.can_vectorize() && layout.can_vectorize();
+template <int BITS, class Source> void encode_teams(const Source& src, const ChunkLayout<BITS>& layout, bool vec) {
     const int lanes = team_lanes(layout.group_size);
     for (i64 job = 0; job < layout.jobs(); ++job) {
         const GroupSpan s = layout.span(job);
@@ -71,6 +74,37 @@ template <int BITS, class Source> bool encode_all(const Source& src, const Chunk
         for (int lane = 0; lane < lanes; ++lane) {
             encode_group_lane<BITS>(src, s, lane, lanes, vec, layout.words_aligned(), absmax_bits);
         }
+    }
+}
+
+template <int BITS, class Source> void encode_tiles(const Source& src, const ChunkLayout<BITS>& layout, bool vec) {
+    std::vector<u32> group_absmax(static_cast<size_t>(layout.jobs()), 0);
+    for (i64 tile = 0; tile < layout.tiles(); ++tile) {  // pass kTileAbsmax
+        const GroupSpan s = layout.tile_span(tile);
+        u32& m = group_absmax[static_cast<size_t>(tile / layout.tiles_per_group())];
+        for (int lane = 0; lane < kTileThreads; ++lane) {
+            m = max_u32(m, lane_absmax<BITS>(src, s, lane, kTileThreads, vec));
+        }
+    }
+    for (i64 tile = layout.tiles() - 1; tile >= 0; --tile) {  // pass kTileEncode
+        const GroupSpan s = layout.tile_span(tile);
+        const u32 absmax_bits = group_absmax[static_cast<size_t>(tile / layout.tiles_per_group())];
+        for (int lane = 0; lane < kTileThreads; ++lane) {
+            encode_group_lane<BITS>(src, s, lane, kTileThreads, vec, layout.words_aligned(), absmax_bits);
+        }
+    }
+}
+
+bool g_tiles = false;  // whether the last encode ran the tile scheme (printed by main)
+
+// The scheme the launcher picks for this layout (zcomm_cuda/launchers.py, encoder_passes).
+template <int BITS, class Source> bool encode_all(const Source& src, const ChunkLayout<BITS>& layout) {
+    const bool vec = src.can_vectorize() && layout.can_vectorize();
+    g_tiles = layout.group_extent() > kTeamMaxGroup;
+    if (g_tiles) {
+        encode_tiles<BITS>(src, layout, vec);
+    } else {
+        encode_teams<BITS>(src, layout, vec);
     }
     return vec;
 }
@@ -166,6 +200,6 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "unknown dtype %s\n", dtype.c_str());
         return 2;
     }
-    std::printf("vec=%d\n", vec ? 1 : 0);
+    std::printf("vec=%d tiles=%d\n", vec ? 1 : 0, g_tiles ? 1 : 0);
     return 0;
 }

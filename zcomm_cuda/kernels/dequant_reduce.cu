@@ -17,10 +17,10 @@
 #define ZC_DEQUANT_REDUCE_REQUANT(BITS)                                                               \
     extern "C" __global__ void zc_dequant_reduce_requant_int##BITS(                                   \
         const zc::u8* payloads, zc::i64 stride, zc::i64 numel, zc::i64 group_size, zc::i64 k, float divisor, \
-        zc::i64 num_chunks, zc::i64 out_stride, zc::u8* out) {                                        \
+        zc::i64 num_chunks, zc::i64 out_stride, zc::u8* out, zc::u32* group_absmax, int pass) {       \
         const zc::PayloadRows<BITS> rows{payloads, stride, numel, group_size};                        \
         const zc::ChunkLayout<BITS> layout{out, numel / num_chunks, num_chunks, group_size, out_stride}; \
-        zc::encode_groups<BITS>(zc::PayloadSum<BITS>(rows, 0, k, divisor), layout);                   \
+        zc::run_encoder<BITS>(zc::PayloadSum<BITS>(rows, 0, k, divisor), layout, pass, group_absmax); \
     }
 
 ZC_FOR_EACH_DTYPE_BITS(ZC_DEQUANT_REDUCE)

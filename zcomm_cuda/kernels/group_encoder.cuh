@@ -1,23 +1,48 @@
 // The group encoder: quantizes a source into `num_chunks` self-contained payloads.
 //
-// Algorithm. A job is one group of one chunk (payload). A team of `lanes` threads (a power
-// of two, at most a warp, sized so that each lane gets about one run of 8 per group) handles
-// one job: each lane takes the max of abs_bits over its elements (runs of 8 when the
-// buffers allow vector access, then single elements for the tail), the team reduces the
-// max with warp shuffles, every lane derives the same scale and writes its quantized
-// values, and lane 0 writes the scale (plus the zero padding after the last group of a
-// chunk). A warp holds 32 / lanes teams; warps walk the jobs grid-stride.
+// Algorithm. A job is one group of one chunk (payload). Two schemes, picked by the launcher
+// (zcomm_cuda/launchers.py) from the group's extent, min(group_size, chunk_numel):
 //
-// Each group's elements are read twice (once for the absmax, once to quantize); the second
-// read hits L1/L2, since a team's footprint is a single group.
+// Teams (extent <= kTeamMaxGroup), one launch. A team of `lanes` threads (a power of two,
+// at most a warp, sized so that each lane gets about one run of 8 per group) handles one
+// job: each lane takes the max of abs_bits over its elements (runs of 8 when the buffers
+// allow vector access, then single elements for the tail), the team reduces the max with
+// warp shuffles, every lane derives the same scale and writes its quantized values, and
+// lane 0 writes the scale (plus the zero padding after the last group of a chunk). A warp
+// holds 32 / lanes teams; warps walk the jobs grid-stride. Each group's elements are read
+// twice (once for the absmax, once to quantize); the second read hits L1/L2, since a
+// team's footprint is a single group.
+//
+// Tiles (larger groups, e.g. one group per tensor), two launches: see [Note: large groups].
 //
 // lane_absmax and encode_group_lane are __host__ __device__: the host check drives them
-// lane by lane (team max as a plain loop) to run the device partitioning on the CPU.
+// lane by lane (team and block maxima as plain loops) to run both schemes on the CPU.
+// Element indices are 64-bit throughout, so no group or tensor size overflows them.
 #pragma once
 
 #include "sources.cuh"
 
 namespace zc {
+
+// [Note: large groups] A group larger than kTeamMaxGroup elements would leave a team of
+// one warp looping over it alone (a "tensor" group of millions of elements on one warp
+// takes tens of milliseconds). Such groups are cut into tiles of kTileElems elements (a
+// multiple of 8, so tiles keep runs of 8 and INT4 byte pairs whole), one block of
+// kTileThreads threads per tile, and encoded in two launches on the same stream:
+//   1. kTileAbsmax: each block reduces its tile's abs_bits max (warp shuffles, then shared
+//      memory) and atomicMax-es it into group_absmax[job], which the launcher zeroes first
+//      (the unsigned order of abs_bits is the NaN-aware absmax order, see abs_bits);
+//   2. kTileEncode: each block reads group_absmax[job], derives the scale exactly as a
+//      team would, and writes its tile's values; the group's first tile writes the scale
+//      and the chunk's padding.
+// The max over tiles is the max over the group, and every byte is written by the same
+// functions as in the team scheme, so the output is byte-identical to it. The launches are
+// ordered by the stream; group_absmax is a stream-ordered temporary of the launcher.
+constexpr i64 kTeamMaxGroup = 4096;
+constexpr int kTileThreads = 256;
+constexpr i64 kTileElems = 8 * 4 * kTileThreads;  // four runs of 8 per thread
+
+enum EncoderPass : int { kTeams = 0, kTileAbsmax = 1, kTileEncode = 2 };
 
 // Lanes per group: enough for one run of 8 each, a power of two in [1, 32].
 ZC_HD int team_lanes(i64 group_size) {
@@ -26,12 +51,13 @@ ZC_HD int team_lanes(i64 group_size) {
     return lanes;
 }
 
-// One group of one chunk, resolved to addresses in the output payload rows.
+// One group of one chunk, resolved to addresses in the output payload rows, or one tile of
+// a group (see [Note: large groups]): then only the group's first tile has a scale slot.
 struct GroupSpan {
     i64 first;        // logical index of the group's first element in the source
-    int len;          // elements in the group (the last of a chunk may be short)
+    i64 len;          // elements in the group (the last of a chunk may be short)
     u8* values;       // the group's first value byte
-    u8* scale_slot;   // the group's fp32 scale
+    u8* scale_slot;   // the group's fp32 scale (nullptr: written by another tile)
     u8* pad_begin;    // zero padding to write (only for the last group of a chunk)
     int pad_len;
 };
@@ -46,6 +72,10 @@ template <int BITS> struct ChunkLayout {
 
     ZC_HD i64 groups_per_chunk() const { return num_groups(chunk_numel, group_size); }
     ZC_HD i64 jobs() const { return groups_per_chunk() * num_chunks; }
+    // The longest group: what the launcher compares with kTeamMaxGroup.
+    ZC_HD i64 group_extent() const { return group_size < chunk_numel ? group_size : chunk_numel; }
+    ZC_HD i64 tiles_per_group() const { return (group_extent() + kTileElems - 1) / kTileElems; }
+    ZC_HD i64 tiles() const { return jobs() * tiles_per_group(); }
     ZC_HD bool words_aligned() const { return aligned(out, 4) && row_stride % 4 == 0; }
 
     // Whole runs of 8 start on run boundaries in every chunk and every row.
@@ -64,11 +94,27 @@ template <int BITS> struct ChunkLayout {
         const i64 values_end = values_nbytes(chunk_numel, BITS);
         GroupSpan s;
         s.first = chunk * chunk_numel + offset;
-        s.len = static_cast<int>(last ? remaining : group_size);
+        s.len = last ? remaining : group_size;
         s.values = row + offset / Bits<BITS>::kElementsPerByte;
         s.scale_slot = row + scales_offset(chunk_numel, BITS) + 4 * group;
         s.pad_begin = row + values_end;
         s.pad_len = last ? static_cast<int>(scales_offset(chunk_numel, BITS) - values_end) : 0;
+        return s;
+    }
+
+    // Tile `tile` (in [0, tiles())): elements [t * kTileElems, (t + 1) * kTileElems) of its
+    // job's group, t = tile % tiles_per_group(); empty past the end of a short group.
+    ZC_HD GroupSpan tile_span(i64 tile) const {
+        GroupSpan s = span(tile / tiles_per_group());
+        const i64 offset = (tile % tiles_per_group()) * kTileElems;
+        const i64 rest = s.len - offset;
+        s.first += offset;
+        s.values += offset / Bits<BITS>::kElementsPerByte;
+        s.len = rest < 0 ? 0 : (rest < kTileElems ? rest : kTileElems);
+        if (offset > 0) {
+            s.scale_slot = nullptr;
+            s.pad_len = 0;
+        }
         return s;
     }
 };
@@ -76,24 +122,24 @@ template <int BITS> struct ChunkLayout {
 template <int BITS, class Source>
 ZC_HD u32 lane_absmax(const Source& src, const GroupSpan& s, int lane, int lanes, bool vec) {
     u32 m = 0;
-    const int vector_end = vec ? (s.len & ~7) : 0;
-    for (int e = 8 * lane; e < vector_end; e += 8 * lanes) {
+    const i64 vector_end = vec ? (s.len & ~i64{7}) : 0;
+    for (i64 e = 8 * lane; e < vector_end; e += 8 * lanes) {
         float v[8];
         src.load8(s.first + e, v);
         for (int k = 0; k < 8; ++k) m = max_u32(m, abs_bits(v[k]));
     }
-    for (int e = vector_end + lane; e < s.len; e += lanes) m = max_u32(m, abs_bits(src.load1(s.first + e)));
+    for (i64 e = vector_end + lane; e < s.len; e += lanes) m = max_u32(m, abs_bits(src.load1(s.first + e)));
     return m;
 }
 
 // One value byte: an INT8 code, or two INT4 codes (a missing odd partner packs as 0).
 template <int BITS, class Source>
-ZC_HD u8 encode_byte(const Source& src, i64 j, int available, const Quantizer& quantize) {
+ZC_HD u8 encode_byte(const Source& src, i64 j, bool has_partner, const Quantizer& quantize) {
     const int lo = quantize(src.load1(j));
     if constexpr (BITS == 8) {
         return static_cast<u8>(lo);
     } else {
-        const int hi = available > 1 ? quantize(src.load1(j + 1)) : 0;
+        const int hi = has_partner ? quantize(src.load1(j + 1)) : 0;
         return static_cast<u8>((static_cast<u32>(lo) & 0xFu) | ((static_cast<u32>(hi) & 0xFu) << 4));
     }
 }
@@ -104,8 +150,8 @@ ZC_HD void encode_group_lane(const Source& src, const GroupSpan& s, int lane, in
     constexpr int per_byte = Bits<BITS>::kElementsPerByte;
     const float scale = scale_from_absmax_bits(absmax_bits, Bits<BITS>::kQmax);
     const Quantizer quantize(scale, Bits<BITS>::kQmax);
-    const int vector_end = vec ? (s.len & ~7) : 0;
-    for (int e = 8 * lane; e < vector_end; e += 8 * lanes) {
+    const i64 vector_end = vec ? (s.len & ~i64{7}) : 0;
+    for (i64 e = 8 * lane; e < vector_end; e += 8 * lanes) {
         float v[8];
         src.load8(s.first + e, v);
         int q[8];
@@ -114,10 +160,10 @@ ZC_HD void encode_group_lane(const Source& src, const GroupSpan& s, int lane, in
         Codes8<BITS>::pack(q, w);
         store_words(s.values + e / per_byte, w);
     }
-    for (int e = vector_end + per_byte * lane; e < s.len; e += per_byte * lanes) {
-        s.values[e / per_byte] = encode_byte<BITS>(src, s.first + e, s.len - e, quantize);
+    for (i64 e = vector_end + per_byte * lane; e < s.len; e += per_byte * lanes) {
+        s.values[e / per_byte] = encode_byte<BITS>(src, s.first + e, s.len - e > 1, quantize);
     }
-    if (lane == 0) {
+    if (lane == 0 && s.scale_slot != nullptr) {
         store_u32(s.scale_slot, float_bits(scale), words_aligned);
         for (int k = 0; k < s.pad_len; ++k) s.pad_begin[k] = 0;
     }
@@ -130,8 +176,8 @@ __device__ __forceinline__ u32 team_max(u32 v, int lanes) {
     return v;
 }
 
-// Requires blockDim.x to be a multiple of 32, so that the tile loop is uniform per warp
-// and the shuffles in team_max see all 32 lanes.
+// The team scheme. Requires blockDim.x to be a multiple of 32, so that the round loop is
+// uniform per warp and the shuffles in team_max see all 32 lanes.
 template <int BITS, class Source>
 __device__ void encode_groups(const Source& src, const ChunkLayout<BITS>& layout) {
     const bool vec = src.can_vectorize() && layout.can_vectorize();
@@ -143,14 +189,65 @@ __device__ void encode_groups(const Source& src, const ChunkLayout<BITS>& layout
     const i64 warp = (static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
     const i64 num_warps = static_cast<i64>(gridDim.x) * blockDim.x / 32;
     const i64 jobs = layout.jobs();
-    const i64 tiles = (jobs + teams_per_warp - 1) / teams_per_warp;
-    for (i64 tile = warp; tile < tiles; tile += num_warps) {
-        const i64 job = tile * teams_per_warp + warp_lane / lanes;
+    const i64 rounds = (jobs + teams_per_warp - 1) / teams_per_warp;
+    for (i64 round = warp; round < rounds; round += num_warps) {
+        const i64 job = round * teams_per_warp + warp_lane / lanes;
         const bool live = job < jobs;
         const GroupSpan s = layout.span(live ? job : 0);
         const u32 partial = live ? lane_absmax<BITS>(src, s, lane, lanes, vec) : 0u;
         const u32 absmax_bits = team_max(partial, lanes);
         if (live) encode_group_lane<BITS>(src, s, lane, lanes, vec, words_aligned, absmax_bits);
+    }
+}
+
+// Max over the block (kTileThreads threads), returned to thread 0. Every thread must call it.
+__device__ __forceinline__ u32 block_max(u32 v) {
+    __shared__ u32 warp_max[kTileThreads / 32];
+    v = team_max(v, 32);
+    if ((threadIdx.x & 31u) == 0) warp_max[threadIdx.x / 32] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < kTileThreads / 32; ++w) v = max_u32(v, warp_max[w]);
+    }
+    __syncthreads();  // warp_max is free again for the next call
+    return v;
+}
+
+// Pass kTileAbsmax of [Note: large groups]. Requires blockDim.x == kTileThreads.
+template <int BITS, class Source>
+__device__ void absmax_tiles(const Source& src, const ChunkLayout<BITS>& layout, u32* group_absmax) {
+    const bool vec = src.can_vectorize() && layout.can_vectorize();
+    const i64 tiles = layout.tiles();
+    for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const GroupSpan s = layout.tile_span(tile);
+        const u32 m = block_max(lane_absmax<BITS>(src, s, static_cast<int>(threadIdx.x), kTileThreads, vec));
+        if (threadIdx.x == 0) atomicMax(group_absmax + tile / layout.tiles_per_group(), m);
+    }
+}
+
+// Pass kTileEncode of [Note: large groups]. Requires blockDim.x == kTileThreads.
+template <int BITS, class Source>
+__device__ void encode_tiles(const Source& src, const ChunkLayout<BITS>& layout, const u32* group_absmax) {
+    const bool vec = src.can_vectorize() && layout.can_vectorize();
+    const bool words_aligned = layout.words_aligned();
+    const i64 tiles = layout.tiles();
+    for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const GroupSpan s = layout.tile_span(tile);
+        const u32 absmax_bits = group_absmax[tile / layout.tiles_per_group()];
+        encode_group_lane<BITS>(src, s, static_cast<int>(threadIdx.x), kTileThreads, vec, words_aligned, absmax_bits);
+    }
+}
+
+// The body of every encoder kernel: one launch of the team scheme, or one pass of the
+// tile scheme (group_absmax is unused by kTeams).
+template <int BITS, class Source>
+__device__ void run_encoder(const Source& src, const ChunkLayout<BITS>& layout, int pass, u32* group_absmax) {
+    if (pass == kTeams) {
+        encode_groups<BITS>(src, layout);
+    } else if (pass == kTileAbsmax) {
+        absmax_tiles<BITS>(src, layout, group_absmax);
+    } else {
+        encode_tiles<BITS>(src, layout, group_absmax);
     }
 }
 #endif

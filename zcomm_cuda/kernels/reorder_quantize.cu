@@ -1,14 +1,14 @@
 // reorder_quantize: slices of x read through a permutation, quantized into num_chunks
-// payloads in one pass (the reordered tensor is never written; see sources.cuh).
+// payloads; the reordered tensor is never written (see sources.cuh).
 #include "group_encoder.cuh"
 #include "instantiate.cuh"
 
 #define ZC_REORDER_QUANTIZE(TAG, T, BITS)                                                            \
     extern "C" __global__ void zc_reorder_quantize_##TAG##_int##BITS(                                \
         const T* x, const zc::i64* perm, zc::i64 slice_numel, zc::i64 chunk_numel, zc::i64 num_chunks, \
-        zc::i64 group_size, zc::i64 row_stride, zc::u8* out) {                                       \
+        zc::i64 group_size, zc::i64 row_stride, zc::u8* out, zc::u32* group_absmax, int pass) {      \
         const zc::ChunkLayout<BITS> layout{out, chunk_numel, num_chunks, group_size, row_stride};    \
-        zc::encode_groups<BITS>(zc::PermutedSource<T>{x, perm, slice_numel}, layout);                \
+        zc::run_encoder<BITS>(zc::PermutedSource<T>{x, perm, slice_numel}, layout, pass, group_absmax); \
     }
 
 ZC_FOR_EACH_DTYPE_BITS(ZC_REORDER_QUANTIZE)

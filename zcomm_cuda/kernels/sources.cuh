@@ -79,8 +79,11 @@ template <int BITS> struct PayloadSum {
 
     ZC_HD bool can_vectorize() const { return rows.can_vectorize(); }
 
-    // x / 1 == x exactly, so skipping the division when divisor is 1 changes no byte.
-    ZC_HD float finish(float acc) const { return canonicalize(divisor != 1.0f ? div_rn(acc, divisor) : acc); }
+    // x / 1 == x exactly, so skipping the division when divisor is 1 changes no byte (the
+    // test is on the bits: see [Note: explicit rounding]).
+    ZC_HD float finish(float acc) const {
+        return canonicalize(float_bits(divisor) != kF32One ? div_rn(acc, divisor) : acc);
+    }
 
     ZC_HD float load1(i64 j) const {
         float acc = rows.value1(rows.row(first_row), j, word_aligned);

@@ -5,12 +5,20 @@
 // can be compiled for the CPU and compared byte for byte with the reference backend.
 //
 // [Note: explicit rounding] The wire format fixes the fp32 operations (division, not a
-// multiplication by a reciprocal; no fused multiply-add; no flush-to-zero). On the device
-// every such operation goes through an _rn intrinsic (__fdiv_rn, __fmul_rn, __fadd_rn):
-// the compiler never contracts them into an FMA nor substitutes an approximate division,
-// whatever flags a caller passes (the loader also passes --fmad=false --ftz=false
-// --prec-div=true, belt and braces). On the host the plain operators are IEEE fp32 on
-// x86-64 SSE, and the host check is built with -ffp-contract=off.
+// multiplication by a reciprocal; no fused multiply-add; no flush-to-zero), and the bytes
+// must not depend on how the kernels are compiled: cupy's own compile path appends
+// -ftz=true, and a user may add --use_fast_math. Compiler flags rewrite C++ float
+// operators and even the __fdiv_rn/__fmul_rn/__fadd_rn intrinsics (-ftz=true turns them
+// into div.rn.ftz.f32 etc., which flush subnormal inputs and results), so on the device
+// every fp32 operation of the wire format is one inline PTX instruction that names its
+// rounding and has no .ftz: div.rn.f32, mul.rn.f32, add.rn.f32, cvt.rni.s32.f32. Zero,
+// NaN and Inf tests and the absmax work on bit patterns, and the clamp on integers, so
+// no float comparison is left for a flag to turn into an ftz compare. The only other
+// float instructions are exact integer-to-float conversions (cvt.rn.f32.s32/u32), which
+// have no ftz form. tests/test_cuda_compile.py compiles every kernel with -ftz=true and
+// --use_fast_math added and finds no .ftz, .approx or fma instruction in the PTX. On the
+// host the plain operators are IEEE fp32 on x86-64 SSE (the host check is built with
+// -ffp-contract=off) and rint_to_int reproduces cvt.rni.s32.f32's saturation.
 //
 // [Note: software conversions] fp32 <-> bf16/fp16 are done on the bit patterns instead of
 // through cuda_bf16.h / cuda_fp16.h: NVRTC then needs no headers, the code is identical
@@ -46,6 +54,7 @@ constexpr u16 kBf16CanonicalNan = 0x7FC0u;
 constexpr u16 kF16CanonicalNan = 0x7E00u;
 constexpr u32 kF32Inf = 0x7F800000u;
 constexpr u32 kF32AbsMask = 0x7FFFFFFFu;
+constexpr u32 kF32One = 0x3F800000u;
 
 ZC_HD u32 float_bits(float f) {
 #ifdef __CUDA_ARCH__
@@ -69,7 +78,9 @@ ZC_HD float bits_float(u32 u) {
 
 ZC_HD float div_rn(float a, float b) {
 #ifdef __CUDA_ARCH__
-    return __fdiv_rn(a, b);
+    float r;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
 #else
     return a / b;
 #endif
@@ -77,7 +88,9 @@ ZC_HD float div_rn(float a, float b) {
 
 ZC_HD float mul_rn(float a, float b) {
 #ifdef __CUDA_ARCH__
-    return __fmul_rn(a, b);
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
 #else
     return a * b;
 #endif
@@ -85,17 +98,11 @@ ZC_HD float mul_rn(float a, float b) {
 
 ZC_HD float add_rn(float a, float b) {
 #ifdef __CUDA_ARCH__
-    return __fadd_rn(a, b);
+    float r;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
 #else
     return a + b;
-#endif
-}
-
-ZC_HD float rint_even(float x) {
-#ifdef __CUDA_ARCH__
-    return rintf(x);
-#else
-    return std::rint(x);  // default rounding mode: to nearest, ties to even
 #endif
 }
 
@@ -103,7 +110,23 @@ ZC_HD u32 max_u32(u32 a, u32 b) { return a > b ? a : b; }
 ZC_HD bool is_nan(float f) { return (float_bits(f) & kF32AbsMask) > kF32Inf; }
 ZC_HD bool is_finite(float f) { return (float_bits(f) & kF32AbsMask) < kF32Inf; }
 ZC_HD float canonical_nan() { return bits_float(kF32CanonicalNan); }
+ZC_HD bool is_zero(float f) { return (float_bits(f) & kF32AbsMask) == 0; }
 ZC_HD float canonicalize(float f) { return is_nan(f) ? canonical_nan() : f; }
+
+// x rounded to the nearest integer, ties to even, saturated to the int range, NaN -> 0:
+// the semantics of PTX cvt.rni.s32.f32.
+ZC_HD int rint_to_int(float x) {
+#ifdef __CUDA_ARCH__
+    int r;
+    asm("cvt.rni.s32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+#else
+    if (is_nan(x)) return 0;
+    if (x >= 2147483648.0f) return 2147483647;
+    if (x < -2147483648.0f) return -2147483647 - 1;
+    return static_cast<int>(std::rint(x));  // default rounding mode: to nearest, ties to even
+#endif
+}
 
 // |x| as bits. For non-negative floats the unsigned order of the bit patterns is the float
 // order, with +Inf (0x7F800000) above every finite value and every NaN above +Inf. So an
@@ -161,28 +184,28 @@ template <> ZC_HD fp16_t from_float<fp16_t>(float f) {
 // ---- wire-format rules per group and per element ----
 
 // The scale of a group from the max of abs_bits over its elements (see abs_bits).
-ZC_HD float scale_from_absmax_bits(u32 absmax_bits, float qmax) {
+ZC_HD float scale_from_absmax_bits(u32 absmax_bits, int qmax) {
     if (absmax_bits > kF32Inf) return canonical_nan();
     if (absmax_bits == kF32Inf) return bits_float(kF32Inf);
-    return div_rn(bits_float(absmax_bits), qmax);
+    return div_rn(bits_float(absmax_bits), static_cast<float>(qmax));
 }
 
 // Quantizes elements of one group: q = clamp(rint(x / scale), -qmax, qmax), or 0 for the
-// whole group when the scale is 0, NaN or Inf.
+// whole group when the scale is 0, NaN or Inf. x is finite whenever the scale is usable
+// (a NaN or Inf element makes the scale NaN or Inf), so x / scale is finite or +-Inf and
+// the saturating rint_to_int followed by an integer clamp equals the float clamp.
 struct Quantizer {
     float scale;
-    float qmax;
+    int qmax;
     bool usable;
 
-    ZC_HD Quantizer(float scale_, float qmax_)
-        : scale(scale_), qmax(qmax_), usable(is_finite(scale_) && scale_ != 0.0f) {}
+    ZC_HD Quantizer(float scale_, int qmax_)
+        : scale(scale_), qmax(qmax_), usable(is_finite(scale_) && !is_zero(scale_)) {}
 
     ZC_HD int operator()(float x) const {
         if (!usable) return 0;
-        float r = rint_even(div_rn(x, scale));
-        r = r > qmax ? qmax : r;
-        r = r < -qmax ? -qmax : r;
-        return static_cast<int>(r);
+        const int r = rint_to_int(div_rn(x, scale));
+        return r > qmax ? qmax : (r < -qmax ? -qmax : r);
     }
 };
 
@@ -194,11 +217,11 @@ ZC_HD float dequantize_value(int q, float scale) {
 
 template <int BITS> struct Bits;
 template <> struct Bits<8> {
-    static constexpr float kQmax = 127.0f;
+    static constexpr int kQmax = 127;
     static constexpr int kElementsPerByte = 1;
 };
 template <> struct Bits<4> {
-    static constexpr float kQmax = 7.0f;
+    static constexpr int kQmax = 7;
     static constexpr int kElementsPerByte = 2;
 };
 

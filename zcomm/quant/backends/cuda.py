@@ -1,8 +1,8 @@
 """The ``cuda`` backend: the CUDA kernels of :mod:`zcomm_cuda`, registered for the four ops.
 
 Importing this module is what selecting ``backend="cuda"`` does on first use. When the
-backend cannot run here it raises ``ImportError`` naming what is missing (cupy, a CUDA
-device, the driver, a CUDA build of torch); the registry turns that into a
+backend cannot run here it raises ``ImportError`` naming what is missing (cupy, its NVRTC
+library, a CUDA device, the driver, a CUDA build of torch); the registry turns that into a
 ``BackendUnavailableError`` with the same words, and never falls back to another backend.
 """
 

@@ -1,0 +1,86 @@
+"""Every launch the launchers make matches its kernel's parameter list in the compiled PTX.
+
+A kernel launched with one argument too few, or an int where the kernel takes a 64-bit
+value, reads garbage with no error on the GPU. Here the launchers run on CPU tensors with
+``loader.launch`` replaced by a recorder, for every op, dtype, bit width and both encoder
+schemes; each recorded argument tuple is compared with the ``.param`` list of the kernel of
+that name in the PTX (nvcc, the loader's translation unit and options): same count, and
+each argument's width and kind (fp32 or integer) as declared.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from cuda_support import NVCC, requires_nvcc
+from zcomm.quant import payload_nbytes
+from zcomm_cuda import launchers, loader
+
+pytestmark = requires_nvcc
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ENCODERS = ("zc_quantize_", "zc_reorder_quantize_", "zc_dequant_reduce_requant_")
+PARAM_BYTES = {"u64": 8, "b64": 8, "s64": 8, "u32": 4, "b32": 4, "s32": 4, "f32": 4}
+
+
+@pytest.fixture(scope="module")
+def kernel_params(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    """Kernel name -> its PTX parameter types (e.g. ``["u64", "f32"]``), over all sources."""
+    params = {}
+    root = tmp_path_factory.mktemp("abi")
+    for source in loader.KERNEL_SOURCES:
+        unit, ptx = root / source, root / f"{source}.ptx"
+        unit.write_text(loader.expand_includes(loader.KERNEL_DIR / source))
+        subprocess.run([NVCC, "--ptx", "-arch=sm_90", *loader.NVRTC_OPTIONS, "-o", str(ptx), str(unit)], check=True)
+        for name, body in re.findall(r"\.entry\s+(\w+)\(([^)]*)\)", ptx.read_text()):
+            params[name] = re.findall(r"\.param\s+\.(\w+)\s", body)
+    return params
+
+
+@pytest.fixture()
+def launches(monkeypatch) -> list[tuple[str, str, tuple]]:
+    recorded = []
+    def record(source, name, device, blocks, threads, args):
+        recorded.append((source, name, tuple(args)))
+
+    monkeypatch.setattr(loader, "launch", record)
+    monkeypatch.setattr(launchers, "_max_blocks", lambda device: 1056)
+    monkeypatch.setattr(launchers, "_device_perm", lambda perm, device: torch.tensor(perm, dtype=torch.int64))
+    return recorded
+
+
+def _kind(arg: object) -> tuple[int, bool]:
+    """(bytes, is_float) of one launch argument as cupy passes it (numpy scalars by value)."""
+    assert isinstance(arg, np.generic), f"{arg!r}: pass numpy scalars, a Python int or float goes as 64 bits"
+    return arg.itemsize, isinstance(arg, np.floating)
+
+
+def _run_every_op(bits: int, dtype: torch.dtype, group_size: int) -> None:
+    numel, chunks, perm = 6 * 4 * group_size, 3, (2, 0, 1, 5, 4, 3)
+    x = torch.zeros(numel, dtype=dtype)
+    row = payload_nbytes(numel, bits, group_size)
+    launchers.quantize(x, bits, group_size, torch.empty(row, dtype=torch.uint8))
+    payloads = torch.zeros(2, row, dtype=torch.uint8)
+    launchers.dequantize(payloads, numel, bits, group_size, torch.empty(2 * numel, dtype=dtype))
+    chunk_rows = torch.empty(chunks, payload_nbytes(numel // chunks, bits, group_size), dtype=torch.uint8)
+    launchers.reorder_quantize(x, perm, chunks, bits, group_size, chunk_rows)
+    launchers.dequant_reduce(payloads, numel, bits, group_size, 2.0, torch.empty(numel, dtype=dtype), None)
+    launchers.dequant_reduce(payloads, numel, bits, group_size, 2.0, None, chunk_rows)
+
+
+@pytest.mark.parametrize("group_size", (64, 10_000), ids=("teams", "tiles"))
+@pytest.mark.parametrize("bits", (8, 4))
+def test_launch_arguments_match_kernel_parameters(kernel_params, launches, bits, group_size):
+    for dtype in DTYPES:
+        _run_every_op(bits, dtype, group_size)
+    encoder_launches = sum(name.startswith(ENCODERS) for _, name, _ in launches)
+    assert encoder_launches == 3 * 3 * (1 if group_size <= launchers.TEAM_MAX_GROUP else 2)  # 3 dtypes, 3 ops
+    for source, name, args in launches:
+        assert source in loader.KERNEL_SOURCES and name in kernel_params, name
+        declared = [(PARAM_BYTES[t], t == "f32") for t in kernel_params[name]]
+        assert [_kind(a) for a in args] == declared, name
