@@ -35,13 +35,18 @@ def test_cuda_backend_from_env_rejects_cpu_tensors(monkeypatch):
         zq.dequantize(torch.zeros(8, dtype=torch.uint8), 2, 8, 2, torch.float32)
 
 
-@pytest.mark.skipif(GPU_UNAVAILABLE is None, reason="the cuda backend is available on this machine")
-def test_unavailable_cuda_backend_names_what_is_missing():
+def test_cuda_backend_status_says_why_it_is_unavailable():
+    """Where the backend can run, it reports ``ok``; elsewhere selecting it fails and names what is
+    missing. (No skip either way: under ``make gpu-check`` a skip is a failure.)"""
+    if GPU_UNAVAILABLE is None:
+        assert zq.available_backends()["cuda"] == "ok"
+        assert callable(registry.lookup("quantize", "cuda", CUDA))
+        return
     with pytest.raises(zq.BackendUnavailableError) as info:
         registry.lookup("quantize", "cuda", CUDA)
     message = str(info.value)
     assert "'cuda'" in message and GPU_UNAVAILABLE in message
-    assert any(word in message for word in ("cupy", "CUDA device", "driver", "CPU-only build"))
+    assert any(word in message for word in ("cupy", "CUDA device", "driver", "CPU-only build", "NVRTC"))
     assert zq.available_backends()["cuda"].startswith("unavailable:")
 
 
