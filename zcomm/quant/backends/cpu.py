@@ -307,7 +307,7 @@ def dequant_reduce(
     out: torch.Tensor | None,
     requant_out: torch.Tensor | None,
 ) -> None:
-    # The same fp32 rounding of divide_by as the reference's torch.tensor(divide_by, float32).
+    # The same fp32 rounding of divide_by as the reference's fp32 divisor tensor.
     divisor = np.float32(torch.tensor(divide_by, dtype=torch.float32).item())
     if out is not None:
         _reduce_kernel(shared_array(payloads), bits, group_size, divisor, kernel_view(out.detach()))
