@@ -33,14 +33,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+from torch.distributed.constants import default_pg_timeout
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def group_timeout(group: dist.ProcessGroup) -> timedelta:
-    """The timeout ``group``'s backend was created with."""
-    return group._get_backend(group._device_types[0]).options._timeout
+    """The timeout ``group``'s backend was created with (torch's default for a backend without
+    options, such as the fake backend of torch's tests, which never waits)."""
+    options = group._get_backend(group._device_types[0]).options
+    return default_pg_timeout if options is None else options._timeout
 
 
 def creates_by_split(parent: dist.ProcessGroup) -> bool:
