@@ -123,7 +123,8 @@ def reorder_quantize(
     x: torch.Tensor, perm: tuple[int, ...], num_chunks: int, bits: int, group_size: int, out: torch.Tensor
 ) -> None:
     slices = x.to(torch.float32).view(len(perm), -1)
-    reordered = slices[list(perm)].reshape(num_chunks, -1)
+    # concatenated views, not an index tensor, which would be copied from the host (a sync on CUDA)
+    reordered = torch.cat([slices[p] for p in perm]).reshape(num_chunks, -1)
     for chunk in range(num_chunks):
         _encode(reordered[chunk], bits, group_size, out[chunk])
 
