@@ -16,7 +16,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import zcomm.quant as q
 from zcomm.quant.backends import reference
