@@ -1,132 +1,22 @@
 """all_gather_q8 / reduce_scatter_q4 on real gloo process groups, against torch.distributed.
 
-Each spawn runs many sub-cases: topologies 1x2 (a subgroup), 1x4, 2x2, 4x1 and 2x3 (from
-ZCOMM_LOCAL_SIZE); sizes below the world size, primes and sizes that do not divide the
-group size; fp32/bf16/fp16; SUM and AVG; sync and async; 1-4 pipeline stages. Outputs are
-compared with torch.distributed collectives on fp64 copies, within the per-element bounds
-of ``collective_oracles`` (derived there), and ``comm_stats()`` with the analytic volumes.
-The hierarchical all_gather_q8 must also equal, bit for bit, the flat algorithm (the same
-payloads in one all-gather on the caller's group, dequantized in rank order).
+Each spawn runs many sub-cases (``collective_checks``): topologies 1x2 (a subgroup), 1x4,
+2x2, 4x1 and 2x3 (from ZCOMM_LOCAL_SIZE); sizes below the world size, primes and sizes
+that do not divide the group size; fp32/bf16/fp16; SUM and AVG; sync and async; 1-4
+pipeline stages.
 """
 
 from __future__ import annotations
 
 import os
-import random
-from itertools import product
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import zcomm
-from collective_oracles import all_gather_bound, qgz_volume, qwz_volume, reduce_scatter_bound, ring_volume
+from collective_checks import OPS, cases, check_case, check_plain_collectives, make_inputs
 from spawn_harness import run_distributed
-
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
-SIZES = (0, 1, 2, 3, 13, 97, 1031, 4099)  # per-rank slice (reduce-scatter) / input (all-gather) numel
-GROUP_SIZES = (None, 6, 8, 30)
-DEFAULT_GROUP_SIZES = {"all_gather_q8": 2048, "reduce_scatter_q4": 512}
-
-
-def _cases(seed: int):
-    """Every (dtype, op, async) combination once, with sizes, stages and group sizes varied over them."""
-    rng = random.Random(seed)
-    sizes = list(SIZES)
-    rng.shuffle(sizes)
-    for index, (dtype, op, async_op) in enumerate(product(DTYPES, OPS, (False, True))):
-        yield dict(
-            dtype=dtype,
-            op=op,
-            async_op=async_op,
-            slice_numel=sizes[index % len(sizes)],
-            stages=1 + index % 4,
-            group_size=rng.choice(GROUP_SIZES),
-            seed=seed * 100 + index,
-        )
-
-
-def _inputs(seed: int, world: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """All ranks' inputs (every rank builds the same ones), heavy-tailed so group scales differ."""
-    gen = torch.Generator().manual_seed(seed)
-    values = torch.randn(world, numel, generator=gen) * torch.exp(torch.randn(world, numel, generator=gen))
-    return values.to(dtype)
-
-
-def _check_case(case: dict, group: dist.ProcessGroup, topology: zcomm.Topology, *, detect: bool = False) -> None:
-    """One sub-case; ``detect`` leaves the topology to the collectives (``topology`` is then what they should find)."""
-    given = None if detect else topology
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    dtype, m, stages, gs = case["dtype"], case["slice_numel"], case["stages"], case["group_size"]
-    divide_by = world if case["op"] == dist.ReduceOp.AVG else 1
-    inputs = _inputs(case["seed"], world, world * m, dtype)
-    gathered_inputs = inputs[:, :m].contiguous()
-    reduced = torch.empty(m, dtype=dtype)
-    gathered = torch.empty(world * m, dtype=dtype)
-    zcomm.reset_comm_stats()
-    handles = [
-        zcomm.reduce_scatter_q4(
-            reduced, inputs[rank].clone(), case["op"], group, case["async_op"],
-            group_size=gs, pipeline_stages=stages, topology=given,
-        ),
-        zcomm.all_gather_q8(
-            gathered, gathered_inputs[rank].clone(), group, case["async_op"], group_size=gs, topology=given
-        ),
-    ]
-    if case["async_op"]:
-        for handle in handles:
-            handle.wait()
-            assert handle.is_completed()
-    else:
-        assert handles == [None, None]
-
-    summed = inputs[rank].double()
-    dist.all_reduce(summed, group=group)  # gloo's AVG is unreliable: sum in fp64 and divide here
-    exact = summed[rank * m : (rank + 1) * m] / divide_by
-    rs_gs = gs or DEFAULT_GROUP_SIZES["reduce_scatter_q4"]
-    bound = reduce_scatter_bound(
-        inputs.double(), rank, nodes=topology.num_nodes, local=topology.local_size, stages=stages,
-        group_size=rs_gs, dtype=dtype, divide_by=divide_by, exact=exact,
-    )
-    _assert_within("reduce_scatter_q4", case, reduced.double() - exact, bound)
-
-    expected = [torch.empty(m, dtype=torch.float64) for _ in range(world)]
-    dist.all_gather(expected, gathered_inputs[rank].double(), group=group)
-    ag_gs = gs or DEFAULT_GROUP_SIZES["all_gather_q8"]
-    bound = all_gather_bound(torch.stack(expected), ag_gs, dtype).view(-1)
-    _assert_within("all_gather_q8", case, gathered.double() - torch.cat(expected), bound)
-    flat = _flat_all_gather_q8(gathered_inputs[rank], group, ag_gs)
-    assert torch.equal(gathered, flat), ("all_gather_q8 differs from the flat quantize/all-gather/dequantize", case)
-
-    _assert_stats("reduce_scatter_q4", qgz_volume(m, topology.num_nodes, topology.local_size, stages, rs_gs), case)
-    _assert_stats("all_gather_q8", qwz_volume(m, topology.num_nodes, topology.local_size, ag_gs), case)
-
-
-def _flat_all_gather_q8(input: torch.Tensor, group: dist.ProcessGroup, group_size: int) -> torch.Tensor:
-    """The one-hop algorithm the hierarchical all_gather_q8 must reproduce bit for bit:
-    the same payloads, gathered by torch in rank order, dequantized together."""
-    world = dist.get_world_size(group)
-    payload = zcomm.quant.quantize(input, 8, group_size)
-    rows = torch.empty(world, payload.numel(), dtype=torch.uint8)
-    dist.all_gather(list(rows.unbind(0)), payload, group=group)
-    return zcomm.quant.dequantize(rows, input.numel(), 8, group_size, input.dtype)
-
-
-def _assert_stats(name: str, volume: tuple[int, int], context: object) -> None:
-    """comm_stats() holds exactly one call of ``name`` that sent ``volume`` = (intra, inter) bytes."""
-    stats = zcomm.comm_stats()[name]
-    assert (stats.calls, stats.intra_bytes, stats.inter_bytes) == (1, *volume), (name, context)
-
-
-def _assert_within(name: str, case: dict, error: torch.Tensor, bound: torch.Tensor) -> None:
-    excess = error.abs() - bound
-    if excess.numel() and bool((excess > 0).any()):
-        worst = int(excess.argmax())
-        raise AssertionError(
-            f"{name} {case}: |error| {float(error.abs()[worst])} > bound {float(bound[worst])} at element {worst}"
-        )
-
 
 def _check_avg_divides_by_world(group: dist.ProcessGroup, topology: zcomm.Topology) -> None:
     """AVG and SUM share every quantization step, so in fp32 AVG x W must equal SUM to one rounding.
@@ -134,7 +24,7 @@ def _check_avg_divides_by_world(group: dist.ProcessGroup, topology: zcomm.Topolo
     Both calls are in flight together, so this also checks that queued async calls keep their buffers apart.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    inputs = _inputs(7, world, world * 300, torch.float32)
+    inputs = make_inputs(7, world, world * 300, torch.float32)
     outputs = {op: torch.empty(300) for op in OPS}
     handles = [
         zcomm.reduce_scatter_q4(out, inputs[rank].clone(), op, group, True, pipeline_stages=2, topology=topology)
@@ -144,21 +34,6 @@ def _check_avg_divides_by_world(group: dist.ProcessGroup, topology: zcomm.Topolo
         handle.wait()
     total = outputs[dist.ReduceOp.SUM].double()
     assert torch.all((outputs[dist.ReduceOp.AVG].double() * world - total).abs() <= total.abs() * 2.0**-23)
-
-
-def _check_plain_collectives(group: dist.ProcessGroup, topology: zcomm.Topology) -> None:
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    inputs = _inputs(11, world, world * 5, torch.float32)
-    zcomm.reset_comm_stats()
-    gathered = torch.empty(world * 5)
-    zcomm.all_gather_into_tensor(gathered, inputs[rank, :5].clone(), group, topology=topology)
-    assert torch.equal(gathered.view(world, 5), inputs[:, :5])
-    reduced = torch.empty(5)
-    zcomm.reduce_scatter_tensor(reduced, inputs[rank].clone(), group=group, topology=topology)
-    exact = inputs.double().sum(0)[rank * 5 : (rank + 1) * 5]
-    torch.testing.assert_close(reduced.double(), exact, rtol=1e-6, atol=1e-6)  # plain fp32 ring sums
-    for name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
-        _assert_stats(name, ring_volume(5 * 4, rank, world, topology.local_size), topology)
 
 
 def _check_errors(topology: zcomm.Topology) -> None:
@@ -224,14 +99,14 @@ def _four_rank_main(rank: int, world: int) -> int:
     checked = 0
     for local in (4, 2, 1):
         topology = zcomm.Topology(world_size=4, local_size=local)
-        for case in _cases(seed=local):
-            _check_case(case, dist.group.WORLD, topology)
+        for case in cases(seed=local):
+            check_case(case, dist.group.WORLD, topology)
             checked += 1
         _check_avg_divides_by_world(dist.group.WORLD, topology)
-        _check_plain_collectives(dist.group.WORLD, topology)
+        check_plain_collectives(dist.group.WORLD, topology)
     pair_topology = zcomm.Topology(world_size=2, local_size=2)
-    for case in _cases(seed=12):
-        _check_case(case, pairs[rank // 2], pair_topology)
+    for case in cases(seed=12):
+        check_case(case, pairs[rank // 2], pair_topology)
         checked += 1
     _check_errors(zcomm.Topology(world_size=4, local_size=2))
     block = zcomm.consecutive_group(None, 2)
@@ -244,9 +119,9 @@ def _six_rank_main(rank: int, world: int) -> int:
     assert zcomm.Topology.detect() == zcomm.Topology(world_size=6, local_size=3)
     topology = zcomm.Topology(world_size=6, local_size=3)
     checked = 0
-    for case in _cases(seed=23):
+    for case in cases(seed=23):
         # topology=None: the collectives must find 2x3 themselves (comm_stats checks the volumes)
-        _check_case(case, dist.group.WORLD, topology, detect=not case["async_op"])
+        check_case(case, dist.group.WORLD, topology, detect=not case["async_op"])
         checked += 1
     _check_avg_divides_by_world(dist.group.WORLD, topology)
     return checked

@@ -6,6 +6,9 @@
 * :class:`Topology`: which ranks share a node; :func:`consecutive_group`: hpZ's blocks.
 * :func:`comm_stats` / :func:`reset_comm_stats`: bytes each rank sent, intra vs inter node.
 * ``zcomm.quant``: the block-quantization ops and the wire format.
+
+The CPU kernels use the rank's share of threads (:mod:`zcomm.threads`: ``ZCOMM_NUM_THREADS``,
+else ``torch.get_num_threads()``).
 """
 
 from . import quant

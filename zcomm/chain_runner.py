@@ -32,7 +32,7 @@ def run_chain(chain: Chain, info: GroupInfo, output: torch.Tensor, input: torch.
     if input.is_cuda:
         return _run_on_stream(chain, output, input, async_op)
     # [Note: worker ordering] sync calls queue behind pending async ones.
-    future = ordered_worker((info.group.group_name, info.topology)).submit(chain, output, input)
+    future = ordered_worker(info.group, info.topology).submit(chain, output, input)
     handle = Handle(finish=future.result, ready=future.done)
     if async_op:
         return handle

@@ -1,36 +1,43 @@
-"""zcomm's private subgroups of a caller's process group, created once and cached.
+"""zcomm's private subgroups of a caller's process group, created once per group and cached.
 
 qgZ's and qwZ's two hops run on an intra-node group (the ranks of this rank's node) and an
 inter-node group (the ranks with this rank's local rank, one per node); hpZ (the ZeRO
 runtime) gathers inside a block of consecutive ranks. zcomm creates these groups itself,
 so its traffic never interleaves with the caller's collectives on the caller's group.
+Each kind is a *partition* of the caller's group into blocks; this rank gets its block.
+How a partition is created (split from the caller's group, or by the members of each
+block) is [Note: creating zcomm's groups] in :mod:`zcomm.torch_compat`.
 
-[Note: group creation order] Creating a group is collective among its members. Every
-member of the caller's group calls :func:`node_groups` (or :func:`consecutive_group`) for
-the same (group, topology) at the same point of its program, because the zcomm collectives
-that need them are themselves collective; each rank then creates the intra-node group of
-its node before the inter-node group of its local rank, so every member of a new group
-arrives at its rendezvous and no cycle of waits can form.
+[Note: group creation order] Creating groups is collective: among the caller's group when
+split from it, among a block's members otherwise. Every member of the caller's group calls
+:func:`node_groups` (or :func:`consecutive_group`) for the same (group, topology) at the
+same point of its program, because the zcomm collectives that need them are themselves
+collective; each rank then creates the intra-node partition before the inter-node one, so
+every member of a new group arrives at its rendezvous and no cycle of waits can form.
 
-[Note: group names] ``torch.distributed.new_group`` either needs *every* rank of the world
-to call it (a subgroup caller's non-members never do), or, with
-``use_local_synchronization=True``, names the group after the ranks *and the number of
-groups this process has created so far*, which differs between ranks as soon as some of
-them used zcomm on a subgroup: their rendezvous would then wait on different store keys
-until the timeout. zcomm therefore names its groups deterministically after the parent
-group's name, the purpose and the member ranks, and creates them through the same
-internal helper ``new_group`` uses. The parent group's timeout is inherited, so a dead
-peer makes zcomm's hops fail just like the caller's own collectives.
+[Note: group names] Blocks created by their members are named deterministically after the
+parent group's name, the purpose and the member ranks: torch's own names for groups
+created on a subset of the world depend on how many groups each process has created so
+far, which differs between ranks as soon as some of them used zcomm on a subgroup. The
+parent group's timeout is inherited, so a dead peer makes zcomm's hops fail just like the
+caller's own collectives.
+
+[Note: cache lifetime] The cache is keyed by the caller's ``ProcessGroup`` object, weakly:
+after ``destroy_process_group`` and a new ``init_process_group`` in the same process the
+new groups are new objects (even where torch reuses their names), so nothing made for the
+old ones is found again, and the entries go away with the old group objects.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch.distributed as dist
 
 from .topology import Topology
-from .torch_compat import new_named_group
+from .torch_compat import creates_by_split, new_named_group, split_subgroups
 
 
 class NodeGroups(NamedTuple):
@@ -40,42 +47,51 @@ class NodeGroups(NamedTuple):
     inter: dist.ProcessGroup | None
 
 
-# (parent group name, purpose, member group ranks) -> the private group
-_GROUPS: dict[tuple[str, str, tuple[int, ...]], dist.ProcessGroup] = {}
+# caller's group -> (purpose, partition) -> this rank's block of it
+_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, dist.ProcessGroup]] = weakref.WeakKeyDictionary()
 
 
 def node_groups(group: dist.ProcessGroup, topology: Topology) -> NodeGroups:
     """The intra- and inter-node subgroups of this rank in ``group`` laid out as ``topology``."""
     assert topology.world_size == dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    node, local = topology.node_of(rank), topology.local_rank_of(rank)
-    intra = _subgroup(group, "intra", topology.node_ranks(node)) if topology.local_size > 1 else None
-    inter = _subgroup(group, "inter", topology.local_peers(local)) if topology.num_nodes > 1 else None
+    intra = inter = None
+    if topology.local_size > 1:
+        intra = _subgroup(group, "intra", [topology.node_ranks(n) for n in range(topology.num_nodes)])
+    if topology.num_nodes > 1:
+        inter = _subgroup(group, "inter", [topology.local_peers(l) for l in range(topology.local_size)])
     return NodeGroups(intra, inter)
 
 
 def consecutive_group(group: dist.ProcessGroup | None, size: int) -> dist.ProcessGroup:
     """The group of the ``size`` consecutive ranks of ``group`` (default: world) holding this rank.
 
-    Rank ``r`` of ``group`` belongs to block ``r // size``. ``size`` must divide the group size.
+    Rank ``r`` of ``group`` belongs to block ``r // size``. ``size`` must divide the group
+    size. Collective over ``group`` the first time (see [Note: group creation order]).
     """
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world % size:
         raise ValueError(f"size must be a positive divisor of the group size {world}, got {size!r}")
-    block = dist.get_rank(group) // size
-    return _subgroup(group, "block", range(block * size, (block + 1) * size))
+    return _subgroup(group, "block", [range(b * size, (b + 1) * size) for b in range(world // size)])
 
 
-def _subgroup(parent: dist.ProcessGroup, purpose: str, group_ranks: range) -> dist.ProcessGroup:
-    members = tuple(group_ranks)
-    key = (parent.group_name, purpose, members)
-    if key not in _GROUPS:
-        parent_ranks = dist.get_process_group_ranks(parent)
-        _GROUPS[key] = _create(parent, purpose, [parent_ranks[r] for r in members])
-    return _GROUPS[key]
+def _subgroup(parent: dist.ProcessGroup, purpose: str, partition: Sequence[range]) -> dist.ProcessGroup:
+    """This rank's block of ``partition`` (group ranks of ``parent``), created on first use."""
+    blocks = tuple(tuple(block) for block in partition)
+    cached = _GROUPS.setdefault(parent, {})
+    key = (purpose, blocks)
+    if key not in cached:
+        cached[key] = _create(parent, purpose, blocks)
+    return cached[key]
 
 
-def _create(parent: dist.ProcessGroup, purpose: str, global_ranks: list[int]) -> dist.ProcessGroup:
+def _create(parent: dist.ProcessGroup, purpose: str, blocks: tuple[tuple[int, ...], ...]) -> dist.ProcessGroup:
+    desc = f"zcomm {purpose}"
+    if creates_by_split(parent):
+        return split_subgroups(parent, blocks, desc=desc)
+    rank = dist.get_rank(parent)
+    mine = next(block for block in blocks if rank in block)
+    parent_ranks = dist.get_process_group_ranks(parent)
+    global_ranks = [parent_ranks[r] for r in mine]
     name = f"zcomm/{parent.group_name}/{purpose}/{'_'.join(map(str, global_ranks))}"
-    return new_named_group(name, global_ranks, like=parent, desc=f"zcomm {purpose}")
+    return new_named_group(name, global_ranks, like=parent, desc=desc)

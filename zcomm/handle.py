@@ -5,6 +5,11 @@ tail of that chain that must run before ``output`` is valid: waiting for the
 communication and, where the chain has one, the final dequantization. ``wait()`` runs that
 tail exactly once (later calls return at once, or re-raise its error); on CUDA the tail is
 only *enqueued* on the current stream, as with NCCL's ``Work.wait()``.
+
+``is_completed()`` is, as for torch's ``Work.is_completed()``, whether the collective has
+actually finished: the chain's end on the CPU worker, or the chain's end event on the GPU.
+It does not follow ``wait()``: on CUDA ``wait()`` returns once the tail is enqueued, long
+before the GPU gets there.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from typing import Callable
 
 
 class Handle:
-    """``wait()`` makes ``output`` valid; ``is_completed()`` says whether ``wait()`` would block on communication."""
+    """``wait()`` makes ``output`` valid (on CUDA: for the current stream); ``is_completed()`` says whether
+    the collective has finished (``ready()``, the worker's future or the GPU's end event)."""
 
     def __init__(self, *, finish: Callable[[], None], ready: Callable[[], bool]) -> None:
         self._finish = finish
@@ -36,4 +42,4 @@ class Handle:
         return True
 
     def is_completed(self) -> bool:
-        return self._done or bool(self._ready())
+        return bool(self._ready())

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -26,8 +27,10 @@ import torch.distributed as dist
 # Open MPI, MPICH.
 LOCAL_SIZE_VARIABLES = ("ZCOMM_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 
-# Host-name exchanges are collective, so their result is cached per process group name.
-_DETECTED_BY_HOSTNAME: dict[str, "Topology"] = {}
+# Host-name exchanges are collective, so their result is cached per process group object,
+# weakly: a group destroyed and re-created under the same name is a new object
+# ([Note: cache lifetime] in zcomm.groups).
+_DETECTED_BY_HOSTNAME: weakref.WeakKeyDictionary[dist.ProcessGroup, "Topology"] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,9 +140,8 @@ def _local_size_from_env() -> tuple[str, int] | None:
 
 
 def _detect_by_hostname(group: dist.ProcessGroup) -> Topology:
-    name = group.group_name
-    if name not in _DETECTED_BY_HOSTNAME:
+    if group not in _DETECTED_BY_HOSTNAME:
         hosts: list[str | None] = [None] * dist.get_world_size(group)
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        _DETECTED_BY_HOSTNAME[name] = Topology.from_node_ids(hosts)
-    return _DETECTED_BY_HOSTNAME[name]
+        _DETECTED_BY_HOSTNAME[group] = Topology.from_node_ids(hosts)
+    return _DETECTED_BY_HOSTNAME[group]

@@ -2,25 +2,80 @@
 
 torch 2.13 renamed the flat collectives (``all_gather_into_tensor`` ->
 ``all_gather_single``, ``reduce_scatter_tensor`` -> ``reduce_scatter_single``, the old
-names warn); zcomm calls whichever exists. Creating a subgroup with a name of zcomm's
-choosing uses torch's internal helper (see [Note: group names] in :mod:`zcomm.groups`);
-it has had this signature since torch 2.4.
+names warn); zcomm calls whichever exists.
+
+[Note: creating zcomm's groups] zcomm's private subgroups (:mod:`zcomm.groups`) are
+created by the members of the caller's group only: zcomm's collectives are collective over
+that group, and the rest of the world never calls them. How, depends on the parent group:
+
+* *split*: when the world has a bound device (``init_process_group(device_id=...)``) and
+  the parent's backend for that device is NCCL, torch creates every new NCCL group by
+  ``ncclCommSplit`` of the *default* group, which every rank of the world must join, so a
+  group created on members only would hang. :func:`split_subgroups` uses the public
+  ``torch.distributed.split_group`` instead, which splits the *parent* group: collective
+  over the parent, every member passing the same partition of it.
+* *members only*: otherwise (gloo; NCCL without a bound device, whose communicators are
+  set up through the store when first used), :func:`new_named_group` creates this rank's
+  block under a name all its members agree on, through ``_new_process_group_helper``,
+  torch's internal helper behind ``new_group``. No public API does this: ``new_group``
+  needs every rank of the world, and with ``use_local_synchronization=True`` it names the
+  group after the number of groups each process has created so far, which differ between
+  ranks once they used zcomm on different subgroups; ``split_group`` needs a bound
+  accelerator. The helper has had this signature since torch 2.4;
+  ``tests/test_torch_compat.py`` pins what zcomm relies on.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+from torch.distributed.constants import default_pg_timeout
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def group_timeout(group: dist.ProcessGroup) -> timedelta:
-    """The timeout ``group``'s backend was created with."""
-    return group._get_backend(group._device_types[0]).options._timeout
+    """The timeout ``group``'s backend was created with (torch's default for a backend without
+    options, such as the fake backend of torch's tests, which never waits)."""
+    options = group._get_backend(group._device_types[0]).options
+    return default_pg_timeout if options is None else options._timeout
+
+
+def creates_by_split(parent: dist.ProcessGroup) -> bool:
+    """Whether torch would create a new group of ``parent``'s backend by splitting the default NCCL group.
+
+    That is: the default group is bound to a device and ``parent``'s backend for that
+    device type is NCCL ([Note: creating zcomm's groups]).
+    """
+    device = dist.group.WORLD.bound_device_id
+    if device is None:
+        return False
+    backends = dict(entry.split(":", 1) for entry in dist.get_backend_config(parent).split(","))
+    return backends.get(device.type) == dist.Backend.NCCL
+
+
+def split_subgroups(parent: dist.ProcessGroup, blocks: Sequence[Sequence[int]], *, desc: str) -> dist.ProcessGroup:
+    """This rank's block of the partition ``blocks`` (group ranks of ``parent``), split from ``parent``.
+
+    Every member of ``parent`` must call this with the same ``blocks``, and every member
+    must be in one block.
+    """
+    split_group = getattr(dist, "split_group", None)
+    if split_group is None:
+        raise RuntimeError(
+            f"torch {torch.__version__} has no torch.distributed.split_group, which zcomm needs to create its "
+            "subgroups of an NCCL group when init_process_group was given a device_id"
+        )
+    group = split_group(
+        parent_pg=parent, split_ranks=[list(block) for block in blocks], timeout=group_timeout(parent), group_desc=desc
+    )
+    assert group is not None, "every rank of the parent group is in one block"
+    return group
 
 
 def new_named_group(name: str, global_ranks: list[int], *, like: dist.ProcessGroup, desc: str) -> dist.ProcessGroup:
@@ -38,5 +93,6 @@ def new_named_group(name: str, global_ranks: list[int], *, like: dist.ProcessGro
         timeout=group_timeout(like),
         group_desc=desc,
     )
+    # what new_group adds after the helper: the rank mapping get_rank(group) and friends read
     c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(global_ranks)}
     return pg

@@ -14,16 +14,22 @@ inside each op).
 
 from __future__ import annotations
 
+import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Hashable
 
-# (group name, topology) -> its single worker
-_WORKERS: dict[Hashable, ThreadPoolExecutor] = {}
+import torch.distributed as dist
+
+from .topology import Topology
+
+# caller's group -> topology -> its single worker; weak in the group like zcomm.groups'
+# cache ([Note: cache lifetime]): a worker whose group is gone is dropped, and its thread exits
+_WORKERS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[Topology, ThreadPoolExecutor]] = weakref.WeakKeyDictionary()
 
 
-def ordered_worker(key: Hashable) -> ThreadPoolExecutor:
-    """The single-threaded executor for ``key``, created on first use."""
-    if key not in _WORKERS:
+def ordered_worker(group: dist.ProcessGroup, topology: Topology) -> ThreadPoolExecutor:
+    """The single-threaded executor for ``group`` laid out as ``topology``, created on first use."""
+    workers = _WORKERS.setdefault(group, {})
+    if topology not in workers:
         # setdefault keeps the first one if two threads race here; an unused executor starts no thread
-        _WORKERS.setdefault(key, ThreadPoolExecutor(max_workers=1, thread_name_prefix="zcomm-worker"))
-    return _WORKERS[key]
+        workers.setdefault(topology, ThreadPoolExecutor(max_workers=1, thread_name_prefix="zcomm-worker"))
+    return workers[topology]

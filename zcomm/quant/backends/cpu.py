@@ -18,8 +18,17 @@ round half to even (``np.rint``), an fp32 multiply to dequantize, no fastmath (n
 contraction, no flush-to-zero), and ``error_model="numpy"`` so a division by zero gives
 IEEE results instead of raising. Kernels are compiled with ``cache=True`` (spawned worker
 processes load them from ``__pycache__`` instead of compiling) and ``nogil=True`` (a
-communication thread runs while a kernel does). They use numba's default thread count (the
-machine's cores). Calls from several Python threads at once need a thread-safe numba
+communication thread runs while a kernel does).
+
+[Note: kernel threads] Each kernel launch uses the rank's share of threads
+(:func:`zcomm.threads.kernel_threads`), never numba's default of every core. numba's thread
+count is a per-Python-thread setting, and the collectives launch their kernels on zcomm's
+worker threads, so it is set right before every launch on the launching thread. numba's
+``omp`` layer, when it starts its pool, also sets the starting thread's OpenMP thread count
+(``omp_set_num_threads``) to the pool size, which is what ``torch.get_num_threads()`` and
+torch's own parallel ops on that thread then use: torch's count is put back right after.
+
+Calls from several Python threads at once need a thread-safe numba
 threading layer (``omp``, numba's pick when OpenMP is present, or ``tbb``; ``workqueue``
 aborts on concurrent use), and GNU OpenMP is not fork-safe: worker processes must be
 spawned, not forked, once a kernel has run.
@@ -27,10 +36,12 @@ spawned, not forked, once a kernel has run.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
 from numba import njit, prange
 
+from ...threads import kernel_threads
 from ..registry import register
 from ..wire_format import QMAX, scales_offset, values_nbytes
 from .cpu_float_bits import (
@@ -268,6 +279,14 @@ def _reduce_requant_kernel(payloads, numel, bits, group_size, divisor, requant):
         _encode_group(buf, n, bits, values, g * group_size, scales, g)
 
 
+def _use_thread_share() -> None:
+    """[Note: kernel threads] on the thread about to launch a kernel."""
+    torch_threads = torch.get_num_threads()
+    numba.set_num_threads(kernel_threads(numba.config.NUMBA_NUM_THREADS))  # starts numba's pool on first use
+    if torch.get_num_threads() != torch_threads:
+        torch.set_num_threads(torch_threads)
+
+
 def _zero_padding(payloads: torch.Tensor, numel: int, bits: int) -> np.ndarray:
     """The ``(rows, nbytes)`` payloads as numpy, with the padding before the scales zeroed."""
     rows = shared_array(payloads)
@@ -277,6 +296,7 @@ def _zero_padding(payloads: torch.Tensor, numel: int, bits: int) -> np.ndarray:
 
 def _quantize_into(x: torch.Tensor, perm: tuple[int, ...], bits: int, group_size: int, out2d: torch.Tensor) -> None:
     payloads = _zero_padding(out2d, x.numel() // out2d.shape[0], bits)
+    _use_thread_share()
     _reorder_quantize_kernel(kernel_view(x.detach()), np.asarray(perm, np.int64), bits, group_size, payloads)
 
 
@@ -294,6 +314,7 @@ def reorder_quantize(
 
 @register("dequantize", "cpu")
 def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, out: torch.Tensor) -> None:
+    _use_thread_share()
     _dequantize_kernel(shared_array(payloads), bits, group_size, kernel_view(out.detach()))
 
 
@@ -307,8 +328,9 @@ def dequant_reduce(
     out: torch.Tensor | None,
     requant_out: torch.Tensor | None,
 ) -> None:
-    # The same fp32 rounding of divide_by as the reference's torch.tensor(divide_by, float32).
+    # The same fp32 rounding of divide_by as the reference's fp32 divisor tensor.
     divisor = np.float32(torch.tensor(divide_by, dtype=torch.float32).item())
+    _use_thread_share()
     if out is not None:
         _reduce_kernel(shared_array(payloads), bits, group_size, divisor, kernel_view(out.detach()))
         return

@@ -2,7 +2,14 @@
 
 It is the oracle the ``cpu`` and ``cuda`` backends are tested against, byte for byte. Each
 step follows :mod:`zcomm.quant.wire_format` literally: pad to whole groups, per-group
-NaN/Inf/absmax, fp32 division, round half to even, clamp, pack, append the scales.
+NaN/Inf/absmax, fp32 division, round half to even, clamp, pack, append the scales. It runs
+on CPU and CUDA tensors with the same bytes.
+
+[Note: true division on CUDA] ATen's CUDA division (``div_true_kernel_cuda``) computes
+``tensor / cpu_scalar`` as ``tensor * (1 / scalar)`` (one more rounding), and a Python
+number is such a CPU scalar; only a divisor *tensor on the dividend's device* takes the
+IEEE ``a / b`` path (``DivFunctor``). So every division here divides by a tensor made on
+the dividend's device (``new_full``), which is also what CPU tensors compute.
 """
 
 from __future__ import annotations
@@ -21,9 +28,14 @@ def _group_view(values: torch.Tensor, group_size: int) -> torch.Tensor:
     return torch.nn.functional.pad(values, (0, pad)).view(-1, group_size)
 
 
+def _divide(dividend: torch.Tensor, divisor: float) -> torch.Tensor:
+    """fp32 ``dividend / fp32(divisor)`` correctly rounded on every device ([Note: true division on CUDA])."""
+    return dividend / dividend.new_full((), divisor)
+
+
 def _scales(groups: torch.Tensor, qmax: int) -> torch.Tensor:
     absmax = groups.abs().amax(dim=1)
-    scale = absmax / qmax
+    scale = _divide(absmax, qmax)
     scale = torch.where(torch.isinf(groups).any(dim=1), torch.full_like(scale, float("inf")), scale)
     return torch.where(torch.isnan(groups).any(dim=1), torch.full_like(scale, _NAN), scale)
 
@@ -85,12 +97,14 @@ def _store(values: torch.Tensor, out: torch.Tensor) -> None:
     """Convert fp32 ``values`` into ``out``'s dtype, writing NaNs as the canonical pattern.
 
     torch's own vectorized fp32 -> bf16 conversion writes NaN as 0xFFFF, so the NaN
-    positions are rewritten from the bit pattern the wire format names.
+    positions are rewritten from the bit pattern the wire format names (with ``where``, so
+    no host sync on CUDA).
     """
-    out.copy_(values.to(out.dtype))
-    nan = torch.isnan(values)
-    if out.dtype != torch.float32 and bool(nan.any()):
-        out.view(torch.int16)[nan] = CANONICAL_NAN_BITS[out.dtype]
+    converted = values.to(out.dtype)
+    if out.dtype != torch.float32:
+        bits = converted.view(torch.int16)
+        converted = torch.where(torch.isnan(values), CANONICAL_NAN_BITS[out.dtype], bits).view(out.dtype)
+    out.copy_(converted)
 
 
 @register("quantize", "reference")
@@ -109,7 +123,8 @@ def reorder_quantize(
     x: torch.Tensor, perm: tuple[int, ...], num_chunks: int, bits: int, group_size: int, out: torch.Tensor
 ) -> None:
     slices = x.to(torch.float32).view(len(perm), -1)
-    reordered = slices[list(perm)].reshape(num_chunks, -1)
+    # concatenated views, not an index tensor, which would be copied from the host (a sync on CUDA)
+    reordered = torch.cat([slices[p] for p in perm]).reshape(num_chunks, -1)
     for chunk in range(num_chunks):
         _encode(reordered[chunk], bits, group_size, out[chunk])
 
@@ -128,7 +143,7 @@ def dequant_reduce(
     for row in range(1, payloads.shape[0]):
         acc = acc + _decode(payloads[row], numel, bits, group_size)
     if divide_by != 1.0:
-        acc = acc / torch.tensor(divide_by, dtype=torch.float32)
+        acc = _divide(acc, divide_by)
     acc = _canonical_nan(acc)
     if out is not None:
         _store(acc, out)

@@ -1,0 +1,148 @@
+"""zcomm's collectives on CUDA tensors with NCCL, at world size 1 (``make gpu-check``).
+
+One GPU cannot host two NCCL ranks, so this runs one rank, with the world bound to the
+device (``init_process_group(device_id=...)``, under which zcomm's groups are split from
+the caller's group) and unbound. It checks, on CUDA tensors, sync and async:
+
+* ``all_gather_q8`` / ``reduce_scatter_q4`` against torch.distributed's own collectives on
+  fp64 copies, within the error bounds of ``collective_oracles`` (``collective_checks``),
+  with the ``cuda`` backend and with the ``reference`` backend;
+* that the CUDA path gives the CPU path's bytes: the same collective on a gloo twin of the
+  world with CPU tensors (the ``cpu`` backend, or ``reference`` on both sides);
+* the counted ``all_gather_into_tensor`` / ``reduce_scatter_tensor``, also on an hpZ block;
+* that an async handle's ``is_completed()`` is False while the GPU is still busy after
+  ``wait()`` (which only orders the current stream after the collective), True once done;
+  this also fails if an async call (after a warm-up) blocks the host until the GPU is done.
+
+Where CUDA, NCCL or (for the ``cuda`` backend) cupy is missing, the tests skip and say
+why; with ``ZCOMM_GPU_CHECK=1`` (set by ``make gpu-check``) they fail instead.
+"""
+
+from __future__ import annotations
+
+import os
+from itertools import islice
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zcomm
+from collective_checks import cases, check_case, check_plain_collectives, make_inputs
+from zcomm_cuda import unavailable_reason
+
+GPU_CHECK = os.environ.get("ZCOMM_GPU_CHECK") == "1"
+ONE_RANK = zcomm.Topology(world_size=1, local_size=1)
+BACKENDS = ("cuda", "reference")
+
+
+def _missing(backend: str | None) -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    if not dist.is_nccl_available():
+        return "this torch build has no NCCL"
+    if backend == "cuda":
+        return unavailable_reason()
+    return None
+
+
+def _require(backend: str | None = None) -> None:
+    """Skip (fail under ZCOMM_GPU_CHECK=1) unless CUDA, NCCL and what ``backend`` needs are here."""
+    reason = _missing(backend)
+    if reason is not None:
+        if GPU_CHECK:
+            pytest.fail(f"ZCOMM_GPU_CHECK=1 but {reason}")
+        pytest.skip(reason)
+
+
+def _init_nccl(bound: bool) -> torch.device:
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)
+    bind = {"device_id": device} if bound else {}
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, **bind)
+    return device
+
+
+@pytest.fixture(params=["bound", "unbound"])
+def nccl_world(request):
+    _require()
+    _init_nccl(request.param == "bound")
+    try:
+        yield request.param == "bound"
+    finally:
+        dist.destroy_process_group()
+
+
+def _use_backend(monkeypatch, backend: str) -> None:
+    _require(backend)
+    if backend == "reference":
+        monkeypatch.setenv("ZCOMM_BACKEND", "reference")
+    else:
+        monkeypatch.delenv("ZCOMM_BACKEND", raising=False)  # the device's default: cuda
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_quantized_collectives_against_torch(nccl_world, monkeypatch, backend):
+    _use_backend(monkeypatch, backend)
+    for index, case in enumerate(cases(seed=51)):
+        check_case(case, dist.group.WORLD, ONE_RANK, detect=index % 2 == 0, device="cuda")
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_counted_collectives_and_an_hpz_block(nccl_world, async_op):
+    check_plain_collectives(dist.group.WORLD, ONE_RANK, device="cuda", async_op=async_op)
+    block = zcomm.consecutive_group(None, 1)  # split from the world when it is bound
+    assert dist.get_process_group_ranks(block) == [0]
+    check_plain_collectives(block, ONE_RANK, device="cuda", async_op=async_op)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_path_gives_the_cpu_paths_bytes(monkeypatch, backend):
+    _require(backend)
+    _init_nccl(bound=False)
+    try:
+        twin = dist.new_group(backend="gloo")
+        if backend == "reference":
+            monkeypatch.setenv("ZCOMM_BACKEND", "reference")  # on both sides
+        else:
+            monkeypatch.delenv("ZCOMM_BACKEND", raising=False)  # cuda here, cpu on the twin
+        for case in islice(cases(seed=52), 6):
+            on_gpu = _both_collectives(case, dist.group.WORLD, "cuda")
+            on_cpu = _both_collectives(case, twin, "cpu")
+            for name, gpu, cpu in zip(("reduce_scatter_q4", "all_gather_q8"), on_gpu, on_cpu):
+                assert torch.equal(gpu.cpu().view(torch.uint8), cpu.view(torch.uint8)), (name, case)
+    finally:
+        dist.destroy_process_group()
+
+
+def _both_collectives(case: dict, group: dist.ProcessGroup, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    m, dtype = max(case["slice_numel"], 1) * 37, case["dtype"]
+    x = make_inputs(case["seed"], 1, m, dtype)[0].to(device)
+    reduced, gathered = torch.empty_like(x), torch.empty_like(x)
+    handles = [
+        zcomm.reduce_scatter_q4(
+            reduced, x, case["op"], group, case["async_op"], group_size=case["group_size"],
+            pipeline_stages=case["stages"], topology=ONE_RANK,
+        ),
+        zcomm.all_gather_q8(gathered, x, group, case["async_op"], group_size=case["group_size"], topology=ONE_RANK),
+    ]
+    for handle in handles:
+        if handle is not None:
+            handle.wait()
+    return reduced, gathered
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_is_completed_follows_the_gpu_not_wait(nccl_world, monkeypatch, backend):
+    _use_backend(monkeypatch, backend)
+    x = torch.randn(1 << 20, device="cuda")
+    out = torch.empty_like(x)
+    for collective in (zcomm.all_gather_q8, zcomm.reduce_scatter_q4):
+        collective(out, x, topology=ONE_RANK)  # first use compiles kernels and fills caches
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1 << 30)  # keeps the current stream, which the collective's stream waits for, busy
+        handle = collective(out, x, async_op=True, topology=ONE_RANK)
+        handle.wait()
+        assert not handle.is_completed(), f"{collective.__name__}: completed while the GPU is still sleeping"
+        torch.cuda.synchronize()
+        assert handle.is_completed(), collective.__name__
