@@ -68,6 +68,9 @@ def training_summary(results: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     job = (argv if argv is not None else sys.argv[1:]) or ["training"]
+    if job in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
     if job not in (["training"], ["collectives"]):
         print("usage: python -m bench.demo [training|collectives]", file=sys.stderr)
         return 2

@@ -4,7 +4,7 @@ Rank ``r`` runs on node ``r // local`` (node-major, as zcomm's topology expects)
 ``ip netns exec``, in its own session so that it can be signalled as a process group. It gets
 torchrun's variables, ``GLOO_SOCKET_IFNAME`` (gloo binds to the node's address; peers on the
 same node reach that address over loopback, so their traffic stays off the link),
-``ZCOMM_LOCAL_SIZE`` (zcomm's topology) and ``ZCOMM_WIRE_IFACE`` (:mod:`bench.wire`).
+``ZCOMM_LOCAL_SIZE`` (zcomm's topology) and ``ZCOMM_WIRE_IFACE`` (:mod:`bench.harness.wire`).
 
 The first rank that exits non-zero decides the exit status; the others are then terminated
 (SIGTERM, then SIGKILL after a grace period).
@@ -19,7 +19,7 @@ import subprocess
 import time
 from typing import Mapping, Sequence
 
-from ..wire import WIRE_IFACE_ENV
+from ..harness.wire import WIRE_IFACE_ENV
 from .config import ClusterConfig
 from .network import UPLINK, SimNetwork
 
