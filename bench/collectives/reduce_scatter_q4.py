@@ -25,7 +25,7 @@ def prepare(buffers: Buffers) -> tuple[Call, Check]:
 
     def check() -> int:
         terms = buffers.my_slices()
-        bound = checking.q4_two_hop_bound(terms, buffers.env.node_size, group_size, buffers.dtype)
+        bound = checking.q4_two_hop_bound(terms, buffers.env.local_size, group_size, buffers.dtype)
         return checking.count_wrong(out, torch.stack(terms).sum(dim=0), bound)
 
     run = functools.partial(zcomm.reduce_scatter_q4, out, inp, dist.ReduceOp.SUM, group_size=group_size,

@@ -4,7 +4,7 @@ Run under any launcher ``bench.harness.dist_env`` knows, e.g.::
 
     mpirun -n 4 python -m bench.collectives -b 1M -e 64M -f 2 -d bfloat16
     torchrun --nproc-per-node 8 -m bench.collectives -b 1M -e 1G -f 2 -d bfloat16
-    python -m bench.simcluster --nodes 2 --local 2 --rate 200mbit -- python -m bench.collectives ...
+    python -m bench.simcluster --num-nodes 2 --local-size 2 --rate 200mbit -- python -m bench.collectives ...
 
 Each rank works on ``cuda:LOCAL_RANK`` with NCCL when a GPU is visible, else on the CPU with
 gloo (``--device``/``--backend`` override; ``--backend gloo`` alone means the CPU). For every op and size it allocates the buffers
@@ -45,7 +45,7 @@ def _wire_counter(env: dist_env.DistEnv) -> Callable[[], int] | None:
     if read_wire_bytes() is None:
         return None
     # Every rank of a node reads the same counters: let one of them report the node's bytes.
-    return lambda: read_wire_bytes()[0] if env.local_rank == 0 else 0
+    return lambda: read_wire_bytes()[0] if env.first_in_node else 0
 
 
 def measure(case: Case, config: BenchConfig, env: dist_env.DistEnv) -> report.Row:
@@ -90,7 +90,7 @@ def run_sweep(config: BenchConfig, ctx: dist_env.DistContext) -> list[report.Row
 def _preamble(config: BenchConfig, ctx: dist_env.DistContext) -> str:
     env = ctx.env
     return (
-        f"# zcomm collectives: {env.world_size} ranks = {env.nodes} node(s) x {env.node_size} "
+        f"# zcomm collectives: {env.world_size} ranks = {env.num_nodes} node(s) x {env.local_size} "
         f"({env.launcher}), rank 0 on {ctx.device} ({ctx.backend}), "
         f"dtype {config.dtype}, iters {config.iters}, warmup {config.warmup}, "
         f"group size {config.group_size or 'zcomm default'}, torch {torch.__version__}\n"
@@ -103,7 +103,7 @@ def _print_comparison(rows: Sequence[report.Row], config: BenchConfig, env: dist
     sections = (
         ("speedup over torch", comparison.speedups(rows)),
         ("inter-node wire bytes vs a bandwidth-optimal bf16 ring", comparison.wire_ratios(
-            rows, nodes=env.nodes, ranks_per_node=env.node_size, itemsize=itemsize
+            rows, num_nodes=env.num_nodes, local_size=env.local_size, itemsize=itemsize
         )),
         ("pipelining of reduce_scatter_q4", comparison.pipelining(rows)),
     )
@@ -129,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if config.json_path:
                 report.write_json(rows, config.json_path)
             if config.plot_path:
-                report.write_plot(rows, config.plot_path, f"{env.nodes}x{env.node_size} ranks, {config.dtype}")
+                report.write_plot(rows, config.plot_path, f"{env.num_nodes}x{env.local_size} ranks, {config.dtype}")
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -47,15 +47,15 @@ def busbw_gbps(kind: str, size_bytes: int, seconds: float, nranks: int) -> float
     return algbw_gbps(size_bytes, seconds) * bus_factor(kind, nranks)
 
 
-def ring_internode_bytes(size_bytes: int, nodes: int, ranks_per_node: int) -> float:
-    """Bytes that a node-major ring over ``nodes * ranks_per_node`` ranks sends across nodes.
+def ring_internode_bytes(size_bytes: int, num_nodes: int, local_size: int) -> float:
+    """Bytes that a node-major ring over ``num_nodes * local_size`` ranks sends across nodes.
 
     Holds for a ring all-gather (``size_bytes`` = total output) and a ring reduce-scatter
     (``size_bytes`` = total input) alike: the sum over the nodes of what each sends out.
     """
-    _check_ranks(nodes)
-    _check_ranks(ranks_per_node)
-    if nodes == 1:
+    _check_ranks(num_nodes)
+    _check_ranks(local_size)
+    if num_nodes == 1:
         return 0.0
-    n = nodes * ranks_per_node
-    return nodes * (n - 1) / n * size_bytes
+    n = num_nodes * local_size
+    return num_nodes * (n - 1) / n * size_bytes

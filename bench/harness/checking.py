@@ -94,11 +94,11 @@ def q8_bound(exact: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.
     return half_step + u * (exact.abs() + half_step) + _FP32_SLACK * (exact.abs() + half_step)
 
 
-def q4_two_hop_bound(terms: list[torch.Tensor], node_size: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+def q4_two_hop_bound(terms: list[torch.Tensor], local_size: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:
     """Bound for a two-hop INT4 reduce-scatter of ``terms`` (one fp64 slice per rank, node-major)."""
     error = torch.zeros_like(terms[0])
-    for start in range(0, len(terms), node_size):
-        node = terms[start : start + node_size]
+    for start in range(0, len(terms), local_size):
+        node = terms[start : start + local_size]
         hop1 = sum(block_absmax(t, group_size, neighbours=True) / QMAX4 / 2 for t in node)
         partial = torch.stack(node).sum(dim=0)
         scale2 = (block_absmax(partial, group_size, neighbours=True) + block_absmax(hop1, group_size, neighbours=True)) / QMAX4

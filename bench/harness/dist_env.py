@@ -11,9 +11,9 @@ Launchers are recognised from their environment, in this order:
    store listens on 127.0.0.1; otherwise on rank 0's host name.
 3. Nothing: a single rank.
 
-``node_size`` is the number of ranks that count as one node, as zcomm sees it:
-``ZCOMM_LOCAL_SIZE`` when set (one machine pretending to be several nodes), else the local
-world size.
+``local_size`` is the number of ranks per node as zcomm sees them (``zcomm.Topology``'s
+``local_size``): ``ZCOMM_LOCAL_SIZE`` when set (one machine pretending to be several nodes),
+else the launcher's local world size. ``num_nodes`` is ``world_size / local_size``.
 
 Device and backend: a rank works on ``cuda:LOCAL_RANK`` (modulo the visible GPUs) when CUDA
 is available, unless gloo was asked for, else on the CPU; the backend follows the device
@@ -54,7 +54,7 @@ class DistEnv:
     world_size: int
     local_rank: int
     local_world_size: int
-    node_size: int
+    local_size: int
     launcher: str
 
     def __post_init__(self) -> None:
@@ -62,12 +62,17 @@ class DistEnv:
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
         if not 0 <= self.local_rank < self.local_world_size:
             raise ValueError(f"local rank {self.local_rank} is outside local world size {self.local_world_size}")
-        if self.node_size < 1 or self.world_size % self.node_size:
-            raise ValueError(f"world size {self.world_size} is not a multiple of the node size {self.node_size}")
+        if self.local_size < 1 or self.world_size % self.local_size:
+            raise ValueError(f"world size {self.world_size} is not a multiple of the local size {self.local_size} (ranks per node)")
 
     @property
-    def nodes(self) -> int:
-        return self.world_size // self.node_size
+    def num_nodes(self) -> int:
+        return self.world_size // self.local_size
+
+    @property
+    def first_in_node(self) -> bool:
+        """Whether this rank is its node's first (nodes are ``local_size`` consecutive ranks): it reads the node's wire counters."""
+        return self.rank % self.local_size == 0
 
 
 def _int(environ: Mapping[str, str], key: str) -> int:
@@ -77,7 +82,7 @@ def _int(environ: Mapping[str, str], key: str) -> int:
         raise ValueError(f"environment variable {key}={environ[key]!r} is not an integer") from exc
 
 
-def _node_size(environ: Mapping[str, str], local_world_size: int) -> int:
+def _local_size(environ: Mapping[str, str], local_world_size: int) -> int:
     return _int(environ, "ZCOMM_LOCAL_SIZE") if "ZCOMM_LOCAL_SIZE" in environ else local_world_size
 
 
@@ -92,21 +97,21 @@ def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
             world_size=world,
             local_rank=_int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else _int(environ, "RANK"),
             local_world_size=local_world,
-            node_size=_node_size(environ, local_world),
+            local_size=_local_size(environ, local_world),
             launcher="env",
         )
-    for launcher, (rank, size, local_rank, local_size) in _MPI_KEYS.items():
+    for launcher, (rank, size, local_rank, local_world_size) in _MPI_KEYS.items():
         if rank in environ and size in environ:
-            local_world = _int(environ, local_size) if local_size in environ else _int(environ, size)
+            local_world = _int(environ, local_world_size) if local_world_size in environ else _int(environ, size)
             return DistEnv(
                 rank=_int(environ, rank),
                 world_size=_int(environ, size),
                 local_rank=_int(environ, local_rank) if local_rank in environ else _int(environ, rank),
                 local_world_size=local_world,
-                node_size=_node_size(environ, local_world),
+                local_size=_local_size(environ, local_world),
                 launcher=launcher,
             )
-    return DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, node_size=_node_size(environ, 1), launcher="single")
+    return DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, local_size=_local_size(environ, 1), launcher="single")
 
 
 def _mpi_store(env: DistEnv) -> dist.TCPStore:

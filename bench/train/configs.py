@@ -139,12 +139,12 @@ def configs_from_impl(impls: list[str], stages: list[int]) -> list[str]:
     return names
 
 
-def _zero_optimization(config: TrainConfig, ranks_per_node: int) -> dict[str, Any]:
+def _zero_optimization(config: TrainConfig, local_size: int) -> dict[str, Any]:
     section: dict[str, Any] = {"stage": config.stage}
     if config.quantized_weights:
         section["zero_quantized_weights"] = True
     if config.hpz:
-        section["zero_hpz_partition_size"] = ranks_per_node
+        section["zero_hpz_partition_size"] = local_size
     if config.quantized_gradients:
         section["zero_quantized_gradients"] = True
     if config.quant_group_size is not None:
@@ -152,20 +152,20 @@ def _zero_optimization(config: TrainConfig, ranks_per_node: int) -> dict[str, An
     return section
 
 
-def zero_runtime_config(config: TrainConfig, *, ranks_per_node: int, bf16: bool) -> dict[str, Any]:
+def zero_runtime_config(config: TrainConfig, *, local_size: int, bf16: bool) -> dict[str, Any]:
     """The dict for ``zero_runtime.initialize``: only keys the runtime knows (it rejects others)."""
-    section = _zero_optimization(config, ranks_per_node)
+    section = _zero_optimization(config, local_size)
     if config.stage == 3:
         section["zcomm_stage3_fuse_numel"] = STAGE3_FUSE_NUMEL
     return {"zero_optimization": section, "bf16": {"enabled": bf16}}
 
 
-def deepspeed_config(config: TrainConfig, *, ranks_per_node: int, bf16: bool, micro_batch: int) -> dict[str, Any]:
+def deepspeed_config(config: TrainConfig, *, local_size: int, bf16: bool, micro_batch: int) -> dict[str, Any]:
     """The dict for ``deepspeed.initialize``; the optimizer is passed in, so allow torch's AdamW."""
     return {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
         "zero_allow_untested_optimizer": True,
-        "zero_optimization": _zero_optimization(config, ranks_per_node),
+        "zero_optimization": _zero_optimization(config, local_size),
         "bf16": {"enabled": bf16},
     }

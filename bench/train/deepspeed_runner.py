@@ -23,7 +23,7 @@ class DeepSpeedRunner:
         spec: ModelSpec,
         *,
         lr: float,
-        ranks_per_node: int,
+        local_size: int,
         bf16: bool,
         micro_batch: int,
         device: torch.device,
@@ -35,7 +35,7 @@ class DeepSpeedRunner:
         self.spec = spec
         self.device = device
         model = spec.build().to(device)
-        engine_config = deepspeed_config(config, ranks_per_node=ranks_per_node, bf16=bf16, micro_batch=micro_batch)
+        engine_config = deepspeed_config(config, local_size=local_size, bf16=bf16, micro_batch=micro_batch)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=engine_config)
 

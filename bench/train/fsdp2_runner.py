@@ -23,17 +23,17 @@ from .models import ModelSpec
 from .runner import MemoryReading, cuda_peak, model_state_nbytes
 
 
-def reshard_after_forward(config: TrainConfig, *, ranks_per_node: int, world_size: int) -> bool | int:
+def reshard_after_forward(config: TrainConfig, *, local_size: int, world_size: int) -> bool | int:
     """FSDP2's setting for ``config``: True (plain ZeRO-3) or the hpZ group size.
 
     FSDP2 accepts an int only strictly between 1 and the world size; at the ends hpZ means
     keeping whole weights (1 rank per node) or the primary sharding itself (one node).
     """
-    if not config.hpz or ranks_per_node == world_size:
+    if not config.hpz or local_size == world_size:
         return True
-    if ranks_per_node == 1:
+    if local_size == 1:
         return False
-    return ranks_per_node
+    return local_size
 
 
 class FSDP2Runner:
@@ -43,7 +43,7 @@ class FSDP2Runner:
         spec: ModelSpec,
         *,
         lr: float,
-        ranks_per_node: int,
+        local_size: int,
         world_size: int,
         bf16: bool,
         device: torch.device,
@@ -52,7 +52,7 @@ class FSDP2Runner:
         self.device = device
         mesh = init_device_mesh(device.type, (world_size,))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
-        reshard = reshard_after_forward(config, ranks_per_node=ranks_per_node, world_size=world_size)
+        reshard = reshard_after_forward(config, local_size=local_size, world_size=world_size)
         self.model = spec.build().to(device)
         for block in spec.blocks(self.model):
             fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)

@@ -89,7 +89,7 @@ class WireMeter:
     """Inter-node bytes of the measured steps, summed over nodes (see the module docstring)."""
 
     def __init__(self, ctx: DistContext) -> None:
-        self.reads = ctx.env.rank % ctx.env.node_size == 0
+        self.reads = ctx.env.first_in_node
         self.device = ctx.device
         self.tx = self.rx = 0
         self.missing = False

@@ -9,7 +9,7 @@ Rank 0 prints one table row per configuration and optionally writes JSON and PNG
 
 Launch under the simulated cluster, torchrun or anything that sets torchrun's variables::
 
-    python -m bench.simcluster --nodes 2 --local 2 --rate 200mbit -- python -m bench.train
+    python -m bench.simcluster --num-nodes 2 --local-size 2 --rate 200mbit -- python -m bench.train
     torchrun --nproc-per-node 4 -m bench.train --configs zero3 zeropp fsdp2
 
 See bench/TRAINING.md for the configurations and the columns.
@@ -44,7 +44,7 @@ def runner_factory(
 ) -> Callable[[], Runner]:
     """A callable that builds ``config``'s engine around a fresh model (seeded by the loop)."""
     env = ctx.env
-    common = dict(lr=args.lr, ranks_per_node=env.node_size, bf16=args.dtype == "bf16", device=ctx.device)
+    common = dict(lr=args.lr, local_size=env.local_size, bf16=args.dtype == "bf16", device=ctx.device)
 
     def make() -> Runner:
         if config.engine == "zero":
@@ -116,7 +116,7 @@ def report(
     args: argparse.Namespace,
 ) -> None:
     env = ctx.env
-    title = f"{env.nodes} node(s) x {env.node_size} rank(s), {args.dtype}, batch {args.batch} x {args.seq_len}"
+    title = f"{env.num_nodes} node(s) x {env.local_size} rank(s), {args.dtype}, batch {args.batch} x {args.seq_len}"
     sizes = ", ".join(f"{model} {count:,} params" for model, count in params.items() if count is not None)
     print(f"bench.train: {title}; {sizes}")
     print(
@@ -126,8 +126,8 @@ def report(
     print(format_table(rows))
     meta = {
         "world_size": env.world_size,
-        "ranks_per_node": env.node_size,
-        "nodes": env.nodes,
+        "local_size": env.local_size,
+        "num_nodes": env.num_nodes,
         "device": str(ctx.device),
         "torch": torch.__version__,
         "params": params,

@@ -21,10 +21,10 @@ from .runner import MemoryReading
 
 class ZeroRunner:
     def __init__(
-        self, config: TrainConfig, spec: ModelSpec, *, lr: float, ranks_per_node: int, bf16: bool, device: torch.device
+        self, config: TrainConfig, spec: ModelSpec, *, lr: float, local_size: int, bf16: bool, device: torch.device
     ) -> None:
         self.spec = spec
-        engine_config = zero_runtime_config(config, ranks_per_node=ranks_per_node, bf16=bf16)
+        engine_config = zero_runtime_config(config, local_size=local_size, bf16=bf16)
         optimizer_factory = functools.partial(torch.optim.AdamW, lr=lr)
         self.model, self.opt = zero_runtime.initialize(spec.build().to(device), optimizer_factory, engine_config)
         self.peak_bytes = 0

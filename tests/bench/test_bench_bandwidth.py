@@ -36,12 +36,12 @@ def test_single_rank_moves_nothing_over_the_bus():
 
 
 @pytest.mark.parametrize(
-    ("nodes", "local", "expected"),
+    ("num_nodes", "local_size", "expected"),
     [(1, 4, 0.0), (2, 1, 1.0), (2, 2, 1.5), (4, 2, 3.5), (3, 3, 3 * 8 / 9)],
 )
-def test_ring_internode_bytes(nodes, local, expected):
-    # A node-major ring: each of its `nodes` node-crossing links carries (n-1)/n of S.
-    assert ring_internode_bytes(1000, nodes, local) == pytest.approx(1000 * expected)
+def test_ring_internode_bytes(num_nodes, local_size, expected):
+    # A node-major ring: each of its `num_nodes` node-crossing links carries (n-1)/n of S.
+    assert ring_internode_bytes(1000, num_nodes, local_size) == pytest.approx(1000 * expected)
 
 
 def test_bad_arguments_are_rejected():

@@ -42,25 +42,25 @@ def test_q8_bound_holds_for_the_int8_round_trip(dtype):
     assert ((y.double() - exact).abs() / bound).max() > 0.3
 
 
-def _two_hop(slices, node_size, chunks):
+def _two_hop(slices, local_size, chunks):
     """qgZ on one destination slice: INT4 per rank (in `chunks` pieces), fp32 node sum, INT4 again, sum."""
     node_payloads = []
-    for start in range(0, len(slices), node_size):
+    for start in range(0, len(slices), local_size):
         pieces = []
         for part in range(chunks):
-            rows = torch.stack([quantize(s.chunk(chunks)[part].contiguous(), 4, GS, backend=REF) for s in slices[start : start + node_size]])
+            rows = torch.stack([quantize(s.chunk(chunks)[part].contiguous(), 4, GS, backend=REF) for s in slices[start : start + local_size]])
             pieces.append(dequant_reduce(rows, slices[0].numel() // chunks, 4, GS, backend=REF))
         node_payloads.append(quantize(torch.cat(pieces), 4, GS, backend=REF))
     return dequant_reduce(torch.stack(node_payloads), slices[0].numel(), 4, GS, dtype=slices[0].dtype, backend=REF)
 
 
-@pytest.mark.parametrize(("world", "node_size", "chunks"), [(4, 2, 1), (4, 2, 3), (4, 1, 1), (6, 3, 2)])
-def test_q4_two_hop_bound_holds(world, node_size, chunks):
+@pytest.mark.parametrize(("world", "local_size", "chunks"), [(4, 2, 1), (4, 2, 3), (4, 1, 1), (6, 3, 2)])
+def test_q4_two_hop_bound_holds(world, local_size, chunks):
     numel = 2 * 3 * 97  # not a multiple of the group size: groups of the chunks start off the grid
     slices = [checking.chunk(5, r, 0, numel, torch.bfloat16) for r in range(world)]
     terms = [s.to(torch.float64) for s in slices]
-    y = _two_hop(slices, node_size, chunks)
-    bound = checking.q4_two_hop_bound(terms, node_size, GS, torch.bfloat16)
+    y = _two_hop(slices, local_size, chunks)
+    bound = checking.q4_two_hop_bound(terms, local_size, GS, torch.bfloat16)
     assert checking.count_wrong(y, torch.stack(terms).sum(dim=0), bound) == 0
 
 

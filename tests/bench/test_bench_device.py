@@ -26,7 +26,7 @@ META = torch.device("meta")
 
 def _env(rank: int = 0, world: int = 2, local_rank: int | None = None) -> DistEnv:
     return DistEnv(rank=rank, world_size=world, local_rank=rank if local_rank is None else local_rank,
-                   local_world_size=world, node_size=world, launcher="env")  # fmt: skip
+                   local_world_size=world, local_size=world, launcher="env")  # fmt: skip
 
 
 @pytest.mark.parametrize(

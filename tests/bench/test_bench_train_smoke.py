@@ -30,14 +30,14 @@ def _free_port() -> int:
 
 
 def _launch(args: list[str], tmp_path: Path, base_env: dict[str, str], *, world_size: int = 2,
-            ranks_per_node: int = 2) -> tuple[dict, str]:
+            local_size: int = 2) -> tuple[dict, str]:
     port = _free_port()
     procs = []
     for rank in range(world_size):
         env = {key: value for key, value in base_env.items() if not key.startswith("ZCOMM_WIRE")}
         env.update(
             RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", ZCOMM_LOCAL_SIZE=str(ranks_per_node),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", ZCOMM_LOCAL_SIZE=str(local_size),
         )
         command = [sys.executable, "-m", "bench.train", *args, "--json", str(tmp_path / "out.json"),
                    "--plot-dir", str(tmp_path / "plots")]
@@ -71,9 +71,9 @@ def test_fsdp2_and_skips_two_ranks(tmp_path: Path, checkout_env: dict[str, str])
     # Two "nodes" of one rank each, so fsdp2-hpz keeps whole weights after forward
     # (reshard_after_forward=False) while fsdp2 reshards them.
     args = ["--configs", "fsdp2", "fsdp2-hpz", "deepspeed-z3", "--model", "tinygpt", "hf-gpt2", *TINY]
-    result, stdout = _launch(args, tmp_path, checkout_env, ranks_per_node=1)
+    result, stdout = _launch(args, tmp_path, checkout_env, local_size=1)
     rows = {(row["config"], row["model"]): row for row in result["results"]}
-    assert result["meta"]["world_size"] == 2 and result["meta"]["nodes"] == 2
+    assert result["meta"]["world_size"] == 2 and result["meta"]["num_nodes"] == 2
     params = result["meta"]["params"]["tinygpt"]
     for config in ("fsdp2", "fsdp2-hpz"):
         row = rows[(config, "tinygpt")]
@@ -118,14 +118,14 @@ def test_zero_configs_two_ranks(tmp_path: Path, checkout_env: dict[str, str]) ->
 @pytest.mark.root
 def test_simulated_cluster_counts_wire_bytes(tmp_path: Path, checkout_env: dict[str, str], simcluster_host: None) -> None:
     out = tmp_path / "out.json"
-    command = [sys.executable, "-m", "bench.simcluster", "--nodes", "2", "--local", "1", "--rate", "100mbit", "--",
+    command = [sys.executable, "-m", "bench.simcluster", "--num-nodes", "2", "--local-size", "1", "--rate", "100mbit", "--",
                sys.executable, "-m", "bench.train", "--configs", "fsdp2", "fsdp2-hpz", *TINY, "--json", str(out)]
     proc = subprocess.run(command, cwd=tmp_path, env=checkout_env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     rows = {row["config"]: row for row in result["results"]}
     params = result["meta"]["params"]["tinygpt"]
-    assert result["meta"]["nodes"] == 2
+    assert result["meta"]["num_nodes"] == 2
     for row in rows.values():
         assert row["status"] == "ok"
         # At least the forward all-gather and the gradient reduction of bf16 weights cross:

@@ -29,20 +29,23 @@ def test_parse_rate_rejects(text):
 
 
 def test_parse_config_takes_the_command_after_the_dashes():
-    config = parse_config(["--nodes", "2", "--local", "3", "--rate", "200mbit", "--delay", "1ms", "--", "python", "-V"])
-    assert config == ClusterConfig(nodes=2, local=3, rate_bps=200_000_000, delay="1ms", command=("python", "-V"))
+    config = parse_config(["--num-nodes", "2", "--local-size", "3", "--rate", "200mbit", "--delay", "1ms", "--", "python", "-V"])
+    assert config == ClusterConfig(num_nodes=2, local_size=3, rate_bps=200_000_000, delay="1ms", command=("python", "-V"))
     assert config.world_size == 6
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--nodes", "0", "--local", "1", "--rate", "1mbit", "--", "true"], "--nodes"),
-        (["--nodes", "2", "--local", "0", "--rate", "1mbit", "--", "true"], "--local"),
-        (["--nodes", "2", "--local", "1", "--rate", "1mbit", "--delay", "soon", "--", "true"], "--delay"),
-        (["--nodes", "2", "--local", "1", "--rate", "quick", "--", "true"], "rate"),
-        (["--nodes", "2", "--local", "1", "--rate", "1mbit"], "no command"),
-        (["--local", "1", "--rate", "1mbit", "--", "true"], "--nodes"),
+        (["--num-nodes", "0", "--local-size", "1", "--rate", "1mbit", "--", "true"], "--num-nodes"),
+        (["--num-nodes", "2", "--local-size", "0", "--rate", "1mbit", "--", "true"], "--local-size"),
+        (["--num-nodes", "2", "--local-size", "1", "--rate", "1mbit", "--delay", "soon", "--", "true"], "--delay"),
+        (["--num-nodes", "2", "--local-size", "1", "--rate", "quick", "--", "true"], "rate"),
+        (["--num-nodes", "2", "--local-size", "1", "--rate", "1mbit"], "no command"),
+        (["--local-size", "1", "--rate", "1mbit", "--", "true"], "--num-nodes"),
+        (["--nodes", "2", "--local-size", "1", "--rate", "1mbit", "--", "true"], "--nodes was renamed --num-nodes"),
+        (["--num-nodes", "2", "--local", "1", "--rate", "1mbit", "--", "true"], "--local was renamed --local-size"),
+        (["--num-nodes", "2", "--rate", "1mbit", "--local", "--", "true"], "--local was renamed --local-size"),
     ],
 )
 def test_parse_config_rejects(argv, message, capsys):
@@ -54,7 +57,7 @@ def test_parse_config_rejects(argv, message, capsys):
 
 def test_not_root_is_refused_plainly(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    config = ClusterConfig(nodes=2, local=1, rate_bps=10**6, command=("true",))
+    config = ClusterConfig(num_nodes=2, local_size=1, rate_bps=10**6, command=("true",))
     assert launcher.launch(config) == 2
     assert "needs root" in capsys.readouterr().err
 
@@ -66,7 +69,7 @@ def test_missing_iproute2_is_refused_plainly(monkeypatch):
 
 
 def test_rank_env_is_node_major_and_torchrun_style():
-    config = ClusterConfig(nodes=2, local=2, rate_bps=10**6, command=("true",))
+    config = ClusterConfig(num_nodes=2, local_size=2, rate_bps=10**6, command=("true",))
     env = rank_env(config, 3, "10.213.0.1", 23456, {"PMI_RANK": "0", "KEEP": "1"})
     assert env["RANK"] == "3" and env["WORLD_SIZE"] == "4"
     assert env["LOCAL_RANK"] == "1" and env["LOCAL_WORLD_SIZE"] == "2" and env["ZCOMM_LOCAL_SIZE"] == "2"
@@ -101,7 +104,7 @@ def _ours(pid: int) -> list[str]:
 
 
 def _launch(tmp_path, env, *command, **kwargs):
-    argv = [sys.executable, "-m", "bench.simcluster", "--nodes", "2", "--local", "1", "--rate", "100mbit", "--", *command]
+    argv = [sys.executable, "-m", "bench.simcluster", "--num-nodes", "2", "--local-size", "1", "--rate", "100mbit", "--", *command]
     return subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
 

@@ -12,13 +12,13 @@ from bench.train.report import format_table
 
 
 def test_zero_runtime_configs_carry_exactly_the_zeropp_keys() -> None:
-    assert zero_runtime_config(CONFIGS["zero1"], ranks_per_node=2, bf16=True) == {
+    assert zero_runtime_config(CONFIGS["zero1"], local_size=2, bf16=True) == {
         "zero_optimization": {"stage": 1},
         "bf16": {"enabled": True},
     }
     # Stage 3 also gets the unit-fusion threshold (zcomm's own key, not a ZeRO++ one).
     fuse = {"zcomm_stage3_fuse_numel": STAGE3_FUSE_NUMEL}
-    assert zero_runtime_config(CONFIGS["zeropp"], ranks_per_node=4, bf16=False)["zero_optimization"] == {
+    assert zero_runtime_config(CONFIGS["zeropp"], local_size=4, bf16=False)["zero_optimization"] == {
         "stage": 3,
         "zero_quantized_weights": True,
         "zero_hpz_partition_size": 4,
@@ -26,7 +26,7 @@ def test_zero_runtime_configs_carry_exactly_the_zeropp_keys() -> None:
         **fuse,
     }
     alone = {
-        name: zero_runtime_config(CONFIGS[name], ranks_per_node=2, bf16=True)["zero_optimization"]
+        name: zero_runtime_config(CONFIGS[name], local_size=2, bf16=True)["zero_optimization"]
         for name in ("zero3+qwz", "zero3+hpz", "zero3+qgz")
     }
     assert alone == {
@@ -34,14 +34,14 @@ def test_zero_runtime_configs_carry_exactly_the_zeropp_keys() -> None:
         "zero3+hpz": {"stage": 3, "zero_hpz_partition_size": 2, **fuse},
         "zero3+qgz": {"stage": 3, "zero_quantized_gradients": True, **fuse},
     }
-    tensorscale = zero_runtime_config(CONFIGS["zeropp-tensorscale"], ranks_per_node=2, bf16=True)
+    tensorscale = zero_runtime_config(CONFIGS["zeropp-tensorscale"], local_size=2, bf16=True)
     assert tensorscale["zero_optimization"]["zcomm_quant_group_size"] == "tensor"
-    g128 = zero_runtime_config(CONFIGS["zeropp-g128"], ranks_per_node=2, bf16=True)
+    g128 = zero_runtime_config(CONFIGS["zeropp-g128"], local_size=2, bf16=True)
     assert g128["zero_optimization"]["zcomm_quant_group_size"] == 128
 
 
 def test_deepspeed_config_has_its_batch_and_optimizer_keys() -> None:
-    config = deepspeed_config(CONFIGS["deepspeed-z3-hpz"], ranks_per_node=8, bf16=True, micro_batch=2)
+    config = deepspeed_config(CONFIGS["deepspeed-z3-hpz"], local_size=8, bf16=True, micro_batch=2)
     assert config["train_micro_batch_size_per_gpu"] == 2
     assert config["zero_allow_untested_optimizer"] is True
     assert config["zero_optimization"] == {"stage": 3, "zero_hpz_partition_size": 8}
@@ -72,11 +72,11 @@ def test_cli_selects_issue5_and_issue6_spellings() -> None:
         chosen_configs(parser.parse_args(["--configs", "zero3", "--impl", "zero"]))
 
 
-@pytest.mark.parametrize(("ranks_per_node", "world_size", "expected"), [(2, 4, 2), (4, 4, True), (1, 4, False)])
-def test_fsdp2_hpz_reshards_to_the_node(ranks_per_node: int, world_size: int, expected: bool | int) -> None:
-    got = reshard_after_forward(CONFIGS["fsdp2-hpz"], ranks_per_node=ranks_per_node, world_size=world_size)
+@pytest.mark.parametrize(("local_size", "world_size", "expected"), [(2, 4, 2), (4, 4, True), (1, 4, False)])
+def test_fsdp2_hpz_reshards_to_the_node(local_size: int, world_size: int, expected: bool | int) -> None:
+    got = reshard_after_forward(CONFIGS["fsdp2-hpz"], local_size=local_size, world_size=world_size)
     assert got is expected if isinstance(expected, bool) else got == expected
-    assert reshard_after_forward(CONFIGS["fsdp2"], ranks_per_node=2, world_size=4) is True
+    assert reshard_after_forward(CONFIGS["fsdp2"], local_size=2, world_size=4) is True
 
 
 def test_table_shows_measured_values_and_skip_notes() -> None:
