@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 
 import zcomm
-from zcomm.all_gather_q8 import DEFAULT_GROUP_SIZE
+from zcomm.all_gather_q8 import DEFAULT_GROUP_SIZE  # the op's own default; zcomm has no public name for it yet
 
 from bench.harness import checking
 from bench.harness.collective import Buffers, Call, Check, Collective

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import zcomm
-from zcomm.reduce_scatter_q4 import DEFAULT_GROUP_SIZE
+from zcomm.reduce_scatter_q4 import DEFAULT_GROUP_SIZE  # the op's own default; zcomm has no public name for it yet
 
 from bench.harness import checking
 from bench.harness.collective import Buffers, Call, Check, Collective
