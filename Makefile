@@ -2,8 +2,13 @@
 # [Note: torch install] A machine that already has torch (e.g. a CUDA build on a GPU box) keeps it:
 # the venv then sees the system site-packages. Otherwise torch is pinned to 2.13.0, the CPU build
 # served locally on the CI/dev machines, so setup never pulls a multi-GB CUDA wheel there.
-# The `hf` extra (transformers) lets the tests train an unmodified Hugging Face GPT-2; the
+# Both install zcomm with the extras they need (see setup.cfg): `mpi` (mpirun, mpi4py) and
+# `bench` (tqdm, matplotlib) for the benchmark suites the demo and the tests run, `hf`
+# (transformers) so the tests train an unmodified Hugging Face GPT-2, `dev` (pytest). The
 # `peers` extra (DeepSpeed) is left to users who want its rows in bench.train.
+# [Note: bench from the checkout] `bench` is not installed into the venv: the demo runs it
+# with the checkout on PYTHONPATH (so do its child processes), pytest through setup.cfg's
+# `pythonpath = .`.
 # [Note: gpu-check python] `make gpu-check` needs no venv and installs nothing: GPU machines
 # have no package registry, so it runs the checkout (PYTHONPATH) with the interpreter that
 # holds the machine's CUDA torch and cupy, python3 unless GPU_PYTHON names another. It exits
@@ -14,6 +19,7 @@ STAMP := $(VENV)/.zcomm-installed
 PYTEST_ARGS ?=
 GPU_PYTHON ?= python3
 GPU_CHECK_ARGS ?=
+CHECKOUT_PYTHONPATH = PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}"
 
 .PHONY: demo test install clean-venv nvcc-check gpu-check
 
@@ -26,20 +32,20 @@ $(STAMP): setup.cfg pyproject.toml
 	fi
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c 'import torch' >/dev/null 2>&1 || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,hf]'
+	$(PY) -m pip install -q -e '.[dev,hf,mpi,bench]'
 	touch $@
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	$(PY) -m bench.demo
+	$(CHECKOUT_PYTHONPATH) $(PY) -m bench.demo
 
 nvcc-check: $(STAMP)
 	$(PY) -m pytest tests/test_cuda_compile.py -q
 
 gpu-check:
-	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS)
+	$(CHECKOUT_PYTHONPATH) $(GPU_PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -24,9 +24,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .harness.checkout import checkout_environment
 from .simcluster.launcher import missing_prerequisite
 
-NODES, LOCAL, RATE = 2, 2, "200mbit"
+NUM_NODES, LOCAL_SIZE, RATE = 2, 2, "200mbit"
 COLLECTIVES = ("-m", "bench.collectives", "-b", "1M", "-e", "64M", "-f", "2", "-n", "2", "-w", "1",
                "-d", "bfloat16", "--stages", "1,4")  # fmt: skip
 TRAIN_CONFIGS = ("zero3", "zeropp", "fsdp2")
@@ -37,15 +38,16 @@ TRAINING = ("-m", "bench.train", "--configs", *TRAIN_CONFIGS, "--d-model", "256"
 def command(job: tuple[str, ...], simulated: bool) -> list[str]:
     ranks = [sys.executable, *job]
     if simulated:
-        launcher = [sys.executable, "-m", "bench.simcluster", "--nodes", str(NODES), "--local", str(LOCAL), "--rate", RATE]
+        launcher = [sys.executable, "-m", "bench.simcluster", "--num-nodes", str(NUM_NODES), "--local-size", str(LOCAL_SIZE),
+                    "--rate", RATE]  # fmt: skip
         return [*launcher, "--", *ranks]
     mpirun = Path(sys.executable).parent / "mpirun"
-    return [str(mpirun) if mpirun.exists() else "mpirun", "-n", str(NODES * LOCAL), *ranks]
+    return [str(mpirun) if mpirun.exists() else "mpirun", "-n", str(NUM_NODES * LOCAL_SIZE), *ranks]
 
 
 def _run(argv: list[str]) -> int:
     print("$ " + " ".join(argv), flush=True)
-    env = dict(os.environ, ZCOMM_LOCAL_SIZE=str(LOCAL))
+    env = dict(checkout_environment(os.environ), ZCOMM_LOCAL_SIZE=str(LOCAL_SIZE))
     return subprocess.run(argv, env=env, check=False).returncode
 
 
@@ -68,6 +70,9 @@ def training_summary(results: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     job = (argv if argv is not None else sys.argv[1:]) or ["training"]
+    if job in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
     if job not in (["training"], ["collectives"]):
         print("usage: python -m bench.demo [training|collectives]", file=sys.stderr)
         return 2

@@ -6,7 +6,7 @@ For one input of ``--numel`` elements per dtype and device, each op runs once to
 timed ``--repeats`` times into preallocated outputs (``out=``); the median is reported. A
 sample is one call on the CPU, timed with the host clock, and the mean of
 ``CUDA_CALLS_PER_SAMPLE`` back-to-back calls on a GPU, timed with CUDA events on the current
-stream (``bench.timing.clock_for``), so no launch gap or host sync sits between the calls.
+stream (``bench.harness.timing.clock_for``), so no launch gap or host sync sits between the calls.
 The reference, which compiles nothing, gets no warm-up and ``--reference-repeats`` samples
 on the CPU, as its calls on 64M elements take seconds.
 
@@ -37,9 +37,8 @@ from typing import Callable
 import torch
 
 import zcomm.quant as q
-from zcomm.quant import registry
-
-from .timing import Clock, clock_for
+from bench.harness.flags import parse_size
+from bench.harness.timing import Clock, clock_for
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _PERM = (7, 6, 5, 4, 3, 2, 1, 0)  # reorder_quantize: 8 slices reversed, as a ring all-to-all would
@@ -138,15 +137,26 @@ def _op_cases(x: torch.Tensor, backend: str, group_size: int) -> list[tuple[str,
     return cases
 
 
+def _backend_devices() -> dict[str, frozenset[str]]:
+    """Each backend's device types.
+
+    zcomm has no public name for this yet (``zcomm.quant.available_backends()`` gives the
+    names and whether each loads): this is the one place bench reads it from the registry.
+    """
+    from zcomm.quant.registry import BACKENDS
+
+    return {name: devices for name, (_, devices) in BACKENDS.items()}
+
+
 def _backends(device: torch.device, wanted: list[str] | None) -> tuple[list[str], list[str]]:
     """(backends to run on ``device``, printed reasons for those skipped).
 
     ``wanted`` None means every backend registered for the device, skipping those that
     cannot load here; a backend named in ``wanted`` that cannot load is an error.
     """
-    status = registry.available_backends()
+    status = q.available_backends()
     run, skipped = [], []
-    for name, (_, devices) in registry.BACKENDS.items():
+    for name, devices in _backend_devices().items():
         if device.type not in devices or (wanted is not None and name not in wanted):
             continue
         if status[name] == "ok":
@@ -290,10 +300,10 @@ def _environment() -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.splitlines()[0])
-    parser.add_argument("--numel", type=int, default=64 << 20, help="elements of the input (default 64M)")
+    parser.add_argument("--numel", type=parse_size, default="64M", help="elements of the input (K/M/G: powers of 1024; default 64M)")
     parser.add_argument("--dtype", nargs="+", choices=sorted(_DTYPES), default=["fp32"], help="one table per dtype")
     parser.add_argument("--device", nargs="+", choices=("cpu", "cuda"), help="default: cpu, and cuda when a GPU is visible")
-    parser.add_argument("--backends", nargs="+", choices=sorted(registry.BACKENDS), help="default: every backend that can run")
+    parser.add_argument("--backends", nargs="+", choices=sorted(_backend_devices()), help="default: every backend that can run")
     parser.add_argument("--group-size", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5, help="timed samples per op (median reported)")
     parser.add_argument("--reference-repeats", type=int, default=1, help="timed calls per reference op on the CPU")

@@ -12,7 +12,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from bench.models import MLP, GPTConfig, TinyGPT
+from bench.train.models import MLP, GPTConfig, TinyGPT
 
 GPT = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=2)
 GLOBAL_BATCH = 8

@@ -30,7 +30,8 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-REPO = Path(__file__).resolve().parents[2]
+from bench.harness.checkout import REPO, checkout_environment
+
 TOTAL_BUDGET_S = 570.0
 GPU_CHECK_ENV = "ZCOMM_GPU_CHECK"
 # The CUDA test files gpu-check runs; any that is missing fails the stage by name.
@@ -41,7 +42,6 @@ CUDA_TESTS = (
     "tests/test_collectives_cuda.py",
     "tests/test_zero_cuda.py",
 )
-COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_to_all", "all_gather_q8", "reduce_scatter_q4")
 TRAIN_CONFIGS = ("zero1", "zero2", "zero3", "zeropp")
 # Variables that would change what the stages test (a forced backend, a pretend node size).
 CLEARED_ENV = ("ZCOMM_BACKEND", "ZCOMM_LOCAL_SIZE")
@@ -92,8 +92,7 @@ class StageResult:
 
 def stage_environment(base: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
     """``base`` with the checkout first on ``PYTHONPATH``, unbuffered output, ``CLEARED_ENV`` removed, ``extra`` added."""
-    env = {key: value for key, value in base.items() if key not in CLEARED_ENV}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), base.get("PYTHONPATH", "")) if p)
+    env = checkout_environment({key: value for key, value in base.items() if key not in CLEARED_ENV})
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
@@ -189,10 +188,13 @@ def _verify_collectives(out_dir: Path) -> list[str]:
     path = out_dir / "collectives.json"
     if not path.exists():
         return ["bench.collectives wrote no collectives.json"]
+    # Imported here: the driver must be able to say "no GPU" on an interpreter without torch.
+    from bench.collectives.catalog import ALL_OPS
+
     rows = json.loads(path.read_text())
     problems = [f"{row['op']} at {row['size_bytes']} B: #wrong = {row['wrong']}" for row in rows if row["wrong"]]
     ran = {row["op"].split(":")[0] for row in rows}
-    problems += [f"{op}: no row" for op in COLLECTIVE_OPS if op not in ran]
+    problems += [f"{op}: no row" for op in ALL_OPS if op not in ran]
     return problems
 
 
@@ -214,7 +216,7 @@ def _verify_training(out_dir: Path) -> list[str]:
 
 
 def _launcher(python: str, gpus: int) -> list[str]:
-    """One process for one GPU (``bench.dist_env``'s single-rank launcher), else torchrun with a rank per GPU."""
+    """One process for one GPU (``bench.harness.dist_env``'s single-rank launcher), else torchrun with a rank per GPU."""
     if gpus <= 1:
         return [python, "-m"]
     return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}", "-m"]

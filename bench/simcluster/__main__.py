@@ -1,4 +1,4 @@
-"""``python -m bench.simcluster --nodes N --local L --rate R [--delay D] -- CMD ...``"""
+"""``python -m bench.simcluster --num-nodes N --local-size L --rate R [--delay D] -- CMD ...``"""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""What cluster to simulate: nodes, ranks per node, link rate and delay, and the command."""
+"""What cluster to simulate: number of nodes, ranks per node (local size), link rate and delay, and the command."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 import re
 from typing import Sequence
+
+from ..harness.flags import add_renamed_flag
 
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 _RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$", re.IGNORECASE)
@@ -26,19 +28,19 @@ def parse_rate(text: str) -> int:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
-    """``nodes`` namespaces of ``local`` ranks each; every node's link limited to ``rate_bps`` both ways."""
+    """``num_nodes`` namespaces of ``local_size`` ranks each; every node's link limited to ``rate_bps`` both ways."""
 
-    nodes: int
-    local: int
+    num_nodes: int
+    local_size: int
     rate_bps: int
     delay: str | None = None
     command: tuple[str, ...]
 
     def __post_init__(self) -> None:
-        if not 1 <= self.nodes <= MAX_NODES:
-            raise ValueError(f"--nodes must be in 1..{MAX_NODES}, got {self.nodes}")
-        if self.local < 1:
-            raise ValueError(f"--local must be >= 1, got {self.local}")
+        if not 1 <= self.num_nodes <= MAX_NODES:
+            raise ValueError(f"--num-nodes must be in 1..{MAX_NODES}, got {self.num_nodes}")
+        if self.local_size < 1:
+            raise ValueError(f"--local-size must be >= 1, got {self.local_size}")
         if self.rate_bps < 8000:
             raise ValueError(f"rate must be at least 8000 bit/s, got {self.rate_bps}")
         if self.delay is not None and not _DELAY_RE.match(self.delay):
@@ -48,17 +50,19 @@ class ClusterConfig:
 
     @property
     def world_size(self) -> int:
-        return self.nodes * self.local
+        return self.num_nodes * self.local_size
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench.simcluster",
-        description="Run CMD as nodes x local ranks on a simulated cluster of network namespaces (needs root).",
-        usage="%(prog)s --nodes N --local L --rate 200mbit [--delay 1ms] -- CMD ...",
+        description="Run CMD as num-nodes x local-size ranks on a simulated cluster of network namespaces (needs root).",
+        usage="%(prog)s --num-nodes N --local-size L --rate 200mbit [--delay 1ms] -- CMD ...",
     )
-    parser.add_argument("--nodes", type=int, required=True, help="number of simulated nodes")
-    parser.add_argument("--local", type=int, required=True, help="ranks per node")
+    parser.add_argument("--num-nodes", type=int, required=True, help="number of simulated nodes")
+    parser.add_argument("--local-size", type=int, required=True, help="ranks per node (zcomm's local_size)")
+    add_renamed_flag(parser, "--nodes", "--num-nodes")
+    add_renamed_flag(parser, "--local", "--local-size")
     parser.add_argument("--rate", required=True, help="each node's link rate, both directions (tc units: 200mbit)")
     parser.add_argument("--delay", help="one-way delay added to each node's link (tc netem, e.g. 1ms)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
@@ -72,7 +76,11 @@ def parse_config(argv: Sequence[str] | None = None) -> ClusterConfig:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
         return ClusterConfig(
-            nodes=args.nodes, local=args.local, rate_bps=parse_rate(args.rate), delay=args.delay, command=tuple(command)
+            num_nodes=args.num_nodes,
+            local_size=args.local_size,
+            rate_bps=parse_rate(args.rate),
+            delay=args.delay,
+            command=tuple(command),
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -56,7 +56,7 @@ def _signals_raise() -> Iterator[None]:
 
 def _report(network: SimNetwork) -> None:
     total = 0
-    for node in range(network.config.nodes):
+    for node in range(network.config.num_nodes):
         tx, rx = network.counters(node)
         total += tx
         print(f"# simcluster node {node} ({network.node_addr(node)}): {tx} bytes sent, {rx} bytes received on its link")

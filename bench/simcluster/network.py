@@ -106,7 +106,7 @@ class SimNetwork:
         self._add_ns(self.bridge_ns)
         _run("ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
         _run("ip", "-n", self.bridge_ns, "link", "set", "br0", "addrgenmode", "none", "up")
-        for node in range(self.config.nodes):
+        for node in range(self.config.num_nodes):
             ns, port = self.node_ns(node), f"p{node}"
             self._add_ns(ns)
             _run("ip", "-n", ns, "link", "add", UPLINK, "type", "veth", "peer", "name", port, "netns", self.bridge_ns)

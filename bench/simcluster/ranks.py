@@ -1,10 +1,10 @@
 """Start the ranks inside their nodes' namespaces and supervise them.
 
-Rank ``r`` runs on node ``r // local`` (node-major, as zcomm's topology expects) through
+Rank ``r`` runs on node ``r // local_size`` (node-major, as zcomm's topology expects) through
 ``ip netns exec``, in its own session so that it can be signalled as a process group. It gets
 torchrun's variables, ``GLOO_SOCKET_IFNAME`` (gloo binds to the node's address; peers on the
 same node reach that address over loopback, so their traffic stays off the link),
-``ZCOMM_LOCAL_SIZE`` (zcomm's topology) and ``ZCOMM_WIRE_IFACE`` (:mod:`bench.wire`).
+``ZCOMM_LOCAL_SIZE`` (zcomm's topology) and ``ZCOMM_WIRE_IFACE`` (:mod:`bench.harness.wire`).
 
 The first rank that exits non-zero decides the exit status; the others are then terminated
 (SIGTERM, then SIGKILL after a grace period).
@@ -19,7 +19,7 @@ import subprocess
 import time
 from typing import Mapping, Sequence
 
-from ..wire import WIRE_IFACE_ENV
+from ..harness.wire import WIRE_IFACE_ENV
 from .config import ClusterConfig
 from .network import UPLINK, SimNetwork
 
@@ -38,13 +38,13 @@ def rank_env(config: ClusterConfig, rank: int, master_addr: str, master_port: in
     env.update(
         RANK=str(rank),
         WORLD_SIZE=str(config.world_size),
-        LOCAL_RANK=str(rank % config.local),
-        LOCAL_WORLD_SIZE=str(config.local),
-        GROUP_RANK=str(rank // config.local),
+        LOCAL_RANK=str(rank % config.local_size),
+        LOCAL_WORLD_SIZE=str(config.local_size),
+        GROUP_RANK=str(rank // config.local_size),
         MASTER_ADDR=master_addr,
         MASTER_PORT=str(master_port),
         GLOO_SOCKET_IFNAME=UPLINK,
-        ZCOMM_LOCAL_SIZE=str(config.local),
+        ZCOMM_LOCAL_SIZE=str(config.local_size),
         **{WIRE_IFACE_ENV: UPLINK},
     )
     return env
@@ -63,7 +63,7 @@ def start(network: SimNetwork, command: Sequence[str]) -> list[subprocess.Popen]
     procs = []
     for rank in range(config.world_size):
         env = rank_env(config, rank, network.node_addr(0), port, os.environ)
-        argv = ["ip", "netns", "exec", network.node_ns(rank // config.local), *command]
+        argv = ["ip", "netns", "exec", network.node_ns(rank // config.local_size), *command]
         procs.append(subprocess.Popen(argv, env=env, start_new_session=True))
     return procs
 

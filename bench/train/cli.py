@@ -1,0 +1,68 @@
+"""Command-line flags of ``python -m bench.train``: what to compare, model shape and data, training, output."""
+
+from __future__ import annotations
+
+import argparse
+
+from .configs import CONFIGS, TrainConfig, configs_from_impl, select_configs
+from .data import VOCAB_SIZE
+from .loop import LoopSettings
+from .models import MODELS, GPTConfig
+
+DEFAULT_CONFIGS = ("zero3", "zeropp", "fsdp2")
+DESCRIPTION = "The same training under several ZeRO/ZeRO++/FSDP2/DeepSpeed setups (see bench/TRAINING.md)."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.train", description=DESCRIPTION)
+    choose = parser.add_argument_group("what to compare")
+    listing = ", ".join(f"{c.name} ({c.summary})" for c in CONFIGS.values())
+    choose.add_argument("--configs", nargs="+", metavar="NAME", help=f"default: {' '.join(DEFAULT_CONFIGS)}. {listing}")
+    choose.add_argument(
+        "--impl", nargs="+", choices=("zero", "fsdp2", "deepspeed"), help="issue 5's spelling of --configs"
+    )
+    choose.add_argument("--stage", nargs="+", type=int, default=[3], help="ZeRO stages for --impl zero")
+    choose.add_argument("--model", nargs="+", choices=MODELS, default=["tinygpt"])
+    shape = parser.add_argument_group("model and data")
+    shape.add_argument("--seq-len", type=int, default=128, help="predicted tokens per sequence")
+    shape.add_argument("--d-model", type=int, default=128)
+    shape.add_argument("--n-layers", type=int, default=4)
+    shape.add_argument("--n-heads", type=int, default=4)
+    shape.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="compute/communication precision")
+    loop = parser.add_argument_group("training")
+    loop.add_argument("--steps", type=int, default=40)
+    loop.add_argument("--warmup", type=int, default=5, help="steps left out of time and wire bytes")
+    loop.add_argument("--batch", type=int, default=8, help="global batch in sequences")
+    loop.add_argument("--lr", type=float, default=1e-3)
+    loop.add_argument("--seed", type=int, default=0)
+    loop.add_argument("--eval-every", type=int, default=0, help="validate every N steps (0: only at the end)")
+    loop.add_argument("--eval-batches", type=int, default=4, help="global batches of the validation set")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", metavar="PATH", help="write the rows and run metadata as JSON")
+    out.add_argument("--plot-dir", metavar="DIR", help="write loss_vs_step.png and step_time.png")
+    return parser
+
+
+def chosen_configs(args: argparse.Namespace) -> list[TrainConfig]:
+    if args.impl and args.configs:
+        raise ValueError("give either --configs or --impl/--stage, not both")
+    names = configs_from_impl(args.impl, args.stage) if args.impl else (args.configs or list(DEFAULT_CONFIGS))
+    return select_configs(names)
+
+
+def loop_settings(args: argparse.Namespace) -> LoopSettings:
+    return LoopSettings(
+        steps=args.steps,
+        warmup=args.warmup,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        seed=args.seed,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+    )
+
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    """The shape of every ``--model``, over the byte vocabulary of the data."""
+    return GPTConfig(vocab_size=VOCAB_SIZE, seq_len=args.seq_len, d_model=args.d_model, n_heads=args.n_heads,
+                     n_layers=args.n_layers)  # fmt: skip

@@ -1,0 +1,171 @@
+"""The named training configurations of ``python -m bench.train`` and their engine configs.
+
+A configuration names *what* is compared (ZeRO stage, which ZeRO++ options, which peer
+implementation); ``zero_runtime_config`` and ``deepspeed_config`` turn it into the
+DeepSpeed-style dict each engine reads. Every configuration trains the same model on the
+same data with the same seed, so the table compares communication strategies only.
+
+The ZeRO++ options map onto DeepSpeed's key names under ``zero_optimization``:
+``zero_quantized_weights`` (qwZ), ``zero_hpz_partition_size`` (hpZ, set to the ranks per
+node so backward gathers stay inside a node) and ``zero_quantized_gradients`` (qgZ).
+``zeropp-tensorscale`` is the ablation of the ZeRO++ paper's Figure 14: ZeRO++ with one
+quantization scale per communicated tensor instead of per block, through the zcomm key
+``zcomm_quant_group_size`` (``TENSOR_SCALE``), which DeepSpeed does not have.
+``zeropp-g128`` is ZeRO++ with 128 elements per scale for both quantized collectives (zcomm's
+defaults are 2048 for INT8 and 512 for INT4): finer blocks, ~5% more qgZ bytes, closer loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Engine = Literal["zero", "fsdp2", "deepspeed"]
+
+QUANT_GROUP_SIZE_KEY = "zcomm_quant_group_size"
+TENSOR_SCALE = "tensor"
+# zero_runtime's stage 3 gathers any module of at most this many parameter elements as one
+# unit: a whole block of the bench models (TinyGPT's is 198k), the same units as FSDP2's
+# per-block fully_shard, instead of dozens of per-module collectives (see PERFORMANCE.md).
+STAGE3_FUSE_NUMEL = 250_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One row of the comparison.
+
+    Args:
+        name: the ``--configs`` name.
+        engine: ``zero`` (this project's zero_runtime), ``fsdp2`` (torch ``fully_shard``)
+            or ``deepspeed``.
+        stage: ZeRO stage 1-3 (FSDP2 is always fully sharded, i.e. stage 3).
+        quantized_weights: qwZ, INT8 blocked all-gather of weights in forward.
+        hpz: secondary weight partition inside each node (FSDP2: ``reshard_after_forward``
+            set to the ranks per node).
+        quantized_gradients: qgZ, INT4 two-hop reduce-scatter of gradients.
+        quant_group_size: elements per quantization scale for qwZ and qgZ, ``TENSOR_SCALE``
+            for one scale per tensor (the ablation), or None for zcomm's defaults.
+        summary: one line for ``--help`` and TRAINING.md.
+    """
+
+    name: str
+    engine: Engine
+    stage: int = 3
+    quantized_weights: bool = False
+    hpz: bool = False
+    quantized_gradients: bool = False
+    quant_group_size: int | str | None = None
+    summary: str
+
+    def __post_init__(self) -> None:
+        if self.engine not in ("zero", "fsdp2", "deepspeed"):
+            raise ValueError(f"{self.name}: unknown engine {self.engine!r}")
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"{self.name}: stage must be 1, 2 or 3, got {self.stage}")
+        uses_zeropp = self.quantized_weights or self.hpz or self.quantized_gradients
+        if uses_zeropp and self.stage != 3:
+            raise ValueError(f"{self.name}: the ZeRO++ options need stage 3")
+        if self.quant_group_size is not None and not (self.quantized_weights or self.quantized_gradients):
+            raise ValueError(f"{self.name}: quant_group_size needs qwZ or qgZ")
+        if self.engine == "fsdp2" and (self.quantized_weights or self.quantized_gradients or self.stage != 3):
+            raise ValueError(f"{self.name}: FSDP2 has no quantized collectives and is always stage 3")
+
+
+def _configs(*configs: TrainConfig) -> dict[str, TrainConfig]:
+    return {config.name: config for config in configs}
+
+
+CONFIGS: dict[str, TrainConfig] = _configs(
+    TrainConfig(name="zero1", engine="zero", stage=1, summary="ZeRO stage 1: optimizer states partitioned"),
+    TrainConfig(name="zero2", engine="zero", stage=2, summary="ZeRO stage 2: + gradients partitioned"),
+    TrainConfig(name="zero3", engine="zero", stage=3, summary="ZeRO stage 3: + parameters partitioned"),
+    TrainConfig(name="zero3+qwz", engine="zero", quantized_weights=True, summary="stage 3 + INT8 weight all-gather"),
+    TrainConfig(name="zero3+hpz", engine="zero", hpz=True, summary="stage 3 + per-node secondary weights"),
+    TrainConfig(name="zero3+qgz", engine="zero", quantized_gradients=True, summary="stage 3 + INT4 2-hop grad RS"),
+    TrainConfig(
+        name="zeropp",
+        engine="zero",
+        quantized_weights=True,
+        hpz=True,
+        quantized_gradients=True,
+        summary="ZeRO++: qwZ + hpZ + qgZ",
+    ),
+    TrainConfig(
+        name="zeropp-tensorscale",
+        engine="zero",
+        quantized_weights=True,
+        hpz=True,
+        quantized_gradients=True,
+        quant_group_size=TENSOR_SCALE,
+        summary="ZeRO++ with one scale per tensor (Figure 14 ablation)",
+    ),
+    TrainConfig(
+        name="zeropp-g128",
+        engine="zero",
+        quantized_weights=True,
+        hpz=True,
+        quantized_gradients=True,
+        quant_group_size=128,
+        summary="ZeRO++ with 128 elements per quantization scale",
+    ),
+    TrainConfig(name="fsdp2", engine="fsdp2", summary="torch fully_shard, bf16 MixedPrecisionPolicy"),
+    TrainConfig(name="fsdp2-hpz", engine="fsdp2", hpz=True, summary="fully_shard, reshard_after_forward=ranks/node"),
+    TrainConfig(name="deepspeed-z3", engine="deepspeed", summary="DeepSpeed ZeRO-3 (needs deepspeed)"),
+    TrainConfig(name="deepspeed-z3-hpz", engine="deepspeed", hpz=True, summary="DeepSpeed ZeRO-3 + hpZ"),
+)
+
+
+def select_configs(names: list[str]) -> list[TrainConfig]:
+    """The configurations named, in the order given; unknown or repeated names are errors."""
+    unknown = [name for name in names if name not in CONFIGS]
+    if unknown:
+        raise ValueError(f"unknown configuration(s) {unknown}; choose from {sorted(CONFIGS)}")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"configuration(s) {repeated} named more than once")
+    return [CONFIGS[name] for name in names]
+
+
+def configs_from_impl(impls: list[str], stages: list[int]) -> list[str]:
+    """Issue 5's spelling: ``--impl zero fsdp2 --stage 1 2 3`` is zero1, zero2, zero3, fsdp2."""
+    names: list[str] = []
+    for impl in impls:
+        if impl == "zero":
+            names.extend(f"zero{stage}" for stage in stages)
+        elif impl in ("fsdp2", "deepspeed"):
+            names.append("fsdp2" if impl == "fsdp2" else "deepspeed-z3")
+        else:
+            raise ValueError(f"unknown --impl {impl!r}; choose from zero, fsdp2, deepspeed")
+    return names
+
+
+def _zero_optimization(config: TrainConfig, local_size: int) -> dict[str, Any]:
+    section: dict[str, Any] = {"stage": config.stage}
+    if config.quantized_weights:
+        section["zero_quantized_weights"] = True
+    if config.hpz:
+        section["zero_hpz_partition_size"] = local_size
+    if config.quantized_gradients:
+        section["zero_quantized_gradients"] = True
+    if config.quant_group_size is not None:
+        section[QUANT_GROUP_SIZE_KEY] = config.quant_group_size
+    return section
+
+
+def zero_runtime_config(config: TrainConfig, *, local_size: int, bf16: bool) -> dict[str, Any]:
+    """The dict for ``zero_runtime.initialize``: only keys the runtime knows (it rejects others)."""
+    section = _zero_optimization(config, local_size)
+    if config.stage == 3:
+        section["zcomm_stage3_fuse_numel"] = STAGE3_FUSE_NUMEL
+    return {"zero_optimization": section, "bf16": {"enabled": bf16}}
+
+
+def deepspeed_config(config: TrainConfig, *, local_size: int, bf16: bool, micro_batch: int) -> dict[str, Any]:
+    """The dict for ``deepspeed.initialize``; the optimizer is passed in, so allow torch's AdamW."""
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": _zero_optimization(config, local_size),
+        "bf16": {"enabled": bf16},
+    }

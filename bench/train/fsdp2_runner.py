@@ -1,0 +1,79 @@
+"""PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``) as a training engine.
+
+Each repeated block of the model is one FSDP unit and the root module holds the rest (the
+tied embedding/LM head, final norm), as torchtitan wraps a transformer. Mixed precision is
+FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16)``: fp32 sharded master weights, bf16
+gathered weights and gradient reduction. FSDP2's form of hpZ is ``reshard_after_forward``
+given as an int: after forward each unit keeps its weights sharded over that many ranks
+(the ranks of one node), so the backward all-gather stays inside the node.
+
+Peak memory: ``torch.cuda.max_memory_allocated`` on GPU; on CPU, where torch keeps no
+allocator statistics, the model-state bytes this rank holds (sharded parameters, gradients
+and AdamW states) after the optimizer step, which is what memory_report() counts for ZeRO.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from .configs import TrainConfig
+from .models import ModelSpec
+from .runner import MemoryReading, cuda_peak, model_state_nbytes
+
+
+def reshard_after_forward(config: TrainConfig, *, local_size: int, world_size: int) -> bool | int:
+    """FSDP2's setting for ``config``: True (plain ZeRO-3) or the hpZ group size.
+
+    FSDP2 accepts an int only strictly between 1 and the world size; at the ends hpZ means
+    keeping whole weights (1 rank per node) or the primary sharding itself (one node).
+    """
+    if not config.hpz or local_size == world_size:
+        return True
+    if local_size == 1:
+        return False
+    return local_size
+
+
+class FSDP2Runner:
+    def __init__(
+        self,
+        config: TrainConfig,
+        spec: ModelSpec,
+        *,
+        lr: float,
+        local_size: int,
+        world_size: int,
+        bf16: bool,
+        device: torch.device,
+    ) -> None:
+        self.spec = spec
+        self.device = device
+        mesh = init_device_mesh(device.type, (world_size,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
+        reshard = reshard_after_forward(config, local_size=local_size, world_size=world_size)
+        self.model = spec.build().to(device)
+        for block in spec.blocks(self.model):
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(self.model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.peak_bytes = 0
+
+    def train_step(self, tokens: torch.Tensor) -> float:
+        loss = self.spec.loss(self.model, tokens)
+        loss.backward()
+        self.opt.step()
+        if self.device.type == "cpu":
+            self.peak_bytes = max(self.peak_bytes, model_state_nbytes(self.opt))
+        self.opt.zero_grad()
+        return loss.item()
+
+    @torch.no_grad()
+    def eval_loss(self, tokens: torch.Tensor) -> float:
+        return self.spec.loss(self.model, tokens).item()
+
+    def memory(self) -> MemoryReading:
+        if self.device.type == "cuda":
+            return cuda_peak(self.device)
+        return MemoryReading(self.peak_bytes, "model states held (params+grads+AdamW, local shards)")

@@ -1,0 +1,142 @@
+"""The training comparison's run: every configuration on every model, one after another, in one launch.
+
+Every rank runs every requested configuration: it re-seeds, rebuilds the model and
+optimizer under the configuration's engine, trains ``--steps`` steps on the same global
+batches of byte-level standard-library source (:mod:`.data`), validates on the fixed
+held-out files, and measures step time, inter-node wire bytes and memory (:mod:`.loop`).
+Rank 0 prints one table row per configuration and optionally writes JSON and PNGs
+(:mod:`.report`).
+
+Launch under the simulated cluster, torchrun or anything that sets torchrun's variables::
+
+    python -m bench.simcluster --num-nodes 2 --local-size 2 --rate 200mbit -- python -m bench.train
+    torchrun --nproc-per-node 4 -m bench.train --configs zero3 zeropp fsdp2
+
+See bench/TRAINING.md for the configurations and the columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from bench.harness import dist_env
+from bench.harness.dist_env import DistContext
+
+from .cli import build_parser, chosen_configs, loop_settings, model_config
+from .configs import TrainConfig
+from .data import ByteCorpus, TextDataConfig
+from .deepspeed_runner import DeepSpeedRunner
+from .fsdp2_runner import FSDP2Runner
+from .loop import ConfigResult, LoopSettings, run_config
+from .models import GPTConfig, ModelSpec, model_spec
+from .report import format_table, write_json, write_plots
+from .runner import Runner, Unavailable
+from .zero_runner import ZeroRunner
+
+
+def runner_factory(
+    config: TrainConfig, spec: ModelSpec, ctx: DistContext, args: argparse.Namespace
+) -> Callable[[], Runner]:
+    """A callable that builds ``config``'s engine around a fresh model (seeded by the loop)."""
+    env = ctx.env
+    common = dict(lr=args.lr, local_size=env.local_size, bf16=args.dtype == "bf16", device=ctx.device)
+
+    def make() -> Runner:
+        if config.engine == "zero":
+            return ZeroRunner(config, spec, **common)
+        if config.engine == "fsdp2":
+            return FSDP2Runner(config, spec, world_size=env.world_size, **common)
+        return DeepSpeedRunner(config, spec, micro_batch=args.batch // env.world_size, **common)
+
+    return make
+
+
+def run_model(
+    model: str,
+    shape: GPTConfig,
+    configs: list[TrainConfig],
+    settings: LoopSettings,
+    corpus: ByteCorpus,
+    ctx: DistContext,
+    args: argparse.Namespace,
+) -> tuple[list[ConfigResult], int | None]:
+    """All configurations on one model; returns the rows and the model's parameter count."""
+    try:
+        spec = model_spec(model, shape)
+    except Unavailable as note:
+        return [ConfigResult(config=c.name, model=model, status="skipped", note=str(note)) for c in configs], None
+    rows = []
+    for config in configs:
+        _progress(ctx, f"{model}: {config.name}")
+        try:
+            rows.append(run_config(config.name, model, runner_factory(config, spec, ctx, args), corpus, ctx, settings))
+        except Unavailable as note:
+            rows.append(ConfigResult(config=config.name, model=model, status="skipped", note=str(note)))
+    return rows, sum(p.numel() for p in spec.build().parameters())
+
+
+def _progress(ctx: DistContext, message: str) -> None:
+    if ctx.env.rank == 0:
+        print(f"[bench.train] {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        configs = chosen_configs(args)
+        settings, shape = loop_settings(args), model_config(args)
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+    ctx = dist_env.join(dist_env.detect())
+    if args.batch % ctx.env.world_size:
+        parser.error(f"--batch {args.batch} does not split evenly over {ctx.env.world_size} ranks")
+    corpus = ByteCorpus(TextDataConfig(seq_len=args.seq_len))
+    rows: list[ConfigResult] = []
+    params: dict[str, int | None] = {}
+    for model in args.model:
+        model_rows, params[model] = run_model(model, shape, configs, settings, corpus, ctx, args)
+        rows.extend(model_rows)
+    if ctx.env.rank == 0:
+        report(rows, params, corpus, ctx, args)
+    dist.destroy_process_group()
+    return 0
+
+
+def report(
+    rows: list[ConfigResult],
+    params: dict[str, int | None],
+    corpus: ByteCorpus,
+    ctx: DistContext,
+    args: argparse.Namespace,
+) -> None:
+    env = ctx.env
+    title = f"{env.num_nodes} node(s) x {env.local_size} rank(s), {args.dtype}, batch {args.batch} x {args.seq_len}"
+    sizes = ", ".join(f"{model} {count:,} params" for model, count in params.items() if count is not None)
+    print(f"bench.train: {title}; {sizes}")
+    print(
+        f"data: stdlib sources, {len(corpus.train_files)} train files ({corpus.train.size:,} bytes), "
+        f"{len(corpus.val_files)} validation files ({corpus.val.size:,} bytes)"
+    )
+    print(format_table(rows))
+    meta = {
+        "world_size": env.world_size,
+        "local_size": env.local_size,
+        "num_nodes": env.num_nodes,
+        "device": str(ctx.device),
+        "torch": torch.__version__,
+        "params": params,
+        "train_bytes": int(corpus.train.size),
+        "val_bytes": int(corpus.val.size),
+        "args": vars(args),
+    }
+    if args.json:
+        write_json(args.json, rows, meta)
+    if args.plot_dir:
+        for path in write_plots(args.plot_dir, rows, title):
+            print(f"wrote {path}")
