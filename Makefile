@@ -6,6 +6,10 @@
 # `bench` (tqdm, matplotlib) for the benchmark suites the demo and the tests run, `hf`
 # (transformers) so the tests train an unmodified Hugging Face GPT-2, `dev` (pytest). The
 # `peers` extra (DeepSpeed) is left to users who want its rows in bench.train.
+# [Note: NVRTC on CPU machines] cupy and NVRTC (about 160 MB) are installed even without a GPU:
+# NVRTC compiles without a device, so the tests check the PTX of the loader's own compile call
+# under hostile flags (tests of zcomm_cuda's flag-proof arithmetic). A machine whose python
+# already has cupy (a GPU box) keeps its own.
 # [Note: bench from the checkout] `bench` is not installed into the venv: the demo runs it
 # with the checkout on PYTHONPATH (so do its child processes), pytest through setup.cfg's
 # `pythonpath = .`.
@@ -33,6 +37,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c 'import torch' >/dev/null 2>&1 || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev,hf,mpi,bench]'
+	$(PY) -c 'import cupy' >/dev/null 2>&1 || $(PY) -m pip install -q 'cupy-cuda13x>=14' 'nvidia-cuda-nvrtc==13.0.*'
 	touch $@
 
 test: $(STAMP)
@@ -42,7 +47,7 @@ demo: $(STAMP)
 	$(CHECKOUT_PYTHONPATH) $(PY) -m bench.demo
 
 nvcc-check: $(STAMP)
-	$(PY) -m pytest tests/test_cuda_compile.py -q
+	$(PY) -m pytest -q tests/test_cuda_compile.py tests/test_cuda_host_math.py tests/test_cuda_launch_abi.py
 
 gpu-check:
 	$(CHECKOUT_PYTHONPATH) $(GPU_PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS)
