@@ -1,5 +1,5 @@
 """The runtime on fake CUDA tensors and a CUDA-only fake process group (see [Note: fake
-CUDA] in ``zero_fake_cuda``); run by ``python -m tests.zero_fake_cuda``, checked by
+CUDA] in ``zero_fake_cuda``); run by ``python tests/runtime/zero_fake_cuda.py``, checked by
 ``test_zero_fake_cuda.py``.
 
 Each case returns what it observed, as JSON: where the runtime's tensors live (device
@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 import zcomm
 import zero_runtime
-from tests.zero_fake_cuda import FAKE_NCCL, RANK, WORLD, fake_cuda
-from tests.zero_workloads import global_batch, local_slice, loss_of, make_model, make_optimizer
+from zero_fake_cuda import FAKE_NCCL, RANK, WORLD, fake_cuda
+from zero_workloads import global_batch, local_slice, loss_of, make_model, make_optimizer
 
 CUDA = torch.device("cuda", 0)
 ONE_NODE = zcomm.Topology(world_size=WORLD, local_size=WORLD)

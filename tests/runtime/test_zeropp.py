@@ -33,8 +33,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.zero_harness import run
-from tests.zero_workloads import global_batch, local_slice, loss_of, make_model, make_optimizer, zero_steps
+from zero_harness import run
+from zero_workloads import global_batch, local_slice, loss_of, make_model, make_optimizer, zero_steps
 
 WORLD = 4
 HPZ = {"zero_hpz_partition_size": 2}

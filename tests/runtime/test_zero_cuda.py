@@ -43,8 +43,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.zero_harness import run
-from tests.zero_workloads import global_batch, local_slice, loss_of, make_model, make_optimizer
+from zero_harness import run
+from zero_workloads import global_batch, local_slice, loss_of, make_model, make_optimizer
 
 FP32_RTOL, FP16_RTOL, ZEROPP_RTOL = 1e-4, 1e-2, 1e-3
 STEPS = 4

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.zero_harness import run
-from tests.zero_workloads import global_batch, local_slice, loss_of, make_model, make_optimizer, zero_steps
+from zero_harness import run
+from zero_workloads import global_batch, local_slice, loss_of, make_model, make_optimizer, zero_steps
 
 CHECKPOINTED = {  # name -> (model, config); resumed in fresh processes
     "gpt-s3-bf16": ("gpt", {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}),
@@ -237,7 +237,7 @@ def test_fp16_overflow_on_one_rank_skips_everywhere_and_halves_scale(runs):
 
 @pytest.mark.slow
 def test_memory_report_matches_formulas_within_padding(runs):
-    from tests.zero_workloads import GPT
+    from zero_workloads import GPT
 
     model = make_model("gpt")
     psi = sum(p.numel() for p in model.parameters())  # the tied weight counts once
