@@ -86,7 +86,7 @@ class ZeroConfig:
     ``fuse_numel`` (stage 3, zcomm key ``zcomm_stage3_fuse_numel``, in elements): a module
     whose subtree holds at most this many parameter elements is gathered as one unit, e.g. a
     whole transformer block, instead of one unit per module (0, the default); see
-    [Note: fused units] in ``partition``.
+    [Note: fused units] in ``_partition``.
     """
 
     stage: int = 2

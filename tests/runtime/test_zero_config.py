@@ -9,7 +9,7 @@ import pytest
 from zcomm import Topology
 from zero_runtime import ZeroConfig
 from zero_runtime.estimate import hpz_estimate, main, stage_estimate
-from zero_runtime.hpz_gather import hpz_block_topology
+from zero_runtime._hpz_gather import hpz_block_topology
 
 
 def test_deepspeed_dict_maps_to_fields(tmp_path):
@@ -88,8 +88,8 @@ def test_zeropp_config_errors(zero, message):
 @pytest.mark.parametrize("world, local, size, message", [
     (4, 2, 3, "3 must divide the world size 4"),
     (8, 2, 16, "16 must divide the world size 8"),
-    (6, 3, 2, "must divide the ranks per node \\(3\\) or be a multiple of it"),
-    (12, 3, 4, "must divide the ranks per node \\(3\\) or be a multiple of it"),
+    (6, 3, 2, "must divide the ranks per node \\(local_size 3\\) or be a multiple of it"),
+    (12, 3, 4, "must divide the ranks per node \\(local_size 3\\) or be a multiple of it"),
 ])
 def test_hpz_partition_size_must_divide_the_world_and_line_up_with_nodes(world, local, size, message):
     with pytest.raises(ValueError, match=message):

@@ -167,7 +167,7 @@ def _train_and_save(rank: int, world: int, root: str) -> dict:
 
 
 def _resume(rank: int, world: int, root: str) -> dict:
-    from zero_runtime.checkpoint import CheckpointError
+    from zero_runtime import CheckpointError
 
     results = {}
     for name, (kind, config) in CHECKPOINTED.items():
@@ -194,7 +194,7 @@ def _resume(rank: int, world: int, root: str) -> dict:
 
 
 def _single_rank_loads(rank: int, world: int, root: str) -> list[str]:
-    from zero_runtime.checkpoint import CheckpointError
+    from zero_runtime import CheckpointError
 
     model, opt = _initialize("gpt", CHECKPOINTED["gpt-s3-bf16"][1])
     messages = []

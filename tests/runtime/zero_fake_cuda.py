@@ -24,7 +24,7 @@ allocates nothing, see its header). It must be loaded before torch is imported, 
 cases run in a fresh interpreter: ``python tests/runtime/zero_fake_cuda.py SHIM OUT`` (SHIM is
 ``-`` on a machine with a usable CUDA build, which needs no shim), which writes one JSON
 object with each case's observations or traceback to OUT. The runtime's sanctioned host
-reads (``zero_runtime.host_sync.read_flag``) cannot run on fake tensors; a case that expects
+reads (``zero_runtime._host_sync.read_flag``) cannot run on fake tensors; a case that expects
 them scripts their answers and counts them (``fake_cuda(flags=...)``).
 """
 
@@ -86,7 +86,7 @@ def run_cases(shim: Path | None, out: Path, timeout: float) -> dict[str, Any]:
 
 
 class HostReads:
-    """Stands in for ``zero_runtime.host_sync.read_flag``: answers from a script, checks the
+    """Stands in for ``zero_runtime._host_sync.read_flag``: answers from a script, checks the
     flag it is asked about lives on the fake GPU, and counts the calls."""
 
     def __init__(self, answers: list[bool]) -> None:
@@ -141,12 +141,12 @@ def fake_cuda(flags: list[bool] | None = None) -> Iterator[dict[str, Any]]:
     audit = _device_audit()
     with contextlib.ExitStack() as stack:
         if flags is not None:
-            from zero_runtime import host_sync
+            from zero_runtime import _host_sync
 
             reads = HostReads(flags)
-            original = host_sync.read_flag
-            host_sync.read_flag = reads
-            stack.callback(setattr, host_sync, "read_flag", original)
+            original = _host_sync.read_flag
+            _host_sync.read_flag = reads
+            stack.callback(setattr, _host_sync, "read_flag", original)
             probe["host_reads"] = reads.devices
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         stack.enter_context(audit)

@@ -4,7 +4,7 @@ CUDA] in ``zero_fake_cuda``); run by ``python tests/runtime/zero_fake_cuda.py``,
 
 Each case returns what it observed, as JSON: where the runtime's tensors live (device
 strings), the device-to-host copies the audit saw, the host reads the runtime made through
-``host_sync.read_flag``, and counters. The rank is rank 0 of a world of 2 (the fake group
+``_host_sync.read_flag``, and counters. The rank is rank 0 of a world of 2 (the fake group
 moves no data, so values are meaningless and never inspected; only placement, host reads
 and control flow are).
 """
@@ -137,14 +137,12 @@ def harness_has_teeth() -> dict[str, Any]:
 def missing_checkpoint() -> dict[str, Any]:
     """A load that fails validation agrees over the group (a CUDA flag on an NCCL group) and
     raises ``CheckpointError``; this rank's own failure needs no host read."""
-    from zero_runtime.checkpoint import CheckpointError
-
     with fake_cuda(flags=[]) as probe:
         model, opt = zero_runtime.initialize(_cuda_model("mlp"), make_optimizer(), {}, topology=ONE_NODE)
         try:
             opt.load_checkpoint(tempfile.mkdtemp() + "/absent")
             raised = None
-        except CheckpointError as err:
+        except zero_runtime.CheckpointError as err:
             raised = str(err)
         return {"raised": raised, **_audit(probe)}
 
@@ -157,8 +155,6 @@ def checkpoint_roundtrip() -> dict[str, Any]:
     No step follows the load here: a loaded ``step`` counter is a fake CPU tensor without a
     value, which torch's AdamW reads on the host (cheaply: it is on the CPU). Training on
     after a load is checked on CPU (``test_zero_runtime``) and on a GPU (``test_zero_cuda``)."""
-    from zero_runtime.checkpoint import CheckpointError
-
     cpu_group = dist.new_group([RANK], backend="gloo")
     gpu_group = dist.new_group([RANK], backend=FAKE_NCCL)
     config = {"zero_optimization": {"stage": 2}}
@@ -179,7 +175,7 @@ def checkpoint_roundtrip() -> dict[str, Any]:
         try:
             opt.load_checkpoint(root)
             rejected = None
-        except CheckpointError as err:
+        except zero_runtime.CheckpointError as err:
             rejected = str(err)
         return {"fresh": fresh, "loaded": loaded, "oracle_optimizer": _torch_adamw_state(), "rejected": rejected,
                 **_audit(probe)}
