@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 import zcomm
+from zcomm.quant import QuantSpec
 
 from ._api import AllGather, ReduceScatter
 from ._hpz_gather import HpzGather
@@ -131,12 +132,12 @@ def build_comm_plan(config: ZeroConfig, group: dist.ProcessGroup, topology: zcom
     plain = PlainAllGather(group, topology)
     forward: AllGather = plain
     if config.quantized_weights:
-        forward = QuantizedAllGather(group, topology, group_size=config.quant_group_size)
+        forward = QuantizedAllGather(group, topology, spec=QuantSpec(bits=8, group_size=config.quant_group_size))
     backward: AllGather = plain
     if config.hpz_partition_size > 1:
         backward = HpzGather(group, topology, partition_size=config.hpz_partition_size, primary=plain)
     reduce: ReduceScatter = PlainReduceScatter(group, topology)
     if config.quantized_gradients:
-        reduce = QuantizedReduceScatter(group, topology, group_size=config.quant_group_size)
+        reduce = QuantizedReduceScatter(group, topology, spec=QuantSpec(bits=4, group_size=config.quant_group_size))
     return CommPlan(group=group, forward_gather=forward, backward_gather=backward, reduce_scatter=reduce,
                     device=device, topology=topology)

@@ -9,10 +9,14 @@
   per gradient bucket (hierarchical: INT4 within the node, the node's fp32 partial sum
   re-quantized to INT4 across nodes), a quarter of the inter-node bytes of a bf16 ring.
 
-[Note: quantized scale handling] Both collectives are called with ``op`` SUM (reduce-scatter) and the
-runtime divides the reduced shard by the world size afterwards, exactly as on the plain
-path (``_grad_reduce``), so there is one averaging rule for every configuration and it
-divides by the number of ranks, never the number of nodes. Quantization scales are fp32
+Each holds a ``zcomm.quant.QuantSpec`` of its width built from ``zcomm_quant_group_size``;
+the spec turns ``"tensor"`` into the concrete group size of each payload
+(``QuantSpec.group_size_for``), which is what the collectives take.
+
+[Note: quantized scale handling] Both collectives are called with ``op`` SUM
+(reduce-scatter) and the runtime divides the reduced shard by the world size afterwards,
+exactly as on the plain path (``_grad_reduce``), so there is one averaging rule for every
+configuration and it divides by the number of ranks, never the number of nodes. Quantization scales are fp32
 and travel inside each payload; with ``zcomm_quant_group_size: "tensor"`` a payload (one
 rank's shard for qwZ, one all-to-all row of a bucket for qgZ) has a single scale.
 
@@ -29,29 +33,19 @@ import torch
 import torch.distributed as dist
 
 import zcomm
+from zcomm.quant import QuantSpec
 
 from ._api import AllGather, Handle, Phase, ReduceScatter
-from .config import QuantGroupSize
-
-
-def resolved_group_size(setting: QuantGroupSize, payload_numel: int, *, even: bool) -> int | None:
-    """The ``group_size`` argument for a zcomm collective whose payload has ``payload_numel``
-    elements: None (zcomm's default), the configured int, or, for "tensor", one group
-    covering the whole payload (rounded up to even for INT4, at least 2)."""
-    if setting != "tensor":
-        return setting
-    size = max(2, payload_numel)
-    return size + size % 2 if even else size
 
 
 class QuantizedAllGather(AllGather):
     """qwZ: INT8 blocked all-gather of a unit's shards (forward only)."""
 
-    def __init__(self, group: dist.ProcessGroup, topology: zcomm.Topology, *,
-                 group_size: QuantGroupSize = None) -> None:
+    def __init__(self, group: dist.ProcessGroup, topology: zcomm.Topology, *, spec: QuantSpec) -> None:
+        assert spec.bits == 8, spec
         self.group = group
         self.topology = topology
-        self.group_size = group_size
+        self.spec = spec
 
     def __call__(self, output: torch.Tensor, input: torch.Tensor, *, unit: Hashable, phase: Phase) -> Handle:
         # [Note: quantize early] all_gather_q8 returns as soon as its chain (quantize, inter- and
@@ -61,19 +55,18 @@ class QuantizedAllGather(AllGather):
         # CUDA, while the current unit's bytes are on the wire. ``output`` is written only by the
         # chain, and read or freed only after the handle's wait().
         return zcomm.all_gather_q8(output, input, group=self.group, async_op=True, topology=self.topology,
-                                   group_size=resolved_group_size(self.group_size, input.numel(), even=False))
+                                   group_size=self.spec.group_size_for(input.numel()))
 
 
 class QuantizedReduceScatter(ReduceScatter):
     """qgZ: one hierarchical INT4 ``reduce_scatter_q4`` (SUM) per gradient bucket."""
 
-    def __init__(self, group: dist.ProcessGroup, topology: zcomm.Topology, *,
-                 group_size: QuantGroupSize = None) -> None:
+    def __init__(self, group: dist.ProcessGroup, topology: zcomm.Topology, *, spec: QuantSpec) -> None:
+        assert spec.bits == 4, spec
         self.group = group
         self.topology = topology
-        self.group_size = group_size
+        self.spec = spec
 
     def __call__(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
         return zcomm.reduce_scatter_q4(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True,
-                                       topology=self.topology,
-                                       group_size=resolved_group_size(self.group_size, input.numel(), even=True))
+                                       topology=self.topology, group_size=self.spec.group_size_for(input.numel()))
