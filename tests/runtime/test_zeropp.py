@@ -302,7 +302,7 @@ def test_memory_report_counts_the_hpz_secondary_as_the_estimator_does(results):
     for rank_results in results:
         traffic = rank_results["traffic"]
         secondary = traffic["memory"][3]
-        assert secondary == hpz_estimate(params=traffic["padded_numel"], ranks=WORLD, partition_size=2).secondary
+        assert secondary == hpz_estimate(params=traffic["padded_numel"], world_size=WORLD, partition_size=2).secondary
 
 
 @pytest.mark.slow
