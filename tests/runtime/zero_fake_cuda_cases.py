@@ -20,7 +20,7 @@ import torch.distributed as dist
 import zcomm
 import zero_runtime
 from zero_fake_cuda import FAKE_NCCL, RANK, WORLD, fake_cuda
-from zero_workloads import global_batch, local_slice, loss_of, make_model, make_optimizer
+from zero_workloads import global_batch, local_slice, loss_of, make_model, make_optimizer, optimizer_state_placement
 
 CUDA = torch.device("cuda", 0)
 ONE_NODE = zcomm.Topology(world_size=WORLD, local_size=WORLD)
@@ -45,23 +45,13 @@ def _devices(tensors) -> list[str]:
     return sorted({str(t.device) for t in tensors})
 
 
-def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, list[str]]:
-    """Per state key: the devices and dtypes of its tensors."""
-    found: dict[str, set[str]] = {}
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                found.setdefault(key, set()).add(f"{value.device}/{value.dtype}")
-    return {key: sorted(values) for key, values in found.items()}
-
-
 def _torch_adamw_state() -> dict[str, list[str]]:
     """The oracle for optimizer state placement: plain torch AdamW, one step, on a CUDA parameter."""
     param = torch.nn.Parameter(torch.zeros(4, device=CUDA))
     param.grad = torch.ones(4, device=CUDA)
     optimizer = make_optimizer()([param])
     optimizer.step()
-    return _optimizer_state(optimizer)
+    return optimizer_state_placement(optimizer)
 
 
 def _placement(opt) -> dict[str, Any]:
@@ -78,7 +68,7 @@ def _placement(opt) -> dict[str, Any]:
         "parameters": _devices(opt.model.parameters()),
         "secondaries": _devices(s.buffer for s in secondaries.values()),
         "full_state_dict": _devices(full.values()),
-        "optimizer": _optimizer_state(opt.optimizer),
+        "optimizer": optimizer_state_placement(opt.optimizer),
         "memory_total": opt.memory_report().total,
     }
 
@@ -169,7 +159,7 @@ def checkpoint_roundtrip() -> dict[str, Any]:
         model, opt = zero_runtime.initialize(_cuda_model("mlp"), make_optimizer(), config, group=gpu_group,
                                              topology=SINGLE)
         _train("mlp", model, opt, range(1), ranks=1)
-        fresh = _optimizer_state(opt.optimizer)
+        fresh = optimizer_state_placement(opt.optimizer)
         opt.load_checkpoint(root)
         loaded = {**_placement(opt), "global_step": opt.global_step}
         try:
