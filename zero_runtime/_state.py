@@ -1,9 +1,9 @@
 """``TrainingState``: what a run has learned, apart from how it computes and communicates.
 
 Checkpointing (``_checkpoint``) saves and restores it and memory reporting (``_memory``)
-measures it; neither sees the optimizer wrapper, its hooks or its schedulers. ``optimizer``
-owns one instance and updates its counters; the comm plan, the gradient reducer and the
-stage-3 scheduler act on the same units but are not part of it.
+measures it; neither sees ``ZeroOptimizer``, its hooks or its schedulers. ``ZeroOptimizer``
+owns one and updates its counters; the comm plan, the gradient reducer and the stage-3
+scheduler act on the same units but are not part of it.
 """
 
 from __future__ import annotations
