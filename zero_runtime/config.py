@@ -13,10 +13,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
+from zcomm.quant import QuantSpec
+
 Precision = Literal["fp32", "bf16", "fp16"]
-# Elements per quantization scale: an even int >= 2, or "tensor" (one scale per communicated
-# shard or bucket, the ZeRO++ paper's non-blocked ablation); None keeps zcomm's defaults.
+# Elements per quantization scale, as ``zcomm.quant.QuantSpec.group_size`` takes it: an int
+# valid for both INT8 and INT4 (even, >= 2), or "tensor" (one scale per communicated shard
+# or bucket row, the ZeRO++ paper's non-blocked ablation); None keeps zcomm's defaults.
 QuantGroupSize = int | Literal["tensor"] | None
+# The widths ``zcomm_quant_group_size`` applies to: qwZ's INT8 weights, qgZ's INT4 gradients.
+_QUANT_BITS = (8, 4)
 
 # DeepSpeed key -> ZeroConfig/LossScaleConfig field, per section.
 _ZERO_KEYS = {
@@ -86,7 +91,7 @@ class ZeroConfig:
     ``fuse_numel`` (stage 3, zcomm key ``zcomm_stage3_fuse_numel``, in elements): a module
     whose subtree holds at most this many parameter elements is gathered as one unit, e.g. a
     whole transformer block, instead of one unit per module (0, the default); see
-    [Note: fused units] in ``partition``.
+    [Note: fused units] in ``_partition``.
     """
 
     stage: int = 2
@@ -134,12 +139,17 @@ class ZeroConfig:
         self._check_quant_group_size()
 
     def _check_quant_group_size(self) -> None:
+        """Valid for both widths, whichever options are on: a config that quantizes only
+        weights stays valid when gradients are quantized too."""
         size = self.quant_group_size
         if size is None:
             return
-        if size != "tensor" and (isinstance(size, bool) or not isinstance(size, int) or size < 2 or size % 2):
-            raise ValueError("zcomm_quant_group_size must be an even int >= 2 or \"tensor\", "
-                             f"got {size!r}")
+        for bits in _QUANT_BITS:
+            try:
+                QuantSpec(bits=bits, group_size=size)
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"zcomm_quant_group_size {size!r} is not a group size for both INT8 qwZ and "
+                                f"INT4 qgZ: {err}") from None
         if not (self.quantized_weights or self.quantized_gradients):
             # A group size with nothing quantized is almost surely a config mistake.
             raise ValueError("zcomm_quant_group_size is set but neither zero_quantized_weights nor "

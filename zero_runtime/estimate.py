@@ -2,7 +2,7 @@
 
 Mixed-precision training keeps 2 bytes/parameter of fp16/bf16 weights, 2 of gradients and K
 of optimizer state (K = 12 for Adam: fp32 master, momentum, variance). With Nd data-parallel
-ranks (ZeRO paper, section 5 and Figure 1):
+ranks (the world size; ZeRO paper, section 5 and Figure 1):
 
     stage 0:  (2 + 2 + K) * P
     stage 1:  (2 + 2) * P + K * P / Nd
@@ -11,17 +11,20 @@ ranks (ZeRO paper, section 5 and Figure 1):
 
 The ``3 + hpZ`` row is ZeRO++'s hierarchical partitioning: stage 3 plus a secondary copy of
 the 2-byte weights partitioned over blocks of ``--hpz-partition-size`` ranks (default: the
-``--ranks-per-node`` ranks of a node), 2 * P / hpz_partition_size: the runtime's
+``--local-size`` ranks of a node), 2 * P / hpz_partition_size: the runtime's
 ``zero_hpz_partition_size`` and its ``memory_report().secondary_parameters``. It is also the
 row for full ZeRO++: qwZ and qgZ add only transient buffers of one unit or bucket.
 
-    python -m zero_runtime.estimate --params 7e9 --ranks 64 --ranks-per-node 8
+    python -m zero_runtime.estimate --params 7e9 --world-size 64 --local-size 8
+
+The flags are named as ``zcomm.Topology`` names them (``world_size``, ``local_size``); the
+old spellings ``--ranks`` and ``--ranks-per-node`` are errors that name the new ones.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 
 class Estimate(NamedTuple):
@@ -36,13 +39,13 @@ class Estimate(NamedTuple):
         return self.parameters + self.gradients + self.optimizer_states + self.secondary
 
 
-def stage_estimate(stage: int, *, params: float, ranks: int, k: float = 12.0) -> Estimate:
-    """Bytes per rank for ZeRO ``stage`` (0-3)."""
+def stage_estimate(stage: int, *, params: float, world_size: int, k: float = 12.0) -> Estimate:
+    """Bytes per rank for ZeRO ``stage`` (0-3) over ``world_size`` data-parallel ranks."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0-3, got {stage}")
-    if params <= 0 or ranks < 1:
-        raise ValueError(f"need params > 0 and ranks >= 1, got {params}, {ranks}")
-    shard = params / ranks
+    if params <= 0 or world_size < 1:
+        raise ValueError(f"need params > 0 and world_size >= 1, got {params}, {world_size}")
+    shard = params / world_size
     return Estimate(
         label=str(stage),
         parameters=2 * (shard if stage == 3 else params),
@@ -51,16 +54,16 @@ def stage_estimate(stage: int, *, params: float, ranks: int, k: float = 12.0) ->
     )
 
 
-def hpz_estimate(*, params: float, ranks: int, partition_size: int, k: float = 12.0) -> Estimate:
+def hpz_estimate(*, params: float, world_size: int, partition_size: int, k: float = 12.0) -> Estimate:
     """Stage 3 plus hpZ's secondary weight partition over blocks of ``partition_size`` ranks."""
-    base = stage_estimate(3, params=params, ranks=ranks, k=k)
+    base = stage_estimate(3, params=params, world_size=world_size, k=k)
     return base._replace(label="3 + hpZ", secondary=2 * params / partition_size)
 
 
 Row = Callable[[argparse.Namespace], Estimate]
 ROWS: Sequence[Row] = (
-    *(lambda a, s=s: stage_estimate(s, params=a.params, ranks=a.ranks, k=a.k) for s in range(4)),
-    lambda a: hpz_estimate(params=a.params, ranks=a.ranks, partition_size=a.hpz_partition_size, k=a.k),
+    *(lambda a, s=s: stage_estimate(s, params=a.params, world_size=a.world_size, k=a.k) for s in range(4)),
+    lambda a: hpz_estimate(params=a.params, world_size=a.world_size, partition_size=a.hpz_partition_size, k=a.k),
 )
 
 
@@ -75,24 +78,38 @@ def format_table(rows: Sequence[Estimate]) -> str:
     return "\n".join(lines)
 
 
+class _Renamed(argparse.Action):
+    """An old spelling of a flag: using it is an error that names the new one."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, *, new: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+        self.new = new
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        parser.error(f"{option_string} is now {self.new} (named as in zcomm.Topology)")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m zero_runtime.estimate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=float, required=True, help="number of model parameters, e.g. 7e9")
-    parser.add_argument("--ranks", type=int, required=True, help="data-parallel ranks (Nd)")
-    parser.add_argument("--ranks-per-node", type=int, default=8, help="ranks per node (hpZ partition size)")
+    parser.add_argument("--world-size", type=int, required=True, help="data-parallel ranks (Nd)")
+    parser.add_argument("--local-size", type=int, default=8, help="ranks per node (default hpZ partition size)")
     parser.add_argument("--hpz-partition-size", type=int, default=None,
-                        help="ranks per hpZ secondary partition (default: --ranks-per-node)")
+                        help="ranks per hpZ secondary partition (default: --local-size)")
     parser.add_argument("--k", type=float, default=12.0, help="optimizer bytes per parameter (Adam: 12)")
+    parser.add_argument("--ranks", action=_Renamed, new="--world-size")
+    parser.add_argument("--ranks-per-node", action=_Renamed, new="--local-size")
     args = parser.parse_args(argv)
     if args.hpz_partition_size is None:
-        args.hpz_partition_size = args.ranks_per_node
-    if args.ranks < 1 or args.ranks_per_node < 1 or args.hpz_partition_size < 1 or args.params <= 0:
-        parser.error("--params must be > 0 and --ranks/--ranks-per-node/--hpz-partition-size >= 1")
-    for flag, value in (("--ranks-per-node", args.ranks_per_node), ("--hpz-partition-size", args.hpz_partition_size)):
-        if args.ranks % value:
-            parser.error(f"--ranks {args.ranks} is not a multiple of {flag} {value}")
-    print(f"model-state memory per rank: {args.params:.3g} parameters, {args.ranks} ranks "
-          f"({args.ranks_per_node} per node, hpZ blocks of {args.hpz_partition_size}), K = {args.k:g}")
+        args.hpz_partition_size = args.local_size
+    if args.world_size < 1 or args.local_size < 1 or args.hpz_partition_size < 1 or args.params <= 0:
+        parser.error("--params must be > 0 and --world-size/--local-size/--hpz-partition-size >= 1")
+    for flag, value in (("--local-size", args.local_size), ("--hpz-partition-size", args.hpz_partition_size)):
+        if args.world_size % value:
+            parser.error(f"--world-size {args.world_size} is not a multiple of {flag} {value}")
+    print(f"model-state memory per rank: {args.params:.3g} parameters, world size {args.world_size} "
+          f"({args.local_size} per node, hpZ blocks of {args.hpz_partition_size}), K = {args.k:g}")
     print(format_table([row(args) for row in ROWS]))
 
 

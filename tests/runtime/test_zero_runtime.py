@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.zero_harness import run
-from tests.zero_workloads import global_batch, local_slice, loss_of, make_model, make_optimizer, zero_steps
+from zero_harness import run
+from zero_workloads import global_batch, local_slice, loss_of, make_model, make_optimizer, zero_steps
 
 CHECKPOINTED = {  # name -> (model, config); resumed in fresh processes
     "gpt-s3-bf16": ("gpt", {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}),
@@ -167,7 +167,7 @@ def _train_and_save(rank: int, world: int, root: str) -> dict:
 
 
 def _resume(rank: int, world: int, root: str) -> dict:
-    from zero_runtime.checkpoint import CheckpointError
+    from zero_runtime import CheckpointError
 
     results = {}
     for name, (kind, config) in CHECKPOINTED.items():
@@ -194,7 +194,7 @@ def _resume(rank: int, world: int, root: str) -> dict:
 
 
 def _single_rank_loads(rank: int, world: int, root: str) -> list[str]:
-    from zero_runtime.checkpoint import CheckpointError
+    from zero_runtime import CheckpointError
 
     model, opt = _initialize("gpt", CHECKPOINTED["gpt-s3-bf16"][1])
     messages = []
@@ -237,7 +237,7 @@ def test_fp16_overflow_on_one_rank_skips_everywhere_and_halves_scale(runs):
 
 @pytest.mark.slow
 def test_memory_report_matches_formulas_within_padding(runs):
-    from tests.zero_workloads import GPT
+    from zero_workloads import GPT
 
     model = make_model("gpt")
     psi = sum(p.numel() for p in model.parameters())  # the tied weight counts once

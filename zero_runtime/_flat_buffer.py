@@ -1,11 +1,10 @@
-"""Flat, aligned, padded layout of a group of parameters of arbitrary shapes.
+"""Flat, padded layout of a group of parameters of arbitrary shapes.
 
-A unit's parameters are laid end to end in one contiguous buffer. Each parameter starts at
-an offset aligned to ``alignment`` elements, and the total is padded up to a multiple of
-``world_size * alignment`` so that the buffer splits into ``world_size`` equal shards whose
-sizes are themselves multiples of ``alignment`` (quantized collectives need whole groups per
-shard). Padding is zero in every buffer that follows this layout, so it never contributes to
-norms, reductions or optimizer updates.
+A unit's parameters are laid end to end in one contiguous buffer, and the total is padded
+up to a multiple of ``world_size`` so that the buffer splits into ``world_size`` equal
+shards. Shards are not aligned to quantization groups (see [Note: shards are not padded to
+groups] in ``_quantized_comm``). Padding is zero in every buffer that follows this layout,
+so it never contributes to norms, reductions or optimizer updates.
 """
 
 from __future__ import annotations
@@ -24,17 +23,16 @@ class Slot(NamedTuple):
 
 
 class FlatLayout:
-    def __init__(self, shapes: Sequence[torch.Size], *, world_size: int, alignment: int = 1) -> None:
-        if world_size < 1 or alignment < 1:
-            raise ValueError(f"world_size and alignment must be >= 1, got {world_size}, {alignment}")
+    def __init__(self, shapes: Sequence[torch.Size], *, world_size: int) -> None:
+        assert world_size >= 1, world_size
         slots, offset = [], 0
         for shape in shapes:
             shape = torch.Size(shape)
             slots.append(Slot(offset, shape.numel(), shape))
-            offset = _round_up(offset + shape.numel(), alignment)
+            offset += shape.numel()
         self.slots: tuple[Slot, ...] = tuple(slots)
         self.world_size = world_size
-        self.numel = _round_up(max(offset, 1), world_size * alignment)
+        self.numel = -(-max(offset, 1) // world_size) * world_size
         self.shard_numel = self.numel // world_size
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -52,7 +50,3 @@ class FlatLayout:
         for view, tensor in zip(self.views(flat), tensors):
             view.copy_(tensor)
         return flat
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple

@@ -15,7 +15,7 @@ checkpoint or none, never a mix that loads.
 agree through one all-reduce that every rank validated, and only then does any rank change
 its state; a failure anywhere raises on every rank with the model untouched. The agreement
 flag lives on the plan's device (an NCCL group reduces only CUDA tensors) and is read on the
-host once per load (see [Note: host syncs] in ``host_sync``).
+host once per load (see [Note: host syncs] in ``_host_sync``).
 
 [Note: where loaded state lives] Files are read to the CPU. The masters are then copied
 into this run's master shards, and the optimizer state goes through
@@ -33,14 +33,13 @@ import json
 import os
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from . import host_sync
-
-if TYPE_CHECKING:
-    from .engine import ZeroOptimizer
+from . import _host_sync
+from ._comm_plan import CommPlan
+from ._state import TrainingState
 
 FORMAT = "zero_runtime.sharded/1"
 META = "meta.json"
@@ -50,60 +49,60 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this run (and nothing was changed)."""
 
 
-def fingerprint(opt: "ZeroOptimizer") -> list[list[Any]]:
+def fingerprint(state: TrainingState) -> list[list[Any]]:
     """What must match for shards to be interchangeable: per unit, its parameters' names and
     shapes and its padded size."""
     return [[u.group_index, u.layout.numel, [[n, list(p.shape)] for n, p in zip(u.names, u.params)]]
-            for u in opt.units]
+            for u in state.units]
 
 
-def rank_state(opt: "ZeroOptimizer") -> dict[str, Any]:
-    if opt.micro_step % opt.config.gradient_accumulation_steps or opt._backward_since_step:
-        raise RuntimeError("state can only be saved on an accumulation boundary, after step()")
+def rank_state(state: TrainingState, plan: CommPlan) -> dict[str, Any]:
+    """This rank's shard of ``state`` as a ``torch.save``-able dict (tensors cloned)."""
     return {
         "format": FORMAT,
-        "world_size": opt.plan.world_size,
-        "rank": opt.plan.rank,
-        "stage": opt.config.stage,
-        "fingerprint": fingerprint(opt),
-        "masters": [u.master.detach().clone() for u in opt.units],
-        "optimizer": opt.optimizer.state_dict(),
-        "scaler": opt.scaler.state_dict(),
-        "counters": {"global_step": opt.global_step, "skipped_steps": opt.skipped_steps},
+        "world_size": plan.world_size,
+        "rank": plan.rank,
+        "stage": state.stage,
+        "fingerprint": fingerprint(state),
+        "masters": [u.master.detach().clone() for u in state.units],
+        "optimizer": state.optimizer.state_dict(),
+        "scaler": state.scaler.state_dict(),
+        "counters": {"global_step": state.global_step, "skipped_steps": state.skipped_steps},
     }
 
 
-def validate_rank_state(opt: "ZeroOptimizer", state: Any) -> dict[str, Any]:
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
+def validate_rank_state(state: TrainingState, plan: CommPlan, saved: Any) -> dict[str, Any]:
+    """``saved`` if ``rank_state`` wrote it for this rank of a run like ``state``'s, else ``CheckpointError``."""
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
         raise CheckpointError("not a zero_runtime state dict (missing or unknown 'format')")
-    if state["world_size"] != opt.plan.world_size or state["rank"] != opt.plan.rank:
-        raise CheckpointError(f"state was written by rank {state['rank']} of {state['world_size']} ranks; "
-                              f"this is rank {opt.plan.rank} of {opt.plan.world_size} (resharding is not supported)")
-    if state["stage"] != opt.config.stage:
-        raise CheckpointError(f"state was written at ZeRO stage {state['stage']}, "
-                              f"this run uses stage {opt.config.stage}")
-    if state["fingerprint"] != fingerprint(opt):
+    if saved["world_size"] != plan.world_size or saved["rank"] != plan.rank:
+        raise CheckpointError(f"state was written by rank {saved['rank']} of {saved['world_size']} ranks; "
+                              f"this is rank {plan.rank} of {plan.world_size} (resharding is not supported)")
+    if saved["stage"] != state.stage:
+        raise CheckpointError(f"state was written at ZeRO stage {saved['stage']}, "
+                              f"this run uses stage {state.stage}")
+    if saved["fingerprint"] != fingerprint(state):
         raise CheckpointError("state was written for another model or bucketing (parameter names, shapes or "
                               "bucket sizes differ)")
-    masters = state["masters"]
-    if len(masters) != len(opt.units) or any(m.shape != u.master.shape for m, u in zip(masters, opt.units)):
+    masters = saved["masters"]
+    if len(masters) != len(state.units) or any(m.shape != u.master.shape for m, u in zip(masters, state.units)):
         raise CheckpointError("master shard shapes do not match this run")
-    groups = state["optimizer"].get("param_groups", [])
-    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in opt.optimizer.param_groups]:
+    groups = saved["optimizer"].get("param_groups", [])
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in state.optimizer.param_groups]:
         raise CheckpointError("optimizer parameter groups do not match this run")
-    return state
+    return saved
 
 
-def apply_rank_state(opt: "ZeroOptimizer", state: dict[str, Any]) -> None:
-    opt.optimizer.load_state_dict(state["optimizer"])
+def apply_rank_state(state: TrainingState, saved: dict[str, Any]) -> None:
+    """Load a validated ``saved`` into ``state``: masters, optimizer, scaler and counters.
+    The caller then writes the masters into the parameters."""
+    state.optimizer.load_state_dict(saved["optimizer"])
     with torch.no_grad():
-        for unit, master in zip(opt.units, state["masters"]):
+        for unit, master in zip(state.units, saved["masters"]):
             unit.master.copy_(master)
-    opt.scaler.load_state_dict(state["scaler"])
-    opt.global_step = state["counters"]["global_step"]
-    opt.skipped_steps = state["counters"]["skipped_steps"]
-    opt.zero_grad()
-    opt.sync_params_from_masters()
+    state.scaler.load_state_dict(saved["scaler"])
+    state.global_step = saved["counters"]["global_step"]
+    state.skipped_steps = saved["counters"]["skipped_steps"]
 
 
 def _rank_file(rank: int) -> str:
@@ -124,28 +123,29 @@ def _write_atomic(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
-def save(opt: "ZeroOptimizer", directory: str | os.PathLike) -> None:
-    rank = opt.plan.rank
-    state = rank_state(opt)
+def save(state: TrainingState, plan: CommPlan, directory: str | os.PathLike) -> None:
+    """Write ``state`` to ``directory`` (collective; see [Note: atomic save])."""
+    rank = plan.rank
+    saved = rank_state(state, plan)
     root = Path(directory)
-    tag = opt.plan.broadcast_from_first(uuid.uuid4().hex if rank == 0 else None)
-    state["tag"] = tag
+    tag = plan.broadcast_from_first(uuid.uuid4().hex if rank == 0 else None)
+    saved["tag"] = tag
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         (root / META).unlink(missing_ok=True)
-    opt.plan.barrier()
+    plan.barrier()
     path = root / _rank_file(rank)
-    _write_atomic(path, lambda tmp: torch.save(state, tmp))
+    _write_atomic(path, lambda tmp: torch.save(saved, tmp))
     info = {"name": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
-    infos = opt.plan.all_gather_objects(info)
+    infos = plan.all_gather_objects(info)
     if rank == 0:
-        meta = {"format": FORMAT, "tag": tag, "world_size": opt.plan.world_size, "stage": opt.config.stage,
-                "fingerprint": fingerprint(opt), "global_step": opt.global_step, "files": infos}
+        meta = {"format": FORMAT, "tag": tag, "world_size": plan.world_size, "stage": state.stage,
+                "fingerprint": fingerprint(state), "global_step": state.global_step, "files": infos}
         _write_atomic(root / META, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
-    opt.plan.barrier()
+    plan.barrier()
 
 
-def _read_rank_state(opt: "ZeroOptimizer", root: Path) -> dict[str, Any]:
+def _read_rank_state(state: TrainingState, plan: CommPlan, root: Path) -> dict[str, Any]:
     try:
         meta = json.loads((root / META).read_text())
     except FileNotFoundError:
@@ -154,12 +154,12 @@ def _read_rank_state(opt: "ZeroOptimizer", root: Path) -> dict[str, Any]:
         raise CheckpointError(f"{root / META} is corrupt: {err}") from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{root / META}: unknown format {meta.get('format')!r}")
-    if meta["world_size"] != opt.plan.world_size:
+    if meta["world_size"] != plan.world_size:
         raise CheckpointError(f"checkpoint {root} was written by {meta['world_size']} ranks, this run has "
-                              f"{opt.plan.world_size} (resharding is not supported)")
-    if meta["fingerprint"] != fingerprint(opt):
+                              f"{plan.world_size} (resharding is not supported)")
+    if meta["fingerprint"] != fingerprint(state):
         raise CheckpointError(f"checkpoint {root} was written for another model or bucketing")
-    info = meta["files"][opt.plan.rank]
+    info = meta["files"][plan.rank]
     path = root / info["name"]
     if not path.exists():
         raise CheckpointError(f"{path} is missing")
@@ -170,41 +170,43 @@ def _read_rank_state(opt: "ZeroOptimizer", root: Path) -> dict[str, Any]:
     if _sha256(path) != info["sha256"]:
         raise CheckpointError(f"{path} does not match its recorded sha256: corrupt")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        saved = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # a damaged file surfaces as many different torch errors
         raise CheckpointError(f"{path} cannot be read: {err}") from err
-    if state.get("tag") != meta["tag"]:
+    if saved.get("tag") != meta["tag"]:
         raise CheckpointError(f"{path} belongs to another save than {root / META}")
-    return validate_rank_state(opt, state)
+    return validate_rank_state(state, plan, saved)
 
 
-def load(opt: "ZeroOptimizer", directory: str | os.PathLike) -> None:
+def load(state: TrainingState, plan: CommPlan, directory: str | os.PathLike) -> None:
+    """Load ``directory`` into ``state`` on every rank, or raise ``CheckpointError`` on every
+    rank with ``state`` untouched (collective; see [Note: nothing half-applied])."""
     error: Exception | None = None
     try:
-        state = _read_rank_state(opt, Path(directory))
+        saved = _read_rank_state(state, plan, Path(directory))
     except CheckpointError as err:
         error = err
-    failed = torch.full((1,), 0.0 if error is None else 1.0, device=opt.plan.device)
-    opt.plan.all_reduce_sum(failed)
+    failed = torch.full((1,), 0.0 if error is None else 1.0, device=plan.device)
+    plan.all_reduce_sum(failed)
     if error is not None:
         raise error
-    if host_sync.read_flag(failed > 0):
+    if _host_sync.read_flag(failed > 0):
         raise CheckpointError(f"checkpoint {directory} failed validation on another rank; nothing was loaded")
-    apply_rank_state(opt, state)
+    apply_rank_state(state, saved)
 
 
-def full_state_dict(opt: "ZeroOptimizer") -> dict[str, torch.Tensor]:
+def full_state_dict(state: TrainingState, plan: CommPlan, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Gather the fp32 masters (exact, never quantized) and unflatten them under every
-    state-dict key of the model (both names of a tied parameter); rank 0 gets the dict."""
+    state-dict key of ``model`` (both names of a tied parameter); rank 0 gets the dict."""
     full_of: dict[torch.nn.Parameter, torch.Tensor] = {}
-    for unit in opt.units:
+    for unit in state.units:
         flat = torch.empty(unit.layout.numel, dtype=torch.float32, device=unit.master.device)
-        opt.plan.exact_all_gather(flat, unit.master.detach())
+        plan.exact_all_gather(flat, unit.master.detach())
         for param, view in zip(unit.params, unit.layout.views(flat)):
             full_of[param] = view.clone()
-    if opt.plan.rank != 0:
+    if plan.rank != 0:
         return {}
     out = {}
-    for key, value in opt.model.state_dict(keep_vars=True).items():
+    for key, value in model.state_dict(keep_vars=True).items():
         out[key] = full_of[value] if value in full_of else value.detach().clone()
     return out

@@ -20,8 +20,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.zero_harness import run
-from tests.zero_workloads import grouped_optimizer, make_model, make_optimizer, reference_run, zero_steps
+from zero_harness import run
+from zero_workloads import grouped_optimizer, make_model, make_optimizer, reference_run, zero_steps
 
 STEPS = 20
 CORE = [  # (name, model, stage, extra config): every stage, both models, prefetch on and off

@@ -70,7 +70,10 @@ class DynamicLossScaler:
         self.clean_steps = int(state["clean_steps"])
 
 
-def make_scaler(precision: str, config: LossScaleConfig) -> StaticScale | DynamicLossScaler:
+LossScaler = StaticScale | DynamicLossScaler
+
+
+def make_scaler(precision: str, config: LossScaleConfig) -> LossScaler:
     if precision != "fp16":
         return StaticScale(1.0)
     if config.loss_scale > 0:

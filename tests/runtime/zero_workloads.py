@@ -89,6 +89,16 @@ def reference_run(kind: str, steps: int, *, clip: float = 0.0,
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def optimizer_state_placement(optimizer: torch.optim.Optimizer) -> dict[str, list[str]]:
+    """Per state key (``step``, ``exp_avg``, ...): the devices and dtypes of its tensors."""
+    found: dict[str, set[str]] = {}
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                found.setdefault(key, set()).add(f"{value.device}/{value.dtype}")
+    return {key: sorted(values) for key, values in found.items()}
+
+
 def zero_steps(kind: str, model, opt, rank: int, world: int, steps: range, *, accumulation: int = 1) -> list[float]:
     """Runtime training; returns the global-batch loss of every step (mean over ranks and
     micro-batches, reduced exactly in float64 so it is comparable to the oracle)."""

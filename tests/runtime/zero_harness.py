@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from tests.spawn_harness import run_distributed
+from spawn_harness import run_distributed
 
 TIMEOUT = 600.0  # generous: the CI machine's two cores are shared with other test processes
 

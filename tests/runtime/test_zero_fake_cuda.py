@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.zero_fake_cuda import ShimUnavailable, build_shim, run_cases
+from zero_fake_cuda import ShimUnavailable, build_shim, run_cases
 
 GPU = ["cuda:0"]
 TRAINING = ["s1-accum-clip", "s2-clip", "s2-noclip", "s3-clip", "s3-fused-accum", "s3-hpz-fp32-clip",

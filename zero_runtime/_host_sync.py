@@ -15,7 +15,7 @@ Nothing else on a step reads device values: gradient hooks and buckets, gathers,
 scaling (a Python float), clipping (a multiplication by a clamped device scalar, as in
 ``torch.nn.utils.clip_grad_norm_``) and ``memory_report`` (sizes only). Checkpoint saves
 copy to the host inside ``torch.save``, off the step path. The fake-CUDA tests
-(``tests/test_zero_fake_cuda.py``) enforce this: fake tensors have no values, so any other
+(``tests/runtime/test_zero_fake_cuda.py``) enforce this: fake tensors have no values, so any other
 host read raises there, and they replace ``read_flag`` to script its answers and count
 its calls.
 """

@@ -21,10 +21,10 @@ A CPU-only build of torch lacks two C++ pieces fake CUDA tensors need on their w
 torch (a CUDA device guard for the Python bindings and CUDA hooks for the autograd engine's
 stream bookkeeping); ``zero_fake_cuda_shim.cpp`` supplies no-op ones (it computes and
 allocates nothing, see its header). It must be loaded before torch is imported, so the
-cases run in a fresh interpreter: ``python -m tests.zero_fake_cuda SHIM OUT`` (SHIM is
+cases run in a fresh interpreter: ``python tests/runtime/zero_fake_cuda.py SHIM OUT`` (SHIM is
 ``-`` on a machine with a usable CUDA build, which needs no shim), which writes one JSON
 object with each case's observations or traceback to OUT. The runtime's sanctioned host
-reads (``zero_runtime.host_sync.read_flag``) cannot run on fake tensors; a case that expects
+reads (``zero_runtime._host_sync.read_flag``) cannot run on fake tensors; a case that expects
 them scripts their answers and counts them (``fake_cuda(flags=...)``).
 """
 
@@ -57,7 +57,7 @@ def build_shim(out_dir: Path) -> Path:
 
     compiler = shutil.which("g++") or shutil.which("c++")
     if compiler is None:
-        raise ShimUnavailable("no C++ compiler (g++/c++) on PATH to build tests/zero_fake_cuda_shim.cpp")
+        raise ShimUnavailable(f"no C++ compiler (g++/c++) on PATH to build {SHIM_SOURCE}")
     out = out_dir / "zero_fake_cuda_shim.so"
     command = [compiler, "-std=c++20", "-O1", "-shared", "-fPIC", "-w",
                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
@@ -73,9 +73,11 @@ def build_shim(out_dir: Path) -> Path:
 
 def run_cases(shim: Path | None, out: Path, timeout: float) -> dict[str, Any]:
     """Run every case of ``zero_fake_cuda_cases`` in a fresh interpreter; their results by name."""
-    repo = Path(__file__).resolve().parent.parent
+    here = Path(__file__).resolve()
+    repo = here.parents[2]
+    # The script's own folder comes first on sys.path (its cases and workloads live there).
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "tests.zero_fake_cuda", str(shim or "-"), str(out)],
+    done = subprocess.run([sys.executable, str(here), str(shim or "-"), str(out)],
                           cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode or not out.exists():
         raise RuntimeError(f"the fake-CUDA driver failed (exit {done.returncode}):\n{done.stdout[-4000:]}\n"
@@ -84,7 +86,7 @@ def run_cases(shim: Path | None, out: Path, timeout: float) -> dict[str, Any]:
 
 
 class HostReads:
-    """Stands in for ``zero_runtime.host_sync.read_flag``: answers from a script, checks the
+    """Stands in for ``zero_runtime._host_sync.read_flag``: answers from a script, checks the
     flag it is asked about lives on the fake GPU, and counts the calls."""
 
     def __init__(self, answers: list[bool]) -> None:
@@ -139,12 +141,12 @@ def fake_cuda(flags: list[bool] | None = None) -> Iterator[dict[str, Any]]:
     audit = _device_audit()
     with contextlib.ExitStack() as stack:
         if flags is not None:
-            from zero_runtime import host_sync
+            from zero_runtime import _host_sync
 
             reads = HostReads(flags)
-            original = host_sync.read_flag
-            host_sync.read_flag = reads
-            stack.callback(setattr, host_sync, "read_flag", original)
+            original = _host_sync.read_flag
+            _host_sync.read_flag = reads
+            stack.callback(setattr, _host_sync, "read_flag", original)
             probe["host_reads"] = reads.devices
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         stack.enter_context(audit)
@@ -182,7 +184,7 @@ def main(shim: str, out: str) -> None:
     torch.set_num_threads(1)
     _register_fake_nccl()
     dist.init_process_group(FAKE_NCCL, store=dist.HashStore(), rank=RANK, world_size=WORLD)
-    from tests import zero_fake_cuda_cases
+    import zero_fake_cuda_cases
 
     results = {name: _run(case) for name, case in zero_fake_cuda_cases.CASES.items()}
     Path(out).write_text(json.dumps(results))

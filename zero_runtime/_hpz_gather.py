@@ -32,15 +32,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 import zcomm
 
-if TYPE_CHECKING:  # comm.py builds these objects, so it is imported only for type hints
-    from .comm import Handle, ParamGather, Phase
+from ._api import AllGather, Handle, Phase
 
 
 def hpz_block_topology(topology: zcomm.Topology, rank: int, partition_size: int) -> zcomm.Topology:
@@ -48,14 +46,15 @@ def hpz_block_topology(topology: zcomm.Topology, rank: int, partition_size: int)
 
     Derived from ``topology``, so ``zcomm.comm_stats`` counts the block's bytes as intra- or
     inter-node by where its ranks really are. Raises ``ValueError`` unless the size divides the
-    world and blocks line up with nodes (it divides the ranks per node or is a multiple of it).
+    world and blocks line up with nodes (it divides the node's ``local_size`` or is a multiple of it).
     """
-    world, local = topology.world_size, topology.local_size
-    if partition_size < 1 or world % partition_size:
-        raise ValueError(f"zero_hpz_partition_size {partition_size} must divide the world size {world}")
-    if local % partition_size and partition_size % local:
-        raise ValueError(f"zero_hpz_partition_size {partition_size} must divide the ranks per node ({local}) or "
-                         "be a multiple of it, so that its blocks of consecutive ranks line up with nodes")
+    world_size, local_size = topology.world_size, topology.local_size
+    if partition_size < 1 or world_size % partition_size:
+        raise ValueError(f"zero_hpz_partition_size {partition_size} must divide the world size {world_size}")
+    if local_size % partition_size and partition_size % local_size:
+        raise ValueError(f"zero_hpz_partition_size {partition_size} must divide the ranks per node (local_size "
+                         f"{local_size}) or be a multiple of it, so that its blocks of consecutive ranks line up "
+                         "with nodes")
     start = rank // partition_size * partition_size
     return zcomm.Topology.from_node_ids([topology.node_of(r) for r in range(start, start + partition_size)])
 
@@ -83,11 +82,11 @@ class _Tracked:
         return result
 
 
-class HpzGather:
-    """hpZ's backward ``ParamGather``: secondary shards over blocks of consecutive ranks."""
+class HpzGather(AllGather):
+    """hpZ's backward ``AllGather``: secondary shards over blocks of consecutive ranks."""
 
     def __init__(self, group: dist.ProcessGroup, topology: zcomm.Topology, *, partition_size: int,
-                 primary: ParamGather) -> None:
+                 primary: AllGather) -> None:
         rank = dist.get_rank(group)
         self.block_topology = hpz_block_topology(topology, rank, partition_size)
         self.block = zcomm.consecutive_group(group, partition_size)
@@ -98,14 +97,14 @@ class HpzGather:
         self._secondaries: dict[Hashable, _Secondary] = {}
         self._in_flight: set[Hashable] = set()
 
-    def gather(self, full: torch.Tensor, shard: torch.Tensor, *, unit: Hashable, phase: Phase) -> Handle:
+    def __call__(self, output: torch.Tensor, input: torch.Tensor, *, unit: Hashable, phase: Phase) -> Handle:
         secondary = self._secondaries.get(unit)
-        if secondary is None or not secondary.valid_for(shard):
+        if secondary is None or not secondary.valid_for(input):
             self.primary_fallbacks += 1
-            return self.primary.gather(full, shard, unit=unit, phase=phase)
+            return self.primary(output, input, unit=unit, phase=phase)
         assert unit not in self._in_flight, "two gathers of one unit in flight"
         self._in_flight.add(unit)
-        work = zcomm.all_gather_into_tensor(full, secondary.buffer, group=self.block, async_op=True,
+        work = zcomm.all_gather_into_tensor(output, secondary.buffer, group=self.block, async_op=True,
                                             topology=self.block_topology)
         return _Tracked(work, lambda: self._in_flight.discard(unit))
 
@@ -115,7 +114,8 @@ class HpzGather:
         mine = full[self.block_rank * numel : (self.block_rank + 1) * numel]
         secondary = self._secondaries.get(unit)
         if secondary is None:
-            secondary = self._secondaries[unit] = _Secondary(torch.empty_like(mine), None, 0)
+            buffer = self.allocate(numel, dtype=full.dtype, device=full.device)
+            secondary = self._secondaries[unit] = _Secondary(buffer, None, 0)
         assert secondary.buffer.numel() == numel
         secondary.buffer.copy_(mine)
         secondary.source, secondary.version = shard, shard._version

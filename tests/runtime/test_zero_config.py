@@ -9,7 +9,7 @@ import pytest
 from zcomm import Topology
 from zero_runtime import ZeroConfig
 from zero_runtime.estimate import hpz_estimate, main, stage_estimate
-from zero_runtime.hpz_gather import hpz_block_topology
+from zero_runtime._hpz_gather import hpz_block_topology
 
 
 def test_deepspeed_dict_maps_to_fields(tmp_path):
@@ -73,10 +73,15 @@ def test_zeropp_keys_map_to_fields():
     ({"stage": 1, "zero_hpz_partition_size": 2}, "zero_hpz_partition_size need zero_optimization.stage 3"),
     ({"stage": 3, "zero_quantized_weights": 1}, "zero_quantized_weights must be true or false"),
     ({"stage": 3, "zero_hpz_partition_size": 2.0}, "zero_hpz_partition_size must be an int"),
-    ({"stage": 3, "zero_quantized_weights": True, "zcomm_quant_group_size": 7}, "even int >= 2"),
-    ({"stage": 3, "zero_quantized_weights": True, "zcomm_quant_group_size": 0}, "even int >= 2"),
-    ({"stage": 3, "zero_quantized_weights": True, "zcomm_quant_group_size": True}, "even int >= 2"),
-    ({"stage": 3, "zero_quantized_weights": True, "zcomm_quant_group_size": "block"}, "even int >= 2"),
+    # Validated by zcomm.quant.QuantSpec for both widths, even with only INT8 qwZ on.
+    ({"stage": 3, "zero_quantized_weights": True, "zcomm_quant_group_size": 7},
+     "zcomm_quant_group_size 7 .*must be even for 4-bit"),
+    ({"stage": 3, "zero_quantized_weights": True, "zcomm_quant_group_size": 0},
+     "zcomm_quant_group_size 0 .*must be >= 2"),
+    ({"stage": 3, "zero_quantized_weights": True, "zcomm_quant_group_size": True},
+     "zcomm_quant_group_size True .*must be an int >= 2, \"tensor\" or None"),
+    ({"stage": 3, "zero_quantized_weights": True, "zcomm_quant_group_size": "block"},
+     "zcomm_quant_group_size 'block' .*must be an int >= 2, \"tensor\" or None"),
     ({"stage": 3, "zcomm_quant_group_size": 64}, "neither zero_quantized_weights nor"),
     ({"stage": 2, "zcomm_quant_group_size": 64}, "neither zero_quantized_weights nor"),
 ])
@@ -88,8 +93,8 @@ def test_zeropp_config_errors(zero, message):
 @pytest.mark.parametrize("world, local, size, message", [
     (4, 2, 3, "3 must divide the world size 4"),
     (8, 2, 16, "16 must divide the world size 8"),
-    (6, 3, 2, "must divide the ranks per node \\(3\\) or be a multiple of it"),
-    (12, 3, 4, "must divide the ranks per node \\(3\\) or be a multiple of it"),
+    (6, 3, 2, "must divide the ranks per node \\(local_size 3\\) or be a multiple of it"),
+    (12, 3, 4, "must divide the ranks per node \\(local_size 3\\) or be a multiple of it"),
 ])
 def test_hpz_partition_size_must_divide_the_world_and_line_up_with_nodes(world, local, size, message):
     with pytest.raises(ValueError, match=message):
@@ -114,26 +119,39 @@ def test_estimator_matches_paper_formulas(capsys):
     expected = {0: (2 * P, 2 * P, K * P), 1: (2 * P, 2 * P, K * P / N),
                 2: (2 * P, 2 * P / N, K * P / N), 3: (2 * P / N, 2 * P / N, K * P / N)}
     for stage, (params, grads, states) in expected.items():
-        row = stage_estimate(stage, params=P, ranks=N, k=K)
+        row = stage_estimate(stage, params=P, world_size=N, k=K)
         assert (row.parameters, row.gradients, row.optimizer_states) == pytest.approx((params, grads, states))
     # The paper's headline numbers: 16P bytes without ZeRO, ~4P, ~2P, and 16P/Nd.
-    assert stage_estimate(0, params=P, ranks=N).total == pytest.approx(16 * P)
-    assert stage_estimate(3, params=P, ranks=N).total == pytest.approx(16 * P / N)
-    assert hpz_estimate(params=P, ranks=N, partition_size=8).secondary == pytest.approx(2 * P / 8)
+    assert stage_estimate(0, params=P, world_size=N).total == pytest.approx(16 * P)
+    assert stage_estimate(3, params=P, world_size=N).total == pytest.approx(16 * P / N)
+    assert hpz_estimate(params=P, world_size=N, partition_size=8).secondary == pytest.approx(2 * P / 8)
 
-    main(["--params", "7e9", "--ranks", "64", "--ranks-per-node", "8"])
+    main(["--params", "7e9", "--world-size", "64", "--local-size", "8"])
     lines = capsys.readouterr().out.splitlines()
     gib = 2 ** 30
     table = {line.split()[0]: line.split()[-1] for line in lines[2:6]}
     for stage in range(4):
         assert float(table[str(stage)]) == pytest.approx(sum(expected[stage]) / gib, abs=0.006)
     assert lines[6].startswith("3 + hpZ")
-    main(["--params", "7e9", "--ranks", "64", "--ranks-per-node", "8", "--hpz-partition-size", "16"])
+    main(["--params", "7e9", "--world-size", "64", "--local-size", "8", "--hpz-partition-size", "16"])
     hpz_row = capsys.readouterr().out.splitlines()[6].split()
     assert float(hpz_row[-2]) == pytest.approx(2 * P / 16 / gib, abs=0.006)  # the secondary column
 
 
-@pytest.mark.parametrize("extra", [["--ranks-per-node", "8"], ["--ranks-per-node", "4", "--hpz-partition-size", "8"]])
-def test_estimator_rejects_bad_arguments(extra):
+@pytest.mark.parametrize("extra, message", [
+    (["--local-size", "8"], "--world-size 12 is not a multiple of --local-size 8"),
+    (["--local-size", "4", "--hpz-partition-size", "8"], "--world-size 12 is not a multiple of --hpz-partition-size 8"),
+])
+def test_estimator_rejects_bad_arguments(extra, message, capsys):
     with pytest.raises(SystemExit):
-        main(["--params", "7e9", "--ranks", "12", *extra])
+        main(["--params", "7e9", "--world-size", "12", *extra])
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("old, new", [("--ranks", "--world-size"), ("--ranks-per-node", "--local-size")])
+def test_estimator_old_flag_spellings_name_the_new_ones(old, new, capsys):
+    args = {"--ranks": ["--ranks", "64", "--local-size", "8"],
+            "--ranks-per-node": ["--world-size", "64", "--ranks-per-node", "8"]}[old]
+    with pytest.raises(SystemExit):
+        main(["--params", "7e9", *args])
+    assert f"{old} is now {new}" in capsys.readouterr().err

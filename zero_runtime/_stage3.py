@@ -7,7 +7,7 @@ when the gradient of an output of a module that used it arrives (``need_for_back
 freed when its parameters' gradients have all been accumulated (``grads_ready``).
 ``end_backward`` frees whatever is still gathered.
 
-[Note: prefetch] The first iteration records, per phase, the trace of gathers: every unit
+[Note: stage-3 prefetch] The first iteration records, per phase, the trace of gathers: every unit
 each time it has to be gathered (a tied embedding gathered again for the LM head appears
 twice). From then on, each gather of a unit moves that phase's cursor to the unit's next
 occurrence in the trace (wrapping around at the start of a new pass) and starts the async
@@ -16,7 +16,7 @@ communication overlaps the current module's compute. Following the trace rather 
 unit's first position keeps a repeated use from prefetching the whole model a second time.
 The prefetches are issued *before* waiting for the current unit's own gather, so the next
 units' gathers, qwZ's quantization included, are queued while unit i's bytes are on the wire
-(ZeRO++ section 4.1.1; see [Note: quantize early] in ``quantized_comm``). Prefetching only
+(ZeRO++ section 4.1.1; see [Note: quantize early] in ``_quantized_comm``). Prefetching only
 changes *when* a gather is issued, never its inputs, so results are identical with it on or
 off. Every rank records the same trace (same model, same control flow), so the collectives
 stay matched across ranks.
@@ -26,8 +26,9 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from .comm import CommPlan, Phase
-from .partition import FlatUnit, GatherState
+from ._api import Phase
+from ._comm_plan import CommPlan
+from ._partition import FlatUnit, GatherState
 
 
 class ParamScheduler:
@@ -87,7 +88,7 @@ class ParamScheduler:
     def _start(self, unit: FlatUnit, phase: Phase) -> None:
         unit.alloc_full()
         gather = self.plan.forward_gather if phase is Phase.FORWARD else self.plan.backward_gather
-        unit.handle = gather.gather(unit.full, unit.shard, unit=unit.index, phase=phase)
+        unit.handle = gather(unit.full, unit.shard, unit=unit.index, phase=phase)
         unit.state = GatherState.GATHERING
 
     def _free(self, unit: FlatUnit, *, after_forward: bool) -> None:

@@ -1,10 +1,11 @@
 """``ZeroOptimizer``: the object ``initialize`` returns as ``opt``.
 
-It owns the flat units, the torch optimizer over their fp32 master shards, the gradient
-reducer, the loss scaler and (stage 3) the parameter scheduler and module hooks. A training
-step is ``opt.backward(loss)`` then ``opt.step()`` for every micro-batch; with
-``gradient_accumulation_steps = n`` the update happens on every n-th ``step()`` (DeepSpeed's
-accumulation-boundary semantics) and the loss is divided by n in ``backward``.
+It owns the training state (``TrainingState``: the flat units, the torch optimizer over
+their fp32 master shards, the loss scaler, the step counters), the gradient reducer and
+(stage 3) the parameter scheduler and module hooks. A training step is
+``opt.backward(loss)`` then ``opt.step()`` for every micro-batch; with
+``gradient_accumulation_steps = n`` the update happens on every n-th ``step()``
+(DeepSpeed's accumulation-boundary semantics) and the loss is divided by n in ``backward``.
 """
 
 from __future__ import annotations
@@ -15,30 +16,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import checkpoint as ckpt
-from . import host_sync
-from .clip import clip_by_norm_, global_grad_norm
-from .comm import CommPlan, Phase
+from . import _checkpoint, _host_sync
+from ._api import Phase
+from ._clip import clip_by_norm_, global_grad_norm
+from ._comm_plan import CommPlan
+from ._grad_reduce import GradReducer
+from ._loss_scaler import LossScaler, make_scaler
+from ._memory import MemoryReport, measure
+from ._param_hooks import ModuleHooks
+from ._partition import FlatUnit
+from ._stage3 import ParamScheduler
+from ._state import TrainingState
 from .config import ZeroConfig
-from .grad_reduce import GradReducer
-from .loss_scaler import make_scaler
-from .memory import MemoryReport, measure
-from .param_hooks import ModuleHooks
-from .partition import FlatUnit
-from .stage3 import ParamScheduler
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ZeroOptimizer:
     def __init__(self, *, model: nn.Module, units: list[FlatUnit], optimizer: torch.optim.Optimizer,
                  config: ZeroConfig, plan: CommPlan) -> None:
         self.model = model
-        self.units = units
-        self.optimizer = optimizer
         self.config = config
         self.plan = plan
-        self.scaler = make_scaler(config.precision, config.loss_scale)
+        self.training_state = TrainingState(stage=config.stage, units=units, optimizer=optimizer,
+                                            scaler=make_scaler(config.precision, config.loss_scale))
         self.scheduler: ParamScheduler | None = None
         self.hooks: ModuleHooks | None = None
         on_ready = None
@@ -49,14 +48,34 @@ class ZeroOptimizer:
         self.reducer = GradReducer(units=units, plan=plan, stage=config.stage,
                                    bucket_numel=config.reduce_bucket_size, on_unit_ready=on_ready)
         self.micro_step = 0
-        self.global_step = 0
-        self.skipped_steps = 0
         self.last_step_skipped = False
         self._backward_since_step = False
 
     @property
+    def units(self) -> list[FlatUnit]:
+        return self.training_state.units
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer over this rank's fp32 master shards."""
+        return self.training_state.optimizer
+
+    @property
+    def scaler(self) -> LossScaler:
+        return self.training_state.scaler
+
+    @property
     def loss_scale(self) -> float:
         return self.scaler.scale
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps applied (skipped fp16 overflow steps not counted)."""
+        return self.training_state.global_step
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.training_state.skipped_steps
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (scaled for fp16 and divided for accumulation), then the
@@ -90,7 +109,7 @@ class ZeroOptimizer:
         grads = self._unscaled_grads()
         self.last_step_skipped = not self._clip_or_detect_overflow(grads)
         if self.last_step_skipped:
-            self.skipped_steps += 1
+            self.training_state.skipped_steps += 1
         else:
             for unit, grad in zip(self.units, grads):
                 unit.master.grad = grad
@@ -100,7 +119,7 @@ class ZeroOptimizer:
         self.reducer.discard()
         if not self.last_step_skipped:
             self.sync_params_from_masters()
-            self.global_step += 1
+            self.training_state.global_step += 1
 
     def _unscaled_grads(self) -> list[torch.Tensor]:
         """fp32 copies of the reduced gradient shards, divided by the loss scale."""
@@ -114,18 +133,18 @@ class ZeroOptimizer:
         """Clip ``grads`` in place by the global norm; with the fp16 dynamic scaler, False
         (skip the step) if that norm is not finite.
 
-        [Note: loss-scale handling] The norm is one all-reduce over every rank's shard, so an
-        overflow on any rank is seen by all ranks in the same step; see ``loss_scaler``. Only
-        the dynamic scaler reads the norm on the host (see [Note: host syncs] in
-        ``host_sync``); clipping alone stays on the device, like
-        ``torch.nn.utils.clip_grad_norm_``, and so does not detect a non-finite norm.
+        The norm is one all-reduce over every rank's shard, so every rank takes the same
+        decision (see [Note: loss-scale handling] in ``_loss_scaler``). Only the dynamic scaler
+        reads the norm on the host (see [Note: host syncs] in ``_host_sync``); clipping alone
+        stays on the device, like ``torch.nn.utils.clip_grad_norm_``, and so does not detect a
+        non-finite norm.
         """
         clip = self.config.gradient_clipping > 0
         if not (clip or self.scaler.dynamic):
             return True
         norm = global_grad_norm(grads, self.plan)
         if self.scaler.dynamic:
-            finite = host_sync.read_flag(torch.isfinite(norm))
+            finite = _host_sync.read_flag(torch.isfinite(norm))
             self.scaler.update(overflow=not finite)
             if not finite:
                 return False
@@ -147,13 +166,14 @@ class ZeroOptimizer:
             self.hooks.end_of_outside_uses()
         with torch.no_grad():
             handles = []
+            gather = self.plan.forward_gather
             for unit in self.units:
                 if self.scheduler is not None:
                     unit.shard.copy_(unit.master)
                 else:
-                    shard = unit.master.detach().to(unit.dtype)
-                    handles.append((self.plan.forward_gather.gather(unit.full, shard, unit=unit.index,
-                                                                    phase=Phase.STEP), shard))
+                    shard = gather.allocate(unit.layout.shard_numel, dtype=unit.dtype, device=self.plan.device)
+                    shard.copy_(unit.master)
+                    handles.append((gather(unit.full, shard, unit=unit.index, phase=Phase.STEP), shard))
             for handle, _ in handles:
                 handle.wait()
         self.plan.weights_changed()
@@ -161,21 +181,38 @@ class ZeroOptimizer:
     # ----- state -----
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the training state (masters, optimizer, scaler, counters)."""
-        return ckpt.rank_state(self)
+        self._require_boundary()
+        return _checkpoint.rank_state(self.training_state, self.plan)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what ``state_dict`` returned on this rank; validated before anything changes."""
-        ckpt.apply_rank_state(self, ckpt.validate_rank_state(self, state))
+        saved = _checkpoint.validate_rank_state(self.training_state, self.plan, state)
+        _checkpoint.apply_rank_state(self.training_state, saved)
+        self._after_load()
 
     def save_checkpoint(self, directory: str | os.PathLike) -> None:
-        ckpt.save(self, directory)
+        """Collective: every rank writes its shard under ``directory`` (see ``_checkpoint``)."""
+        self._require_boundary()
+        _checkpoint.save(self.training_state, self.plan, directory)
 
     def load_checkpoint(self, directory: str | os.PathLike) -> None:
-        ckpt.load(self, directory)
+        """Collective: load what ``save_checkpoint`` wrote, or raise ``CheckpointError`` on
+        every rank with nothing changed."""
+        _checkpoint.load(self.training_state, self.plan, directory)
+        self._after_load()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Consolidated fp32 weights under the model's state-dict keys, on rank 0 ({} elsewhere)."""
-        return ckpt.full_state_dict(self)
+        return _checkpoint.full_state_dict(self.training_state, self.plan, self.model)
 
     def memory_report(self) -> MemoryReport:
-        return measure(self)
+        return measure(self.training_state, secondary_bytes=self.plan.held_bytes())
+
+    def _require_boundary(self) -> None:
+        if self.micro_step % self.config.gradient_accumulation_steps or self._backward_since_step:
+            raise RuntimeError("state can only be saved on an accumulation boundary, after step()")
+
+    def _after_load(self) -> None:
+        """Loaded masters replace the weights: drop gradients, rewrite the parameters."""
+        self.zero_grad()
+        self.sync_params_from_masters()

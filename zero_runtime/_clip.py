@@ -6,9 +6,9 @@ scalar, which lives on the plan's device (an NCCL group cannot reduce a CPU tens
 Clipping follows ``torch.nn.utils.clip_grad_norm_`` exactly: the gradients are multiplied
 by ``min(max_norm / (norm + 1e-6), 1)`` computed on the device, so a clipped run can be
 checked against single-process training and clipping never waits for the GPU (see
-[Note: host syncs] in ``host_sync``). As in torch, a non-finite norm is not special here:
+[Note: host syncs] in ``_host_sync``). As in torch, a non-finite norm is not special here:
 the coefficient is then 0 or nan; only the fp16 dynamic loss scaler detects it and skips
-the step (``engine``).
+the step (``optimizer``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from .comm import CommPlan
+from ._comm_plan import CommPlan
 
 
 def global_grad_norm(grads: Sequence[torch.Tensor], plan: CommPlan) -> torch.Tensor:

@@ -12,8 +12,8 @@
   backward), so parameters used outside their own module work. Outside any forward the unit
   stays gathered until the end of the next backward or step.
 
-[Note: hook ordering] Pre-hooks run outermost first and post-hooks innermost first, so the
-stack top is always the innermost running module. Output gradient hooks are pre-hooks of the
+[Note: module hook ordering] Pre-hooks run outermost first and post-hooks innermost first,
+so the stack top is always the innermost running module. Output gradient hooks are pre-hooks of the
 node that produced the output, so they fire before any autograd node of that module.
 """
 
@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .partition import FlatUnit, GatherState
-from .stage3 import ParamScheduler
+from ._partition import FlatUnit, GatherState
+from ._stage3 import ParamScheduler
 
 _ACCESS_CLASSES: dict[type, type] = {}
 
@@ -42,8 +42,8 @@ class ModuleHooks:
         rooted = _units_by_root(model, units)
         for module in model.modules():
             units_here = list(rooted.get(module, []))
-            for param in module._parameters.values():
-                unit = self.unit_of.get(param) if param is not None else None
+            for param in module.parameters(recurse=False):
+                unit = self.unit_of.get(param)
                 if unit is not None and unit not in units_here:
                     units_here.append(unit)
             self._static[module] = units_here

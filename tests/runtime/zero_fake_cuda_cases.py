@@ -1,10 +1,10 @@
 """The runtime on fake CUDA tensors and a CUDA-only fake process group (see [Note: fake
-CUDA] in ``zero_fake_cuda``); run by ``python -m tests.zero_fake_cuda``, checked by
+CUDA] in ``zero_fake_cuda``); run by ``python tests/runtime/zero_fake_cuda.py``, checked by
 ``test_zero_fake_cuda.py``.
 
 Each case returns what it observed, as JSON: where the runtime's tensors live (device
 strings), the device-to-host copies the audit saw, the host reads the runtime made through
-``host_sync.read_flag``, and counters. The rank is rank 0 of a world of 2 (the fake group
+``_host_sync.read_flag``, and counters. The rank is rank 0 of a world of 2 (the fake group
 moves no data, so values are meaningless and never inspected; only placement, host reads
 and control flow are).
 """
@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 import zcomm
 import zero_runtime
-from tests.zero_fake_cuda import FAKE_NCCL, RANK, WORLD, fake_cuda
-from tests.zero_workloads import global_batch, local_slice, loss_of, make_model, make_optimizer
+from zero_fake_cuda import FAKE_NCCL, RANK, WORLD, fake_cuda
+from zero_workloads import global_batch, local_slice, loss_of, make_model, make_optimizer, optimizer_state_placement
 
 CUDA = torch.device("cuda", 0)
 ONE_NODE = zcomm.Topology(world_size=WORLD, local_size=WORLD)
@@ -45,23 +45,13 @@ def _devices(tensors) -> list[str]:
     return sorted({str(t.device) for t in tensors})
 
 
-def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, list[str]]:
-    """Per state key: the devices and dtypes of its tensors."""
-    found: dict[str, set[str]] = {}
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                found.setdefault(key, set()).add(f"{value.device}/{value.dtype}")
-    return {key: sorted(values) for key, values in found.items()}
-
-
 def _torch_adamw_state() -> dict[str, list[str]]:
     """The oracle for optimizer state placement: plain torch AdamW, one step, on a CUDA parameter."""
     param = torch.nn.Parameter(torch.zeros(4, device=CUDA))
     param.grad = torch.ones(4, device=CUDA)
     optimizer = make_optimizer()([param])
     optimizer.step()
-    return _optimizer_state(optimizer)
+    return optimizer_state_placement(optimizer)
 
 
 def _placement(opt) -> dict[str, Any]:
@@ -78,7 +68,7 @@ def _placement(opt) -> dict[str, Any]:
         "parameters": _devices(opt.model.parameters()),
         "secondaries": _devices(s.buffer for s in secondaries.values()),
         "full_state_dict": _devices(full.values()),
-        "optimizer": _optimizer_state(opt.optimizer),
+        "optimizer": optimizer_state_placement(opt.optimizer),
         "memory_total": opt.memory_report().total,
     }
 
@@ -137,14 +127,12 @@ def harness_has_teeth() -> dict[str, Any]:
 def missing_checkpoint() -> dict[str, Any]:
     """A load that fails validation agrees over the group (a CUDA flag on an NCCL group) and
     raises ``CheckpointError``; this rank's own failure needs no host read."""
-    from zero_runtime.checkpoint import CheckpointError
-
     with fake_cuda(flags=[]) as probe:
         model, opt = zero_runtime.initialize(_cuda_model("mlp"), make_optimizer(), {}, topology=ONE_NODE)
         try:
             opt.load_checkpoint(tempfile.mkdtemp() + "/absent")
             raised = None
-        except CheckpointError as err:
+        except zero_runtime.CheckpointError as err:
             raised = str(err)
         return {"raised": raised, **_audit(probe)}
 
@@ -157,8 +145,6 @@ def checkpoint_roundtrip() -> dict[str, Any]:
     No step follows the load here: a loaded ``step`` counter is a fake CPU tensor without a
     value, which torch's AdamW reads on the host (cheaply: it is on the CPU). Training on
     after a load is checked on CPU (``test_zero_runtime``) and on a GPU (``test_zero_cuda``)."""
-    from zero_runtime.checkpoint import CheckpointError
-
     cpu_group = dist.new_group([RANK], backend="gloo")
     gpu_group = dist.new_group([RANK], backend=FAKE_NCCL)
     config = {"zero_optimization": {"stage": 2}}
@@ -173,13 +159,13 @@ def checkpoint_roundtrip() -> dict[str, Any]:
         model, opt = zero_runtime.initialize(_cuda_model("mlp"), make_optimizer(), config, group=gpu_group,
                                              topology=SINGLE)
         _train("mlp", model, opt, range(1), ranks=1)
-        fresh = _optimizer_state(opt.optimizer)
+        fresh = optimizer_state_placement(opt.optimizer)
         opt.load_checkpoint(root)
         loaded = {**_placement(opt), "global_step": opt.global_step}
         try:
             opt.load_checkpoint(root)
             rejected = None
-        except CheckpointError as err:
+        except zero_runtime.CheckpointError as err:
             rejected = str(err)
         return {"fresh": fresh, "loaded": loaded, "oracle_optimizer": _torch_adamw_state(), "rejected": rejected,
                 **_audit(probe)}

@@ -10,8 +10,8 @@ by one ``FlatLayout``. It owns
   own tensor, stages 1 and 2 as a view of ``full``);
 * ``master`` this rank's fp32 slice, the ``nn.Parameter`` the torch optimizer updates;
 * ``grad_shard`` this rank's reduced gradient, accumulated over micro-steps;
-* ``full_grad`` the flat gradient buffer the reduce-scatter reads (stage 1 keeps it,
-  stages 2 and 3 allocate it for one backward).
+* ``full_grad`` the flat gradient buffer the reduce-scatter reads, made by ``_grad_reduce``
+  (stage 1 keeps it, stages 2 and 3 allocate it for one backward).
 
 [Note: freeing stage-3 parameters] Freeing does two things. It resizes the storage of
 ``full`` to zero bytes: autograd saves views of parameters (``weight.t()`` in linear) that
@@ -32,7 +32,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from .flat_buffer import FlatLayout
+from ._flat_buffer import FlatLayout
 
 
 class GatherState(enum.Enum):
@@ -43,14 +43,14 @@ class GatherState(enum.Enum):
 
 class FlatUnit:
     def __init__(self, *, index: int, group_index: int, names: Sequence[str], params: Sequence[nn.Parameter],
-                 world_size: int, rank: int, alignment: int, dtype: torch.dtype, partition_params: bool) -> None:
+                 world_size: int, rank: int, dtype: torch.dtype, partition_params: bool) -> None:
         assert params and len(names) == len(params)
         self.index = index
         self.group_index = group_index
         self.names = tuple(names)
         self.params = tuple(params)
         self.dtype = dtype
-        self.layout = FlatLayout([p.shape for p in params], world_size=world_size, alignment=alignment)
+        self.layout = FlatLayout([p.shape for p in params], world_size=world_size)
         lo, hi = self.layout.shard_range(rank)
         with torch.no_grad():
             flat32 = self.layout.flatten([p.detach() for p in params], dtype=torch.float32)
@@ -64,7 +64,7 @@ class FlatUnit:
         self.full_grad: torch.Tensor | None = None
         self.grads_seen = 0
         self.grad_params = sum(p.requires_grad for p in params)
-        # Stage-3 gather bookkeeping, driven by ``stage3.ParamScheduler``.
+        # Stage-3 gather bookkeeping, driven by ``_stage3.ParamScheduler``.
         self.state = GatherState.READY
         self.handle = None
         self.refs = 0
@@ -91,9 +91,6 @@ class FlatUnit:
         for param, view in zip(self.params, self._views):
             param.data = view
 
-    def new_full_grad(self) -> torch.Tensor:
-        return torch.zeros(self.layout.numel, dtype=self.dtype, device=self.full.device)
-
 
 def trainable_named_parameters(model: nn.Module) -> "OrderedDict[nn.Parameter, str]":
     """Each trainable parameter once (tied ones under their first name), in model order."""
@@ -118,17 +115,20 @@ def group_by_size(params: Sequence[nn.Parameter], bucket_numel: int) -> list[lis
     return buckets
 
 
-def group_by_module(model: nn.Module, params: Iterable[nn.Parameter], *, fuse_numel: int = 0) -> list[list[nn.Parameter]]:
+def group_by_module(model: nn.Module, params: Iterable[nn.Parameter], *,
+                    fuse_numel: int = 0) -> list[list[nn.Parameter]]:
     """The units stage 3 gathers, in module order (the first module to register a tied
     parameter owns it).
 
     Walking the modules top-down, a module whose whole subtree holds at most ``fuse_numel``
     not yet owned elements becomes one unit with all of them (its descendants are not
     visited); any other module gets one unit with its directly registered parameters.
-    ``fuse_numel == 0`` gives one unit per module. [Note: fused units] Every gather is one
-    collective whose latency does not shrink with its size, so one unit per small module
-    (norms, biases) pays that latency dozens of times per step; fusing a transformer block
-    into one unit makes the same traffic a few large collectives, as FSDP2 does.
+    ``fuse_numel == 0`` gives one unit per module.
+
+    [Note: fused units] Every gather is one collective whose latency does not shrink with its
+    size, so one unit per small module (norms, biases) pays that latency dozens of times per
+    step; fusing a transformer block into one unit makes the same traffic a few large
+    collectives, as FSDP2 does.
     """
     wanted = set(params)
     owned: set[nn.Parameter] = set()
@@ -144,7 +144,7 @@ def group_by_module(model: nn.Module, params: Iterable[nn.Parameter], *, fuse_nu
         if subtree and sum(p.numel() for p in subtree) <= fuse_numel:
             buckets.append(take(subtree))
             return
-        mine = take(p for p in module._parameters.values() if p is not None)
+        mine = take(module.parameters(recurse=False))
         if mine:
             buckets.append(mine)
         for child in module.children():

@@ -11,12 +11,11 @@ and not counted.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-if TYPE_CHECKING:
-    from .engine import ZeroOptimizer
+from ._state import TrainingState
 
 
 class MemoryReport(NamedTuple):
@@ -30,15 +29,17 @@ class MemoryReport(NamedTuple):
         return self.parameters + self.gradients + self.optimizer_states + self.secondary_parameters
 
 
-def measure(opt: "ZeroOptimizer") -> MemoryReport:
-    stage3 = opt.config.stage == 3
-    params = sum(_nbytes(u.shard) if stage3 else u.full_nbytes for u in opt.units)
-    grads = sum(_nbytes(u.full_grad) if opt.config.stage == 1 else _nbytes(u.grad_shard) for u in opt.units)
-    states = sum(_nbytes(u.master) for u in opt.units)
-    for state in opt.optimizer.state.values():
-        states += sum(_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
-    secondary = sum(gather.held_bytes() for gather in opt.plan.gathers())
-    return MemoryReport(parameters=params, gradients=grads, optimizer_states=states, secondary_parameters=secondary)
+def measure(state: TrainingState, *, secondary_bytes: int) -> MemoryReport:
+    """The persistent model-state bytes of ``state``, plus ``secondary_bytes`` the
+    communication objects hold (``CommPlan.held_bytes``)."""
+    units = state.units
+    params = sum(_nbytes(u.shard) if state.stage == 3 else u.full_nbytes for u in units)
+    grads = sum(_nbytes(u.full_grad) if state.stage == 1 else _nbytes(u.grad_shard) for u in units)
+    states = sum(_nbytes(u.master) for u in units)
+    for optimizer_state in state.optimizer.state.values():
+        states += sum(_nbytes(v) for v in optimizer_state.values() if isinstance(v, torch.Tensor))
+    return MemoryReport(parameters=params, gradients=grads, optimizer_states=states,
+                        secondary_parameters=secondary_bytes)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -15,14 +15,18 @@ rank (``[u0 chunk 0, u1 chunk 0, ..., u0 chunk 1, ...]``), so that rank r's outp
 concatenation of the units' r-th shards. Stage 2's units are already bucket-sized; stage 3's
 are per module, and small modules (norms, biases) share a collective.
 
-[Note: hook ordering] autograd runs a leaf's AccumulateGrad node once per backward, after all
-uses of the parameter contributed (a tied embedding and LM head sum first), so "all of a
-unit's hooks fired" means no later autograd node reads those parameters or gradients. Stage 3
-relies on this to free a unit's gathered parameters from ``on_unit_ready``.
+[Note: last gradient hook of a unit] autograd runs a leaf's AccumulateGrad node once per
+backward, after all uses of the parameter contributed (a tied embedding and LM head sum
+first), so "all of a unit's hooks fired" means no later autograd node reads those
+parameters or gradients. Stage 3 relies on this to free a unit's gathered parameters from
+``on_unit_ready``.
 
-[Note: buffer lifetimes] A stage-2/3 unit's ``full_grad`` lives from its first gradient to
-the wait of its bucket's reduce-scatter; the interleaved copy of a multi-unit bucket lives
-only while its collective is in flight.
+[Note: gradient buffer lifetimes] A stage-2/3 unit's ``full_grad`` lives from its first
+gradient to the launch of its bucket's reduce-scatter, which keeps the bucket's input alive
+until its wait; the interleaved copy of a multi-unit bucket lives only while its collective
+is in flight. Stage 1 keeps every ``full_grad`` and zeroes it after each reduction. All of
+them, and each bucket's output, come from the reduce-scatter's ``allocate`` (see
+[Note: comm buffers] in ``_api``).
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from .comm import CommPlan, Handle
-from .partition import FlatUnit
+from ._api import Handle
+from ._comm_plan import CommPlan
+from ._partition import FlatUnit
 
 
 class _InFlight(NamedTuple):
@@ -56,7 +61,7 @@ class GradReducer:
         self._in_flight: list[_InFlight] = []
         for unit in self.units:
             if self.keep_full_grads:
-                unit.full_grad = unit.new_full_grad()
+                unit.full_grad = self._zeroed_full_grad(unit)
             for slot_index, param in enumerate(unit.params):
                 if param.requires_grad:
                     param.register_post_accumulate_grad_hook(self._hook(unit, slot_index))
@@ -66,7 +71,7 @@ class GradReducer:
 
         def accumulate(param: torch.Tensor) -> None:
             if unit.full_grad is None:
-                unit.full_grad = unit.new_full_grad()
+                unit.full_grad = self._zeroed_full_grad(unit)
             unit.full_grad[slot.offset : slot.offset + slot.numel].view(slot.shape).add_(param.grad)
             param.grad = None
             unit.grads_seen += 1
@@ -76,6 +81,9 @@ class GradReducer:
                 if self.eager:
                     self._add_to_bucket(unit)
         return accumulate
+
+    def _zeroed_full_grad(self, unit: FlatUnit) -> torch.Tensor:
+        return self.plan.reduce_scatter.allocate(unit.layout.numel, dtype=unit.dtype, device=self.plan.device).zero_()
 
     def _add_to_bucket(self, unit: FlatUnit) -> None:
         assert unit.index not in self._launched, "a unit's gradients were reduced twice in one backward"
@@ -88,16 +96,18 @@ class GradReducer:
         units, self._filling = tuple(self._filling), []
         if not units:
             return
-        world = self.plan.world_size
+        world, reduce_scatter = self.plan.world_size, self.plan.reduce_scatter
         for unit in units:
             if unit.full_grad is None:
-                unit.full_grad = unit.new_full_grad()
+                unit.full_grad = self._zeroed_full_grad(unit)
         if len(units) == 1:
             flat = units[0].full_grad
         else:
-            flat = torch.cat([u.full_grad.view(world, -1) for u in units], dim=1).view(-1)
-        out = torch.empty(flat.numel() // world, dtype=flat.dtype, device=flat.device)
-        handle = self.plan.reduce_scatter.reduce_scatter(out, flat, key=tuple(u.index for u in units))
+            flat = reduce_scatter.allocate(sum(u.layout.numel for u in units), dtype=units[0].dtype,
+                                           device=self.plan.device)
+            torch.cat([u.full_grad.view(world, -1) for u in units], dim=1, out=flat.view(world, -1))
+        out = reduce_scatter.allocate(flat.numel() // world, dtype=flat.dtype, device=flat.device)
+        handle = reduce_scatter(out, flat)
         self._in_flight.append(_InFlight(units, handle, out, flat))
         if not self.keep_full_grads:
             for unit in units:

@@ -1,0 +1,143 @@
+"""The runtime's communication seam: one ``CommPlan`` per run, built from the config.
+
+A plan holds the three communication objects the runtime moves parameters and gradients
+through (contracts in ``_api``), chosen by ``build_comm_plan``:
+
+* ``forward_gather``: ``PlainAllGather``, or qwZ's ``QuantizedAllGather``
+  (``zcomm.all_gather_q8``, one INT8 gather per unit);
+* ``backward_gather``: the same plain object, or hpZ's ``HpzGather`` (keeps a secondary
+  shard over a block of consecutive ranks after forward and gathers from it in backward
+  over the block's own group);
+* ``reduce_scatter``: ``PlainReduceScatter``, or qgZ's ``QuantizedReduceScatter``
+  (``zcomm.reduce_scatter_q4`` per bucket).
+
+It also runs the few small collectives that are not parameters or gradients (norms,
+checkpoint flags and tags, the exact fp32 gather that consolidates weights). ``device`` is
+where every tensor the runtime creates lives: the device of the model's trainable
+parameters, which ``initialize`` checks the group's backend supports.
+
+[Note: object collectives on NCCL] ``broadcast_object_list``, ``all_gather_object`` and
+``barrier`` on an NCCL group stage their bytes on ``torch.cuda.current_device()``, which is
+device 0 on every rank unless the caller ran ``torch.cuda.set_device``: ranks would then
+share one GPU, or hang. The plan runs them inside ``torch.cuda.device(self.device)``, so
+they use the parameters' GPU whether or not the caller set the current device. zcomm's
+topology detection (host names, an object all-gather) runs under the same guard.
+
+[Note: gloo and SUM] torch 2.13's gloo backend accepts ``reduce_scatter_tensor`` and
+``all_gather_into_tensor`` with async handles (checked), so the runtime needs no fallback of
+its own; how gloo runs a reduce-scatter inside (possibly as an all-reduce, twice the wire
+traffic) is a torch limitation, and zcomm's counters report the ring volume. The reduction
+is always SUM, and callers divide by the world size themselves: gloo's AVG
+has been reported wrong, and a SUM keeps the fp32 path bit-reproducible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import zcomm
+from zcomm.quant import QuantSpec
+
+from ._api import AllGather, ReduceScatter
+from ._hpz_gather import HpzGather
+from ._plain_comm import PlainAllGather, PlainReduceScatter
+from ._quantized_comm import QuantizedAllGather, QuantizedReduceScatter
+from .config import ZeroConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommPlan:
+    group: dist.ProcessGroup
+    forward_gather: AllGather
+    backward_gather: AllGather
+    reduce_scatter: ReduceScatter
+    device: torch.device
+    topology: zcomm.Topology
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def gathers(self) -> tuple[AllGather, ...]:
+        """The distinct parameter-gather objects of this plan."""
+        if self.backward_gather is self.forward_gather:
+            return (self.forward_gather,)
+        return (self.forward_gather, self.backward_gather)
+
+    def weights_changed(self) -> None:
+        for gather in self.gathers():
+            gather.weights_changed()
+
+    def held_bytes(self) -> int:
+        """Bytes of parameter copies the gather objects keep between uses (hpZ's secondaries)."""
+        return sum(gather.held_bytes() for gather in self.gathers())
+
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """SUM of a small tensor of scalars (norms, flags) on ``device``; it returns once the
+        reduction is queued (on CUDA, ordered before later work on the current stream)."""
+        assert values.device == self.device, (values.device, self.device)
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
+        return values
+
+    def exact_all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
+        """Blocking, never-quantized all-gather (fp32 masters for consolidation)."""
+        zcomm.all_gather_into_tensor(full, shard, group=self.group, topology=self.topology)
+
+    def barrier(self) -> None:
+        with current_device(self.device):
+            dist.barrier(group=self.group)
+
+    def broadcast_from_first(self, value: object) -> object:
+        """Rank 0's ``value`` on every rank (small Python objects: checkpoint tags)."""
+        box = [value]
+        with current_device(self.device):
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    def all_gather_objects(self, value: object) -> list[object]:
+        out: list[object] = [None] * self.world_size
+        with current_device(self.device):
+            dist.all_gather_object(out, value, group=self.group)
+        return out
+
+
+def current_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` torch's current CUDA device for the block (a no-op off CUDA); see
+    [Note: object collectives on NCCL]."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def build_comm_plan(config: ZeroConfig, group: dist.ProcessGroup, topology: zcomm.Topology | None = None, *,
+                    device: torch.device) -> CommPlan:
+    """The communication objects ``config`` asks for on ``group`` (``topology``: which of
+    its ranks share a node; None detects it from the environment or host names), for
+    tensors on ``device``.
+
+    Collective: hpZ creates its block group here, so every rank of ``group`` calls this at
+    the same point. Raises ``ValueError`` if ``zero_hpz_partition_size`` does not divide the
+    world size or its blocks do not line up with nodes.
+    """
+    # Detected once here, collectively, rather than inside a backward hook.
+    if topology is None:
+        with current_device(device):
+            topology = zcomm.Topology.detect(group)
+    plain = PlainAllGather(group, topology)
+    forward: AllGather = plain
+    if config.quantized_weights:
+        forward = QuantizedAllGather(group, topology, spec=QuantSpec(bits=8, group_size=config.quant_group_size))
+    backward: AllGather = plain
+    if config.hpz_partition_size > 1:
+        backward = HpzGather(group, topology, partition_size=config.hpz_partition_size, primary=plain)
+    reduce: ReduceScatter = PlainReduceScatter(group, topology)
+    if config.quantized_gradients:
+        reduce = QuantizedReduceScatter(group, topology, spec=QuantSpec(bits=4, group_size=config.quant_group_size))
+    return CommPlan(group=group, forward_gather=forward, backward_gather=backward, reduce_scatter=reduce,
+                    device=device, topology=topology)

@@ -1,0 +1,151 @@
+"""``initialize``: wrap a model and an optimizer into ZeRO stage 1, 2 or 3 (``zero_runtime.initialize``).
+
+It checks the model and the process group, builds the comm plan (``_comm_plan``), groups the
+trainable parameters into flat units (``_partition``; per optimizer group, by size for
+stages 1-2 and by module for stage 3), builds the torch optimizer over their fp32 master
+shards and hands everything to ``ZeroOptimizer``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map
+
+import zcomm
+
+from ._comm_plan import CommPlan, build_comm_plan
+from ._partition import FlatUnit, group_by_module, group_by_size, trainable_named_parameters
+from .config import ZeroConfig, resolve_config
+from .optimizer import ZeroOptimizer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+OptimizerSpec = Callable[[list[nn.Parameter]], torch.optim.Optimizer] | torch.optim.Optimizer
+
+
+def initialize(model: nn.Module, optimizer: OptimizerSpec,
+               config: ZeroConfig | Mapping[str, Any] | str | os.PathLike, *,
+               group: dist.ProcessGroup | None = None,
+               topology: zcomm.Topology | None = None) -> tuple[nn.Module, ZeroOptimizer]:
+    """Partition ``model``'s training state over the ranks of ``group`` (default: WORLD),
+    whose node layout is ``topology`` (default: detected by zcomm).
+
+    Every rank must pass an identical model (same initial weights). The model is modified in
+    place: parameters become views of flat buffers in the compute dtype (stage 3: freed
+    between uses, gathered by module hooks), floating inputs are cast to the compute dtype.
+    ``optimizer`` is either a callable taking a list of parameters (applied to this rank's
+    fp32 master shards) or a torch optimizer built on the model's parameters, used as a
+    template: its class, defaults and per-group hyper-parameters are kept, each group is
+    partitioned separately.
+
+    The trainable parameters must all be on one device that ``group``'s backend supports
+    (``cuda:<local rank>`` for NCCL); every tensor the runtime creates lives there.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    config = resolve_config(config)
+    group = group if group is not None else dist.group.WORLD
+    names = trainable_named_parameters(model)
+    if not names:
+        raise ValueError("the model has no trainable parameters (requires_grad=True); nothing to optimize")
+    plan = build_comm_plan(config, group, topology, device=_training_device(names, group))
+    groups, build = _optimizer_groups(optimizer, names)
+    dtype = DTYPES[config.precision]
+    _cast_untrained_state(model, dtype)
+    units = _build_units(model, groups, names, config, plan, dtype)
+    masters = [[u.master for u in units if u.group_index == i] for i in range(len(groups))]
+    torch_opt = build(masters)
+    if dtype != torch.float32:
+        model.register_forward_pre_hook(_input_caster(dtype), with_kwargs=True)
+    return model, ZeroOptimizer(model=model, units=units, optimizer=torch_opt, config=config, plan=plan)
+
+
+def _training_device(params: Iterable[nn.Parameter], group: dist.ProcessGroup) -> torch.device:
+    """The one device of the trainable parameters, checked against the devices ``group``'s
+    backend runs on (``get_backend_config`` reads e.g. ``cuda:nccl`` or ``cpu:gloo,cuda:gloo``)."""
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) > 1:
+        raise ValueError(f"the trainable parameters are on several devices ({', '.join(devices)}); the runtime "
+                         "trains on one device per rank: move the model there before initialize()")
+    device = torch.device(devices[0])
+    config = dist.get_backend_config(group)
+    supported = [pair.split(":")[0] for pair in config.split(",")]
+    if device.type not in supported:
+        raise ValueError(f"the model's parameters are on {device}, but the process group's backend ({config}) "
+                         f"runs on {', '.join(supported)} only: move the model to that device (e.g. "
+                         "cuda:<local rank> for NCCL) or pass a group whose backend supports "
+                         f"{device.type}")
+    return device
+
+
+def _optimizer_groups(optimizer: OptimizerSpec, names: Mapping[nn.Parameter, str]):
+    """Split trainable parameters into the optimizer's groups and return a builder that makes
+    the real optimizer from the master shards of each group."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer.state:
+            raise ValueError("the template optimizer already has state; pass a fresh one")
+        seen: dict[nn.Parameter, int] = {}
+        groups = []
+        for index, group in enumerate(optimizer.param_groups):
+            for param in group["params"]:
+                if param in seen:
+                    raise ValueError(f"parameter {names.get(param, '<not in model>')} is in optimizer groups "
+                                     f"{seen[param]} and {index}; each parameter must be in exactly one")
+                if param not in names:
+                    raise ValueError("the optimizer holds a parameter that is not a trainable parameter of the model")
+                seen[param] = index
+            groups.append([p for p in names if seen.get(p) == index])
+        missing = [name for p, name in names.items() if p not in seen]
+        if missing:
+            raise ValueError(f"trainable parameters in no optimizer group: {', '.join(missing)}")
+        hparams = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        cls = type(optimizer)
+        return groups, lambda masters: cls([{"params": m, **h} for m, h in zip(masters, hparams)])
+    if not callable(optimizer):
+        raise TypeError("optimizer must be a callable taking a list of parameters, or a torch optimizer")
+    return [list(names)], lambda masters: optimizer(masters[0])
+
+
+def _build_units(model: nn.Module, groups: Sequence[Sequence[nn.Parameter]], names: Mapping[nn.Parameter, str],
+                 config: ZeroConfig, plan: CommPlan, dtype: torch.dtype) -> list[FlatUnit]:
+    units: list[FlatUnit] = []
+    for group_index, params in enumerate(groups):
+        if config.stage == 3:
+            buckets = group_by_module(model, params, fuse_numel=config.fuse_numel)
+        else:
+            buckets = group_by_size(params, config.reduce_bucket_size)
+        for bucket in buckets:
+            units.append(FlatUnit(index=len(units), group_index=group_index, names=[names[p] for p in bucket],
+                                  params=bucket, world_size=plan.world_size, rank=plan.rank, dtype=dtype,
+                                  partition_params=config.stage == 3))
+    return units
+
+
+def _cast_untrained_state(model: nn.Module, dtype: torch.dtype) -> None:
+    """Frozen floating parameters and buffers follow the compute dtype (they are not
+    partitioned); trainable ones are cast while flattening."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.requires_grad and param.is_floating_point():
+                param.data = param.data.to(dtype)
+        for module in model.modules():
+            for name, buf in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+                if buf.is_floating_point():
+                    setattr(module, name, buf.to(dtype))
+
+
+def _input_caster(dtype: torch.dtype):
+    def cast(tensor):
+        return tensor.to(dtype) if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() else tensor
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    return hook

@@ -1,0 +1,72 @@
+"""qwZ and qgZ: the runtime's quantized communication objects (ZeRO++ sections 3.1, 3.3).
+
+* ``QuantizedAllGather`` is qwZ's forward ``AllGather``: each rank quantizes its shard of a
+  unit to blocked INT8 and one ``zcomm.all_gather_q8`` per unit (per module: a unit holds
+  one module's parameters) fills the unit's full buffer, halving the bytes of stage 3's
+  forward all-gather (and, being hierarchical, sending only ``N - 1`` payloads per rank
+  across nodes). Backward gathers stay exact (plain, or hpZ's secondary).
+* ``QuantizedReduceScatter`` is qgZ's ``ReduceScatter``: one ``zcomm.reduce_scatter_q4``
+  per gradient bucket (hierarchical: INT4 within the node, the node's fp32 partial sum
+  re-quantized to INT4 across nodes), a quarter of the inter-node bytes of a bf16 ring.
+
+Each holds a ``zcomm.quant.QuantSpec`` of its width built from ``zcomm_quant_group_size``;
+the spec turns ``"tensor"`` into the concrete group size of each payload
+(``QuantSpec.group_size_for``), which is what the collectives take.
+
+[Note: quantized scale handling] Both collectives are called with ``op`` SUM
+(reduce-scatter) and the runtime divides the reduced shard by the world size afterwards,
+exactly as on the plain path (``_grad_reduce``), so there is one averaging rule for every
+configuration and it divides by the number of ranks, never the number of nodes. Quantization scales are fp32
+and travel inside each payload; with ``zcomm_quant_group_size: "tensor"`` a payload (one
+rank's shard for qwZ, one all-to-all row of a bucket for qgZ) has a single scale.
+
+[Note: shards are not padded to groups] Shards are not padded to whole quantization groups:
+zcomm lets a payload's last group be short, and padding every small module (a LayerNorm's
+2 x d values) up to 2048 elements per rank would send more bytes than it saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+import torch.distributed as dist
+
+import zcomm
+from zcomm.quant import QuantSpec
+
+from ._api import AllGather, Handle, Phase, ReduceScatter
+
+
+class QuantizedAllGather(AllGather):
+    """qwZ: INT8 blocked all-gather of a unit's shards (forward only)."""
+
+    def __init__(self, group: dist.ProcessGroup, topology: zcomm.Topology, *, spec: QuantSpec) -> None:
+        assert spec.bits == 8, spec
+        self.group = group
+        self.topology = topology
+        self.spec = spec
+
+    def __call__(self, output: torch.Tensor, input: torch.Tensor, *, unit: Hashable, phase: Phase) -> Handle:
+        # [Note: quantize early] all_gather_q8 returns as soon as its chain (quantize, inter- and
+        # intra-node hop, dequantize into ``output``) is queued: on zcomm's FIFO worker thread on
+        # CPU, on a side stream on CUDA. The scheduler queues prefetched units before it waits
+        # for the current one, so their quantization runs while this thread computes and, on
+        # CUDA, while the current unit's bytes are on the wire. ``output`` is written only by the
+        # chain, and read or freed only after the handle's wait().
+        return zcomm.all_gather_q8(output, input, group=self.group, async_op=True, topology=self.topology,
+                                   group_size=self.spec.group_size_for(input.numel()))
+
+
+class QuantizedReduceScatter(ReduceScatter):
+    """qgZ: one hierarchical INT4 ``reduce_scatter_q4`` (SUM) per gradient bucket."""
+
+    def __init__(self, group: dist.ProcessGroup, topology: zcomm.Topology, *, spec: QuantSpec) -> None:
+        assert spec.bits == 4, spec
+        self.group = group
+        self.topology = topology
+        self.spec = spec
+
+    def __call__(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
+        return zcomm.reduce_scatter_q4(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True,
+                                       topology=self.topology, group_size=self.spec.group_size_for(input.numel()))

@@ -1,0 +1,34 @@
+"""``TrainingState``: what a run has learned, apart from how it computes and communicates.
+
+Checkpointing (``_checkpoint``) saves and restores it and memory reporting (``_memory``)
+measures it; neither sees ``ZeroOptimizer``, its hooks or its schedulers. ``ZeroOptimizer``
+owns one and updates its counters; the comm plan, the gradient reducer and the stage-3
+scheduler act on the same units but are not part of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._loss_scaler import LossScaler
+from ._partition import FlatUnit
+
+
+@dataclass(eq=False, kw_only=True)
+class TrainingState:
+    """This rank's partition of the training state.
+
+    ``stage`` says which parts are partitioned (see ``ZeroConfig``); ``units`` hold the
+    parameters, their fp32 master shards and the reduced gradient shards; ``optimizer`` is
+    the torch optimizer over the masters; ``scaler`` the loss scale; ``global_step`` counts
+    applied optimizer steps and ``skipped_steps`` those skipped on an fp16 overflow.
+    """
+
+    stage: int
+    units: list[FlatUnit]
+    optimizer: torch.optim.Optimizer
+    scaler: LossScaler
+    global_step: int = 0
+    skipped_steps: int = 0
