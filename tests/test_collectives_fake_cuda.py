@@ -69,7 +69,7 @@ def test_counted_collectives_keep_everything_on_cuda(fake_world, async_op):
 
 
 def test_hpz_blocks_and_node_groups_on_the_fake_backend(fake_world):
-    from zcomm.groups import node_groups
+    from zcomm._groups import node_groups
 
     block = zcomm.consecutive_group(None, 2)
     assert dist.get_process_group_ranks(block) == [0, 1]

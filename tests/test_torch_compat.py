@@ -1,6 +1,6 @@
-"""What ``zcomm.torch_compat`` relies on in torch, pinned (its private uses included).
+"""What ``zcomm._torch_compat`` relies on in torch, pinned (its private uses included).
 
-[Note: creating zcomm's groups] in :mod:`zcomm.torch_compat` explains why a group created by
+[Note: creating zcomm's groups] in :mod:`zcomm._torch_compat` explains why a group created by
 its members only goes through torch's internal ``_new_process_group_helper``. If a torch
 upgrade changes what that relies on, these tests say so before a multi-rank run hangs.
 """
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from zcomm import torch_compat
+from zcomm import _torch_compat as torch_compat
 
 
 def test_the_internals_zcomm_uses_have_the_expected_shape():

@@ -7,14 +7,14 @@
 * :func:`comm_stats` / :func:`reset_comm_stats`: bytes each rank sent, intra vs inter node.
 * ``zcomm.quant``: the block-quantization ops and the wire format.
 
-The CPU kernels use the rank's share of threads (:mod:`zcomm.threads`: ``ZCOMM_NUM_THREADS``,
+The CPU kernels use the rank's share of threads (:mod:`zcomm._threads`: ``ZCOMM_NUM_THREADS``,
 else ``torch.get_num_threads()``).
 """
 
 from . import quant
 from .all_gather_q8 import all_gather_q8
 from .comm_stats import OpStats, comm_stats, reset_comm_stats
-from .groups import consecutive_group
+from ._groups import consecutive_group
 from .handle import Handle
 from .plain_collectives import all_gather_into_tensor, reduce_scatter_tensor
 from .reduce_scatter_q4 import reduce_scatter_q4

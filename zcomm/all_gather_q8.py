@@ -35,7 +35,7 @@ written only in step 4.
 CUDA the buffers are allocated on the stream the chain is enqueued on and the process
 group records their use on its stream, so the allocator does not hand them out early.
 
-[Note: hop order] Steps 1-4 run as one chain (:mod:`zcomm.chain_runner`): on CPU on the
+[Note: hop order] Steps 1-4 run as one chain (:mod:`zcomm._chain_runner`): on CPU on the
 FIFO worker shared with qgZ for the same group, so every rank issues the hops of all
 zcomm calls on the private groups in one order, inter hop before intra hop; sync calls
 wait for the chain, async calls return its handle.
@@ -50,13 +50,13 @@ import torch
 import torch.distributed as dist
 
 from . import quant
-from .chain_runner import run_chain
-from .collective_args import check_group_size, check_tensors, resolve_group
+from ._chain_runner import run_chain
+from ._prologue import check_group_size, check_tensors, resolve_group
 from .comm_stats import hierarchical_gather_bytes, record
-from .groups import node_groups
+from ._groups import node_groups
 from .handle import Handle
 from .topology import Topology
-from .torch_compat import all_gather_single
+from ._torch_compat import all_gather_single
 
 OP_NAME = "all_gather_q8"
 BITS = 8

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from .comm_stats import record, ring_bytes
-from .collective_args import check_tensors, resolve_group
+from ._prologue import check_tensors, resolve_group
 from .topology import Topology
-from .torch_compat import all_gather_single, reduce_scatter_single
+from ._torch_compat import all_gather_single, reduce_scatter_single
 
 
 def all_gather_into_tensor(

@@ -4,7 +4,7 @@ On ``W = N * L`` ranks (``N`` nodes of ``L`` ranks, node-major), for each of ``k
 pipeline stages:
 
 1. (once, fused for all stages) reorder the input's sub-slices
-   (:mod:`zcomm.slice_reorder`) and quantize them to INT4 rows, one per intra-node peer
+   (:mod:`zcomm._slice_reorder`) and quantize them to INT4 rows, one per intra-node peer
    and stage;
 2. intra-node all-to-all of stage ``s``'s ``L`` rows on zcomm's private intra-node group;
 3. dequantize the ``L`` received rows, sum them in fp32 and re-quantize the node's sum to
@@ -39,12 +39,12 @@ import torch
 import torch.distributed as dist
 
 from . import quant
-from .chain_runner import run_chain
-from .collective_args import GroupInfo, check_group_size, check_tensors, resolve_group
+from ._chain_runner import run_chain
+from ._prologue import GroupInfo, check_group_size, check_tensors, resolve_group
 from .comm_stats import record
-from .groups import NodeGroups, node_groups
+from ._groups import NodeGroups, node_groups
 from .handle import Handle
-from .slice_reorder import first_hop_rows, reorder_permutation
+from ._slice_reorder import first_hop_rows, reorder_permutation
 from .topology import Topology
 
 OP_NAME = "reduce_scatter_q4"

@@ -29,7 +29,7 @@ LOCAL_SIZE_VARIABLES = ("ZCOMM_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD
 
 # Host-name exchanges are collective, so their result is cached per process group object,
 # weakly: a group destroyed and re-created under the same name is a new object
-# ([Note: cache lifetime] in zcomm.groups).
+# ([Note: cache lifetime] in zcomm._groups).
 _DETECTED_BY_HOSTNAME: weakref.WeakKeyDictionary[dist.ProcessGroup, "Topology"] = weakref.WeakKeyDictionary()
 
 

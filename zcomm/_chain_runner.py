@@ -1,14 +1,14 @@
 """Running a hierarchical collective's chain of hops in the same order on every rank.
 
 A hierarchical collective (qwZ's 2-hop all-gather, qgZ's 2-hop reduce-scatter) is a chain:
-quantize, a hop on one of zcomm's private subgroups (:mod:`zcomm.groups`), work on what
+quantize, a hop on one of zcomm's private subgroups (:mod:`zcomm._groups`), work on what
 arrived, the next hop, and so on. A hop may only start once the previous one has
 delivered, so the chain cannot be issued up front as one asynchronous collective; and
 every member must issue its hops on each private group in the same order.
 
 * CUDA: the chain is enqueued on a stream without blocking the host ([Note: CUDA streams]).
 * CPU: the chain runs on the ordered worker of the caller's (group, topology)
-  ([Note: worker ordering] in :mod:`zcomm.worker`). All of zcomm's chains on one group
+  ([Note: worker ordering] in :mod:`zcomm._worker`). All of zcomm's chains on one group
   share that worker, so the hops of a qwZ call and of a qgZ call in flight together never
   interleave on the private groups they share.
 """
@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 import torch
 
-from .collective_args import GroupInfo
+from ._prologue import GroupInfo
 from .handle import Handle
-from .worker import ordered_worker
+from ._worker import ordered_worker
 
 # chain(output, input): runs every hop and leaves the result in ``output``
 Chain = Callable[[torch.Tensor, torch.Tensor], None]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .topology import Topology
 
-# caller's group -> topology -> its single worker; weak in the group like zcomm.groups'
+# caller's group -> topology -> its single worker; weak in the group like zcomm._groups'
 # cache ([Note: cache lifetime]): a worker whose group is gone is dropped, and its thread exits
 _WORKERS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[Topology, ThreadPoolExecutor]] = weakref.WeakKeyDictionary()
 

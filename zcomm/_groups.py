@@ -6,7 +6,7 @@ runtime) gathers inside a block of consecutive ranks. zcomm creates these groups
 so its traffic never interleaves with the caller's collectives on the caller's group.
 Each kind is a *partition* of the caller's group into blocks; this rank gets its block.
 How a partition is created (split from the caller's group, or by the members of each
-block) is [Note: creating zcomm's groups] in :mod:`zcomm.torch_compat`.
+block) is [Note: creating zcomm's groups] in :mod:`zcomm._torch_compat`.
 
 [Note: group creation order] Creating groups is collective: among the caller's group when
 split from it, among a block's members otherwise. Every member of the caller's group calls
@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 from .topology import Topology
-from .torch_compat import creates_by_split, new_named_group, split_subgroups
+from ._torch_compat import creates_by_split, new_named_group, split_subgroups
 
 
 class NodeGroups(NamedTuple):
