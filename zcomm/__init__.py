@@ -12,10 +12,10 @@ else ``torch.get_num_threads()``).
 """
 
 from . import quant
+from ._api import Handle
 from .all_gather_q8 import all_gather_q8
 from .comm_stats import OpStats, comm_stats, reset_comm_stats
 from ._groups import consecutive_group
-from .handle import Handle
 from .plain_collectives import all_gather_into_tensor, reduce_scatter_tensor
 from .reduce_scatter_q4 import reduce_scatter_q4
 from .topology import Topology

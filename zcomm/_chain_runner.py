@@ -8,23 +8,36 @@ every member must issue its hops on each private group in the same order.
 
 * CUDA: the chain is enqueued on a stream without blocking the host ([Note: CUDA streams]).
 * CPU: the chain runs on the ordered worker of the caller's (group, topology)
-  ([Note: worker ordering] in :mod:`zcomm._worker`). All of zcomm's chains on one group
-  share that worker, so the hops of a qwZ call and of a qgZ call in flight together never
-  interleave on the private groups they share.
+  ([Note: worker ordering]). All of zcomm's chains on one group share that worker, so the
+  hops of a qwZ call and of a qgZ call in flight together never interleave on the private
+  groups they share.
+
+[Note: worker ordering] qgZ and qwZ on CPU tensors have host work between their hops
+(each hop waits for the previous one's data; qgZ also dequantizes, reduces and
+requantizes it), so an ``async_op=True`` call cannot just enqueue its chain the way CUDA
+streams allow. The whole chain runs on a worker thread instead, and *every* call (sync
+ones too, which then wait) goes through the same single-threaded FIFO queue: each rank
+thus issues its collectives on zcomm's private subgroups in its own program order, which
+is the same order on every member, as torch.distributed requires. The worker overlaps
+with the caller's Python only as far as the quantization kernels release the GIL (the
+``cpu`` backend's numba kernels are meant to; the ``reference`` backend's torch ops do
+inside each op).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import torch.distributed as dist
 
-from ._prologue import GroupInfo
-from .handle import Handle
-from ._worker import ordered_worker
+from ._api import Chain, GroupInfo, Handle
+from .topology import Topology
 
-# chain(output, input): runs every hop and leaves the result in ``output``
-Chain = Callable[[torch.Tensor, torch.Tensor], None]
+# caller's group -> topology -> its single worker; weak in the group like zcomm._groups'
+# cache ([Note: cache lifetime]): a worker whose group is gone is dropped, and its thread exits
+_WORKERS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[Topology, ThreadPoolExecutor]] = weakref.WeakKeyDictionary()
 
 
 def run_chain(chain: Chain, info: GroupInfo, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Handle | None:
@@ -32,12 +45,21 @@ def run_chain(chain: Chain, info: GroupInfo, output: torch.Tensor, input: torch.
     if input.is_cuda:
         return _run_on_stream(chain, output, input, async_op)
     # [Note: worker ordering] sync calls queue behind pending async ones.
-    future = ordered_worker(info.group, info.topology).submit(chain, output, input)
+    future = _ordered_worker(info.group, info.topology).submit(chain, output, input)
     handle = Handle(finish=future.result, ready=future.done)
     if async_op:
         return handle
     handle.wait()
     return None
+
+
+def _ordered_worker(group: dist.ProcessGroup, topology: Topology) -> ThreadPoolExecutor:
+    """The single-threaded executor for ``group`` laid out as ``topology``, created on first use."""
+    workers = _WORKERS.setdefault(group, {})
+    if topology not in workers:
+        # setdefault keeps the first one if two threads race here; an unused executor starts no thread
+        workers.setdefault(topology, ThreadPoolExecutor(max_workers=1, thread_name_prefix="zcomm-worker"))
+    return workers[topology]
 
 
 def _run_on_stream(chain: Chain, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Handle | None:

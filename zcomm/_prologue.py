@@ -6,22 +6,12 @@ collective cannot work with, ``TypeError`` for arguments of the wrong kind.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.distributed as dist
 
+from ._api import GroupInfo
 from .quant import SUPPORTED_DTYPES
 from .topology import Topology
-
-
-class GroupInfo(NamedTuple):
-    """The caller's group as a collective sees it."""
-
-    group: dist.ProcessGroup
-    rank: int
-    world_size: int
-    topology: Topology
 
 
 def resolve_group(group: dist.ProcessGroup | None, topology: Topology | None) -> GroupInfo:

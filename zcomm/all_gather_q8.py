@@ -50,11 +50,11 @@ import torch
 import torch.distributed as dist
 
 from . import quant
+from ._api import Handle
 from ._chain_runner import run_chain
 from ._prologue import check_group_size, check_tensors, resolve_group
 from .comm_stats import hierarchical_gather_bytes, record
 from ._groups import node_groups
-from .handle import Handle
 from .topology import Topology
 from ._torch_compat import all_gather_single
 
@@ -88,7 +88,7 @@ def all_gather_q8(
         output: contiguous, ``world * input.numel()`` elements, same dtype (fp32/bf16/fp16) and device.
         input: contiguous, any shape and numel.
         group: the process group (default: world).
-        async_op: return a :class:`~zcomm.handle.Handle`; ``output`` is valid after its ``wait()``.
+        async_op: return a :class:`zcomm.Handle`; ``output`` is valid after its ``wait()``.
         group_size: elements per quantization scale (default :data:`DEFAULT_GROUP_SIZE`).
         topology: which ranks share a node (default: :meth:`Topology.detect`).
     """

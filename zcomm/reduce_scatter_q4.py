@@ -40,10 +40,10 @@ import torch.distributed as dist
 
 from . import quant
 from ._chain_runner import run_chain
-from ._prologue import GroupInfo, check_group_size, check_tensors, resolve_group
+from ._api import GroupInfo, Handle
+from ._prologue import check_group_size, check_tensors, resolve_group
 from .comm_stats import record
 from ._groups import NodeGroups, node_groups
-from .handle import Handle
 from ._slice_reorder import first_hop_rows, reorder_permutation
 from .topology import Topology
 
@@ -94,7 +94,7 @@ def reduce_scatter_q4(
         input: contiguous; slice ``r`` (``[r*m, (r+1)*m)``) is reduced onto rank ``r``.
         op: ``ReduceOp.SUM`` or ``ReduceOp.AVG`` (divides by the whole group size).
         group: the process group (default: world).
-        async_op: return a :class:`~zcomm.handle.Handle`; ``output`` is valid after its ``wait()``.
+        async_op: return a :class:`zcomm.Handle`; ``output`` is valid after its ``wait()``.
         group_size: elements per INT4 scale (even; default :data:`DEFAULT_GROUP_SIZE`).
         pipeline_stages: chunks overlapping intra- and inter-node hops (default
             :func:`default_pipeline_stages`).
