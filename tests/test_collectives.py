@@ -54,7 +54,7 @@ def _check_errors(topology: zcomm.Topology) -> None:
         rs(out, x, dist.ReduceOp.MAX, topology=topology)
     with pytest.raises(ValueError, match="pipeline_stages"):
         rs(out, x, pipeline_stages=0, topology=topology)
-    with pytest.raises(ValueError, match="group_size must be an even"):
+    with pytest.raises(ValueError, match="group_size must be even"):
         rs(out, x, group_size=7, topology=topology)
     with pytest.raises(ValueError, match="topology is for 2 ranks but the group has 4"):
         rs(out, x, topology=zcomm.Topology(world_size=2, local_size=1))
