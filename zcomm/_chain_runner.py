@@ -40,7 +40,9 @@ from .topology import Topology
 _WORKERS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[Topology, ThreadPoolExecutor]] = weakref.WeakKeyDictionary()
 
 
-def run_chain(chain: Chain, info: GroupInfo, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Handle | None:
+def run_chain(
+    chain: Chain, info: GroupInfo, output: torch.Tensor, input: torch.Tensor, async_op: bool
+) -> Handle | None:
     """Run ``chain(output, input)`` for a collective on ``info``'s group; a handle if ``async_op``, else wait."""
     if input.is_cuda:
         return _run_on_stream(chain, output, input, async_op)

@@ -69,10 +69,10 @@ def consecutive_group(group: dist.ProcessGroup | None, size: int) -> dist.Proces
     size. Collective over ``group`` the first time (see [Note: group creation order]).
     """
     group = group if group is not None else dist.group.WORLD
-    world = dist.get_world_size(group)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world % size:
-        raise ValueError(f"size must be a positive divisor of the group size {world}, got {size!r}")
-    return _subgroup(group, "block", [range(b * size, (b + 1) * size) for b in range(world // size)])
+    world_size = dist.get_world_size(group)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world_size % size:
+        raise ValueError(f"size must be a positive divisor of the group size {world_size}, got {size!r}")
+    return _subgroup(group, "block", [range(b * size, (b + 1) * size) for b in range(world_size // size)])
 
 
 def _subgroup(parent: dist.ProcessGroup, purpose: str, partition: Sequence[range]) -> dist.ProcessGroup:

@@ -14,9 +14,9 @@ kernels use the rank's share:
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ._env import positive_int_from_env
 
 NUM_THREADS_VARIABLE = "ZCOMM_NUM_THREADS"
 
@@ -27,15 +27,9 @@ def kernel_threads(pool_size: int) -> int:
     ``$ZCOMM_NUM_THREADS`` if set (``ValueError`` unless a positive integer no larger than
     the pool), else ``torch.get_num_threads()`` capped at the pool.
     """
-    text = os.environ.get(NUM_THREADS_VARIABLE, "").strip()
-    if not text:
+    count = positive_int_from_env(NUM_THREADS_VARIABLE, "threads")
+    if count is None:
         return max(1, min(torch.get_num_threads(), pool_size))
-    try:
-        count = int(text)
-    except ValueError:
-        raise ValueError(f"${NUM_THREADS_VARIABLE}={text!r} is not an integer number of threads") from None
-    if count < 1:
-        raise ValueError(f"${NUM_THREADS_VARIABLE}={count} must be >= 1")
     if count > pool_size:
         raise ValueError(
             f"${NUM_THREADS_VARIABLE}={count} exceeds the kernels' thread pool of {pool_size} threads "

@@ -132,33 +132,33 @@ def _stages(pipeline_stages: int | None, input: torch.Tensor, slice_numel: int, 
 
 def _bytes_sent(plan: _Plan) -> tuple[int, int]:
     """(intra, inter) bytes of the all-to-all rows this rank sends to other ranks (comm_stats model)."""
-    topo, k, q = plan.info.topology, plan.stages, plan.part
+    topology, k, q = plan.info.topology, plan.stages, plan.part
     if q == 0:
         return 0, 0
-    inter = k * (topo.num_nodes - 1) * quant.payload_nbytes(q, _BITS, plan.group_size)
-    intra = k * (topo.local_size - 1) * quant.payload_nbytes(topo.num_nodes * q, _BITS, plan.group_size)
+    inter = k * (topology.num_nodes - 1) * quant.payload_nbytes(q, _BITS, plan.group_size)
+    intra = k * (topology.local_size - 1) * quant.payload_nbytes(topology.num_nodes * q, _BITS, plan.group_size)
     return intra, inter
 
 
 def _chain(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:
     """Steps 1-5 of the module docstring, on this thread (or enqueued on the current CUDA stream)."""
-    topo, k, q = plan.info.topology, plan.stages, plan.part
-    world, slice_numel = plan.info.world_size, output.numel()
+    topology, k, q = plan.info.topology, plan.stages, plan.part
+    slice_numel = output.numel()
     padded = k * q != slice_numel
-    source = _padded_input(input, world, slice_numel, k * q) if padded else input.view(-1)
+    source = _padded_input(input, topology.world_size, slice_numel, k * q) if padded else input.view(-1)
     result = torch.empty(k * q, dtype=output.dtype, device=output.device) if padded else output.view(-1)
-    perm = reorder_permutation(topo.num_nodes, topo.local_size, k)
-    num_rows = first_hop_rows(topo.num_nodes, topo.local_size, k)
+    perm = reorder_permutation(topology.num_nodes, topology.local_size, k)
+    num_rows = first_hop_rows(topology.num_nodes, topology.local_size, k)
     rows = quant.reorder_quantize(source, perm, num_rows, _BITS, plan.group_size)
     _pipeline(plan, rows, result.view(k, q))
     if padded:
         output.view(-1).copy_(result[:slice_numel])
 
 
-def _padded_input(input: torch.Tensor, world: int, slice_numel: int, padded_numel: int) -> torch.Tensor:
-    """``input``'s ``world`` slices, each zero-padded to ``padded_numel``, as one flat buffer."""
-    staged = torch.zeros((world, padded_numel), dtype=input.dtype, device=input.device)
-    staged[:, :slice_numel].copy_(input.view(world, slice_numel))
+def _padded_input(input: torch.Tensor, world_size: int, slice_numel: int, padded_numel: int) -> torch.Tensor:
+    """``input``'s ``world_size`` slices, each zero-padded to ``padded_numel``, as one flat buffer."""
+    staged = torch.zeros((world_size, padded_numel), dtype=input.dtype, device=input.device)
+    staged[:, :slice_numel].copy_(input.view(world_size, slice_numel))
     return staged.view(-1)
 
 
@@ -171,10 +171,11 @@ def _pipeline(plan: _Plan, rows: torch.Tensor, out_parts: torch.Tensor) -> None:
     carries stage ``s`` while the intra-node link carries stage ``s+1``. Every receive
     buffer stays referenced (``intra``, ``in_flight``) until its reduction has consumed it.
     """
-    topo, k = plan.info.topology, plan.stages
-    nodes, local = topo.num_nodes, topo.local_size
-    intra = [_all_to_all(rows[s * local : (s + 1) * local], plan.groups.intra) for s in range(k)] if local > 1 else []
-    if nodes == 1:
+    k, num_nodes, local_size = plan.stages, plan.info.topology.num_nodes, plan.info.topology.local_size
+    intra: list[tuple[torch.Tensor, dist.Work]] = []
+    if local_size > 1:
+        intra = [_all_to_all(rows[s * local_size : (s + 1) * local_size], plan.groups.intra) for s in range(k)]
+    if num_nodes == 1:
         for s in range(k):
             received, work = intra[s] if intra else (rows[s : s + 1], None)
             _finish(plan, received, work, out_parts[s])
@@ -192,12 +193,12 @@ def _pipeline(plan: _Plan, rows: torch.Tensor, out_parts: torch.Tensor) -> None:
 def _inter_rows(plan: _Plan, rows: torch.Tensor, intra: list, stage: int) -> torch.Tensor:
     """Stage ``stage``'s ``N`` rows for the inter-node hop: the node's re-quantized sum (step 3), or
     the quantized input itself when there is one rank per node."""
-    nodes = plan.info.topology.num_nodes
+    num_nodes = plan.info.topology.num_nodes
     if not intra:
-        return rows[stage * nodes : (stage + 1) * nodes]
+        return rows[stage * num_nodes : (stage + 1) * num_nodes]
     received, work = intra[stage]
     work.wait()
-    return quant.dequant_reduce(received, nodes * plan.part, _BITS, plan.group_size, requant_chunks=nodes)
+    return quant.dequant_reduce(received, num_nodes * plan.part, _BITS, plan.group_size, requant_chunks=num_nodes)
 
 
 def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
