@@ -22,7 +22,7 @@ that group, and the rest of the world never calls them. How, depends on the pare
   group after the number of groups each process has created so far, which differ between
   ranks once they used zcomm on different subgroups; ``split_group`` needs a bound
   accelerator. The helper has had this signature since torch 2.4;
-  ``tests/test_torch_compat.py`` pins what zcomm relies on.
+  ``tests/collectives/test_torch_compat.py`` pins what zcomm relies on.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ upgrade changes what that relies on, these tests say so before a multi-rank run 
 from __future__ import annotations
 
 import inspect
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -27,19 +26,13 @@ def test_the_internals_zcomm_uses_have_the_expected_shape():
     assert {"parent_pg", "split_ranks", "timeout", "group_desc"} <= set(split)
 
 
-def test_new_named_group_and_group_timeout_on_one_rank():
-    timeout = timedelta(seconds=17)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    try:
-        world = dist.group.WORLD
-        assert torch_compat.group_timeout(world) == timeout
-        assert not torch_compat.creates_by_split(world)
-        group = torch_compat.new_named_group("zcomm-test/solo", [0], like=world, desc="zcomm test")
-        assert (dist.get_rank(group), dist.get_world_size(group), dist.get_process_group_ranks(group)) == (0, 1, [0])
-        assert torch_compat.group_timeout(group) == timeout
-        assert dist.get_backend(group) == dist.get_backend(world)
-        value = torch.tensor([3.0])
-        dist.all_reduce(value, group=group)
-        assert value.item() == 3.0
-    finally:
-        dist.destroy_process_group()
+def test_new_named_group_and_group_timeout_on_one_rank(gloo_world, world_timeout):
+    assert torch_compat.group_timeout(gloo_world) == world_timeout
+    assert not torch_compat.creates_by_split(gloo_world)
+    group = torch_compat.new_named_group("zcomm-test/solo", [0], like=gloo_world, desc="zcomm test")
+    assert (dist.get_rank(group), dist.get_world_size(group), dist.get_process_group_ranks(group)) == (0, 1, [0])
+    assert torch_compat.group_timeout(group) == world_timeout
+    assert dist.get_backend(group) == dist.get_backend(gloo_world)
+    value = torch.tensor([3.0])
+    dist.all_reduce(value, group=group)
+    assert value.item() == 3.0
