@@ -23,6 +23,8 @@ import torch.distributed as dist
 
 from ._env import positive_int_from_env
 
+__all__ = ["LOCAL_SIZE_VARIABLES", "Topology"]
+
 # Environment variables holding the local size (ranks on this node), most specific first:
 # zcomm's own override (lets one machine pretend to be several nodes), torchrun,
 # Open MPI, MPICH.

@@ -8,7 +8,7 @@ What this cannot reach on a CPU build of torch: the quantized collectives' chain
 indexing of a fake CUDA tensor (``t[a:b]``, ``t[i]``) enters the CUDA device guard, which a
 CPU build lacks ("PyTorch is not linked with support for cuda devices"); the async CUDA path
 creates ``torch.cuda.Stream``/``Event``; the ``cuda`` backend needs cupy and a GPU. Those run
-in ``tests/test_collectives_cuda.py`` on a GPU (``make gpu-check``).
+in ``tests/collectives/test_collectives_cuda.py`` on a GPU (``make gpu-check``).
 """
 
 from __future__ import annotations
