@@ -24,6 +24,7 @@ OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
 SIZES = (0, 1, 2, 3, 13, 97, 1031, 4099)  # per-rank slice (reduce-scatter) / input (all-gather) numel
 GROUP_SIZES = (None, 6, 8, 30)
 DEFAULT_GROUP_SIZES = {"all_gather_q8": 2048, "reduce_scatter_q4": 512}
+TENSOR_SIZES = (0, 1, 97, 4099)  # group_size="tensor": 4099 exceeds both default group sizes
 
 
 def cases(seed: int):
@@ -40,6 +41,21 @@ def cases(seed: int):
             stages=1 + index % 4,
             group_size=rng.choice(GROUP_SIZES),
             seed=seed * 100 + index,
+        )
+
+
+def tensor_cases(seed: int):
+    """``group_size="tensor"`` (one scale per payload row) in both collectives: empty to beyond both
+    default group sizes, every dtype, SUM and AVG, sync and async, 1-3 pipeline stages."""
+    for index, slice_numel in enumerate(TENSOR_SIZES):
+        yield dict(
+            dtype=DTYPES[index % len(DTYPES)],
+            op=OPS[index % len(OPS)],
+            async_op=index >= len(TENSOR_SIZES) // 2,
+            slice_numel=slice_numel,
+            stages=1 + index % 3,
+            group_size="tensor",
+            seed=seed * 100 + 50 + index,
         )
 
 
@@ -86,7 +102,8 @@ def check_case(
     summed = inputs[rank].double().to(device)
     dist.all_reduce(summed, group=group)  # gloo's AVG is unreliable: sum in fp64 and divide here
     exact = summed.cpu()[rank * m : (rank + 1) * m] / divide_by
-    rs_gs = gs or DEFAULT_GROUP_SIZES["reduce_scatter_q4"]
+    part = -(-m // stages)
+    rs_gs = _oracle_group_size(gs, "reduce_scatter_q4", longest_row=topology.num_nodes * part)
     bound = reduce_scatter_bound(
         inputs.double(), rank, nodes=topology.num_nodes, local=topology.local_size, stages=stages,
         group_size=rs_gs, dtype=dtype, divide_by=divide_by, exact=exact,
@@ -96,7 +113,7 @@ def check_case(
     expected = torch.empty(world, m, dtype=torch.float64, device=device)
     dist.all_gather(list(expected.unbind(0)), gathered_inputs[rank].double().to(device), group=group)
     expected = expected.cpu()
-    ag_gs = gs or DEFAULT_GROUP_SIZES["all_gather_q8"]
+    ag_gs = _oracle_group_size(gs, "all_gather_q8", longest_row=m)
     bound = all_gather_bound(expected, ag_gs, dtype).view(-1)
     _assert_within("all_gather_q8", case, gathered.double() - expected.view(-1), bound)
     flat = _flat_all_gather_q8(gathered_inputs[rank].to(device), group, ag_gs).cpu()
@@ -104,6 +121,15 @@ def check_case(
 
     assert_stats("reduce_scatter_q4", qgz_volume(m, topology.num_nodes, topology.local_size, stages, rs_gs), case)
     assert_stats("all_gather_q8", qwz_volume(m, topology.num_nodes, topology.local_size, ag_gs), case)
+
+
+def _oracle_group_size(setting: int | str | None, name: str, *, longest_row: int) -> int:
+    """The group size the oracles compute with: ``"tensor"`` is one scale per payload row, which any
+    group size covering the longest row gives (rows: all_gather_q8's input; reduce_scatter_q4's
+    intra-node rows of N pipeline parts); None is the collective's default."""
+    if setting == "tensor":
+        return max(2, longest_row)
+    return DEFAULT_GROUP_SIZES[name] if setting is None else setting
 
 
 def _flat_all_gather_q8(input: torch.Tensor, group: dist.ProcessGroup, group_size: int) -> torch.Tensor:

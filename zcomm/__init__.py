@@ -1,21 +1,23 @@
 """zcomm: ZeRO++ quantized collectives on torch.distributed.
 
 * :func:`all_gather_q8` (qwZ) and :func:`reduce_scatter_q4` (qgZ): drop-ins for
-  ``torch.distributed.all_gather_into_tensor`` / ``reduce_scatter_tensor``.
+  ``torch.distributed.all_gather_into_tensor`` / ``reduce_scatter_tensor``; ``async_op=True``
+  returns a :class:`Handle`.
 * :func:`all_gather_into_tensor`, :func:`reduce_scatter_tensor`: the unquantized ones, counted.
 * :class:`Topology`: which ranks share a node; :func:`consecutive_group`: hpZ's blocks.
-* :func:`comm_stats` / :func:`reset_comm_stats`: bytes each rank sent, intra vs inter node.
-* ``zcomm.quant``: the block-quantization ops and the wire format.
+* :func:`comm_stats` / :func:`reset_comm_stats` (:class:`OpStats`): bytes each rank sent,
+  intra vs inter node.
+* ``zcomm.quant``: the block-quantization ops, :class:`zcomm.quant.QuantSpec` and the wire format.
 
-The CPU kernels use the rank's share of threads (:mod:`zcomm.threads`: ``ZCOMM_NUM_THREADS``,
-else ``torch.get_num_threads()``).
+Modules with a leading underscore are internal. The CPU kernels use the rank's share of
+threads (``ZCOMM_NUM_THREADS``, else ``torch.get_num_threads()``).
 """
 
 from . import quant
+from ._api import Handle
+from ._groups import consecutive_group
 from .all_gather_q8 import all_gather_q8
 from .comm_stats import OpStats, comm_stats, reset_comm_stats
-from .groups import consecutive_group
-from .handle import Handle
 from .plain_collectives import all_gather_into_tensor, reduce_scatter_tensor
 from .reduce_scatter_q4 import reduce_scatter_q4
 from .topology import Topology

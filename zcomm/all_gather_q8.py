@@ -30,12 +30,12 @@ bytes gathered by step 3 (all ``uint8``; with several nodes of several ranks, al
 of them in rank order for step 4's single dequantize) live for one call; ``output`` is
 written only in step 4.
 
-[Note: buffer lifetime] The chain keeps each hop's send buffer referenced until that hop's
+[Note: qwZ buffer lifetime] The chain keeps each hop's send buffer referenced until that hop's
 ``wait()`` has returned, and the last hop's receive buffer until step 4 has consumed it. On
 CUDA the buffers are allocated on the stream the chain is enqueued on and the process
 group records their use on its stream, so the allocator does not hand them out early.
 
-[Note: hop order] Steps 1-4 run as one chain (:mod:`zcomm.chain_runner`): on CPU on the
+[Note: hop order] Steps 1-4 run as one chain (:mod:`zcomm._chain_runner`): on CPU on the
 FIFO worker shared with qgZ for the same group, so every rank issues the hops of all
 zcomm calls on the private groups in one order, inter hop before intra hop; sync calls
 wait for the chain, async calls return its handle.
@@ -44,25 +44,23 @@ wait for the chain, async calls return its handle.
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from . import quant
-from .chain_runner import run_chain
-from .collective_args import check_group_size, check_tensors, resolve_group
-from .comm_stats import hierarchical_gather_bytes, record
-from .groups import node_groups
-from .handle import Handle
+from ._api import Handle
+from ._chain_runner import run_chain
+from ._groups import node_groups
+from ._prologue import prologue
+from ._torch_compat import all_gather_single
+from .comm_stats import record
 from .topology import Topology
-from .torch_compat import all_gather_single
 
-OP_NAME = "all_gather_q8"
-BITS = 8
-# Elements per INT8 scale: 4 scale bytes per 2048 value bytes (0.2% overhead) keep the
-# payload at ~0.5x of bf16 while one outlier only coarsens its own 2048 neighbours.
-DEFAULT_GROUP_SIZE = 2048
+__all__ = ["all_gather_q8"]
+
+_BITS = 8
 
 
 class _Plan(NamedTuple):
@@ -70,7 +68,7 @@ class _Plan(NamedTuple):
 
     hops: tuple[dist.ProcessGroup, ...]  # the inter-node group, then the intra-node group, where they have peers
     topology: Topology
-    group_size: int
+    group_size: int  # concrete: "tensor" resolved for this payload
 
 
 def all_gather_q8(
@@ -79,44 +77,51 @@ def all_gather_q8(
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
     *,
-    group_size: int | None = None,
+    group_size: int | Literal["tensor"] | None = None,
     topology: Topology | None = None,
 ) -> Handle | None:
     """INT8-quantized hierarchical drop-in for ``torch.distributed.all_gather_into_tensor``.
 
     Args:
-        output: contiguous, ``world * input.numel()`` elements, same dtype (fp32/bf16/fp16) and device.
+        output: contiguous, ``world_size * input.numel()`` elements, same dtype (fp32/bf16/fp16) and device.
         input: contiguous, any shape and numel.
         group: the process group (default: world).
-        async_op: return a :class:`~zcomm.handle.Handle`; ``output`` is valid after its ``wait()``.
-        group_size: elements per quantization scale (default :data:`DEFAULT_GROUP_SIZE`).
+        async_op: return a :class:`zcomm.Handle`; ``output`` is valid after its ``wait()``.
+        group_size: elements per quantization scale: an int >= 2, ``"tensor"`` (one scale for
+            the whole payload, ZeRO++'s non-blocked ablation) or None (INT8's default,
+            ``zcomm.quant.DEFAULT_GROUP_SIZE[8]``); see :class:`zcomm.quant.QuantSpec`.
         topology: which ranks share a node (default: :meth:`Topology.detect`).
     """
-    info = resolve_group(group, topology)
-    check_tensors(output, input, world=info.world_size, gather=True, quantized=True)
-    group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
-    check_group_size(group_size, BITS)
-    payload_bytes = quant.payload_nbytes(input.numel(), BITS, group_size)
-    intra, inter = hierarchical_gather_bytes(payload_bytes, info.topology)
-    record(OP_NAME, intra_bytes=intra, inter_bytes=inter)
+    info = prologue(output, input, group, topology, gather=True, quantized=True)
+    spec = quant.QuantSpec(bits=_BITS, group_size=group_size)
     groups = node_groups(info.group, info.topology)
     hops = tuple(hop for hop in (groups.inter, groups.intra) if hop is not None)
-    plan = _Plan(hops, info.topology, group_size)
+    plan = _Plan(hops, info.topology, spec.group_size_for(input.numel()))
+    record("all_gather_q8", *_bytes_sent(plan, input.numel()))
     return run_chain(partial(_chain, plan), info, output, input, async_op)
+
+
+def _bytes_sent(plan: _Plan, numel: int) -> tuple[int, int]:
+    """(intra, inter) bytes this rank sends (comm_stats model): its payload to the ``N - 1`` other
+    nodes, then the ``N`` payloads of its inter-node hop to the node's ``L - 1`` other ranks."""
+    payload_bytes = quant.payload_nbytes(numel, _BITS, plan.group_size)
+    num_nodes, local_size = plan.topology.num_nodes, plan.topology.local_size
+    return (local_size - 1) * num_nodes * payload_bytes, (num_nodes - 1) * payload_bytes
 
 
 def _chain(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:
     """Steps 1-4 of the module docstring, on this thread (or enqueued on the current CUDA stream)."""
-    nodes, local_size, numel = plan.topology.num_nodes, plan.topology.local_size, input.numel()
-    # [Note: buffer lifetime] ``_all_gather`` returns only after its hop has read ``gathered``
-    gathered = quant.quantize(input.reshape(-1), BITS, plan.group_size)
+    num_nodes, local_size, numel = plan.topology.num_nodes, plan.topology.local_size, input.numel()
+    # [Note: qwZ buffer lifetime] ``_all_gather`` returns only after its hop has read ``gathered``
+    gathered = quant.quantize(input.reshape(-1), _BITS, plan.group_size)
     for hop in plan.hops:
         gathered = _all_gather(gathered, hop)
-    world, row_bytes = plan.topology.world_size, gathered.numel() // plan.topology.world_size
+    world_size = plan.topology.world_size
+    row_bytes = gathered.numel() // world_size
     # the rows arrive [local rank][node], the ranks are [node][local rank]: one dequantize of
     # all W rows in rank order (reshape copies the payload bytes only when both are > 1)
-    in_rank_order = gathered.view(local_size, nodes, row_bytes).transpose(0, 1).reshape(world, row_bytes)
-    quant.dequantize(in_rank_order, numel, BITS, plan.group_size, output.dtype, out=output)
+    in_rank_order = gathered.view(local_size, num_nodes, row_bytes).transpose(0, 1).reshape(world_size, row_bytes)
+    quant.dequantize(in_rank_order, numel, _BITS, plan.group_size, output.dtype, out=output)
 
 
 def _all_gather(send: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

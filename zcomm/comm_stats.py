@@ -19,6 +19,7 @@ and topology; quantized payloads count in full: values, padding and scales):
   inter-node. ``chunk`` is the input bytes for ``all_gather_into_tensor`` and the output
   bytes for ``reduce_scatter_tensor``.
 
+Each collective computes its figures in its own module; this one only adds them up.
 This is the model the ZeRO++ paper reasons with, not a packet capture: gloo's actual
 algorithms differ (its reduce-scatter is an all-reduce). Counts are per process, updated
 under a lock (qgZ runs on worker threads), and recorded when the call is issued.
@@ -29,7 +30,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from .topology import Topology
+__all__ = ["OpStats", "comm_stats", "reset_comm_stats"]
 
 
 @dataclass(frozen=True)
@@ -61,22 +62,9 @@ def reset_comm_stats() -> None:
         _STATS.clear()
 
 
-def record(op: str, *, intra_bytes: int, inter_bytes: int) -> None:
-    """Add one call of ``op`` that sent the given bytes."""
+def record(op: str, intra_bytes: int, inter_bytes: int) -> None:
+    """Add one call of ``op`` that sent the given bytes (for zcomm's collectives, from their byte model)."""
     assert intra_bytes >= 0 and inter_bytes >= 0
     with _LOCK:
         old = _STATS.get(op, OpStats())
         _STATS[op] = OpStats(old.calls + 1, old.intra_bytes + intra_bytes, old.inter_bytes + inter_bytes)
-
-
-def ring_bytes(chunk_bytes: int, rank: int, topology: Topology) -> tuple[int, int]:
-    """(intra, inter) bytes ``rank`` sends in a ring all-gather / reduce-scatter of ``chunk_bytes`` chunks."""
-    world = topology.world_size
-    sent = (world - 1) * chunk_bytes
-    return (sent, 0) if topology.same_node(rank, (rank + 1) % world) else (0, sent)
-
-
-def hierarchical_gather_bytes(chunk_bytes: int, topology: Topology) -> tuple[int, int]:
-    """(intra, inter) bytes a rank sends in an inter-node then intra-node all-gather of ``chunk_bytes`` chunks."""
-    nodes, local = topology.num_nodes, topology.local_size
-    return (local - 1) * nodes * chunk_bytes, (nodes - 1) * chunk_bytes

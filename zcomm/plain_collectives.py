@@ -11,10 +11,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .comm_stats import record, ring_bytes
-from .collective_args import check_tensors, resolve_group
+from ._prologue import prologue
+from ._torch_compat import all_gather_single, reduce_scatter_single
+from .comm_stats import record
 from .topology import Topology
-from .torch_compat import all_gather_single, reduce_scatter_single
+
+__all__ = ["all_gather_into_tensor", "reduce_scatter_tensor"]
 
 
 def all_gather_into_tensor(
@@ -26,10 +28,8 @@ def all_gather_into_tensor(
     topology: Topology | None = None,
 ) -> dist.Work | None:
     """``torch.distributed.all_gather_into_tensor``, recorded as ``"all_gather_into_tensor"``."""
-    info = resolve_group(group, topology)
-    check_tensors(output, input, world=info.world_size, gather=True, quantized=False)
-    intra, inter = ring_bytes(input.numel() * input.element_size(), info.rank, info.topology)
-    record("all_gather_into_tensor", intra_bytes=intra, inter_bytes=inter)
+    info = prologue(output, input, group, topology, gather=True, quantized=False)
+    record("all_gather_into_tensor", *_ring_bytes(input.numel() * input.element_size(), info.rank, info.topology))
     return all_gather_single(output, input, group=info.group, async_op=async_op)
 
 
@@ -43,8 +43,13 @@ def reduce_scatter_tensor(
     topology: Topology | None = None,
 ) -> dist.Work | None:
     """``torch.distributed.reduce_scatter_tensor``, recorded as ``"reduce_scatter_tensor"``."""
-    info = resolve_group(group, topology)
-    check_tensors(output, input, world=info.world_size, gather=False, quantized=False)
-    intra, inter = ring_bytes(output.numel() * output.element_size(), info.rank, info.topology)
-    record("reduce_scatter_tensor", intra_bytes=intra, inter_bytes=inter)
+    info = prologue(output, input, group, topology, gather=False, quantized=False)
+    record("reduce_scatter_tensor", *_ring_bytes(output.numel() * output.element_size(), info.rank, info.topology))
     return reduce_scatter_single(output, input, op=op, group=info.group, async_op=async_op)
+
+
+def _ring_bytes(chunk_bytes: int, rank: int, topology: Topology) -> tuple[int, int]:
+    """(intra, inter) bytes ``rank`` sends in a ring all-gather / reduce-scatter of ``chunk_bytes`` chunks."""
+    world_size = topology.world_size
+    sent = (world_size - 1) * chunk_bytes
+    return (sent, 0) if topology.same_node(rank, (rank + 1) % world_size) else (0, sent)

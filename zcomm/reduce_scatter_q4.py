@@ -4,7 +4,7 @@ On ``W = N * L`` ranks (``N`` nodes of ``L`` ranks, node-major), for each of ``k
 pipeline stages:
 
 1. (once, fused for all stages) reorder the input's sub-slices
-   (:mod:`zcomm.slice_reorder`) and quantize them to INT4 rows, one per intra-node peer
+   (:mod:`zcomm._slice_reorder`) and quantize them to INT4 rows, one per intra-node peer
    and stage;
 2. intra-node all-to-all of stage ``s``'s ``L`` rows on zcomm's private intra-node group;
 3. dequantize the ``L`` received rows, sum them in fp32 and re-quantize the node's sum to
@@ -33,25 +33,23 @@ works and the collective is never swapped for an unquantized one.
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from . import quant
-from .chain_runner import run_chain
-from .collective_args import GroupInfo, check_group_size, check_tensors, resolve_group
+from ._api import GroupInfo, Handle
+from ._chain_runner import run_chain
+from ._groups import NodeGroups, node_groups
+from ._prologue import prologue
+from ._slice_reorder import first_hop_rows, reorder_permutation
 from .comm_stats import record
-from .groups import NodeGroups, node_groups
-from .handle import Handle
-from .slice_reorder import first_hop_rows, reorder_permutation
 from .topology import Topology
 
-OP_NAME = "reduce_scatter_q4"
-BITS = 4
-# Elements per INT4 scale: 4 scale bytes per 256 value bytes (1.6% overhead). INT4 has only
-# 15 levels, so groups stay smaller than INT8's to keep one outlier from flattening many values.
-DEFAULT_GROUP_SIZE = 512
+__all__ = ["MAX_DEFAULT_STAGES", "STAGE_BYTES", "default_pipeline_stages", "reduce_scatter_q4"]
+
+_BITS = 4
 # Default pipeline depth: one stage per STAGE_BYTES of input, at most MAX_DEFAULT_STAGES, and
 # only when there are two hops to overlap (N > 1 and L > 1). A 64 MB bf16 gradient gets 4.
 STAGE_BYTES = 8 << 20
@@ -65,7 +63,7 @@ class _Plan(NamedTuple):
     groups: NodeGroups
     stages: int
     part: int  # q: elements of each stage's part of one slice
-    group_size: int
+    group_size: int  # concrete: "tensor" resolved for the longest payload row
     divide_by: float
 
 
@@ -83,43 +81,44 @@ def reduce_scatter_q4(
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
     *,
-    group_size: int | None = None,
+    group_size: int | Literal["tensor"] | None = None,
     pipeline_stages: int | None = None,
     topology: Topology | None = None,
 ) -> Handle | None:
     """INT4 2-hop drop-in for ``torch.distributed.reduce_scatter_tensor`` with ``op`` SUM or AVG.
 
     Args:
-        output: contiguous, ``input.numel() / world`` elements, same dtype (fp32/bf16/fp16) and device.
+        output: contiguous, ``input.numel() / world_size`` elements, same dtype (fp32/bf16/fp16) and device.
         input: contiguous; slice ``r`` (``[r*m, (r+1)*m)``) is reduced onto rank ``r``.
         op: ``ReduceOp.SUM`` or ``ReduceOp.AVG`` (divides by the whole group size).
         group: the process group (default: world).
-        async_op: return a :class:`~zcomm.handle.Handle`; ``output`` is valid after its ``wait()``.
-        group_size: elements per INT4 scale (even; default :data:`DEFAULT_GROUP_SIZE`).
+        async_op: return a :class:`zcomm.Handle`; ``output`` is valid after its ``wait()``.
+        group_size: elements per INT4 scale: an even int >= 2, ``"tensor"`` (one scale per
+            payload row, ZeRO++'s non-blocked ablation) or None (INT4's default,
+            ``zcomm.quant.DEFAULT_GROUP_SIZE[4]``); see :class:`zcomm.quant.QuantSpec`.
         pipeline_stages: chunks overlapping intra- and inter-node hops (default
             :func:`default_pipeline_stages`).
         topology: which ranks share a node (default: :meth:`Topology.detect`).
     """
-    info = resolve_group(group, topology)
-    check_tensors(output, input, world=info.world_size, gather=False, quantized=True)
+    info = prologue(output, input, group, topology, gather=False, quantized=True)
     divide_by = _divisor(op, info.world_size)
-    group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
-    check_group_size(group_size, BITS)
+    spec = quant.QuantSpec(bits=_BITS, group_size=group_size)
     stages = _stages(pipeline_stages, input, output.numel(), info.topology)
     part = -(-output.numel() // stages)
-    plan = _Plan(info, node_groups(info.group, info.topology), stages, part, group_size, divide_by)
-    intra, inter = _bytes_sent(plan)
-    record(OP_NAME, intra_bytes=intra, inter_bytes=inter)
+    # "tensor": one group as long as the longest payload row (the intra hop's, N parts), so one per row
+    concrete_group_size = spec.group_size_for(info.topology.num_nodes * part)
+    plan = _Plan(info, node_groups(info.group, info.topology), stages, part, concrete_group_size, divide_by)
+    record("reduce_scatter_q4", *_bytes_sent(plan))
     if output.numel() == 0:
         return Handle(finish=lambda: None, ready=lambda: True) if async_op else None
     return run_chain(partial(_chain, plan), info, output, input, async_op)
 
 
-def _divisor(op: dist.ReduceOp, world: int) -> float:
+def _divisor(op: dist.ReduceOp, world_size: int) -> float:
     if op == dist.ReduceOp.SUM:
         return 1.0
     if op == dist.ReduceOp.AVG:
-        return float(world)
+        return float(world_size)
     raise ValueError(f"op must be ReduceOp.SUM or ReduceOp.AVG, got {op}")
 
 
@@ -133,33 +132,33 @@ def _stages(pipeline_stages: int | None, input: torch.Tensor, slice_numel: int, 
 
 def _bytes_sent(plan: _Plan) -> tuple[int, int]:
     """(intra, inter) bytes of the all-to-all rows this rank sends to other ranks (comm_stats model)."""
-    topo, k, q = plan.info.topology, plan.stages, plan.part
+    topology, k, q = plan.info.topology, plan.stages, plan.part
     if q == 0:
         return 0, 0
-    inter = k * (topo.num_nodes - 1) * quant.payload_nbytes(q, BITS, plan.group_size)
-    intra = k * (topo.local_size - 1) * quant.payload_nbytes(topo.num_nodes * q, BITS, plan.group_size)
+    inter = k * (topology.num_nodes - 1) * quant.payload_nbytes(q, _BITS, plan.group_size)
+    intra = k * (topology.local_size - 1) * quant.payload_nbytes(topology.num_nodes * q, _BITS, plan.group_size)
     return intra, inter
 
 
 def _chain(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:
     """Steps 1-5 of the module docstring, on this thread (or enqueued on the current CUDA stream)."""
-    topo, k, q = plan.info.topology, plan.stages, plan.part
-    world, slice_numel = plan.info.world_size, output.numel()
+    topology, k, q = plan.info.topology, plan.stages, plan.part
+    slice_numel = output.numel()
     padded = k * q != slice_numel
-    source = _padded_input(input, world, slice_numel, k * q) if padded else input.view(-1)
+    source = _padded_input(input, topology.world_size, slice_numel, k * q) if padded else input.view(-1)
     result = torch.empty(k * q, dtype=output.dtype, device=output.device) if padded else output.view(-1)
-    perm = reorder_permutation(topo.num_nodes, topo.local_size, k)
-    num_rows = first_hop_rows(topo.num_nodes, topo.local_size, k)
-    rows = quant.reorder_quantize(source, perm, num_rows, BITS, plan.group_size)
+    perm = reorder_permutation(topology.num_nodes, topology.local_size, k)
+    num_rows = first_hop_rows(topology.num_nodes, topology.local_size, k)
+    rows = quant.reorder_quantize(source, perm, num_rows, _BITS, plan.group_size)
     _pipeline(plan, rows, result.view(k, q))
     if padded:
         output.view(-1).copy_(result[:slice_numel])
 
 
-def _padded_input(input: torch.Tensor, world: int, slice_numel: int, padded_numel: int) -> torch.Tensor:
-    """``input``'s ``world`` slices, each zero-padded to ``padded_numel``, as one flat buffer."""
-    staged = torch.zeros((world, padded_numel), dtype=input.dtype, device=input.device)
-    staged[:, :slice_numel].copy_(input.view(world, slice_numel))
+def _padded_input(input: torch.Tensor, world_size: int, slice_numel: int, padded_numel: int) -> torch.Tensor:
+    """``input``'s ``world_size`` slices, each zero-padded to ``padded_numel``, as one flat buffer."""
+    staged = torch.zeros((world_size, padded_numel), dtype=input.dtype, device=input.device)
+    staged[:, :slice_numel].copy_(input.view(world_size, slice_numel))
     return staged.view(-1)
 
 
@@ -172,10 +171,11 @@ def _pipeline(plan: _Plan, rows: torch.Tensor, out_parts: torch.Tensor) -> None:
     carries stage ``s`` while the intra-node link carries stage ``s+1``. Every receive
     buffer stays referenced (``intra``, ``in_flight``) until its reduction has consumed it.
     """
-    topo, k = plan.info.topology, plan.stages
-    nodes, local = topo.num_nodes, topo.local_size
-    intra = [_all_to_all(rows[s * local : (s + 1) * local], plan.groups.intra) for s in range(k)] if local > 1 else []
-    if nodes == 1:
+    k, num_nodes, local_size = plan.stages, plan.info.topology.num_nodes, plan.info.topology.local_size
+    intra: list[tuple[torch.Tensor, dist.Work]] = []
+    if local_size > 1:
+        intra = [_all_to_all(rows[s * local_size : (s + 1) * local_size], plan.groups.intra) for s in range(k)]
+    if num_nodes == 1:
         for s in range(k):
             received, work = intra[s] if intra else (rows[s : s + 1], None)
             _finish(plan, received, work, out_parts[s])
@@ -193,12 +193,12 @@ def _pipeline(plan: _Plan, rows: torch.Tensor, out_parts: torch.Tensor) -> None:
 def _inter_rows(plan: _Plan, rows: torch.Tensor, intra: list, stage: int) -> torch.Tensor:
     """Stage ``stage``'s ``N`` rows for the inter-node hop: the node's re-quantized sum (step 3), or
     the quantized input itself when there is one rank per node."""
-    nodes = plan.info.topology.num_nodes
+    num_nodes = plan.info.topology.num_nodes
     if not intra:
-        return rows[stage * nodes : (stage + 1) * nodes]
+        return rows[stage * num_nodes : (stage + 1) * num_nodes]
     received, work = intra[stage]
     work.wait()
-    return quant.dequant_reduce(received, nodes * plan.part, BITS, plan.group_size, requant_chunks=nodes)
+    return quant.dequant_reduce(received, num_nodes * plan.part, _BITS, plan.group_size, requant_chunks=num_nodes)
 
 
 def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
@@ -212,5 +212,5 @@ def _finish(plan: _Plan, received: torch.Tensor, work: dist.Work | None, out: to
     if work is not None:
         work.wait()
     quant.dequant_reduce(
-        received, plan.part, BITS, plan.group_size, dtype=out.dtype, divide_by=plan.divide_by, out=out
+        received, plan.part, _BITS, plan.group_size, dtype=out.dtype, divide_by=plan.divide_by, out=out
     )

@@ -14,7 +14,6 @@ one node id per rank (:meth:`Topology.from_node_ids`), or detected from the envi
 
 from __future__ import annotations
 
-import os
 import socket
 import weakref
 from collections.abc import Hashable, Sequence
@@ -22,14 +21,18 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-# Environment variables holding the number of ranks on this node, most specific first:
+from ._env import positive_int_from_env
+
+__all__ = ["LOCAL_SIZE_VARIABLES", "Topology"]
+
+# Environment variables holding the local size (ranks on this node), most specific first:
 # zcomm's own override (lets one machine pretend to be several nodes), torchrun,
 # Open MPI, MPICH.
 LOCAL_SIZE_VARIABLES = ("ZCOMM_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 
 # Host-name exchanges are collective, so their result is cached per process group object,
 # weakly: a group destroyed and re-created under the same name is a new object
-# ([Note: cache lifetime] in zcomm.groups).
+# ([Note: cache lifetime] in zcomm._groups).
 _DETECTED_BY_HOSTNAME: weakref.WeakKeyDictionary[dist.ProcessGroup, "Topology"] = weakref.WeakKeyDictionary()
 
 
@@ -104,8 +107,8 @@ class Topology:
     def detect(cls, group: dist.ProcessGroup | None = None) -> Topology:
         """The topology of ``group`` (default: the world) as this launch placed its ranks.
 
-        The first set variable of :data:`LOCAL_SIZE_VARIABLES` gives the ranks per node of
-        the *world*; a global rank ``g`` is then on node ``g // local_size``, and the
+        The first set variable of :data:`LOCAL_SIZE_VARIABLES` gives the *world's* local size
+        (ranks per node); a global rank ``g`` is then on node ``g // local_size``, and the
         members of ``group`` are mapped through that. Without any of them, the members
         exchange host names (a collective on ``group``: every member must call this in the
         same order; the result is cached per group).
@@ -116,26 +119,20 @@ class Topology:
         if found is None:
             return _detect_by_hostname(group)
         variable, local_size = found
-        world = dist.get_world_size()
-        if world % local_size:
+        world_size = dist.get_world_size()
+        if world_size % local_size:
             raise ValueError(
-                f"world size {world} is not divisible by the local size {local_size} read from ${variable}"
+                f"world size {world_size} is not divisible by the local size {local_size} read from ${variable}"
             )
         return cls.from_node_ids([g // local_size for g in global_ranks])
 
 
 def _local_size_from_env() -> tuple[str, int] | None:
+    """The first variable of :data:`LOCAL_SIZE_VARIABLES` that is set, and its value."""
     for variable in LOCAL_SIZE_VARIABLES:
-        text = os.environ.get(variable, "").strip()
-        if not text:
-            continue
-        try:
-            value = int(text)
-        except ValueError:
-            raise ValueError(f"${variable}={text!r} is not an integer number of ranks per node") from None
-        if value < 1:
-            raise ValueError(f"${variable}={value} must be >= 1")
-        return variable, value
+        local_size = positive_int_from_env(variable, "ranks per node (the local size)")
+        if local_size is not None:
+            return variable, local_size
     return None
 
 

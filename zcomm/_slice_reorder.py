@@ -31,12 +31,13 @@ from __future__ import annotations
 def reorder_permutation(num_nodes: int, local_size: int, stages: int) -> tuple[int, ...]:
     """``perm`` with ``perm[position] = input sub-slice`` for :func:`zcomm.quant.reorder_quantize`."""
     assert num_nodes >= 1 and local_size >= 1 and stages >= 1
-    world = num_nodes * local_size
-    perm = [0] * (world * stages)
+    world_size = num_nodes * local_size
+    perm = [0] * (world_size * stages)
     for stage in range(stages):
-        for local in range(local_size):
+        for local_rank in range(local_size):
             for node in range(num_nodes):
-                perm[stage * world + local * num_nodes + node] = (node * local_size + local) * stages + stage
+                destination = node * local_size + local_rank
+                perm[stage * world_size + local_rank * num_nodes + node] = destination * stages + stage
     return tuple(perm)
 
 

@@ -6,7 +6,7 @@ runtime) gathers inside a block of consecutive ranks. zcomm creates these groups
 so its traffic never interleaves with the caller's collectives on the caller's group.
 Each kind is a *partition* of the caller's group into blocks; this rank gets its block.
 How a partition is created (split from the caller's group, or by the members of each
-block) is [Note: creating zcomm's groups] in :mod:`zcomm.torch_compat`.
+block) is [Note: creating zcomm's groups] in :mod:`zcomm._torch_compat`.
 
 [Note: group creation order] Creating groups is collective: among the caller's group when
 split from it, among a block's members otherwise. Every member of the caller's group calls
@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 from .topology import Topology
-from .torch_compat import creates_by_split, new_named_group, split_subgroups
+from ._torch_compat import creates_by_split, new_named_group, split_subgroups
 
 
 class NodeGroups(NamedTuple):
@@ -69,10 +69,10 @@ def consecutive_group(group: dist.ProcessGroup | None, size: int) -> dist.Proces
     size. Collective over ``group`` the first time (see [Note: group creation order]).
     """
     group = group if group is not None else dist.group.WORLD
-    world = dist.get_world_size(group)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world % size:
-        raise ValueError(f"size must be a positive divisor of the group size {world}, got {size!r}")
-    return _subgroup(group, "block", [range(b * size, (b + 1) * size) for b in range(world // size)])
+    world_size = dist.get_world_size(group)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world_size % size:
+        raise ValueError(f"size must be a positive divisor of the group size {world_size}, got {size!r}")
+    return _subgroup(group, "block", [range(b * size, (b + 1) * size) for b in range(world_size // size)])
 
 
 def _subgroup(parent: dist.ProcessGroup, purpose: str, partition: Sequence[range]) -> dist.ProcessGroup:

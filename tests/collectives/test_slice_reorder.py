@@ -10,7 +10,7 @@ from itertools import product
 
 import pytest
 
-from zcomm.slice_reorder import first_hop_rows, reorder_permutation
+from zcomm._slice_reorder import first_hop_rows, reorder_permutation
 
 
 def _labelled_input(src, world, stages):

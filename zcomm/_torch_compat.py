@@ -4,7 +4,7 @@ torch 2.13 renamed the flat collectives (``all_gather_into_tensor`` ->
 ``all_gather_single``, ``reduce_scatter_tensor`` -> ``reduce_scatter_single``, the old
 names warn); zcomm calls whichever exists.
 
-[Note: creating zcomm's groups] zcomm's private subgroups (:mod:`zcomm.groups`) are
+[Note: creating zcomm's groups] zcomm's private subgroups (:mod:`zcomm._groups`) are
 created by the members of the caller's group only: zcomm's collectives are collective over
 that group, and the rest of the world never calls them. How, depends on the parent group:
 
@@ -22,7 +22,7 @@ that group, and the rest of the world never calls them. How, depends on the pare
   group after the number of groups each process has created so far, which differ between
   ranks once they used zcomm on different subgroups; ``split_group`` needs a bound
   accelerator. The helper has had this signature since torch 2.4;
-  ``tests/test_torch_compat.py`` pins what zcomm relies on.
+  ``tests/collectives/test_torch_compat.py`` pins what zcomm relies on.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the caller's group) and unbound. It checks, on CUDA tensors, sync and async:
 
 * ``all_gather_q8`` / ``reduce_scatter_q4`` against torch.distributed's own collectives on
   fp64 copies, within the error bounds of ``collective_oracles`` (``collective_checks``),
-  with the ``cuda`` backend and with the ``reference`` backend;
+  with the ``cuda`` backend and with the ``reference`` backend, ``group_size="tensor"`` included;
 * that the CUDA path gives the CPU path's bytes: the same collective on a gloo twin of the
   world with CPU tensors (the ``cpu`` backend, or ``reference`` on both sides);
 * the counted ``all_gather_into_tensor`` / ``reduce_scatter_tensor``, also on an hpZ block;
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import zcomm
-from collective_checks import cases, check_case, check_plain_collectives, make_inputs
+from collective_checks import cases, check_case, check_plain_collectives, make_inputs, tensor_cases
 from zcomm_cuda import unavailable_reason
 
 GPU_CHECK = os.environ.get("ZCOMM_GPU_CHECK") == "1"
@@ -84,7 +84,7 @@ def _use_backend(monkeypatch, backend: str) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_quantized_collectives_against_torch(nccl_world, monkeypatch, backend):
     _use_backend(monkeypatch, backend)
-    for index, case in enumerate(cases(seed=51)):
+    for index, case in enumerate((*cases(seed=51), *tensor_cases(seed=51))):
         check_case(case, dist.group.WORLD, ONE_RANK, detect=index % 2 == 0, device="cuda")
 
 

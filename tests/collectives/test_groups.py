@@ -7,7 +7,7 @@ One spawn of 5 gloo ranks runs three phases (each checks results against the ora
    and take hpZ blocks of it, while rank 0 runs zcomm alone on a 1-rank group; then all 5
    run them on the world, after the ranks created different numbers of groups.
 2. *Split path, emulated*: with a bound NCCL device torch would create zcomm's groups by
-   splitting, so ``zcomm.groups`` must call ``torch.distributed.split_group`` over the
+   splitting, so ``zcomm._groups`` must call ``torch.distributed.split_group`` over the
    caller's group, on every member, with the same partition. No NCCL here: the test
    stands in for ``split_group`` with a function that is collective over the parent (an
    ``all_gather_object`` of the partition, which times out if a member is missing) and
@@ -31,7 +31,7 @@ import torch.distributed as dist
 import zcomm
 from collective_checks import cases, check_case, check_plain_collectives
 from spawn_harness import run_distributed
-from zcomm import groups, torch_compat
+from zcomm import _groups as groups, _torch_compat as torch_compat
 from zcomm.topology import LOCAL_SIZE_VARIABLES
 
 TIMEOUT = timedelta(seconds=60)

@@ -8,7 +8,7 @@ What this cannot reach on a CPU build of torch: the quantized collectives' chain
 indexing of a fake CUDA tensor (``t[a:b]``, ``t[i]``) enters the CUDA device guard, which a
 CPU build lacks ("PyTorch is not linked with support for cuda devices"); the async CUDA path
 creates ``torch.cuda.Stream``/``Event``; the ``cuda`` backend needs cupy and a GPU. Those run
-in ``tests/test_collectives_cuda.py`` on a GPU (``make gpu-check``).
+in ``tests/collectives/test_collectives_cuda.py`` on a GPU (``make gpu-check``).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def test_counted_collectives_keep_everything_on_cuda(fake_world, async_op):
 
 
 def test_hpz_blocks_and_node_groups_on_the_fake_backend(fake_world):
-    from zcomm.groups import node_groups
+    from zcomm._groups import node_groups
 
     block = zcomm.consecutive_group(None, 2)
     assert dist.get_process_group_ranks(block) == [0, 1]

@@ -1,0 +1,71 @@
+"""The contracts between zcomm's collectives and the code that runs them.
+
+* :class:`GroupInfo`: the caller's group as a collective sees it, resolved once per call
+  (:func:`zcomm._prologue.prologue`);
+* :data:`Chain`: a collective's work after its prologue, ``chain(output, input)``, which
+  :func:`zcomm._chain_runner.run_chain` runs in order on every rank;
+* :class:`Handle`: what an ``async_op=True`` collective returns (public as ``zcomm.Handle``).
+
+It imports only :mod:`zcomm.topology`, a leaf, so every implementation can import it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .topology import Topology
+
+# chain(output, input): runs every hop and leaves the result in ``output``
+Chain = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+class GroupInfo(NamedTuple):
+    """The caller's group as a collective sees it."""
+
+    group: dist.ProcessGroup
+    rank: int
+    world_size: int
+    topology: Topology
+
+
+class Handle:
+    """The handle an ``async_op=True`` zcomm collective returns, like torch's ``Work``.
+
+    A zcomm collective is a chain (quantize, communicate, dequantize); the handle owns the
+    tail of that chain that must run before ``output`` is valid: waiting for the
+    communication and, where the chain has one, the final dequantization. ``wait()`` runs
+    that tail exactly once (later calls return at once, or re-raise its error); on CUDA the
+    tail is only *enqueued* on the current stream, as with NCCL's ``Work.wait()``.
+
+    ``is_completed()`` is, as for torch's ``Work.is_completed()``, whether the collective
+    has actually finished (``ready()``: the chain's end on the CPU worker, or the chain's end
+    event on the GPU). It does not follow ``wait()``: on CUDA ``wait()`` returns once the
+    tail is enqueued, long before the GPU gets there.
+    """
+
+    def __init__(self, *, finish: Callable[[], None], ready: Callable[[], bool]) -> None:
+        self._finish = finish
+        self._ready = ready
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: BaseException | None = None
+
+    def wait(self) -> bool:
+        with self._lock:
+            if not self._done:
+                self._done = True
+                try:
+                    self._finish()
+                except BaseException as exc:
+                    self._error = exc
+            if self._error is not None:
+                raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self._ready())

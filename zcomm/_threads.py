@@ -1,0 +1,38 @@
+"""How many CPU threads zcomm's kernels may use: the rank's share of the machine.
+
+Several ranks usually share one machine, and each already owns a share of its cores:
+torchrun sets ``OMP_NUM_THREADS`` (1 by default with several ranks per node), and torch's
+``torch.get_num_threads()`` follows it (or ``torch.set_num_threads``). A CPU kernel that
+spread over all the machine's cores in every rank would oversubscribe them, and ranks that
+spin against each other slow every collective down several times. So zcomm's parallel CPU
+kernels use the rank's share:
+
+* ``ZCOMM_NUM_THREADS``, when set, is an explicit count (a positive integer);
+* otherwise ``torch.get_num_threads()``, read at every kernel call, so a later
+  ``torch.set_num_threads`` is followed too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._env import positive_int_from_env
+
+NUM_THREADS_VARIABLE = "ZCOMM_NUM_THREADS"
+
+
+def kernel_threads(pool_size: int) -> int:
+    """Threads for one kernel launch from a backend whose thread pool holds ``pool_size`` threads.
+
+    ``$ZCOMM_NUM_THREADS`` if set (``ValueError`` unless a positive integer no larger than
+    the pool), else ``torch.get_num_threads()`` capped at the pool.
+    """
+    count = positive_int_from_env(NUM_THREADS_VARIABLE, "threads")
+    if count is None:
+        return max(1, min(torch.get_num_threads(), pool_size))
+    if count > pool_size:
+        raise ValueError(
+            f"${NUM_THREADS_VARIABLE}={count} exceeds the kernels' thread pool of {pool_size} threads "
+            "(numba's NUMBA_NUM_THREADS, by default the machine's cores): lower it or raise NUMBA_NUM_THREADS"
+        )
+    return count
