@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 
 import zcomm
-from zcomm.all_gather_q8 import DEFAULT_GROUP_SIZE  # the op's own default; zcomm has no public name for it yet
+from zcomm.quant import DEFAULT_GROUP_SIZE
 
 from bench.harness import checking
 from bench.harness.collective import Buffers, Call, Check, Collective
@@ -32,6 +32,6 @@ COLLECTIVE = Collective(
     kind="all_gather",
     prepare=prepare,
     bits=8,
-    default_group_size=DEFAULT_GROUP_SIZE,
+    default_group_size=DEFAULT_GROUP_SIZE[8],
     baseline="all_gather",
 )

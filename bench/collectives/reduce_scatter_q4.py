@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import zcomm
-from zcomm.reduce_scatter_q4 import DEFAULT_GROUP_SIZE  # the op's own default; zcomm has no public name for it yet
+from zcomm.quant import DEFAULT_GROUP_SIZE
 
 from bench.harness import checking
 from bench.harness.collective import Buffers, Call, Check, Collective
@@ -38,7 +38,7 @@ COLLECTIVE = Collective(
     kind="reduce_scatter",
     prepare=prepare,
     bits=4,
-    default_group_size=DEFAULT_GROUP_SIZE,
+    default_group_size=DEFAULT_GROUP_SIZE[4],
     baseline="reduce_scatter",
     pipelined=True,
 )

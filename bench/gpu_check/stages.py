@@ -39,8 +39,8 @@ CUDA_TESTS = (
     "tests/test_cuda_backend.py",
     "tests/test_cuda_compile.py",
     "tests/test_cuda_host_math.py",
-    "tests/test_collectives_cuda.py",
-    "tests/test_zero_cuda.py",
+    "tests/collectives/test_collectives_cuda.py",
+    "tests/runtime/test_zero_cuda.py",
 )
 TRAIN_CONFIGS = ("zero1", "zero2", "zero3", "zeropp")
 # Variables that would change what the stages test (a forced backend, a pretend node size).
