@@ -16,8 +16,8 @@ import torch
 import zcomm.quant as zq
 from cuda_cases import DTYPES, make_input, make_payloads
 from cuda_support import GPU_UNAVAILABLE, requires_gpu
-from zcomm.quant import registry
-from zcomm_cuda import launchers
+from zcomm.quant import _registry
+from zcomm.quant.backends import _cuda_launch as launchers
 
 CUDA = torch.device("cuda")
 SIZES = (1, 7, 31, 33, 1000, 4096, 65_537, 999_983)
@@ -40,10 +40,10 @@ def test_cuda_backend_status_says_why_it_is_unavailable():
     missing. (No skip either way: under ``make gpu-check`` a skip is a failure.)"""
     if GPU_UNAVAILABLE is None:
         assert zq.available_backends()["cuda"] == "ok"
-        assert callable(registry.lookup("quantize", "cuda", CUDA))
+        _registry.load("cuda")
         return
     with pytest.raises(zq.BackendUnavailableError) as info:
-        registry.lookup("quantize", "cuda", CUDA)
+        _registry.load("cuda")
     message = str(info.value)
     assert "'cuda'" in message and GPU_UNAVAILABLE in message
     assert any(word in message for word in ("cupy", "CUDA device", "driver", "CPU-only build", "NVRTC"))

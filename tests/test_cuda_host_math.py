@@ -24,7 +24,7 @@ import torch
 import zcomm.quant as zq
 from cuda_cases import DTYPE_TAG, DTYPES, make_input, make_payloads
 from cuda_support import NVCC, REPO, requires_nvcc
-from zcomm_cuda import launchers
+from zcomm.quant.backends import _cuda_launch as launchers
 
 pytestmark = requires_nvcc
 

@@ -19,7 +19,8 @@ import torch
 
 from cuda_support import NVCC, requires_nvcc
 from zcomm.quant import payload_nbytes
-from zcomm_cuda import launchers, loader
+from zcomm.quant.backends import _cuda_launch as launchers
+from zcomm_cuda import loader
 
 pytestmark = requires_nvcc
 
@@ -69,8 +70,8 @@ def _run_every_op(bits: int, dtype: torch.dtype, group_size: int) -> None:
     launchers.dequantize(payloads, numel, bits, group_size, torch.empty(2 * numel, dtype=dtype))
     chunk_rows = torch.empty(chunks, payload_nbytes(numel // chunks, bits, group_size), dtype=torch.uint8)
     launchers.reorder_quantize(x, perm, chunks, bits, group_size, chunk_rows)
-    launchers.dequant_reduce(payloads, numel, bits, group_size, 2.0, torch.empty(numel, dtype=dtype), None)
-    launchers.dequant_reduce(payloads, numel, bits, group_size, 2.0, None, chunk_rows)
+    launchers.dequant_reduce(payloads, numel, bits, group_size, 2.0, torch.empty(numel, dtype=dtype))
+    launchers.dequant_reduce_requant(payloads, numel, bits, group_size, 2.0, chunk_rows)
 
 
 @pytest.mark.parametrize("group_size", (64, 10_000), ids=("teams", "tiles"))

@@ -2,7 +2,7 @@
 
 ZeRO-3 and FSDP free a parameter buffer between uses by resizing its storage to zero and
 hand that same buffer to ``all_gather_q8`` as ``output``; ``Tensor.numpy()`` would mark the
-storage non-resizable for good (see [Note: resizable storage] in ``cpu_float_bits``).
+storage non-resizable for good (see [Note: resizable storage] in ``_cpu_float_bits``).
 """
 
 from __future__ import annotations

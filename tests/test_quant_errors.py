@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zcomm.quant as q
-from zcomm.quant import registry
+from zcomm.quant import _contract
 
 BACKENDS = ("reference", "cpu")
 
@@ -72,10 +72,10 @@ def test_unknown_backend_lists_the_known_ones() -> None:
 def test_missing_numba_makes_cpu_unavailable_not_a_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     """With numba not importable, selecting ``cpu`` raises BackendUnavailableError naming it."""
     monkeypatch.setitem(sys.modules, "numba", None)
-    for module in ("zcomm.quant.backends.cpu", "zcomm.quant.backends.cpu_float_bits"):
+    for module in ("zcomm.quant.backends.cpu", "zcomm.quant.backends._cpu_float_bits"):
         monkeypatch.delitem(sys.modules, module, raising=False)
-    for op in registry.OPS:
-        monkeypatch.delitem(registry._KERNELS, (op, "cpu"), raising=False)
+    for op in _contract.OPS:
+        monkeypatch.delitem(_contract._KERNELS, (op, "cpu"), raising=False)
     with pytest.raises(q.BackendUnavailableError, match="'cpu' is unavailable.*numba"):
         q.quantize(torch.zeros(8), 8, 4)
     assert q.available_backends()["cpu"].startswith("unavailable")
@@ -84,13 +84,13 @@ def test_missing_numba_makes_cpu_unavailable_not_a_fallback(monkeypatch: pytest.
 @pytest.mark.parametrize("name", ("reference", "cpu"))
 def test_zcomm_backend_env_selects_the_kernel(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     calls = []
-    real = registry.lookup("quantize", name, torch.device("cpu"))
+    real = _contract._kernel("quantize", name, "cpu")
 
     def spy(*args):
         calls.append(name)
         real(*args)
 
-    monkeypatch.setitem(registry._KERNELS, ("quantize", name), spy)
+    monkeypatch.setitem(_contract._KERNELS, ("quantize", name), spy)
     monkeypatch.setenv("ZCOMM_BACKEND", name)
     q.quantize(torch.ones(8), 8, 4)
     assert calls == [name]

@@ -54,9 +54,9 @@ def _run_every_kernel(device: str) -> None:
         rows = torch.empty(2, payload_nbytes(500, bits, 64), dtype=torch.uint8, device=device)
         reference.reorder_quantize(x, (1, 0, 3, 2), 2, bits, 64, rows)
         out = torch.empty(500, dtype=torch.float16, device=device)
-        reference.dequant_reduce(rows, 500, bits, 64, 3.0, out, None)
+        reference.dequant_reduce(rows, 500, bits, 64, 3.0, out)
         requant = torch.empty(2, payload_nbytes(250, bits, 64), dtype=torch.uint8, device=device)
-        reference.dequant_reduce(rows, 500, bits, 64, 3.0, None, requant)
+        reference.dequant_reduce_requant(rows, 500, bits, 64, 3.0, requant)
 
 
 def test_reference_divides_only_by_tensors_on_the_dividends_device():

@@ -97,7 +97,7 @@ template <int BITS, class Source> void encode_tiles(const Source& src, const Chu
 
 bool g_tiles = false;  // whether the last encode ran the tile scheme (printed by main)
 
-// The scheme the launcher picks for this layout (zcomm_cuda/launchers.py, encoder_passes).
+// The scheme the launcher picks for this layout (zcomm/quant/backends/_cuda_launch.py, encoder_passes).
 template <int BITS, class Source> bool encode_all(const Source& src, const ChunkLayout<BITS>& layout) {
     const bool vec = src.can_vectorize() && layout.can_vectorize();
     g_tiles = layout.group_extent() > kTeamMaxGroup;

@@ -36,15 +36,17 @@ spawned, not forked, once a kernel has run.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numba
 import numpy as np
 import torch
 from numba import njit, prange
 
 from ...threads import kernel_threads
-from ..registry import register
+from .._contract import implements
 from ..wire_format import QMAX, scales_offset, values_nbytes
-from .cpu_float_bits import (
+from ._cpu_float_bits import (
     F32_CANONICAL_NAN_BITS,
     F32_INF_BITS,
     F32_MAGNITUDE_MASK,
@@ -294,45 +296,47 @@ def _zero_padding(payloads: torch.Tensor, numel: int, bits: int) -> np.ndarray:
     return rows
 
 
-def _quantize_into(x: torch.Tensor, perm: tuple[int, ...], bits: int, group_size: int, out2d: torch.Tensor) -> None:
+def _quantize_into(x: torch.Tensor, perm: Sequence[int], bits: int, group_size: int, out2d: torch.Tensor) -> None:
     payloads = _zero_padding(out2d, x.numel() // out2d.shape[0], bits)
     _use_thread_share()
     _reorder_quantize_kernel(kernel_view(x.detach()), np.asarray(perm, np.int64), bits, group_size, payloads)
 
 
-@register("quantize", "cpu")
+def _fp32(divide_by: float) -> np.float32:
+    """``divide_by`` rounded to fp32, as the reference's fp32 divisor tensor rounds it."""
+    return np.float32(torch.tensor(divide_by, dtype=torch.float32).item())
+
+
+@implements("quantize", "cpu")
 def quantize(x: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> None:
     _quantize_into(x, (0,), bits, group_size, out.view(1, -1))
 
 
-@register("reorder_quantize", "cpu")
+@implements("reorder_quantize", "cpu")
 def reorder_quantize(
-    x: torch.Tensor, perm: tuple[int, ...], num_chunks: int, bits: int, group_size: int, out: torch.Tensor
+    x: torch.Tensor, perm: Sequence[int], num_chunks: int, bits: int, group_size: int, out: torch.Tensor
 ) -> None:
     _quantize_into(x, perm, bits, group_size, out)
 
 
-@register("dequantize", "cpu")
+@implements("dequantize", "cpu")
 def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, out: torch.Tensor) -> None:
     _use_thread_share()
     _dequantize_kernel(shared_array(payloads), bits, group_size, kernel_view(out.detach()))
 
 
-@register("dequant_reduce", "cpu")
+@implements("dequant_reduce", "cpu")
 def dequant_reduce(
-    payloads: torch.Tensor,
-    numel: int,
-    bits: int,
-    group_size: int,
-    divide_by: float,
-    out: torch.Tensor | None,
-    requant_out: torch.Tensor | None,
+    payloads: torch.Tensor, numel: int, bits: int, group_size: int, divide_by: float, out: torch.Tensor
 ) -> None:
-    # The same fp32 rounding of divide_by as the reference's fp32 divisor tensor.
-    divisor = np.float32(torch.tensor(divide_by, dtype=torch.float32).item())
     _use_thread_share()
-    if out is not None:
-        _reduce_kernel(shared_array(payloads), bits, group_size, divisor, kernel_view(out.detach()))
-        return
-    requant = _zero_padding(requant_out, numel // requant_out.shape[0], bits)
-    _reduce_requant_kernel(shared_array(payloads), numel, bits, group_size, divisor, requant)
+    _reduce_kernel(shared_array(payloads), bits, group_size, _fp32(divide_by), kernel_view(out.detach()))
+
+
+@implements("dequant_reduce_requant", "cpu")
+def dequant_reduce_requant(
+    payloads: torch.Tensor, numel: int, bits: int, group_size: int, divide_by: float, out: torch.Tensor
+) -> None:
+    requant = _zero_padding(out, numel // out.shape[0], bits)
+    _use_thread_share()
+    _reduce_requant_kernel(shared_array(payloads), numel, bits, group_size, _fp32(divide_by), requant)
