@@ -6,7 +6,8 @@ argument and what is accepted; bits and group size through
 per payload, or ``None``, the width's default), allocates its output unless ``out=`` is
 given, picks the backend (``backend=``, then ``ZCOMM_BACKEND``, then the tensor's device)
 and calls the ``zcomm::`` operator of :mod:`zcomm.quant._contract` that the backend
-implements. The bytes produced are those of :mod:`zcomm.quant.wire_format`.
+implements. The bytes produced are those of :mod:`zcomm.quant.wire_format`. The ops are not
+differentiable: inputs that require grad (parameters) are read detached.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def quantize(
     name = _registry.select(backend, x.device)
     result = _output(out, (payload_nbytes(x.numel(), bits, group),), torch.uint8, x.device)
     if x.numel():
-        _contract.quantize(x.view(-1), bits, group, name, result)
+        _contract.quantize(x.detach().view(-1), bits, group, name, result)
     return result
 
 
@@ -179,7 +180,7 @@ def reorder_quantize(
     name = _registry.select(backend, x.device)
     result = _output(out, (num_chunks, payload_nbytes(chunk, bits, group)), torch.uint8, x.device)
     if x.numel():
-        _contract.reorder_quantize(x.view(-1), perm_t, num_chunks, bits, group, name, result)
+        _contract.reorder_quantize(x.detach().view(-1), perm_t, num_chunks, bits, group, name, result)
     return result
 
 
