@@ -36,7 +36,7 @@ demo: $(STAMP)
 	$(PY) -m bench.demo
 
 nvcc-check: $(STAMP)
-	$(PY) -m pytest tests/test_cuda_compile.py -q
+	$(PY) -m pytest tests/quant/test_cuda_compile.py -q
 
 gpu-check:
 	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS)

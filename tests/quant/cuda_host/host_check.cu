@@ -1,4 +1,4 @@
-// Host-side driver of the CUDA kernels' code, for tests/test_cuda_host_math.py.
+// Host-side driver of the CUDA kernels' code, for tests/quant/test_cuda_host_math.py.
 //
 // It runs the same __host__ __device__ functions the kernels run (the group encoder's
 // lane_absmax / encode_group_lane in the team or the tile scheme, chosen as the launcher
