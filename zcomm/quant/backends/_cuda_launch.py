@@ -31,7 +31,7 @@ WARPS_PER_BLOCK = THREADS // 32
 BLOCKS_PER_SM = 8
 RUN = 8  # elements per vector run in the kernels (vector_io.cuh)
 
-# Mirrors of group_encoder.cuh (tests/test_cuda_host_math.py checks that they agree).
+# Mirrors of group_encoder.cuh (tests/quant/test_cuda_host_math.py checks that they agree).
 TEAM_MAX_GROUP = 4096  # kTeamMaxGroup: larger groups take the tile scheme
 TILE_THREADS = 256  # kTileThreads: the block size of the tile passes
 TILE_ELEMS = 8192  # kTileElems: elements per tile
