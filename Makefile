@@ -47,7 +47,7 @@ demo: $(STAMP)
 	$(CHECKOUT_PYTHONPATH) $(PY) -m bench.demo
 
 nvcc-check: $(STAMP)
-	$(PY) -m pytest -q tests/test_cuda_compile.py tests/test_cuda_host_math.py tests/test_cuda_launch_abi.py
+	$(PY) -m pytest -q tests/quant/test_cuda_compile.py tests/quant/test_cuda_host_math.py tests/quant/test_cuda_launch_abi.py
 
 gpu-check:
 	$(CHECKOUT_PYTHONPATH) $(GPU_PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS)

@@ -1,9 +1,10 @@
-"""Markers and tool lookup for the CUDA tests (imported by the test_cuda_* modules).
+"""Markers and tool lookup for the CUDA tests of every layer.
 
 Every CUDA test that cannot run here is skipped with the reason (``-ra`` in setup.cfg
 prints it): the nvcc tests need ``nvcc``; the NVRTC tests need cupy and an NVRTC library
-(no GPU); the GPU tests need a CUDA device, a CUDA build of torch and cupy
-(:func:`zcomm_cuda.unavailable_reason` words what is missing).
+(no GPU); the tests of the ``cuda`` backend need a CUDA device, a CUDA build of torch and
+cupy (:func:`zcomm_cuda.unavailable_reason` words what is missing); tests that only put
+tensors on a GPU (the ``reference`` backend on CUDA) need a CUDA device seen by torch.
 
 [Note: ZCOMM_GPU_CHECK] On a GPU machine a skipped GPU test hides a broken set-up (no cupy,
 no NVRTC library), so ``make gpu-check`` sets ``ZCOMM_GPU_CHECK=1``: then ``requires_gpu``
@@ -21,6 +22,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from zcomm_cuda import unavailable_reason
 from zcomm_cuda.availability import nvrtc_problem
@@ -57,7 +59,9 @@ def _gpu_check_mark(what: str, reason: str | None) -> pytest.MarkDecorator:
 NVCC = _find_nvcc()
 GPU_UNAVAILABLE = unavailable_reason()
 NVRTC_UNAVAILABLE = nvrtc_problem()
+CUDA_DEVICE_UNAVAILABLE = None if torch.cuda.is_available() else f"torch {torch.__version__} sees no CUDA device"
 
 requires_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (PATH, /usr/local/cuda/bin): cannot compile the CUDA sources")
 requires_gpu = _gpu_check_mark("the cuda backend", GPU_UNAVAILABLE)
 requires_nvrtc = _gpu_check_mark("NVRTC (cupy)", NVRTC_UNAVAILABLE)
+requires_cuda_device = _gpu_check_mark("CUDA tensors", CUDA_DEVICE_UNAVAILABLE)

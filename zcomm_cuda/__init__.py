@@ -1,9 +1,10 @@
-"""CUDA kernels for zcomm's quantization ops.
+"""CUDA kernels for zcomm's quantization ops, and their run-time loader.
 
-The ``.cu`` sources in ``kernels/`` are compiled at run time through cupy/NVRTC
-(:mod:`zcomm_cuda.loader`) and launched on torch's current stream
-(:mod:`zcomm_cuda.launchers`); :mod:`zcomm.quant.backends.cuda` registers them as the
-``cuda`` backend. Importing this package needs no GPU and no cupy.
+A leaf package: the ``.cu`` sources in ``kernels/``, compiled at run time with NVRTC and
+launched on torch's current stream (:mod:`zcomm_cuda.loader`), and whether they can run
+here (:mod:`zcomm_cuda.availability`). It imports nothing from zcomm; the ``cuda`` backend
+(:mod:`zcomm.quant.backends.cuda`) implements zcomm's kernel contract with it. Importing
+this package needs no GPU and no cupy.
 """
 
 from .availability import unavailable_reason

@@ -12,7 +12,7 @@ cache on the source text and options only. The kernels' wire-format arithmetic i
 to that flag (see [Note: explicit rounding] in wire_math.cuh), but a compile that adds
 options of its own could not be checked without a GPU, as it queries the device for the
 architecture. :func:`compile_source` runs with exactly the options it is given, on any
-machine with an NVRTC library, so tests/test_cuda_compile.py checks the PTX of the very
+machine with an NVRTC library, so tests/quant/test_cuda_compile.py checks the PTX of the very
 function the loader runs, hostile flags included. The price is one NVRTC compile per
 source per process (a few seconds in all, spent on first use); there is no disk cache.
 """

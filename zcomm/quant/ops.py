@@ -1,21 +1,13 @@
-"""The four block-quantization ops, defined once.
+"""The four public block-quantization ops: argument checks, output allocation, backend choice.
 
-Each public function validates its arguments (``TypeError``/``ValueError`` naming the
-argument and what is accepted), allocates its output unless ``out=`` is given, and calls
-the kernel that the selected backend registered (see :mod:`zcomm.quant.registry`). The
-bytes produced are those of :mod:`zcomm.quant.wire_format`.
-
-Kernel contract (what a backend implements; arguments are already validated, inputs are
-contiguous and non-empty, outputs preallocated on the same device):
-
-* ``quantize(x, bits, group_size, out)``: ``x`` 1-D float, ``out`` 1-D uint8 payload.
-* ``dequantize(payloads, numel, bits, group_size, out)``: ``payloads`` 2-D uint8
-  ``(k, payload_nbytes(numel))``; ``out`` 1-D float of ``k * numel``.
-* ``reorder_quantize(x, perm, num_chunks, bits, group_size, out)``: ``perm`` a tuple of ints;
-  ``out`` 2-D uint8 ``(num_chunks, payload_nbytes(x.numel() // num_chunks))``.
-* ``dequant_reduce(payloads, numel, bits, group_size, divide_by, out, requant_out)``: exactly
-  one of ``out`` (1-D float of ``numel``) and ``requant_out`` (2-D uint8 ``(m, payload_nbytes(numel // m))``)
-  is a tensor, the other is ``None``.
+Each function validates its arguments once, here (``TypeError``/``ValueError`` naming the
+argument and what is accepted; bits and group size through
+:class:`~zcomm.quant.spec.QuantSpec`, so ``group_size`` may also be ``"tensor"``, one scale
+per payload, or ``None``, the width's default), allocates its output unless ``out=`` is
+given, picks the backend (``backend=``, then ``ZCOMM_BACKEND``, then the tensor's device)
+and calls the ``zcomm::`` operator of :mod:`zcomm.quant._contract` that the backend
+implements. The bytes produced are those of :mod:`zcomm.quant.wire_format`. The ops are not
+differentiable: inputs that require grad (parameters) are read detached.
 """
 
 from __future__ import annotations
@@ -25,14 +17,21 @@ from typing import Sequence
 
 import torch
 
-from . import registry
-from .wire_format import check_bits, check_dtype, check_group_size, payload_nbytes
+from . import _contract, _registry
+from .spec import GroupSize, QuantSpec
+from .wire_format import SUPPORTED_DTYPES, payload_nbytes
+
+
+def _check_dtype(dtype: torch.dtype, name: str) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise TypeError(f"{name} must have dtype in ({names}), got {dtype}")
 
 
 def _check_float_input(x: torch.Tensor, name: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    check_dtype(x.dtype, name)
+    _check_dtype(x.dtype, name)
     if not x.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
 
@@ -91,20 +90,24 @@ def _as_rows(payloads: torch.Tensor, numel: int, bits: int, group_size: int, nam
     return payloads
 
 
+def _spec_group_size(bits: int, group_size: GroupSize, numel: int) -> int:
+    """The validated int group size for payloads of ``numel`` elements (``"tensor"``: one group)."""
+    return QuantSpec(bits=bits, group_size=group_size).group_size_for(numel)
+
+
 def quantize(
-    x: torch.Tensor, bits: int, group_size: int, *, backend: str | None = None, out: torch.Tensor | None = None
+    x: torch.Tensor, bits: int, group_size: GroupSize, *, backend: str | None = None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Quantize ``x`` (any shape, read flat) into one self-contained payload.
 
     Returns a 1-D ``uint8`` tensor of ``payload_nbytes(x.numel(), bits, group_size)`` bytes.
     """
     _check_float_input(x, "x")
-    check_bits(bits)
-    check_group_size(group_size, bits)
-    nbytes = payload_nbytes(x.numel(), bits, group_size)
-    result = _output(out, (nbytes,), torch.uint8, x.device)
+    group = _spec_group_size(bits, group_size, x.numel())
+    name = _registry.select(backend, x.device)
+    result = _output(out, (payload_nbytes(x.numel(), bits, group),), torch.uint8, x.device)
     if x.numel():
-        registry.lookup("quantize", backend, x.device)(x.view(-1), bits, group_size, result)
+        _contract.quantize(x.detach().view(-1), bits, group, name, result)
     return result
 
 
@@ -112,7 +115,7 @@ def dequantize(
     payload: torch.Tensor,
     numel: int,
     bits: int,
-    group_size: int,
+    group_size: GroupSize,
     dtype: torch.dtype,
     *,
     backend: str | None = None,
@@ -125,13 +128,13 @@ def dequantize(
     """
     _check_payloads(payload, "payload")
     _check_numel(numel)
-    check_bits(bits)
-    check_group_size(group_size, bits)
-    check_dtype(dtype, "dtype")
-    rows = _as_rows(payload, numel, bits, group_size, "payload")
+    group = _spec_group_size(bits, group_size, numel)
+    _check_dtype(dtype, "dtype")
+    rows = _as_rows(payload, numel, bits, group, "payload")
+    name = _registry.select(backend, payload.device)
     result = _output(out, (rows.shape[0] * numel,), dtype, payload.device)
     if result.numel():
-        registry.lookup("dequantize", backend, payload.device)(rows, numel, bits, group_size, result)
+        _contract.dequantize(rows, numel, bits, group, name, result)
     return result
 
 
@@ -154,7 +157,7 @@ def reorder_quantize(
     perm: Sequence[int],
     num_chunks: int,
     bits: int,
-    group_size: int,
+    group_size: GroupSize,
     *,
     backend: str | None = None,
     out: torch.Tensor | None = None,
@@ -167,25 +170,32 @@ def reorder_quantize(
     to peer ``c`` of an all-to-all. Returns ``(num_chunks, payload_nbytes(x.numel() // num_chunks))``.
     """
     _check_float_input(x, "x")
-    check_bits(bits)
-    check_group_size(group_size, bits)
     perm_t = _check_perm(perm, x.numel())
     if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
         raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
     if x.numel() % num_chunks:
         raise ValueError(f"x.numel()={x.numel()} is not divisible into num_chunks={num_chunks} equal chunks")
     chunk = x.numel() // num_chunks
-    result = _output(out, (num_chunks, payload_nbytes(chunk, bits, group_size)), torch.uint8, x.device)
+    group = _spec_group_size(bits, group_size, chunk)
+    name = _registry.select(backend, x.device)
+    result = _output(out, (num_chunks, payload_nbytes(chunk, bits, group)), torch.uint8, x.device)
     if x.numel():
-        registry.lookup("reorder_quantize", backend, x.device)(x.view(-1), perm_t, num_chunks, bits, group_size, result)
+        _contract.reorder_quantize(x.detach().view(-1), perm_t, num_chunks, bits, group, name, result)
     return result
+
+
+def _check_requant_chunks(requant_chunks: int, numel: int) -> None:
+    if isinstance(requant_chunks, bool) or not isinstance(requant_chunks, int) or requant_chunks < 1:
+        raise ValueError(f"requant_chunks must be a positive int or None, got {requant_chunks!r}")
+    if numel % requant_chunks:
+        raise ValueError(f"numel={numel} is not divisible into requant_chunks={requant_chunks} equal chunks")
 
 
 def dequant_reduce(
     payloads: torch.Tensor,
     numel: int,
     bits: int,
-    group_size: int,
+    group_size: GroupSize,
     *,
     dtype: torch.dtype = torch.float32,
     requant_chunks: int | None = None,
@@ -198,30 +208,27 @@ def dequant_reduce(
     ``payloads`` is 2-D ``(k, payload_nbytes(numel))`` as an all-to-all delivers them. The
     fp32 sum (in row order, then divided by ``divide_by``) is returned as ``numel`` elements
     of ``dtype``, or, with ``requant_chunks=m``, re-quantized in the same pass (same bits and
-    group size) into ``(m, payload_nbytes(numel // m))`` self-contained payloads.
+    group size) into ``(m, payload_nbytes(numel // m))`` self-contained payloads. With
+    ``group_size="tensor"`` every input payload and every re-quantized chunk has one scale.
     """
     _check_payloads(payloads, "payloads")
     _check_numel(numel)
-    check_bits(bits)
-    check_group_size(group_size, bits)
+    # "tensor": a group of the inputs' size covers every chunk of the sum in one group too
+    group = _spec_group_size(bits, group_size, numel)
     if payloads.dim() != 2 or payloads.shape[0] < 1:
         raise ValueError(f"payloads must be 2-D (k >= 1, nbytes), got shape {tuple(payloads.shape)}")
-    rows = _as_rows(payloads, numel, bits, group_size, "payloads")
+    rows = _as_rows(payloads, numel, bits, group, "payloads")
     if isinstance(divide_by, bool) or not isinstance(divide_by, (int, float)) or not divide_by > 0:
         raise ValueError(f"divide_by must be a positive number, got {divide_by!r}")
-    kernel = registry.lookup("dequant_reduce", backend, payloads.device) if numel else None
     if requant_chunks is None:
-        check_dtype(dtype, "dtype")
-        result = _output(out, (numel,), dtype, payloads.device)
-        if kernel is not None:
-            kernel(rows, numel, bits, group_size, float(divide_by), result, None)
-        return result
-    if isinstance(requant_chunks, bool) or not isinstance(requant_chunks, int) or requant_chunks < 1:
-        raise ValueError(f"requant_chunks must be a positive int or None, got {requant_chunks!r}")
-    if numel % requant_chunks:
-        raise ValueError(f"numel={numel} is not divisible into requant_chunks={requant_chunks} equal chunks")
-    chunk_bytes = payload_nbytes(numel // requant_chunks, bits, group_size)
-    result = _output(out, (requant_chunks, chunk_bytes), torch.uint8, payloads.device)
-    if kernel is not None:
-        kernel(rows, numel, bits, group_size, float(divide_by), None, result)
+        _check_dtype(dtype, "dtype")
+        shape, out_dtype, op = (numel,), dtype, _contract.dequant_reduce
+    else:
+        _check_requant_chunks(requant_chunks, numel)
+        shape = (requant_chunks, payload_nbytes(numel // requant_chunks, bits, group))
+        out_dtype, op = torch.uint8, _contract.dequant_reduce_requant
+    name = _registry.select(backend, payloads.device)
+    result = _output(out, shape, out_dtype, payloads.device)
+    if numel:
+        op(rows, numel, bits, group, float(divide_by), name, result)
     return result

@@ -1,15 +1,16 @@
 """``QuantSpec``: how a tensor is block-quantized, validated once for every layer.
 
 A spec is the pair the wire format needs (:mod:`zcomm.quant.wire_format`): ``bits`` per
-value (8 or 4) and ``group_size``, the number of consecutive elements that share one fp32
-scale. ``group_size`` is either an int (>= 2, even for INT4, so that a group never ends in
-the middle of a byte), ``None`` for zcomm's default of that width, or ``"tensor"``: one
-group per payload, the ZeRO++ paper's non-blocked ablation, whose concrete size is only
-known once the payload's element count is (:meth:`QuantSpec.group_size_for`).
+value (one of :data:`SUPPORTED_BITS`) and ``group_size``, the number of consecutive elements
+that share one fp32 scale. ``group_size`` is either an int (>= 2, even for INT4, so that a
+group never ends in the middle of a byte), ``None`` for zcomm's default of that width, or
+``"tensor"``: one group per payload, the ZeRO++ paper's non-blocked ablation, whose concrete
+size is only known once the payload's element count is (:meth:`QuantSpec.group_size_for`).
 
-The ops, the collectives and the runtime all build a ``QuantSpec`` from what their callers
-pass, so a bad setting fails in one place with one message, whichever entry point it
-came through.
+The ops (:mod:`zcomm.quant.ops`, :func:`~zcomm.quant.wire_format.payload_nbytes`), the
+collectives and the runtime all build a ``QuantSpec`` from what their callers pass, so a bad
+setting fails in one place with one message, whichever entry point it came through. This
+module imports nothing from the rest of zcomm: it is the bottom of the quantization layer.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Union
 
-from .wire_format import QMAX, SUPPORTED_BITS
+# The widths the wire format defines (its qmax is 2**(bits - 1) - 1: 127 and 7).
+SUPPORTED_BITS: tuple[int, ...] = (4, 8)
 
 TENSOR: Literal["tensor"] = "tensor"
 
@@ -38,7 +40,7 @@ class QuantSpec:
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, int):
             raise TypeError(f"bits must be an int in {SUPPORTED_BITS}, got {self.bits!r}")
-        if self.bits not in QMAX:
+        if self.bits not in SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits}")
         if self.group_size is None:
             object.__setattr__(self, "group_size", DEFAULT_GROUP_SIZE[self.bits])

@@ -7,11 +7,12 @@ these exact bytes for the same input; the tests compare them byte for byte.
 Groups
     A 1-D tensor of ``n`` elements (fp32, bf16 or fp16) is split into
     ``G = ceil(n / group_size)`` groups of ``group_size`` consecutive elements; the last
-    group may be short. Every element is first converted to fp32 (exact for all three
-    input dtypes); all arithmetic below is IEEE fp32 with round-to-nearest-even, no fused
-    multiply-add and no flush-to-zero.
+    group may be short (``group_size="tensor"`` makes one group of the whole payload, see
+    :class:`~zcomm.quant.spec.QuantSpec`). Every element is first converted to fp32 (exact
+    for all three input dtypes); all arithmetic below is IEEE fp32 with round-to-nearest-even,
+    no fused multiply-add and no flush-to-zero.
 
-Scale of a group (``qmax = 127`` for INT8, ``7`` for INT4)
+Scale of a group (``qmax = 2**(bits - 1) - 1``: 127 for INT8, 7 for INT4)
     * the group holds a NaN            -> ``scale = NaN`` (canonical quiet NaN, 0x7FC00000)
     * else the group holds a +-Inf     -> ``scale = +Inf``
     * else ``absmax = max |x|`` and ``scale = absmax / qmax`` (an fp32 *division*).
@@ -55,8 +56,9 @@ from __future__ import annotations
 
 import torch
 
-QMAX: dict[int, int] = {8: 127, 4: 7}
-SUPPORTED_BITS = tuple(sorted(QMAX))
+from .spec import SUPPORTED_BITS, GroupSize, QuantSpec
+
+QMAX: dict[int, int] = {bits: 2 ** (bits - 1) - 1 for bits in SUPPORTED_BITS}
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 SCALE_BYTES = 4
 ALIGN = 4
@@ -83,34 +85,15 @@ def scales_offset(numel: int, bits: int) -> int:
     return _align_up(values_nbytes(numel, bits), ALIGN)
 
 
-def payload_nbytes(numel: int, bits: int, group_size: int) -> int:
-    """Total length in bytes of the payload for ``numel`` elements."""
-    check_bits(bits)
-    check_group_size(group_size, bits)
+def payload_nbytes(numel: int, bits: int, group_size: GroupSize) -> int:
+    """Total length in bytes of the payload for ``numel`` elements.
+
+    ``bits`` and ``group_size`` are those of a :class:`~zcomm.quant.spec.QuantSpec` (an int,
+    ``"tensor"`` for one scale per payload, or ``None`` for the width's default).
+    """
+    group_size = QuantSpec(bits=bits, group_size=group_size).group_size_for(numel)
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
     if numel == 0:
         return 0
     return scales_offset(numel, bits) + SCALE_BYTES * num_groups(numel, group_size)
-
-
-def check_bits(bits: int) -> None:
-    if isinstance(bits, bool) or not isinstance(bits, int):
-        raise TypeError(f"bits must be an int in {SUPPORTED_BITS}, got {bits!r}")
-    if bits not in QMAX:
-        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
-
-
-def check_group_size(group_size: int, bits: int) -> None:
-    if isinstance(group_size, bool) or not isinstance(group_size, int):
-        raise TypeError(f"group_size must be an int >= 2, got {group_size!r}")
-    if group_size < 2:
-        raise ValueError(f"group_size must be >= 2, got {group_size}")
-    if bits == 4 and group_size % 2:
-        raise ValueError(f"group_size must be even for 4-bit quantization, got {group_size}")
-
-
-def check_dtype(dtype: torch.dtype, name: str) -> None:
-    if dtype not in SUPPORTED_DTYPES:
-        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
-        raise TypeError(f"{name} must have dtype in ({names}), got {dtype}")

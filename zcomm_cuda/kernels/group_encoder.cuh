@@ -1,7 +1,7 @@
 // The group encoder: quantizes a source into `num_chunks` self-contained payloads.
 //
 // Algorithm. A job is one group of one chunk (payload). Two schemes, picked by the launcher
-// (zcomm_cuda/launchers.py) from the group's extent, min(group_size, chunk_numel):
+// (zcomm/quant/backends/_cuda_launch.py) from the group's extent, min(group_size, chunk_numel):
 //
 // Teams (extent <= kTeamMaxGroup), one launch. A team of `lanes` threads (a power of two,
 // at most a warp, sized so that each lane gets about one run of 8 per group) handles one

@@ -1,6 +1,6 @@
 // Expands a kernel-defining macro M(TAG, T, BITS) for every input/output dtype and bit
 // width, so each .cu file states its kernel once and the loader finds it by name
-// (zcomm_cuda/loader.py builds the same "<op>_<TAG>_int<BITS>" names).
+// (zcomm/quant/backends/_cuda_launch.py builds the same "<op>_<TAG>_int<BITS>" names).
 #pragma once
 
 #include "wire_math.cuh"

@@ -1,5 +1,5 @@
 // Scalar arithmetic of the zcomm wire format (zcomm/quant/wire_format.py), shared by the
-// device kernels and the host-side check (tests/cuda_host/host_check.cu).
+// device kernels and the host-side check (tests/quant/cuda_host/host_check.cu).
 //
 // Every function here is __host__ __device__ so that the same source that runs on the GPU
 // can be compiled for the CPU and compared byte for byte with the reference backend.
@@ -15,7 +15,7 @@
 // NaN and Inf tests and the absmax work on bit patterns, and the clamp on integers, so
 // no float comparison is left for a flag to turn into an ftz compare. The only other
 // float instructions are exact integer-to-float conversions (cvt.rn.f32.s32/u32), which
-// have no ftz form. tests/test_cuda_compile.py compiles every kernel with -ftz=true and
+// have no ftz form. tests/quant/test_cuda_compile.py compiles every kernel with -ftz=true and
 // --use_fast_math added and finds no .ftz, .approx or fma instruction in the PTX. On the
 // host the plain operators are IEEE fp32 on x86-64 SSE (the host check is built with
 // -ffp-contract=off) and rint_to_int reproduces cvt.rni.s32.f32's saturation.

@@ -36,15 +36,17 @@ spawned, not forked, once a kernel has run.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numba
 import numpy as np
 import torch
 from numba import njit, prange
 
 from ...threads import kernel_threads
-from ..registry import register
+from .._contract import implements
 from ..wire_format import QMAX, scales_offset, values_nbytes
-from .cpu_float_bits import (
+from ._cpu_float_bits import (
     F32_CANONICAL_NAN_BITS,
     F32_INF_BITS,
     F32_MAGNITUDE_MASK,
@@ -218,35 +220,42 @@ def _store(buf, n, out, start):
         store_f32(dst, i, buf[i])
 
 
+@njit(**_HELPER)
+def _unit_count(rows, length, group_size):
+    """The work units of ``rows`` rows of ``length`` elements: one per group of each row."""
+    return rows * ((length + group_size - 1) // group_size)
+
+
+@njit(**_HELPER)
+def _unit(unit, length, group_size):
+    """(row, group, first element in the row, element count) of work unit ``unit``."""
+    # prange's index is unsigned; int64 keeps the index arithmetic in signed integers.
+    row, group = divmod(np.int64(unit), (length + group_size - 1) // group_size)
+    start = group * group_size
+    return row, group, start, min(group_size, length - start)
+
+
 @njit(**_KERNEL)
 def _reorder_quantize_kernel(src, perm, bits, group_size, payloads):
     """Payload row ``c`` = chunk ``c`` of the reordered ``src``."""
-    chunks = payloads.shape[0]
-    chunk = src.size // chunks
-    groups = (chunk + group_size - 1) // group_size
-    for unit in prange(chunks * groups):
+    chunk = src.size // payloads.shape[0]
+    for unit in prange(_unit_count(payloads.shape[0], chunk, group_size)):
         # [Note: buffer] numba hoists this allocation into the per-thread part of the parallel
         # loop (see its parallel diagnostics): one buffer per thread, reused for its units.
         buf = np.empty(group_size, np.float32)
-        # prange's index is unsigned; int64 keeps the index arithmetic in signed integers.
-        c, g = divmod(np.int64(unit), groups)
-        n = min(group_size, chunk - g * group_size)
-        _gather_reordered(src, perm, c * chunk + g * group_size, n, buf)
+        c, g, start, n = _unit(unit, chunk, group_size)
+        _gather_reordered(src, perm, c * chunk + start, n, buf)
         values, scales = _payload_parts(payloads[c], chunk, bits)
-        _encode_group(buf, n, bits, values, g * group_size, scales, g)
+        _encode_group(buf, n, bits, values, start, scales, g)
 
 
 @njit(**_KERNEL)
 def _dequantize_kernel(payloads, bits, group_size, out):
     """``out[r * numel : (r + 1) * numel]`` = payload row ``r`` dequantized."""
-    rows = payloads.shape[0]
-    numel = out.size // rows
-    groups = (numel + group_size - 1) // group_size
-    for unit in prange(rows * groups):
+    numel = out.size // payloads.shape[0]
+    for unit in prange(_unit_count(payloads.shape[0], numel, group_size)):
         buf = np.empty(group_size, np.float32)
-        r, g = divmod(np.int64(unit), groups)
-        start = g * group_size
-        n = min(group_size, numel - start)
+        r, _, start, n = _unit(unit, numel, group_size)
         _sum_rows(payloads[r : r + 1], numel, bits, group_size, start, n, np.float32(1), buf)
         _store(buf, n, out, r * numel + start)
 
@@ -255,10 +264,9 @@ def _dequantize_kernel(payloads, bits, group_size, out):
 def _reduce_kernel(payloads, bits, group_size, divisor, out):
     """``out`` = (sum of the payload rows) / divisor, one input group per unit."""
     numel = out.size
-    for g in prange((numel + group_size - 1) // group_size):
+    for unit in prange(_unit_count(1, numel, group_size)):
         buf = np.empty(group_size, np.float32)
-        start = np.int64(g) * group_size
-        n = min(group_size, numel - start)
+        _, _, start, n = _unit(unit, numel, group_size)
         _sum_rows(payloads, numel, bits, group_size, start, n, divisor, buf)
         _store(buf, n, out, start)
 
@@ -267,16 +275,13 @@ def _reduce_kernel(payloads, bits, group_size, divisor, out):
 def _reduce_requant_kernel(payloads, numel, bits, group_size, divisor, requant):
     """Row ``c`` of ``requant`` = chunk ``c`` of (sum of the payload rows) / divisor, one
     output group per unit, summed straight into the buffer it is quantized from."""
-    chunks = requant.shape[0]
-    chunk = numel // chunks
-    groups = (chunk + group_size - 1) // group_size
-    for unit in prange(chunks * groups):
+    chunk = numel // requant.shape[0]
+    for unit in prange(_unit_count(requant.shape[0], chunk, group_size)):
         buf = np.empty(group_size, np.float32)
-        c, g = divmod(np.int64(unit), groups)
-        n = min(group_size, chunk - g * group_size)
-        _sum_rows(payloads, numel, bits, group_size, c * chunk + g * group_size, n, divisor, buf)
+        c, g, start, n = _unit(unit, chunk, group_size)
+        _sum_rows(payloads, numel, bits, group_size, c * chunk + start, n, divisor, buf)
         values, scales = _payload_parts(requant[c], chunk, bits)
-        _encode_group(buf, n, bits, values, g * group_size, scales, g)
+        _encode_group(buf, n, bits, values, start, scales, g)
 
 
 def _use_thread_share() -> None:
@@ -294,45 +299,47 @@ def _zero_padding(payloads: torch.Tensor, numel: int, bits: int) -> np.ndarray:
     return rows
 
 
-def _quantize_into(x: torch.Tensor, perm: tuple[int, ...], bits: int, group_size: int, out2d: torch.Tensor) -> None:
+def _quantize_into(x: torch.Tensor, perm: Sequence[int], bits: int, group_size: int, out2d: torch.Tensor) -> None:
     payloads = _zero_padding(out2d, x.numel() // out2d.shape[0], bits)
     _use_thread_share()
     _reorder_quantize_kernel(kernel_view(x.detach()), np.asarray(perm, np.int64), bits, group_size, payloads)
 
 
-@register("quantize", "cpu")
+def _fp32(divide_by: float) -> np.float32:
+    """``divide_by`` rounded to fp32, as the reference's fp32 divisor tensor rounds it."""
+    return np.float32(torch.tensor(divide_by, dtype=torch.float32).item())
+
+
+@implements("quantize", "cpu")
 def quantize(x: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> None:
     _quantize_into(x, (0,), bits, group_size, out.view(1, -1))
 
 
-@register("reorder_quantize", "cpu")
+@implements("reorder_quantize", "cpu")
 def reorder_quantize(
-    x: torch.Tensor, perm: tuple[int, ...], num_chunks: int, bits: int, group_size: int, out: torch.Tensor
+    x: torch.Tensor, perm: Sequence[int], num_chunks: int, bits: int, group_size: int, out: torch.Tensor
 ) -> None:
     _quantize_into(x, perm, bits, group_size, out)
 
 
-@register("dequantize", "cpu")
+@implements("dequantize", "cpu")
 def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, out: torch.Tensor) -> None:
     _use_thread_share()
     _dequantize_kernel(shared_array(payloads), bits, group_size, kernel_view(out.detach()))
 
 
-@register("dequant_reduce", "cpu")
+@implements("dequant_reduce", "cpu")
 def dequant_reduce(
-    payloads: torch.Tensor,
-    numel: int,
-    bits: int,
-    group_size: int,
-    divide_by: float,
-    out: torch.Tensor | None,
-    requant_out: torch.Tensor | None,
+    payloads: torch.Tensor, numel: int, bits: int, group_size: int, divide_by: float, out: torch.Tensor
 ) -> None:
-    # The same fp32 rounding of divide_by as the reference's fp32 divisor tensor.
-    divisor = np.float32(torch.tensor(divide_by, dtype=torch.float32).item())
     _use_thread_share()
-    if out is not None:
-        _reduce_kernel(shared_array(payloads), bits, group_size, divisor, kernel_view(out.detach()))
-        return
-    requant = _zero_padding(requant_out, numel // requant_out.shape[0], bits)
-    _reduce_requant_kernel(shared_array(payloads), numel, bits, group_size, divisor, requant)
+    _reduce_kernel(shared_array(payloads), bits, group_size, _fp32(divide_by), kernel_view(out.detach()))
+
+
+@implements("dequant_reduce_requant", "cpu")
+def dequant_reduce_requant(
+    payloads: torch.Tensor, numel: int, bits: int, group_size: int, divide_by: float, out: torch.Tensor
+) -> None:
+    requant = _zero_padding(out, numel // out.shape[0], bits)
+    _use_thread_share()
+    _reduce_requant_kernel(shared_array(payloads), numel, bits, group_size, _fp32(divide_by), requant)

@@ -14,10 +14,12 @@ the dividend's device (``new_full``), which is also what CPU tensors compute.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
-from ..registry import register
-from ..wire_format import CANONICAL_NAN_BITS, QMAX, num_groups, payload_nbytes, scales_offset, values_nbytes
+from .._contract import implements
+from ..wire_format import CANONICAL_NAN_BITS, QMAX, num_groups, scales_offset, values_nbytes
 
 _NAN = float("nan")
 
@@ -107,20 +109,20 @@ def _store(values: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(converted)
 
 
-@register("quantize", "reference")
+@implements("quantize", "reference")
 def quantize(x: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> None:
     _encode(x.to(torch.float32), bits, group_size, out)
 
 
-@register("dequantize", "reference")
+@implements("dequantize", "reference")
 def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, out: torch.Tensor) -> None:
     for row in range(payloads.shape[0]):
         _store(_decode(payloads[row], numel, bits, group_size), out[row * numel : (row + 1) * numel])
 
 
-@register("reorder_quantize", "reference")
+@implements("reorder_quantize", "reference")
 def reorder_quantize(
-    x: torch.Tensor, perm: tuple[int, ...], num_chunks: int, bits: int, group_size: int, out: torch.Tensor
+    x: torch.Tensor, perm: Sequence[int], num_chunks: int, bits: int, group_size: int, out: torch.Tensor
 ) -> None:
     slices = x.to(torch.float32).view(len(perm), -1)
     # concatenated views, not an index tensor, which would be copied from the host (a sync on CUDA)
@@ -129,26 +131,27 @@ def reorder_quantize(
         _encode(reordered[chunk], bits, group_size, out[chunk])
 
 
-@register("dequant_reduce", "reference")
-def dequant_reduce(
-    payloads: torch.Tensor,
-    numel: int,
-    bits: int,
-    group_size: int,
-    divide_by: float,
-    out: torch.Tensor | None,
-    requant_out: torch.Tensor | None,
-) -> None:
+def _reduce(payloads: torch.Tensor, numel: int, bits: int, group_size: int, divide_by: float) -> torch.Tensor:
+    """The fp32 sum of the payload rows in row order, divided by ``fp32(divide_by)``, NaNs canonical."""
     acc = _decode(payloads[0], numel, bits, group_size)
     for row in range(1, payloads.shape[0]):
         acc = acc + _decode(payloads[row], numel, bits, group_size)
     if divide_by != 1.0:
         acc = _divide(acc, divide_by)
-    acc = _canonical_nan(acc)
-    if out is not None:
-        _store(acc, out)
-        return
-    chunks = requant_out.shape[0]
-    assert requant_out.shape[1] == payload_nbytes(numel // chunks, bits, group_size)
-    for chunk, values in enumerate(acc.view(chunks, -1)):
-        _encode(values, bits, group_size, requant_out[chunk])
+    return _canonical_nan(acc)
+
+
+@implements("dequant_reduce", "reference")
+def dequant_reduce(
+    payloads: torch.Tensor, numel: int, bits: int, group_size: int, divide_by: float, out: torch.Tensor
+) -> None:
+    _store(_reduce(payloads, numel, bits, group_size, divide_by), out)
+
+
+@implements("dequant_reduce_requant", "reference")
+def dequant_reduce_requant(
+    payloads: torch.Tensor, numel: int, bits: int, group_size: int, divide_by: float, out: torch.Tensor
+) -> None:
+    acc = _reduce(payloads, numel, bits, group_size, divide_by)
+    for chunk, values in enumerate(acc.view(out.shape[0], -1)):
+        _encode(values, bits, group_size, out[chunk])

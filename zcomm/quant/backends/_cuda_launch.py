@@ -1,9 +1,12 @@
-"""The four ops' kernel-contract functions for CUDA tensors (see :mod:`zcomm.quant.ops`).
+"""The ``cuda`` backend's kernels: the contract of :mod:`zcomm.quant._contract` on CUDA tensors.
 
-Each function picks the kernel by dtype and bits, sizes the grid, and launches it on
-torch's current stream (:func:`zcomm_cuda.loader.launch`). Arguments arrive validated,
-contiguous, non-empty and on one CUDA device; outputs are preallocated. Nothing here
-synchronizes the host, so every op can be captured in a CUDA graph.
+Each function picks the kernel of :mod:`zcomm_cuda` by dtype and bits, sizes the grid, and
+launches it on torch's current stream (:func:`zcomm_cuda.loader.launch`). Arguments arrive
+as the contract states them (validated, contiguous, non-empty, on one CUDA device, outputs
+preallocated). Nothing here synchronizes the host, so every op can be captured in a CUDA
+graph. This module imports without cupy or a GPU (the loader imports cupy when it first
+compiles), so the launch arithmetic is tested anywhere; :mod:`zcomm.quant.backends.cuda`
+registers these functions once the backend can run.
 
 Grid sizing: the kernels walk their work grid-stride, so the grid is the work size capped
 at a few resident blocks per multiprocessor (enough to keep every SM's memory pipeline
@@ -19,16 +22,16 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from zcomm.quant.wire_format import num_groups
+from zcomm_cuda import loader
 
-from . import loader
+from ..wire_format import num_groups
 
 THREADS = 256
 WARPS_PER_BLOCK = THREADS // 32
 BLOCKS_PER_SM = 8
 RUN = 8  # elements per vector run in the kernels (vector_io.cuh)
 
-# Mirrors of group_encoder.cuh (tests/test_cuda_host_math.py checks that they agree).
+# Mirrors of group_encoder.cuh (tests/quant/test_cuda_host_math.py checks that they agree).
 TEAM_MAX_GROUP = 4096  # kTeamMaxGroup: larger groups take the tile scheme
 TILE_THREADS = 256  # kTileThreads: the block size of the tile passes
 TILE_ELEMS = 8192  # kTileElems: elements per tile
@@ -88,7 +91,7 @@ def _decoder_blocks(device: torch.device, runs: int) -> int:
     return _cap(-(-runs // THREADS), _max_blocks(device))
 
 
-def _device_perm(perm: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def _device_perm(perm: Sequence[int], device: torch.device) -> torch.Tensor:
     """``perm`` as an int64 tensor on ``device``, uploaded on the current stream.
 
     [Note: perm lifetime] The kernel reads the permutation from device memory. Every call
@@ -103,9 +106,10 @@ def _device_perm(perm: tuple[int, ...], device: torch.device) -> torch.Tensor:
     it pins memory once per perm; a warm-up call before a graph capture does that outside
     the capture (pinning during capture needs torch's pinned allocator to support it).
     """
-    host = _PINNED_PERMS.get(perm)
+    key = tuple(perm)
+    host = _PINNED_PERMS.get(key)
     if host is None:
-        host = _PINNED_PERMS[perm] = torch.tensor(perm, dtype=torch.int64).pin_memory()
+        host = _PINNED_PERMS[key] = torch.tensor(key, dtype=torch.int64).pin_memory()
     return host.to(device, non_blocking=True)
 
 
@@ -134,7 +138,7 @@ def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, o
 
 
 def reorder_quantize(
-    x: torch.Tensor, perm: tuple[int, ...], num_chunks: int, bits: int, group_size: int, out: torch.Tensor
+    x: torch.Tensor, perm: Sequence[int], num_chunks: int, bits: int, group_size: int, out: torch.Tensor
 ) -> None:
     chunk = x.numel() // num_chunks
     device_perm = _device_perm(perm, x.device)
@@ -157,28 +161,31 @@ def reorder_quantize(
     )
 
 
-def dequant_reduce(
-    payloads: torch.Tensor,
-    numel: int,
-    bits: int,
-    group_size: int,
-    divide_by: float,
-    out: torch.Tensor | None,
-    requant_out: torch.Tensor | None,
-) -> None:
-    """Sum (and divide) ``k`` payload rows, then store floats or re-quantize, in one kernel.
+def _reduction_args(payloads: torch.Tensor, numel: int, group_size: int, divide_by: float) -> tuple[Any, ...]:
+    """The leading arguments of both dequant_reduce kernels.
 
     The divisor is rounded to fp32 here (round to nearest even, as the wire format says:
     ``acc / float32(divide_by)``); a Python float would reach the kernel as a double.
     """
     rows = payloads.shape[0]
-    common = (_ptr(payloads), _i64(payloads.shape[1]), _i64(numel), _i64(group_size), _i64(rows), np.float32(divide_by))
-    if out is not None:
-        blocks = _decoder_blocks(payloads.device, -(-numel // RUN))
-        name = f"zc_dequant_reduce_{_DTYPE_TAG[out.dtype]}_int{bits}"
-        loader.launch("dequant_reduce.cu", name, payloads.device, blocks, THREADS, (*common, _ptr(out)))
-        return
-    chunks = requant_out.shape[0]
+    return (_ptr(payloads), _i64(payloads.shape[1]), _i64(numel), _i64(group_size), _i64(rows), np.float32(divide_by))
+
+
+def dequant_reduce(
+    payloads: torch.Tensor, numel: int, bits: int, group_size: int, divide_by: float, out: torch.Tensor
+) -> None:
+    """Sum (and divide) ``k`` payload rows and store the floats, in one kernel."""
+    blocks = _decoder_blocks(payloads.device, -(-numel // RUN))
+    name = f"zc_dequant_reduce_{_DTYPE_TAG[out.dtype]}_int{bits}"
+    args = (*_reduction_args(payloads, numel, group_size, divide_by), _ptr(out))
+    loader.launch("dequant_reduce.cu", name, payloads.device, blocks, THREADS, args)
+
+
+def dequant_reduce_requant(
+    payloads: torch.Tensor, numel: int, bits: int, group_size: int, divide_by: float, out: torch.Tensor
+) -> None:
+    """Sum (and divide) ``k`` payload rows and re-quantize the sum into ``out``'s rows, in one pass."""
+    chunks = out.shape[0]
     chunk = numel // chunks
     _encode(
         "dequant_reduce.cu",
@@ -186,5 +193,5 @@ def dequant_reduce(
         payloads.device,
         num_groups(chunk, group_size) * chunks,
         min(group_size, chunk),
-        (*common, _i64(chunks), _i64(requant_out.shape[1]), _ptr(requant_out)),
+        (*_reduction_args(payloads, numel, group_size, divide_by), _i64(chunks), _i64(out.shape[1]), _ptr(out)),
     )

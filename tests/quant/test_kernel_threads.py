@@ -109,7 +109,7 @@ print(before, torch.get_num_threads())
 
 def test_first_kernel_leaves_torchs_thread_count_alone():
     """numba's omp layer sets its starting thread's OpenMP count to the pool size; zcomm puts torch's back."""
-    env = dict(os.environ, NUMBA_NUM_THREADS=str(POOL), PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    env = dict(os.environ, NUMBA_NUM_THREADS=str(POOL), PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     env.pop(NUM_THREADS_VARIABLE, None)
     done = subprocess.run([sys.executable, "-c", _FIRST_KERNEL_ON_MAIN], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

@@ -10,7 +10,7 @@ The loader compiles each source with NVRTC through :func:`zcomm_cuda.loader.comp
 
 Both compile with the loader's options as they are and with hostile flags appended:
 ``-ftz=true`` (what cupy's cached compile path appends after a caller's options) and
-``--use_fast_math``. The PTX must define every kernel the launchers ask for and contain no
+``--use_fast_math``. The PTX must define every kernel the cuda backend asks for and contain no
 flush-to-zero, approximate, fused multiply-add, reciprocal or ``div.full`` instruction: the
 wire format's bytes must not depend on how the kernels were compiled ([Note: explicit
 rounding] in wire_math.cuh).

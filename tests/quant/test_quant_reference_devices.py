@@ -2,13 +2,14 @@
 
 [Note: true division on CUDA] in :mod:`zcomm.quant.backends.reference`: ATen's CUDA kernel
 turns ``tensor / cpu_scalar`` (a Python number included) into a multiplication by the
-reciprocal, so the reference must divide only by tensors on the dividend's device. No CUDA
-here, so the check runs the backend's kernels on ``meta`` tensors (the same Python code, no
-data) under a dispatch mode that sees every aten call: every division of a non-CPU tensor
-must have a tensor divisor on the same device, and nothing may read a value back to the
-host (``.item()``/``bool()`` raise on meta). The CPU bytes themselves are checked against
-the ``cpu`` backend and numpy elsewhere; here the scale is checked against numpy's IEEE fp32
-division on inputs where the reciprocal product rounds differently.
+reciprocal, so the reference must divide only by tensors on the dividend's device. This
+check needs no GPU: it runs the backend's kernels on ``meta`` tensors (the same Python
+code, no data) under a dispatch mode that sees every aten call: every division of a non-CPU
+tensor must have a tensor divisor on the same device, and nothing may read a value back to
+the host (``.item()``/``bool()`` raise on meta). On a GPU, the ``reference-on-cuda`` target of
+test_quant_vs_reference.py compares the CUDA bytes with the CPU ones. Here the scale is
+checked against numpy's IEEE fp32 division on inputs where the reciprocal product rounds
+differently.
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ def _run_every_kernel(device: str) -> None:
         rows = torch.empty(2, payload_nbytes(500, bits, 64), dtype=torch.uint8, device=device)
         reference.reorder_quantize(x, (1, 0, 3, 2), 2, bits, 64, rows)
         out = torch.empty(500, dtype=torch.float16, device=device)
-        reference.dequant_reduce(rows, 500, bits, 64, 3.0, out, None)
+        reference.dequant_reduce(rows, 500, bits, 64, 3.0, out)
         requant = torch.empty(2, payload_nbytes(250, bits, 64), dtype=torch.uint8, device=device)
-        reference.dequant_reduce(rows, 500, bits, 64, 3.0, None, requant)
+        reference.dequant_reduce_requant(rows, 500, bits, 64, 3.0, requant)
 
 
 def test_reference_divides_only_by_tensors_on_the_dividends_device():

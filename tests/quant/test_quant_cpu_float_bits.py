@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from zcomm.quant.backends.cpu_float_bits import kernel_view, load_f32, store_f32
+from zcomm.quant.backends._cpu_float_bits import kernel_view, load_f32, store_f32
 
 
 @njit

@@ -1,4 +1,4 @@
-// Host-side driver of the CUDA kernels' code, for tests/test_cuda_host_math.py.
+// Host-side driver of the CUDA kernels' code, for tests/quant/test_cuda_host_math.py.
 //
 // It runs the same __host__ __device__ functions the kernels run (the group encoder's
 // lane_absmax / encode_group_lane in the team or the tile scheme, chosen as the launcher
@@ -97,7 +97,7 @@ template <int BITS, class Source> void encode_tiles(const Source& src, const Chu
 
 bool g_tiles = false;  // whether the last encode ran the tile scheme (printed by main)
 
-// The scheme the launcher picks for this layout (zcomm_cuda/launchers.py, encoder_passes).
+// The scheme the launcher picks for this layout (zcomm/quant/backends/_cuda_launch.py, encoder_passes).
 template <int BITS, class Source> bool encode_all(const Source& src, const ChunkLayout<BITS>& layout) {
     const bool vec = src.can_vectorize() && layout.can_vectorize();
     g_tiles = layout.group_extent() > kTeamMaxGroup;

@@ -1,6 +1,6 @@
 """The CUDA kernels' arithmetic, run on the CPU, against the reference backend's bytes.
 
-tests/cuda_host/host_check.cu is compiled with nvcc as a host program that runs the very
+tests/quant/cuda_host/host_check.cu is compiled with nvcc as a host program that runs the very
 __host__ __device__ code of the kernels (encoder lanes, decoder runs, sources, packing,
 wire-format math) with loops in place of the GPU's parallelism. Each case writes its input
 to a file, runs the program, and compares the output bytes with ``zcomm.quant``'s
@@ -22,9 +22,9 @@ import pytest
 import torch
 
 import zcomm.quant as zq
-from cuda_cases import DTYPE_TAG, DTYPES, make_input, make_payloads
 from cuda_support import NVCC, REPO, requires_nvcc
-from zcomm_cuda import launchers
+from quant_cases import DTYPE_TAG, DTYPES, make_hard_input, make_payloads
+from zcomm.quant.backends import _cuda_launch as cuda_launch
 
 pytestmark = requires_nvcc
 
@@ -62,7 +62,7 @@ def _run(binary: Path, tmp_path: Path, args: list[object], data: torch.Tensor) -
 
 def _tiles(extent: int) -> bool:
     """Whether the launcher runs the tile scheme for groups of ``extent`` elements."""
-    return launchers.encoder_passes(1, extent, 1)[0][0] != launchers.TEAMS
+    return cuda_launch.encoder_passes(1, extent, 1)[0][0] != cuda_launch.TEAMS
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -95,7 +95,7 @@ QUANT_CASES = [
 @pytest.mark.parametrize("misalign", (0, 1))
 @pytest.mark.parametrize("dtype,bits,group_size,numel", QUANT_CASES)
 def test_quantize(host_check, tmp_path, dtype, bits, group_size, numel, misalign):
-    x = make_input(numel, group_size, dtype, bits, seed=numel + group_size)
+    x = make_hard_input(numel, group_size, dtype, bits, seed=numel + group_size)
     ran = _run(host_check, tmp_path, ["quantize", DTYPE_TAG[dtype], bits, group_size, misalign], x)
     assert ran.out == _bytes(zq.quantize(x, bits, group_size, backend="reference"))
     assert ran.vec == (not misalign and group_size % 8 == 0 and numel % 8 == 0)
@@ -107,7 +107,7 @@ def test_quantize(host_check, tmp_path, dtype, bits, group_size, numel, misalign
 @pytest.mark.parametrize("numel", (3 * 8192 + 16, 5 * 8192 + 2))
 def test_quantize_one_group_per_tensor(host_check, tmp_path, dtype, bits, numel):
     """``quant_group_size="tensor"``: one group of the whole input, cut into tiles."""
-    x = make_input(numel, numel, dtype, bits, seed=numel)
+    x = make_hard_input(numel, numel, dtype, bits, seed=numel)
     x[numel // 2] = torch.finfo(dtype).smallest_normal / 8  # one subnormal among many normals
     ran = _run(host_check, tmp_path, ["quantize", DTYPE_TAG[dtype], bits, numel, 0], x)
     assert ran.out == _bytes(zq.quantize(x, bits, numel, backend="reference"))
@@ -133,7 +133,7 @@ REORDER_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("numel,perm,num_chunks,group_size", REORDER_CASES)
 def test_reorder_quantize(host_check, tmp_path, dtype, bits, numel, perm, num_chunks, group_size, misalign):
-    x = make_input(numel, group_size, dtype, bits, seed=numel)
+    x = make_hard_input(numel, group_size, dtype, bits, seed=numel)
     args = ["reorder", DTYPE_TAG[dtype], bits, group_size, misalign, num_chunks, ",".join(map(str, perm))]
     ran = _run(host_check, tmp_path, args, x)
     assert ran.out == _bytes(zq.reorder_quantize(x, perm, num_chunks, bits, group_size, backend="reference"))
@@ -205,16 +205,17 @@ def test_dequant_reduce_requantize(host_check, tmp_path, bits, group_size, numel
 
 
 def test_launcher_mirrors_the_encoder_constants():
-    """launchers.py sizes the encoder grids with copies of group_encoder.cuh's constants."""
+    """_cuda_launch.py sizes the encoder grids with copies of group_encoder.cuh's constants."""
     header = (KERNELS / "group_encoder.cuh").read_text()
 
     def constant(name: str) -> str:
         return re.search(rf"constexpr \w+ {name} = ([^;]+);", header).group(1)
 
-    assert int(constant("kTeamMaxGroup")) == launchers.TEAM_MAX_GROUP
-    assert int(constant("kTileThreads")) == launchers.TILE_THREADS == launchers.THREADS
-    assert constant("kTileElems") == "8 * 4 * kTileThreads" and 8 * 4 * launchers.TILE_THREADS == launchers.TILE_ELEMS
+    assert int(constant("kTeamMaxGroup")) == cuda_launch.TEAM_MAX_GROUP
+    assert int(constant("kTileThreads")) == cuda_launch.TILE_THREADS == cuda_launch.THREADS
+    assert constant("kTileElems") == "8 * 4 * kTileThreads"
+    assert 8 * 4 * cuda_launch.TILE_THREADS == cuda_launch.TILE_ELEMS
     passes = re.search(r"enum EncoderPass : int \{([^}]*)\}", header).group(1)
     assert passes.replace(" ", "") == (
-        f"kTeams={launchers.TEAMS},kTileAbsmax={launchers.TILE_ABSMAX},kTileEncode={launchers.TILE_ENCODE}"
+        f"kTeams={cuda_launch.TEAMS},kTileAbsmax={cuda_launch.TILE_ABSMAX},kTileEncode={cuda_launch.TILE_ENCODE}"
     )

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 import zcomm.quant as q
-from quant_cpu_cases import DTYPES, assert_same_bytes
+from quant_cases import DTYPES, assert_same_bytes
 
 _OUTPUT_ROUNDING = {  # (relative half ulp, absolute half subnormal step)
     torch.float32: (2.0**-24, 2.0**-150),

@@ -1,4 +1,8 @@
-"""Bad input and backend selection: clear errors naming the argument, never a silent fallback."""
+"""Bad input and backend selection: clear errors naming the argument, never a silent fallback.
+
+The kernel table of ``zcomm.quant._contract`` is patched here (a spy, a backend that lost its
+kernels) to see which backend's kernel an op runs.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import pytest
 import torch
 
 import zcomm.quant as q
-from zcomm.quant import registry
+from zcomm.quant import _contract
 
 BACKENDS = ("reference", "cpu")
 
@@ -24,6 +28,7 @@ BACKENDS = ("reference", "cpu")
         (lambda b: q.quantize(torch.zeros(8), 8.0, 4, backend=b), TypeError, "bits"),
         (lambda b: q.quantize(torch.zeros(8), 8, 1, backend=b), ValueError, "group_size"),
         (lambda b: q.quantize(torch.zeros(8), 4, 5, backend=b), ValueError, "group_size must be even"),
+        (lambda b: q.quantize(torch.zeros(8), 8, "block", backend=b), TypeError, "group_size must be an int"),
         (lambda b: q.quantize(torch.zeros(8), 8, 4, backend=b, out=torch.empty(3, dtype=torch.uint8)), ValueError, "out"),
         (
             lambda b: q.quantize(torch.zeros(8), 8, 4, backend=b, out=torch.empty(16, dtype=torch.uint8, device="meta")),
@@ -64,18 +69,20 @@ def test_backend_for_another_device_is_refused() -> None:
         q.quantize(torch.zeros(8), 8, 4, backend="cuda")
 
 
-def test_unknown_backend_lists_the_known_ones() -> None:
+@pytest.mark.parametrize("numel", (8, 0))
+def test_unknown_backend_lists_the_known_ones(numel: int) -> None:
+    """Also for an empty tensor, where no kernel runs."""
     with pytest.raises(ValueError, match=r"backend must be one of \['cpu', 'cuda', 'reference'\], got 'numpy'"):
-        q.quantize(torch.zeros(8), 8, 4, backend="numpy")
+        q.quantize(torch.zeros(numel), 8, 4, backend="numpy")
 
 
 def test_missing_numba_makes_cpu_unavailable_not_a_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     """With numba not importable, selecting ``cpu`` raises BackendUnavailableError naming it."""
     monkeypatch.setitem(sys.modules, "numba", None)
-    for module in ("zcomm.quant.backends.cpu", "zcomm.quant.backends.cpu_float_bits"):
+    for module in ("zcomm.quant.backends.cpu", "zcomm.quant.backends._cpu_float_bits"):
         monkeypatch.delitem(sys.modules, module, raising=False)
-    for op in registry.OPS:
-        monkeypatch.delitem(registry._KERNELS, (op, "cpu"), raising=False)
+    for op in _contract.OPS:
+        monkeypatch.delitem(_contract._KERNELS, (op, "cpu"), raising=False)
     with pytest.raises(q.BackendUnavailableError, match="'cpu' is unavailable.*numba"):
         q.quantize(torch.zeros(8), 8, 4)
     assert q.available_backends()["cpu"].startswith("unavailable")
@@ -84,13 +91,13 @@ def test_missing_numba_makes_cpu_unavailable_not_a_fallback(monkeypatch: pytest.
 @pytest.mark.parametrize("name", ("reference", "cpu"))
 def test_zcomm_backend_env_selects_the_kernel(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     calls = []
-    real = registry.lookup("quantize", name, torch.device("cpu"))
+    real = _contract._kernel("quantize", name, "cpu")
 
     def spy(*args):
         calls.append(name)
         real(*args)
 
-    monkeypatch.setitem(registry._KERNELS, ("quantize", name), spy)
+    monkeypatch.setitem(_contract._KERNELS, ("quantize", name), spy)
     monkeypatch.setenv("ZCOMM_BACKEND", name)
     q.quantize(torch.ones(8), 8, 4)
     assert calls == [name]

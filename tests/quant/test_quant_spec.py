@@ -1,9 +1,12 @@
-"""QuantSpec: the one place bits and group sizes are validated, and the "tensor" policy."""
+"""QuantSpec: the one place bits and group sizes are validated, and the "tensor" policy, in
+the spec itself and through the ops that take it."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
+from zcomm import quant
 from zcomm.quant import DEFAULT_GROUP_SIZE, TENSOR, QuantSpec, payload_nbytes
 
 
@@ -53,3 +56,28 @@ def test_tensor_group_covers_the_payload(numel, int8, int4):
         assert payload_nbytes(numel, bits, spec.group_size_for(numel)) % 4 == 0
         if numel:
             assert payload_nbytes(numel, bits, spec.group_size_for(numel)) - payload_nbytes(numel, bits, 1 << 40) == 0
+
+
+@pytest.mark.parametrize("backend", ("reference", "cpu"))
+@pytest.mark.parametrize("bits", (8, 4))
+def test_ops_take_the_tensor_and_default_group_sizes(backend, bits):
+    """The ops and payload_nbytes take what QuantSpec takes: "tensor" gives one scale per
+    payload (the bytes of an int group size covering it), None the width's default."""
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(bits))
+    n = x.numel()
+    covering = QuantSpec(bits=bits, group_size=TENSOR).group_size_for(n)
+    payload = quant.quantize(x, bits, TENSOR, backend=backend)
+    assert torch.equal(payload, quant.quantize(x, bits, covering, backend=backend))
+    assert payload.numel() == quant.payload_nbytes(n, bits, TENSOR) == quant.scales_offset(n, bits) + 4
+    back = quant.dequantize(payload, n, bits, TENSOR, torch.float32, backend=backend)
+    assert torch.equal(back, quant.dequantize(payload, n, bits, covering, torch.float32, backend=backend))
+    default = quant.quantize(x, bits, DEFAULT_GROUP_SIZE[bits], backend=backend)
+    assert torch.equal(quant.quantize(x, bits, None, backend=backend), default)
+    # one scale per chunk of the reorder, and per re-quantized chunk of the sum
+    rows = quant.reorder_quantize(x[:1000], (1, 0), 2, bits, TENSOR, backend=backend)
+    chunks = x[:1000].view(2, 500).flip(0)
+    assert torch.equal(rows, torch.stack([quant.quantize(c, bits, TENSOR, backend=backend) for c in chunks]))
+    total = quant.dequant_reduce(rows, 500, bits, TENSOR, backend=backend)
+    requant = quant.dequant_reduce(rows, 500, bits, TENSOR, requant_chunks=2, backend=backend)
+    expected = torch.stack([quant.quantize(c, bits, TENSOR, backend=backend) for c in total.view(2, 250)])
+    assert torch.equal(requant, expected)

@@ -3,7 +3,7 @@
 The inputs are chosen so every scale is exact (absmax = qmax gives scale 1.0), which lets
 the expected bytes be written down without running any backend: these tests pin the spec
 itself (nibble order, padding, scale placement, rounding, NaN/Inf/zero groups) for every
-backend that can run here.
+backend, on every device it runs on (the ``any_target`` fixture).
 """
 
 from __future__ import annotations
@@ -13,54 +13,48 @@ import struct
 import pytest
 import torch
 
+from quant_cases import Target
 from zcomm import quant
 
-BACKENDS = ["reference", "cpu"]
 ONE = list(struct.pack("<f", 1.0))
 ZERO = list(struct.pack("<f", 0.0))
 NAN_BITS = [0x00, 0x00, 0xC0, 0x7F]
 INF_BITS = [0x00, 0x00, 0x80, 0x7F]
 
 
-def _payload(values, bits, group_size, backend, dtype=torch.float32):
-    x = torch.tensor(values, dtype=dtype)
-    return quant.quantize(x, bits, group_size, backend=backend).tolist()
+def _payload(values, bits, group_size, target: Target, dtype=torch.float32):
+    return target.run(quant.quantize, torch.tensor(values, dtype=dtype), bits, group_size).tolist()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_int8_rounds_half_to_even_and_appends_scale(backend):
+def test_int8_rounds_half_to_even_and_appends_scale(any_target):
     # absmax 127 -> scale 1.0; 2.5 -> 2 and 1.5 -> 2 (half to even), -0.5 -> 0.
     values = [127.0, -3.0, 2.5, 3.5, -0.5, 0.0, 1.5, -127.0]
     codes = [127, 256 - 3, 2, 4, 0, 0, 2, 256 - 127]
-    assert _payload(values, 8, 8, backend) == codes + ONE
+    assert _payload(values, 8, 8, any_target) == codes + ONE
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_int4_even_element_in_low_nibble(backend):
+def test_int4_even_element_in_low_nibble(any_target):
     # absmax 7 -> scale 1.0; codes 7,-7,2,-2,0,3,1,-2 packed low nibble first.
     values = [7.0, -7.0, 2.5, -1.5, 0.5, 3.0, 1.0, -2.0]
-    assert _payload(values, 4, 8, backend) == [0x97, 0xE2, 0x30, 0xE1] + ONE
+    assert _payload(values, 4, 8, any_target) == [0x97, 0xE2, 0x30, 0xE1] + ONE
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_odd_int4_pads_values_to_four_bytes(backend):
+def test_odd_int4_pads_values_to_four_bytes(any_target):
     # 3 values -> 2 bytes (last high nibble 0) + 2 bytes of padding, then one scale.
-    assert _payload([7.0, 1.0, -7.0], 4, 4, backend) == [0x17, 0x09, 0, 0] + ONE
+    assert _payload([7.0, 1.0, -7.0], 4, 4, any_target) == [0x17, 0x09, 0, 0] + ONE
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_short_last_group_and_zero_group(backend):
+def test_short_last_group_and_zero_group(any_target):
     # Group 0 is all zero (scale 0), group 1 is short (2 elements) with scale 1.
     values = [0.0, 0.0, 0.0, 0.0, 127.0, -64.0]
     expected = [0, 0, 0, 0, 127, 256 - 64] + [0, 0] + ZERO + ONE
-    assert _payload(values, 8, 4, backend) == expected
+    assert _payload(values, 8, 4, any_target) == expected
     assert quant.payload_nbytes(6, 8, 4) == len(expected)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_nan_and_inf_groups_store_canonical_scales_and_zero_codes(backend):
+def test_nan_and_inf_groups_store_canonical_scales_and_zero_codes(any_target):
     values = [1.0, float("nan"), 3.0, 4.0, float("-inf"), 5.0, 127.0, 0.0]
-    payload = _payload(values, 8, 2, backend)
+    payload = _payload(values, 8, 2, any_target)
     assert payload[:8] == [0, 0, 95, 127, 0, 0, 127, 0]
     scales = [payload[8 + 4 * g : 12 + 4 * g] for g in range(4)]
     assert scales[0] == NAN_BITS
@@ -69,12 +63,11 @@ def test_nan_and_inf_groups_store_canonical_scales_and_zero_codes(backend):
     assert scales[3] == ONE
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_non_finite_groups_dequantize_to_canonical_nan(backend, dtype):
+def test_non_finite_groups_dequantize_to_canonical_nan(any_target, dtype):
     values = [1.0, float("inf"), 7.0, 3.0, float("nan"), 7.0]
-    payload = quant.quantize(torch.tensor(values, dtype=dtype), 4, 2, backend=backend)
-    out = quant.dequantize(payload, 6, 4, 2, dtype, backend=backend)
+    payload = any_target.run(quant.quantize, torch.tensor(values, dtype=dtype), 4, 2)
+    out = any_target.run(quant.dequantize, payload, 6, 4, 2, dtype)
     bits = out.view(torch.int32 if dtype == torch.float32 else torch.int16).tolist()
     nan = quant.wire_format.CANONICAL_NAN_BITS[dtype]
     nan_signed = nan - (1 << 32) if dtype == torch.float32 and nan >= 1 << 31 else nan
@@ -83,35 +76,31 @@ def test_non_finite_groups_dequantize_to_canonical_nan(backend, dtype):
     assert out[2:4].tolist() == [7.0, 3.0]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_dequant_reduce_sums_then_divides(backend):
-    first = quant.quantize(torch.tensor([1.0, 2.0, 127.0, 0.0]), 8, 4, backend=backend)
-    second = quant.quantize(torch.tensor([3.0, -4.0, -127.0, 0.0]), 8, 4, backend=backend)
+def test_dequant_reduce_sums_then_divides(any_target):
+    first = any_target.run(quant.quantize, torch.tensor([1.0, 2.0, 127.0, 0.0]), 8, 4)
+    second = any_target.run(quant.quantize, torch.tensor([3.0, -4.0, -127.0, 0.0]), 8, 4)
     rows = torch.stack([first, second])
-    total = quant.dequant_reduce(rows, 4, 8, 4, backend=backend)
+    total = any_target.run(quant.dequant_reduce, rows, 4, 8, 4)
     assert total.tolist() == [4.0, -2.0, 0.0, 0.0]
-    halved = quant.dequant_reduce(rows, 4, 8, 4, divide_by=2, backend=backend)
+    halved = any_target.run(quant.dequant_reduce, rows, 4, 8, 4, divide_by=2)
     assert halved.tolist() == [2.0, -1.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_dequant_reduce_requantizes_into_self_contained_chunks(backend):
-    rows = torch.stack(
-        [quant.quantize(torch.tensor(v), 8, 2, backend=backend) for v in ([127.0, 7.0, 127.0, 1.0], [0.0, 0.0, -127.0, 6.0])]
-    )
+def test_dequant_reduce_requantizes_into_self_contained_chunks(any_target):
+    values = ([127.0, 7.0, 127.0, 1.0], [0.0, 0.0, -127.0, 6.0])
+    rows = torch.stack([any_target.run(quant.quantize, torch.tensor(v), 8, 2) for v in values])
     # Every input group is exact (scale 1 or 0). Sums [127, 7 | 0, 7]: chunk 0 has scale 1,
     # chunk 1 has scale fl32(7 / 127) and codes [0, 127].
-    chunks = quant.dequant_reduce(rows, 4, 8, 2, requant_chunks=2, backend=backend)
+    chunks = any_target.run(quant.dequant_reduce, rows, 4, 8, 2, requant_chunks=2)
     assert chunks.shape == (2, quant.payload_nbytes(2, 8, 2))
     assert chunks[0].tolist() == [127, 7, 0, 0] + ONE
     scale = (torch.tensor([7.0]) / 127).view(torch.uint8).tolist()
     assert chunks[1].tolist() == [0, 127, 0, 0] + scale
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_reorder_quantize_moves_slices_before_chunking(backend):
+def test_reorder_quantize_moves_slices_before_chunking(any_target):
     x = torch.tensor([1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 127.0, 127.0])
-    chunks = quant.reorder_quantize(x, [3, 0, 2, 1], 2, 8, 4, backend=backend)
+    chunks = any_target.run(quant.reorder_quantize, x, [3, 0, 2, 1], 2, 8, 4)
     # Reordered: [127, 127, 1, 1 | 3, 3, 2, 2]; chunk 1 has absmax 3.
     assert chunks[0].tolist() == [127, 127, 1, 1] + ONE
     expected_1 = quant.quantize(torch.tensor([3.0, 3.0, 2.0, 2.0]), 8, 4, backend="reference")

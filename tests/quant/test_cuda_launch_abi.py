@@ -1,8 +1,8 @@
-"""Every launch the launchers make matches its kernel's parameter list in the compiled PTX.
+"""Every launch the cuda backend makes matches its kernel's parameter list in the compiled PTX.
 
 A kernel launched with one argument too few, or an int where the kernel takes a 64-bit
-value, reads garbage with no error on the GPU. Here the launchers run on CPU tensors with
-``loader.launch`` replaced by a recorder, for every op, dtype, bit width and both encoder
+value, reads garbage with no error on the GPU. Here its kernels (``_cuda_launch``) run on CPU
+tensors with ``loader.launch`` replaced by a recorder, for every op, dtype, bit width and both encoder
 schemes; each recorded argument tuple is compared with the ``.param`` list of the kernel of
 that name in the PTX (nvcc, the loader's translation unit and options): same count, and
 each argument's width and kind (fp32 or integer) as declared.
@@ -19,7 +19,8 @@ import torch
 
 from cuda_support import NVCC, requires_nvcc
 from zcomm.quant import payload_nbytes
-from zcomm_cuda import launchers, loader
+from zcomm.quant.backends import _cuda_launch as cuda_launch
+from zcomm_cuda import loader
 
 pytestmark = requires_nvcc
 
@@ -49,8 +50,8 @@ def launches(monkeypatch) -> list[tuple[str, str, tuple]]:
         recorded.append((source, name, tuple(args)))
 
     monkeypatch.setattr(loader, "launch", record)
-    monkeypatch.setattr(launchers, "_max_blocks", lambda device: 1056)
-    monkeypatch.setattr(launchers, "_device_perm", lambda perm, device: torch.tensor(perm, dtype=torch.int64))
+    monkeypatch.setattr(cuda_launch, "_max_blocks", lambda device: 1056)
+    monkeypatch.setattr(cuda_launch, "_device_perm", lambda perm, device: torch.tensor(perm, dtype=torch.int64))
     return recorded
 
 
@@ -64,13 +65,13 @@ def _run_every_op(bits: int, dtype: torch.dtype, group_size: int) -> None:
     numel, chunks, perm = 6 * 4 * group_size, 3, (2, 0, 1, 5, 4, 3)
     x = torch.zeros(numel, dtype=dtype)
     row = payload_nbytes(numel, bits, group_size)
-    launchers.quantize(x, bits, group_size, torch.empty(row, dtype=torch.uint8))
+    cuda_launch.quantize(x, bits, group_size, torch.empty(row, dtype=torch.uint8))
     payloads = torch.zeros(2, row, dtype=torch.uint8)
-    launchers.dequantize(payloads, numel, bits, group_size, torch.empty(2 * numel, dtype=dtype))
+    cuda_launch.dequantize(payloads, numel, bits, group_size, torch.empty(2 * numel, dtype=dtype))
     chunk_rows = torch.empty(chunks, payload_nbytes(numel // chunks, bits, group_size), dtype=torch.uint8)
-    launchers.reorder_quantize(x, perm, chunks, bits, group_size, chunk_rows)
-    launchers.dequant_reduce(payloads, numel, bits, group_size, 2.0, torch.empty(numel, dtype=dtype), None)
-    launchers.dequant_reduce(payloads, numel, bits, group_size, 2.0, None, chunk_rows)
+    cuda_launch.reorder_quantize(x, perm, chunks, bits, group_size, chunk_rows)
+    cuda_launch.dequant_reduce(payloads, numel, bits, group_size, 2.0, torch.empty(numel, dtype=dtype))
+    cuda_launch.dequant_reduce_requant(payloads, numel, bits, group_size, 2.0, chunk_rows)
 
 
 @pytest.mark.parametrize("group_size", (64, 10_000), ids=("teams", "tiles"))
@@ -79,7 +80,7 @@ def test_launch_arguments_match_kernel_parameters(kernel_params, launches, bits,
     for dtype in DTYPES:
         _run_every_op(bits, dtype, group_size)
     encoder_launches = sum(name.startswith(ENCODERS) for _, name, _ in launches)
-    assert encoder_launches == 3 * 3 * (1 if group_size <= launchers.TEAM_MAX_GROUP else 2)  # 3 dtypes, 3 ops
+    assert encoder_launches == 3 * 3 * (1 if group_size <= cuda_launch.TEAM_MAX_GROUP else 2)  # 3 dtypes, 3 ops
     for source, name, args in launches:
         assert source in loader.KERNEL_SOURCES and name in kernel_params, name
         declared = [(PARAM_BYTES[t], t == "f32") for t in kernel_params[name]]

@@ -1,0 +1,186 @@
+"""The kernel contract: the five ``zcomm::`` operators every backend implements, defined once.
+
+Each operator is a ``torch.library`` custom op. Its Python signature below is its schema
+(``torch.ops.zcomm.<name>``), its body states and asserts its preconditions, and the same
+body is its fake (meta) implementation, so FakeTensor, ``torch.compile`` and
+``torch.library.opcheck`` see every op with the shapes it promises. The public functions of
+:mod:`zcomm.quant.ops` validate the caller's arguments (``TypeError``/``ValueError``),
+allocate the outputs and call these ops; the preconditions hold by then, and the asserts
+only guard a direct ``torch.ops.zcomm`` call from a kernel writing out of bounds.
+
+Every op writes its result into the preallocated ``out`` (the one argument it mutates, fully
+written, payload padding included) and returns nothing. Common preconditions:
+
+* every tensor is contiguous, on one device, and non-empty;
+* ``bits`` is 8 or 4 and ``group_size`` an int >= 2, even for INT4 (a
+  :class:`~zcomm.quant.spec.QuantSpec` with ``"tensor"`` already resolved to an int);
+* float tensors are fp32, bf16 or fp16; payloads are ``uint8`` rows of
+  ``payload_nbytes(numel, bits, group_size)`` bytes laid out as in
+  :mod:`zcomm.quant.wire_format`, whose arithmetic every kernel follows to the bit.
+
+[Note: backend dispatch] torch dispatches an op by the device type of its tensors, but zcomm
+has two backends for each device type (``reference`` and ``cpu`` on CPU tensors,
+``reference`` and ``cuda`` on CUDA tensors). So every op takes the name of the backend as a
+``str`` argument, chosen by the public function (its ``backend=`` argument, then
+``ZCOMM_BACKEND``, then the device; :func:`zcomm.quant._registry.select`). The op's one kernel
+for CPU and CUDA tensors looks up the kernel that backend registered with :func:`implements`,
+loading the backend on first use; a backend that cannot load raises
+``BackendUnavailableError``, and no other backend stands in. Under ``torch.compile`` the
+name is a constant of the captured graph: it is chosen when the graph is traced.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable, Sequence, TypeVar
+
+import torch
+from torch import Tensor
+
+from . import _registry
+from .spec import SUPPORTED_BITS
+from .wire_format import SUPPORTED_DTYPES, payload_nbytes
+
+Kernel = TypeVar("Kernel", bound=Callable[..., None])
+
+# op name -> the custom op; filled by @_op below, in the order the ops are defined
+OPS: dict[str, torch.library.CustomOpDef] = {}
+_KERNELS: dict[tuple[str, str], Callable[..., None]] = {}
+
+
+def implements(op: str, backend: str) -> Callable[[Kernel], Kernel]:
+    """Decorator: register ``fn`` as ``backend``'s kernel for ``op``.
+
+    A kernel takes the op's arguments without ``backend``, in the op's order.
+    """
+    assert op in OPS, op
+    assert backend in _registry.backend_device_types(), backend
+
+    def register(fn: Kernel) -> Kernel:
+        _KERNELS[(op, backend)] = fn
+        return fn
+
+    return register
+
+
+def _kernel(op: str, backend: str, device_type: str) -> Callable[..., None]:
+    """``backend``'s kernel for ``op`` on ``device_type`` tensors, loading the backend on first use."""
+    _registry.check(backend, device_type)
+    if (op, backend) not in _KERNELS:
+        _registry.load(backend)
+    kernel = _KERNELS.get((op, backend))
+    if kernel is None:
+        raise _registry.BackendUnavailableError(f"zcomm backend {backend!r} has no kernel for {op!r}")
+    return kernel
+
+
+def _op(preconditions: Callable[..., None]) -> torch.library.CustomOpDef:
+    """Define the custom op ``zcomm::<name>`` from its preconditions function.
+
+    The function's signature is the schema (``out`` the mutated argument) and its body the
+    fake implementation; the CPU and CUDA kernel checks it, then runs the selected backend's
+    kernel ([Note: backend dispatch]).
+    """
+    name = preconditions.__name__
+    parameters = list(inspect.signature(preconditions).parameters)
+    backend_index = parameters.index("backend")
+
+    @functools.wraps(preconditions)
+    def dispatch(*args: object) -> None:
+        preconditions(*args)
+        device_type = next(a for a in args if isinstance(a, Tensor)).device.type
+        kernel = _kernel(name, args[backend_index], device_type)
+        kernel(*args[:backend_index], *args[backend_index + 1 :])
+
+    op = torch.library.custom_op(
+        f"zcomm::{name}", dispatch, mutates_args=("out",), device_types=_registry.DEVICE_TYPES
+    )
+    op.register_fake(preconditions)
+    OPS[name] = op
+    return op
+
+
+def _check_spec(bits: int, group_size: int) -> None:
+    assert bits in SUPPORTED_BITS and group_size >= 2 and (bits == 8 or group_size % 2 == 0), (bits, group_size)
+
+
+def _check_tensor(t: Tensor, name: str, shape: tuple[int, ...], device: torch.device) -> None:
+    assert tuple(t.shape) == shape and t.is_contiguous() and t.device == device, (
+        f"{name}: expected a contiguous {shape} tensor on {device}, got {tuple(t.shape)} on {t.device}"
+    )
+
+
+def _check_floats(t: Tensor, name: str, numel: int, device: torch.device) -> None:
+    assert t.dtype in SUPPORTED_DTYPES, f"{name}: {t.dtype}"
+    _check_tensor(t, name, (numel,), device)
+
+
+def _check_payloads(
+    t: Tensor, name: str, rows: int, numel: int, bits: int, group_size: int, device: torch.device
+) -> None:
+    """``t`` is ``rows`` uint8 payloads of ``numel`` elements, as a 2-D tensor."""
+    assert t.dtype == torch.uint8, f"{name}: {t.dtype}"
+    _check_tensor(t, name, (rows, payload_nbytes(numel, bits, group_size)), device)
+
+
+@_op
+def quantize(x: Tensor, bits: int, group_size: int, backend: str, out: Tensor) -> None:
+    """``out`` = the payload of the 1-D float ``x`` (``out``: 1-D uint8)."""
+    _check_spec(bits, group_size)
+    assert x.numel() > 0
+    _check_floats(x, "x", x.numel(), x.device)
+    assert out.dtype == torch.uint8, out.dtype
+    _check_tensor(out, "out", (payload_nbytes(x.numel(), bits, group_size),), x.device)
+
+
+@_op
+def dequantize(payloads: Tensor, numel: int, bits: int, group_size: int, backend: str, out: Tensor) -> None:
+    """``out[r * numel : (r + 1) * numel]`` = payload row ``r`` of ``payloads`` (2-D, ``k >= 1``
+    rows) dequantized to ``out``'s float dtype."""
+    _check_spec(bits, group_size)
+    assert numel > 0 and payloads.dim() == 2 and payloads.shape[0] >= 1, (numel, payloads.shape)
+    _check_payloads(payloads, "payloads", payloads.shape[0], numel, bits, group_size, payloads.device)
+    _check_floats(out, "out", payloads.shape[0] * numel, payloads.device)
+
+
+@_op
+def reorder_quantize(
+    x: Tensor, perm: Sequence[int], num_chunks: int, bits: int, group_size: int, backend: str, out: Tensor
+) -> None:
+    """Row ``c`` of ``out`` (2-D uint8, ``num_chunks`` rows) = the payload of chunk ``c`` of
+    ``x`` reordered: ``x`` read as ``len(perm)`` equal slices, output slice ``p`` = input
+    slice ``perm[p]``, the result cut into ``num_chunks`` equal chunks."""
+    _check_spec(bits, group_size)
+    assert x.numel() > 0 and sorted(perm) == list(range(len(perm))), perm
+    assert x.numel() % len(perm) == 0 and x.numel() % num_chunks == 0, (x.numel(), len(perm), num_chunks)
+    _check_floats(x, "x", x.numel(), x.device)
+    _check_payloads(out, "out", num_chunks, x.numel() // num_chunks, bits, group_size, x.device)
+
+
+def _check_reduction(payloads: Tensor, numel: int, bits: int, group_size: int, divide_by: float) -> None:
+    _check_spec(bits, group_size)
+    assert numel > 0 and divide_by > 0 and payloads.dim() == 2 and payloads.shape[0] >= 1, (numel, divide_by)
+    _check_payloads(payloads, "payloads", payloads.shape[0], numel, bits, group_size, payloads.device)
+
+
+@_op
+def dequant_reduce(
+    payloads: Tensor, numel: int, bits: int, group_size: int, divide_by: float, backend: str, out: Tensor
+) -> None:
+    """``out`` (1-D float, ``numel``) = the fp32 sum of the payload rows, in row order, divided
+    by ``fp32(divide_by)`` and rounded to ``out``'s dtype."""
+    _check_reduction(payloads, numel, bits, group_size, divide_by)
+    _check_floats(out, "out", numel, payloads.device)
+
+
+@_op
+def dequant_reduce_requant(
+    payloads: Tensor, numel: int, bits: int, group_size: int, divide_by: float, backend: str, out: Tensor
+) -> None:
+    """Row ``c`` of ``out`` (2-D uint8, ``m`` rows, ``m`` dividing ``numel``) = the payload of
+    chunk ``c`` of the fp32 sum that :func:`dequant_reduce` stores, with the same bits and
+    group size."""
+    _check_reduction(payloads, numel, bits, group_size, divide_by)
+    assert out.dim() == 2 and out.shape[0] >= 1 and numel % out.shape[0] == 0, (numel, out.shape)
+    _check_payloads(out, "out", out.shape[0], numel // out.shape[0], bits, group_size, payloads.device)
