@@ -137,17 +137,6 @@ def _op_cases(x: torch.Tensor, backend: str, group_size: int) -> list[tuple[str,
     return cases
 
 
-def _backend_devices() -> dict[str, frozenset[str]]:
-    """Each backend's device types.
-
-    zcomm has no public name for this yet (``zcomm.quant.available_backends()`` gives the
-    names and whether each loads): this is the one place bench reads it from the registry.
-    """
-    from zcomm.quant.registry import BACKENDS
-
-    return {name: devices for name, (_, devices) in BACKENDS.items()}
-
-
 def _backends(device: torch.device, wanted: list[str] | None) -> tuple[list[str], list[str]]:
     """(backends to run on ``device``, printed reasons for those skipped).
 
@@ -156,7 +145,7 @@ def _backends(device: torch.device, wanted: list[str] | None) -> tuple[list[str]
     """
     status = q.available_backends()
     run, skipped = [], []
-    for name, devices in _backend_devices().items():
+    for name, devices in q.backend_device_types().items():
         if device.type not in devices or (wanted is not None and name not in wanted):
             continue
         if status[name] == "ok":
@@ -303,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--numel", type=parse_size, default="64M", help="elements of the input (K/M/G: powers of 1024; default 64M)")
     parser.add_argument("--dtype", nargs="+", choices=sorted(_DTYPES), default=["fp32"], help="one table per dtype")
     parser.add_argument("--device", nargs="+", choices=("cpu", "cuda"), help="default: cpu, and cuda when a GPU is visible")
-    parser.add_argument("--backends", nargs="+", choices=sorted(_backend_devices()), help="default: every backend that can run")
+    parser.add_argument("--backends", nargs="+", choices=sorted(q.backend_device_types()), help="default: every backend that can run")
     parser.add_argument("--group-size", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5, help="timed samples per op (median reported)")
     parser.add_argument("--reference-repeats", type=int, default=1, help="timed calls per reference op on the CPU")

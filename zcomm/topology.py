@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ._env import positive_int_from_env
+from .quant._env import positive_int_from_env
 
 __all__ = ["LOCAL_SIZE_VARIABLES", "Topology"]
 

@@ -34,14 +34,21 @@ from bench.harness.checkout import REPO, checkout_environment
 
 TOTAL_BUDGET_S = 570.0
 GPU_CHECK_ENV = "ZCOMM_GPU_CHECK"
-# The CUDA test files gpu-check runs; any that is missing fails the stage by name.
+# The CUDA test files gpu-check runs; any that is missing fails the stage by name. The
+# backend sweeps are parametrized by target (``[cpu-on-cpu]``, ``[cuda-on-cuda]``...):
+# CUDA_TESTS_SELECT keeps their GPU targets, whose oracle is the reference backend on the
+# CPU (numba, which a GPU machine may lack, serves only the CPU targets).
 CUDA_TESTS = (
-    "tests/test_cuda_backend.py",
-    "tests/test_cuda_compile.py",
-    "tests/test_cuda_host_math.py",
+    "tests/quant/test_cuda_backend.py",
+    "tests/quant/test_cuda_compile.py",
+    "tests/quant/test_cuda_host_math.py",
+    "tests/quant/test_quant_vs_reference.py",
+    "tests/quant/test_wire_format.py",
+    "tests/quant/test_quant_contract.py",
     "tests/collectives/test_collectives_cuda.py",
     "tests/runtime/test_zero_cuda.py",
 )
+CUDA_TESTS_SELECT = "not on-cpu"
 TRAIN_CONFIGS = ("zero1", "zero2", "zero3", "zeropp")
 # Variables that would change what the stages test (a forced backend, a pretend node size).
 CLEARED_ENV = ("ZCOMM_BACKEND", "ZCOMM_LOCAL_SIZE")
@@ -232,7 +239,7 @@ def plan(out_dir: Path, *, gpus: int, python: str = sys.executable) -> list[Stag
             name="cuda-tests",
             title=f"CUDA tests with {GPU_CHECK_ENV}=1 (a skip is a failure): {', '.join(Path(n).name for n in CUDA_TESTS)}",
             argv=(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors",
-                  "--durations=15", f"--junitxml={out_dir / 'cuda-tests.xml'}", *present),  # fmt: skip
+                  "--durations=15", f"--junitxml={out_dir / 'cuda-tests.xml'}", "-k", CUDA_TESTS_SELECT, *present),  # fmt: skip
             limit_s=250,
             needs=("pytest", "cupy"),
             env={GPU_CHECK_ENV: "1"},

@@ -20,7 +20,7 @@ import torch
 
 import zcomm
 from spawn_harness import run_distributed
-from zcomm.threads import NUM_THREADS_VARIABLE, kernel_threads
+from zcomm.quant._threads import NUM_THREADS_VARIABLE, kernel_threads
 
 POOL = 4
 KERNELS = ("_reorder_quantize_kernel", "_dequantize_kernel", "_reduce_kernel", "_reduce_requant_kernel")

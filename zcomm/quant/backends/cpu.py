@@ -21,7 +21,7 @@ processes load them from ``__pycache__`` instead of compiling) and ``nogil=True`
 communication thread runs while a kernel does).
 
 [Note: kernel threads] Each kernel launch uses the rank's share of threads
-(:func:`zcomm.threads.kernel_threads`), never numba's default of every core. numba's thread
+(:func:`zcomm.quant._threads.kernel_threads`), never numba's default of every core. numba's thread
 count is a per-Python-thread setting, and the collectives launch their kernels on zcomm's
 worker threads, so it is set right before every launch on the launching thread. numba's
 ``omp`` layer, when it starts its pool, also sets the starting thread's OpenMP thread count
@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from ...threads import kernel_threads
+from .._threads import kernel_threads
 from .._contract import implements
 from ..wire_format import QMAX, scales_offset, values_nbytes
 from ._cpu_float_bits import (
