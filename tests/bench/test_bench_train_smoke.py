@@ -90,7 +90,7 @@ def test_fsdp2_and_skips_two_ranks(tmp_path: Path, checkout_env: dict[str, str])
         assert rows[("fsdp2", "hf-gpt2")]["status"] == "skipped"
     table = [line.split() for line in stdout.splitlines()]
     fsdp2_line = next(line for line in table if line[:2] == ["fsdp2", "tinygpt"])
-    assert float(fsdp2_line[8]) == pytest.approx(rows[("fsdp2", "tinygpt")]["val_loss"], abs=1e-4)
+    assert float(fsdp2_line[10]) == pytest.approx(rows[("fsdp2", "tinygpt")]["val_loss"], abs=1e-4)
     if importlib.util.find_spec("deepspeed") is None:
         assert rows[("deepspeed-z3", "tinygpt")]["status"] == "skipped"
         assert "deepspeed" in rows[("deepspeed-z3", "tinygpt")]["note"]
@@ -135,3 +135,13 @@ def test_simulated_cluster_counts_wire_bytes(tmp_path: Path, checkout_env: dict[
     # One rank per node: fsdp2-hpz keeps whole weights after forward, so its backward
     # gathers nothing across nodes.
     assert rows["fsdp2-hpz"]["wire_tx_bytes_per_step"] < rows["fsdp2"]["wire_tx_bytes_per_step"]
+    # The probe measures the 100 Mbit/s shaper (in wire bytes, headers included, as the
+    # counters count them): within 20% below and 5% above.
+    link = result["meta"]["link_bytes_per_s"]
+    assert 0.8 * 100e6 / 8 <= link <= 1.05 * 100e6 / 8
+    for row in rows.values():
+        assert row["wire_time_s"] == pytest.approx(row["wire_busiest_bytes_per_step"] / link)
+        assert row["wire_fraction"] == pytest.approx(row["wire_time_s"] / row["median_step_s"])
+        # A node sends at least half of the step's inter-node bytes one way or the other.
+        assert row["wire_busiest_bytes_per_step"] >= row["wire_tx_bytes_per_step"] / 2
+    assert "link: " in proc.stdout and "Mbit/s measured per node link" in proc.stdout
