@@ -1,0 +1,132 @@
+"""``python -m bench.train.sweep``: the same training at several simulated link rates, table and plot.
+
+For every ``--rates`` value the sweep launches ``bench.train`` on the simulated cluster
+(``bench.simcluster --num-nodes N --local-size L --rate R``), one launch per rate, each
+writing ``rate-<R>.json`` and its output ``rate-<R>.log`` into ``--out-dir``. Then it writes
+``sweep.md`` (the exact command, the machine, the precision, one table of step time and
+wire share per configuration and rate, the bandwidth claim's verdict: see
+:mod:`.sweep_report`) and ``step_time_vs_link_rate.png`` (log-log) there.
+``--from-json DIR`` re-renders the outputs from an earlier sweep's JSON files without
+running anything. Arguments after ``--`` go to ``bench.train`` unchanged::
+
+    python -m bench.train.sweep --rates 100mbit 200mbit 400mbit 800mbit 1600mbit unlimited \\
+        --configs zero3 zeropp fsdp2 deepspeed-z3 --out-dir bench/results/sweep -- --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.harness.checkout import checkout_environment
+from bench.simcluster.config import parse_rate
+from bench.simcluster.launcher import missing_prerequisite
+
+from .configs import select_configs
+from .sweep_report import claim_verdict, describe, load_runs, markdown_table, rate_sort_key, write_plot
+
+DEFAULT_RATES = ("100mbit", "200mbit", "400mbit", "800mbit", "1600mbit", "unlimited")
+DEFAULT_CONFIGS = ("zero3", "zeropp", "fsdp2", "deepspeed-z3")
+PLOT = "step_time_vs_link_rate.png"
+REPORT = "sweep.md"
+COMMAND = "command.txt"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.train.sweep", description=__doc__.split("\n")[0])
+    parser.add_argument("--rates", nargs="+", default=list(DEFAULT_RATES), help="link rates (tc units, or unlimited)")
+    parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), metavar="NAME")
+    parser.add_argument("--num-nodes", type=int, default=2)
+    parser.add_argument("--local-size", type=int, default=2)
+    parser.add_argument("--out-dir", required=True, type=Path, help="where the JSON, logs, sweep.md and the plot go")
+    parser.add_argument("--from-json", action="store_true", help="re-render from --out-dir's rate-*.json; run nothing")
+    parser.add_argument("--tolerance", type=float, default=0.10, help="'matches' means ZeRO++ <= (1 + this) x baseline")
+    parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- arguments for bench.train")
+    return parser
+
+
+def json_path(out_dir: Path, rate: str) -> Path:
+    return out_dir / f"rate-{rate}.json"
+
+
+def launch_command(rate: str, configs: list[str], args: argparse.Namespace) -> list[str]:
+    """The simulated-cluster launch of ``bench.train`` at ``rate``."""
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    return [sys.executable, "-m", "bench.simcluster", "--num-nodes", str(args.num_nodes), "--local-size",
+            str(args.local_size), "--rate", rate, "--", sys.executable, "-m", "bench.train", "--configs", *configs,
+            *train_args, "--json", str(json_path(args.out_dir, rate))]  # fmt: skip
+
+
+def run_rate(rate: str, configs: list[str], args: argparse.Namespace) -> int:
+    command = launch_command(rate, configs, args)
+    print("$ " + shlex.join(command), flush=True)
+    log = args.out_dir / f"rate-{rate}.log"
+    with open(log, "w") as out:
+        proc = subprocess.run(command, env=checkout_environment(os.environ), stdout=out, stderr=subprocess.STDOUT,
+                              check=False)  # fmt: skip
+    print(f"  -> {log} (exit {proc.returncode})", flush=True)
+    return proc.returncode
+
+
+def write_outputs(args: argparse.Namespace) -> Path:
+    """sweep.md and the plot from the rate-*.json files in ``--out-dir``; the command that ran
+    them is read from its command.txt."""
+    paths = {rate: json_path(args.out_dir, rate) for rate in args.rates if json_path(args.out_dir, rate).exists()}
+    if not paths:
+        raise SystemExit(f"no rate-*.json for {args.rates} in {args.out_dir}")
+    runs = load_runs(paths)
+    command_file = args.out_dir / COMMAND
+    command_line = command_file.read_text().strip() if command_file.exists() else "(not recorded)"
+    write_plot(args.out_dir / PLOT, runs, f"Step time vs link rate, {args.num_nodes} x {args.local_size} ranks")
+    text = [
+        "# Step time vs simulated link rate",
+        "",
+        "Command (from the repository root, as root for the simulated cluster):",
+        "",
+        f"    {command_line}",
+        "",
+        *describe(runs),
+        "",
+        markdown_table(runs),
+        "",
+        claim_verdict(runs, args.tolerance),
+        "",
+        f"![step time vs link rate]({PLOT})",
+        "",
+    ]
+    report = args.out_dir / REPORT
+    report.write_text("\n".join(text))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        for rate in args.rates:
+            parse_rate(rate)
+        select_configs(args.configs)
+    except ValueError as error:
+        parser.error(str(error))
+    args.rates = sorted(set(args.rates), key=rate_sort_key)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    status = 0
+    if not args.from_json:
+        problem = missing_prerequisite()
+        if problem:
+            print(problem, file=sys.stderr)
+            return 2
+        command_line = shlex.join(["python", "-m", "bench.train.sweep", *(argv if argv is not None else sys.argv[1:])])
+        (args.out_dir / COMMAND).write_text(command_line + "\n")
+        for rate in args.rates:
+            status = run_rate(rate, args.configs, args) or status
+    print(f"wrote {write_outputs(args)}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
