@@ -145,3 +145,23 @@ def test_simulated_cluster_counts_wire_bytes(tmp_path: Path, checkout_env: dict[
         # A node sends at least half of the step's inter-node bytes one way or the other.
         assert row["wire_busiest_bytes_per_step"] >= row["wire_tx_bytes_per_step"] / 2
     assert "link: " in proc.stdout and "Mbit/s measured per node link" in proc.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed (make peers)")
+def test_deepspeed_is_the_same_math_as_ours(tmp_path: Path, checkout_env: dict[str, str]) -> None:
+    """[Note: same math]: fp32, the same AdamW and a clipping threshold that the gradients
+    exceed: our stage 3, FSDP2 and DeepSpeed's ZeRO-3 train the same losses (up to fp32
+    reduction order); DeepSpeed's own ZeRO++ keys give a row either way, never a crash."""
+    args = ["--configs", "zero3", "fsdp2", "deepspeed-z3", "deepspeed-zeropp", "--dtype", "fp32", "--grad-clip", "0.05",
+            *TINY]  # fmt: skip
+    result, stdout = _launch(args, tmp_path, checkout_env)
+    rows = {row["config"]: row for row in result["results"]}
+    for config in ("zero3", "fsdp2", "deepspeed-z3"):
+        _check_trained(rows[config], steps=4)
+    ours = rows["zero3"]["train_losses"]
+    assert rows["deepspeed-z3"]["train_losses"] == pytest.approx(ours, rel=1e-5)
+    assert rows["fsdp2"]["train_losses"] == pytest.approx(ours, rel=1e-5)
+    assert result["meta"]["engine_configs"]["deepspeed-z3"]["gradient_clipping"] == 0.05
+    zeropp = rows["deepspeed-zeropp"]
+    assert zeropp["status"] == "ok" or (zeropp["status"] == "failed" and " raised " in zeropp["note"])
+    assert f"DeepSpeed: {result['meta']['deepspeed']}" in stdout
