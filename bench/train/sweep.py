@@ -2,7 +2,10 @@
 
 For every ``--rates`` value the sweep launches ``bench.train`` on the simulated cluster
 (``bench.simcluster --num-nodes N --local-size L --rate R``), one launch per rate, each
-writing ``rate-<R>.json`` and its output ``rate-<R>.log`` into ``--out-dir``. Then it writes
+writing ``rate-<R>-run<k>.json`` and its output ``rate-<R>-run<k>.log`` into ``--out-dir``;
+``--repeats N`` goes over all rates N times (round robin, so a burst of load from other
+jobs falls on different rates in different rounds) and the report keeps each
+configuration's best launch per rate (see [Note: best of launches]). Then it writes
 ``sweep.md`` (the exact command, the machine, the precision, one table of step time and
 wire share per configuration and rate, the bandwidth claim's verdict: see
 :mod:`.sweep_report`) and ``step_time_vs_link_rate.png`` (log-log) there.
@@ -44,27 +47,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--local-size", type=int, default=2)
     parser.add_argument("--out-dir", required=True, type=Path, help="where the JSON, logs, sweep.md and the plot go")
     parser.add_argument("--from-json", action="store_true", help="re-render from --out-dir's rate-*.json; run nothing")
+    parser.add_argument("--repeats", type=int, default=1, help="launches per rate, round robin over the rates")
     parser.add_argument("--tolerance", type=float, default=0.10, help="'matches' means ZeRO++ <= (1 + this) x baseline")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- arguments for bench.train")
     return parser
 
 
-def json_path(out_dir: Path, rate: str) -> Path:
-    return out_dir / f"rate-{rate}.json"
+def json_path(out_dir: Path, rate: str, launch: int) -> Path:
+    return out_dir / f"rate-{rate}-run{launch}.json"
 
 
-def launch_command(rate: str, configs: list[str], args: argparse.Namespace) -> list[str]:
+def launch_command(rate: str, launch: int, configs: list[str], args: argparse.Namespace) -> list[str]:
     """The simulated-cluster launch of ``bench.train`` at ``rate``."""
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     return [sys.executable, "-m", "bench.simcluster", "--num-nodes", str(args.num_nodes), "--local-size",
             str(args.local_size), "--rate", rate, "--", sys.executable, "-m", "bench.train", "--configs", *configs,
-            *train_args, "--json", str(json_path(args.out_dir, rate))]  # fmt: skip
+            *train_args, "--json", str(json_path(args.out_dir, rate, launch))]  # fmt: skip
 
 
-def run_rate(rate: str, configs: list[str], args: argparse.Namespace) -> int:
-    command = launch_command(rate, configs, args)
+def run_rate(rate: str, launch: int, configs: list[str], args: argparse.Namespace) -> int:
+    command = launch_command(rate, launch, configs, args)
     print("$ " + shlex.join(command), flush=True)
-    log = args.out_dir / f"rate-{rate}.log"
+    log = json_path(args.out_dir, rate, launch).with_suffix(".log")
     with open(log, "w") as out:
         proc = subprocess.run(command, env=checkout_environment(os.environ), stdout=out, stderr=subprocess.STDOUT,
                               check=False)  # fmt: skip
@@ -75,7 +79,8 @@ def run_rate(rate: str, configs: list[str], args: argparse.Namespace) -> int:
 def write_outputs(args: argparse.Namespace) -> Path:
     """sweep.md and the plot from the rate-*.json files in ``--out-dir``; the command that ran
     them is read from its command.txt."""
-    paths = {rate: json_path(args.out_dir, rate) for rate in args.rates if json_path(args.out_dir, rate).exists()}
+    paths = {rate: sorted(args.out_dir.glob(f"rate-{rate}-run*.json")) for rate in args.rates}
+    paths = {rate: found for rate, found in paths.items() if found}
     if not paths:
         raise SystemExit(f"no rate-*.json for {args.rates} in {args.out_dir}")
     runs = load_runs(paths)
@@ -112,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         select_configs(args.configs)
     except ValueError as error:
         parser.error(str(error))
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     args.rates = sorted(set(args.rates), key=rate_sort_key)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     status = 0
@@ -122,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         command_line = shlex.join(["python", "-m", "bench.train.sweep", *(argv if argv is not None else sys.argv[1:])])
         (args.out_dir / COMMAND).write_text(command_line + "\n")
-        for rate in args.rates:
-            status = run_rate(rate, args.configs, args) or status
+        for launch in range(1, args.repeats + 1):
+            for rate in args.rates:
+                status = run_rate(rate, launch, args.configs, args) or status
     print(f"wrote {write_outputs(args)}")
     return status
 

@@ -1,7 +1,7 @@
 """The link-rate sweep's outputs: a Markdown table, a log-log plot, and the bandwidth claim's verdict.
 
-Input: one ``bench.train --json`` result per link rate (:func:`load_runs`). Every number
-comes from those files: step times, wire bytes and wire share per configuration, and
+Input: the ``bench.train --json`` results of each link rate, one per launch
+(:func:`load_runs`). Every number comes from those files: step times, wire bytes and wire share per configuration, and
 each run's measured link throughput, which places the point on the plot's x axis (so
 ``unlimited`` sits where the unshaped link actually ran).
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,10 +35,16 @@ BASELINES = ("zero3", "deepspeed-z3")
 
 @dataclass(frozen=True)
 class RateRun:
-    """One launch of the sweep: the nominal rate (``200mbit``, ``unlimited``) and its JSON result."""
+    """The launches of the sweep at one nominal rate (``200mbit``, ``unlimited``): their JSON results.
+
+    [Note: best of launches] With several launches per rate (``--repeats``), a
+    configuration's step time at that rate is the best (lowest) median of its launches:
+    other jobs on a shared machine only ever add time, so the minimum is the least
+    disturbed measurement. Every launch's median stays in the table of all launches.
+    """
 
     rate: str
-    result: dict[str, Any]
+    results: tuple[dict[str, Any], ...]
 
     @property
     def nominal_bps(self) -> int | None:
@@ -45,12 +52,25 @@ class RateRun:
 
     @property
     def link_bps(self) -> float | None:
-        """The measured link throughput in bits per second."""
-        measured = self.result["meta"].get("link_bytes_per_s")
-        return None if measured is None else 8 * measured
+        """The measured link throughput in bits per second (median over the launches)."""
+        measured = [8 * r["meta"]["link_bytes_per_s"] for r in self.results if r["meta"].get("link_bytes_per_s")]
+        return statistics.median(measured) if measured else None
 
     def rows(self) -> dict[str, dict[str, Any]]:
-        return {row["config"]: row for row in self.result["results"]}
+        """Each configuration's row from its best launch (a row that did not run when none did)."""
+        best: dict[str, dict[str, Any]] = {}
+        for result in self.results:
+            for row in result["results"]:
+                kept = best.get(row["config"])
+                if kept is None or (row["status"] == "ok" and (kept["status"] != "ok"
+                                                              or row["median_step_s"] < kept["median_step_s"])):
+                    best[row["config"]] = row
+        return best
+
+    def all_steps(self, config: str) -> list[float]:
+        """The median step time of ``config`` in every launch where it ran."""
+        return [row["median_step_s"] for result in self.results for row in result["results"]
+                if row["config"] == config and row["status"] == "ok"]  # fmt: skip
 
 
 def rate_sort_key(rate: str) -> float:
@@ -58,9 +78,10 @@ def rate_sort_key(rate: str) -> float:
     return math.inf if bps is None else bps
 
 
-def load_runs(paths: dict[str, Path]) -> list[RateRun]:
-    """The runs of ``{rate: json path}``, slowest link first."""
-    runs = [RateRun(rate, json.loads(Path(path).read_text())) for rate, path in paths.items()]
+def load_runs(paths: dict[str, list[Path]]) -> list[RateRun]:
+    """The runs of ``{rate: [json path of each launch]}``, slowest link first."""
+    runs = [RateRun(rate, tuple(json.loads(Path(path).read_text()) for path in launches))
+            for rate, launches in paths.items()]  # fmt: skip
     return sorted(runs, key=lambda run: rate_sort_key(run.rate))
 
 
@@ -106,9 +127,17 @@ def markdown_table(runs: list[RateRun]) -> str:
             if row is not None and row["status"] != "ok" and f"`{config}`: {row['note']}" not in notes:
                 notes.append(f"`{config}`: {row['note']}")
     lines.append("")
-    lines.append("Cells: median step ms (wire time as % of the step). Column heads: nominal link rate "
+    launches = max(len(run.results) for run in runs)
+    best = f"best of {launches} launches' " if launches > 1 else ""
+    lines.append(f"Cells: {best}median step ms (wire time as % of that step). Column heads: nominal link rate "
                  "(measured Mbit/s per node link and direction).")  # fmt: skip
     lines.extend(f"- {note}" for note in notes)
+    if launches > 1:
+        lines += ["", "Every launch's median step ms:", "",
+                  "| config | " + " | ".join(run.rate for run in runs) + " |", "|---" * (len(runs) + 1) + "|"]
+        for config in configs_of(runs):
+            cells = [" / ".join(f"{step * 1e3:.0f}" for step in run.all_steps(config)) or "-" for run in runs]
+            lines.append(f"| `{config}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -218,8 +247,8 @@ def write_plot(path: Path, runs: list[RateRun], title: str) -> Path:
 
 
 def describe(runs: list[RateRun]) -> list[str]:
-    """What the runs were measured on (from the first run's metadata; all ran on one machine)."""
-    meta = runs[0].result["meta"]
+    """What the runs were measured on (from the first launch's metadata; all ran on one machine)."""
+    meta = runs[0].results[0]["meta"]
     params = ", ".join(f"{model} {count:,} params" for model, count in meta["params"].items() if count)
     args = meta["args"]
     return [
