@@ -30,7 +30,7 @@ from bench.simcluster.config import parse_rate
 from bench.simcluster.launcher import missing_prerequisite
 
 from .configs import select_configs
-from .sweep_report import claim_verdict, describe, load_runs, markdown_table, rate_sort_key, write_plot
+from .sweep_report import RateRun, claim_verdict, describe, load_runs, markdown_table, rate_sort_key, write_plot
 
 DEFAULT_RATES = ("100mbit", "200mbit", "400mbit", "800mbit", "1600mbit", "unlimited")
 DEFAULT_CONFIGS = ("zero3", "zeropp", "fsdp2", "deepspeed-z3")
@@ -76,6 +76,13 @@ def run_rate(rate: str, launch: int, configs: list[str], args: argparse.Namespac
     return proc.returncode
 
 
+def plot_title(runs: list[RateRun]) -> str:
+    meta = runs[0].results[0]["meta"]
+    params = sum(count for count in meta["params"].values() if count)
+    return (f"Step time vs link rate: {params / 1e6:.1f}M-param GPT, {meta['num_nodes']}x{meta['local_size']} ranks,\n"
+            f"{meta['precision']} compute on {meta['cpu']}")
+
+
 def write_outputs(args: argparse.Namespace) -> Path:
     """sweep.md and the plot from the rate-*.json files in ``--out-dir``; the command that ran
     them is read from its command.txt."""
@@ -86,7 +93,7 @@ def write_outputs(args: argparse.Namespace) -> Path:
     runs = load_runs(paths)
     command_file = args.out_dir / COMMAND
     command_line = command_file.read_text().strip() if command_file.exists() else "(not recorded)"
-    write_plot(args.out_dir / PLOT, runs, f"Step time vs link rate, {args.num_nodes} x {args.local_size} ranks")
+    write_plot(args.out_dir / PLOT, runs, plot_title(runs))
     text = [
         "# Step time vs simulated link rate",
         "",

@@ -234,8 +234,8 @@ def write_plot(path: Path, runs: list[RateRun], title: str) -> Path:
             ax.plot(xs, ys, "o-", label=config)
     for run in runs:
         if run.link_bps is not None:
-            ax.annotate(run.rate, (run.link_bps * 1e-6, 1), xycoords=("data", "axes fraction"), fontsize="x-small",
-                        rotation=90, va="top", ha="right", color="gray")  # fmt: skip
+            ax.annotate(run.rate, (run.link_bps * 1e-6, 0.02), xycoords=("data", "axes fraction"), fontsize="x-small",
+                        rotation=90, va="bottom", ha="right", color="gray")  # fmt: skip
     ax.set(xscale="log", yscale="log", xlabel="measured link throughput per node (Mbit/s)",
            ylabel="median step time (s)", title=title)  # fmt: skip
     ax.grid(True, which="both", alpha=0.3)
