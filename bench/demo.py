@@ -60,8 +60,9 @@ def _run(argv: list[str]) -> int:
 
 
 def _ratio_line(ours: dict, other: dict) -> str:
-    line = (f"{ours['config']} vs {other['config']:6s}: step time "
-            f"{other['median_step_s'] / ours['median_step_s']:.2f}x faster")  # fmt: skip
+    speedup = other["median_step_s"] / ours["median_step_s"]
+    pace = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
+    line = f"{ours['config']} vs {other['config']:6s}: step time {pace}"
     if ours["wire_tx_bytes_per_step"] is not None and other["wire_tx_bytes_per_step"]:
         line += f", inter-node wire bytes {ours['wire_tx_bytes_per_step'] / other['wire_tx_bytes_per_step']:.3f}x"
     return line

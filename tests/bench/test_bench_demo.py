@@ -35,12 +35,12 @@ def test_unknown_job_is_a_usage_error(argv, capsys):
 def test_summary_compares_our_stage3_with_deepspeed_and_says_why_rows_did_not_run():
     failed = dict(_row("deepspeed-zeropp", None, None, status="failed"), note="deepspeed.initialize raised ValueError: x")
     lines = demo.training_summary(
-        [_row("zero3", 0.8, 40e6), _row("zeropp", 0.2, 5e6), _row("deepspeed-z3", 1.0, 30e6), failed]
+        [_row("zero3", 1.2, 40e6), _row("zeropp", 0.2, 5e6), _row("deepspeed-z3", 1.0, 30e6), failed]
     )
     assert lines == [
-        "zeropp vs zero3 : step time 4.00x faster, inter-node wire bytes 0.125x",
+        "zeropp vs zero3 : step time 6.00x faster, inter-node wire bytes 0.125x",
         "zeropp vs deepspeed-z3: step time 5.00x faster, inter-node wire bytes 0.167x",
-        "zero3 vs deepspeed-z3: step time 1.25x faster, inter-node wire bytes 1.333x",
+        "zero3 vs deepspeed-z3: step time 1.20x slower, inter-node wire bytes 1.333x",
         "deepspeed-zeropp failed: deepspeed.initialize raised ValueError: x",
     ]
 
