@@ -156,8 +156,12 @@ def test_deepspeed_is_the_same_math_as_ours(tmp_path: Path, checkout_env: dict[s
             *TINY]  # fmt: skip
     result, stdout = _launch(args, tmp_path, checkout_env)
     rows = {row["config"]: row for row in result["results"]}
-    for config in ("zero3", "fsdp2", "deepspeed-z3"):
+    for config in ("zero3", "fsdp2"):
         _check_trained(rows[config], steps=4)
+    deepspeed = rows["deepspeed-z3"]
+    assert deepspeed["status"] == "ok", deepspeed["note"]
+    # No torch counter sees DeepSpeed's flat partitions on the CPU: no figure, and the row says so.
+    assert deepspeed["memory_bytes"] is None and deepspeed["memory_source"] == "n/a on CPU"
     ours = rows["zero3"]["train_losses"]
     assert rows["deepspeed-z3"]["train_losses"] == pytest.approx(ours, rel=1e-5)
     assert rows["fsdp2"]["train_losses"] == pytest.approx(ours, rel=1e-5)
