@@ -72,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--local-size", type=int, required=True, help="ranks per node (zcomm's local_size)")
     add_renamed_flag(parser, "--nodes", "--num-nodes")
     add_renamed_flag(parser, "--local", "--local-size")
-    parser.add_argument("--rate", required=True, help="each node's link rate, both directions (tc units: 200mbit), or 'unlimited' for no shaping")
+    parser.add_argument(
+        "--rate", required=True, help="each node's link rate, both directions (tc units: 200mbit), or 'unlimited'"
+    )
     parser.add_argument("--delay", help="one-way delay added to each node's link (tc netem, e.g. 1ms)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
     return parser

@@ -61,10 +61,9 @@ def chosen_configs(args: argparse.Namespace) -> list[TrainConfig]:
     return select_configs(names)
 
 
-def chosen_grad_clip(args: argparse.Namespace) -> float:
+def check_grad_clip(args: argparse.Namespace) -> None:
     if args.grad_clip < 0:
         raise ValueError(f"--grad-clip must be >= 0 (0: off), got {args.grad_clip}")
-    return args.grad_clip
 
 
 def loop_settings(args: argparse.Namespace) -> LoopSettings:

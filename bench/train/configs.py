@@ -180,7 +180,9 @@ def _zero_optimization(config: TrainConfig, local_size: int) -> dict[str, Any]:
     return section
 
 
-def zero_runtime_config(config: TrainConfig, *, local_size: int, bf16: bool, gradient_clipping: float) -> dict[str, Any]:
+def zero_runtime_config(
+    config: TrainConfig, *, local_size: int, bf16: bool, gradient_clipping: float
+) -> dict[str, Any]:
     """The dict for ``zero_runtime.initialize``: only keys the runtime knows (it rejects others)."""
     section = _zero_optimization(config, local_size)
     if config.stage == 3:

@@ -4,9 +4,10 @@ Each repeated block of the model is one FSDP unit and the root module holds the 
 tied embedding/LM head, final norm), as torchtitan wraps a transformer. Mixed precision is
 FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16)``: fp32 sharded master weights, bf16
 gathered weights and gradient reduction. Gradient clipping, when asked for, is torch's
-``clip_grad_norm_`` over the sharded gradients (the global norm), as the ZeRO engines clip. FSDP2's form of hpZ is ``reshard_after_forward``
-given as an int: after forward each unit keeps its weights sharded over that many ranks
-(the ranks of one node), so the backward all-gather stays inside the node.
+``clip_grad_norm_`` over the sharded gradients (the global norm), as the ZeRO engines clip.
+FSDP2's form of hpZ is ``reshard_after_forward`` given as an int: after forward each unit
+keeps its weights sharded over that many ranks (the ranks of one node), so the backward
+all-gather stays inside the node.
 
 Peak memory: ``torch.cuda.max_memory_allocated`` on GPU; on CPU, where torch keeps no
 allocator statistics, the model-state bytes this rank holds (sharded parameters, gradients

@@ -30,7 +30,7 @@ from bench.harness.dist_env import DistContext
 from bench.harness.link import measure_link_throughput
 from bench.harness.precision import Precision, choose_precision, cpu_model, read_cpuinfo
 
-from .cli import build_parser, chosen_configs, chosen_grad_clip, loop_settings, model_config
+from .cli import build_parser, check_grad_clip, chosen_configs, loop_settings, model_config
 from .configs import TrainConfig, engine_config
 from .data import ByteCorpus, TextDataConfig
 from .deepspeed_runner import DeepSpeedRunner
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configs = chosen_configs(args)
         settings, shape = loop_settings(args), model_config(args)
-        chosen_grad_clip(args)
+        check_grad_clip(args)
     except (TypeError, ValueError) as error:
         parser.error(str(error))
     ctx = dist_env.join(dist_env.detect())

@@ -118,8 +118,8 @@ def markdown_table(runs: list[RateRun]) -> str:
     lines = [header, "|---" * (len(runs) + 2) + "|"]
     notes = []
     for config in configs_of(runs):
-        wire = [run.rows()[config]["wire_tx_bytes_per_step"] for run in runs
-                if step_s(run, config) is not None and run.rows()[config]["wire_tx_bytes_per_step"] is not None]  # fmt: skip
+        rows = [run.rows()[config] for run in runs if step_s(run, config) is not None]
+        wire = [row["wire_tx_bytes_per_step"] for row in rows if row["wire_tx_bytes_per_step"] is not None]
         wire_cell = f"{min(wire) * 1e-6:.3g}-{max(wire) * 1e-6:.3g}" if wire else "n/a"
         lines.append(f"| `{config}` | " + " | ".join(_cell(run, config) for run in runs) + f" | {wire_cell} |")
         for run in runs:
@@ -210,9 +210,10 @@ def claim_verdict(runs: list[RateRun], tolerance: float = DEFAULT_TOLERANCE) -> 
         word = "holds" if len(held) == len(pairs) else "does not hold" if not held else "holds in part"
         lines.append(f"- against `{baseline}`: **{word}** ({len(held)} of {len(pairs)} pairs)")
         for pair in pairs:
+            outcome = "holds" if pair.holds(tolerance) else "fails"
             lines.append(
                 f"  - zeropp @ {pair.slow}: {pair.zeropp_s * 1e3:.0f} ms vs {baseline} @ {pair.fast}: "
-                f"{pair.baseline_s * 1e3:.0f} ms -> ratio {pair.ratio:.2f} ({'holds' if pair.holds(tolerance) else 'fails'}); "
+                f"{pair.baseline_s * 1e3:.0f} ms -> ratio {pair.ratio:.2f} ({outcome}); "
                 f"{baseline} needs {pair.factor_text()} the link rate to match zeropp @ {pair.slow}"
             )
     return "\n".join(lines)
@@ -252,7 +253,8 @@ def describe(runs: list[RateRun]) -> list[str]:
     params = ", ".join(f"{model} {count:,} params" for model, count in meta["params"].items() if count)
     args = meta["args"]
     return [
-        f"- hardware: {meta['cpu']}, ranks on {meta['device']}; torch {meta['torch']}; DeepSpeed {meta['deepspeed'] or 'not installed'}",
+        f"- hardware: {meta['cpu']}, ranks on {meta['device']}; torch {meta['torch']}; "
+        f"DeepSpeed {meta['deepspeed'] or 'not installed'}",
         f"- precision: {meta['precision']} compute for every configuration ({meta['precision_reason']})",
         f"- cluster: {meta['num_nodes']} nodes x {meta['local_size']} ranks; model: {params}; "
         f"batch {args['batch']} x {args['seq_len']} tokens, {args['steps']} steps ({args['warmup']} warm-up)",

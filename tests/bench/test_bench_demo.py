@@ -33,7 +33,8 @@ def test_unknown_job_is_a_usage_error(argv, capsys):
 
 
 def test_summary_compares_our_stage3_with_deepspeed_and_says_why_rows_did_not_run():
-    failed = dict(_row("deepspeed-zeropp", None, None, status="failed"), note="deepspeed.initialize raised ValueError: x")
+    failed = dict(_row("deepspeed-zeropp", None, None, status="failed"),
+                  note="deepspeed.initialize raised ValueError: x")  # fmt: skip
     lines = demo.training_summary(
         [_row("zero3", 1.2, 40e6), _row("zeropp", 0.2, 5e6), _row("deepspeed-z3", 1.0, 30e6), failed]
     )

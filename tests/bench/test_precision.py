@@ -61,7 +61,8 @@ def test_auto_is_bf16_with_amx_or_a_bf16_gpu():
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_an_explicit_dtype_is_kept(dtype):
-    assert choose_precision(dtype, cpuinfo=EPYC_AVX2, cuda_bf16=None) == Precision(dtype, f"{dtype} as asked (--dtype {dtype})")
+    expected = Precision(dtype, f"{dtype} as asked (--dtype {dtype})")
+    assert choose_precision(dtype, cpuinfo=EPYC_AVX2, cuda_bf16=None) == expected
 
 
 def test_unknown_dtype_is_an_error():

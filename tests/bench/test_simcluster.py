@@ -118,7 +118,8 @@ def _ours(pid: int) -> list[str]:
 
 
 def _launch(tmp_path, env, *command, rate="100mbit", **kwargs):
-    argv = [sys.executable, "-m", "bench.simcluster", "--num-nodes", "2", "--local-size", "1", "--rate", rate, "--", *command]
+    argv = [sys.executable, "-m", "bench.simcluster", "--num-nodes", "2", "--local-size", "1", "--rate", rate, "--",
+            *command]  # fmt: skip
     return subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from bench.train.cli import build_parser, chosen_configs
-from bench.train.configs import (CONFIGS, DEEPSPEED_STAGE3_DEFAULTS, RUNTIME_STAGE3_KEYS, STAGE3_FUSE_NUMEL, TrainConfig,
-                                 deepspeed_config, engine_config, select_configs, zero_runtime_config)
+from bench.train.cli import build_parser, check_grad_clip, chosen_configs
+from bench.train.configs import (CONFIGS, DEEPSPEED_STAGE3_DEFAULTS, RUNTIME_STAGE3_KEYS, STAGE3_FUSE_NUMEL,
+                                 TrainConfig, deepspeed_config, engine_config, select_configs,
+                                 zero_runtime_config)  # fmt: skip
 from zero_runtime.config import ZeroConfig
 from bench.train.fsdp2_runner import reshard_after_forward
 from bench.train.loop import ConfigResult, LoopSettings
@@ -23,7 +24,8 @@ def test_zero_runtime_configs_carry_exactly_the_zeropp_keys() -> None:
     # unit-fusion threshold (zcomm's own key, not a ZeRO++ one).
     stage3 = {key: DEEPSPEED_STAGE3_DEFAULTS[key] for key in RUNTIME_STAGE3_KEYS}
     fuse = {**stage3, "zcomm_stage3_fuse_numel": STAGE3_FUSE_NUMEL}
-    assert zero_runtime_config(CONFIGS["zeropp"], local_size=4, bf16=False, gradient_clipping=0.0)["zero_optimization"] == {
+    zeropp = zero_runtime_config(CONFIGS["zeropp"], local_size=4, bf16=False, gradient_clipping=0.0)
+    assert zeropp["zero_optimization"] == {
         "stage": 3,
         "zero_quantized_weights": True,
         "zero_hpz_partition_size": 4,
@@ -55,7 +57,8 @@ def test_same_math_clipping_and_stage3_defaults_on_both_zero_engines() -> None:
     """[Note: same math]: DeepSpeed clips at 1.0 unless told, so both dicts say it."""
     for clip in (0.0, 1.0):
         ours = zero_runtime_config(CONFIGS["zero3"], local_size=2, bf16=False, gradient_clipping=clip)
-        theirs = deepspeed_config(CONFIGS["deepspeed-z3"], local_size=2, bf16=False, gradient_clipping=clip, micro_batch=1)
+        theirs = deepspeed_config(CONFIGS["deepspeed-z3"], local_size=2, bf16=False, gradient_clipping=clip,
+                                  micro_batch=1)  # fmt: skip
         assert ours["gradient_clipping"] == theirs["gradient_clipping"] == clip
         assert ours["bf16"] == theirs["bf16"] == {"enabled": False}
         for key in RUNTIME_STAGE3_KEYS:
@@ -64,11 +67,12 @@ def test_same_math_clipping_and_stage3_defaults_on_both_zero_engines() -> None:
 
 
 def test_deepspeed_config_has_its_batch_and_optimizer_keys() -> None:
-    config = deepspeed_config(CONFIGS["deepspeed-z3-hpz"], local_size=8, bf16=True, gradient_clipping=0.0, micro_batch=2)
+    common = dict(bf16=True, gradient_clipping=0.0, micro_batch=2)
+    config = deepspeed_config(CONFIGS["deepspeed-z3-hpz"], local_size=8, **common)
     assert config["train_micro_batch_size_per_gpu"] == 2
     assert config["zero_allow_untested_optimizer"] is True
     assert config["zero_optimization"] == {"stage": 3, "zero_hpz_partition_size": 8, **DEEPSPEED_STAGE3_DEFAULTS}
-    zeropp = deepspeed_config(CONFIGS["deepspeed-zeropp"], local_size=2, bf16=True, gradient_clipping=0.0, micro_batch=2)
+    zeropp = deepspeed_config(CONFIGS["deepspeed-zeropp"], local_size=2, **common)
     assert {k: zeropp["zero_optimization"][k] for k in ("zero_quantized_weights", "zero_hpz_partition_size",
                                                          "zero_quantized_gradients")} == {
         "zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
@@ -99,6 +103,14 @@ def test_cli_selects_issue5_and_issue6_spellings() -> None:
     assert names([]) == ["zero3", "zeropp", "fsdp2"]
     with pytest.raises(ValueError, match="either"):
         chosen_configs(parser.parse_args(["--configs", "zero3", "--impl", "zero"]))
+
+
+def test_cli_precision_and_clipping_defaults() -> None:
+    args = build_parser().parse_args([])
+    assert args.dtype == "auto" and args.grad_clip == 0.0
+    check_grad_clip(args)
+    with pytest.raises(ValueError, match="--grad-clip"):
+        check_grad_clip(build_parser().parse_args(["--grad-clip", "-1"]))
 
 
 @pytest.mark.parametrize(("local_size", "world_size", "expected"), [(2, 4, 2), (4, 4, True), (1, 4, False)])
