@@ -4,8 +4,12 @@
 # served locally on the CI/dev machines, so setup never pulls a multi-GB CUDA wheel there.
 # Both install zcomm with the extras they need (see setup.cfg): `mpi` (mpirun, mpi4py) and
 # `bench` (tqdm, matplotlib) for the benchmark suites the demo and the tests run, `hf`
-# (transformers) so the tests train an unmodified Hugging Face GPT-2, `dev` (pytest). The
-# `peers` extra (DeepSpeed) is left to users who want its rows in bench.train.
+# (transformers) so the tests train an unmodified Hugging Face GPT-2, `dev` (pytest).
+# [Note: optional peers] `make peers` (run by `make demo`, not by `make test`) tries the
+# `peers` extra, DeepSpeed, for the demo's and bench.train's DeepSpeed rows. It is optional:
+# when pip cannot install it (DeepSpeed builds from source and needs torch at build time) it
+# says why and exits 0, and those rows then say DeepSpeed is missing. It pins the torch the
+# venv already has, so it never swaps in another build (e.g. a multi-GB CUDA wheel).
 # [Note: NVRTC on CPU machines] cupy and NVRTC (about 160 MB) are installed even without a GPU:
 # NVRTC compiles without a device, so the tests check the PTX of the loader's own compile call
 # under hostile flags (tests of zcomm_cuda's flag-proof arithmetic). A machine whose python
@@ -25,7 +29,9 @@ GPU_PYTHON ?= python3
 GPU_CHECK_ARGS ?=
 CHECKOUT_PYTHONPATH = PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}"
 
-.PHONY: demo test install clean-venv nvcc-check gpu-check
+PEERS_LOG := $(VENV)/peers-install.log
+
+.PHONY: demo test install peers clean-venv nvcc-check gpu-check
 
 install: $(STAMP)
 
@@ -43,7 +49,21 @@ $(STAMP): setup.cfg pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-demo: $(STAMP)
+peers: $(STAMP)
+	@if $(PY) -c 'import deepspeed' >/dev/null 2>&1; then \
+	  echo "peers: deepspeed $$($(PY) -c 'import importlib.metadata as m; print(m.version("deepspeed"))') is installed"; \
+	else \
+	  echo "peers: trying to install the optional peers extra (DeepSpeed); output in $(PEERS_LOG)"; \
+	  if DS_BUILD_OPS=0 $(PY) -m pip install -e '.[peers]' "torch==$$($(PY) -c 'import torch; print(torch.__version__)')" \
+	      >$(PEERS_LOG) 2>&1 && $(PY) -c 'import deepspeed' >>$(PEERS_LOG) 2>&1; then \
+	    echo "peers: installed deepspeed $$($(PY) -c 'import importlib.metadata as m; print(m.version("deepspeed"))')"; \
+	  else \
+	    echo "peers: DeepSpeed could not be installed; its rows will say so. Last lines of $(PEERS_LOG):"; \
+	    tail -n 5 $(PEERS_LOG); \
+	  fi; \
+	fi
+
+demo: $(STAMP) peers
 	$(CHECKOUT_PYTHONPATH) $(PY) -m bench.demo
 
 nvcc-check: $(STAMP)

@@ -15,8 +15,13 @@ _DELAY_RE = re.compile(r"^\d+(?:\.\d+)?(us|ms|s)$")
 MAX_NODES = 250
 
 
-def parse_rate(text: str) -> int:
-    """``"200mbit"`` -> 200_000_000 bits per second (tc's SI units)."""
+UNLIMITED = "unlimited"
+
+
+def parse_rate(text: str) -> int | None:
+    """``"200mbit"`` -> 200_000_000 bits per second (tc's SI units); ``"unlimited"`` -> None (no shaping)."""
+    if text.strip().lower() == UNLIMITED:
+        return None
     match = _RATE_RE.match(text.strip())
     if match is None:
         raise ValueError(f"rate must look like 200mbit (units {', '.join(_RATE_UNITS)}), got {text!r}")
@@ -28,11 +33,15 @@ def parse_rate(text: str) -> int:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
-    """``num_nodes`` namespaces of ``local_size`` ranks each; every node's link limited to ``rate_bps`` both ways."""
+    """``num_nodes`` namespaces of ``local_size`` ranks each; every node's link limited to ``rate_bps`` both ways.
+
+    ``rate_bps=None`` leaves the links unshaped: they then run as fast as the veth pairs
+    and the machine's cores carry them.
+    """
 
     num_nodes: int
     local_size: int
-    rate_bps: int
+    rate_bps: int | None
     delay: str | None = None
     command: tuple[str, ...]
 
@@ -41,7 +50,7 @@ class ClusterConfig:
             raise ValueError(f"--num-nodes must be in 1..{MAX_NODES}, got {self.num_nodes}")
         if self.local_size < 1:
             raise ValueError(f"--local-size must be >= 1, got {self.local_size}")
-        if self.rate_bps < 8000:
+        if self.rate_bps is not None and self.rate_bps < 8000:
             raise ValueError(f"rate must be at least 8000 bit/s, got {self.rate_bps}")
         if self.delay is not None and not _DELAY_RE.match(self.delay):
             raise ValueError(f"--delay must look like 1ms (units us, ms, s), got {self.delay!r}")
@@ -63,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--local-size", type=int, required=True, help="ranks per node (zcomm's local_size)")
     add_renamed_flag(parser, "--nodes", "--num-nodes")
     add_renamed_flag(parser, "--local", "--local-size")
-    parser.add_argument("--rate", required=True, help="each node's link rate, both directions (tc units: 200mbit)")
+    parser.add_argument(
+        "--rate", required=True, help="each node's link rate, both directions (tc units: 200mbit), or 'unlimited'"
+    )
     parser.add_argument("--delay", help="one-way delay added to each node's link (tc netem, e.g. 1ms)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
     return parser

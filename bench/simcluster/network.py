@@ -11,7 +11,8 @@ The host's root namespace is never touched: each veth pair is created inside the
 namespace with its peer moved straight into the bridge namespace. Every node's link is
 shaped with a token bucket (``tbf``) on both ends, i.e. on the node's egress (zc-up) and on
 the bridge's egress towards the node (p<i>), so the limit holds in both directions; an
-optional ``netem`` delay sits under each ``tbf``. IPv6 address generation is off on every
+optional ``netem`` delay sits under each ``tbf`` (at the root when the rate is ``unlimited``,
+which adds no ``tbf``). IPv6 address generation is off on every
 link so no router solicitations add to the counters. Deleting a namespace deletes its end
 of each veth pair and therefore the pair.
 """
@@ -96,11 +97,15 @@ class SimNetwork:
         _run("ip", "-n", name, "link", "set", "lo", "up")
 
     def _shape(self, ns: str, dev: str) -> None:
-        rate = f"{self.config.rate_bps}bit"
-        burst = str(_burst_bytes(self.config.rate_bps))
+        rate_bps, delay = self.config.rate_bps, self.config.delay
+        if rate_bps is None:
+            if delay:
+                _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "10:", "netem", "delay", delay)
+            return
+        rate, burst = f"{rate_bps}bit", str(_burst_bytes(rate_bps))
         _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", rate, "burst", burst, "latency", "100ms")
-        if self.config.delay:
-            _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "netem", "delay", self.config.delay)
+        if delay:
+            _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "netem", "delay", delay)
 
     def build(self) -> None:
         self._add_ns(self.bridge_ns)

@@ -5,6 +5,9 @@ Rank ``r`` runs on node ``r // local_size`` (node-major, as zcomm's topology exp
 torchrun's variables, ``GLOO_SOCKET_IFNAME`` (gloo binds to the node's address; peers on the
 same node reach that address over loopback, so their traffic stays off the link),
 ``ZCOMM_LOCAL_SIZE`` (zcomm's topology) and ``ZCOMM_WIRE_IFACE`` (:mod:`bench.harness.wire`).
+All ranks share this machine's cores, so each gets its share as ``OMP_NUM_THREADS`` (cores /
+ranks, at least 1; torch's and zcomm's CPU kernels follow it), unless the caller set it:
+as torchrun does, so that ranks do not spin against each other.
 
 The first rank that exits non-zero decides the exit status; the others are then terminated
 (SIGTERM, then SIGKILL after a grace period).
@@ -29,9 +32,16 @@ _POLL_S = 0.05
 _FOREIGN = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
 
 
+def thread_share(world_size: int, cores: int | None = None) -> int:
+    """CPU threads per rank when ``world_size`` ranks share this machine's cores (at least 1)."""
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    return max(1, cores // world_size)
+
+
 def rank_env(config: ClusterConfig, rank: int, master_addr: str, master_port: int, base: Mapping[str, str]) -> dict[str, str]:
     """The environment of ``rank``: ``base`` plus the launcher's variables."""
     env = {key: value for key, value in base.items() if key not in _FOREIGN}
+    env.setdefault("OMP_NUM_THREADS", str(thread_share(config.world_size)))
     # The namespaces have no resolver entries for their addresses, so c10d would warn on
     # every connection that it cannot name the peer; keep its errors, drop those warnings.
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from bench.harness.precision import DTYPE_CHOICES
+
 from .configs import CONFIGS, TrainConfig, configs_from_impl, select_configs
 from .data import VOCAB_SIZE
 from .loop import LoopSettings
@@ -28,12 +30,21 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--d-model", type=int, default=128)
     shape.add_argument("--n-layers", type=int, default=4)
     shape.add_argument("--n-heads", type=int, default=4)
-    shape.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="compute/communication precision")
+    shape.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="compute/communication precision of every configuration; auto: bf16 on a GPU or a CPU with native "
+        "bf16 (AMX/AVX512-BF16), else fp32",
+    )
     loop = parser.add_argument_group("training")
     loop.add_argument("--steps", type=int, default=40)
     loop.add_argument("--warmup", type=int, default=5, help="steps left out of time and wire bytes")
     loop.add_argument("--batch", type=int, default=8, help="global batch in sequences")
     loop.add_argument("--lr", type=float, default=1e-3)
+    loop.add_argument(
+        "--grad-clip", type=float, default=0.0, help="max global gradient norm, given to every engine alike (0: off)"
+    )
     loop.add_argument("--seed", type=int, default=0)
     loop.add_argument("--eval-every", type=int, default=0, help="validate every N steps (0: only at the end)")
     loop.add_argument("--eval-batches", type=int, default=4, help="global batches of the validation set")
@@ -48,6 +59,11 @@ def chosen_configs(args: argparse.Namespace) -> list[TrainConfig]:
         raise ValueError("give either --configs or --impl/--stage, not both")
     names = configs_from_impl(args.impl, args.stage) if args.impl else (args.configs or list(DEFAULT_CONFIGS))
     return select_configs(names)
+
+
+def check_grad_clip(args: argparse.Namespace) -> None:
+    if args.grad_clip < 0:
+        raise ValueError(f"--grad-clip must be >= 0 (0: off), got {args.grad_clip}")
 
 
 def loop_settings(args: argparse.Namespace) -> LoopSettings:

@@ -13,6 +13,16 @@ quantization scale per communicated tensor instead of per block, through the zco
 ``zcomm_quant_group_size`` (``TENSOR_SCALE``), which DeepSpeed does not have.
 ``zeropp-g128`` is ZeRO++ with 128 elements per scale for both quantized collectives (zcomm's
 defaults are 2048 for INT8 and 512 for INT4): finer blocks, ~5% more qgZ bytes, closer loss.
+``deepspeed-zeropp`` hands DeepSpeed its own ZeRO++ keys, to show what DeepSpeed does with them.
+
+[Note: same math] Every engine trains with the same optimizer (torch AdamW, same ``lr``),
+the same precision and batch, and the same gradient clipping, written out explicitly in
+every engine's config (``gradient_clipping``; FSDP2 clips with torch's
+``clip_grad_norm_``): DeepSpeed clips at 1.0 when the key is absent, which silently made an
+earlier comparison different math. At stage 3 both ZeRO engines get DeepSpeed's default
+stage-3 settings written out (:data:`DEEPSPEED_STAGE3_DEFAULTS`): DeepSpeed all of them,
+zero_runtime those it implements (:data:`RUNTIME_STAGE3_KEYS`), so "DeepSpeed with its
+defaults" stays that if a release changes them.
 """
 
 from __future__ import annotations
@@ -28,6 +38,16 @@ TENSOR_SCALE = "tensor"
 # unit: a whole block of the bench models (TinyGPT's is 198k), the same units as FSDP2's
 # per-block fully_shard, instead of dozens of per-module collectives (see PERFORMANCE.md).
 STAGE3_FUSE_NUMEL = 250_000
+# DeepSpeed 0.19's defaults for its stage-3 keys (deepspeed/runtime/zero/config.py), in elements.
+DEEPSPEED_STAGE3_DEFAULTS: dict[str, int] = {
+    "reduce_bucket_size": 500_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+    "stage3_max_live_parameters": 1_000_000_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+}
+# The keys of DEEPSPEED_STAGE3_DEFAULTS that zero_runtime implements (it rejects the others).
+RUNTIME_STAGE3_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +132,14 @@ CONFIGS: dict[str, TrainConfig] = _configs(
     TrainConfig(name="fsdp2-hpz", engine="fsdp2", hpz=True, summary="fully_shard, reshard_after_forward=ranks/node"),
     TrainConfig(name="deepspeed-z3", engine="deepspeed", summary="DeepSpeed ZeRO-3 (needs deepspeed)"),
     TrainConfig(name="deepspeed-z3-hpz", engine="deepspeed", hpz=True, summary="DeepSpeed ZeRO-3 + hpZ"),
+    TrainConfig(
+        name="deepspeed-zeropp",
+        engine="deepspeed",
+        quantized_weights=True,
+        hpz=True,
+        quantized_gradients=True,
+        summary="DeepSpeed ZeRO-3 with its own ZeRO++ keys (qwZ + hpZ + qgZ)",
+    ),
 )
 
 
@@ -152,20 +180,41 @@ def _zero_optimization(config: TrainConfig, local_size: int) -> dict[str, Any]:
     return section
 
 
-def zero_runtime_config(config: TrainConfig, *, local_size: int, bf16: bool) -> dict[str, Any]:
+def zero_runtime_config(
+    config: TrainConfig, *, local_size: int, bf16: bool, gradient_clipping: float
+) -> dict[str, Any]:
     """The dict for ``zero_runtime.initialize``: only keys the runtime knows (it rejects others)."""
     section = _zero_optimization(config, local_size)
     if config.stage == 3:
+        section.update({key: DEEPSPEED_STAGE3_DEFAULTS[key] for key in RUNTIME_STAGE3_KEYS})
         section["zcomm_stage3_fuse_numel"] = STAGE3_FUSE_NUMEL
-    return {"zero_optimization": section, "bf16": {"enabled": bf16}}
+    return {"zero_optimization": section, "bf16": {"enabled": bf16}, "gradient_clipping": gradient_clipping}
 
 
-def deepspeed_config(config: TrainConfig, *, local_size: int, bf16: bool, micro_batch: int) -> dict[str, Any]:
+def deepspeed_config(
+    config: TrainConfig, *, local_size: int, bf16: bool, gradient_clipping: float, micro_batch: int
+) -> dict[str, Any]:
     """The dict for ``deepspeed.initialize``; the optimizer is passed in, so allow torch's AdamW."""
+    section = _zero_optimization(config, local_size)
+    if config.stage == 3:
+        section.update(DEEPSPEED_STAGE3_DEFAULTS)
     return {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
+        "gradient_clipping": gradient_clipping,
         "zero_allow_untested_optimizer": True,
-        "zero_optimization": _zero_optimization(config, local_size),
+        "zero_optimization": section,
         "bf16": {"enabled": bf16},
     }
+
+
+def engine_config(
+    config: TrainConfig, *, local_size: int, bf16: bool, gradient_clipping: float, micro_batch: int
+) -> dict[str, Any]:
+    """What ``config``'s engine is given, for the JSON record: the ZeRO engines' dicts, FSDP2's settings."""
+    if config.engine == "zero":
+        return zero_runtime_config(config, local_size=local_size, bf16=bf16, gradient_clipping=gradient_clipping)
+    if config.engine == "deepspeed":
+        return deepspeed_config(config, local_size=local_size, bf16=bf16, gradient_clipping=gradient_clipping,
+                                micro_batch=micro_batch)  # fmt: skip
+    return {"param_dtype": "bf16" if bf16 else "fp32", "hpz": config.hpz, "gradient_clipping": gradient_clipping}

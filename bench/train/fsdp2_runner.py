@@ -3,9 +3,11 @@
 Each repeated block of the model is one FSDP unit and the root module holds the rest (the
 tied embedding/LM head, final norm), as torchtitan wraps a transformer. Mixed precision is
 FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16)``: fp32 sharded master weights, bf16
-gathered weights and gradient reduction. FSDP2's form of hpZ is ``reshard_after_forward``
-given as an int: after forward each unit keeps its weights sharded over that many ranks
-(the ranks of one node), so the backward all-gather stays inside the node.
+gathered weights and gradient reduction. Gradient clipping, when asked for, is torch's
+``clip_grad_norm_`` over the sharded gradients (the global norm), as the ZeRO engines clip.
+FSDP2's form of hpZ is ``reshard_after_forward`` given as an int: after forward each unit
+keeps its weights sharded over that many ranks (the ranks of one node), so the backward
+all-gather stays inside the node.
 
 Peak memory: ``torch.cuda.max_memory_allocated`` on GPU; on CPU, where torch keeps no
 allocator statistics, the model-state bytes this rank holds (sharded parameters, gradients
@@ -46,10 +48,12 @@ class FSDP2Runner:
         local_size: int,
         world_size: int,
         bf16: bool,
+        gradient_clipping: float,
         device: torch.device,
     ) -> None:
         self.spec = spec
         self.device = device
+        self.gradient_clipping = gradient_clipping
         mesh = init_device_mesh(device.type, (world_size,))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
         reshard = reshard_after_forward(config, local_size=local_size, world_size=world_size)
@@ -63,6 +67,8 @@ class FSDP2Runner:
     def train_step(self, tokens: torch.Tensor) -> float:
         loss = self.spec.loss(self.model, tokens)
         loss.backward()
+        if self.gradient_clipping > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.gradient_clipping)
         self.opt.step()
         if self.device.type == "cpu":
             self.peak_bytes = max(self.peak_bytes, model_state_nbytes(self.opt))

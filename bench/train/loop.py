@@ -12,6 +12,12 @@ Wire bytes: the first rank of every node reads its node's uplink counters
 with barriers there so every rank's traffic of those steps has finished; validation in
 between is left out. The per-node deltas are summed over nodes: ``tx`` summed over nodes
 counts each inter-node byte once.
+
+Wire time: every node's link carries its own traffic, each direction at the link's rate,
+so the step's traffic needs at least the busiest node's larger direction (``max(tx, rx)``,
+the maximum over nodes) divided by the link's measured throughput
+(:func:`bench.harness.link.measure_link_throughput`). Its fraction of the median step
+time tells a communication-bound step (near 1) from a compute-bound one (near 0).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -65,7 +71,13 @@ class LoopSettings:
 
 @dataclass(kw_only=True)
 class ConfigResult:
-    """What one configuration measured; ``status`` is "ok" or "skipped" (with ``note``)."""
+    """What one configuration measured.
+
+    ``status`` is "ok", "skipped" (an optional dependency is missing) or "failed" (a peer
+    engine raised); ``note`` then says why. ``wire_busiest_bytes_per_step`` is the busiest
+    node's larger direction; ``wire_time_s`` and ``wire_fraction`` (of the median step) are
+    None without wire counters or a measured link throughput.
+    """
 
     config: str
     model: str
@@ -75,6 +87,9 @@ class ConfigResult:
     tokens_per_s: float | None = None
     wire_tx_bytes_per_step: float | None = None
     wire_rx_bytes_per_step: float | None = None
+    wire_busiest_bytes_per_step: float | None = None
+    wire_time_s: float | None = None
+    wire_fraction: float | None = None
     memory_bytes: int | None = None
     memory_source: str = ""
     first_loss: float | None = None
@@ -85,8 +100,17 @@ class ConfigResult:
     step_times_s: list[float] = field(default_factory=list)
 
 
+class WireTotals(NamedTuple):
+    """Inter-node bytes of the measured steps: sent and received summed over nodes, and the
+    busiest node's larger direction."""
+
+    tx: int
+    rx: int
+    busiest: int
+
+
 class WireMeter:
-    """Inter-node bytes of the measured steps, summed over nodes (see the module docstring)."""
+    """Inter-node bytes of the measured steps (see the module docstring)."""
 
     def __init__(self, ctx: DistContext) -> None:
         self.reads = ctx.env.first_in_node
@@ -112,12 +136,14 @@ class WireMeter:
                 self.rx += now[1] - self.mark[1]
         self.mark = None
 
-    def totals(self) -> tuple[int, int] | None:
-        """(tx, rx) summed over nodes, or None when any node could not read its counters."""
-        values = torch.tensor([self.tx, self.rx, int(self.missing)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(values)
-        tx, rx, missing = values.tolist()
-        return None if missing else (tx, rx)
+    def totals(self) -> WireTotals | None:
+        """The totals over nodes, or None when any node could not read its counters."""
+        summed = torch.tensor([self.tx, self.rx, int(self.missing)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(summed)
+        busiest = torch.tensor([max(self.tx, self.rx)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
+        tx, rx, missing = summed.tolist()
+        return None if missing else WireTotals(tx, rx, int(busiest.item()))
 
 
 def evaluate(runner: Runner, batches: list[torch.Tensor], ctx: DistContext) -> float:
@@ -149,13 +175,21 @@ def run_config(
     corpus: ByteCorpus,
     ctx: DistContext,
     settings: LoopSettings,
+    link_bytes_per_s: float | None = None,
 ) -> ConfigResult:
-    """Train one configuration from the seed and measure it; collective, call on every rank."""
+    """Train one configuration from the seed and measure it; collective, call on every rank.
+
+    ``link_bytes_per_s`` is the measured throughput of one node's link (None: no wire time).
+    """
     torch.manual_seed(settings.seed)
     runner = make_runner()
     meter = WireMeter(ctx)
     log = _train(runner, meter, corpus, ctx, settings)
-    return _summarize(name, model, log, runner.memory(), meter.totals(), ctx, settings)
+    row = _summarize(name, model, log, runner.memory(), meter.totals(), ctx, settings)
+    if row.wire_busiest_bytes_per_step is not None and link_bytes_per_s:
+        row.wire_time_s = row.wire_busiest_bytes_per_step / link_bytes_per_s
+        row.wire_fraction = row.wire_time_s / row.median_step_s
+    return row
 
 
 def _train(runner: Runner, meter: WireMeter, corpus: ByteCorpus, ctx: DistContext, settings: LoopSettings) -> _RankLog:
@@ -192,7 +226,7 @@ def _summarize(
     model: str,
     log: _RankLog,
     memory: MemoryReading,
-    wire: tuple[int, int] | None,
+    wire: WireTotals | None,
     ctx: DistContext,
     settings: LoopSettings,
 ) -> ConfigResult:
@@ -207,8 +241,9 @@ def _summarize(
         model=model,
         median_step_s=median,
         tokens_per_s=settings.batch * settings.seq_len / median,
-        wire_tx_bytes_per_step=None if wire is None else wire[0] / measured_steps,
-        wire_rx_bytes_per_step=None if wire is None else wire[1] / measured_steps,
+        wire_tx_bytes_per_step=None if wire is None else wire.tx / measured_steps,
+        wire_rx_bytes_per_step=None if wire is None else wire.rx / measured_steps,
+        wire_busiest_bytes_per_step=None if wire is None else wire.busiest / measured_steps,
         memory_bytes=None if peak < 0 else int(peak),
         memory_source=memory.source,
         first_loss=train_losses[0],

@@ -1,7 +1,10 @@
 """The outputs of ``python -m bench.train``: the table, the JSON file and the PNGs.
 
 Everything printed or plotted comes from the ``ConfigResult`` rows measured in the same
-launch; a skipped configuration appears as a row with its note and no numbers.
+launch; a skipped or failed configuration appears as a row with its note and no numbers.
+Above the table, :class:`RunFacts` says what the numbers were measured on: the CPU model,
+the device, the compute precision and why, the measured link throughput that turns wire
+bytes into wire time, and the DeepSpeed version (or that it is missing).
 """
 
 from __future__ import annotations
@@ -11,7 +14,55 @@ import json
 from pathlib import Path
 from typing import Any
 
+from bench.harness.precision import Precision
+
 from .loop import ConfigResult
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunFacts:
+    """What a launch ran on and with, the same for all of its rows.
+
+    Args:
+        cpu: the CPU's model name (``/proc/cpuinfo``).
+        device: the ranks' device type and index (``cpu``, ``cuda:0``).
+        precision: the compute precision of every configuration and why it was chosen.
+        link_bytes_per_s: measured throughput of one node's link, or None (no simulated cluster).
+        deepspeed: the installed DeepSpeed version, or None.
+        engine_configs: each configuration's engine config, as its engine got it.
+    """
+
+    cpu: str
+    device: str
+    precision: Precision
+    link_bytes_per_s: float | None
+    deepspeed: str | None
+    engine_configs: dict[str, dict[str, Any]]
+
+    def header(self) -> list[str]:
+        link = (
+            "not measured (no simulated cluster): no wire time"
+            if self.link_bytes_per_s is None
+            else f"{self.link_bytes_per_s * 8e-6:.0f} Mbit/s measured per node link and direction"
+        )
+        return [
+            f"hardware: {self.cpu}, ranks on {self.device}",
+            f"precision: {self.precision.dtype} compute for every configuration ({self.precision.reason})",
+            f"link: {link}",
+            f"DeepSpeed: {self.deepspeed or 'not installed (make peers)'}",
+        ]
+
+    def as_meta(self) -> dict[str, Any]:
+        return {
+            "cpu": self.cpu,
+            "device": self.device,
+            "precision": self.precision.dtype,
+            "precision_reason": self.precision.reason,
+            "link_bytes_per_s": self.link_bytes_per_s,
+            "deepspeed": self.deepspeed,
+            "engine_configs": self.engine_configs,
+        }
+
 
 COLUMNS = (
     ("config", 18),
@@ -19,6 +70,8 @@ COLUMNS = (
     ("step ms", 9),
     ("tokens/s", 10),
     ("wire MB/step", 13),
+    ("wire ms", 8),
+    ("wire %", 7),
     ("mem MiB", 9),
     ("loss first", 11),
     ("loss last", 10),
@@ -39,7 +92,7 @@ def _pad(cells: list[str]) -> str:
 
 def _line(row: ConfigResult) -> str:
     if row.status != "ok":
-        return _pad([row.config, row.model]) + f"  skipped: {row.note}"
+        return _pad([row.config, row.model]) + f"  {row.status}: {row.note}"
     return _pad(
         [
             row.config,
@@ -47,6 +100,8 @@ def _line(row: ConfigResult) -> str:
             _number(row.median_step_s, 1e3, 1),
             _number(row.tokens_per_s, digits=0),
             _number(row.wire_tx_bytes_per_step, 1e-6, 3),
+            _number(row.wire_time_s, 1e3, 1),
+            _number(row.wire_fraction, 100, 0),
             _number(row.memory_bytes, 2**-20, 2),
             _number(row.first_loss, digits=4),
             _number(row.last_loss, digits=4),
@@ -55,9 +110,20 @@ def _line(row: ConfigResult) -> str:
     )
 
 
+WIRE_LEGEND = (
+    "wire ms: the busiest node's inter-node bytes per step (larger direction) / the measured link throughput; "
+    "wire %: wire ms / step ms (near 100: communication-bound, near 0: compute-bound)"
+)
+
+
 def format_table(rows: list[ConfigResult]) -> str:
-    """A fixed-width table, one line per configuration (a skipped one carries its note)."""
+    """A fixed-width table, one line per configuration (a skipped or failed one carries its note)."""
     return "\n".join([_pad([title for title, _ in COLUMNS]), *(_line(row) for row in rows)])
+
+
+def format_report(rows: list[ConfigResult], facts: RunFacts) -> str:
+    """The run's facts, the table and the legend of its wire columns."""
+    return "\n".join([*facts.header(), format_table(rows), WIRE_LEGEND])
 
 
 def write_json(path: str | Path, rows: list[ConfigResult], meta: dict[str, Any]) -> None:

@@ -19,6 +19,15 @@ class Unavailable(RuntimeError):
     """An optional dependency (an engine or a model library) is missing: skip with this note."""
 
 
+class EngineFailed(RuntimeError):
+    """A peer engine raised while setting up or training: its row shows the error it raised.
+
+    Only for errors every rank meets at the same point (e.g. a kernel the engine has no CPU
+    build of), so that all ranks leave the configuration together and the next one starts
+    on a consistent process group.
+    """
+
+
 class MemoryReading(NamedTuple):
     """Peak bytes on this rank (``None`` when the engine cannot tell) and how it was measured."""
 

@@ -18,6 +18,7 @@ See bench/TRAINING.md for the configurations and the columns.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 from collections.abc import Callable
 
@@ -26,32 +27,68 @@ import torch.distributed as dist
 
 from bench.harness import dist_env
 from bench.harness.dist_env import DistContext
+from bench.harness.link import measure_link_throughput
+from bench.harness.precision import Precision, choose_precision, cpu_model, read_cpuinfo
 
-from .cli import build_parser, chosen_configs, loop_settings, model_config
-from .configs import TrainConfig
+from .cli import build_parser, check_grad_clip, chosen_configs, loop_settings, model_config
+from .configs import TrainConfig, engine_config
 from .data import ByteCorpus, TextDataConfig
 from .deepspeed_runner import DeepSpeedRunner
 from .fsdp2_runner import FSDP2Runner
 from .loop import ConfigResult, LoopSettings, run_config
 from .models import GPTConfig, ModelSpec, model_spec
-from .report import format_table, write_json, write_plots
-from .runner import Runner, Unavailable
+from .report import RunFacts, format_report, write_json, write_plots
+from .runner import EngineFailed, Runner, Unavailable
 from .zero_runner import ZeroRunner
 
 
+def agreed_precision(requested: str, ctx: DistContext) -> Precision:
+    """:func:`choose_precision` on every rank; bf16 only if every rank's hardware has it (collective)."""
+    cuda_bf16 = torch.cuda.is_bf16_supported() if ctx.device.type == "cuda" else None
+    local = choose_precision(requested, cpuinfo=read_cpuinfo(), cuda_bf16=cuda_bf16)
+    everywhere = torch.tensor([int(local.dtype == "bf16")], device=ctx.device)
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
+    if local.dtype == "bf16" and not everywhere.item():
+        return Precision("fp32", f"auto: another rank's hardware has no native bf16 (here: {local.reason})")
+    return local
+
+
+def engine_configs(
+    configs: list[TrainConfig], ctx: DistContext, args: argparse.Namespace, precision: Precision
+) -> dict[str, dict]:
+    """Each configuration's engine config, as its runner gets it and the JSON records it."""
+    env = ctx.env
+    return {
+        config.name: engine_config(
+            config,
+            local_size=env.local_size,
+            bf16=precision.dtype == "bf16",
+            gradient_clipping=args.grad_clip,
+            micro_batch=args.batch // env.world_size,
+        )
+        for config in configs
+    }
+
+
 def runner_factory(
-    config: TrainConfig, spec: ModelSpec, ctx: DistContext, args: argparse.Namespace
+    config: TrainConfig,
+    spec: ModelSpec,
+    settings: dict,
+    ctx: DistContext,
+    args: argparse.Namespace,
+    precision: Precision,
 ) -> Callable[[], Runner]:
     """A callable that builds ``config``'s engine around a fresh model (seeded by the loop)."""
     env = ctx.env
-    common = dict(lr=args.lr, local_size=env.local_size, bf16=args.dtype == "bf16", device=ctx.device)
 
     def make() -> Runner:
         if config.engine == "zero":
-            return ZeroRunner(config, spec, **common)
-        if config.engine == "fsdp2":
-            return FSDP2Runner(config, spec, world_size=env.world_size, **common)
-        return DeepSpeedRunner(config, spec, micro_batch=args.batch // env.world_size, **common)
+            return ZeroRunner(spec, settings, lr=args.lr, device=ctx.device)
+        if config.engine == "deepspeed":
+            return DeepSpeedRunner(config.name, spec, settings, lr=args.lr, device=ctx.device)
+        return FSDP2Runner(config, spec, lr=args.lr, local_size=env.local_size, world_size=env.world_size,
+                           bf16=precision.dtype == "bf16", gradient_clipping=args.grad_clip,
+                           device=ctx.device)  # fmt: skip
 
     return make
 
@@ -64,6 +101,7 @@ def run_model(
     corpus: ByteCorpus,
     ctx: DistContext,
     args: argparse.Namespace,
+    facts: RunFacts,
 ) -> tuple[list[ConfigResult], int | None]:
     """All configurations on one model; returns the rows and the model's parameter count."""
     try:
@@ -73,10 +111,13 @@ def run_model(
     rows = []
     for config in configs:
         _progress(ctx, f"{model}: {config.name}")
+        make = runner_factory(config, spec, facts.engine_configs[config.name], ctx, args, facts.precision)
         try:
-            rows.append(run_config(config.name, model, runner_factory(config, spec, ctx, args), corpus, ctx, settings))
+            rows.append(run_config(config.name, model, make, corpus, ctx, settings, facts.link_bytes_per_s))
         except Unavailable as note:
             rows.append(ConfigResult(config=config.name, model=model, status="skipped", note=str(note)))
+        except EngineFailed as note:
+            rows.append(ConfigResult(config=config.name, model=model, status="failed", note=str(note)))
     return rows, sum(p.numel() for p in spec.build().parameters())
 
 
@@ -85,25 +126,43 @@ def _progress(ctx: DistContext, message: str) -> None:
         print(f"[bench.train] {message}", file=sys.stderr, flush=True)
 
 
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         configs = chosen_configs(args)
         settings, shape = loop_settings(args), model_config(args)
+        check_grad_clip(args)
     except (TypeError, ValueError) as error:
         parser.error(str(error))
     ctx = dist_env.join(dist_env.detect())
     if args.batch % ctx.env.world_size:
         parser.error(f"--batch {args.batch} does not split evenly over {ctx.env.world_size} ranks")
+    precision = agreed_precision(args.dtype, ctx)
+    _progress(ctx, f"precision: {precision.dtype} ({precision.reason}); measuring the inter-node link")
+    facts = RunFacts(
+        cpu=cpu_model(read_cpuinfo()),
+        device=str(ctx.device),
+        precision=precision,
+        link_bytes_per_s=measure_link_throughput(ctx),
+        deepspeed=_version("deepspeed"),
+        engine_configs=engine_configs(configs, ctx, args, precision),
+    )
     corpus = ByteCorpus(TextDataConfig(seq_len=args.seq_len))
     rows: list[ConfigResult] = []
     params: dict[str, int | None] = {}
     for model in args.model:
-        model_rows, params[model] = run_model(model, shape, configs, settings, corpus, ctx, args)
+        model_rows, params[model] = run_model(model, shape, configs, settings, corpus, ctx, args, facts)
         rows.extend(model_rows)
     if ctx.env.rank == 0:
-        report(rows, params, corpus, ctx, args)
+        report(rows, params, corpus, ctx, args, facts)
     dist.destroy_process_group()
     return 0
 
@@ -114,22 +173,24 @@ def report(
     corpus: ByteCorpus,
     ctx: DistContext,
     args: argparse.Namespace,
+    facts: RunFacts,
 ) -> None:
     env = ctx.env
-    title = f"{env.num_nodes} node(s) x {env.local_size} rank(s), {args.dtype}, batch {args.batch} x {args.seq_len}"
+    title = (f"{env.num_nodes} node(s) x {env.local_size} rank(s), {facts.precision.dtype}, "
+             f"batch {args.batch} x {args.seq_len}")  # fmt: skip
     sizes = ", ".join(f"{model} {count:,} params" for model, count in params.items() if count is not None)
     print(f"bench.train: {title}; {sizes}")
     print(
         f"data: stdlib sources, {len(corpus.train_files)} train files ({corpus.train.size:,} bytes), "
         f"{len(corpus.val_files)} validation files ({corpus.val.size:,} bytes)"
     )
-    print(format_table(rows))
+    print(format_report(rows, facts))
     meta = {
         "world_size": env.world_size,
         "local_size": env.local_size,
         "num_nodes": env.num_nodes,
-        "device": str(ctx.device),
         "torch": torch.__version__,
+        **facts.as_meta(),
         "params": params,
         "train_bytes": int(corpus.train.size),
         "val_bytes": int(corpus.val.size),

@@ -9,22 +9,19 @@ runtime's own ``memory_report()`` (parameters, gradients, optimizer states on th
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
 import zero_runtime
 
-from .configs import TrainConfig, zero_runtime_config
 from .models import ModelSpec
 from .runner import MemoryReading
 
 
 class ZeroRunner:
-    def __init__(
-        self, config: TrainConfig, spec: ModelSpec, *, lr: float, local_size: int, bf16: bool, device: torch.device
-    ) -> None:
+    def __init__(self, spec: ModelSpec, engine_config: dict[str, Any], *, lr: float, device: torch.device) -> None:
         self.spec = spec
-        engine_config = zero_runtime_config(config, local_size=local_size, bf16=bf16)
         optimizer_factory = functools.partial(torch.optim.AdamW, lr=lr)
         self.model, self.opt = zero_runtime.initialize(spec.build().to(device), optimizer_factory, engine_config)
         self.peak_bytes = 0

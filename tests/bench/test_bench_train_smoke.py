@@ -90,7 +90,7 @@ def test_fsdp2_and_skips_two_ranks(tmp_path: Path, checkout_env: dict[str, str])
         assert rows[("fsdp2", "hf-gpt2")]["status"] == "skipped"
     table = [line.split() for line in stdout.splitlines()]
     fsdp2_line = next(line for line in table if line[:2] == ["fsdp2", "tinygpt"])
-    assert float(fsdp2_line[8]) == pytest.approx(rows[("fsdp2", "tinygpt")]["val_loss"], abs=1e-4)
+    assert float(fsdp2_line[10]) == pytest.approx(rows[("fsdp2", "tinygpt")]["val_loss"], abs=1e-4)
     if importlib.util.find_spec("deepspeed") is None:
         assert rows[("deepspeed-z3", "tinygpt")]["status"] == "skipped"
         assert "deepspeed" in rows[("deepspeed-z3", "tinygpt")]["note"]
@@ -135,3 +135,37 @@ def test_simulated_cluster_counts_wire_bytes(tmp_path: Path, checkout_env: dict[
     # One rank per node: fsdp2-hpz keeps whole weights after forward, so its backward
     # gathers nothing across nodes.
     assert rows["fsdp2-hpz"]["wire_tx_bytes_per_step"] < rows["fsdp2"]["wire_tx_bytes_per_step"]
+    # The probe measures the 100 Mbit/s shaper (in wire bytes, headers included, as the
+    # counters count them): within 20% below and 5% above.
+    link = result["meta"]["link_bytes_per_s"]
+    assert 0.8 * 100e6 / 8 <= link <= 1.05 * 100e6 / 8
+    for row in rows.values():
+        assert row["wire_time_s"] == pytest.approx(row["wire_busiest_bytes_per_step"] / link)
+        assert row["wire_fraction"] == pytest.approx(row["wire_time_s"] / row["median_step_s"])
+        # A node sends at least half of the step's inter-node bytes one way or the other.
+        assert row["wire_busiest_bytes_per_step"] >= row["wire_tx_bytes_per_step"] / 2
+    assert "link: " in proc.stdout and "Mbit/s measured per node link" in proc.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed (make peers)")
+def test_deepspeed_is_the_same_math_as_ours(tmp_path: Path, checkout_env: dict[str, str]) -> None:
+    """[Note: same math]: fp32, the same AdamW and a clipping threshold that the gradients
+    exceed: our stage 3, FSDP2 and DeepSpeed's ZeRO-3 train the same losses (up to fp32
+    reduction order); DeepSpeed's own ZeRO++ keys give a row either way, never a crash."""
+    args = ["--configs", "zero3", "fsdp2", "deepspeed-z3", "deepspeed-zeropp", "--dtype", "fp32", "--grad-clip", "0.05",
+            *TINY]  # fmt: skip
+    result, stdout = _launch(args, tmp_path, checkout_env)
+    rows = {row["config"]: row for row in result["results"]}
+    for config in ("zero3", "fsdp2"):
+        _check_trained(rows[config], steps=4)
+    deepspeed = rows["deepspeed-z3"]
+    assert deepspeed["status"] == "ok", deepspeed["note"]
+    # No torch counter sees DeepSpeed's flat partitions on the CPU: no figure, and the row says so.
+    assert deepspeed["memory_bytes"] is None and deepspeed["memory_source"] == "n/a on CPU"
+    ours = rows["zero3"]["train_losses"]
+    assert rows["deepspeed-z3"]["train_losses"] == pytest.approx(ours, rel=1e-5)
+    assert rows["fsdp2"]["train_losses"] == pytest.approx(ours, rel=1e-5)
+    assert result["meta"]["engine_configs"]["deepspeed-z3"]["gradient_clipping"] == 0.05
+    zeropp = rows["deepspeed-zeropp"]
+    assert zeropp["status"] == "ok" or (zeropp["status"] == "failed" and " raised " in zeropp["note"])
+    assert f"DeepSpeed: {result['meta']['deepspeed']}" in stdout

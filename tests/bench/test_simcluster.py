@@ -13,13 +13,19 @@ import pytest
 
 from bench.simcluster import launcher
 from bench.simcluster.config import ClusterConfig, parse_config, parse_rate
-from bench.simcluster.ranks import exit_status, rank_env
+from bench.simcluster.ranks import exit_status, rank_env, thread_share
 from bench.harness.wire import parse_net_dev, read_wire_bytes
 
 
 @pytest.mark.parametrize(("text", "bps"), [("200mbit", 200_000_000), ("1gbit", 10**9), ("64kbit", 64_000), ("1.5Mbit", 1_500_000)])
 def test_parse_rate(text, bps):
     assert parse_rate(text) == bps
+
+
+def test_unlimited_rate_means_no_shaping():
+    assert parse_rate("unlimited") is None
+    config = parse_config(["--num-nodes", "2", "--local-size", "1", "--rate", "unlimited", "--", "true"])
+    assert config.rate_bps is None
 
 
 @pytest.mark.parametrize("text", ["200", "200mb", "fast", "1bit"])
@@ -76,6 +82,14 @@ def test_rank_env_is_node_major_and_torchrun_style():
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.213.0.1", "23456")
     assert env["GLOO_SOCKET_IFNAME"] == env["ZCOMM_WIRE_IFACE"] == "zc-up"
     assert "PMI_RANK" not in env and env["KEEP"] == "1"
+    assert env["OMP_NUM_THREADS"] == str(thread_share(4))
+    # The caller's own thread count wins.
+    assert rank_env(config, 0, "10.213.0.1", 23456, {"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"
+
+
+@pytest.mark.parametrize(("world_size", "cores", "share"), [(4, 2, 1), (2, 16, 8), (3, 16, 5), (1, 1, 1)])
+def test_thread_share_splits_the_cores(world_size, cores, share):
+    assert thread_share(world_size, cores) == share
 
 
 def test_exit_status_of_signalled_rank():
@@ -103,8 +117,9 @@ def _ours(pid: int) -> list[str]:
     return [line.split()[0] for line in listing.splitlines() if line.startswith(f"zcsim-{pid}-")]
 
 
-def _launch(tmp_path, env, *command, **kwargs):
-    argv = [sys.executable, "-m", "bench.simcluster", "--num-nodes", "2", "--local-size", "1", "--rate", "100mbit", "--", *command]
+def _launch(tmp_path, env, *command, rate="100mbit", **kwargs):
+    argv = [sys.executable, "-m", "bench.simcluster", "--num-nodes", "2", "--local-size", "1", "--rate", rate, "--",
+            *command]  # fmt: skip
     return subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
 
@@ -122,6 +137,19 @@ def test_two_nodes_count_wire_bytes_and_leave_nothing(tmp_path, checkout_env, si
     assert 256 * 1024 <= row["wire_bytes"] < 1.1 * 256 * 1024
     totals = [int(line.split(": ")[1].split()[0]) for line in stdout.splitlines() if line.startswith("# simcluster node")]
     assert len(totals) == 2 and all(sent >= 3 * 128 * 1024 for sent in totals)
+    assert _ours(proc.pid) == []
+
+
+@pytest.mark.root
+@pytest.mark.parametrize(("rate", "shaped"), [("100mbit", True), ("unlimited", False)])
+def test_unlimited_rate_adds_no_token_bucket(tmp_path, checkout_env, simcluster_host, rate, shaped):
+    env = {key: value for key, value in checkout_env.items() if key != "OMP_NUM_THREADS"}
+    proc = _launch(tmp_path, env, "sh", "-c", 'tc qdisc show dev "$ZCOMM_WIRE_IFACE"; echo "threads=$OMP_NUM_THREADS"',
+                   rate=rate)  # fmt: skip
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stdout + stderr
+    assert ("qdisc tbf" in stdout) is shaped
+    assert stdout.count(f"threads={thread_share(2)}") == 2
     assert _ours(proc.pid) == []
 
 

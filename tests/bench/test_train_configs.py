@@ -4,21 +4,28 @@ from __future__ import annotations
 
 import pytest
 
-from bench.train.cli import build_parser, chosen_configs
-from bench.train.configs import CONFIGS, STAGE3_FUSE_NUMEL, TrainConfig, deepspeed_config, select_configs, zero_runtime_config
+from bench.train.cli import build_parser, check_grad_clip, chosen_configs
+from bench.train.configs import (CONFIGS, DEEPSPEED_STAGE3_DEFAULTS, RUNTIME_STAGE3_KEYS, STAGE3_FUSE_NUMEL,
+                                 TrainConfig, deepspeed_config, engine_config, select_configs,
+                                 zero_runtime_config)  # fmt: skip
+from zero_runtime.config import ZeroConfig
 from bench.train.fsdp2_runner import reshard_after_forward
 from bench.train.loop import ConfigResult, LoopSettings
 from bench.train.report import format_table
 
 
 def test_zero_runtime_configs_carry_exactly_the_zeropp_keys() -> None:
-    assert zero_runtime_config(CONFIGS["zero1"], local_size=2, bf16=True) == {
+    assert zero_runtime_config(CONFIGS["zero1"], local_size=2, bf16=True, gradient_clipping=0.0) == {
         "zero_optimization": {"stage": 1},
         "bf16": {"enabled": True},
+        "gradient_clipping": 0.0,
     }
-    # Stage 3 also gets the unit-fusion threshold (zcomm's own key, not a ZeRO++ one).
-    fuse = {"zcomm_stage3_fuse_numel": STAGE3_FUSE_NUMEL}
-    assert zero_runtime_config(CONFIGS["zeropp"], local_size=4, bf16=False)["zero_optimization"] == {
+    # Stage 3 also gets DeepSpeed's stage-3 defaults the runtime implements and the
+    # unit-fusion threshold (zcomm's own key, not a ZeRO++ one).
+    stage3 = {key: DEEPSPEED_STAGE3_DEFAULTS[key] for key in RUNTIME_STAGE3_KEYS}
+    fuse = {**stage3, "zcomm_stage3_fuse_numel": STAGE3_FUSE_NUMEL}
+    zeropp = zero_runtime_config(CONFIGS["zeropp"], local_size=4, bf16=False, gradient_clipping=0.0)
+    assert zeropp["zero_optimization"] == {
         "stage": 3,
         "zero_quantized_weights": True,
         "zero_hpz_partition_size": 4,
@@ -26,7 +33,7 @@ def test_zero_runtime_configs_carry_exactly_the_zeropp_keys() -> None:
         **fuse,
     }
     alone = {
-        name: zero_runtime_config(CONFIGS[name], local_size=2, bf16=True)["zero_optimization"]
+        name: zero_runtime_config(CONFIGS[name], local_size=2, bf16=True, gradient_clipping=0.0)["zero_optimization"]
         for name in ("zero3+qwz", "zero3+hpz", "zero3+qgz")
     }
     assert alone == {
@@ -34,17 +41,43 @@ def test_zero_runtime_configs_carry_exactly_the_zeropp_keys() -> None:
         "zero3+hpz": {"stage": 3, "zero_hpz_partition_size": 2, **fuse},
         "zero3+qgz": {"stage": 3, "zero_quantized_gradients": True, **fuse},
     }
-    tensorscale = zero_runtime_config(CONFIGS["zeropp-tensorscale"], local_size=2, bf16=True)
+    tensorscale = zero_runtime_config(CONFIGS["zeropp-tensorscale"], local_size=2, bf16=True, gradient_clipping=0.0)
     assert tensorscale["zero_optimization"]["zcomm_quant_group_size"] == "tensor"
-    g128 = zero_runtime_config(CONFIGS["zeropp-g128"], local_size=2, bf16=True)
+    g128 = zero_runtime_config(CONFIGS["zeropp-g128"], local_size=2, bf16=True, gradient_clipping=0.0)
     assert g128["zero_optimization"]["zcomm_quant_group_size"] == 128
 
 
+@pytest.mark.parametrize("name", [name for name, config in CONFIGS.items() if config.engine == "zero"])
+def test_the_runtime_accepts_every_zero_config(name: str) -> None:
+    parsed = ZeroConfig.from_dict(zero_runtime_config(CONFIGS[name], local_size=2, bf16=False, gradient_clipping=0.5))
+    assert parsed.gradient_clipping == 0.5 and parsed.precision == "fp32"
+
+
+def test_same_math_clipping_and_stage3_defaults_on_both_zero_engines() -> None:
+    """[Note: same math]: DeepSpeed clips at 1.0 unless told, so both dicts say it."""
+    for clip in (0.0, 1.0):
+        ours = zero_runtime_config(CONFIGS["zero3"], local_size=2, bf16=False, gradient_clipping=clip)
+        theirs = deepspeed_config(CONFIGS["deepspeed-z3"], local_size=2, bf16=False, gradient_clipping=clip,
+                                  micro_batch=1)  # fmt: skip
+        assert ours["gradient_clipping"] == theirs["gradient_clipping"] == clip
+        assert ours["bf16"] == theirs["bf16"] == {"enabled": False}
+        for key in RUNTIME_STAGE3_KEYS:
+            assert ours["zero_optimization"][key] == theirs["zero_optimization"][key]
+    assert {k: v for k, v in theirs["zero_optimization"].items() if k != "stage"} == DEEPSPEED_STAGE3_DEFAULTS
+
+
 def test_deepspeed_config_has_its_batch_and_optimizer_keys() -> None:
-    config = deepspeed_config(CONFIGS["deepspeed-z3-hpz"], local_size=8, bf16=True, micro_batch=2)
+    common = dict(bf16=True, gradient_clipping=0.0, micro_batch=2)
+    config = deepspeed_config(CONFIGS["deepspeed-z3-hpz"], local_size=8, **common)
     assert config["train_micro_batch_size_per_gpu"] == 2
     assert config["zero_allow_untested_optimizer"] is True
-    assert config["zero_optimization"] == {"stage": 3, "zero_hpz_partition_size": 8}
+    assert config["zero_optimization"] == {"stage": 3, "zero_hpz_partition_size": 8, **DEEPSPEED_STAGE3_DEFAULTS}
+    zeropp = deepspeed_config(CONFIGS["deepspeed-zeropp"], local_size=2, **common)
+    assert {k: zeropp["zero_optimization"][k] for k in ("zero_quantized_weights", "zero_hpz_partition_size",
+                                                         "zero_quantized_gradients")} == {
+        "zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
+    fsdp2 = engine_config(CONFIGS["fsdp2"], local_size=2, bf16=False, gradient_clipping=0.0, micro_batch=2)
+    assert fsdp2 == {"param_dtype": "fp32", "hpz": False, "gradient_clipping": 0.0}
 
 
 def test_invalid_configurations_are_rejected() -> None:
@@ -72,6 +105,14 @@ def test_cli_selects_issue5_and_issue6_spellings() -> None:
         chosen_configs(parser.parse_args(["--configs", "zero3", "--impl", "zero"]))
 
 
+def test_cli_precision_and_clipping_defaults() -> None:
+    args = build_parser().parse_args([])
+    assert args.dtype == "auto" and args.grad_clip == 0.0
+    check_grad_clip(args)
+    with pytest.raises(ValueError, match="--grad-clip"):
+        check_grad_clip(build_parser().parse_args(["--grad-clip", "-1"]))
+
+
 @pytest.mark.parametrize(("local_size", "world_size", "expected"), [(2, 4, 2), (4, 4, True), (1, 4, False)])
 def test_fsdp2_hpz_reshards_to_the_node(local_size: int, world_size: int, expected: bool | int) -> None:
     got = reshard_after_forward(CONFIGS["fsdp2-hpz"], local_size=local_size, world_size=world_size)
@@ -92,9 +133,26 @@ def test_table_shows_measured_values_and_skip_notes() -> None:
             last_loss=4.25,
             val_loss=4.5,
         ),
+        ConfigResult(
+            config="zeropp",
+            model="tinygpt",
+            median_step_s=0.5,
+            tokens_per_s=100.0,
+            wire_tx_bytes_per_step=2e6,
+            wire_time_s=0.125,
+            wire_fraction=0.25,
+            memory_bytes=2**20,
+            first_loss=5.5,
+            last_loss=4.25,
+            val_loss=4.5,
+        ),
         ConfigResult(config="deepspeed-z3", model="tinygpt", status="skipped", note="needs deepspeed"),
+        ConfigResult(config="deepspeed-zeropp", model="tinygpt", status="failed", note="raised ValueError: no CPU op"),
     ]
     lines = format_table(rows).splitlines()
     assert lines[0].split()[:3] == ["config", "model", "step"]
-    assert lines[1].split() == ["zero3", "tinygpt", "12.5", "81920", "n/a", "3.00", "5.5000", "4.2500", "4.5000"]
-    assert lines[2].split()[:3] == ["deepspeed-z3", "tinygpt", "skipped:"] and lines[2].endswith("needs deepspeed")
+    assert lines[1].split() == ["zero3", "tinygpt", "12.5", "81920", "n/a", "n/a", "n/a", "3.00", "5.5000", "4.2500",
+                                "4.5000"]
+    assert lines[2].split()[4:7] == ["2.000", "125.0", "25"]
+    assert lines[3].split()[:3] == ["deepspeed-z3", "tinygpt", "skipped:"] and lines[3].endswith("needs deepspeed")
+    assert lines[4].split()[:3] == ["deepspeed-zeropp", "tinygpt", "failed:"] and lines[4].endswith("no CPU op")

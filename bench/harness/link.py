@@ -1,0 +1,78 @@
+"""The throughput of one inter-node link, measured: what turns wire bytes into wire time.
+
+A benchmark's step is communication-bound when its inter-node bytes take about as long to
+cross a link as the whole step. Under ``bench.simcluster`` both sides are measured, in the
+same unit: the bytes a node's uplink counters show (TCP/IP headers included, see
+:mod:`.wire`) and the throughput of such a link for a plain point-to-point transfer.
+
+[Note: link probe] Rank 0 (node 0) sends one buffer to the first rank of node 1 and waits
+for a one-element reply, so the clock stops when the last byte has arrived, not when the
+kernel has queued it; the throughput is the bytes node 0's uplink sent in that time over
+the time. The buffer doubles from ``first_bytes`` until a transfer lasts ``min_seconds``
+(so the shaper's burst and the connection's warm-up are a small part of it) or reaches
+``max_bytes``. Every other rank waits in the barriers; rank 0 broadcasts each result, so
+all ranks take the same branch.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from .dist_env import DistContext
+from .wire import read_wire_bytes
+
+FIRST_BYTES = 1 << 20
+MAX_BYTES = 64 << 20
+MIN_SECONDS = 0.3
+
+
+def _probe(ctx: DistContext, nbytes: int, peer: int) -> tuple[int, float]:
+    """One transfer of ``nbytes`` from rank 0 to ``peer``: (bytes on node 0's uplink, seconds), on rank 0."""
+    rank = ctx.env.rank
+    payload = torch.empty(nbytes if rank in (0, peer) else 0, dtype=torch.uint8, device=ctx.device)
+    reply = torch.zeros(1, dtype=torch.uint8, device=ctx.device)
+    dist.barrier()
+    sent, elapsed = 0, 0.0
+    if rank == 0:
+        before = read_wire_bytes()
+        began = time.perf_counter()
+        dist.send(payload, dst=peer)
+        dist.recv(reply, src=peer)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        elapsed = time.perf_counter() - began
+        after = read_wire_bytes()
+        assert before is not None and after is not None, "the probe runs only where the counters exist"
+        sent = after[0] - before[0]
+    elif rank == peer:
+        dist.recv(payload, src=0)
+        dist.send(reply, dst=0)
+    dist.barrier()
+    return sent, elapsed
+
+
+def measure_link_throughput(
+    ctx: DistContext, *, first_bytes: int = FIRST_BYTES, max_bytes: int = MAX_BYTES, min_seconds: float = MIN_SECONDS
+) -> float | None:
+    """Bytes per second one node's uplink carries (see [Note: link probe]); collective.
+
+    None when there is no second node or no wire counters (not under ``bench.simcluster``),
+    decided alike on every rank.
+    """
+    has_counters = torch.tensor([int(read_wire_bytes() is not None)], device=ctx.device)
+    dist.all_reduce(has_counters, op=dist.ReduceOp.MIN)
+    if ctx.env.num_nodes < 2 or not bool(has_counters.item()):
+        return None
+    peer = ctx.env.local_size
+    nbytes = first_bytes
+    while True:
+        sent, elapsed = _probe(ctx, nbytes, peer)
+        result = torch.tensor([float(sent), elapsed], dtype=torch.float64, device=ctx.device)
+        dist.broadcast(result, src=0)
+        sent_f, elapsed_f = result.tolist()
+        if elapsed_f >= min_seconds or nbytes >= max_bytes:
+            return sent_f / elapsed_f
+        nbytes *= 2
