@@ -35,10 +35,11 @@ written only in step 4.
 CUDA the buffers are allocated on the stream the chain is enqueued on and the process
 group records their use on its stream, so the allocator does not hand them out early.
 
-[Note: hop order] Steps 1-4 run as one chain (:mod:`zcomm._chain_runner`): on CPU on the
-FIFO worker shared with qgZ for the same group, so every rank issues the hops of all
-zcomm calls on the private groups in one order, inter hop before intra hop; sync calls
-wait for the chain, async calls return its handle.
+[Note: hop order] Steps 1-4 run as one chain (:mod:`zcomm._chain_runner`) of the
+``"gather"`` kind: on its own private groups and, on CPU, on the FIFO worker of the
+group's gathers, so every rank issues the hops of all its qwZ calls in one order, inter
+hop before intra hop, while qgZ calls run independently on theirs; sync calls wait for
+the chain, async calls return its handle.
 """
 
 from __future__ import annotations
@@ -94,11 +95,11 @@ def all_gather_q8(
     """
     info = prologue(output, input, group, topology, gather=True, quantized=True)
     spec = quant.QuantSpec(bits=_BITS, group_size=group_size)
-    groups = node_groups(info.group, info.topology)
+    groups = node_groups(info.group, info.topology, "gather")
     hops = tuple(hop for hop in (groups.inter, groups.intra) if hop is not None)
     plan = _Plan(hops, info.topology, spec.group_size_for(input.numel()))
     record("all_gather_q8", *_bytes_sent(plan, input.numel()))
-    return run_chain(partial(_chain, plan), info, output, input, async_op)
+    return run_chain(partial(_chain, plan, output, input), info, "gather", (output, input), async_op)
 
 
 def _bytes_sent(plan: _Plan, numel: int) -> tuple[int, int]:

@@ -107,11 +107,11 @@ def reduce_scatter_q4(
     part = -(-output.numel() // stages)
     # "tensor": one group as long as the longest payload row (the intra hop's, N parts), so one per row
     concrete_group_size = spec.group_size_for(info.topology.num_nodes * part)
-    plan = _Plan(info, node_groups(info.group, info.topology), stages, part, concrete_group_size, divide_by)
+    plan = _Plan(info, node_groups(info.group, info.topology, "reduce"), stages, part, concrete_group_size, divide_by)
     record("reduce_scatter_q4", *_bytes_sent(plan))
     if output.numel() == 0:
         return Handle(finish=lambda: None, ready=lambda: True) if async_op else None
-    return run_chain(partial(_chain, plan), info, output, input, async_op)
+    return run_chain(partial(_chain, plan, output, input), info, "reduce", (output, input), async_op)
 
 
 def _divisor(op: dist.ReduceOp, world_size: int) -> float:
