@@ -42,6 +42,7 @@ from . import quant
 from ._api import GroupInfo, Handle
 from ._chain_runner import run_chain
 from ._groups import NodeGroups, node_groups
+from ._pipeline import MAX_DEFAULT_STAGES, STAGE_BYTES, check_stages, default_stages
 from ._prologue import prologue
 from ._slice_reorder import first_hop_rows, reorder_permutation
 from .comm_stats import record
@@ -50,10 +51,6 @@ from .topology import Topology
 __all__ = ["MAX_DEFAULT_STAGES", "STAGE_BYTES", "default_pipeline_stages", "reduce_scatter_q4"]
 
 _BITS = 4
-# Default pipeline depth: one stage per STAGE_BYTES of input, at most MAX_DEFAULT_STAGES, and
-# only when there are two hops to overlap (N > 1 and L > 1). A 64 MB bf16 gradient gets 4.
-STAGE_BYTES = 8 << 20
-MAX_DEFAULT_STAGES = 4
 
 
 class _Plan(NamedTuple):
@@ -68,10 +65,9 @@ class _Plan(NamedTuple):
 
 
 def default_pipeline_stages(input_nbytes: int, slice_numel: int, topology: Topology) -> int:
-    """The ``pipeline_stages`` used when none is given (see :data:`STAGE_BYTES`)."""
-    if topology.num_nodes == 1 or topology.local_size == 1:
-        return 1
-    return max(1, min(MAX_DEFAULT_STAGES, input_nbytes // STAGE_BYTES, slice_numel))
+    """The ``pipeline_stages`` used when none is given: one per :data:`STAGE_BYTES` of input, at
+    most :data:`MAX_DEFAULT_STAGES` and at most one per element of a slice, and only with two hops."""
+    return default_stages(input_nbytes, slice_numel, topology)
 
 
 def reduce_scatter_q4(
@@ -123,10 +119,9 @@ def _divisor(op: dist.ReduceOp, world_size: int) -> float:
 
 
 def _stages(pipeline_stages: int | None, input: torch.Tensor, slice_numel: int, topology: Topology) -> int:
+    check_stages(pipeline_stages)
     if pipeline_stages is None:
         return default_pipeline_stages(input.numel() * input.element_size(), slice_numel, topology)
-    if isinstance(pipeline_stages, bool) or not isinstance(pipeline_stages, int) or pipeline_stages < 1:
-        raise ValueError(f"pipeline_stages must be a positive int or None, got {pipeline_stages!r}")
     return pipeline_stages
 
 

@@ -27,6 +27,7 @@ X = torch.randn(4)
         (lambda: ag(torch.empty(4, dtype=torch.float64), X.double()), ValueError, "float64"),
         (lambda: rs(torch.empty(4), X, dist.ReduceOp.MAX), ValueError, "op must be ReduceOp.SUM or ReduceOp.AVG"),
         (lambda: rs(torch.empty(4), X, pipeline_stages=0), ValueError, "pipeline_stages"),
+        (lambda: ag(torch.empty(4), X, pipeline_stages=True), ValueError, "pipeline_stages"),
         (lambda: rs(torch.empty(4), X, group_size=7), ValueError, "group_size must be even"),
         (lambda: ag(torch.empty(4), X, group_size=1), ValueError, "group_size must be >= 2"),
         (lambda: ag(torch.empty(4), X, group_size="blocked"), TypeError, '"tensor" or None'),
