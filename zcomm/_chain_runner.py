@@ -75,7 +75,7 @@ def _ordered_worker(group: dist.ProcessGroup, topology: Topology, kind: Kind) ->
     key = (topology, kind)
     if key not in workers:
         # setdefault keeps the first one if two threads race here; an unused executor starts no thread
-        workers.setdefault(key, ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"zcomm-{kind}"))
+        workers.setdefault(key, ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"zcomm-worker-{kind}"))
     return workers[key]
 
 
