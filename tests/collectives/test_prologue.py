@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import zcomm
 
-ag, rs = zcomm.all_gather_q8, zcomm.reduce_scatter_q4
+ag, rs, rsc = zcomm.all_gather_q8, zcomm.reduce_scatter_q4, zcomm.reduce_scatter_q4_coalesced
 X = torch.randn(4)
 
 
@@ -35,6 +35,13 @@ X = torch.randn(4)
         (lambda: rs(torch.empty(4), X, topology=zcomm.Topology(world_size=2, local_size=1)), ValueError,
          "topology is for 2 ranks but the group has 1"),
         (lambda: ag(torch.empty(4), X, topology=(1, 1)), TypeError, "topology must be a zcomm.Topology"),
+        (lambda: rsc(torch.empty(4), [X]), TypeError, "outputs must be a list or tuple of tensors"),
+        (lambda: rsc([], []), ValueError, "non-empty and of one length"),
+        (lambda: rsc([torch.empty(4)], [X, X]), ValueError, "non-empty and of one length"),
+        (lambda: rsc([torch.empty(4), torch.empty(3)], [X, X]), ValueError, r"pair 1: input.numel\(\) must be"),
+        (lambda: rsc([torch.empty(4), torch.empty(4).half()], [X, X.half()]), ValueError, "pair 1 is torch.float16"),
+        (lambda: rsc([torch.empty(4)], [X], dist.ReduceOp.MAX), ValueError, "op must be ReduceOp.SUM or ReduceOp.AVG"),
+        (lambda: rsc([torch.empty(4)], [X], pipeline_stages=-1), ValueError, "pipeline_stages"),
         (lambda: zcomm.all_gather_into_tensor(torch.empty(5), X), ValueError, "numel"),
         (lambda: zcomm.reduce_scatter_tensor(torch.empty(4), [X]), TypeError, "input must be a torch.Tensor"),
     ],
