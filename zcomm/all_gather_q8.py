@@ -69,13 +69,13 @@ from . import quant
 from ._api import Handle
 from ._chain_runner import run_chain
 from ._groups import node_groups
-from ._pipeline import check_stages, default_stages
+from ._pipeline import GATHER_STAGE_BYTES, check_stages, default_stages
 from ._prologue import prologue
 from ._torch_compat import all_gather_single
 from .comm_stats import record
 from .topology import Topology
 
-__all__ = ["all_gather_q8", "default_pipeline_stages"]
+__all__ = ["GATHER_STAGE_BYTES", "all_gather_q8", "default_pipeline_stages"]
 
 _BITS = 8
 # a hop in flight: (send buffer, receive buffer, work), kept together until its wait(); the
@@ -93,9 +93,10 @@ class _Plan(NamedTuple):
 
 
 def default_pipeline_stages(output_nbytes: int, num_groups: int, topology: Topology) -> int:
-    """The ``pipeline_stages`` used when none is given: one per :data:`zcomm._pipeline.STAGE_BYTES`
-    of the gathered output, at most 4 and at most one per quantization group, and only with two hops."""
-    return default_stages(output_nbytes, num_groups, topology)
+    """The ``pipeline_stages`` used when none is given: one per :data:`GATHER_STAGE_BYTES` (4 MiB)
+    of the gathered output, at most 4 and at most one per quantization group, and only with two
+    hops (measurements in :mod:`zcomm._pipeline`)."""
+    return default_stages(output_nbytes, num_groups, topology, stage_bytes=GATHER_STAGE_BYTES)
 
 
 def all_gather_q8(

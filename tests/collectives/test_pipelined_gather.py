@@ -20,8 +20,8 @@ import torch.distributed as dist
 import zcomm
 from collective_checks import DTYPES, make_inputs
 from collective_oracles import payload_bytes
-from zcomm.all_gather_q8 import default_pipeline_stages
-from zcomm.reduce_scatter_q4 import MAX_DEFAULT_STAGES, STAGE_BYTES
+from zcomm.all_gather_q8 import GATHER_STAGE_BYTES, default_pipeline_stages
+from zcomm.reduce_scatter_q4 import MAX_DEFAULT_STAGES
 from spawn_harness import run_distributed
 
 SIZES = (1, 13, 4099, 3 * 2048 + 5)
@@ -88,9 +88,10 @@ def test_chunks_are_whole_groups_as_even_as_possible():
 def test_default_pipeline_stages_of_all_gather_q8():
     two_by_two = zcomm.Topology(world_size=4, local_size=2)
     assert default_pipeline_stages(64 << 20, 1 << 14, two_by_two) == MAX_DEFAULT_STAGES
-    assert default_pipeline_stages(2 * STAGE_BYTES, 1 << 14, two_by_two) == 2
+    assert default_pipeline_stages(16 << 20, 1 << 14, two_by_two) == 4
+    assert default_pipeline_stages(2 * GATHER_STAGE_BYTES, 1 << 14, two_by_two) == 2
     assert default_pipeline_stages(64 << 20, 3, two_by_two) == 3  # at most one stage per group
-    assert default_pipeline_stages(4 << 20, 1 << 14, two_by_two) == 1
+    assert default_pipeline_stages(GATHER_STAGE_BYTES - 1, 1 << 14, two_by_two) == 1
     # nothing to overlap with a single hop
     assert default_pipeline_stages(64 << 20, 1 << 14, zcomm.Topology(world_size=4, local_size=4)) == 1
     assert default_pipeline_stages(64 << 20, 1 << 14, zcomm.Topology(world_size=4, local_size=1)) == 1
