@@ -121,8 +121,8 @@ def all_gather_q8(
             ``zcomm.quant.DEFAULT_GROUP_SIZE[8]``); see :class:`zcomm.quant.QuantSpec`.
         pipeline_stages: chunks overlapping the inter- and intra-node hops (default
             :func:`default_pipeline_stages`); chunks are whole quantization groups, so at most
-            one stage per group is used (``"tensor"``: one stage). The output is the same for
-            every value.
+            one stage per group is used (``"tensor"``, or a group of one rank: one stage). The
+            output is the same for every value.
         topology: which ranks share a node (default: :meth:`Topology.detect`).
     """
     info = prologue(output, input, group, topology, gather=True, quantized=True)
@@ -134,7 +134,9 @@ def all_gather_q8(
     num_groups = quant.num_groups(input.numel(), concrete_group_size)
     if pipeline_stages is None:
         pipeline_stages = default_pipeline_stages(output.numel() * output.element_size(), num_groups, info.topology)
-    bounds = _chunk_bounds(input.numel(), concrete_group_size, min(pipeline_stages, max(1, num_groups)))
+    # whole groups per chunk; with no hop at all (one rank) there is nothing to overlap
+    stages = min(pipeline_stages, max(1, num_groups)) if hops else 1
+    bounds = _chunk_bounds(input.numel(), concrete_group_size, stages)
     plan = _Plan(hops, info.topology, concrete_group_size, bounds)
     record("all_gather_q8", *_bytes_sent(plan))
     return run_chain(partial(_chain, plan, output, input), info, "gather", (output, input), async_op)
@@ -187,7 +189,8 @@ def _gather_pipelined(plan: _Plan, output: torch.Tensor, input: torch.Tensor) ->
     in_flight: list[tuple[tuple[int, int], _Hop]] = []
     for chunk, (_, received, work) in zip(chunks, first):
         work.wait()
-        in_flight.append((chunk, _start_gather(received, plan.hops[1]) if len(plan.hops) > 1 else (None, received, None)))
+        second = _start_gather(received, plan.hops[1]) if len(plan.hops) > 1 else (None, received, None)
+        in_flight.append((chunk, second))
         if len(in_flight) == 2:
             _finish_chunk(plan, *in_flight.pop(0), output)
     for chunk, hop in in_flight:

@@ -81,3 +81,12 @@ def test_group_size_tensor_is_one_scale_per_payload(gloo_world, one_rank, dtype,
     reduced = torch.empty_like(x)
     rs(reduced, x, group_size="tensor", pipeline_stages=stages, topology=one_rank)
     assert torch.equal(reduced, torch.cat([_one_group_round_trip(p, 4) for p in x.split(part)]))
+
+
+def test_one_rank_has_nothing_to_pipeline(gloo_world, one_rank):
+    """No hop to overlap: any pipeline_stages gives the one round trip of the input."""
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(3))
+    gathered = torch.empty_like(x)
+    ag(gathered, x, group_size=8, pipeline_stages=3, topology=one_rank)
+    expected = zcomm.quant.dequantize(zcomm.quant.quantize(x, 8, 8), x.numel(), 8, 8, x.dtype)
+    assert torch.equal(gathered, expected)
