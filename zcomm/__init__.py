@@ -2,7 +2,8 @@
 
 * :func:`all_gather_q8` (qwZ) and :func:`reduce_scatter_q4` (qgZ): drop-ins for
   ``torch.distributed.all_gather_into_tensor`` / ``reduce_scatter_tensor``; ``async_op=True``
-  returns a :class:`Handle`.
+  returns a :class:`Handle`. :func:`reduce_scatter_q4_coalesced` reduces a list of tensors
+  (a gradient bucket) as one collective, like ``reduce_scatter_tensor_coalesced``.
 * :func:`all_gather_into_tensor`, :func:`reduce_scatter_tensor`: the unquantized ones, counted.
 * :class:`Topology`: which ranks share a node; :func:`consecutive_group`: hpZ's blocks.
 * :func:`comm_stats` / :func:`reset_comm_stats` (:class:`OpStats`): bytes each rank sent,
@@ -19,7 +20,7 @@ from ._groups import consecutive_group
 from .all_gather_q8 import all_gather_q8
 from .comm_stats import OpStats, comm_stats, reset_comm_stats
 from .plain_collectives import all_gather_into_tensor, reduce_scatter_tensor
-from .reduce_scatter_q4 import reduce_scatter_q4
+from .reduce_scatter_q4 import reduce_scatter_q4, reduce_scatter_q4_coalesced
 from .topology import Topology
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "consecutive_group",
     "quant",
     "reduce_scatter_q4",
+    "reduce_scatter_q4_coalesced",
     "reduce_scatter_tensor",
     "reset_comm_stats",
 ]

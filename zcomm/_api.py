@@ -2,8 +2,10 @@
 
 * :class:`GroupInfo`: the caller's group as a collective sees it, resolved once per call
   (:func:`zcomm._prologue.prologue`);
-* :data:`Chain`: a collective's work after its prologue, ``chain(output, input)``, which
-  :func:`zcomm._chain_runner.run_chain` runs in order on every rank;
+* :data:`Chain`: a collective's work after its prologue, a call with its tensors bound,
+  which :func:`zcomm._chain_runner.run_chain` runs in order on every rank;
+* :data:`Kind`: which of zcomm's independent streams of collectives a chain belongs to
+  (``"gather"``: qwZ; ``"reduce"``: qgZ), each with its own private subgroups and ordering;
 * :class:`Handle`: what an ``async_op=True`` collective returns (public as ``zcomm.Handle``).
 
 It imports only :mod:`zcomm.topology`, a leaf, so every implementation can import it.
@@ -13,15 +15,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
-import torch
 import torch.distributed as dist
 
 from .topology import Topology
 
-# chain(output, input): runs every hop and leaves the result in ``output``
-Chain = Callable[[torch.Tensor, torch.Tensor], None]
+# chain(): runs every hop of one call and leaves the result in that call's output(s)
+Chain = Callable[[], None]
+
+# [Note: kinds] zcomm's gathers and reductions never share a private subgroup, a CPU worker or
+# an order: a gather does not wait for a reduce-scatter issued before it (see zcomm._chain_runner)
+Kind = Literal["gather", "reduce"]
+KINDS: tuple[Kind, ...] = ("gather", "reduce")
 
 
 class GroupInfo(NamedTuple):

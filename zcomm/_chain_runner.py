@@ -7,47 +7,61 @@ delivered, so the chain cannot be issued up front as one asynchronous collective
 every member must issue its hops on each private group in the same order.
 
 * CUDA: the chain is enqueued on a stream without blocking the host ([Note: CUDA streams]).
-* CPU: the chain runs on the ordered worker of the caller's (group, topology)
-  ([Note: worker ordering]). All of zcomm's chains on one group share that worker, so the
-  hops of a qwZ call and of a qgZ call in flight together never interleave on the private
-  groups they share.
+* CPU: the chain runs on the ordered worker of the caller's (group, topology, kind)
+  ([Note: worker ordering]).
+
+Each :data:`~zcomm._api.Kind` of collective (``"gather"``: qwZ, ``"reduce"``: qgZ) has its
+own private subgroups ([Note: kinds]) and, on CPU, its own worker, so the two kinds are
+independent streams of work: a gather issued while a reduce-scatter is in flight runs at
+once, on its own groups, instead of queueing behind it.
 
 [Note: worker ordering] qgZ and qwZ on CPU tensors have host work between their hops
 (each hop waits for the previous one's data; qgZ also dequantizes, reduces and
 requantizes it), so an ``async_op=True`` call cannot just enqueue its chain the way CUDA
-streams allow. The whole chain runs on a worker thread instead, and *every* call (sync
-ones too, which then wait) goes through the same single-threaded FIFO queue: each rank
-thus issues its collectives on zcomm's private subgroups in its own program order, which
-is the same order on every member, as torch.distributed requires. The worker overlaps
-with the caller's Python only as far as the quantization kernels release the GIL (the
-``cpu`` backend's numba kernels are meant to; the ``reference`` backend's torch ops do
-inside each op).
+streams allow. The whole chain runs on a worker thread instead, and *every* call of a kind
+(sync ones too, which then wait) goes through that kind's single-threaded FIFO queue:
+each rank thus issues the collectives of a kind on that kind's private subgroups in its
+own program order, which is the same order on every member, as torch.distributed
+requires, and no private group is ever used from two threads at once. Two kinds run
+concurrently on different groups (torch allows collectives on different groups to be in
+flight together), so the guarantees are: the calls of one kind complete in program
+order; a call of one kind never waits for a call of the other. The worker overlaps with
+the caller's Python only as far as the quantization kernels release the GIL (the ``cpu``
+backend's numba kernels are meant to; the ``reference`` backend's torch ops do inside
+each op).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
-from ._api import Chain, GroupInfo, Handle
+from ._api import Chain, GroupInfo, Handle, Kind
 from .topology import Topology
 
-# caller's group -> topology -> its single worker; weak in the group like zcomm._groups'
+# caller's group -> (topology, kind) -> its single worker; weak in the group like zcomm._groups'
 # cache ([Note: cache lifetime]): a worker whose group is gone is dropped, and its thread exits
-_WORKERS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[Topology, ThreadPoolExecutor]] = weakref.WeakKeyDictionary()
+_WORKERS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[Topology, Kind], ThreadPoolExecutor]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def run_chain(
-    chain: Chain, info: GroupInfo, output: torch.Tensor, input: torch.Tensor, async_op: bool
+    chain: Chain, info: GroupInfo, kind: Kind, tensors: Sequence[torch.Tensor], async_op: bool
 ) -> Handle | None:
-    """Run ``chain(output, input)`` for a collective on ``info``'s group; a handle if ``async_op``, else wait."""
-    if input.is_cuda:
-        return _run_on_stream(chain, output, input, async_op)
-    # [Note: worker ordering] sync calls queue behind pending async ones.
-    future = _ordered_worker(info.group, info.topology).submit(chain, output, input)
+    """Run ``chain()`` for a collective of ``kind`` on ``info``'s group; a handle if ``async_op``, else wait.
+
+    ``tensors`` are the call's inputs and outputs (all on one device): on CUDA they are kept
+    for the allocator until the chain has run ([Note: CUDA streams]).
+    """
+    if tensors[0].is_cuda:
+        return _run_on_stream(chain, tensors, async_op)
+    # [Note: worker ordering] sync calls queue behind pending async ones of their kind.
+    future = _ordered_worker(info.group, info.topology, kind).submit(chain)
     handle = Handle(finish=future.result, ready=future.done)
     if async_op:
         return handle
@@ -55,33 +69,37 @@ def run_chain(
     return None
 
 
-def _ordered_worker(group: dist.ProcessGroup, topology: Topology) -> ThreadPoolExecutor:
-    """The single-threaded executor for ``group`` laid out as ``topology``, created on first use."""
+def _ordered_worker(group: dist.ProcessGroup, topology: Topology, kind: Kind) -> ThreadPoolExecutor:
+    """The single-threaded executor for ``kind``'s calls on ``group`` laid out as ``topology``."""
     workers = _WORKERS.setdefault(group, {})
-    if topology not in workers:
+    key = (topology, kind)
+    if key not in workers:
         # setdefault keeps the first one if two threads race here; an unused executor starts no thread
-        workers.setdefault(topology, ThreadPoolExecutor(max_workers=1, thread_name_prefix="zcomm-worker"))
-    return workers[topology]
+        workers.setdefault(key, ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"zcomm-worker-{kind}"))
+    return workers[key]
 
 
-def _run_on_stream(chain: Chain, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Handle | None:
+def _run_on_stream(chain: Chain, tensors: Sequence[torch.Tensor], async_op: bool) -> Handle | None:
     """CUDA: enqueue the whole chain without blocking the host.
 
     [Note: CUDA streams] Sync calls run on the current stream (NCCL's ``work.wait()`` makes
     it wait for each hop). Async calls run on a side stream that first waits for the current
-    one; ``wait()`` makes the current stream wait for the chain's end event. ``input`` and
-    ``output`` are recorded on the side stream so the allocator keeps them until then.
+    one; ``wait()`` makes the current stream wait for the chain's end event. The call's
+    tensors are recorded on the side stream so the allocator keeps them until then. Chains
+    of the two kinds use different NCCL communicators ([Note: kinds]), so a gather's hops are
+    not serialized behind a reduce-scatter's on a shared communicator.
     """
     if not async_op:
-        chain(output, input)
+        chain()
         return None
-    current = torch.cuda.current_stream(input.device)
-    side = torch.cuda.Stream(device=input.device)
+    device = tensors[0].device
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device=device)
     side.wait_stream(current)
     with torch.cuda.stream(side):
-        chain(output, input)
+        chain()
         done = torch.cuda.Event()
         done.record(side)
-    input.record_stream(side)
-    output.record_stream(side)
-    return Handle(finish=lambda: torch.cuda.current_stream(input.device).wait_event(done), ready=done.query)
+    for tensor in tensors:
+        tensor.record_stream(side)
+    return Handle(finish=lambda: torch.cuda.current_stream(device).wait_event(done), ready=done.query)

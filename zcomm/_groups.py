@@ -1,8 +1,10 @@
 """zcomm's private subgroups of a caller's process group, created once per group and cached.
 
 qgZ's and qwZ's two hops run on an intra-node group (the ranks of this rank's node) and an
-inter-node group (the ranks with this rank's local rank, one per node); hpZ (the ZeRO
-runtime) gathers inside a block of consecutive ranks. zcomm creates these groups itself,
+inter-node group (the ranks with this rank's local rank, one per node), one pair per
+:data:`~zcomm._api.Kind` of collective ([Note: kinds]): qwZ's gathers and qgZ's reductions
+never share a group, so each kind keeps its own order and neither waits for the other;
+hpZ (the ZeRO runtime) gathers inside a block of consecutive ranks. zcomm creates these groups itself,
 so its traffic never interleaves with the caller's collectives on the caller's group.
 Each kind is a *partition* of the caller's group into blocks; this rank gets its block.
 How a partition is created (split from the caller's group, or by the members of each
@@ -10,10 +12,13 @@ block) is [Note: creating zcomm's groups] in :mod:`zcomm._torch_compat`.
 
 [Note: group creation order] Creating groups is collective: among the caller's group when
 split from it, among a block's members otherwise. Every member of the caller's group calls
-:func:`node_groups` (or :func:`consecutive_group`) for the same (group, topology) at the
-same point of its program, because the zcomm collectives that need them are themselves
-collective; each rank then creates the intra-node partition before the inter-node one, so
-every member of a new group arrives at its rendezvous and no cycle of waits can form.
+:func:`node_groups` (or :func:`consecutive_group`) for the same (group, topology, kind) at
+the same point of its program, on the caller's thread, because the zcomm collectives that
+need them are themselves collective; each rank then creates the intra-node partition
+before the inter-node one, so every member of a new group arrives at its rendezvous and
+no cycle of waits can form. Creating a kind's groups while the other kind's chains run on
+theirs is safe: creation uses the store (or, by split, the caller's group, which zcomm's
+chains never use).
 
 [Note: group names] Blocks created by their members are named deterministically after the
 parent group's name, the purpose and the member ranks: torch's own names for groups
@@ -36,6 +41,7 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
+from ._api import Kind
 from .topology import Topology
 from ._torch_compat import creates_by_split, new_named_group, split_subgroups
 
@@ -51,14 +57,14 @@ class NodeGroups(NamedTuple):
 _GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, dist.ProcessGroup]] = weakref.WeakKeyDictionary()
 
 
-def node_groups(group: dist.ProcessGroup, topology: Topology) -> NodeGroups:
-    """The intra- and inter-node subgroups of this rank in ``group`` laid out as ``topology``."""
+def node_groups(group: dist.ProcessGroup, topology: Topology, kind: Kind) -> NodeGroups:
+    """``kind``'s intra- and inter-node subgroups of this rank in ``group`` laid out as ``topology``."""
     assert topology.world_size == dist.get_world_size(group)
     intra = inter = None
     if topology.local_size > 1:
-        intra = _subgroup(group, "intra", [topology.node_ranks(n) for n in range(topology.num_nodes)])
+        intra = _subgroup(group, f"{kind}-intra", [topology.node_ranks(n) for n in range(topology.num_nodes)])
     if topology.num_nodes > 1:
-        inter = _subgroup(group, "inter", [topology.local_peers(l) for l in range(topology.local_size)])
+        inter = _subgroup(group, f"{kind}-inter", [topology.local_peers(l) for l in range(topology.local_size)])
     return NodeGroups(intra, inter)
 
 

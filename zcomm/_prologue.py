@@ -1,5 +1,8 @@
 """The prologue every public zcomm collective runs first: resolve the group, check the tensors.
 
+:func:`prologue` checks one (output, input) pair, :func:`prologue_coalesced` the lists of a
+coalesced collective (pairwise as :func:`prologue` does, and one dtype and device for all).
+
 Errors name the argument and what was found: ``ValueError`` for tensors or settings a
 collective cannot work with, ``TypeError`` for arguments of the wrong kind. The
 quantization settings are checked by :class:`zcomm.quant.QuantSpec`, which the quantized
@@ -7,6 +10,8 @@ collectives build from their ``group_size``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +38,34 @@ def prologue(
     """
     info = _resolve_group(group, topology)
     _check_tensors(output, input, world_size=info.world_size, gather=gather, quantized=quantized)
+    return info
+
+
+def prologue_coalesced(
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    topology: Topology | None,
+    *,
+    gather: bool,
+) -> GroupInfo:
+    """:func:`prologue` for the lists of a quantized coalesced collective: ``outputs[i]`` and
+    ``inputs[i]`` are checked as one pair, and every tensor must share ``inputs[0]``'s dtype and device."""
+    info = _resolve_group(group, topology)
+    for name, tensors in (("outputs", outputs), ("inputs", inputs)):
+        if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+            raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
+    if not inputs or len(outputs) != len(inputs):
+        raise ValueError(f"outputs and inputs must be non-empty and of one length, got {len(outputs)} and {len(inputs)}")
+    for index, (output, input) in enumerate(zip(outputs, inputs)):
+        try:
+            _check_tensors(output, input, world_size=info.world_size, gather=gather, quantized=True)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"pair {index}: {exc}") from None
+        if input.dtype != inputs[0].dtype or input.device != inputs[0].device:
+            raise ValueError(
+                f"pair {index} is {input.dtype} on {input.device} but pair 0 is {inputs[0].dtype} on {inputs[0].device}"
+            )
     return info
 
 

@@ -25,20 +25,36 @@ Error: every element is within half its group's scale (``absmax / 127 / 2``) of 
 original before the final rounding to the output dtype. Any ``numel`` works: the last
 group of a payload is simply short.
 
+Pipelining: with ``k > 1`` stages the input is cut into ``k`` chunks of whole
+quantization groups, each quantized into its own payload and carried through steps 2-4 on
+its own, so chunk ``c``'s intra-node hop runs while chunk ``c + 1``'s inter-node hop is on
+the wire and chunk ``c - 1`` is dequantized ([Note: qwZ pipeline]). Every element keeps
+its quantization group, scale and code, so ``output`` is bit-identical to the unpipelined
+form's; only the payloads' alignment padding can add a few bytes per chunk. The default
+(:func:`default_pipeline_stages`) pipelines only large gathers over two hops.
+
 Buffers: the ``P``-byte payload, the ``N * P`` bytes gathered by step 2 and the ``W * P``
-bytes gathered by step 3 (all ``uint8``; with several nodes of several ranks, also a copy
-of them in rank order for step 4's single dequantize) live for one call; ``output`` is
-written only in step 4.
+bytes gathered by step 3 (all ``uint8``, per chunk; unpipelined with several nodes of
+several ranks, also a copy of them in rank order for step 4's single dequantize; pipelined,
+step 4 dequantizes each rank's payload straight into its place instead) live for one
+call; ``output`` is written only in step 4.
 
 [Note: qwZ buffer lifetime] The chain keeps each hop's send buffer referenced until that hop's
 ``wait()`` has returned, and the last hop's receive buffer until step 4 has consumed it. On
 CUDA the buffers are allocated on the stream the chain is enqueued on and the process
 group records their use on its stream, so the allocator does not hand them out early.
 
-[Note: hop order] Steps 1-4 run as one chain (:mod:`zcomm._chain_runner`): on CPU on the
-FIFO worker shared with qgZ for the same group, so every rank issues the hops of all
-zcomm calls on the private groups in one order, inter hop before intra hop; sync calls
-wait for the chain, async calls return its handle.
+[Note: qwZ pipeline] Pipelined, every chunk is quantized and its inter-node hop started up
+front (the group runs them in order, so quantizing chunk ``c + 1`` overlaps chunk ``c``'s
+hop); chunk ``c``'s intra-node hop starts as soon as its inter-node hop delivered, and
+chunk ``c``'s dequantization waits until chunk ``c + 1``'s intra-node hop is started. Each
+hop's send buffer stays referenced with its receive buffer until the hop's ``wait()``.
+
+[Note: hop order] Steps 1-4 run as one chain (:mod:`zcomm._chain_runner`) of the
+``"gather"`` kind: on its own private groups and, on CPU, on the FIFO worker of the
+group's gathers, so every rank issues the hops of all its qwZ calls in one order, inter
+hop before intra hop, while qgZ calls run independently on theirs; sync calls wait for
+the chain, async calls return its handle.
 """
 
 from __future__ import annotations
@@ -53,14 +69,18 @@ from . import quant
 from ._api import Handle
 from ._chain_runner import run_chain
 from ._groups import node_groups
+from ._pipeline import GATHER_STAGE_BYTES, check_stages, default_stages
 from ._prologue import prologue
 from ._torch_compat import all_gather_single
 from .comm_stats import record
 from .topology import Topology
 
-__all__ = ["all_gather_q8"]
+__all__ = ["GATHER_STAGE_BYTES", "all_gather_q8", "default_pipeline_stages"]
 
 _BITS = 8
+# a hop in flight: (send buffer, receive buffer, work), kept together until its wait(); the
+# send buffer and work are None for a chunk whose single hop already delivered
+_Hop = tuple[torch.Tensor | None, torch.Tensor, dist.Work | None]
 
 
 class _Plan(NamedTuple):
@@ -69,6 +89,14 @@ class _Plan(NamedTuple):
     hops: tuple[dist.ProcessGroup, ...]  # the inter-node group, then the intra-node group, where they have peers
     topology: Topology
     group_size: int  # concrete: "tensor" resolved for this payload
+    bounds: tuple[int, ...]  # chunk c is input elements [bounds[c], bounds[c + 1])
+
+
+def default_pipeline_stages(output_nbytes: int, num_groups: int, topology: Topology) -> int:
+    """The ``pipeline_stages`` used when none is given: one per :data:`GATHER_STAGE_BYTES` (4 MiB)
+    of the gathered output, at most 4 and at most one per quantization group, and only with two
+    hops (measurements in :mod:`zcomm._pipeline`)."""
+    return default_stages(output_nbytes, num_groups, topology, stage_bytes=GATHER_STAGE_BYTES)
 
 
 def all_gather_q8(
@@ -78,6 +106,7 @@ def all_gather_q8(
     async_op: bool = False,
     *,
     group_size: int | Literal["tensor"] | None = None,
+    pipeline_stages: int | None = None,
     topology: Topology | None = None,
 ) -> Handle | None:
     """INT8-quantized hierarchical drop-in for ``torch.distributed.all_gather_into_tensor``.
@@ -90,32 +119,61 @@ def all_gather_q8(
         group_size: elements per quantization scale: an int >= 2, ``"tensor"`` (one scale for
             the whole payload, ZeRO++'s non-blocked ablation) or None (INT8's default,
             ``zcomm.quant.DEFAULT_GROUP_SIZE[8]``); see :class:`zcomm.quant.QuantSpec`.
+        pipeline_stages: chunks overlapping the inter- and intra-node hops (default
+            :func:`default_pipeline_stages`); chunks are whole quantization groups, so at most
+            one stage per group is used (``"tensor"``, or a group of one rank: one stage). The
+            output is the same for every value.
         topology: which ranks share a node (default: :meth:`Topology.detect`).
     """
     info = prologue(output, input, group, topology, gather=True, quantized=True)
+    check_stages(pipeline_stages)
     spec = quant.QuantSpec(bits=_BITS, group_size=group_size)
-    groups = node_groups(info.group, info.topology)
+    concrete_group_size = spec.group_size_for(input.numel())
+    groups = node_groups(info.group, info.topology, "gather")
     hops = tuple(hop for hop in (groups.inter, groups.intra) if hop is not None)
-    plan = _Plan(hops, info.topology, spec.group_size_for(input.numel()))
-    record("all_gather_q8", *_bytes_sent(plan, input.numel()))
-    return run_chain(partial(_chain, plan), info, output, input, async_op)
+    num_groups = quant.num_groups(input.numel(), concrete_group_size)
+    if pipeline_stages is None:
+        pipeline_stages = default_pipeline_stages(output.numel() * output.element_size(), num_groups, info.topology)
+    # whole groups per chunk; with no hop at all (one rank) there is nothing to overlap
+    stages = min(pipeline_stages, max(1, num_groups)) if hops else 1
+    bounds = _chunk_bounds(input.numel(), concrete_group_size, stages)
+    plan = _Plan(hops, info.topology, concrete_group_size, bounds)
+    record("all_gather_q8", *_bytes_sent(plan))
+    return run_chain(partial(_chain, plan, output, input), info, "gather", (output, input), async_op)
 
 
-def _bytes_sent(plan: _Plan, numel: int) -> tuple[int, int]:
-    """(intra, inter) bytes this rank sends (comm_stats model): its payload to the ``N - 1`` other
-    nodes, then the ``N`` payloads of its inter-node hop to the node's ``L - 1`` other ranks."""
-    payload_bytes = quant.payload_nbytes(numel, _BITS, plan.group_size)
+def _chunk_bounds(numel: int, group_size: int, stages: int) -> tuple[int, ...]:
+    """``stages`` chunks of whole groups, their group counts differing by at most one."""
+    num_groups = quant.num_groups(numel, group_size)
+    return tuple(min(numel, stage * num_groups // stages * group_size) for stage in range(stages)) + (numel,)
+
+
+def _bytes_sent(plan: _Plan) -> tuple[int, int]:
+    """(intra, inter) bytes this rank sends (comm_stats model): each chunk's payload to the ``N - 1``
+    other nodes, then the ``N`` payloads of its inter-node hop to the node's ``L - 1`` other ranks."""
+    payload_bytes = sum(
+        quant.payload_nbytes(hi - lo, _BITS, plan.group_size) for lo, hi in zip(plan.bounds, plan.bounds[1:])
+    )
     num_nodes, local_size = plan.topology.num_nodes, plan.topology.local_size
     return (local_size - 1) * num_nodes * payload_bytes, (num_nodes - 1) * payload_bytes
 
 
 def _chain(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:
     """Steps 1-4 of the module docstring, on this thread (or enqueued on the current CUDA stream)."""
+    if len(plan.bounds) == 2:
+        _gather_whole(plan, output, input)
+    else:
+        _gather_pipelined(plan, output.view(-1), input.reshape(-1))
+
+
+def _gather_whole(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:
+    """Unpipelined: one payload through both hops, then one dequantize of all ``W`` rows in rank order."""
     num_nodes, local_size, numel = plan.topology.num_nodes, plan.topology.local_size, input.numel()
-    # [Note: qwZ buffer lifetime] ``_all_gather`` returns only after its hop has read ``gathered``
+    # [Note: qwZ buffer lifetime] ``wait()`` returns only after its hop has read ``gathered``
     gathered = quant.quantize(input.reshape(-1), _BITS, plan.group_size)
     for hop in plan.hops:
-        gathered = _all_gather(gathered, hop)
+        _, gathered, work = _start_gather(gathered, hop)
+        work.wait()
     world_size = plan.topology.world_size
     row_bytes = gathered.numel() // world_size
     # the rows arrive [local rank][node], the ranks are [node][local rank]: one dequantize of
@@ -124,8 +182,36 @@ def _chain(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:
     quant.dequantize(in_rank_order, numel, _BITS, plan.group_size, output.dtype, out=output)
 
 
-def _all_gather(send: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``group``'s members' ``send`` buffers concatenated in group-rank order (on CUDA: once the stream gets there)."""
+def _gather_pipelined(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:
+    """The chunks' hops overlapped as [Note: qwZ pipeline] says; ``output`` and ``input`` flat."""
+    chunks = list(zip(plan.bounds, plan.bounds[1:]))
+    first = [_start_gather(quant.quantize(input[lo:hi], _BITS, plan.group_size), plan.hops[0]) for lo, hi in chunks]
+    in_flight: list[tuple[tuple[int, int], _Hop]] = []
+    for chunk, (_, received, work) in zip(chunks, first):
+        work.wait()
+        second = _start_gather(received, plan.hops[1]) if len(plan.hops) > 1 else (None, received, None)
+        in_flight.append((chunk, second))
+        if len(in_flight) == 2:
+            _finish_chunk(plan, *in_flight.pop(0), output)
+    for chunk, hop in in_flight:
+        _finish_chunk(plan, chunk, hop, output)
+
+
+def _finish_chunk(plan: _Plan, chunk: tuple[int, int], hop: _Hop, output: torch.Tensor) -> None:
+    """Wait for ``chunk``'s last hop and dequantize each rank's payload into its place in ``output``."""
+    _, gathered, work = hop
+    if work is not None:
+        work.wait()
+    (lo, hi), topology, numel = chunk, plan.topology, plan.bounds[-1]
+    rows = gathered.view(topology.local_size, topology.num_nodes, -1)  # arrival order [local rank][node]
+    for node in range(topology.num_nodes):
+        for local_rank in range(topology.local_size):
+            start = (node * topology.local_size + local_rank) * numel
+            out = output[start + lo : start + hi]
+            quant.dequantize(rows[local_rank, node], hi - lo, _BITS, plan.group_size, output.dtype, out=out)
+
+
+def _start_gather(send: torch.Tensor, group: dist.ProcessGroup) -> _Hop:
+    """Start gathering ``group``'s members' ``send`` buffers in group-rank order: (send, receive buffer, work)."""
     received = torch.empty(dist.get_world_size(group) * send.numel(), dtype=send.dtype, device=send.device)
-    all_gather_single(received, send, group=group, async_op=True).wait()
-    return received
+    return send, received, all_gather_single(received, send, group=group, async_op=True)

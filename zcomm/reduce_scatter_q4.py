@@ -5,7 +5,7 @@ pipeline stages:
 
 1. (once, fused for all stages) reorder the input's sub-slices
    (:mod:`zcomm._slice_reorder`) and quantize them to INT4 rows, one per intra-node peer
-   and stage;
+   and stage, reading the input where it is (one kernel, no copy);
 2. intra-node all-to-all of stage ``s``'s ``L`` rows on zcomm's private intra-node group;
 3. dequantize the ``L`` received rows, sum them in fp32 and re-quantize the node's sum to
    INT4 as ``N`` rows, one per node, in one fused op;
@@ -13,6 +13,12 @@ pipeline stages:
 5. dequantize the ``N`` node sums, add them in fp32 (dividing by ``W`` for AVG) and write
    them straight into part ``s`` of ``output``: the reordering made this rank's slice
    arrive in place.
+
+AVG is folded into step 5: the fp32 sum is divided by ``W`` in fp32 and rounded to the
+output dtype once, in the same pass, so ``op=AVG`` costs nothing over SUM. Callers that
+want the mean should ask for AVG rather than SUM and a division of their own, which is an
+extra pass over the output and a second rounding (in bf16: up to half a bf16 ulp more
+error per element).
 
 The intra hop of stage ``s+1`` runs while the inter hop of stage ``s`` is in flight (all
 intra hops are issued up front on one group, each inter hop as soon as its stage is
@@ -25,13 +31,25 @@ sources, of their hop-1 half-scales plus, over the ``N`` nodes, the hop-2 half-s
 that node's partial sum (then fp32 and output-dtype rounding).
 
 Padding: each rank's slice of ``m = output.numel()`` elements is cut into ``k`` parts of
-``q = ceil(m / k)``; when ``k * q != m`` the input is copied into a zero-padded
-``(W, k*q)`` staging buffer and the real part of the result copied back, so any ``numel``
+``q = ceil(m / k)``; when ``k * q != m`` each slice is read as if zero-filled to ``k * q``
+elements: step 1 reads the zeros from nowhere ([Note: interleaved input] in
+:mod:`zcomm.quant._contract`), so there is no staging copy of the input, and only the last
+stage's part goes through a ``q``-element buffer on its way into ``output``. Any ``numel``
 works and the collective is never swapped for an unquantized one.
+
+Coalesced (:func:`reduce_scatter_q4_coalesced`, after
+``torch.distributed.reduce_scatter_tensor_coalesced``): ``T`` pairs reduced as one
+collective, the flat form's result on the inputs interleaved rank by rank
+(``[in_0 slice r, in_1 slice r, ...]`` is the virtual input's slice ``r``), with the same
+bytes on the wire and in every output. Step 1 reads the inputs where they are, so a bucket
+of gradients needs no ``torch.cat``; outputs that lie end to end in one buffer (the pieces
+of ``flat.split(sizes)``) are written in place, others through one buffer of this rank's
+``m`` elements.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 from typing import Literal, NamedTuple
 
@@ -42,18 +60,17 @@ from . import quant
 from ._api import GroupInfo, Handle
 from ._chain_runner import run_chain
 from ._groups import NodeGroups, node_groups
-from ._prologue import prologue
+from ._pipeline import MAX_DEFAULT_STAGES, STAGE_BYTES, check_stages, default_stages
+from ._prologue import prologue, prologue_coalesced
 from ._slice_reorder import first_hop_rows, reorder_permutation
 from .comm_stats import record
 from .topology import Topology
 
-__all__ = ["MAX_DEFAULT_STAGES", "STAGE_BYTES", "default_pipeline_stages", "reduce_scatter_q4"]
+__all__ = [
+    "MAX_DEFAULT_STAGES", "STAGE_BYTES", "default_pipeline_stages", "reduce_scatter_q4", "reduce_scatter_q4_coalesced",
+]
 
 _BITS = 4
-# Default pipeline depth: one stage per STAGE_BYTES of input, at most MAX_DEFAULT_STAGES, and
-# only when there are two hops to overlap (N > 1 and L > 1). A 64 MB bf16 gradient gets 4.
-STAGE_BYTES = 8 << 20
-MAX_DEFAULT_STAGES = 4
 
 
 class _Plan(NamedTuple):
@@ -68,10 +85,9 @@ class _Plan(NamedTuple):
 
 
 def default_pipeline_stages(input_nbytes: int, slice_numel: int, topology: Topology) -> int:
-    """The ``pipeline_stages`` used when none is given (see :data:`STAGE_BYTES`)."""
-    if topology.num_nodes == 1 or topology.local_size == 1:
-        return 1
-    return max(1, min(MAX_DEFAULT_STAGES, input_nbytes // STAGE_BYTES, slice_numel))
+    """The ``pipeline_stages`` used when none is given: one per :data:`STAGE_BYTES` of input, at
+    most :data:`MAX_DEFAULT_STAGES` and at most one per element of a slice, and only with two hops."""
+    return default_stages(input_nbytes, slice_numel, topology)
 
 
 def reduce_scatter_q4(
@@ -90,7 +106,8 @@ def reduce_scatter_q4(
     Args:
         output: contiguous, ``input.numel() / world_size`` elements, same dtype (fp32/bf16/fp16) and device.
         input: contiguous; slice ``r`` (``[r*m, (r+1)*m)``) is reduced onto rank ``r``.
-        op: ``ReduceOp.SUM`` or ``ReduceOp.AVG`` (divides by the whole group size).
+        op: ``ReduceOp.SUM`` or ``ReduceOp.AVG`` (divides by the whole group size in the
+            final fp32 reduction: prefer it to SUM and a division of your own).
         group: the process group (default: world).
         async_op: return a :class:`zcomm.Handle`; ``output`` is valid after its ``wait()``.
         group_size: elements per INT4 scale: an even int >= 2, ``"tensor"`` (one scale per
@@ -101,17 +118,66 @@ def reduce_scatter_q4(
         topology: which ranks share a node (default: :meth:`Topology.detect`).
     """
     info = prologue(output, input, group, topology, gather=False, quantized=True)
+    return _start(info, [output], [input], op, async_op, group_size, pipeline_stages)
+
+
+def reduce_scatter_q4_coalesced(
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    group_size: int | Literal["tensor"] | None = None,
+    pipeline_stages: int | None = None,
+    topology: Topology | None = None,
+) -> Handle | None:
+    """:func:`reduce_scatter_q4` of several tensors as one collective, after
+    ``torch.distributed.reduce_scatter_tensor_coalesced``: ``outputs[i]`` receives this
+    rank's slice of ``inputs[i]`` reduced over the group.
+
+    The result is that of :func:`reduce_scatter_q4` on the inputs interleaved rank by rank
+    (its slice ``r`` is every input's slice ``r`` in list order) scattered into the outputs,
+    byte for byte, without building that interleaving: quantization groups and pipeline
+    stages run across tensor boundaries exactly as in the flat form.
+
+    Args:
+        outputs: contiguous, ``outputs[i].numel() == inputs[i].numel() / world_size``; all
+            tensors of both lists share one dtype (fp32/bf16/fp16) and device. Outputs that
+            lie end to end in one buffer (``flat.split(sizes)``) are written in place.
+        inputs: contiguous; read where they are, never copied.
+        op, group, async_op, group_size, pipeline_stages, topology: as for
+            :func:`reduce_scatter_q4`, for the whole bucket (``pipeline_stages`` and the
+            default stage count apply to the interleaved input, ``"tensor"`` to its rows).
+    """
+    info = prologue_coalesced(outputs, inputs, group, topology, gather=False)
+    return _start(info, list(outputs), list(inputs), op, async_op, group_size, pipeline_stages)
+
+
+def _start(
+    info: GroupInfo,
+    outputs: list[torch.Tensor],
+    inputs: list[torch.Tensor],
+    op: dist.ReduceOp,
+    async_op: bool,
+    group_size: int | Literal["tensor"] | None,
+    pipeline_stages: int | None,
+) -> Handle | None:
+    """Plan the collective of the checked pairs (the flat form's slice: every output in turn) and run it."""
     divide_by = _divisor(op, info.world_size)
     spec = quant.QuantSpec(bits=_BITS, group_size=group_size)
-    stages = _stages(pipeline_stages, input, output.numel(), info.topology)
-    part = -(-output.numel() // stages)
+    slice_numel = sum(output.numel() for output in outputs)
+    input_nbytes = slice_numel * info.world_size * inputs[0].element_size()
+    stages = _stages(pipeline_stages, input_nbytes, slice_numel, info.topology)
+    part = -(-slice_numel // stages)
     # "tensor": one group as long as the longest payload row (the intra hop's, N parts), so one per row
     concrete_group_size = spec.group_size_for(info.topology.num_nodes * part)
-    plan = _Plan(info, node_groups(info.group, info.topology), stages, part, concrete_group_size, divide_by)
+    plan = _Plan(info, node_groups(info.group, info.topology, "reduce"), stages, part, concrete_group_size, divide_by)
     record("reduce_scatter_q4", *_bytes_sent(plan))
-    if output.numel() == 0:
+    if slice_numel == 0:
         return Handle(finish=lambda: None, ready=lambda: True) if async_op else None
-    return run_chain(partial(_chain, plan), info, output, input, async_op)
+    chain = partial(_chain, plan, outputs, [input.view(-1) for input in inputs])
+    return run_chain(chain, info, "reduce", (*outputs, *inputs), async_op)
 
 
 def _divisor(op: dist.ReduceOp, world_size: int) -> float:
@@ -122,11 +188,10 @@ def _divisor(op: dist.ReduceOp, world_size: int) -> float:
     raise ValueError(f"op must be ReduceOp.SUM or ReduceOp.AVG, got {op}")
 
 
-def _stages(pipeline_stages: int | None, input: torch.Tensor, slice_numel: int, topology: Topology) -> int:
+def _stages(pipeline_stages: int | None, input_nbytes: int, slice_numel: int, topology: Topology) -> int:
+    check_stages(pipeline_stages)
     if pipeline_stages is None:
-        return default_pipeline_stages(input.numel() * input.element_size(), slice_numel, topology)
-    if isinstance(pipeline_stages, bool) or not isinstance(pipeline_stages, int) or pipeline_stages < 1:
-        raise ValueError(f"pipeline_stages must be a positive int or None, got {pipeline_stages!r}")
+        return default_pipeline_stages(input_nbytes, slice_numel, topology)
     return pipeline_stages
 
 
@@ -140,29 +205,56 @@ def _bytes_sent(plan: _Plan) -> tuple[int, int]:
     return intra, inter
 
 
-def _chain(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:
+def _chain(plan: _Plan, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
     """Steps 1-5 of the module docstring, on this thread (or enqueued on the current CUDA stream)."""
     topology, k, q = plan.info.topology, plan.stages, plan.part
-    slice_numel = output.numel()
-    padded = k * q != slice_numel
-    source = _padded_input(input, topology.world_size, slice_numel, k * q) if padded else input.view(-1)
-    result = torch.empty(k * q, dtype=output.dtype, device=output.device) if padded else output.view(-1)
     perm = reorder_permutation(topology.num_nodes, topology.local_size, k)
     num_rows = first_hop_rows(topology.num_nodes, topology.local_size, k)
-    rows = quant.reorder_quantize(source, perm, num_rows, _BITS, plan.group_size)
-    _pipeline(plan, rows, result.view(k, q))
-    if padded:
-        output.view(-1).copy_(result[:slice_numel])
+    # slices zero-filled to k * q elements when q does not divide them: read, never staged
+    rows = quant.reorder_quantize(
+        inputs, perm, num_rows, _BITS, plan.group_size, parts=topology.world_size, part_numel=k * q
+    )
+    slice_numel = sum(output.numel() for output in outputs)
+    result = _flat_view(outputs, slice_numel)
+    staged = result is None
+    if staged:
+        result = torch.empty(slice_numel, dtype=outputs[0].dtype, device=outputs[0].device)
+    out_parts, short = _stage_parts(result, k, q)
+    _pipeline(plan, rows, out_parts)
+    for piece, computed in short:
+        piece.copy_(computed[: piece.numel()])
+    if staged:
+        for output, piece in zip(outputs, result.split([output.numel() for output in outputs])):
+            output.view(-1).copy_(piece)
 
 
-def _padded_input(input: torch.Tensor, world_size: int, slice_numel: int, padded_numel: int) -> torch.Tensor:
-    """``input``'s ``world_size`` slices, each zero-padded to ``padded_numel``, as one flat buffer."""
-    staged = torch.zeros((world_size, padded_numel), dtype=input.dtype, device=input.device)
-    staged[:, :slice_numel].copy_(input.view(world_size, slice_numel))
-    return staged.view(-1)
+def _stage_parts(result: torch.Tensor, stages: int, part: int) -> tuple[list[torch.Tensor], list[tuple]]:
+    """Where each stage writes its ``part`` elements: ``result[s*q : (s+1)*q]``, or, for a part that
+    reaches into the zero fill, a buffer of its own, listed in ``short`` with the real piece to copy to."""
+    out_parts, short = [], []
+    for start in range(0, stages * part, part):
+        piece = result[start : start + part]
+        if piece.numel() < part:
+            short.append((piece, torch.empty(part, dtype=result.dtype, device=result.device)))
+            piece = short[-1][1]
+        out_parts.append(piece)
+    return out_parts, short
 
 
-def _pipeline(plan: _Plan, rows: torch.Tensor, out_parts: torch.Tensor) -> None:
+def _flat_view(outputs: list[torch.Tensor], numel: int) -> torch.Tensor | None:
+    """The ``numel`` elements of ``outputs`` as one flat tensor when they lie end to end in one
+    storage (as the pieces of ``flat.split(sizes)`` do), else None."""
+    tensors = [output for output in outputs if output.numel()]
+    first = tensors[0]
+    storage, address = first.untyped_storage().data_ptr(), first.data_ptr()
+    for output in tensors:
+        if output.untyped_storage().data_ptr() != storage or output.data_ptr() != address:
+            return None
+        address += output.numel() * output.element_size()
+    return first.as_strided((numel,), (1,))
+
+
+def _pipeline(plan: _Plan, rows: torch.Tensor, out_parts: list[torch.Tensor]) -> None:
     """Run the ``k`` stages' hops on ``rows`` (from step 1), writing stage ``s`` to ``out_parts[s]``.
 
     [Note: hop overlap] All intra hops are issued first (their group runs them in order);

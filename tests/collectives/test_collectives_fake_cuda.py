@@ -74,9 +74,13 @@ def test_hpz_blocks_and_node_groups_on_the_fake_backend(fake_world):
     block = zcomm.consecutive_group(None, 2)
     assert dist.get_process_group_ranks(block) == [0, 1]
     assert zcomm.consecutive_group(None, 2) is block
-    hops = node_groups(dist.group.WORLD, fake_world)
-    assert dist.get_process_group_ranks(hops.intra) == [0, 1]
-    assert dist.get_process_group_ranks(hops.inter) == [1, 3]
+    hops = {kind: node_groups(dist.group.WORLD, fake_world, kind) for kind in ("gather", "reduce")}
+    for kind_hops in hops.values():
+        assert dist.get_process_group_ranks(kind_hops.intra) == [0, 1]
+        assert dist.get_process_group_ranks(kind_hops.inter) == [1, 3]
+    # [Note: kinds] gathers and reductions never share a group
+    assert hops["gather"].intra is not hops["reduce"].intra and hops["gather"].inter is not hops["reduce"].inter
+    assert node_groups(dist.group.WORLD, fake_world, "reduce") == hops["reduce"]
     with FakeTensorMode(), _DeviceAudit() as audit:
         secondary, full = torch.empty(8, device="cuda"), torch.empty(2 * 8, device="cuda")
         zcomm.all_gather_into_tensor(full, secondary, group=block, topology=zcomm.Topology(world_size=2, local_size=2))

@@ -1,7 +1,10 @@
-"""all_gather_q8 dequantizes all W payloads with one op call (one kernel launch on CUDA).
+"""all_gather_q8 unpipelined dequantizes all W payloads with one op call (one kernel launch on CUDA).
 
 The rows arrive ordered [local rank][node] while the output is in rank order [node][local
-rank]; the single call must still put every rank's payload in its place. Runs on 4 gloo
+rank]; the single call must still put every rank's payload in its place. Pipelined in ``k``
+chunks ([Note: qwZ pipeline]) it makes one call per rank and chunk (``W * k``), each
+straight into that rank's piece of the output, so a chunk is dequantized while the next
+one is on the wire. Runs on 4 gloo
 ranks (CPU: the call count is the same on every backend) with the topologies 1x4, 2x2 and
 4x1, counting ``zcomm.quant.dequantize`` calls and comparing the output, bit for bit, with
 the payloads gathered by torch in rank order and dequantized by the reference backend.
@@ -36,6 +39,11 @@ def _count_dequantize_calls(rank: int, world: int) -> list[int]:
         calls.clear()
         zcomm.all_gather_q8(output, inputs[rank].clone(), group_size=64, topology=topology)
         per_call.append(len(calls))
+        pipelined = torch.empty_like(output)
+        calls.clear()
+        zcomm.all_gather_q8(pipelined, inputs[rank].clone(), group_size=64, pipeline_stages=3, topology=topology)
+        per_call.append(len(calls))
+        assert torch.equal(pipelined, output), local_size
         payload = zcomm.quant.quantize(inputs[rank], 8, 64, backend="reference")
         rows = torch.empty(world, payload.numel(), dtype=torch.uint8)
         dist.all_gather(list(rows.unbind(0)), payload)
@@ -44,5 +52,5 @@ def _count_dequantize_calls(rank: int, world: int) -> list[int]:
     return per_call
 
 
-def test_all_gather_q8_dequantizes_once_per_call():
-    assert run_distributed(_count_dequantize_calls, WORLD) == [[1, 1, 1]] * WORLD
+def test_all_gather_q8_dequantizes_once_per_call_or_once_per_rank_and_chunk():
+    assert run_distributed(_count_dequantize_calls, WORLD) == [[1, 3 * WORLD] * 3] * WORLD

@@ -134,8 +134,11 @@ def test_subgroup_of_the_world_split_path_and_reinitialization():
     results = run_distributed(_main, 5, timeout=400)
     assert [checked for checked, _, _ in results] == [8, 16, 16, 16, 16]
     expected_calls = [
-        ([0, 1, 2, 3], [[0, 1], [2, 3]], "zcomm intra"),
-        ([0, 1, 2, 3], [[0, 2], [1, 3]], "zcomm inter"),
+        # check_case runs reduce_scatter_q4 first: each kind creates its own pair ([Note: kinds])
+        ([0, 1, 2, 3], [[0, 1], [2, 3]], "zcomm reduce-intra"),
+        ([0, 1, 2, 3], [[0, 2], [1, 3]], "zcomm reduce-inter"),
+        ([0, 1, 2, 3], [[0, 1], [2, 3]], "zcomm gather-intra"),
+        ([0, 1, 2, 3], [[0, 2], [1, 3]], "zcomm gather-inter"),
         ([0, 1, 2, 3], [[0, 1], [2, 3]], "zcomm block"),
     ]
     assert [calls for _, calls, _ in results] == [expected_calls] * 4 + [[]]

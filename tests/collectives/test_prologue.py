@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import zcomm
 
-ag, rs = zcomm.all_gather_q8, zcomm.reduce_scatter_q4
+ag, rs, rsc = zcomm.all_gather_q8, zcomm.reduce_scatter_q4, zcomm.reduce_scatter_q4_coalesced
 X = torch.randn(4)
 
 
@@ -27,6 +27,7 @@ X = torch.randn(4)
         (lambda: ag(torch.empty(4, dtype=torch.float64), X.double()), ValueError, "float64"),
         (lambda: rs(torch.empty(4), X, dist.ReduceOp.MAX), ValueError, "op must be ReduceOp.SUM or ReduceOp.AVG"),
         (lambda: rs(torch.empty(4), X, pipeline_stages=0), ValueError, "pipeline_stages"),
+        (lambda: ag(torch.empty(4), X, pipeline_stages=True), ValueError, "pipeline_stages"),
         (lambda: rs(torch.empty(4), X, group_size=7), ValueError, "group_size must be even"),
         (lambda: ag(torch.empty(4), X, group_size=1), ValueError, "group_size must be >= 2"),
         (lambda: ag(torch.empty(4), X, group_size="blocked"), TypeError, '"tensor" or None'),
@@ -34,6 +35,13 @@ X = torch.randn(4)
         (lambda: rs(torch.empty(4), X, topology=zcomm.Topology(world_size=2, local_size=1)), ValueError,
          "topology is for 2 ranks but the group has 1"),
         (lambda: ag(torch.empty(4), X, topology=(1, 1)), TypeError, "topology must be a zcomm.Topology"),
+        (lambda: rsc(torch.empty(4), [X]), TypeError, "outputs must be a list or tuple of tensors"),
+        (lambda: rsc([], []), ValueError, "non-empty and of one length"),
+        (lambda: rsc([torch.empty(4)], [X, X]), ValueError, "non-empty and of one length"),
+        (lambda: rsc([torch.empty(4), torch.empty(3)], [X, X]), ValueError, r"pair 1: input.numel\(\) must be"),
+        (lambda: rsc([torch.empty(4), torch.empty(4).half()], [X, X.half()]), ValueError, "pair 1 is torch.float16"),
+        (lambda: rsc([torch.empty(4)], [X], dist.ReduceOp.MAX), ValueError, "op must be ReduceOp.SUM or ReduceOp.AVG"),
+        (lambda: rsc([torch.empty(4)], [X], pipeline_stages=-1), ValueError, "pipeline_stages"),
         (lambda: zcomm.all_gather_into_tensor(torch.empty(5), X), ValueError, "numel"),
         (lambda: zcomm.reduce_scatter_tensor(torch.empty(4), [X]), TypeError, "input must be a torch.Tensor"),
     ],
@@ -73,3 +81,12 @@ def test_group_size_tensor_is_one_scale_per_payload(gloo_world, one_rank, dtype,
     reduced = torch.empty_like(x)
     rs(reduced, x, group_size="tensor", pipeline_stages=stages, topology=one_rank)
     assert torch.equal(reduced, torch.cat([_one_group_round_trip(p, 4) for p in x.split(part)]))
+
+
+def test_one_rank_has_nothing_to_pipeline(gloo_world, one_rank):
+    """No hop to overlap: any pipeline_stages gives the one round trip of the input."""
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(3))
+    gathered = torch.empty_like(x)
+    ag(gathered, x, group_size=8, pipeline_stages=3, topology=one_rank)
+    expected = zcomm.quant.dequantize(zcomm.quant.quantize(x, 8, 8), x.numel(), 8, 8, x.dtype)
+    assert torch.equal(gathered, expected)

@@ -143,6 +143,42 @@ def test_reorder_quantize(host_check, tmp_path, dtype, bits, numel, perm, num_ch
     assert ran.tiles == _tiles(min(group_size, chunk))
 
 
+INTERLEAVE_CASES = [
+    # (parts, widths, part_numel, perm, num_chunks, group_size): pieces and the zero fill on
+    # and off run boundaries, an empty tensor, one tensor with a fill (reduce_scatter_q4's
+    # padded slices), and a tiled group spanning several tensors
+    (4, (3, 0, 10, 7), 24, (3, 2, 1, 0, 7, 6, 5, 4), 4, 6),
+    (4, (64, 24, 40), 128, (1, 0, 3, 2), 2, 32),
+    (2, (40, 17), 64, (3, 1, 0, 2), 2, 8),
+    (4, (1001,), 1004, (0, 4, 1, 5, 2, 6, 3, 7), 4, 502),
+    (3, (9000, 3001, 1), 12003, (2, 0, 1), 3, 20000),
+]
+
+
+@pytest.mark.parametrize("misalign", (0, 1))
+@pytest.mark.parametrize("bits", (8, 4))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("parts,widths,part_numel,perm,num_chunks,group_size", INTERLEAVE_CASES)
+def test_reorder_quantize_interleaved(
+    host_check, tmp_path, dtype, bits, parts, widths, part_numel, perm, num_chunks, group_size, misalign
+):
+    """The interleaved form ([Note: interleaved input]): tensors in separate buffers, read through the table."""
+    if bits == 4 and group_size % 2:
+        pytest.skip("INT4 needs an even group size")
+    xs = [make_hard_input(parts * w, group_size, dtype, bits, seed=k + w) for k, w in enumerate(widths)]
+    args = ["interleave", DTYPE_TAG[dtype], bits, group_size, misalign, num_chunks, ",".join(map(str, perm)), parts,
+            part_numel, ",".join(map(str, widths))]  # fmt: skip
+    ran = _run(host_check, tmp_path, args, torch.cat(xs))
+    expected = zq.reorder_quantize(
+        xs, perm, num_chunks, bits, group_size, parts=parts, part_numel=part_numel, backend="reference"
+    )
+    assert ran.out == _bytes(expected)
+    chunk = parts * part_numel // num_chunks
+    row = zq.payload_nbytes(chunk, bits, group_size)
+    assert ran.vec == (not misalign and group_size % 8 == 0 and chunk % 8 == 0 and row % _run_bytes(bits) == 0)
+    assert ran.tiles == _tiles(min(group_size, chunk))
+
+
 DECODE_CASES = [(bits, gs, n) for bits in (8, 4) for gs in (8, 6) for n in (1, gs + 3, 10 * gs, 16 * gs + 6)]
 
 

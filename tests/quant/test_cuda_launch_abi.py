@@ -25,7 +25,7 @@ from zcomm_cuda import loader
 pytestmark = requires_nvcc
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-ENCODERS = ("zc_quantize_", "zc_reorder_quantize_", "zc_dequant_reduce_requant_")
+ENCODERS = ("zc_quantize_", "zc_reorder_quantize_", "zc_reorder_interleaved_", "zc_dequant_reduce_requant_")
 PARAM_BYTES = {"u64": 8, "b64": 8, "s64": 8, "u32": 4, "b32": 4, "s32": 4, "f32": 4}
 
 
@@ -52,6 +52,8 @@ def launches(monkeypatch) -> list[tuple[str, str, tuple]]:
     monkeypatch.setattr(loader, "launch", record)
     monkeypatch.setattr(cuda_launch, "_max_blocks", lambda device: 1056)
     monkeypatch.setattr(cuda_launch, "_device_perm", lambda perm, device: torch.tensor(perm, dtype=torch.int64))
+    table = lambda xs, parts: torch.tensor(cuda_launch.interleaved_table(xs, parts), dtype=torch.int64)
+    monkeypatch.setattr(cuda_launch, "_device_table", table)
     return recorded
 
 
@@ -69,7 +71,10 @@ def _run_every_op(bits: int, dtype: torch.dtype, group_size: int) -> None:
     payloads = torch.zeros(2, row, dtype=torch.uint8)
     cuda_launch.dequantize(payloads, numel, bits, group_size, torch.empty(2 * numel, dtype=dtype))
     chunk_rows = torch.empty(chunks, payload_nbytes(numel // chunks, bits, group_size), dtype=torch.uint8)
-    cuda_launch.reorder_quantize(x, perm, chunks, bits, group_size, chunk_rows)
+    cuda_launch.reorder_quantize([x], 1, numel, perm, chunks, bits, group_size, chunk_rows)
+    # the interleaved form: two tensors of 6 parts whose pieces leave a zero fill in each part
+    pieces = [x[: 6 * group_size], x[6 * group_size : 6 * 3 * group_size]]
+    cuda_launch.reorder_quantize(pieces, 6, 4 * group_size, perm, chunks, bits, group_size, chunk_rows)
     cuda_launch.dequant_reduce(payloads, numel, bits, group_size, 2.0, torch.empty(numel, dtype=dtype))
     cuda_launch.dequant_reduce_requant(payloads, numel, bits, group_size, 2.0, chunk_rows)
 
@@ -80,7 +85,7 @@ def test_launch_arguments_match_kernel_parameters(kernel_params, launches, bits,
     for dtype in DTYPES:
         _run_every_op(bits, dtype, group_size)
     encoder_launches = sum(name.startswith(ENCODERS) for _, name, _ in launches)
-    assert encoder_launches == 3 * 3 * (1 if group_size <= cuda_launch.TEAM_MAX_GROUP else 2)  # 3 dtypes, 3 ops
+    assert encoder_launches == 3 * 4 * (1 if group_size <= cuda_launch.TEAM_MAX_GROUP else 2)  # 3 dtypes, 4 launches
     for source, name, args in launches:
         assert source in loader.KERNEL_SOURCES and name in kernel_params, name
         declared = [(PARAM_BYTES[t], t == "f32") for t in kernel_params[name]]

@@ -111,6 +111,37 @@ def test_reorder_quantize_every_kind(
 
 
 @pytest.mark.parametrize("bits", (8, 4))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("parts", "widths", "part_numel", "perm", "num_chunks", "group_size"),
+    [
+        (4, (3, 0, 10, 7), 24, (3, 2, 1, 0, 7, 6, 5, 4), 4, 6),  # an empty tensor, a fill, groups across tensors
+        (4, (64, 24, 40), 128, (1, 0, 3, 2), 2, 32),  # no fill
+        (4, (1001,), 1004, (0, 4, 1, 5, 2, 6, 3, 7), 4, 512),  # one tensor with a fill (padded qgZ slices)
+        (2, (5000, 3001, 1), 8003, (1, 0), 2, 2048),
+    ],
+)
+def test_reorder_quantize_interleaved(
+    target: Target, dtype: torch.dtype, bits: int, parts: int, widths: tuple[int, ...], part_numel: int,
+    perm: tuple[int, ...], num_chunks: int, group_size: int,
+):
+    """The interleaved form reads its tensors where they are, as the interleaving they stand for:
+    the reference's bytes, and those of reorder_quantize on the interleaving built with torch.cat."""
+    for seed, kind in enumerate(KINDS):
+        xs = [make_input(parts * w, dtype, kind, seed + k, group_size) for k, w in enumerate(widths)]
+        built = torch.cat([*(x.view(parts, -1) for x in xs), torch.zeros(parts, part_numel - sum(widths), dtype=dtype)], 1)
+        expected = q.reorder_quantize(built.view(-1), perm, num_chunks, bits, group_size, backend="reference")
+        interleaved = dict(parts=parts, part_numel=part_numel)
+        assert_same_bytes(
+            q.reorder_quantize(xs, perm, num_chunks, bits, group_size, **interleaved, backend="reference"), expected,
+            f"reference interleaved {dtype} bits={bits} {kind}",
+        )
+        on_device = [x.to(target.device) for x in xs]
+        got = q.reorder_quantize(on_device, perm, num_chunks, bits, group_size, **interleaved, backend=target.backend)
+        assert_same_bytes(got.cpu(), expected, f"{target} interleaved {dtype} bits={bits} {kind}")
+
+
+@pytest.mark.parametrize("bits", (8, 4))
 @pytest.mark.parametrize(("slices", "num_chunks"), ((8, 8), (8, 2), (6, 3), (1, 1)))
 def test_reorder_quantize_hard_cases(target: Target, bits: int, slices: int, num_chunks: int):
     perm = tuple(reversed(range(slices)))[::2] + tuple(reversed(range(slices)))[1::2]

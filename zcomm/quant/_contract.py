@@ -44,6 +44,13 @@ from .wire_format import SUPPORTED_DTYPES, payload_nbytes
 
 Kernel = TypeVar("Kernel", bound=Callable[..., None])
 
+# [Note: interleaved input] reorder_quantize reads a list of tensors as the rank-major
+# interleaving a coalesced reduce-scatter needs (part r of the input = every tensor's r-th
+# shard, one after another), zero-filled at the end of each part so that parts split into
+# equal pipeline pieces. Each backend reads the tensors where they are: the interleaved,
+# padded tensor is never written, so a bucket of gradients needs no torch.cat and a size
+# that needs padding no staging buffer.
+
 # op name -> the custom op; filled by @_op below, in the order the ops are defined
 OPS: dict[str, torch.library.CustomOpDef] = {}
 _KERNELS: dict[tuple[str, str], Callable[..., None]] = {}
@@ -146,16 +153,35 @@ def dequantize(payloads: Tensor, numel: int, bits: int, group_size: int, backend
 
 @_op
 def reorder_quantize(
-    x: Tensor, perm: Sequence[int], num_chunks: int, bits: int, group_size: int, backend: str, out: Tensor
+    xs: list[Tensor],
+    parts: int,
+    part_numel: int,
+    perm: Sequence[int],
+    num_chunks: int,
+    bits: int,
+    group_size: int,
+    backend: str,
+    out: Tensor,
 ) -> None:
     """Row ``c`` of ``out`` (2-D uint8, ``num_chunks`` rows) = the payload of chunk ``c`` of
-    ``x`` reordered: ``x`` read as ``len(perm)`` equal slices, output slice ``p`` = input
-    slice ``perm[p]``, the result cut into ``num_chunks`` equal chunks."""
+    the *interleaved input* ``v`` reordered.
+
+    ``v`` is ``parts`` parts of ``part_numel`` elements: part ``r`` is the ``r``-th of
+    ``parts`` equal pieces of every tensor of ``xs`` (1-D, one dtype), in list order, then
+    zeros up to ``part_numel`` ([Note: interleaved input]). ``v`` is read as ``len(perm)``
+    equal slices, output slice ``p`` = slice ``perm[p]`` of ``v``, and the result cut into
+    ``num_chunks`` equal chunks. One tensor that fills its parts is ``v`` itself.
+    """
     _check_spec(bits, group_size)
-    assert x.numel() > 0 and sorted(perm) == list(range(len(perm))), perm
-    assert x.numel() % len(perm) == 0 and x.numel() % num_chunks == 0, (x.numel(), len(perm), num_chunks)
-    _check_floats(x, "x", x.numel(), x.device)
-    _check_payloads(out, "out", num_chunks, x.numel() // num_chunks, bits, group_size, x.device)
+    assert len(xs) >= 1 and parts >= 1, (len(xs), parts)
+    widths = [x.numel() // parts for x in xs]
+    numel = parts * part_numel
+    assert numel > 0 and sum(widths) <= part_numel and sorted(perm) == list(range(len(perm))), (part_numel, perm)
+    assert numel % len(perm) == 0 and numel % num_chunks == 0, (numel, len(perm), num_chunks)
+    for x in xs:
+        assert x.dtype == xs[0].dtype and x.numel() % parts == 0, (x.dtype, x.numel(), parts)
+        _check_floats(x, "x", x.numel(), out.device)
+    _check_payloads(out, "out", num_chunks, numel // num_chunks, bits, group_size, out.device)
 
 
 def _check_reduction(payloads: Tensor, numel: int, bits: int, group_size: int, divide_by: float) -> None:

@@ -152,35 +152,71 @@ def _check_perm(perm: Sequence[int], numel: int) -> tuple[int, ...]:
     return perm_t
 
 
+def _check_interleaved(
+    x: torch.Tensor | Sequence[torch.Tensor], parts: int, part_numel: int | None
+) -> tuple[list[torch.Tensor], int]:
+    """``x`` as a list of 1-D tensors of one dtype and device, and the concrete ``part_numel``."""
+    tensors = [x] if isinstance(x, torch.Tensor) else list(x)
+    if not tensors:
+        raise ValueError("x must be a tensor or a non-empty sequence of tensors")
+    for index, tensor in enumerate(tensors):
+        _check_float_input(tensor, f"x[{index}]" if len(tensors) > 1 else "x")
+        if tensor.dtype != tensors[0].dtype or tensor.device != tensors[0].device:
+            raise ValueError(
+                f"x[{index}] is {tensor.dtype} on {tensor.device} but x[0] is {tensors[0].dtype} on {tensors[0].device}"
+            )
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"parts must be a positive int, got {parts!r}")
+    for index, tensor in enumerate(tensors):
+        if tensor.numel() % parts:
+            raise ValueError(f"x[{index}].numel()={tensor.numel()} is not divisible into parts={parts} equal pieces")
+    filled = sum(tensor.numel() for tensor in tensors) // parts
+    if part_numel is None:
+        return [t.detach().view(-1) for t in tensors], filled
+    _check_numel(part_numel, "part_numel")
+    if part_numel < filled:
+        raise ValueError(f"part_numel={part_numel} is shorter than the {filled} elements each part holds")
+    return [t.detach().view(-1) for t in tensors], part_numel
+
+
 def reorder_quantize(
-    x: torch.Tensor,
+    x: torch.Tensor | Sequence[torch.Tensor],
     perm: Sequence[int],
     num_chunks: int,
     bits: int,
     group_size: GroupSize,
     *,
+    parts: int = 1,
+    part_numel: int | None = None,
     backend: str | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reorder the slices of ``x``, then quantize into ``num_chunks`` self-contained payloads.
 
-    ``x`` is viewed as ``len(perm)`` equal slices; output slice ``p`` is input slice
-    ``perm[p]``. The reordered tensor is cut into ``num_chunks`` equal pieces, each quantized
-    as its own payload (own groups, own scales), so row ``c`` of the result can be handed
-    to peer ``c`` of an all-to-all. Returns ``(num_chunks, payload_nbytes(x.numel() // num_chunks))``.
+    ``x`` is a tensor, or tensors of one dtype and device read as their *interleaving*:
+    ``parts`` parts, part ``r`` holding the ``r``-th of ``parts`` equal pieces of each
+    tensor in turn, zero-filled to ``part_numel`` elements (default: no fill). With one
+    tensor and no fill that is the tensor itself (any ``parts``). The tensors are read where
+    they are; the interleaved tensor is never built. It is viewed as ``len(perm)`` equal
+    slices; output slice ``p`` is input slice ``perm[p]``. The reordered tensor is cut into
+    ``num_chunks`` equal pieces, each quantized as its own payload (own groups, own
+    scales), so row ``c`` of the result can be handed to peer ``c`` of an all-to-all.
+    Returns ``(num_chunks, payload_nbytes(parts * part_numel // num_chunks))``.
     """
-    _check_float_input(x, "x")
-    perm_t = _check_perm(perm, x.numel())
+    tensors, part_numel = _check_interleaved(x, parts, part_numel)
+    numel = parts * part_numel
+    perm_t = _check_perm(perm, numel)
     if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
         raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
-    if x.numel() % num_chunks:
-        raise ValueError(f"x.numel()={x.numel()} is not divisible into num_chunks={num_chunks} equal chunks")
-    chunk = x.numel() // num_chunks
+    if numel % num_chunks:
+        raise ValueError(f"x.numel()={numel} is not divisible into num_chunks={num_chunks} equal chunks")
+    chunk = numel // num_chunks
     group = _spec_group_size(bits, group_size, chunk)
-    name = _registry.select(backend, x.device)
-    result = _output(out, (num_chunks, payload_nbytes(chunk, bits, group)), torch.uint8, x.device)
-    if x.numel():
-        _contract.reorder_quantize(x.detach().view(-1), perm_t, num_chunks, bits, group, name, result)
+    device = tensors[0].device
+    name = _registry.select(backend, device)
+    result = _output(out, (num_chunks, payload_nbytes(chunk, bits, group)), torch.uint8, device)
+    if numel:
+        _contract.reorder_quantize(tensors, parts, part_numel, perm_t, num_chunks, bits, group, name, result)
     return result
 
 

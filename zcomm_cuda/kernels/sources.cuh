@@ -2,10 +2,12 @@
 //
 // A source maps a logical element index j (over the concatenation of all output payloads)
 // to an fp32 value, one at a time (load1) or as a run of 8 (load8, only when its
-// can_vectorize() holds and j is a multiple of 8). Three sources cover the four ops:
+// can_vectorize() holds and j is a multiple of 8). Four sources cover the four ops:
 //   FlatSource      x[j]                                  (quantize)
 //   PermutedSource  x[perm[j / slice] * slice + j % slice] (reorder_quantize: the
 //                   reordered tensor is never materialized)
+//   InterleavedSource  the same through the interleaving of several tensors and a zero
+//                   fill (reorder_quantize of a list, or with part_numel > the pieces)
 //   PayloadSum      sum over k payload rows of the dequantized element j, then the
 //                   divisor (dequantize with k = 1, dequant_reduce)
 #pragma once
@@ -32,6 +34,59 @@ template <class T> struct PermutedSource {
     ZC_HD bool can_vectorize() const { return aligned(x, 16) && slice_numel % 8 == 0; }
     ZC_HD float load1(i64 j) const { return to_float(x[source_index(j)]); }
     ZC_HD void load8(i64 j, float (&v)[8]) const { zc::load8(x + source_index(j), v); }
+};
+
+// reorder_quantize's interleaved input v ([Note: interleaved input] in zcomm/quant/_contract.py)
+// read through the permutation. Element j of the reordered tensor is element
+// e = perm[j / slice] * slice + j % slice of v; e lies in part r = e / part_numel at position
+// t = e % part_numel, which is tensor k's element r * width_k + t - begin_k for the tensor
+// whose piece [begin_k, end_k) of the part holds t (a binary search over the ends), or the
+// zero fill past the last piece. The table is 3 i64 per tensor: its address, width, end.
+template <class T> struct InterleavedSource {
+    const i64* table;
+    i64 tensors;
+    i64 part_numel;
+    const i64* perm;  // output slice p is v's slice perm[p]
+    i64 slice_numel;
+
+    // The address of element j (nullptr in the fill), and in `run` how many elements from j
+    // on are contiguous there (the rest of j's slice, part and piece).
+    ZC_HD const T* locate(i64 j, i64& run) const {
+        const i64 offset = j % slice_numel;
+        const i64 e = perm[j / slice_numel] * slice_numel + offset;
+        const i64 part = e / part_numel;
+        const i64 t = e % part_numel;
+        run = slice_numel - offset < part_numel - t ? slice_numel - offset : part_numel - t;
+        i64 lo = 0, hi = tensors;  // the first tensor whose piece ends after t
+        while (lo < hi) {
+            const i64 mid = (lo + hi) / 2;
+            if (table[3 * mid + 2] > t) hi = mid; else lo = mid + 1;
+        }
+        if (lo == tensors) return nullptr;
+        const i64 width = table[3 * lo + 1];
+        const i64 end = table[3 * lo + 2];
+        if (end - t < run) run = end - t;
+        const T* x = reinterpret_cast<const T*>(static_cast<unsigned long long>(table[3 * lo]));
+        return x + part * width + (t - (end - width));
+    }
+    // Each run of 8 is checked in load8: whole in one piece (or the fill) and aligned, or scalar.
+    ZC_HD bool can_vectorize() const { return true; }
+    ZC_HD float load1(i64 j) const {
+        i64 run;
+        const T* p = locate(j, run);
+        return p != nullptr ? to_float(*p) : 0.0f;
+    }
+    ZC_HD void load8(i64 j, float (&v)[8]) const {
+        i64 run;
+        const T* p = locate(j, run);
+        if (run >= 8 && p != nullptr && aligned(p, 16)) {
+            zc::load8(p, v);
+        } else if (run >= 8 && p == nullptr) {
+            for (int k = 0; k < 8; ++k) v[k] = 0.0f;
+        } else {
+            for (int k = 0; k < 8; ++k) v[k] = load1(j + k);
+        }
+    }
 };
 
 // k payloads of `numel` elements each, stacked as rows of `stride` bytes.

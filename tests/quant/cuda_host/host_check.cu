@@ -14,6 +14,9 @@
 // vector alignment, forcing the scalar paths):
 //   host_check quantize   DTYPE BITS GS MISALIGN IN OUT
 //   host_check reorder    DTYPE BITS GS MISALIGN NUM_CHUNKS PERM(comma-separated) IN OUT
+//   host_check interleave DTYPE BITS GS MISALIGN NUM_CHUNKS PERM PARTS PART_NUMEL WIDTHS IN OUT
+//     (interleave: IN holds the tensors one after another, tensor k being PARTS x WIDTHS[k]
+//     elements; each is copied into a buffer of its own, as separate allocations)
 //   host_check dequantize DTYPE BITS GS MISALIGN NUMEL K IN OUT
 //   host_check reduce     DTYPE BITS GS MISALIGN NUMEL K DIVISOR_BITS(hex fp32) M IN OUT
 //     (reduce: M = 0 stores DTYPE values, M > 0 re-quantizes into M payloads)
@@ -115,11 +118,43 @@ template <class T, int BITS> bool decode_all(const SegmentLayout<T, BITS>& layou
     return vec;
 }
 
-std::vector<i64> parse_perm(const std::string& text) {
-    std::vector<i64> perm;
+std::vector<i64> parse_list(const std::string& text) {
+    std::vector<i64> values;
     std::stringstream ss(text);
-    for (std::string item; std::getline(ss, item, ',');) perm.push_back(std::atoll(item.c_str()));
-    return perm;
+    for (std::string item; std::getline(ss, item, ',');) values.push_back(std::atoll(item.c_str()));
+    return values;
+}
+
+// reorder_quantize's interleaved form: InterleavedSource over tensors in separate buffers.
+template <class T, int BITS> bool run_interleave(char** argv, size_t elem_shift, size_t byte_shift) {
+    const i64 gs = std::atoll(argv[4]);
+    const i64 chunks = std::atoll(argv[6]);
+    const std::vector<i64> perm = parse_list(argv[7]);
+    const i64 parts = std::atoll(argv[8]);
+    const i64 part_numel = std::atoll(argv[9]);
+    const std::vector<i64> widths = parse_list(argv[10]);
+    const std::vector<u8> bytes = read_file(argv[11]);
+    std::vector<Buffer> tensors;
+    std::vector<i64> table;
+    size_t offset = 0;
+    i64 end = 0;
+    for (const i64 width : widths) {
+        const size_t nbytes = static_cast<size_t>(parts * width) * sizeof(T);
+        tensors.emplace_back(nbytes, elem_shift);
+        std::memcpy(tensors.back().data, bytes.data() + offset, nbytes);
+        offset += nbytes;
+        end += width;
+        table.insert(table.end(), {static_cast<i64>(reinterpret_cast<unsigned long long>(tensors.back().data)), width, end});
+    }
+    const i64 numel = parts * part_numel;
+    const i64 row = payload_bytes(numel / chunks, BITS, gs);
+    Buffer out(row * chunks, byte_shift);
+    const ChunkLayout<BITS> layout{out.data, numel / chunks, chunks, gs, row};
+    const InterleavedSource<T> source{table.data(), static_cast<i64>(widths.size()), part_numel, perm.data(),
+                                      numel / static_cast<i64>(perm.size())};
+    const bool vec = encode_all<BITS>(source, layout);
+    write_file(argv[12], out.data, row * chunks);
+    return vec;
 }
 
 // Runs one op for element type T and BITS; returns whether vector paths ran.
@@ -129,6 +164,7 @@ template <class T, int BITS> bool run_op(const std::string& op, char** argv, int
     const size_t byte_shift = std::atoi(argv[5]) ? 1 : 0;
     const char* in_path = argv[argc - 2];
     const char* out_path = argv[argc - 1];
+    if (op == "interleave") return run_interleave<T, BITS>(argv, elem_shift, byte_shift);
     if (op == "quantize" || op == "reorder") {
         Buffer in = load_input(in_path, elem_shift);
         const i64 numel = static_cast<i64>(read_file(in_path).size() / sizeof(T));
@@ -142,7 +178,7 @@ template <class T, int BITS> bool run_op(const std::string& op, char** argv, int
         if (op == "quantize") {
             vec = encode_all<BITS>(FlatSource<T>{x}, layout);
         } else {
-            const std::vector<i64> perm = parse_perm(argv[7]);
+            const std::vector<i64> perm = parse_list(argv[7]);
             vec = encode_all<BITS>(PermutedSource<T>{x, perm.data(), numel / static_cast<i64>(perm.size())}, layout);
         }
         write_file(out_path, out.data, row * chunks);

@@ -138,27 +138,55 @@ def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, o
 
 
 def reorder_quantize(
-    x: torch.Tensor, perm: Sequence[int], num_chunks: int, bits: int, group_size: int, out: torch.Tensor
+    xs: list[torch.Tensor],
+    parts: int,
+    part_numel: int,
+    perm: Sequence[int],
+    num_chunks: int,
+    bits: int,
+    group_size: int,
+    out: torch.Tensor,
 ) -> None:
-    chunk = x.numel() // num_chunks
+    """One tensor that fills its parts is read through the permutation alone; otherwise
+    the interleaved kernel reads the tensors through a table ([Note: interleaved table])."""
+    numel = parts * part_numel
+    chunk = numel // num_chunks
+    x = xs[0]
     device_perm = _device_perm(perm, x.device)
-    _encode(
-        "reorder_quantize.cu",
-        f"zc_reorder_quantize_{_DTYPE_TAG[x.dtype]}_int{bits}",
-        x.device,
-        num_groups(chunk, group_size) * num_chunks,
-        min(group_size, chunk),
-        (
-            _ptr(x),
-            _ptr(device_perm),
-            _i64(x.numel() // len(perm)),
-            _i64(chunk),
-            _i64(num_chunks),
-            _i64(group_size),
-            _i64(out.shape[1]),
-            _ptr(out),
-        ),
-    )
+    layout = (_i64(numel // len(perm)), _i64(chunk), _i64(num_chunks), _i64(group_size), _i64(out.shape[1]), _ptr(out))
+    if len(xs) == 1 and x.numel() == numel:
+        name, source = f"zc_reorder_quantize_{_DTYPE_TAG[x.dtype]}_int{bits}", (_ptr(x), _ptr(device_perm))
+    else:
+        table = _device_table(xs, parts)
+        name = f"zc_reorder_interleaved_{_DTYPE_TAG[x.dtype]}_int{bits}"
+        source = (_ptr(table), _i64(len(xs)), _i64(part_numel), _ptr(device_perm))
+    _encode("reorder_quantize.cu", name, x.device, num_groups(chunk, group_size) * num_chunks,
+            min(group_size, chunk), (*source, *layout))
+
+
+def interleaved_table(xs: Sequence[torch.Tensor], parts: int) -> list[int]:
+    """InterleavedSource's table (sources.cuh): per tensor its address, its piece of a part, where that piece ends."""
+    table, end = [], 0
+    for x in xs:
+        width = x.numel() // parts
+        end += width
+        table += [x.data_ptr(), width, end]
+    return table
+
+
+def _device_table(xs: Sequence[torch.Tensor], parts: int) -> torch.Tensor:
+    """The interleaved kernel's table on the tensors' device, uploaded on the current stream.
+
+    [Note: interleaved table] The table holds the tensors' addresses, so it is made per call:
+    a pinned host tensor from torch's caching host allocator, copied with
+    ``non_blocking=True`` (no host synchronization). The allocator records the copy on the
+    stream and does not hand the pinned block out again before the copy has run, so
+    dropping the host tensor here is safe. Unlike the permutation's cached pinned copy
+    ([Note: perm lifetime]), a per-call host buffer cannot be replayed by a CUDA graph: the
+    interleaved form is not graph-capturable; one tensor that fills its parts never needs it.
+    """
+    host = torch.tensor(interleaved_table(xs, parts), dtype=torch.int64).pin_memory()
+    return host.to(xs[0].device, non_blocking=True)
 
 
 def _reduction_args(payloads: torch.Tensor, numel: int, group_size: int, divide_by: float) -> tuple[Any, ...]:

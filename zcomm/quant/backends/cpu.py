@@ -5,8 +5,9 @@ Every op is a parallel loop over *units*: one quantization group of one output p
 (``dequantize``, ``dequant_reduce`` to a float dtype). A unit's fp32 values are first
 gathered into a small per-thread buffer of ``group_size`` floats, which then stays in L1:
 
-1. *gather*: convert the source elements to fp32 (reading ``reorder_quantize``'s input
-   through the permutation, slice segment by slice segment, with no intermediate copy), or
+1. *gather*: convert the source elements to fp32 (reading ``reorder_quantize``'s tensors
+   through the permutation and the interleaving, one contiguous run at a time, with no
+   intermediate copy), or
    decode and sum the ``k`` payloads' elements in row order (``dequant_reduce``);
 2. *encode* (:func:`_encode_group`): one integer max over the fp32 bit patterns with the
    sign cleared gives the absmax and the NaN/Inf flags at once (NaN > Inf > every finite
@@ -41,7 +42,8 @@ from typing import Sequence
 import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from .._threads import kernel_threads
 from .._contract import implements
@@ -195,20 +197,43 @@ def _sum_rows(payloads, numel, bits, group_size, start, n, divisor, buf):
             acc[i] = acc[i] / divisor
 
 
+@intrinsic
+def _pointer(typingctx, address, like):
+    """The integer ``address`` as a pointer to elements of the array ``like``'s dtype."""
+    if not isinstance(address, types.Integer) or not isinstance(like, types.Array):
+        return None
+    pointer = types.CPointer(like.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(pointer))
+
+    return pointer(address, like), codegen
+
+
 @njit(**_HELPER)
-def _gather_reordered(src, perm, start, n, buf):
-    """``buf[:n]`` = fp32 elements ``[start, start + n)`` of the reordered input, whose slice
-    ``p`` is ``src``'s slice ``perm[p]``, read one contiguous segment at a time."""
-    slice_len = src.size // perm.size
+def _gather_reordered(like, sources, part_numel, perm, slice_len, start, n, buf):
+    """``buf[:n]`` = fp32 elements ``[start, start + n)`` of the reordered interleaved input
+    ([Note: interleaved input]), read one contiguous run of one tensor, or of the zero fill, at
+    a time. ``sources`` holds per tensor its address, its piece of a part and where that piece
+    ends in the part; ``like`` is an array of the tensors' (kernel) dtype."""
+    widths, ends = sources[1], sources[2]
+    filled = ends[ends.size - 1]
     i = start
     while i < start + n:
         offset = i % slice_len
-        stop = min(start + n, i - offset + slice_len)
-        source = perm[i // slice_len] * slice_len + offset
-        segment = src[source : source + stop - i]
-        dst = buf[i - start : stop - start]
-        for j in range(dst.size):
-            dst[j] = load_f32(segment, j)
+        element = perm[i // slice_len] * slice_len + offset
+        part, position = element // part_numel, element % part_numel
+        stop = min(min(start + n, i - offset + slice_len), i + part_numel - position)
+        if position >= filled:
+            buf[i - start : stop - start] = 0
+        else:
+            k = np.searchsorted(ends, position, side="right")  # the tensor whose piece holds position
+            stop = min(stop, i + ends[k] - position)
+            first = part * widths[k] + position - (ends[k] - widths[k])
+            segment = numba.carray(_pointer(sources[0][k] + first * like.itemsize, like), stop - i)
+            dst = buf[i - start : stop - start]
+            for j in range(dst.size):
+                dst[j] = load_f32(segment, j)
         i = stop
 
 
@@ -236,15 +261,16 @@ def _unit(unit, length, group_size):
 
 
 @njit(**_KERNEL)
-def _reorder_quantize_kernel(src, perm, bits, group_size, payloads):
-    """Payload row ``c`` = chunk ``c`` of the reordered ``src``."""
-    chunk = src.size // payloads.shape[0]
+def _reorder_quantize_kernel(like, sources, part_numel, numel, perm, bits, group_size, payloads):
+    """Payload row ``c`` = chunk ``c`` of the reordered interleaved input of ``numel`` elements."""
+    chunk = numel // payloads.shape[0]
+    slice_len = numel // perm.size
     for unit in prange(_unit_count(payloads.shape[0], chunk, group_size)):
         # [Note: buffer] numba hoists this allocation into the per-thread part of the parallel
         # loop (see its parallel diagnostics): one buffer per thread, reused for its units.
         buf = np.empty(group_size, np.float32)
         c, g, start, n = _unit(unit, chunk, group_size)
-        _gather_reordered(src, perm, c * chunk + start, n, buf)
+        _gather_reordered(like, sources, part_numel, perm, slice_len, c * chunk + start, n, buf)
         values, scales = _payload_parts(payloads[c], chunk, bits)
         _encode_group(buf, n, bits, values, start, scales, g)
 
@@ -299,10 +325,18 @@ def _zero_padding(payloads: torch.Tensor, numel: int, bits: int) -> np.ndarray:
     return rows
 
 
-def _quantize_into(x: torch.Tensor, perm: Sequence[int], bits: int, group_size: int, out2d: torch.Tensor) -> None:
-    payloads = _zero_padding(out2d, x.numel() // out2d.shape[0], bits)
+def _quantize_into(
+    xs: Sequence[torch.Tensor], parts: int, part_numel: int, perm: Sequence[int], bits: int, group_size: int,
+    out2d: torch.Tensor,
+) -> None:
+    """``reorder_quantize`` of the interleaved input of ``xs`` (which the caller keeps alive)."""
+    numel = parts * part_numel
+    payloads = _zero_padding(out2d, numel // out2d.shape[0], bits)
+    widths = [x.numel() // parts for x in xs]
+    sources = np.array([[x.data_ptr() for x in xs], widths, np.cumsum(widths)], np.int64)
+    like = kernel_view(xs[0][:0].detach())
     _use_thread_share()
-    _reorder_quantize_kernel(kernel_view(x.detach()), np.asarray(perm, np.int64), bits, group_size, payloads)
+    _reorder_quantize_kernel(like, sources, part_numel, numel, np.asarray(perm, np.int64), bits, group_size, payloads)
 
 
 def _fp32(divide_by: float) -> np.float32:
@@ -312,14 +346,21 @@ def _fp32(divide_by: float) -> np.float32:
 
 @implements("quantize", "cpu")
 def quantize(x: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> None:
-    _quantize_into(x, (0,), bits, group_size, out.view(1, -1))
+    _quantize_into([x], 1, x.numel(), (0,), bits, group_size, out.view(1, -1))
 
 
 @implements("reorder_quantize", "cpu")
 def reorder_quantize(
-    x: torch.Tensor, perm: Sequence[int], num_chunks: int, bits: int, group_size: int, out: torch.Tensor
+    xs: list[torch.Tensor],
+    parts: int,
+    part_numel: int,
+    perm: Sequence[int],
+    num_chunks: int,
+    bits: int,
+    group_size: int,
+    out: torch.Tensor,
 ) -> None:
-    _quantize_into(x, perm, bits, group_size, out)
+    _quantize_into(xs, parts, part_numel, perm, bits, group_size, out)
 
 
 @implements("dequantize", "cpu")

@@ -122,9 +122,19 @@ def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, o
 
 @implements("reorder_quantize", "reference")
 def reorder_quantize(
-    x: torch.Tensor, perm: Sequence[int], num_chunks: int, bits: int, group_size: int, out: torch.Tensor
+    xs: list[torch.Tensor],
+    parts: int,
+    part_numel: int,
+    perm: Sequence[int],
+    num_chunks: int,
+    bits: int,
+    group_size: int,
+    out: torch.Tensor,
 ) -> None:
-    slices = x.to(torch.float32).view(len(perm), -1)
+    pieces = [x.to(torch.float32).view(parts, x.numel() // parts) for x in xs]
+    filled = sum(piece.shape[1] for piece in pieces)
+    fill = torch.zeros(parts, part_numel - filled, dtype=torch.float32, device=out.device)
+    slices = torch.cat([*pieces, fill], dim=1).view(len(perm), -1)
     # concatenated views, not an index tensor, which would be copied from the host (a sync on CUDA)
     reordered = torch.cat([slices[p] for p in perm]).reshape(num_chunks, -1)
     for chunk in range(num_chunks):
