@@ -1,6 +1,6 @@
 """The runtime's communication seam: one ``CommPlan`` per run, built from the config.
 
-A plan holds the three communication objects the runtime moves parameters and gradients
+A plan holds the communication objects the runtime moves parameters and gradients
 through (contracts in ``_api``), chosen by ``build_comm_plan``:
 
 * ``forward_gather``: ``PlainAllGather``, or qwZ's ``QuantizedAllGather``
@@ -8,13 +8,10 @@ through (contracts in ``_api``), chosen by ``build_comm_plan``:
 * ``backward_gather``: the same plain object, or hpZ's ``HpzGather`` (keeps a secondary
   shard over a block of consecutive ranks after forward and gathers from it in backward
   over the block's own group);
+* ``step_gather``: always the plain object: it re-assembles the parameters kept whole
+  (stages 1 and 2, stage 3's persistent units) after each optimizer step, exactly;
 * ``reduce_scatter``: ``PlainReduceScatter``, or qgZ's ``QuantizedReduceScatter``
   (``zcomm.reduce_scatter_q4`` per bucket).
-
-It also runs the few small collectives that are not parameters or gradients (norms,
-checkpoint flags and tags, the exact fp32 gather that consolidates weights). ``device`` is
-where every tensor the runtime creates lives: the device of the model's trainable
-parameters, which ``initialize`` checks the group's backend supports.
 
 [Note: object collectives on NCCL] ``broadcast_object_list``, ``all_gather_object`` and
 ``barrier`` on an NCCL group stage their bytes on ``torch.cuda.current_device()``, which is
@@ -54,6 +51,7 @@ class CommPlan:
     group: dist.ProcessGroup
     forward_gather: AllGather
     backward_gather: AllGather
+    step_gather: AllGather
     reduce_scatter: ReduceScatter
     device: torch.device
     topology: zcomm.Topology
@@ -68,9 +66,7 @@ class CommPlan:
 
     def gathers(self) -> tuple[AllGather, ...]:
         """The distinct parameter-gather objects of this plan."""
-        if self.backward_gather is self.forward_gather:
-            return (self.forward_gather,)
-        return (self.forward_gather, self.backward_gather)
+        return tuple(dict.fromkeys((self.forward_gather, self.backward_gather, self.step_gather)))
 
     def weights_changed(self) -> None:
         for gather in self.gathers():
@@ -139,5 +135,5 @@ def build_comm_plan(config: ZeroConfig, group: dist.ProcessGroup, topology: zcom
     reduce: ReduceScatter = PlainReduceScatter(group, topology)
     if config.quantized_gradients:
         reduce = QuantizedReduceScatter(group, topology, spec=QuantSpec(bits=4, group_size=config.quant_group_size))
-    return CommPlan(group=group, forward_gather=forward, backward_gather=backward, reduce_scatter=reduce,
-                    device=device, topology=topology)
+    return CommPlan(group=group, forward_gather=forward, backward_gather=backward, step_gather=plain,
+                    reduce_scatter=reduce, device=device, topology=topology)
