@@ -78,15 +78,21 @@ DEFAULT_PREFETCH_BUCKET_SIZE = 50_000_000  # DeepSpeed's stage3_prefetch_bucket_
 DEFAULT_PARAM_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold
 DEFAULT_MAX_LIVE_PARAMETERS = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters
 DEFAULT_MAX_REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance
-# [Note: default unit size] A collective costs a fixed latency plus its bytes over the
-# link's bandwidth; fusing until the bytes dominate the latency is what makes stage 3 fast
-# over TCP (one unit per module: 56 collectives per step of a 4-block GPT). 4M elements
-# (8 MB in bf16) take ~0.7 ms on a 100 Gbit/s link against NCCL's ~0.05 ms latency (> 90%
-# of the bandwidth) and ~7 ms at 10 Gbit/s against TCP's ~1 ms; that is the block of a
-# transformer with d_model <= 577 (12 d^2 elements), so a plain config gathers small
-# models block by block, as FSDP2 wraps them, and larger ones by attention and MLP halves
-# or single matrices. A 5e7-element prefetch window still holds > 10 such units.
+# [Note: default unit and bucket sizes] A collective costs a fixed latency plus its bytes
+# over the link's bandwidth; fusing until the bytes dominate the latency is what makes
+# stage 3 fast over TCP (one unit per module: 56 collectives per step of a 4-block GPT).
+# 4M elements (8 MB in bf16) take ~0.7 ms on a 100 Gbit/s link against NCCL's ~0.05 ms
+# latency (> 90% of the bandwidth) and ~7 ms at 10 Gbit/s against TCP's ~1 ms; that is
+# the block of a transformer with d_model <= 577 (12 d^2 elements), so a plain config
+# gathers small models block by block, as FSDP2 wraps them, and larger ones by attention
+# and MLP halves or single matrices. A 5e7-element prefetch window still holds > 10 such
+# units. Gradient buckets use the same size: a bucket is reduced as soon as its units'
+# gradients are final, so in stage 3 each block's reduce-scatter overlaps the backward of
+# the blocks before it (FSDP2's per-unit reduce-scatter), at the same latency/bandwidth
+# trade-off. DeepSpeed's reduce_bucket_size default (5e8) would put any model of fewer
+# than 500M parameters in one bucket at the end of backward.
 DEFAULT_FUSE_NUMEL = 4_000_000
+DEFAULT_REDUCE_BUCKET_SIZE = 4_000_000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +103,12 @@ class ZeroConfig:
     them as integral floats (``1e9``), and so does this class. ``gradient_clipping == 0``
     turns clipping off; clipping follows ``torch.nn.utils.clip_grad_norm_`` (a non-finite
     norm is not detected: only fp16 with dynamic loss scaling skips such a step).
+
+    ``reduce_bucket_size`` (DeepSpeed's meaning): at most this many gradient elements are
+    reduce-scattered by one collective (a unit larger than that is a bucket alone). Stages
+    2 and 3 launch a bucket during backward as soon as the gradients of all its units are
+    final; buckets are fixed at start-up, in the order gradients become final, so every
+    rank issues them in the same order. Stages 1 and 2 also size their flat units by it.
 
     Stage 3 keeps DeepSpeed's keys, defaults and meanings (they are accepted, and have no
     effect, in stages 1 and 2, as in DeepSpeed); see [Note: stage-3 residency] in ``_stage3``:
@@ -119,7 +131,7 @@ class ZeroConfig:
     * ``fuse_numel`` (zcomm key ``zcomm_stage3_fuse_numel``): a module whose subtree holds
       at most this many partitioned elements is gathered as one unit (e.g. a whole
       transformer block); 0 gives one unit per module; default ``DEFAULT_FUSE_NUMEL`` in
-      stage 3 (see [Note: default unit size]; on fusing, see [Note: fused units]
+      stage 3 (see [Note: default unit and bucket sizes]; on fusing, see [Note: fused units]
       in ``_partition``).
 
     ZeRO++ (stage 3 only; each can be on alone, all three together are ZeRO++):
@@ -135,7 +147,7 @@ class ZeroConfig:
 
     stage: int = 2
     precision: Precision = "fp32"
-    reduce_bucket_size: int = 50_000_000
+    reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE
     prefetch_bucket_size: int = DEFAULT_PREFETCH_BUCKET_SIZE
     param_persistence_threshold: int = DEFAULT_PARAM_PERSISTENCE_THRESHOLD
     max_live_parameters: int = DEFAULT_MAX_LIVE_PARAMETERS

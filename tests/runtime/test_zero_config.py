@@ -66,12 +66,12 @@ def test_invalid_values_are_rejected(bad, message):
 
 
 def test_stage3_keys_take_deepspeeds_defaults_and_json_numbers():
-    from zero_runtime.config import DEFAULT_FUSE_NUMEL
+    from zero_runtime.config import DEFAULT_FUSE_NUMEL, DEFAULT_REDUCE_BUCKET_SIZE
 
     plain = ZeroConfig(stage=3)
     assert (plain.param_persistence_threshold, plain.max_live_parameters, plain.max_reuse_distance,
             plain.prefetch_bucket_size) == (100_000, 10**9, 10**9, 5 * 10**7)  # DeepSpeed's defaults
-    assert plain.fuse_numel == DEFAULT_FUSE_NUMEL
+    assert (plain.fuse_numel, plain.reduce_bucket_size) == (DEFAULT_FUSE_NUMEL, DEFAULT_REDUCE_BUCKET_SIZE)
     assert ZeroConfig(stage=2).fuse_numel == 0  # no units to fuse below stage 3
     # DeepSpeed's JSON writes counts as 1e9; they are stored as ints.
     parsed = ZeroConfig.from_dict({"zero_optimization": {

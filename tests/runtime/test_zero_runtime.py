@@ -156,6 +156,16 @@ def _live_limit(rank: int, world: int) -> dict:
     return {"seen": seen, "largest_unit": largest, "kept": opt.scheduler.kept}
 
 
+def _overlap(rank: int, world: int) -> dict:
+    """Gradient buckets launched before the token embedding's backward (the last module to
+    run backward), with per-module units and small buckets."""
+    model, opt = _initialize("gpt", {"zero_optimization": {**FREE_AFTER_USE, "reduce_bucket_size": 3000}})
+    launched = []
+    model.tok.register_full_backward_pre_hook(lambda *_: launched.append(opt.reducer.launched))
+    zero_steps("gpt", model, opt, rank, world, range(2))
+    return {"launched": launched, "buckets": [[u.layout.numel for u in b] for b in opt.reducer.buckets]}
+
+
 def _stage3_reads(rank: int, world: int) -> dict:
     """Stage-3 parameters read outside a forward: through the module they are gathered,
     through ``parameters()`` they are empty (never freed memory), and training goes on."""
@@ -203,6 +213,7 @@ def _train_and_save(rank: int, world: int, root: str) -> dict:
         "traffic": _traffic(rank, world),
         "gathers": _gathers_per_step(rank, world),
         "live_limit": _live_limit(rank, world),
+        "overlap": _overlap(rank, world),
         "stage3_reads": _stage3_reads(rank, world),
         "errors": _bad_input(rank, world),
     }
@@ -348,6 +359,19 @@ def test_live_parameters_stay_within_the_limit(runs):
         live = rank_results["live_limit"]
         assert live["kept"] > 0
         assert max(live["seen"]) <= 10_000 + live["largest_unit"], live
+
+
+@pytest.mark.slow
+def test_gradient_buckets_are_reduced_during_backward(runs):
+    """Buckets of at most ``reduce_bucket_size`` elements (a larger unit alone) are launched
+    as their gradients become final: before the token embedding (the last module backward
+    reaches) runs its backward, all but the buckets waiting for it are in flight."""
+    for rank_results in runs[0]:
+        overlap = rank_results["overlap"]
+        buckets = overlap["buckets"]
+        assert all(sum(b) <= 3000 or len(b) == 1 for b in buckets) and len(buckets) > 4
+        assert len(overlap["launched"]) == 2  # one backward per step
+        assert all(len(buckets) - 2 <= launched < len(buckets) for launched in overlap["launched"]), overlap
 
 
 @pytest.mark.slow

@@ -150,12 +150,15 @@ def _traffic(rank: int) -> dict:
     for name, zero in (("s3", {}), ("s3-no-prefetch", {"stage3_prefetch_bucket_size": 0}),
                        ("ZeRO++", OPTIONS["ZeRO++"]), ("ZeRO++ defaults", OPTIONS["ZeRO++ defaults"])):
         model, opt = _initialize(zero, precision="bf16")
+        launched = []
+        model.tok.register_full_backward_pre_hook(lambda *_: launched.append(opt.reducer.launched))
         zero_steps("gpt", model, opt, rank, WORLD, range(1))
         out[name] = _step_by_phase(model, opt, rank, 1)
         if name == "ZeRO++":
             out["memory"] = tuple(opt.memory_report())
             out["padded_numel"] = sum(u.layout.numel for u in opt.units)
         if name == "ZeRO++ defaults":
+            out["buckets"], out["launched"] = len(opt.reducer.buckets), launched
             out["whole_units"] = sum(not unit.partitioned for unit in opt.units)
     return out
 
@@ -301,15 +304,19 @@ def test_zeropp_inter_node_bytes_at_most_0_3_of_stage3(results):
 
 
 @pytest.mark.slow
-def test_zeropp_with_deepspeed_residency_defaults_gathers_nothing_in_backward(results):
+def test_zeropp_with_deepspeed_residency_defaults_reduces_qgz_buckets_during_backward(results):
     """Units kept from forward to backward: backward gathers nothing (so hpZ has nothing to
-    do; the plain all-gathers after backward are the persistent units' after the step)."""
+    do; the plain all-gathers after backward are the persistent units' after the step) and
+    the qgZ buckets go through reduce_scatter_q4 as their gradients become final, most of
+    them before the token embedding (the last module backward reaches) runs."""
     for rank_results in results:
         traffic = rank_results["traffic"]
         after_forward = traffic["ZeRO++ defaults"]["backward"]
         assert traffic["whole_units"] > 0
         assert after_forward["all_gather_into_tensor"][0] == traffic["whole_units"]
-        assert after_forward["reduce_scatter_q4"][0] > 0
+        buckets = traffic["buckets"]
+        assert buckets > 2 and after_forward["reduce_scatter_q4"][0] == buckets
+        assert all(buckets - 2 <= launched < buckets for launched in traffic["launched"]), traffic["launched"]
 
 
 @pytest.mark.slow
