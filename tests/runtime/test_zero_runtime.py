@@ -163,7 +163,12 @@ def _overlap(rank: int, world: int) -> dict:
     launched = []
     model.tok.register_full_backward_pre_hook(lambda *_: launched.append(opt.reducer.launched))
     zero_steps("gpt", model, opt, rank, world, range(2))
-    return {"launched": launched, "buckets": [[u.layout.numel for u in b] for b in opt.reducer.buckets]}
+    import torch.distributed as dist
+
+    group, gradients = opt.plan.group, opt.plan.reduce_scatter.group
+    return {"launched": launched, "buckets": [[u.layout.numel for u in b] for b in opt.reducer.buckets],
+            "own_group": gradients is not group
+                         and dist.get_process_group_ranks(gradients) == dist.get_process_group_ranks(group)}
 
 
 def _stage3_reads(rank: int, world: int) -> dict:
@@ -365,13 +370,15 @@ def test_live_parameters_stay_within_the_limit(runs):
 def test_gradient_buckets_are_reduced_during_backward(runs):
     """Buckets of at most ``reduce_bucket_size`` elements (a larger unit alone) are launched
     as their gradients become final: before the token embedding (the last module backward
-    reaches) runs its backward, all but the buckets waiting for it are in flight."""
+    reaches) runs its backward, all but the buckets waiting for it are in flight, on a
+    group of their own over the same ranks."""
     for rank_results in runs[0]:
         overlap = rank_results["overlap"]
         buckets = overlap["buckets"]
         assert all(sum(b) <= 3000 or len(b) == 1 for b in buckets) and len(buckets) > 4
         assert len(overlap["launched"]) == 2  # one backward per step
         assert all(len(buckets) - 2 <= launched < len(buckets) for launched in overlap["launched"]), overlap
+        assert overlap["own_group"]  # see [Note: gradient group]: gathers never queue behind them
 
 
 @pytest.mark.slow
