@@ -110,8 +110,9 @@ class ZeroConfig:
     final; buckets are fixed at start-up, in the order gradients become final, so every
     rank issues them in the same order. Stages 1 and 2 also size their flat units by it.
 
-    Stage 3 keeps DeepSpeed's keys, defaults and meanings (they are accepted, and have no
-    effect, in stages 1 and 2, as in DeepSpeed); see [Note: stage-3 residency] in ``_stage3``:
+    Stage 3 keeps DeepSpeed's keys, defaults and meanings (DeepSpeed's ``stage3_*`` keys
+    are accepted, and have no effect, in stages 1 and 2, as in DeepSpeed; the zcomm key is
+    an error there); see [Note: stage-3 residency] in ``_stage3``:
 
     * ``param_persistence_threshold`` (``stage3_param_persistence_threshold``): parameters
       of at most this many elements are never freed. They are kept whole on every rank in
