@@ -118,7 +118,8 @@ class ZeroConfig:
       of at most this many elements are never freed. They are kept whole on every rank in
       units of their own, their gradients are reduce-scattered in the buckets and their
       optimizer states partitioned like everyone else's, and each optimizer step ends with
-      one exact all-gather of them (DeepSpeed's ``ds_persist``). 0 partitions every parameter.
+      one all-gather of them (DeepSpeed's ``ds_persist``; with qwZ an INT8 one, where
+      DeepSpeed's is exact). 0 partitions every parameter.
     * ``max_live_parameters`` (``stage3_max_live_parameters``): prefetching never makes
       more than this many gathered elements live, and a unit finished with is freed rather
       than kept once more than this many are live.
@@ -143,7 +144,6 @@ class ZeroConfig:
     checked when the runtime starts); ``quantized_gradients`` (qgZ) reduce-scatters
     gradient buckets with zcomm's INT4 ``reduce_scatter_q4``. ``quant_group_size`` sets the
     elements per quantization scale of both quantized collectives (see ``QuantGroupSize``).
-    Persistent parameters are never quantized: they are gathered exactly after each step.
     """
 
     stage: int = 2

@@ -174,7 +174,7 @@ class ZeroOptimizer:
             self.hooks.end_of_outside_uses()
         with torch.no_grad():
             handles = []
-            gather = self.plan.step_gather
+            gather = self.plan.forward_gather
             for unit in self.units:
                 if unit.partitioned:
                     unit.shard.copy_(unit.master)
