@@ -10,9 +10,9 @@ the buckets and their order are fixed before training, not taken from the order 
 happen to fire in. A unit's gradients are final when those of its first parameter in model
 order are (``FlatUnit.position``): backward runs the model in reverse, and a parameter used
 twice (a tied embedding and LM head) gets its single AccumulateGrad after both uses. So
-buckets follow the units by decreasing position. In stages 2 and 3 bucket ``k`` is
-launched (async) as soon as all its units' gradients are final and buckets ``0..k-1`` are
-launched, so each reduce-scatter overlaps the rest of backward; should a model finish
+buckets follow the units by decreasing position. In stages 2 and 3 (with ``overlap_comm``)
+bucket ``k`` is launched (async) as soon as all its units' gradients are final and buckets
+``0..k-1`` are launched, so each reduce-scatter overlaps the rest of backward; should a model finish
 its gradients in another order, a bucket waits for the ones before it, never the other way.
 Stage 1 keeps full gradients and reduce-scatters them once per optimizer step, at the end
 of the accumulation boundary's backward. ``finish`` launches what is left in the same
@@ -58,10 +58,11 @@ class _InFlight(NamedTuple):
 
 class GradReducer:
     def __init__(self, *, units: Sequence[FlatUnit], plan: CommPlan, stage: int, bucket_numel: int,
-                 on_unit_ready: Callable[[FlatUnit], None] | None = None) -> None:
+                 overlap: bool = True, on_unit_ready: Callable[[FlatUnit], None] | None = None) -> None:
+        """``overlap`` (``overlap_comm``): stages 2 and 3 launch buckets during backward."""
         self.units = list(units)
         self.plan = plan
-        self.eager = stage >= 2
+        self.eager = stage >= 2 and overlap
         self.keep_full_grads = stage == 1
         self.on_unit_ready = on_unit_ready
         self.buckets = bucket_units(self.units, bucket_numel)

@@ -70,9 +70,6 @@ class Trace:
             self._by_unit.setdefault(unit.index, []).append(position)
             self._elements.append(self._elements[-1] + unit.layout.numel)
 
-    def __len__(self) -> int:
-        return len(self.uses)
-
     def find(self, unit: FlatUnit, phase: Phase, start: int) -> int | None:
         """The first position >= ``start`` of ``unit`` used in ``phase``, else its first
         (a new pass), else None (not in the trace)."""
@@ -166,8 +163,6 @@ class ParamScheduler:
         if self._recording is not None:
             self._recording.append(Use(unit, phase))
             return None
-        if self.trace is None:
-            return None
         position = self.trace.find(unit, phase, self._cursor + 1)
         if position is None:
             return None
@@ -184,7 +179,7 @@ class ParamScheduler:
             self._free(unit, after_forward=after_forward)
 
     def _keep(self, unit: FlatUnit) -> bool:
-        if unit.use_position is None or self.trace is None or self.live > self.max_live:
+        if unit.use_position is None or self.live > self.max_live:  # untraced, or over the limit
             return False
         upcoming = self.trace.next_use(unit, self._cursor)
         if upcoming is None:

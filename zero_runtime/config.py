@@ -27,6 +27,7 @@ _QUANT_BITS = (8, 4)
 _ZERO_KEYS = {
     "stage": "stage",
     "reduce_bucket_size": "reduce_bucket_size",
+    "overlap_comm": "overlap_comm",
     "stage3_prefetch_bucket_size": "prefetch_bucket_size",
     "stage3_param_persistence_threshold": "param_persistence_threshold",
     "stage3_max_live_parameters": "max_live_parameters",
@@ -109,6 +110,9 @@ class ZeroConfig:
     2 and 3 launch a bucket during backward as soon as the gradients of all its units are
     final; buckets are fixed at start-up, in the order gradients become final, so every
     rank issues them in the same order. Stages 1 and 2 also size their flat units by it.
+    ``overlap_comm`` (DeepSpeed's key and meaning, default true in every stage, where
+    DeepSpeed's is true for stage 3 only): false launches the buckets only once backward is
+    over, in the same order, so no reduce-scatter overlaps backward; no effect in stage 1.
 
     Stage 3 keeps DeepSpeed's keys, defaults and meanings (DeepSpeed's ``stage3_*`` keys
     are accepted, and have no effect, in stages 1 and 2, as in DeepSpeed; the zcomm key is
@@ -149,6 +153,7 @@ class ZeroConfig:
     stage: int = 2
     precision: Precision = "fp32"
     reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE
+    overlap_comm: bool = True
     prefetch_bucket_size: int = DEFAULT_PREFETCH_BUCKET_SIZE
     param_persistence_threshold: int = DEFAULT_PARAM_PERSISTENCE_THRESHOLD
     max_live_parameters: int = DEFAULT_MAX_LIVE_PARAMETERS
@@ -174,9 +179,10 @@ class ZeroConfig:
             raise ValueError(f"gradient_accumulation_steps must be >= 1, got {self.gradient_accumulation_steps}")
         if not isinstance(self.loss_scale, LossScaleConfig):
             raise TypeError(f"loss_scale must be a LossScaleConfig, got {type(self.loss_scale).__name__}")
-        for name in ("quantized_weights", "quantized_gradients"):
+        for name, key in (("quantized_weights", "zero_quantized_weights"),
+                          ("quantized_gradients", "zero_quantized_gradients"), ("overlap_comm", "overlap_comm")):
             if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"zero_{name} must be true or false, got {getattr(self, name)!r}")
+                raise TypeError(f"{key} must be true or false, got {getattr(self, name)!r}")
         if isinstance(self.hpz_partition_size, bool) or not isinstance(self.hpz_partition_size, int):
             raise TypeError(f"zero_hpz_partition_size must be an int, got {self.hpz_partition_size!r}")
         if self.hpz_partition_size < 1:

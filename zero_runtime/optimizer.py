@@ -48,8 +48,8 @@ class ZeroOptimizer:
                                             max_reuse_distance=config.max_reuse_distance)
             self.hooks = ModuleHooks(model=model, units=partitioned, scheduler=self.scheduler)
             on_ready = self._unit_grads_ready
-        self.reducer = GradReducer(units=units, plan=plan, stage=config.stage,
-                                   bucket_numel=config.reduce_bucket_size, on_unit_ready=on_ready)
+        self.reducer = GradReducer(units=units, plan=plan, stage=config.stage, bucket_numel=config.reduce_bucket_size,
+                                   overlap=config.overlap_comm, on_unit_ready=on_ready)
         self.micro_step = 0
         self.last_step_skipped = False
         self._backward_since_step = False

@@ -56,6 +56,7 @@ EXTRA = [  # on 2 ranks only (CPU budget): clipping, accumulation, optimizer gro
                                 "stage3_prefetch_bucket_size": 13_000, "reduce_bucket_size": 3000}),
     ("gpt-s3-persist", "gpt", 3, {"stage3_param_persistence_threshold": 512, "zcomm_stage3_fuse_numel": 0,
                                   "reduce_bucket_size": 3000}),
+    ("gpt-s3-no-overlap", "gpt", 3, {**FREE_AFTER_USE, "overlap_comm": False, "reduce_bucket_size": 3000}),
     ("gpt-s3-persist-accum", "gpt", 3, {"stage3_param_persistence_threshold": 512, "reduce_bucket_size": 3000,
                                         "gradient_accumulation_steps": 2}),
     ("gpt-s3-tight", "gpt", 3, {"stage3_param_persistence_threshold": 100, "zcomm_stage3_fuse_numel": 0,
@@ -117,7 +118,8 @@ def test_stages_match_single_process_training(world, references):
             torch.testing.assert_close(got, want, rtol=0, atol=2e-5, msg=lambda m: f"{name} {key}: {m}")
     same = ["gpt-s3-noprefetch"]
     if world == 2:  # accumulation sums micro-batch means: another summation order
-        same = [n for n, _, _, extra in CASES[world] if n.startswith("gpt-s3") and "gradient_accumulation_steps" not in extra]
+        same = [name for name, _, _, extra in CASES[world]
+                if name.startswith("gpt-s3") and "gradient_accumulation_steps" not in extra]
     losses, weights = results["gpt-s3"]
     for name in same:
         assert results[name][0] == losses, name

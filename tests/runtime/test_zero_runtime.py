@@ -159,14 +159,18 @@ def _live_limit(rank: int, world: int) -> dict:
 def _overlap(rank: int, world: int) -> dict:
     """Gradient buckets launched before the token embedding's backward (the last module to
     run backward), with per-module units and small buckets."""
-    model, opt = _initialize("gpt", {"zero_optimization": {**FREE_AFTER_USE, "reduce_bucket_size": 3000}})
-    launched = []
-    model.tok.register_full_backward_pre_hook(lambda *_: launched.append(opt.reducer.launched))
-    zero_steps("gpt", model, opt, rank, world, range(2))
     import torch.distributed as dist
 
+    launched = {}
+    for overlap in (True, False):
+        model, opt = _initialize("gpt", {"zero_optimization": {**FREE_AFTER_USE, "reduce_bucket_size": 3000,
+                                                               "overlap_comm": overlap}})
+        launched[overlap] = []
+        model.tok.register_full_backward_pre_hook(lambda *_: launched[overlap].append(opt.reducer.launched))
+        zero_steps("gpt", model, opt, rank, world, range(2))
     group, gradients = opt.plan.group, opt.plan.reduce_scatter.group
-    return {"launched": launched, "buckets": [[u.layout.numel for u in b] for b in opt.reducer.buckets],
+    return {"launched": launched[True], "not_overlapped": launched[False],
+            "buckets": [[u.layout.numel for u in b] for b in opt.reducer.buckets],
             "own_group": gradients is not group
                          and dist.get_process_group_ranks(gradients) == dist.get_process_group_ranks(group)}
 
@@ -371,7 +375,7 @@ def test_gradient_buckets_are_reduced_during_backward(runs):
     """Buckets of at most ``reduce_bucket_size`` elements (a larger unit alone) are launched
     as their gradients become final: before the token embedding (the last module backward
     reaches) runs its backward, all but the buckets waiting for it are in flight, on a
-    group of their own over the same ranks."""
+    group of their own over the same ranks; with ``overlap_comm`` false, none is."""
     for rank_results in runs[0]:
         overlap = rank_results["overlap"]
         buckets = overlap["buckets"]
@@ -379,6 +383,7 @@ def test_gradient_buckets_are_reduced_during_backward(runs):
         assert len(overlap["launched"]) == 2  # one backward per step
         assert all(len(buckets) - 2 <= launched < len(buckets) for launched in overlap["launched"]), overlap
         assert overlap["own_group"]  # see [Note: gradient group]: gathers never queue behind them
+        assert overlap["not_overlapped"] == [0, 0]  # overlap_comm false: all launched after backward
 
 
 @pytest.mark.slow
