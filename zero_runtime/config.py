@@ -79,21 +79,24 @@ DEFAULT_PREFETCH_BUCKET_SIZE = 50_000_000  # DeepSpeed's stage3_prefetch_bucket_
 DEFAULT_PARAM_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold
 DEFAULT_MAX_LIVE_PARAMETERS = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters
 DEFAULT_MAX_REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance
-# [Note: default unit and bucket sizes] A collective costs a fixed latency plus its bytes
-# over the link's bandwidth; fusing until the bytes dominate the latency is what makes
-# stage 3 fast over TCP (one unit per module: 56 collectives per step of a 4-block GPT).
-# 4M elements (8 MB in bf16) take ~0.7 ms on a 100 Gbit/s link against NCCL's ~0.05 ms
-# latency (> 90% of the bandwidth) and ~7 ms at 10 Gbit/s against TCP's ~1 ms; that is
-# the block of a transformer with d_model <= 577 (12 d^2 elements), so a plain config
-# gathers small models block by block, as FSDP2 wraps them, and larger ones by attention
-# and MLP halves or single matrices. A 5e7-element prefetch window still holds > 10 such
-# units. Gradient buckets use the same size: a bucket is reduced as soon as its units'
-# gradients are final, so in stage 3 each block's reduce-scatter overlaps the backward of
-# the blocks before it (FSDP2's per-unit reduce-scatter), at the same latency/bandwidth
-# trade-off. DeepSpeed's reduce_bucket_size default (5e8) would put any model of fewer
-# than 500M parameters in one bucket at the end of backward.
-DEFAULT_FUSE_NUMEL = 4_000_000
-DEFAULT_REDUCE_BUCKET_SIZE = 4_000_000
+# [Note: default unit and bucket sizes] A unit is what stage 3 gathers at once and a
+# bucket what one reduce-scatter reduces; both trade a collective's fixed latency against
+# overlap. One unit per module made a 4-block GPT 56 collectives per step, too slow over
+# TCP; one unit for a whole small model leaves nothing to overlap: its gather precedes all
+# of forward and its gradients are final only at the end of backward. 1M elements (2 MB in
+# bf16) still carry more bytes than latency (~0.17 ms on a 100 Gbit/s link against NCCL's
+# ~0.05 ms, ~1.6 ms at 10 Gbit/s against TCP's ~1 ms), so a plain config gathers a
+# transformer with d_model <= 288 (12 d^2 elements a block) block by block, as FSDP2 wraps
+# it, and larger ones by attention and MLP halves or single matrices; a bucket is then
+# about a block's gradients, reduced while the blocks before it run backward (FSDP2's
+# per-unit reduce-scatter). Measured on the 2x2 simcluster at 200 Mbit/s (fp32 TinyGPT,
+# shared 2-core machine, alternating in one run): with d_model 256 x 4 layers, 1M against
+# 4M took plain stage 3 from 1516 to 1378 ms per step and ZeRO++ from 455 to 367 ms; with
+# d_model 512 (several units per block either way) they tied (5274/5276, 1160/1176 ms), as
+# did d_model 256 on loopback. DeepSpeed's reduce_bucket_size default (5e8) would put any
+# model of fewer than 500M parameters in one bucket at the end of backward.
+DEFAULT_FUSE_NUMEL = 1_000_000
+DEFAULT_REDUCE_BUCKET_SIZE = 1_000_000
 
 
 @dataclass(frozen=True, kw_only=True)
