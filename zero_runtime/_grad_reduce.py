@@ -1,19 +1,28 @@
 """Gradient partitioning: grad hooks, gradient buckets and their reduce-scatter.
 
 Every trainable parameter gets a post-accumulate-grad hook. It adds ``param.grad`` into its
-unit's flat gradient buffer and drops ``param.grad``. In stages 2 and 3 a unit whose last
-gradient arrived joins the bucket being filled; once the bucket holds ``bucket_numel``
-elements it is reduce-scattered (async), so communication overlaps the rest of backward.
+unit's flat gradient buffer and drops ``param.grad``. Units are grouped once, at start-up,
+into buckets of at most ``reduce_bucket_size`` elements (DeepSpeed's meaning: a unit larger
+than that is a bucket alone), in the order their gradients become final.
+
+[Note: bucket order] Every rank must issue the same reduce-scatters in the same order, so
+the buckets and their order are fixed before training, not taken from the order hooks
+happen to fire in. A unit's gradients are final when those of its first parameter in model
+order are (``FlatUnit.position``): backward runs the model in reverse, and a parameter used
+twice (a tied embedding and LM head) gets its single AccumulateGrad after both uses. So
+buckets follow the units by decreasing position. In stages 2 and 3 (with ``overlap_comm``)
+bucket ``k`` is launched (async) as soon as all its units' gradients are final and buckets
+``0..k-1`` are launched, so each reduce-scatter overlaps the rest of backward; should a model finish
+its gradients in another order, a bucket waits for the ones before it, never the other way.
 Stage 1 keeps full gradients and reduce-scatters them once per optimizer step, at the end
-of the accumulation boundary's backward. ``finish`` launches what is left, in unit order so
-every rank issues the same collectives in the same order, waits for all handles, and folds
-each rank's reduced slice, divided by the world size (the gradient of the global-batch
-mean), into the units' ``grad_shard``.
+of the accumulation boundary's backward. ``finish`` launches what is left in the same
+order, waits for all handles, and folds each rank's reduced slice, divided by the world
+size (the gradient of the global-batch mean), into the units' ``grad_shard``.
 
 A bucket of several units is one collective over their flat gradients interleaved rank by
 rank (``[u0 chunk 0, u1 chunk 0, ..., u0 chunk 1, ...]``), so that rank r's output is the
 concatenation of the units' r-th shards. Stage 2's units are already bucket-sized; stage 3's
-are per module, and small modules (norms, biases) share a collective.
+are per module or fused block, and several of them share a collective.
 
 [Note: last gradient hook of a unit] autograd runs a leaf's AccumulateGrad node once per
 backward, after all uses of the parameter contributed (a tied embedding and LM head sum
@@ -49,15 +58,17 @@ class _InFlight(NamedTuple):
 
 class GradReducer:
     def __init__(self, *, units: Sequence[FlatUnit], plan: CommPlan, stage: int, bucket_numel: int,
-                 on_unit_ready: Callable[[FlatUnit], None] | None = None) -> None:
+                 overlap: bool = True, on_unit_ready: Callable[[FlatUnit], None] | None = None) -> None:
+        """``overlap`` (``overlap_comm``): stages 2 and 3 launch buckets during backward."""
         self.units = list(units)
         self.plan = plan
-        self.eager = stage >= 2
+        self.eager = stage >= 2 and overlap
         self.keep_full_grads = stage == 1
-        self.bucket_numel = bucket_numel
         self.on_unit_ready = on_unit_ready
-        self._filling: list[FlatUnit] = []
-        self._launched: set[int] = set()
+        self.buckets = bucket_units(self.units, bucket_numel)
+        self._bucket_of = {unit.index: k for k, bucket in enumerate(self.buckets) for unit in bucket}
+        self._pending = [len(bucket) for bucket in self.buckets]  # units whose gradients are not final
+        self.launched = 0  # buckets 0..launched-1 were launched in this backward (also for tests)
         self._in_flight: list[_InFlight] = []
         for unit in self.units:
             if self.keep_full_grads:
@@ -79,23 +90,23 @@ class GradReducer:
                 if self.on_unit_ready is not None:
                     self.on_unit_ready(unit)
                 if self.eager:
-                    self._add_to_bucket(unit)
+                    self._unit_final(unit)
         return accumulate
 
     def _zeroed_full_grad(self, unit: FlatUnit) -> torch.Tensor:
         return self.plan.reduce_scatter.allocate(unit.layout.numel, dtype=unit.dtype, device=self.plan.device).zero_()
 
-    def _add_to_bucket(self, unit: FlatUnit) -> None:
-        assert unit.index not in self._launched, "a unit's gradients were reduced twice in one backward"
-        self._launched.add(unit.index)
-        self._filling.append(unit)
-        if sum(u.layout.numel for u in self._filling) >= self.bucket_numel:
-            self._launch_bucket()
+    def _unit_final(self, unit: FlatUnit) -> None:
+        """See [Note: bucket order]."""
+        k = self._bucket_of[unit.index]
+        assert k >= self.launched, "a unit's gradients were reduced twice in one backward"
+        self._pending[k] -= 1
+        while self.launched < len(self.buckets) and self._pending[self.launched] == 0:
+            self._launch_next()
 
-    def _launch_bucket(self) -> None:
-        units, self._filling = tuple(self._filling), []
-        if not units:
-            return
+    def _launch_next(self) -> None:
+        units = self.buckets[self.launched]
+        self.launched += 1
         world, reduce_scatter = self.plan.world_size, self.plan.reduce_scatter
         for unit in units:
             if unit.full_grad is None:
@@ -114,13 +125,11 @@ class GradReducer:
                 unit.full_grad = None
 
     def finish(self, *, reduce: bool) -> None:
-        """End of a backward: with ``reduce``, reduce every unit not yet reduced; then wait and
-        accumulate. Stage 1 passes ``reduce=False`` on non-boundary micro-steps."""
+        """End of a backward: with ``reduce``, launch every bucket not yet launched; then wait
+        and accumulate. Stage 1 passes ``reduce=False`` on non-boundary micro-steps."""
         if reduce:
-            for unit in self.units:
-                if unit.index not in self._launched:
-                    self._add_to_bucket(unit)
-            self._launch_bucket()
+            while self.launched < len(self.buckets):
+                self._launch_next()
         world = self.plan.world_size
         for flight in self._in_flight:
             flight.handle.wait()
@@ -130,13 +139,14 @@ class GradReducer:
                 if self.keep_full_grads:
                     unit.full_grad.zero_()
         self._in_flight.clear()
-        self._launched.clear()
+        self.launched = 0
+        self._pending = [len(bucket) for bucket in self.buckets]
         for unit in self.units:
             unit.grads_seen = 0
 
     def discard(self) -> None:
         """Forget accumulated gradients (``zero_grad``); nothing may be in flight."""
-        assert not self._in_flight and not self._filling
+        assert not self._in_flight and self.launched == 0
         for unit in self.units:
             unit.grad_shard.zero_()
             unit.grads_seen = 0
@@ -144,3 +154,17 @@ class GradReducer:
                 unit.full_grad.zero_()
             else:
                 unit.full_grad = None
+
+
+def bucket_units(units: Sequence[FlatUnit], bucket_numel: int) -> list[tuple[FlatUnit, ...]]:
+    """``units`` by decreasing ``position`` (see [Note: bucket order]), cut into buckets of
+    at most ``bucket_numel`` elements; a larger unit is a bucket alone."""
+    buckets: list[list[FlatUnit]] = []
+    size = 0
+    for unit in sorted(units, key=lambda u: u.position, reverse=True):
+        if not buckets or size + unit.layout.numel > bucket_numel:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(unit)
+        size += unit.layout.numel
+    return [tuple(bucket) for bucket in buckets]

@@ -9,6 +9,9 @@ blocks the size of a node backward all-gathers never cross nodes. The secondary 
 whatever forward computed with (with qwZ, the dequantized INT8 weights), so forward and
 backward see the same parameters, and costs ``2 x params / partition_size`` bytes in bf16
 (``held_bytes``; the buffers are kept once allocated so memory stays flat across steps).
+A unit the scheduler keeps gathered from forward to backward (DeepSpeed's reuse distance,
+see [Note: stage-3 residency] in ``_stage3``) is not freed after forward and not gathered
+in backward, so it takes no secondary: hpZ acts on the units that are freed in between.
 
 [Note: secondary validity] A secondary is valid for the shard tensor and shard version
 (``tensor._version``, bumped by every in-place write) it was taken from. The optimizer step,

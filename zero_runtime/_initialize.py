@@ -2,8 +2,9 @@
 
 It checks the model and the process group, builds the comm plan (``_comm_plan``), groups the
 trainable parameters into flat units (``_partition``; per optimizer group, by size for
-stages 1-2 and by module for stage 3), builds the torch optimizer over their fp32 master
-shards and hands everything to ``ZeroOptimizer``.
+stages 1-2 and stage 3's persistent parameters, by module for stage 3's partitioned ones),
+builds the torch optimizer over their fp32 master shards and hands everything to
+``ZeroOptimizer``.
 """
 
 from __future__ import annotations
@@ -115,16 +116,24 @@ def _optimizer_groups(optimizer: OptimizerSpec, names: Mapping[nn.Parameter, str
 
 def _build_units(model: nn.Module, groups: Sequence[Sequence[nn.Parameter]], names: Mapping[nn.Parameter, str],
                  config: ZeroConfig, plan: CommPlan, dtype: torch.dtype) -> list[FlatUnit]:
+    """Per optimizer group: stages 1-2 by size; stage 3 by module for the partitioned
+    parameters and by size for the persistent ones (``param_persistence_threshold``)."""
+    position = {param: i for i, param in enumerate(names)}
     units: list[FlatUnit] = []
     for group_index, params in enumerate(groups):
+        whole = params
+        buckets = []
         if config.stage == 3:
-            buckets = group_by_module(model, params, fuse_numel=config.fuse_numel)
-        else:
-            buckets = group_by_size(params, config.reduce_bucket_size)
-        for bucket in buckets:
+            whole = [p for p in params if p.numel() <= config.param_persistence_threshold]
+            partitioned = [p for p in params if p.numel() > config.param_persistence_threshold]
+            buckets = [(bucket, True) for bucket in group_by_module(model, partitioned, fuse_numel=config.fuse_numel)]
+        buckets += [(bucket, False) for bucket in group_by_size(whole, config.reduce_bucket_size)]
+        for bucket, partition in buckets:
+            if not bucket:
+                continue
             units.append(FlatUnit(index=len(units), group_index=group_index, names=[names[p] for p in bucket],
                                   params=bucket, world_size=plan.world_size, rank=plan.rank, dtype=dtype,
-                                  partition_params=config.stage == 3))
+                                  partition_params=partition, position=min(position[p] for p in bucket)))
     return units
 
 

@@ -1,12 +1,14 @@
 """``memory_report()``: the model-state bytes this rank holds, by category.
 
 Counts persistent tensors only (what the ZeRO paper's formulas describe): the compute-dtype
-parameters this rank keeps (full buffers in stages 1-2, its shard in stage 3), its gradient
-buffers (full in stage 1, its reduced shard in stages 2-3) and its optimizer states (fp32
-master shard plus every tensor in the torch optimizer's state), and the parameter copies the
-communication objects keep between uses (hpZ's secondary partition). Transient buffers (a stage-3
-unit gathered for one module, a gradient bucket in flight) are bounded by the bucket sizes
-and not counted.
+parameters this rank keeps (full buffers in stages 1-2 and for stage 3's persistent units,
+its shard of stage 3's partitioned units), its gradient buffers (full in stage 1, its
+reduced shard in stages 2-3) and its optimizer states (fp32 master shard plus every tensor
+in the torch optimizer's state), and the parameter copies the communication objects keep
+between uses (hpZ's secondary partition). Transient buffers are not counted: stage-3 units
+gathered for their use or kept gathered until their next one (at most
+``stage3_max_live_parameters`` elements beyond the units in use), and gradient buckets in
+flight (bounded by ``reduce_bucket_size``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def measure(state: TrainingState, *, secondary_bytes: int) -> MemoryReport:
     """The persistent model-state bytes of ``state``, plus ``secondary_bytes`` the
     communication objects hold (``CommPlan.held_bytes``)."""
     units = state.units
-    params = sum(_nbytes(u.shard) if state.stage == 3 else u.full_nbytes for u in units)
+    params = sum(_nbytes(u.shard) if u.partitioned else u.full_nbytes for u in units)
     grads = sum(_nbytes(u.full_grad) if state.stage == 1 else _nbytes(u.grad_shard) for u in units)
     states = sum(_nbytes(u.master) for u in units)
     for optimizer_state in state.optimizer.state.values():

@@ -1,13 +1,14 @@
 """Flat parameter units: how parameters are grouped, flattened and partitioned.
 
 A ``FlatUnit`` is the runtime's bucket: a group of parameters of one optimizer group laid out
-by one ``FlatLayout``. It owns
+by one ``FlatLayout``. A *partitioned* unit (stage 3, parameters above the persistence
+threshold) frees its parameters between uses; any other unit keeps them whole on every
+rank and re-assembles them after each optimizer step. It owns
 
 * ``full``   the flat parameter buffer in the compute dtype; while it is allocated every
-  parameter's ``.data`` is a view of it. Stages 1 and 2 keep it allocated; stage 3 frees it
-  between uses;
-* ``shard``  this rank's slice of the parameters in the compute dtype (stage 3 keeps it as its
-  own tensor, stages 1 and 2 as a view of ``full``);
+  parameter's ``.data`` is a view of it. A partitioned unit frees it between uses;
+* ``shard``  this rank's slice of the parameters in the compute dtype (a partitioned unit
+  keeps it as its own tensor, any other unit as a view of ``full``);
 * ``master`` this rank's fp32 slice, the ``nn.Parameter`` the torch optimizer updates;
 * ``grad_shard`` this rank's reduced gradient, accumulated over micro-steps;
 * ``full_grad`` the flat gradient buffer the reduce-scatter reads, made by ``_grad_reduce``
@@ -43,10 +44,14 @@ class GatherState(enum.Enum):
 
 class FlatUnit:
     def __init__(self, *, index: int, group_index: int, names: Sequence[str], params: Sequence[nn.Parameter],
-                 world_size: int, rank: int, dtype: torch.dtype, partition_params: bool) -> None:
+                 world_size: int, rank: int, dtype: torch.dtype, partition_params: bool, position: int) -> None:
+        """``position``: where the unit's first parameter comes in the model's parameter
+        order; its gradients are final about when that parameter's are (see ``_grad_reduce``)."""
         assert params and len(names) == len(params)
         self.index = index
         self.group_index = group_index
+        self.partitioned = partition_params
+        self.position = position
         self.names = tuple(names)
         self.params = tuple(params)
         self.dtype = dtype
@@ -69,6 +74,8 @@ class FlatUnit:
         self.handle = None
         self.refs = 0
         self.in_backward = False
+        self.prefetched = False
+        self.use_position: int | None = None
         if partition_params:
             self.free_full()
 
@@ -118,12 +125,12 @@ def group_by_size(params: Sequence[nn.Parameter], bucket_numel: int) -> list[lis
 def group_by_module(model: nn.Module, params: Iterable[nn.Parameter], *,
                     fuse_numel: int = 0) -> list[list[nn.Parameter]]:
     """The units stage 3 gathers, in module order (the first module to register a tied
-    parameter owns it).
+    parameter owns it): ``params`` are the partitioned parameters, others are not counted.
 
     Walking the modules top-down, a module whose whole subtree holds at most ``fuse_numel``
-    not yet owned elements becomes one unit with all of them (its descendants are not
-    visited); any other module gets one unit with its directly registered parameters.
-    ``fuse_numel == 0`` gives one unit per module.
+    of ``params``' elements not yet owned becomes one unit with all of them (its
+    descendants are not visited); any other module gets one unit with its directly
+    registered ones. ``fuse_numel == 0`` gives one unit per module.
 
     [Note: fused units] Every gather is one collective whose latency does not shrink with its
     size, so one unit per small module (norms, biases) pays that latency dozens of times per

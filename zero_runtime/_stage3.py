@@ -1,70 +1,142 @@
-"""Stage 3: when each unit's parameters are gathered, prefetched and freed.
+"""Stage 3: when each partitioned unit is gathered, prefetched, kept and freed.
 
 A unit is FREE (storage resized to 0), GATHERING (an all-gather handle is in flight) or
-READY. Forward users hold references (``acquire``/``release``); the unit is freed when the
-last forward user is done, unless backward still needs it. In backward a unit is gathered
-when the gradient of an output of a module that used it arrives (``need_for_backward``) and
-freed when its parameters' gradients have all been accumulated (``grads_ready``).
-``end_backward`` frees whatever is still gathered.
+READY. A *use* of a unit starts when a forward acquires it with no other forward user
+holding it (``acquire``; nested users only count references) or when backward first
+needs it (``need_for_backward``, on the gradient of an output of a module that used it).
+A forward use ends when the last forward user releases it; a backward use when the
+unit's parameter gradients have all been accumulated (``grads_ready``). When a use ends,
+the unit is freed or kept gathered (see [Note: stage-3 residency]); ``end_backward`` frees
+whatever is still gathered. Persistent parameters (``stage3_param_persistence_threshold``)
+are in units the scheduler never sees: they are always whole.
 
-[Note: stage-3 prefetch] The first iteration records, per phase, the trace of gathers: every unit
-each time it has to be gathered (a tied embedding gathered again for the LM head appears
-twice). From then on, each gather of a unit moves that phase's cursor to the unit's next
-occurrence in the trace (wrapping around at the start of a new pass) and starts the async
-gathers of the units that follow it there, up to ``prefetch_numel`` elements, so their
-communication overlaps the current module's compute. Following the trace rather than each
-unit's first position keeps a repeated use from prefetching the whole model a second time.
-The prefetches are issued *before* waiting for the current unit's own gather, so the next
-units' gathers, qwZ's quantization included, are queued while unit i's bytes are on the wire
-(ZeRO++ section 4.1.1; see [Note: quantize early] in ``_quantized_comm``). Prefetching only
-changes *when* a gather is issued, never its inputs, so results are identical with it on or
-off. Every rank records the same trace (same model, same control flow), so the collectives
-stay matched across ranks.
+[Note: stage-3 prefetch] The first training step records the trace of uses, forward and
+backward in order (a tied embedding used again by the LM head appears twice in forward);
+forward passes without autograd (evaluation) are neither recorded nor traced. From then
+on each use moves a cursor to that unit's next position in the trace, and the prefetcher
+walks a front along the trace from there, starting the gathers of the FREE units it meets
+while fewer than ``stage3_prefetch_bucket_size`` elements are being gathered ahead of their
+use and the live elements stay within ``stage3_max_live_parameters``. It never walks past
+the end of the step: the next step's weights do not exist yet. The prefetches are issued
+*before* waiting for the current unit's own gather, so the next units' gathers, qwZ's
+quantization included, are queued while unit i's bytes are on the wire (ZeRO++ section
+4.1.1; see [Note: quantize early] in ``_quantized_comm``). Prefetching and residency only
+change *when* a unit is gathered, never its inputs, so results are identical with them on
+or off. Every rank records the same trace (same model, same control flow), so the
+collectives stay matched across ranks.
+
+[Note: stage-3 residency] When a use of a unit ends, the unit stays gathered (DeepSpeed's
+rules) if its next use in this step is near and no more than ``stage3_max_live_parameters``
+elements are live. Near means: fewer than ``stage3_max_reuse_distance`` parameter elements
+are used in the trace between now and then (counting every use, as DeepSpeed counts every
+module's parameters), or the prefetch front has already passed that use: it found the unit
+gathered and moved on, so freeing it would only make that use gather it on demand, and
+keeping it costs no more memory than the prefetch window allowed anyway. A small reuse
+distance therefore frees after each use only what lies beyond the prefetch window. With
+DeepSpeed's defaults (1e9 each) a model under ~5e8 parameters keeps every unit from its
+forward use to its backward use, so backward gathers nothing: stage 3 then moves the
+traffic of stage 2 plus one forward gather. A unit kept after forward is not freed there,
+so hpZ takes no secondary of it (backward does not gather it), and with qwZ its backward
+computes with the same INT8-gathered weights as its forward, as it does with hpZ.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+import bisect
+from typing import Iterable, NamedTuple, Sequence
+
+import torch
 
 from ._api import Phase
 from ._comm_plan import CommPlan
 from ._partition import FlatUnit, GatherState
 
 
+class Use(NamedTuple):
+    unit: FlatUnit
+    phase: Phase
+
+
+class Trace:
+    """The uses of one training step in order, indexed for the scheduler's look-ups."""
+
+    def __init__(self, uses: Sequence[Use]) -> None:
+        self.uses = tuple(uses)
+        self._by_phase: dict[tuple[int, Phase], list[int]] = {}
+        self._by_unit: dict[int, list[int]] = {}
+        self._elements = [0]  # _elements[i]: elements of uses[:i]
+        for position, (unit, phase) in enumerate(self.uses):
+            self._by_phase.setdefault((unit.index, phase), []).append(position)
+            self._by_unit.setdefault(unit.index, []).append(position)
+            self._elements.append(self._elements[-1] + unit.layout.numel)
+
+    def find(self, unit: FlatUnit, phase: Phase, start: int) -> int | None:
+        """The first position >= ``start`` of ``unit`` used in ``phase``, else its first
+        (a new pass), else None (not in the trace)."""
+        positions = self._by_phase.get((unit.index, phase))
+        if not positions:
+            return None
+        i = bisect.bisect_left(positions, start)
+        return positions[i] if i < len(positions) else positions[0]
+
+    def next_use(self, unit: FlatUnit, after: int) -> int | None:
+        """The first position > ``after`` of ``unit`` in either phase (this step only)."""
+        positions = self._by_unit.get(unit.index, [])
+        i = bisect.bisect_right(positions, after)
+        return positions[i] if i < len(positions) else None
+
+    def elements_between(self, start: int, stop: int) -> int:
+        """Elements of the uses strictly between positions ``start`` and ``stop``."""
+        return self._elements[stop] - self._elements[start + 1]
+
+
 class ParamScheduler:
-    def __init__(self, *, units: Sequence[FlatUnit], plan: CommPlan, prefetch_numel: int) -> None:
+    def __init__(self, *, units: Sequence[FlatUnit], plan: CommPlan, prefetch_numel: int, max_live: int,
+                 max_reuse_distance: int) -> None:
+        assert all(unit.partitioned for unit in units)
         self.units = list(units)
         self.plan = plan
         self.prefetch_numel = prefetch_numel
-        self.recording = True
-        self.trace: dict[Phase, list[FlatUnit]] = {Phase.FORWARD: [], Phase.BACKWARD: []}
+        self.max_live = max_live
+        self.max_reuse_distance = max_reuse_distance
+        self.trace: Trace | None = None
+        self._recording: list[Use] | None = []  # the first training step's uses
+        self._cursor = -1  # trace position of the latest use
+        self._front = 0  # next trace position the prefetcher looks at
+        self.live = 0  # elements of units gathering or gathered
+        self._ahead = 0  # elements being gathered ahead of their use
         self.prefetches = 0  # gathers issued ahead of need, for tests and reports
-        self._cursor: dict[Phase, int] = {Phase.FORWARD: 0, Phase.BACKWARD: 0}
+        self.kept = 0  # uses that ended with the unit kept gathered, for tests and reports
 
     def acquire(self, unit: FlatUnit) -> None:
         """A forward user needs ``unit`` now."""
-        self._ensure(unit, Phase.FORWARD)
+        if unit.refs == 0:
+            self._begin_use(unit, Phase.FORWARD, traced=torch.is_grad_enabled())
         unit.refs += 1
 
     def release(self, unit: FlatUnit) -> None:
         assert unit.refs > 0
         unit.refs -= 1
         if unit.refs == 0 and not unit.in_backward:
-            self._free(unit, after_forward=True)
+            self._end_use(unit, after_forward=True)
 
     def need_for_backward(self, units: Iterable[FlatUnit]) -> None:
         for unit in units:
-            if unit.grad_params and unit.grads_seen < unit.grad_params:
-                self._ensure(unit, Phase.BACKWARD)
+            if unit.grads_seen < unit.grad_params and not unit.in_backward:
+                self._begin_use(unit, Phase.BACKWARD, traced=True)
                 unit.in_backward = True
 
     def grads_ready(self, unit: FlatUnit) -> None:
         unit.in_backward = False
         if unit.refs == 0:
-            self._free(unit, after_forward=False)
+            self._end_use(unit, after_forward=False)
 
     def end_backward(self) -> None:
-        self.recording = False
+        """The training step's backward is over: the first one ends the recording."""
+        if self._recording is not None:
+            self.trace = Trace(self._recording)
+            self._recording = None
+        self._cursor, self._front = -1, 0
         self.free_all()
 
     def free_all(self) -> None:
@@ -75,55 +147,82 @@ class ParamScheduler:
             if unit.state is not GatherState.FREE:
                 self._free(unit, after_forward=False)
 
-    def _ensure(self, unit: FlatUnit, phase: Phase) -> None:
-        if unit.state is GatherState.READY:
-            return
+    # ----- uses -----
+    def _begin_use(self, unit: FlatUnit, phase: Phase, *, traced: bool) -> None:
+        """Gather ``unit`` if it is not resident; a traced use also moves the cursor and prefetches."""
+        unit.use_position = self._locate(unit, phase) if traced else None
         if unit.state is GatherState.FREE:
-            self._start(unit, phase)
-        self._trace_and_prefetch(unit, phase)
-        unit.handle.wait()
-        unit.handle = None
-        unit.state = GatherState.READY
+            self._start(unit, phase, ahead=False)
+        if unit.use_position is not None:
+            self._prefetch()
+        if unit.state is GatherState.GATHERING:
+            self._wait(unit)
 
-    def _start(self, unit: FlatUnit, phase: Phase) -> None:
+    def _locate(self, unit: FlatUnit, phase: Phase) -> int | None:
+        """Record the use (first step) or find it in the trace and move the cursor there."""
+        if self._recording is not None:
+            self._recording.append(Use(unit, phase))
+            return None
+        position = self.trace.find(unit, phase, self._cursor + 1)
+        if position is None:
+            return None
+        if position <= self._cursor:  # the control flow went back (a pass ended without backward)
+            self._front = 0
+        self._cursor = position
+        return position
+
+    def _end_use(self, unit: FlatUnit, *, after_forward: bool) -> None:
+        """Keep ``unit`` gathered or free it (see [Note: stage-3 residency])."""
+        if self._keep(unit):
+            self.kept += 1
+        else:
+            self._free(unit, after_forward=after_forward)
+
+    def _keep(self, unit: FlatUnit) -> bool:
+        if unit.use_position is None or self.live > self.max_live:  # untraced, or over the limit
+            return False
+        upcoming = self.trace.next_use(unit, self._cursor)
+        if upcoming is None:
+            return False
+        return upcoming < self._front or self.trace.elements_between(self._cursor, upcoming) < self.max_reuse_distance
+
+    # ----- gathers -----
+    def _prefetch(self) -> None:
+        """See [Note: stage-3 prefetch]."""
+        self._front = max(self._front, self._cursor + 1)
+        uses = self.trace.uses
+        while self._front < len(uses) and self._ahead < self.prefetch_numel:
+            unit, phase = uses[self._front]
+            if unit.state is GatherState.FREE:
+                if self.live + unit.layout.numel > self.max_live:
+                    return
+                self._start(unit, phase, ahead=True)
+                self.prefetches += 1
+            self._front += 1
+
+    def _start(self, unit: FlatUnit, phase: Phase, *, ahead: bool) -> None:
         unit.alloc_full()
         gather = self.plan.forward_gather if phase is Phase.FORWARD else self.plan.backward_gather
         unit.handle = gather(unit.full, unit.shard, unit=unit.index, phase=phase)
         unit.state = GatherState.GATHERING
+        unit.prefetched = ahead
+        self.live += unit.layout.numel
+        if ahead:
+            self._ahead += unit.layout.numel
+
+    def _wait(self, unit: FlatUnit) -> None:
+        unit.handle.wait()
+        unit.handle = None
+        unit.state = GatherState.READY
+        if unit.prefetched:
+            unit.prefetched = False
+            self._ahead -= unit.layout.numel
 
     def _free(self, unit: FlatUnit, *, after_forward: bool) -> None:
         if unit.state is GatherState.GATHERING:
-            unit.handle.wait()
-            unit.handle = None
+            self._wait(unit)
         if after_forward:
             for gather in self.plan.gathers():
                 gather.after_forward(unit.full, unit.shard, unit=unit.index)
         unit.free_full()
-
-    def _trace_and_prefetch(self, unit: FlatUnit, phase: Phase) -> None:
-        """``unit`` is needed and not resident: record it (first step) or prefetch what follows it."""
-        trace = self.trace[phase]
-        if self.recording:
-            trace.append(unit)
-            return
-        position = _next_occurrence(trace, unit, self._cursor[phase])
-        if position is None or self.prefetch_numel == 0:
-            return
-        self._cursor[phase] = position + 1
-        budget = self.prefetch_numel
-        for nxt in trace[position + 1 :]:
-            budget -= nxt.layout.numel
-            if budget < 0:
-                break
-            if nxt.state is GatherState.FREE:
-                self._start(nxt, phase)
-                self.prefetches += 1
-
-
-def _next_occurrence(trace: Sequence[FlatUnit], unit: FlatUnit, start: int) -> int | None:
-    """The first index >= ``start`` holding ``unit``, else the first before it, else None."""
-    for positions in (range(start, len(trace)), range(min(start, len(trace)))):
-        for position in positions:
-            if trace[position] is unit:
-                return position
-    return None
+        self.live -= unit.layout.numel

@@ -27,7 +27,11 @@ _QUANT_BITS = (8, 4)
 _ZERO_KEYS = {
     "stage": "stage",
     "reduce_bucket_size": "reduce_bucket_size",
+    "overlap_comm": "overlap_comm",
     "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+    "stage3_param_persistence_threshold": "param_persistence_threshold",
+    "stage3_max_live_parameters": "max_live_parameters",
+    "stage3_max_reuse_distance": "max_reuse_distance",
     "zero_quantized_weights": "quantized_weights",
     "zero_hpz_partition_size": "hpz_partition_size",
     "zero_quantized_gradients": "quantized_gradients",
@@ -70,14 +74,74 @@ class LossScaleConfig:
             raise ValueError(f"fp16.min_loss_scale must be > 0, got {self.min_loss_scale}")
 
 
+# Defaults of the element counts, with DeepSpeed's values where DeepSpeed has the key.
+DEFAULT_PREFETCH_BUCKET_SIZE = 50_000_000  # DeepSpeed's stage3_prefetch_bucket_size
+DEFAULT_PARAM_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold
+DEFAULT_MAX_LIVE_PARAMETERS = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters
+DEFAULT_MAX_REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance
+# [Note: default unit and bucket sizes] A unit is what stage 3 gathers at once and a
+# bucket what one reduce-scatter reduces; both trade a collective's fixed latency against
+# overlap. One unit per module made a 4-block GPT 56 collectives per step, too slow over
+# TCP; one unit for a whole small model leaves nothing to overlap: its gather precedes all
+# of forward and its gradients are final only at the end of backward. 1M elements (2 MB in
+# bf16) still carry more bytes than latency (~0.17 ms on a 100 Gbit/s link against NCCL's
+# ~0.05 ms, ~1.6 ms at 10 Gbit/s against TCP's ~1 ms), so a plain config gathers a
+# transformer with d_model <= 288 (12 d^2 elements a block) block by block, as FSDP2 wraps
+# it, and larger ones by attention and MLP halves or single matrices; a bucket is then
+# about a block's gradients, reduced while the blocks before it run backward (FSDP2's
+# per-unit reduce-scatter). Measured on the 2x2 simcluster at 200 Mbit/s (fp32 TinyGPT,
+# shared 2-core machine, alternating in one run): with d_model 256 x 4 layers, 1M against
+# 4M took plain stage 3 from 1516 to 1378 ms per step and ZeRO++ from 455 to 367 ms; with
+# d_model 512 (several units per block either way) they tied (5274/5276, 1160/1176 ms), as
+# did d_model 256 on loopback. DeepSpeed's reduce_bucket_size default (5e8) would put any
+# model of fewer than 500M parameters in one bucket at the end of backward.
+DEFAULT_FUSE_NUMEL = 1_000_000
+DEFAULT_REDUCE_BUCKET_SIZE = 1_000_000
+
+
 @dataclass(frozen=True, kw_only=True)
 class ZeroConfig:
     """Everything that changes what the runtime computes or communicates.
 
-    ``reduce_bucket_size`` and ``prefetch_bucket_size`` are in elements (DeepSpeed's unit).
-    ``prefetch_bucket_size == 0`` turns stage-3 prefetching off. ``gradient_clipping == 0``
+    Element counts are in parameter elements (DeepSpeed's unit); DeepSpeed's JSON accepts
+    them as integral floats (``1e9``), and so does this class. ``gradient_clipping == 0``
     turns clipping off; clipping follows ``torch.nn.utils.clip_grad_norm_`` (a non-finite
     norm is not detected: only fp16 with dynamic loss scaling skips such a step).
+
+    ``reduce_bucket_size`` (DeepSpeed's meaning): at most this many gradient elements are
+    reduce-scattered by one collective (a unit larger than that is a bucket alone). Stages
+    2 and 3 launch a bucket during backward as soon as the gradients of all its units are
+    final; buckets are fixed at start-up, in the order gradients become final, so every
+    rank issues them in the same order. Stages 1 and 2 also size their flat units by it.
+    ``overlap_comm`` (DeepSpeed's key and meaning, default true in every stage, where
+    DeepSpeed's is true for stage 3 only): false launches the buckets only once backward is
+    over, in the same order, so no reduce-scatter overlaps backward; no effect in stage 1.
+
+    Stage 3 keeps DeepSpeed's keys, defaults and meanings (DeepSpeed's ``stage3_*`` keys
+    are accepted, and have no effect, in stages 1 and 2, as in DeepSpeed; the zcomm key is
+    an error there); see [Note: stage-3 residency] in ``_stage3``:
+
+    * ``param_persistence_threshold`` (``stage3_param_persistence_threshold``): parameters
+      of at most this many elements are never freed. They are kept whole on every rank in
+      units of their own, their gradients are reduce-scattered in the buckets and their
+      optimizer states partitioned like everyone else's, and each optimizer step ends with
+      one all-gather of them (DeepSpeed's ``ds_persist``; with qwZ an INT8 one, where
+      DeepSpeed's is exact). 0 partitions every parameter.
+    * ``max_live_parameters`` (``stage3_max_live_parameters``): prefetching never makes
+      more than this many gathered elements live, and a unit finished with is freed rather
+      than kept once more than this many are live.
+    * ``max_reuse_distance`` (``stage3_max_reuse_distance``): a unit finished with is kept
+      gathered if the trace of the first step says it is used again before this many other
+      parameter elements are (typically: from forward into backward), or if the prefetcher
+      has already passed that next use. 0 frees after each use what lies beyond the
+      prefetch window.
+    * ``prefetch_bucket_size`` (``stage3_prefetch_bucket_size``): at most this many
+      elements are being gathered ahead of their use; 0 turns prefetching off.
+    * ``fuse_numel`` (zcomm key ``zcomm_stage3_fuse_numel``): a module whose subtree holds
+      at most this many partitioned elements is gathered as one unit (e.g. a whole
+      transformer block); 0 gives one unit per module; default ``DEFAULT_FUSE_NUMEL`` in
+      stage 3 (see [Note: default unit and bucket sizes]; on fusing, see [Note: fused units]
+      in ``_partition``).
 
     ZeRO++ (stage 3 only; each can be on alone, all three together are ZeRO++):
     ``quantized_weights`` (qwZ) gathers parameters for forward with zcomm's INT8
@@ -87,17 +151,16 @@ class ZeroConfig:
     checked when the runtime starts); ``quantized_gradients`` (qgZ) reduce-scatters
     gradient buckets with zcomm's INT4 ``reduce_scatter_q4``. ``quant_group_size`` sets the
     elements per quantization scale of both quantized collectives (see ``QuantGroupSize``).
-
-    ``fuse_numel`` (stage 3, zcomm key ``zcomm_stage3_fuse_numel``, in elements): a module
-    whose subtree holds at most this many parameter elements is gathered as one unit, e.g. a
-    whole transformer block, instead of one unit per module (0, the default); see
-    [Note: fused units] in ``_partition``.
     """
 
     stage: int = 2
     precision: Precision = "fp32"
-    reduce_bucket_size: int = 50_000_000
-    prefetch_bucket_size: int = 50_000_000
+    reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE
+    overlap_comm: bool = True
+    prefetch_bucket_size: int = DEFAULT_PREFETCH_BUCKET_SIZE
+    param_persistence_threshold: int = DEFAULT_PARAM_PERSISTENCE_THRESHOLD
+    max_live_parameters: int = DEFAULT_MAX_LIVE_PARAMETERS
+    max_reuse_distance: int = DEFAULT_MAX_REUSE_DISTANCE
     gradient_clipping: float = 0.0
     gradient_accumulation_steps: int = 1
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
@@ -105,30 +168,24 @@ class ZeroConfig:
     hpz_partition_size: int = 1
     quantized_gradients: bool = False
     quant_group_size: QuantGroupSize = None
-    fuse_numel: int = 0
+    fuse_numel: int | None = None  # None: DEFAULT_FUSE_NUMEL in stage 3, 0 otherwise
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
             raise ValueError(f"zero_optimization.stage must be 1, 2 or 3, got {self.stage!r}")
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {self.precision!r}")
-        if self.reduce_bucket_size < 1:
-            raise ValueError(f"reduce_bucket_size must be >= 1 element, got {self.reduce_bucket_size}")
-        if self.prefetch_bucket_size < 0:
-            raise ValueError(f"stage3_prefetch_bucket_size must be >= 0, got {self.prefetch_bucket_size}")
+        self._check_counts()
         if self.gradient_clipping < 0:
             raise ValueError(f"gradient_clipping must be >= 0 (0 = off), got {self.gradient_clipping}")
-        if isinstance(self.fuse_numel, bool) or not isinstance(self.fuse_numel, int) or self.fuse_numel < 0:
-            raise ValueError(f"zcomm_stage3_fuse_numel must be an int >= 0, got {self.fuse_numel!r}")
-        if self.fuse_numel and self.stage != 3:
-            raise ValueError(f"zcomm_stage3_fuse_numel needs zero_optimization.stage 3, got stage {self.stage}")
         if self.gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be >= 1, got {self.gradient_accumulation_steps}")
         if not isinstance(self.loss_scale, LossScaleConfig):
             raise TypeError(f"loss_scale must be a LossScaleConfig, got {type(self.loss_scale).__name__}")
-        for name in ("quantized_weights", "quantized_gradients"):
+        for name, key in (("quantized_weights", "zero_quantized_weights"),
+                          ("quantized_gradients", "zero_quantized_gradients"), ("overlap_comm", "overlap_comm")):
             if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"zero_{name} must be true or false, got {getattr(self, name)!r}")
+                raise TypeError(f"{key} must be true or false, got {getattr(self, name)!r}")
         if isinstance(self.hpz_partition_size, bool) or not isinstance(self.hpz_partition_size, int):
             raise TypeError(f"zero_hpz_partition_size must be an int, got {self.hpz_partition_size!r}")
         if self.hpz_partition_size < 1:
@@ -137,6 +194,16 @@ class ZeroConfig:
         if zeropp and self.stage != 3:
             raise ValueError(f"{', '.join(zeropp)} need zero_optimization.stage 3, got stage {self.stage}")
         self._check_quant_group_size()
+
+    def _check_counts(self) -> None:
+        """Element counts: ints (or integral floats, as DeepSpeed's JSON writes ``1e9``),
+        stored as ints; ``fuse_numel``'s None resolved."""
+        if self.fuse_numel is None:
+            object.__setattr__(self, "fuse_numel", DEFAULT_FUSE_NUMEL if self.stage == 3 else 0)
+        elif self.stage != 3 and _count("zcomm_stage3_fuse_numel", self.fuse_numel, 0):
+            raise ValueError(f"zcomm_stage3_fuse_numel needs zero_optimization.stage 3, got stage {self.stage}")
+        for name, key, minimum in _COUNTS:
+            object.__setattr__(self, name, _count(key, getattr(self, name), minimum))
 
     def _check_quant_group_size(self) -> None:
         """Valid for both widths, whichever options are on: a config that quantizes only
@@ -193,6 +260,25 @@ class ZeroConfig:
     def from_json(cls, path: str | os.PathLike) -> "ZeroConfig":
         with open(path) as f:
             return cls.from_dict(json.load(f))
+
+
+# (field, DeepSpeed key, smallest valid value) of the element counts
+_COUNTS = (
+    ("reduce_bucket_size", "reduce_bucket_size", 1),
+    ("prefetch_bucket_size", "stage3_prefetch_bucket_size", 0),
+    ("param_persistence_threshold", "stage3_param_persistence_threshold", 0),
+    ("max_live_parameters", "stage3_max_live_parameters", 0),
+    ("max_reuse_distance", "stage3_max_reuse_distance", 0),
+    ("fuse_numel", "zcomm_stage3_fuse_numel", 0),
+)
+
+
+def _count(key: str, value: Any, minimum: int) -> int:
+    """``value`` as an int >= ``minimum``; ``key`` names it in the error."""
+    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not integral or value < minimum:
+        raise ValueError(f"{key} must be an integer >= {minimum} (elements), got {value!r}")
+    return int(value)
 
 
 def _section(config: Mapping[str, Any], name: str) -> Mapping[str, Any]:

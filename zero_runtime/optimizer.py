@@ -42,14 +42,21 @@ class ZeroOptimizer:
         self.hooks: ModuleHooks | None = None
         on_ready = None
         if config.stage == 3:
-            self.scheduler = ParamScheduler(units=units, plan=plan, prefetch_numel=config.prefetch_bucket_size)
-            self.hooks = ModuleHooks(model=model, units=units, scheduler=self.scheduler)
-            on_ready = self.scheduler.grads_ready
-        self.reducer = GradReducer(units=units, plan=plan, stage=config.stage,
-                                   bucket_numel=config.reduce_bucket_size, on_unit_ready=on_ready)
+            partitioned = [unit for unit in units if unit.partitioned]
+            self.scheduler = ParamScheduler(units=partitioned, plan=plan, prefetch_numel=config.prefetch_bucket_size,
+                                            max_live=config.max_live_parameters,
+                                            max_reuse_distance=config.max_reuse_distance)
+            self.hooks = ModuleHooks(model=model, units=partitioned, scheduler=self.scheduler)
+            on_ready = self._unit_grads_ready
+        self.reducer = GradReducer(units=units, plan=plan, stage=config.stage, bucket_numel=config.reduce_bucket_size,
+                                   overlap=config.overlap_comm, on_unit_ready=on_ready)
         self.micro_step = 0
         self.last_step_skipped = False
         self._backward_since_step = False
+
+    def _unit_grads_ready(self, unit: FlatUnit) -> None:
+        if unit.partitioned:
+            self.scheduler.grads_ready(unit)
 
     @property
     def units(self) -> list[FlatUnit]:
@@ -159,8 +166,9 @@ class ZeroOptimizer:
         self._backward_since_step = False
 
     def sync_params_from_masters(self) -> None:
-        """Write the fp32 masters into the compute-dtype parameters: stage 3 updates its
-        shards (the next forward gathers them); stages 1 and 2 all-gather the full buffers."""
+        """Write the fp32 masters into the compute-dtype parameters: partitioned units
+        (stage 3) update their shards (the next forward gathers them); units kept whole
+        (stages 1 and 2, stage 3's persistent ones) all-gather their full buffers."""
         if self.scheduler is not None:
             self.scheduler.free_all()
             self.hooks.end_of_outside_uses()
@@ -168,7 +176,7 @@ class ZeroOptimizer:
             handles = []
             gather = self.plan.forward_gather
             for unit in self.units:
-                if self.scheduler is not None:
+                if unit.partitioned:
                     unit.shard.copy_(unit.master)
                 else:
                     shard = gather.allocate(unit.layout.shard_numel, dtype=unit.dtype, device=self.plan.device)

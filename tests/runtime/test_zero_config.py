@@ -47,12 +47,46 @@ def test_unknown_keys_are_all_listed():
     ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 0}}, "zero_hpz_partition_size must be >= 1"),
     ({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}}, "need zero_optimization.stage 3"),
     ({"zero_optimization": []}, "must be a mapping"),
-    ({"zero_optimization": {"stage": 3, "zcomm_stage3_fuse_numel": -1}}, "zcomm_stage3_fuse_numel must be an int >= 0"),
+    ({"zero_optimization": {"stage": 3, "zcomm_stage3_fuse_numel": -1}},
+     "zcomm_stage3_fuse_numel must be an integer >= 0"),
     ({"zero_optimization": {"stage": 2, "zcomm_stage3_fuse_numel": 100}}, "zcomm_stage3_fuse_numel needs"),
+    ({"zero_optimization": {"reduce_bucket_size": 0}}, "reduce_bucket_size must be an integer >= 1"),
+    ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": -1}}, "stage3_prefetch_bucket_size must be"),
+    ({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": -1}},
+     "stage3_param_persistence_threshold must be an integer >= 0"),
+    ({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1.5e3 + 0.5}},
+     "stage3_max_live_parameters must be an integer >= 0 \\(elements\\), got 1500.5"),
+    ({"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": True}}, "stage3_max_reuse_distance must be"),
+    ({"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": "auto"}}, "stage3_max_reuse_distance must be"),
+    ({"zero_optimization": {"overlap_comm": "yes"}}, "overlap_comm must be true or false"),
+    ({"zero_optimization": {"stage": 3, "stage3_param_persistence_thresold": 0}},
+     "unknown config keys: zero_optimization.stage3_param_persistence_thresold"),
 ])
 def test_invalid_values_are_rejected(bad, message):
     with pytest.raises((ValueError, TypeError), match=message):
         ZeroConfig.from_dict(bad)
+
+
+def test_stage3_keys_take_deepspeeds_defaults_and_json_numbers():
+    from zero_runtime.config import DEFAULT_FUSE_NUMEL, DEFAULT_REDUCE_BUCKET_SIZE
+
+    plain = ZeroConfig(stage=3)
+    assert (plain.param_persistence_threshold, plain.max_live_parameters, plain.max_reuse_distance,
+            plain.prefetch_bucket_size) == (100_000, 10**9, 10**9, 5 * 10**7)  # DeepSpeed's defaults
+    assert (plain.fuse_numel, plain.reduce_bucket_size) == (DEFAULT_FUSE_NUMEL, DEFAULT_REDUCE_BUCKET_SIZE)
+    assert ZeroConfig(stage=2).fuse_numel == 0  # no units to fuse below stage 3
+    # DeepSpeed's JSON writes counts as 1e9; they are stored as ints.
+    parsed = ZeroConfig.from_dict({"zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 1e4, "stage3_max_live_parameters": 3e8,
+        "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 5e6, "reduce_bucket_size": 2e5,
+        "zcomm_stage3_fuse_numel": 0}})
+    values = (parsed.param_persistence_threshold, parsed.max_live_parameters, parsed.max_reuse_distance,
+              parsed.prefetch_bucket_size, parsed.reduce_bucket_size, parsed.fuse_numel)
+    assert values == (10_000, 300_000_000, 0, 5_000_000, 200_000, 0)
+    assert all(type(value) is int for value in values)
+    assert plain.overlap_comm and not ZeroConfig.from_dict({"zero_optimization": {"overlap_comm": False}}).overlap_comm
+    # As in DeepSpeed, the stage-3 keys are accepted, and have no effect, below stage 3.
+    assert ZeroConfig.from_dict({"zero_optimization": {"stage": 2, "stage3_max_live_parameters": 1e9}}).stage == 2
 
 
 def test_zeropp_keys_map_to_fields():

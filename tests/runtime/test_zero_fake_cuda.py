@@ -21,8 +21,9 @@ from zero_fake_cuda import ShimUnavailable, build_shim, run_cases
 
 GPU = ["cuda:0"]
 TRAINING = ["s1-accum-clip", "s2-clip", "s2-noclip", "s3-clip", "s3-fused-accum", "s3-hpz-fp32-clip",
-            "s2-fp16-dynamic", "s3-fp16-dynamic"]
-WITHOUT_HOST_READS = ["s1-accum-clip", "s2-clip", "s2-noclip", "s3-clip", "s3-fused-accum", "s3-hpz-fp32-clip"]
+            "s3-persistent", "s2-fp16-dynamic", "s3-fp16-dynamic"]
+WITHOUT_HOST_READS = ["s1-accum-clip", "s2-clip", "s2-noclip", "s3-clip", "s3-fused-accum", "s3-hpz-fp32-clip",
+                      "s3-persistent"]
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +95,7 @@ def test_fp16_dynamic_scaling_reads_one_gpu_flag_per_step(results):
 
 @pytest.mark.slow
 def test_stage3_prefetches_and_hpz_gathers_from_secondaries(results):
-    for name in ("s3-clip", "s3-fused-accum", "s3-hpz-fp32-clip"):
+    for name in ("s3-clip", "s3-fused-accum", "s3-hpz-fp32-clip", "s3-persistent"):
         assert _ok(results, name)["prefetches"] > 0, name
     assert _ok(results, "s3-hpz-fp32-clip")["fallbacks"] == 0  # every backward gather used a secondary
 

@@ -17,7 +17,8 @@ from zero_harness import run
 from zero_workloads import global_batch, local_slice, loss_of, make_model, make_optimizer, zero_steps
 
 CHECKPOINTED = {  # name -> (model, config); resumed in fresh processes
-    "gpt-s3-bf16": ("gpt", {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}),
+    "gpt-s3-bf16": ("gpt", {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 512},
+                            "bf16": {"enabled": True}}),
     "mlp-s2-fp16": ("mlp", {"zero_optimization": {"stage": 2}, "fp16": {"enabled": True, "initial_scale_power": 8}}),
 }
 SAVE_AT, STOP_AT = 3, 6
@@ -62,25 +63,44 @@ def _fp16_overflow(rank: int, world: int) -> dict:
     return {"log": log}
 
 
+# Stage 3 without DeepSpeed's residency: every parameter partitioned, one unit per module,
+# no prefetch, each unit freed after every use.
+FREE_AFTER_USE = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+                  "zcomm_stage3_fuse_numel": 0, "stage3_prefetch_bucket_size": 0}
+PERSISTENCE_THRESHOLD = 512  # the GPT's norms, biases and position embedding (16 x 32) are persistent
+MEMORY_CONFIGS = {
+    1: {"stage": 1},
+    2: {"stage": 2},
+    3: FREE_AFTER_USE,
+    "3-persistent": {"stage": 3, "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD},
+}
+
+
 def _memory_reports(rank: int, world: int) -> dict:
     out = {}
-    for stage in (1, 2, 3):
-        model, opt = _initialize("gpt", {"zero_optimization": {"stage": stage, "reduce_bucket_size": 4000},
+    for name, zero in MEMORY_CONFIGS.items():
+        model, opt = _initialize("gpt", {"zero_optimization": {**zero, "reduce_bucket_size": 4000},
                                          "bf16": {"enabled": True}})
         zero_steps("gpt", model, opt, rank, world, range(1))
         padded = sum(u.layout.numel for u in opt.units)
-        out[stage] = (tuple(opt.memory_report()), padded, len(opt.units))
+        out[name] = (tuple(opt.memory_report()), padded, len(opt.units))
     return out
 
 
 def _traffic(rank: int, world: int) -> dict:
-    """Bytes each rank sends per step (zcomm's counters) and stage-3 prefetch counts."""
+    """Bytes each rank sends per step (zcomm's counters) and stage-3 prefetch and keep counts."""
     import zcomm
 
     out = {}
-    for name, stage, prefetch in (("s2", 2, 0), ("s3", 3, 0), ("s3-prefetch", 3, 10**6)):
-        model, opt = _initialize("mlp", {"zero_optimization": {"stage": stage, "stage3_prefetch_bucket_size": prefetch},
-                                         "bf16": {"enabled": True}})
+    configs = {
+        "s2": {"stage": 2},
+        "s3": FREE_AFTER_USE,
+        "s3-prefetch": {**FREE_AFTER_USE, "stage3_prefetch_bucket_size": 10**6},
+        "s3-keep": {**FREE_AFTER_USE, "stage3_max_reuse_distance": 10**9},  # DeepSpeed's default
+        "s3-persistent": {"stage": 3},  # DeepSpeed's defaults: every parameter of the MLP is persistent
+    }
+    for name, zero in configs.items():
+        model, opt = _initialize("mlp", {"zero_optimization": zero, "bf16": {"enabled": True}})
         zero_steps("mlp", model, opt, rank, world, range(1))  # the first step records the order
         zcomm.reset_comm_stats()
         zero_steps("mlp", model, opt, rank, world, range(1, 2))
@@ -90,29 +110,75 @@ def _traffic(rank: int, world: int) -> dict:
             "reduce_scatter": stats["reduce_scatter_tensor"].total_bytes,
             "shard_bytes": sum(u.grad_shard.numel() * 2 for u in opt.units),
             "prefetches": opt.scheduler.prefetches if opt.scheduler else 0,
+            "kept": opt.scheduler.kept if opt.scheduler else 0,
+            "partitioned": sum(u.partitioned for u in opt.units),
         }
     return out
 
 
 def _gathers_per_step(rank: int, world: int) -> dict:
     """Stage-3 units and all-gather calls of one step of the GPT (blocks of 12,704 elements,
-    28,032 in all), one unit per module and with blocks fused."""
+    28,032 in all), one unit per module and with blocks fused, freed after each use or kept
+    from forward to backward (DeepSpeed's default reuse distance)."""
     import zcomm
 
     out = {}
-    for fuse in (0, 13_000):
-        model, opt = _initialize("gpt", {"zero_optimization": {"stage": 3, "zcomm_stage3_fuse_numel": fuse}})
+    for name, zero in (("per-module", FREE_AFTER_USE), ("fused", {**FREE_AFTER_USE, "zcomm_stage3_fuse_numel": 13_000}),
+                       ("fused-kept", {**FREE_AFTER_USE, "zcomm_stage3_fuse_numel": 13_000,
+                                       "stage3_max_reuse_distance": 10**9})):
+        model, opt = _initialize("gpt", {"zero_optimization": zero})
         zero_steps("gpt", model, opt, rank, world, range(1))
         zcomm.reset_comm_stats()
         zero_steps("gpt", model, opt, rank, world, range(1, 2))
-        out[fuse] = (len(opt.units), zcomm.comm_stats()["all_gather_into_tensor"].calls)
+        out[name] = (len(opt.units), zcomm.comm_stats()["all_gather_into_tensor"].calls)
     return out
+
+
+def _live_limit(rank: int, world: int) -> dict:
+    """``stage3_max_live_parameters``: the gathered elements observed after every module's
+    forward and every gradient of two steps with everything kept (reuse distance 1e9) but a
+    live limit of about a third of the model."""
+    from zero_runtime._partition import GatherState
+
+    model, opt = _initialize("gpt", {"zero_optimization": {**FREE_AFTER_USE, "stage3_max_reuse_distance": 10**9,
+                                                           "stage3_max_live_parameters": 10_000}})
+    seen = []
+
+    def observe(*_):
+        seen.append(sum(u.layout.numel for u in opt.scheduler.units if u.state is not GatherState.FREE))
+
+    for module in model.modules():  # after the runtime's hooks, so each sees its release
+        module.register_forward_hook(observe)
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(observe)
+    zero_steps("gpt", model, opt, rank, world, range(2))
+    largest = max(u.layout.numel for u in opt.scheduler.units)
+    return {"seen": seen, "largest_unit": largest, "kept": opt.scheduler.kept}
+
+
+def _overlap(rank: int, world: int) -> dict:
+    """Gradient buckets launched before the token embedding's backward (the last module to
+    run backward), with per-module units and small buckets."""
+    import torch.distributed as dist
+
+    launched = {}
+    for overlap in (True, False):
+        model, opt = _initialize("gpt", {"zero_optimization": {**FREE_AFTER_USE, "reduce_bucket_size": 3000,
+                                                               "overlap_comm": overlap}})
+        launched[overlap] = []
+        model.tok.register_full_backward_pre_hook(lambda *_: launched[overlap].append(opt.reducer.launched))
+        zero_steps("gpt", model, opt, rank, world, range(2))
+    group, gradients = opt.plan.group, opt.plan.reduce_scatter.group
+    return {"launched": launched[True], "not_overlapped": launched[False],
+            "buckets": [[u.layout.numel for u in b] for b in opt.reducer.buckets],
+            "own_group": gradients is not group
+                         and dist.get_process_group_ranks(gradients) == dist.get_process_group_ranks(group)}
 
 
 def _stage3_reads(rank: int, world: int) -> dict:
     """Stage-3 parameters read outside a forward: through the module they are gathered,
     through ``parameters()`` they are empty (never freed memory), and training goes on."""
-    model, opt = _initialize("mlp", {"zero_optimization": {"stage": 3}})
+    model, opt = _initialize("mlp", {"zero_optimization": FREE_AFTER_USE})
     zero_steps("mlp", model, opt, rank, world, range(1))
     freed = [p.numel() for p in model.parameters()]
     read = model.layers[0].weight.detach().clone()
@@ -155,6 +221,8 @@ def _train_and_save(rank: int, world: int, root: str) -> dict:
         "memory": _memory_reports(rank, world),
         "traffic": _traffic(rank, world),
         "gathers": _gathers_per_step(rank, world),
+        "live_limit": _live_limit(rank, world),
+        "overlap": _overlap(rank, world),
         "stage3_reads": _stage3_reads(rank, world),
         "errors": _bad_input(rank, world),
     }
@@ -237,48 +305,85 @@ def test_fp16_overflow_on_one_rank_skips_everywhere_and_halves_scale(runs):
 
 @pytest.mark.slow
 def test_memory_report_matches_formulas_within_padding(runs):
+    """The ZeRO paper's formulas; stage 3's persistent parameters are whole on every rank
+    (2 bytes each in bf16), while their gradients and optimizer states stay partitioned."""
     from zero_workloads import GPT
 
     model = make_model("gpt")
     psi = sum(p.numel() for p in model.parameters())  # the tied weight counts once
+    whole = sum(p.numel() for p in model.parameters() if p.numel() <= PERSISTENCE_THRESHOLD)
     n = 2
     formulas = {1: (2 * psi, 2 * psi, 12 * psi / n), 2: (2 * psi, 2 * psi / n, 12 * psi / n),
-                3: (2 * psi / n, 2 * psi / n, 12 * psi / n)}
-    assert GPT.vocab_size  # the model is the tied-embedding GPT
+                3: (2 * psi / n, 2 * psi / n, 12 * psi / n),
+                "3-persistent": (2 * whole + 2 * (psi - whole) / n, 2 * psi / n, 12 * psi / n)}
+    assert GPT.vocab_size and 0 < whole < psi / 4  # the tied-embedding GPT, some of it persistent
     for rank_results in runs[0]:
-        for stage, (report, padded, units) in rank_results["memory"].items():
+        for name, (report, padded, units) in rank_results["memory"].items():
             pad = padded - psi
             slack = (2 * pad, 2 * pad, 12 * pad + 8 * units)  # padding, plus Adam's step counters
             assert report[3] == 0  # no hpZ secondary without ZeRO++
-            for got, want, extra in zip(report[:3], formulas[stage], slack):
-                assert want <= got <= want + extra, (stage, report, formulas[stage])
+            for got, want, extra in zip(report[:3], formulas[name], slack):
+                assert want <= got <= want + extra, (name, report, formulas[name])
 
 
 @pytest.mark.slow
 def test_traffic_per_step_is_2M_for_stage_2_and_3M_for_stage_3(runs):
     """ZeRO paper section 7: stage 2 moves a reduce-scatter and an all-gather of the model
     per step, stage 3 an extra all-gather (forward and backward); ring bytes per rank are
-    (W - 1) x shard. Prefetching changes when gathers run, not how many."""
+    (W - 1) x shard. Keeping units from forward to backward (DeepSpeed's reuse distance, or
+    a prefetch window that already covers the backward use) drops the backward gather, and
+    persistent parameters are gathered once, after the step: 2M either way."""
     for rank_results in runs[0]:
         traffic = rank_results["traffic"]
-        for name, gathers in (("s2", 1), ("s3", 2), ("s3-prefetch", 2)):
+        for name, gathers in (("s2", 1), ("s3", 2), ("s3-prefetch", 1), ("s3-keep", 1), ("s3-persistent", 1)):
             shard = traffic[name]["shard_bytes"]
             assert traffic[name]["reduce_scatter"] == shard  # (W - 1) = 1 on two ranks
-            assert traffic[name]["gather"] == gathers * shard
-        assert traffic["s3"]["prefetches"] == 0
-        assert traffic["s3-prefetch"]["prefetches"] > 0
+            assert traffic[name]["gather"] == gathers * shard, name
+        assert traffic["s3"]["prefetches"] == traffic["s3"]["kept"] == 0
+        assert traffic["s3-prefetch"]["prefetches"] > 0 and traffic["s3-prefetch"]["kept"] > 0
+        assert traffic["s3-keep"]["kept"] > 0
+        assert traffic["s3-persistent"]["partitioned"] == 0 and traffic["s3"]["partitioned"] == 3
 
 
 @pytest.mark.slow
 def test_fused_blocks_gather_once_per_block_and_phase(runs):
     """With ``zcomm_stage3_fuse_numel`` a block is one unit, gathered once in forward and once
     in backward, not once per module (token and position embeddings, 2 blocks, final norm);
-    the tied LM head re-gathers the token embedding in forward either way."""
+    the tied LM head re-gathers the token embedding in forward either way. Kept from forward
+    to backward, each unit is gathered once per step, the tied embedding included."""
     for rank_results in runs[0]:
-        (per_module, per_module_calls), (fused, fused_calls) = rank_results["gathers"][0], rank_results["gathers"][13_000]
+        gathers = rank_results["gathers"]
+        (per_module, per_module_calls), (fused, fused_calls) = gathers["per-module"], gathers["fused"]
         assert fused == 5 and per_module > 2 * fused
         assert per_module_calls == 2 * per_module + 1
         assert fused_calls == 2 * fused + 1
+        assert gathers["fused-kept"] == (fused, fused)
+
+
+@pytest.mark.slow
+def test_live_parameters_stay_within_the_limit(runs):
+    """Kept units never make more than ``stage3_max_live_parameters`` live, beyond one unit
+    gathered on demand; without the limit the reuse distance would keep all 28k elements."""
+    for rank_results in runs[0]:
+        live = rank_results["live_limit"]
+        assert live["kept"] > 0
+        assert max(live["seen"]) <= 10_000 + live["largest_unit"], live
+
+
+@pytest.mark.slow
+def test_gradient_buckets_are_reduced_during_backward(runs):
+    """Buckets of at most ``reduce_bucket_size`` elements (a larger unit alone) are launched
+    as their gradients become final: before the token embedding (the last module backward
+    reaches) runs its backward, all but the buckets waiting for it are in flight, on a
+    group of their own over the same ranks; with ``overlap_comm`` false, none is."""
+    for rank_results in runs[0]:
+        overlap = rank_results["overlap"]
+        buckets = overlap["buckets"]
+        assert all(sum(b) <= 3000 or len(b) == 1 for b in buckets) and len(buckets) > 4
+        assert len(overlap["launched"]) == 2  # one backward per step
+        assert all(len(buckets) - 2 <= launched < len(buckets) for launched in overlap["launched"]), overlap
+        assert overlap["own_group"]  # see [Note: gradient group]: gathers never queue behind them
+        assert overlap["not_overlapped"] == [0, 0]  # overlap_comm false: all launched after backward
 
 
 @pytest.mark.slow

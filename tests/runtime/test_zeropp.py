@@ -37,10 +37,20 @@ from zero_harness import run
 from zero_workloads import global_batch, local_slice, loss_of, make_model, make_optimizer, zero_steps
 
 WORLD = 4
+# Every parameter partitioned, one unit per module, freed after each use unless the prefetch
+# window (a tenth of the GPT) covers its next one: backward gathers most units again (hpZ's
+# case). DeepSpeed's residency defaults are "ZeRO++ defaults" below.
+FREE_AFTER_USE = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, "zcomm_stage3_fuse_numel": 0,
+                  "stage3_prefetch_bucket_size": 3000}
 HPZ = {"zero_hpz_partition_size": 2}
 QWZ = {"zero_quantized_weights": True}
 QGZ = {"zero_quantized_gradients": True}
-OPTIONS = {"qwZ": QWZ, "hpZ": HPZ, "qgZ": QGZ, "ZeRO++": {**QWZ, **HPZ, **QGZ}}
+OPTIONS = {"qwZ": QWZ, "hpZ": HPZ, "qgZ": QGZ, "ZeRO++": {**QWZ, **HPZ, **QGZ},
+           # DeepSpeed's residency defaults (units kept from forward to backward, fused blocks),
+           # with the norms, biases and position embedding persistent, and small qgZ buckets.
+           "ZeRO++ defaults": {**QWZ, **HPZ, **QGZ, "stage3_param_persistence_threshold": 512,
+                               "stage3_max_reuse_distance": None, "stage3_prefetch_bucket_size": None,
+                               "zcomm_stage3_fuse_numel": 13_000, "reduce_bucket_size": 3000}}
 TRAIN_STEPS = 12
 EXACT_STEPS = 4
 
@@ -54,7 +64,8 @@ def _topology(name: str):
 def _initialize(zero: dict, *, precision: str = "fp32", topology: str = "2x2"):
     import zero_runtime
 
-    config = {"zero_optimization": {"stage": 3, **zero}}
+    section = {"stage": 3, **FREE_AFTER_USE, **zero}
+    config = {"zero_optimization": {key: value for key, value in section.items() if value is not None}}
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
     return zero_runtime.initialize(make_model("gpt"), make_optimizer(), config, topology=_topology(topology))
@@ -137,13 +148,18 @@ def _traffic(rank: int) -> dict:
     """bf16 on 2x2: zcomm's counters for one step after the first (which records the trace)."""
     out = {}
     for name, zero in (("s3", {}), ("s3-no-prefetch", {"stage3_prefetch_bucket_size": 0}),
-                       ("ZeRO++", OPTIONS["ZeRO++"])):
+                       ("ZeRO++", OPTIONS["ZeRO++"]), ("ZeRO++ defaults", OPTIONS["ZeRO++ defaults"])):
         model, opt = _initialize(zero, precision="bf16")
+        launched = []
+        model.tok.register_full_backward_pre_hook(lambda *_: launched.append(opt.reducer.launched))
         zero_steps("gpt", model, opt, rank, WORLD, range(1))
         out[name] = _step_by_phase(model, opt, rank, 1)
         if name == "ZeRO++":
             out["memory"] = tuple(opt.memory_report())
             out["padded_numel"] = sum(u.layout.numel for u in opt.units)
+        if name == "ZeRO++ defaults":
+            out["buckets"], out["launched"] = len(opt.reducer.buckets), launched
+            out["whole_units"] = sum(not unit.partitioned for unit in opt.units)
     return out
 
 
@@ -200,7 +216,8 @@ def _group_size_bytes(rank: int) -> dict:
         zero_steps("gpt", model, opt, rank, WORLD, range(1))
         phases = _step_by_phase(model, opt, rank, 1)
         out[size] = {"phases": phases, "buckets": [u.layout.shard_numel for u in opt.units],
-                     "forward_gathers": [u.layout.shard_numel for u in opt.scheduler.trace[Phase.FORWARD]]}
+                     "forward_gathers": [use.unit.layout.shard_numel for use in opt.scheduler.trace.uses
+                                         if use.phase is Phase.FORWARD]}
     return out
 
 
@@ -287,12 +304,37 @@ def test_zeropp_inter_node_bytes_at_most_0_3_of_stage3(results):
 
 
 @pytest.mark.slow
-def test_prefetch_issues_each_gather_once_with_a_tied_embedding(results):
-    """TinyGPT's LM head gathers the embedding's unit a second time in forward; prefetching
-    must follow that trace, not re-gather every unit after the embedding."""
+def test_zeropp_with_deepspeed_residency_defaults_reduces_qgz_buckets_during_backward(results):
+    """Units kept from forward to backward: backward gathers nothing (so hpZ has nothing to
+    do; the INT8 all-gathers after backward are the persistent units', after the step) and
+    the qgZ buckets go through reduce_scatter_q4 as their gradients become final, most of
+    them before the token embedding (the last module backward reaches) runs."""
     for rank_results in results:
         traffic = rank_results["traffic"]
-        assert traffic["s3"] == traffic["s3-no-prefetch"]
+        after_forward = traffic["ZeRO++ defaults"]["backward"]
+        assert traffic["whole_units"] > 0
+        assert "all_gather_into_tensor" not in after_forward
+        assert after_forward["all_gather_q8"][0] == traffic["whole_units"]
+        buckets = traffic["buckets"]
+        assert buckets > 2 and after_forward["reduce_scatter_q4"][0] == buckets
+        assert all(buckets - 2 <= launched < buckets for launched in traffic["launched"]), traffic["launched"]
+
+
+@pytest.mark.slow
+def test_prefetch_issues_each_gather_once_with_a_tied_embedding(results):
+    """TinyGPT's LM head gathers the embedding's unit a second time in forward; prefetching
+    must follow that trace, not re-gather every unit after the embedding: it only moves
+    gathers earlier, or saves those whose use the prefetch window already covered."""
+    def calls(step: dict) -> int:
+        return sum(phase.get("all_gather_into_tensor", (0,))[0] for phase in step.values())
+
+    for rank_results in results:
+        traffic = rank_results["traffic"]
+        units = 15  # two blocks of 6 modules, two embeddings and the final norm, each its own unit
+        assert calls(traffic["s3-no-prefetch"]) == 2 * units + 1
+        assert units < calls(traffic["s3"]) <= calls(traffic["s3-no-prefetch"])
+        assert traffic["s3"]["backward"]["reduce_scatter_tensor"] == traffic["s3-no-prefetch"]["backward"][
+            "reduce_scatter_tensor"]
 
 
 @pytest.mark.slow

@@ -23,6 +23,10 @@ from zero_fake_cuda import FAKE_NCCL, RANK, WORLD, fake_cuda
 from zero_workloads import global_batch, local_slice, loss_of, make_model, make_optimizer, optimizer_state_placement
 
 CUDA = torch.device("cuda", 0)
+# Every parameter of the small models partitioned, one unit per module, freed after each use
+# unless the prefetch window covers the next (DeepSpeed's default threshold keeps them all whole).
+PARTITIONED = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+               "zcomm_stage3_fuse_numel": 0}
 ONE_NODE = zcomm.Topology(world_size=WORLD, local_size=WORLD)
 SINGLE = zcomm.Topology(world_size=1, local_size=1)
 
@@ -191,9 +195,14 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "s1-accum-clip": _training("mlp", {"stage": 1, "reduce_bucket_size": 300}, accumulation=2),
     "s2-clip": _training("mlp", {"stage": 2, "reduce_bucket_size": 300}),
     "s2-noclip": _training("mlp", {"stage": 2}, clip=0.0),
-    "s3-clip": _training("gpt", {"stage": 3, "reduce_bucket_size": 3000, "stage3_prefetch_bucket_size": 10_000}),
-    "s3-fused-accum": _training("gpt", {"stage": 3, "zcomm_stage3_fuse_numel": 13_000}, clip=0.0, accumulation=2),
-    "s3-hpz-fp32-clip": _training("gpt", {"stage": 3, "zero_hpz_partition_size": 2}, precision="fp32"),
+    "s3-clip": _training("gpt", {**PARTITIONED, "reduce_bucket_size": 3000, "stage3_prefetch_bucket_size": 3000}),
+    "s3-fused-accum": _training("gpt", {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                        "zcomm_stage3_fuse_numel": 13_000}, clip=0.0, accumulation=2),
+    "s3-hpz-fp32-clip": _training("gpt", {**PARTITIONED, "zero_hpz_partition_size": 2,
+                                          "stage3_prefetch_bucket_size": 3000}, precision="fp32"),
+    # DeepSpeed's residency defaults, norms and biases persistent (gathered after the step).
+    "s3-persistent": _training("gpt", {"stage": 3, "stage3_param_persistence_threshold": 512,
+                                       "zcomm_stage3_fuse_numel": 13_000, "reduce_bucket_size": 3000}),
     "s2-fp16-dynamic": _training("mlp", {"stage": 2}, steps=3, precision="fp16", flags=[True, False, True]),
     "s3-fp16-dynamic": _training("gpt", {"stage": 3}, steps=2, precision="fp16", clip=0.0, flags=[True, True]),
     "missing_checkpoint": missing_checkpoint,
