@@ -10,7 +10,10 @@ is told which unit and phase a gather serves, so that it may keep per-unit state
 
 * an ``AllGather`` fills a unit's full flat parameter buffer from this rank's shard: before
   forward, before backward (stage 3), and after each optimizer step (stages 1 and 2);
-* a ``ReduceScatter`` sums a bucket's flat gradients over the ranks into this rank's shard.
+* a ``ReduceScatter`` averages a bucket's flat gradients over the ranks into this rank's
+  shards, taking the bucket as the list of its units' gradient buffers (coalesced, as
+  ``torch.distributed.reduce_scatter_tensor_coalesced``), so an implementation that can read
+  them where they are (qgZ's reordering kernel) never builds the bucket.
 
 This module imports nothing of the runtime: the implementations (``_plain_comm``,
 ``_quantized_comm``, ``_hpz_gather``) and their users (``_stage3``, ``_grad_reduce``,
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Protocol
 
 import torch
@@ -84,9 +87,12 @@ class AllGather(Comm, abc.ABC):
 
 
 class ReduceScatter(Comm, abc.ABC):
-    """Sums flat gradients over the ranks into each rank's equal slice."""
+    """Averages flat gradients over the ranks into each rank's equal slice of each."""
 
     @abc.abstractmethod
-    def __call__(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
-        """Start summing ``input`` over the ranks into ``output``, this rank's
-        ``1 / world_size`` slice of it; the caller divides (see [Note: gloo and SUM] in ``_comm_plan``)."""
+    def __call__(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Handle:
+        """Start averaging each of ``inputs`` over the ranks into ``outputs[i]``, this rank's
+        ``1 / world_size`` slice of ``inputs[i]``. After the handle's ``wait()`` the outputs
+        hold the mean over the ranks (the gradient of the global-batch mean); how and in which
+        precision it divides is the implementation's (see [Note: gloo and SUM] in ``_comm_plan``).
+        ``inputs`` stay alive and unmodified until then."""

@@ -43,9 +43,11 @@ topology detection (host names, an object all-gather) runs under the same guard.
 [Note: gloo and SUM] torch 2.13's gloo backend accepts ``reduce_scatter_tensor`` and
 ``all_gather_into_tensor`` with async handles (checked), so the runtime needs no fallback of
 its own; how gloo runs a reduce-scatter inside (possibly as an all-reduce, twice the wire
-traffic) is a torch limitation, and zcomm's counters report the ring volume. The reduction
-is always SUM, and callers divide by the world size themselves: gloo's AVG
-has been reported wrong, and a SUM keeps the fp32 path bit-reproducible.
+traffic) is a torch limitation, and zcomm's counters report the ring volume. The plain
+reduce-scatter is a SUM divided by the world size afterwards, in the gradients' dtype:
+gloo's AVG has been reported wrong, and a SUM keeps the fp32 path bit-reproducible against
+single-process training. qgZ asks zcomm for AVG, which divides inside its fp32 reduction
+(see [Note: quantized scale handling] in ``_quantized_comm``).
 """
 
 from __future__ import annotations

@@ -16,13 +16,13 @@ bucket ``k`` is launched (async) as soon as all its units' gradients are final a
 its gradients in another order, a bucket waits for the ones before it, never the other way.
 Stage 1 keeps full gradients and reduce-scatters them once per optimizer step, at the end
 of the accumulation boundary's backward. ``finish`` launches what is left in the same
-order, waits for all handles, and folds each rank's reduced slice, divided by the world
-size (the gradient of the global-batch mean), into the units' ``grad_shard``.
+order, waits for all handles, and adds each rank's averaged slice (the gradient of the
+global-batch mean: the ``ReduceScatter`` averages) into the units' ``grad_shard``.
 
-A bucket of several units is one collective over their flat gradients interleaved rank by
-rank (``[u0 chunk 0, u1 chunk 0, ..., u0 chunk 1, ...]``), so that rank r's output is the
-concatenation of the units' r-th shards. Stage 2's units are already bucket-sized; stage 3's
-are per module or fused block, and several of them share a collective.
+A bucket of several units is one coalesced collective over the units' flat gradient
+buffers: rank r's output is the concatenation of the units' r-th shards, written into one
+buffer split per unit. Stage 2's units are already bucket-sized; stage 3's are per module or
+fused block, and several of them share a collective.
 
 [Note: last gradient hook of a unit] autograd runs a leaf's AccumulateGrad node once per
 backward, after all uses of the parameter contributed (a tied embedding and LM head sum
@@ -33,7 +33,8 @@ parameters or gradients. Stage 3 relies on this to free a unit's gathered parame
 [Note: gradient buffer lifetimes] A stage-2/3 unit's ``full_grad`` lives from its first
 gradient to the launch of its bucket's reduce-scatter, which keeps the bucket's input alive
 until its wait; the interleaved copy of a multi-unit bucket lives only while its collective
-is in flight. Stage 1 keeps every ``full_grad`` and zeroes it after each reduction. All of
+is in flight (the plain reduce-scatter's own staging buffer of a multi-unit bucket lives
+as long). Stage 1 keeps every ``full_grad`` and zeroes it after each reduction. All of
 them, and each bucket's output, come from the reduce-scatter's ``allocate`` (see
 [Note: comm buffers] in ``_api``).
 """
@@ -53,7 +54,7 @@ class _InFlight(NamedTuple):
     units: tuple[FlatUnit, ...]
     handle: Handle
     output: torch.Tensor
-    input: torch.Tensor  # kept alive until the collective is done
+    inputs: tuple[torch.Tensor, ...]  # kept alive until the collective is done
 
 
 class GradReducer:
@@ -107,19 +108,14 @@ class GradReducer:
     def _launch_next(self) -> None:
         units = self.buckets[self.launched]
         self.launched += 1
-        world, reduce_scatter = self.plan.world_size, self.plan.reduce_scatter
         for unit in units:
             if unit.full_grad is None:
                 unit.full_grad = self._zeroed_full_grad(unit)
-        if len(units) == 1:
-            flat = units[0].full_grad
-        else:
-            flat = reduce_scatter.allocate(sum(u.layout.numel for u in units), dtype=units[0].dtype,
-                                           device=self.plan.device)
-            torch.cat([u.full_grad.view(world, -1) for u in units], dim=1, out=flat.view(world, -1))
-        out = reduce_scatter.allocate(flat.numel() // world, dtype=flat.dtype, device=flat.device)
-        handle = reduce_scatter(out, flat)
-        self._in_flight.append(_InFlight(units, handle, out, flat))
+        inputs = tuple(unit.full_grad for unit in units)
+        shard_numels = [unit.layout.shard_numel for unit in units]
+        out = self.plan.reduce_scatter.allocate(sum(shard_numels), dtype=units[0].dtype, device=self.plan.device)
+        handle = self.plan.reduce_scatter(out.split(shard_numels), inputs)
+        self._in_flight.append(_InFlight(units, handle, out, inputs))
         if not self.keep_full_grads:
             for unit in units:
                 unit.full_grad = None
@@ -130,12 +126,11 @@ class GradReducer:
         if reduce:
             while self.launched < len(self.buckets):
                 self._launch_next()
-        world = self.plan.world_size
         for flight in self._in_flight:
             flight.handle.wait()
             shards = flight.output.split([u.layout.shard_numel for u in flight.units])
             for unit, shard in zip(flight.units, shards):
-                unit.grad_shard.add_(shard.div_(world))
+                unit.grad_shard.add_(shard)
                 if self.keep_full_grads:
                     unit.full_grad.zero_()
         self._in_flight.clear()

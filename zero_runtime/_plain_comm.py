@@ -8,7 +8,7 @@ a node) lets the counters split intra- from inter-node bytes.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,12 +30,46 @@ class PlainAllGather(AllGather):
 
 
 class PlainReduceScatter(ReduceScatter):
-    """Unquantized SUM reduce-scatter over one process group."""
+    """Unquantized reduce-scatter over one process group: SUM, then a division by the world
+    size in the gradients' dtype once the collective is done (see [Note: gloo and SUM] in
+    ``_comm_plan``). A bucket of several inputs is one collective over their interleaving
+    (``[in0 slice 0, in1 slice 0, ..., in0 slice 1, ...]``), built in a staging buffer from
+    ``allocate``, so that this rank's slice of it is the concatenation of the outputs."""
 
     def __init__(self, group: dist.ProcessGroup, topology: zcomm.Topology) -> None:
         self.group = group
         self.topology = topology
 
-    def __call__(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
-        return zcomm.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True,
-                                           topology=self.topology)
+    def __call__(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Handle:
+        world = dist.get_world_size(self.group)
+        if len(inputs) == 1:
+            staged_in, staged_out = inputs[0], outputs[0]
+        else:
+            dtype, device = inputs[0].dtype, inputs[0].device
+            staged_in = self.allocate(sum(x.numel() for x in inputs), dtype=dtype, device=device)
+            torch.cat([x.view(world, -1) for x in inputs], dim=1, out=staged_in.view(world, -1))
+            staged_out = self.allocate(staged_in.numel() // world, dtype=dtype, device=device)
+        work = zcomm.reduce_scatter_tensor(staged_out, staged_in, op=dist.ReduceOp.SUM, group=self.group,
+                                           async_op=True, topology=self.topology)
+        return _MeanOnWait(work, staged_in, staged_out, list(outputs), world)
+
+
+class _MeanOnWait:
+    """The plain reduce-scatter's handle: ``wait()`` divides the summed slice by the world
+    size and, for a bucket of several outputs, scatters it into them; it keeps the staging
+    buffers alive until then."""
+
+    def __init__(self, work: Handle, staged_in: torch.Tensor, staged_out: torch.Tensor,
+                 outputs: list[torch.Tensor], world: int) -> None:
+        self._work, self._staged_in, self._staged_out = work, staged_in, staged_out
+        self._outputs, self._world = outputs, world
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        self._work.wait()
+        self._staged_out.div_(self._world)
+        if len(self._outputs) > 1:
+            for output, part in zip(self._outputs, self._staged_out.split([o.numel() for o in self._outputs])):
+                output.copy_(part)
+        self._work = self._staged_in = self._staged_out = None

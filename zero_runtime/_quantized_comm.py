@@ -5,20 +5,23 @@
   one module's parameters) fills the unit's full buffer, halving the bytes of stage 3's
   forward all-gather (and, being hierarchical, sending only ``N - 1`` payloads per rank
   across nodes). Backward gathers stay exact (plain, or hpZ's secondary).
-* ``QuantizedReduceScatter`` is qgZ's ``ReduceScatter``: one ``zcomm.reduce_scatter_q4``
-  per gradient bucket (hierarchical: INT4 within the node, the node's fp32 partial sum
-  re-quantized to INT4 across nodes), a quarter of the inter-node bytes of a bf16 ring.
+* ``QuantizedReduceScatter`` is qgZ's ``ReduceScatter``: one
+  ``zcomm.reduce_scatter_q4_coalesced`` per gradient bucket (hierarchical: INT4 within the
+  node, the node's fp32 partial sum re-quantized to INT4 across nodes), a quarter of the
+  inter-node bytes of a bf16 ring. The reordering kernel reads the units' gradient buffers
+  where they are: the bucket is never copied into one buffer.
 
 Each holds a ``zcomm.quant.QuantSpec`` of its width built from ``zcomm_quant_group_size``;
 the spec turns ``"tensor"`` into the concrete group size of each payload
 (``QuantSpec.group_size_for``), which is what the collectives take.
 
-[Note: quantized scale handling] Both collectives are called with ``op`` SUM
-(reduce-scatter) and the runtime divides the reduced shard by the world size afterwards,
-exactly as on the plain path (``_grad_reduce``), so there is one averaging rule for every
-configuration and it divides by the number of ranks, never the number of nodes. Quantization scales are fp32
-and travel inside each payload; with ``zcomm_quant_group_size: "tensor"`` a payload (one
-rank's shard for qwZ, one all-to-all row of a bucket for qgZ) has a single scale.
+[Note: quantized scale handling] qgZ asks for ``op`` AVG: zcomm divides the fp32 sum of the
+last hop by the world size before the one rounding to the gradients' dtype, so averaging
+costs no extra pass and no extra bf16 rounding (the plain path divides after its SUM, see
+[Note: gloo and SUM] in ``_comm_plan``); it divides by the number of ranks, never the
+number of nodes. Quantization scales are fp32 and travel inside each payload; with
+``zcomm_quant_group_size: "tensor"`` a payload (one rank's shard for qwZ, one all-to-all row
+of a bucket for qgZ) has a single scale.
 
 [Note: shards are not padded to groups] Shards are not padded to whole quantization groups:
 zcomm lets a payload's last group be short, and padding every small module (a LayerNorm's
@@ -27,7 +30,7 @@ zcomm lets a payload's last group be short, and padding every small module (a La
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,7 +62,7 @@ class QuantizedAllGather(AllGather):
 
 
 class QuantizedReduceScatter(ReduceScatter):
-    """qgZ: one hierarchical INT4 ``reduce_scatter_q4`` (SUM) per gradient bucket."""
+    """qgZ: one hierarchical INT4 ``reduce_scatter_q4_coalesced`` (AVG) per gradient bucket."""
 
     def __init__(self, group: dist.ProcessGroup, topology: zcomm.Topology, *, spec: QuantSpec) -> None:
         assert spec.bits == 4, spec
@@ -67,6 +70,7 @@ class QuantizedReduceScatter(ReduceScatter):
         self.topology = topology
         self.spec = spec
 
-    def __call__(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
-        return zcomm.reduce_scatter_q4(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True,
-                                       topology=self.topology, group_size=self.spec.group_size_for(input.numel()))
+    def __call__(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Handle:
+        return zcomm.reduce_scatter_q4_coalesced(outputs, inputs, op=dist.ReduceOp.AVG, group=self.group,
+                                                 async_op=True, topology=self.topology,
+                                                 group_size=self.spec.group_size)

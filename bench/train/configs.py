@@ -19,10 +19,13 @@ defaults are 2048 for INT8 and 512 for INT4): finer blocks, ~5% more qgZ bytes, 
 the same precision and batch, and the same gradient clipping, written out explicitly in
 every engine's config (``gradient_clipping``; FSDP2 clips with torch's
 ``clip_grad_norm_``): DeepSpeed clips at 1.0 when the key is absent, which silently made an
-earlier comparison different math. At stage 3 both ZeRO engines get DeepSpeed's default
-stage-3 settings written out (:data:`DEEPSPEED_STAGE3_DEFAULTS`): DeepSpeed all of them,
-zero_runtime those it implements (:data:`RUNTIME_STAGE3_KEYS`), so "DeepSpeed with its
-defaults" stays that if a release changes them.
+earlier comparison different math. At stage 3 DeepSpeed gets its default stage-3 settings written
+out (:data:`DEEPSPEED_STAGE3_DEFAULTS`), so "DeepSpeed with its defaults" stays that if a
+release changes them; zero_runtime gets no stage-3 keys at all, so each row measures what a
+user gets from the README's config: the runtime's defaults are DeepSpeed's values for the
+``stage3_*`` keys, its own for the unit and bucket sizes (see [Note: default unit and
+bucket sizes] in ``zero_runtime.config``). Bucket and unit sizes change when bytes move,
+never what is computed.
 """
 
 from __future__ import annotations
@@ -34,10 +37,6 @@ Engine = Literal["zero", "fsdp2", "deepspeed"]
 
 QUANT_GROUP_SIZE_KEY = "zcomm_quant_group_size"
 TENSOR_SCALE = "tensor"
-# zero_runtime's stage 3 gathers any module of at most this many parameter elements as one
-# unit: a whole block of the bench models (TinyGPT's is 198k), the same units as FSDP2's
-# per-block fully_shard, instead of dozens of per-module collectives (see PERFORMANCE.md).
-STAGE3_FUSE_NUMEL = 250_000
 # DeepSpeed 0.19's defaults for its stage-3 keys (deepspeed/runtime/zero/config.py), in elements.
 DEEPSPEED_STAGE3_DEFAULTS: dict[str, int] = {
     "reduce_bucket_size": 500_000_000,
@@ -46,9 +45,6 @@ DEEPSPEED_STAGE3_DEFAULTS: dict[str, int] = {
     "stage3_max_live_parameters": 1_000_000_000,
     "stage3_max_reuse_distance": 1_000_000_000,
 }
-# The keys of DEEPSPEED_STAGE3_DEFAULTS that zero_runtime implements (it rejects the others).
-RUNTIME_STAGE3_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size")
-
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -183,11 +179,9 @@ def _zero_optimization(config: TrainConfig, local_size: int) -> dict[str, Any]:
 def zero_runtime_config(
     config: TrainConfig, *, local_size: int, bf16: bool, gradient_clipping: float
 ) -> dict[str, Any]:
-    """The dict for ``zero_runtime.initialize``: only keys the runtime knows (it rejects others)."""
+    """The dict for ``zero_runtime.initialize``: the stage and ZeRO++ keys only, so the
+    runtime's defaults apply (see [Note: same math])."""
     section = _zero_optimization(config, local_size)
-    if config.stage == 3:
-        section.update({key: DEEPSPEED_STAGE3_DEFAULTS[key] for key in RUNTIME_STAGE3_KEYS})
-        section["zcomm_stage3_fuse_numel"] = STAGE3_FUSE_NUMEL
     return {"zero_optimization": section, "bf16": {"enabled": bf16}, "gradient_clipping": gradient_clipping}
 
 

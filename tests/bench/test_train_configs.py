@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.train.cli import build_parser, check_grad_clip, chosen_configs
-from bench.train.configs import (CONFIGS, DEEPSPEED_STAGE3_DEFAULTS, RUNTIME_STAGE3_KEYS, STAGE3_FUSE_NUMEL,
+from bench.train.configs import (CONFIGS, DEEPSPEED_STAGE3_DEFAULTS,
                                  TrainConfig, deepspeed_config, engine_config, select_configs,
                                  zero_runtime_config)  # fmt: skip
 from zero_runtime.config import ZeroConfig
@@ -20,26 +20,22 @@ def test_zero_runtime_configs_carry_exactly_the_zeropp_keys() -> None:
         "bf16": {"enabled": True},
         "gradient_clipping": 0.0,
     }
-    # Stage 3 also gets DeepSpeed's stage-3 defaults the runtime implements and the
-    # unit-fusion threshold (zcomm's own key, not a ZeRO++ one).
-    stage3 = {key: DEEPSPEED_STAGE3_DEFAULTS[key] for key in RUNTIME_STAGE3_KEYS}
-    fuse = {**stage3, "zcomm_stage3_fuse_numel": STAGE3_FUSE_NUMEL}
+    # Stage 3 gets no stage-3 keys: the runtime's defaults are what the README's config gives a user.
     zeropp = zero_runtime_config(CONFIGS["zeropp"], local_size=4, bf16=False, gradient_clipping=0.0)
     assert zeropp["zero_optimization"] == {
         "stage": 3,
         "zero_quantized_weights": True,
         "zero_hpz_partition_size": 4,
         "zero_quantized_gradients": True,
-        **fuse,
     }
     alone = {
         name: zero_runtime_config(CONFIGS[name], local_size=2, bf16=True, gradient_clipping=0.0)["zero_optimization"]
         for name in ("zero3+qwz", "zero3+hpz", "zero3+qgz")
     }
     assert alone == {
-        "zero3+qwz": {"stage": 3, "zero_quantized_weights": True, **fuse},
-        "zero3+hpz": {"stage": 3, "zero_hpz_partition_size": 2, **fuse},
-        "zero3+qgz": {"stage": 3, "zero_quantized_gradients": True, **fuse},
+        "zero3+qwz": {"stage": 3, "zero_quantized_weights": True},
+        "zero3+hpz": {"stage": 3, "zero_hpz_partition_size": 2},
+        "zero3+qgz": {"stage": 3, "zero_quantized_gradients": True},
     }
     tensorscale = zero_runtime_config(CONFIGS["zeropp-tensorscale"], local_size=2, bf16=True, gradient_clipping=0.0)
     assert tensorscale["zero_optimization"]["zcomm_quant_group_size"] == "tensor"
@@ -61,8 +57,7 @@ def test_same_math_clipping_and_stage3_defaults_on_both_zero_engines() -> None:
                                   micro_batch=1)  # fmt: skip
         assert ours["gradient_clipping"] == theirs["gradient_clipping"] == clip
         assert ours["bf16"] == theirs["bf16"] == {"enabled": False}
-        for key in RUNTIME_STAGE3_KEYS:
-            assert ours["zero_optimization"][key] == theirs["zero_optimization"][key]
+        assert ours["zero_optimization"] == {"stage": 3}
     assert {k: v for k, v in theirs["zero_optimization"].items() if k != "stage"} == DEEPSPEED_STAGE3_DEFAULTS
 
 
