@@ -105,6 +105,8 @@ def check_exact(rank: int, mesh, topology: zcomm.Topology, cases) -> None:
     for bf16, reshard, op in cases:
         plain = _train(_build(mesh, bf16=bf16, reshard=reshard, op=op), rank)
         model = _build(mesh, bf16=bf16, reshard=reshard, op=op)
+        # a second call replaces the first's collectives (here: quantized by unquantized)
+        zcomm.fsdp.enable_zeropp(model, topology=topology)
         zcomm.fsdp.enable_zeropp(model, quantized_weights=False, quantized_gradients=False, topology=topology)
         zcomm.reset_comm_stats()
         ours = _train(model, rank)
