@@ -89,21 +89,24 @@ class _WarnOnce:
             )
 
 
-class _Allocate:
-    """Buffers where FSDP2 asks for them: on the device of the data they serve."""
+class _ZeroppComm:
+    """What both adapters share: their unit's groups and settings, and FSDP2's ``allocate``."""
 
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-
-class ZeroppAllGather(_Allocate, AllGather):
-    """FSDP2's all-gather of one unit: qwZ on the shard group, unquantized (counted) elsewhere."""
-
-    def __init__(self, topologies: _GroupTopologies, *, quantized: bool, group_size: GroupSize, module_name: str) -> None:
+    def __init__(
+        self, topologies: _GroupTopologies, *, quantized: bool, group_size: GroupSize, module_name: str
+    ) -> None:
         self._topologies = topologies
         self._quantized = quantized
         self._group_size = group_size
         self._warn = _WarnOnce(module_name)
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Buffers where FSDP2 asks for them: on the device of the data they serve."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class ZeroppAllGather(_ZeroppComm, AllGather):
+    """FSDP2's all-gather of one unit: qwZ on the shard group, unquantized (counted) elsewhere."""
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
@@ -115,21 +118,15 @@ class ZeroppAllGather(_Allocate, AllGather):
                     output_tensor, input_tensor, group, async_op, group_size=self._group_size, topology=topology
                 )
                 return as_work(result)
-            reason = "parameters of several dtypes, gathered as one uint8 buffer" if input_tensor.dtype == torch.uint8 else (
-                f"{input_tensor.dtype} has no quantized form"
-            )
-            self._warn("weight all-gather", reason)
+            if input_tensor.dtype == torch.uint8:
+                self._warn("weight all-gather", "parameters of several dtypes, gathered as one uint8 buffer")
+            else:
+                self._warn("weight all-gather", f"no quantized form: {input_tensor.dtype}")
         return all_gather_into_tensor(output_tensor, input_tensor, group, async_op, topology=topology)
 
 
-class ZeroppReduceScatter(_Allocate, ReduceScatter):
+class ZeroppReduceScatter(_ZeroppComm, ReduceScatter):
     """FSDP2's gradient reduce-scatter of one unit: qgZ, or the unquantized (counted) collective."""
-
-    def __init__(self, topologies: _GroupTopologies, *, quantized: bool, group_size: GroupSize, module_name: str) -> None:
-        self._topologies = topologies
-        self._quantized = quantized
-        self._group_size = group_size
-        self._warn = _WarnOnce(module_name)
 
     def __call__(
         self,
@@ -146,7 +143,7 @@ class ZeroppReduceScatter(_Allocate, ReduceScatter):
                     output_tensor, input_tensor, op, group, async_op, group_size=self._group_size, topology=topology
                 )
                 return as_work(result)
-            self._warn("gradient reduce-scatter", f"{input_tensor.dtype} has no quantized form")
+            self._warn("gradient reduce-scatter", f"no quantized form: {input_tensor.dtype}")
         return reduce_scatter_tensor(output_tensor, input_tensor, op, group, async_op, topology=topology)
 
 
@@ -204,7 +201,8 @@ def enable_zeropp(
 
 def _shard_group(name: str, unit: nn.Module) -> dist.ProcessGroup | None:
     """The process group ``unit``'s own parameters are sharded on (None if it has none); ValueError for HSDP."""
-    nested = {id(p) for sub in unit.modules() if sub is not unit and isinstance(sub, FSDPModule) for p in sub.parameters()}
+    inner = [sub for sub in unit.modules() if sub is not unit and isinstance(sub, FSDPModule)]
+    nested = {id(p) for sub in inner for p in sub.parameters()}
     own = [p for p in unit.parameters() if id(p) not in nested]
     if not own:
         return None

@@ -132,12 +132,8 @@ CONFIGS: dict[str, TrainConfig] = _configs(
     ),
     TrainConfig(name="fsdp2", engine="fsdp2", summary="torch fully_shard, bf16 MixedPrecisionPolicy"),
     TrainConfig(name="fsdp2-hpz", engine="fsdp2", hpz=True, summary="fully_shard, reshard_after_forward=ranks/node"),
-    TrainConfig(
-        name="fsdp2-qwz", engine="fsdp2", quantized_weights=True, summary="fully_shard + zcomm.fsdp INT8 weight all-gather"
-    ),
-    TrainConfig(
-        name="fsdp2-qgz", engine="fsdp2", quantized_gradients=True, summary="fully_shard + zcomm.fsdp INT4 2-hop grad RS"
-    ),
+    TrainConfig(name="fsdp2-qwz", engine="fsdp2", quantized_weights=True, summary="fully_shard + zcomm.fsdp qwZ"),
+    TrainConfig(name="fsdp2-qgz", engine="fsdp2", quantized_gradients=True, summary="fully_shard + zcomm.fsdp qgZ"),
     TrainConfig(
         name="fsdp2-zeropp",
         engine="fsdp2",

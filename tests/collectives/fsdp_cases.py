@@ -302,8 +302,8 @@ def rank_main(rank: int, world: int, local_size: int, checks: tuple[str, ...]) -
     done = []
     for name in checks:
         if name == "exact":
-            check_exact(rank, mesh, topology, [(False, True, "avg"), (True, local_size, "avg"), (False, local_size, "sum"),
-                                               (True, True, "sum")])
+            cases = [(False, True, "avg"), (True, local_size, "avg"), (False, local_size, "sum"), (True, True, "sum")]
+            check_exact(rank, mesh, topology, cases)
         elif name == "hsdp":
             check_hsdp_rejected(rank, topology)
         else:
