@@ -9,6 +9,8 @@
 * :func:`comm_stats` / :func:`reset_comm_stats` (:class:`OpStats`): bytes each rank sent,
   intra vs inter node.
 * ``zcomm.quant``: the block-quantization ops, :class:`zcomm.quant.QuantSpec` and the wire format.
+* ``zcomm.fsdp`` (imported on its own: ``import zcomm.fsdp``): :func:`zcomm.fsdp.enable_zeropp`
+  installs qwZ / qgZ as the custom collectives of PyTorch FSDP2 (``fully_shard``) modules.
 
 Modules with a leading underscore are internal. The CPU kernels use the rank's share of
 threads (``ZCOMM_NUM_THREADS``, else ``torch.get_num_threads()``).

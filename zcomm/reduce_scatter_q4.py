@@ -15,7 +15,16 @@ pipeline stages:
    arrive in place.
 
 AVG is folded into step 5: the fp32 sum is divided by ``W`` in fp32 and rounded to the
-output dtype once, in the same pass, so ``op=AVG`` costs nothing over SUM. Callers that
+output dtype once, in the same pass, so ``op=AVG`` costs nothing over SUM.
+
+[Note: PREMUL_SUM as a division] ``ReduceOp.PREMUL_SUM(c)`` (what FSDP2 passes after
+``set_gradient_divide_factor(f)``, with ``c = fl64(1/f)``) is folded the same way, as a
+division by ``d = 1/c`` (a double) in fp32: the result is ``fl32(S / fl32(d))`` for the fp32
+sum ``S``, rounded once to the output dtype. For an integer ``f <= 2**24``, ``d`` is within a
+double ulp of ``f``, so ``fl32(d) == f`` exactly and PREMUL_SUM(1/f) gives AVG's bits over
+``f``; for any other ``c``, ``fl32(d)`` is within 2**-24 (relative) of ``1/c``, so the result
+is within about 2**-23 of ``S * c`` before the final rounding. Multiplying each input by
+``c`` first (NCCL's PreMulSum) would instead round every scaled input. Callers that
 want the mean should ask for AVG rather than SUM and a division of their own, which is an
 extra pass over the output and a second rounding (in bf16: up to half a bf16 ulp more
 error per element).
@@ -101,13 +110,15 @@ def reduce_scatter_q4(
     pipeline_stages: int | None = None,
     topology: Topology | None = None,
 ) -> Handle | None:
-    """INT4 2-hop drop-in for ``torch.distributed.reduce_scatter_tensor`` with ``op`` SUM or AVG.
+    """INT4 2-hop drop-in for ``torch.distributed.reduce_scatter_tensor`` with ``op`` SUM, AVG or PREMUL_SUM.
 
     Args:
         output: contiguous, ``input.numel() / world_size`` elements, same dtype (fp32/bf16/fp16) and device.
         input: contiguous; slice ``r`` (``[r*m, (r+1)*m)``) is reduced onto rank ``r``.
-        op: ``ReduceOp.SUM`` or ``ReduceOp.AVG`` (divides by the whole group size in the
-            final fp32 reduction: prefer it to SUM and a division of your own).
+        op: ``ReduceOp.SUM``, ``ReduceOp.AVG`` (divides by the whole group size in the
+            final fp32 reduction: prefer it to SUM and a division of your own) or
+            ``ReduceOp.PREMUL_SUM(c)`` for a positive Python float ``c`` (the sum times ``c``,
+            as a division by ``1/c`` in the same reduction: [Note: PREMUL_SUM as a division]).
         group: the process group (default: world).
         async_op: return a :class:`zcomm.Handle`; ``output`` is valid after its ``wait()``.
         group_size: elements per INT4 scale: an even int >= 2, ``"tensor"`` (one scale per
@@ -181,11 +192,17 @@ def _start(
 
 
 def _divisor(op: dist.ReduceOp, world_size: int) -> float:
+    """What the fp32 sum is divided by for ``op`` ([Note: PREMUL_SUM as a division])."""
+    if getattr(op, "op", None) == dist.ReduceOp.PREMUL_SUM:
+        factor = op.factor
+        if not isinstance(factor, float) or not 0.0 < factor < float("inf"):
+            raise ValueError(f"PREMUL_SUM needs a positive finite Python float factor, got {factor!r}")
+        return 1.0 / factor
     if op == dist.ReduceOp.SUM:
         return 1.0
     if op == dist.ReduceOp.AVG:
         return float(world_size)
-    raise ValueError(f"op must be ReduceOp.SUM or ReduceOp.AVG, got {op}")
+    raise ValueError(f"op must be ReduceOp.SUM, ReduceOp.AVG or ReduceOp.PREMUL_SUM(factor), got {op}")
 
 
 def _stages(pipeline_stages: int | None, input_nbytes: int, slice_numel: int, topology: Topology) -> int:

@@ -14,6 +14,8 @@ quantization scale per communicated tensor instead of per block, through the zco
 ``zeropp-g128`` is ZeRO++ with 128 elements per scale for both quantized collectives (zcomm's
 defaults are 2048 for INT8 and 512 for INT4): finer blocks, ~5% more qgZ bytes, closer loss.
 ``deepspeed-zeropp`` hands DeepSpeed its own ZeRO++ keys, to show what DeepSpeed does with them.
+``fsdp2-qwz``, ``fsdp2-qgz`` and ``fsdp2-zeropp`` are FSDP2 with zcomm's collectives installed by
+``zcomm.fsdp.enable_zeropp`` (hpZ being FSDP2's ``reshard_after_forward=<ranks per node>``).
 
 [Note: same math] Every engine trains with the same optimizer (torch AdamW, same ``lr``),
 the same precision and batch, and the same gradient clipping, written out explicitly in
@@ -52,8 +54,8 @@ class TrainConfig:
 
     Args:
         name: the ``--configs`` name.
-        engine: ``zero`` (this project's zero_runtime), ``fsdp2`` (torch ``fully_shard``)
-            or ``deepspeed``.
+        engine: ``zero`` (this project's zero_runtime), ``fsdp2`` (torch ``fully_shard``, with
+            ``zcomm.fsdp.enable_zeropp`` for qwZ / qgZ) or ``deepspeed``.
         stage: ZeRO stage 1-3 (FSDP2 is always fully sharded, i.e. stage 3).
         quantized_weights: qwZ, INT8 blocked all-gather of weights in forward.
         hpz: secondary weight partition inside each node (FSDP2: ``reshard_after_forward``
@@ -83,8 +85,8 @@ class TrainConfig:
             raise ValueError(f"{self.name}: the ZeRO++ options need stage 3")
         if self.quant_group_size is not None and not (self.quantized_weights or self.quantized_gradients):
             raise ValueError(f"{self.name}: quant_group_size needs qwZ or qgZ")
-        if self.engine == "fsdp2" and (self.quantized_weights or self.quantized_gradients or self.stage != 3):
-            raise ValueError(f"{self.name}: FSDP2 has no quantized collectives and is always stage 3")
+        if self.engine == "fsdp2" and self.stage != 3:
+            raise ValueError(f"{self.name}: FSDP2 is always stage 3")
 
 
 def _configs(*configs: TrainConfig) -> dict[str, TrainConfig]:
@@ -126,6 +128,16 @@ CONFIGS: dict[str, TrainConfig] = _configs(
     ),
     TrainConfig(name="fsdp2", engine="fsdp2", summary="torch fully_shard, bf16 MixedPrecisionPolicy"),
     TrainConfig(name="fsdp2-hpz", engine="fsdp2", hpz=True, summary="fully_shard, reshard_after_forward=ranks/node"),
+    TrainConfig(name="fsdp2-qwz", engine="fsdp2", quantized_weights=True, summary="fully_shard + zcomm.fsdp qwZ"),
+    TrainConfig(name="fsdp2-qgz", engine="fsdp2", quantized_gradients=True, summary="fully_shard + zcomm.fsdp qgZ"),
+    TrainConfig(
+        name="fsdp2-zeropp",
+        engine="fsdp2",
+        quantized_weights=True,
+        hpz=True,
+        quantized_gradients=True,
+        summary="ZeRO++ inside FSDP2: zcomm.fsdp.enable_zeropp + reshard_after_forward=ranks/node",
+    ),
     TrainConfig(name="deepspeed-z3", engine="deepspeed", summary="DeepSpeed ZeRO-3 (needs deepspeed)"),
     TrainConfig(name="deepspeed-z3-hpz", engine="deepspeed", hpz=True, summary="DeepSpeed ZeRO-3 + hpZ"),
     TrainConfig(
@@ -211,4 +223,11 @@ def engine_config(
     if config.engine == "deepspeed":
         return deepspeed_config(config, local_size=local_size, bf16=bf16, gradient_clipping=gradient_clipping,
                                 micro_batch=micro_batch)  # fmt: skip
-    return {"param_dtype": "bf16" if bf16 else "fp32", "hpz": config.hpz, "gradient_clipping": gradient_clipping}
+    settings: dict[str, Any] = {"param_dtype": "bf16" if bf16 else "fp32", "hpz": config.hpz}
+    if config.quantized_weights or config.quantized_gradients:
+        settings["enable_zeropp"] = {
+            "quantized_weights": config.quantized_weights,
+            "quantized_gradients": config.quantized_gradients,
+            "group_size": config.quant_group_size,
+        }
+    return {**settings, "gradient_clipping": gradient_clipping}

@@ -7,7 +7,8 @@ gathered weights and gradient reduction. Gradient clipping, when asked for, is t
 ``clip_grad_norm_`` over the sharded gradients (the global norm), as the ZeRO engines clip.
 FSDP2's form of hpZ is ``reshard_after_forward`` given as an int: after forward each unit
 keeps its weights sharded over that many ranks (the ranks of one node), so the backward
-all-gather stays inside the node.
+all-gather stays inside the node. qwZ and qgZ (``fsdp2-qwz``, ``fsdp2-qgz``, ``fsdp2-zeropp``) are
+zcomm's collectives installed on every unit by ``zcomm.fsdp.enable_zeropp``.
 
 Peak memory: ``torch.cuda.max_memory_allocated`` on GPU; on CPU, where torch keeps no
 allocator statistics, the model-state bytes this rank holds (sharded parameters, gradients
@@ -19,6 +20,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import zcomm
+import zcomm.fsdp
 
 from .configs import TrainConfig
 from .models import ModelSpec
@@ -61,6 +65,14 @@ class FSDP2Runner:
         for block in spec.blocks(self.model):
             fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
         fully_shard(self.model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        if config.quantized_weights or config.quantized_gradients:
+            zcomm.fsdp.enable_zeropp(
+                self.model,
+                quantized_weights=config.quantized_weights,
+                quantized_gradients=config.quantized_gradients,
+                group_size=config.quant_group_size,
+                topology=zcomm.Topology(world_size=world_size, local_size=local_size),
+            )
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
         self.peak_bytes = 0
 

@@ -99,6 +99,18 @@ def test_fsdp2_and_skips_two_ranks(tmp_path: Path, checkout_env: dict[str, str])
     assert (tmp_path / "plots" / "step_time.png").stat().st_size > 0
 
 
+def test_fsdp2_zeropp_trains_two_ranks(tmp_path: Path, checkout_env: dict[str, str]) -> None:
+    # zcomm.fsdp.enable_zeropp inside the FSDP2 runner: it trains, holds FSDP2's model states,
+    # and its collectives are quantized (the losses differ from plain FSDP2's from step one).
+    args = ["--configs", "fsdp2", "fsdp2-zeropp", "--model", "tinygpt", *TINY]
+    result, _ = _launch(args, tmp_path, checkout_env, local_size=1)
+    rows = {row["config"]: row for row in result["results"]}
+    _check_trained(rows["fsdp2-zeropp"], steps=4)
+    assert rows["fsdp2-zeropp"]["memory_bytes"] == rows["fsdp2"]["memory_bytes"]
+    assert rows["fsdp2-zeropp"]["train_losses"] != rows["fsdp2"]["train_losses"]
+    assert result["meta"]["engine_configs"]["fsdp2-zeropp"]["enable_zeropp"]["quantized_weights"] is True
+
+
 def test_zero_configs_two_ranks(tmp_path: Path, checkout_env: dict[str, str]) -> None:
     args = ["--impl", "zero", "--stage", "1", "2", "3", "--model", "tinygpt", "hf-gpt2", *TINY]
     result, _ = _launch(args, tmp_path, checkout_env)

@@ -73,13 +73,16 @@ def test_deepspeed_config_has_its_batch_and_optimizer_keys() -> None:
         "zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
     fsdp2 = engine_config(CONFIGS["fsdp2"], local_size=2, bf16=False, gradient_clipping=0.0, micro_batch=2)
     assert fsdp2 == {"param_dtype": "fp32", "hpz": False, "gradient_clipping": 0.0}
+    zeropp = engine_config(CONFIGS["fsdp2-zeropp"], local_size=2, bf16=True, gradient_clipping=1.0, micro_batch=2)
+    assert zeropp == {"param_dtype": "bf16", "hpz": True, "gradient_clipping": 1.0, "enable_zeropp": {
+        "quantized_weights": True, "quantized_gradients": True, "group_size": None}}
 
 
 def test_invalid_configurations_are_rejected() -> None:
     with pytest.raises(ValueError, match="stage 3"):
         TrainConfig(name="x", engine="zero", stage=2, hpz=True, summary="")
-    with pytest.raises(ValueError, match="FSDP2"):
-        TrainConfig(name="x", engine="fsdp2", quantized_weights=True, summary="")
+    with pytest.raises(ValueError, match="FSDP2 is always stage 3"):
+        TrainConfig(name="x", engine="fsdp2", stage=2, summary="")
     with pytest.raises(ValueError, match="quant_group_size"):
         TrainConfig(name="x", engine="zero", quant_group_size="tensor", summary="")
     with pytest.raises(ValueError, match="unknown configuration"):

@@ -1,0 +1,312 @@
+"""What the ranks of ``test_fsdp_zeropp.py`` run: FSDP2 training with and without zcomm's collectives.
+
+Every check compares against an independent oracle: plain FSDP2 on the same model, data
+and settings (torch's own collectives), the full weights of ``DTensor.full_tensor()``, or
+the gradients of an unsharded copy of the model on each rank's batch, with the error
+bounds derived in the docstrings below.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+import zcomm
+import zcomm.fsdp
+from zcomm import _chain_runner, _fsdp_compat
+
+STEPS = 4
+LR = 0.05
+DIVIDE_FACTOR = 3.0  # set_gradient_divide_factor: neither 1 nor the world size, so PREMUL_SUM(1/3) arrives
+# [Note: tracking bound] qwZ moves every weight by at most absmax/254 of its block and qgZ every
+# gradient by at most 29/196 of the largest local gradient (see _check_gradients); on this model the
+# per-step loss then differs from plain FSDP2's by well under 1% for STEPS steps of SGD (measured:
+# below 0.2%); a wrong scale, a missed wait or an unquantized fallback shows up as more.
+LOSS_TRACKING = 0.01
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        # odd sizes: FSDP2 pads every parameter's dim 0 to a multiple of the world size
+        self.lin1 = nn.Linear(12, 10)
+        self.norm = nn.LayerNorm(10)  # weights near 1.0 next to small Linear weights in one flat buffer
+        self.lin2 = nn.Linear(10, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin2(torch.tanh(self.norm(self.lin1(x))))
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 12)
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.out = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+
+
+def _loss(model: nn.Module, step: int, rank: int) -> torch.Tensor:
+    x, y = _batch(step, rank)
+    return (model(x).float() - y).pow(2).mean()
+
+
+def _units(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _build(mesh, *, bf16: bool, reshard: bool | int, op: str = "avg") -> nn.Module:
+    torch.manual_seed(0)
+    model = _Net()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for unit in _units(model):
+        if op == "sum":  # SUM with a division after the reduce-scatter
+            unit.set_force_sum_reduction_for_comms(True)
+        elif op == "premul":
+            unit.set_gradient_divide_factor(DIVIDE_FACTOR)
+    return model
+
+
+def _train(model: nn.Module, rank: int, steps: int = STEPS) -> tuple[list[float], list[torch.Tensor]]:
+    """Losses of ``steps`` SGD steps and the final full parameters."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(steps):
+        loss = _loss(model, step, rank)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.full_tensor() for p in model.parameters()]
+
+
+def check_exact(rank: int, mesh, topology: zcomm.Topology, cases) -> None:
+    """Unquantized zcomm collectives plugged in: training bit-identical to plain FSDP2, traffic counted."""
+    for bf16, reshard, op in cases:
+        plain = _train(_build(mesh, bf16=bf16, reshard=reshard, op=op), rank)
+        model = _build(mesh, bf16=bf16, reshard=reshard, op=op)
+        # a second call replaces the first's collectives (here: quantized by unquantized)
+        zcomm.fsdp.enable_zeropp(model, topology=topology)
+        zcomm.fsdp.enable_zeropp(model, quantized_weights=False, quantized_gradients=False, topology=topology)
+        zcomm.reset_comm_stats()
+        ours = _train(model, rank)
+        stats = zcomm.comm_stats()
+        case = (bf16, reshard, op)
+        assert ours[0] == plain[0], (case, ours[0], plain[0])
+        assert all(torch.equal(a, b) for a, b in zip(ours[1], plain[1])), case
+        assert stats["all_gather_into_tensor"].calls > 0 and stats["reduce_scatter_tensor"].calls == 3 * STEPS, stats
+        assert "all_gather_q8" not in stats and "reduce_scatter_q4" not in stats, stats
+
+
+def _reference_grad_absmax(rank: int) -> float:
+    """Oracle for the gradients' size: the largest local gradient element of any rank, from an
+    unsharded copy of the model (same initial weights) on that rank's first batch."""
+    torch.manual_seed(0)
+    ref = _Net()
+    _loss(ref, 0, rank).backward()
+    local = torch.tensor([max(p.grad.abs().max().item() for p in ref.parameters())])
+    dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    return local.item()
+
+
+def check_gradients(rank: int, mesh, topology: zcomm.Topology) -> None:
+    """qgZ inside FSDP2, fp32, every op FSDP2 uses: reduced gradients within the derived bound of plain FSDP2's.
+
+    Bound: with ``G`` the largest local gradient element of any rank, each of the ``W``
+    inputs' INT4 rounding moves the sum by at most half a scale, ``G / 7 / 2``; a node's
+    partial sum of ``L`` dequantized inputs is at most ``L * G * 15/14``, and its INT4
+    rounding moves it by at most ``L * G * 15/196``; over ``N`` nodes the sum is thus off
+    by at most ``W * G * (1/14 + 15/196) = W * G * 29/196``, then scaled as the op says
+    (AVG, and SUM with FSDP2's division after it: 1/W; PREMUL_SUM(1/f): 1/f). fp32
+    rounding of plain and quantized sums adds ``~W * 2**-23 * G``, covered by 1e-5 * G.
+    gloo has no PREMUL_SUM (plain FSDP2 fails there after ``set_gradient_divide_factor``),
+    so the reference for it is plain FSDP2's AVG times ``W / f``.
+    """
+    world = topology.world_size
+    bound_g = _reference_grad_absmax(rank) * world * 29 / 196
+    for op, scale in (("avg", 1 / world), ("sum", 1 / world), ("premul", 1 / DIVIDE_FACTOR)):
+        grads = []
+        for quantized in (False, True):
+            # gloo has no PREMUL_SUM: the plain reference is AVG, rescaled to the op's scale
+            model = _build(mesh, bf16=False, reshard=True, op=op if quantized else "avg")
+            if quantized:
+                zcomm.fsdp.enable_zeropp(model, quantized_weights=False, topology=topology)
+            zcomm.reset_comm_stats()
+            _loss(model, 0, rank).backward()
+            rescale = 1.0 if quantized else scale * world
+            grads.append([p.grad.full_tensor() * rescale for p in model.parameters()])
+        assert zcomm.comm_stats()["reduce_scatter_q4"].calls == 3, zcomm.comm_stats()
+        bound = bound_g * scale + 1e-5 * bound_g
+        err = max((q - p).abs().max().item() for p, q in zip(*grads))
+        assert err <= bound, (op, err, bound)
+        assert err > 0, op  # the gradients did go through INT4
+
+
+def _weight_bound(full: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Per element: ``absmax / 254`` of the unit's flat buffer (every INT8 block's half-scale is at most
+    that), plus for bf16 half a bf16 ulp of the result."""
+    absmax = max(w.to(dtype).abs().max().item() for w in full)
+    slack = 0.0 if dtype == torch.float32 else 2.0**-8
+    return [absmax / 254 + slack * (w.abs() + absmax / 254) for w in full]
+
+
+def _check_unsharded(unit: nn.Module, params: list[nn.Parameter], full: list[torch.Tensor], dtype) -> None:
+    names = [n for n, _ in unit.named_parameters()]
+    for (name, expected), bound in zip(zip(names, full), _weight_bound(full, dtype)):
+        got = unit.get_parameter(name).detach()
+        assert got.dtype == dtype, (name, got.dtype)
+        err = (got.float() - expected.to(dtype).float()).abs()
+        assert bool((err <= bound).all()), (name, err.max().item())
+
+
+def check_weights(rank: int, mesh, topology: zcomm.Topology) -> None:
+    """qwZ inside FSDP2: unsharded weights within half an INT8 scale of the true ones (fp32, bf16);
+    with hpZ (``reshard_after_forward=local size``) the backward gathers stay unquantized."""
+    for bf16 in (False, True):
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        model = _build(mesh, bf16=bf16, reshard=topology.local_size)
+        zcomm.fsdp.enable_zeropp(model, quantized_gradients=False, topology=topology)
+        block = model.blocks[0]
+        own = list(block.parameters())
+        full = [p.full_tensor() for p in own]
+        zcomm.reset_comm_stats()
+        block.unshard()
+        _check_unsharded(block, own, full, dtype)
+        block.reshard()
+        assert zcomm.comm_stats()["all_gather_q8"].calls == 1
+        zcomm.reset_comm_stats()
+        _loss(model, 0, rank).backward()
+        stats = zcomm.comm_stats()
+        # forward: root and both blocks through qwZ; backward: the blocks again from their node-local copy
+        assert stats["all_gather_q8"].calls == 3 and stats["all_gather_into_tensor"].calls == 2, stats
+
+
+def check_async_unshard(rank: int, mesh, topology: zcomm.Topology) -> None:
+    """``unshard(async_op=True)`` returns before the gather ran; its ``wait()`` must complete zcomm's
+    chain. The gather worker is held for 0.5 s, so a ``wait()`` that does not wait leaves the output
+    unwritten; the same check with HandleWork.wait as a no-op must fail, which shows it can."""
+    model = _build(mesh, bf16=False, reshard=True)
+    zcomm.fsdp.enable_zeropp(model, topology=topology)
+    _train(model, rank, steps=1)
+    block = model.blocks[1]
+    group = next(iter(block.parameters())).device_mesh.get_group()
+    for no_op_wait in (False, True):
+        with torch.no_grad():  # the stale contents of any earlier buffer are now wrong by ~1
+            for p in block.parameters():
+                p.to_local().add_(1.0)
+        full = [p.full_tensor() for p in block.parameters()]
+        release = threading.Event()
+        _chain_runner._ordered_worker(group, topology, "gather").submit(release.wait)
+        threading.Timer(0.5, release.set).start()
+        real_wait = _fsdp_compat.HandleWork.wait
+        if no_op_wait:
+            _fsdp_compat.HandleWork.wait = lambda self, timeout=None: True
+        try:
+            block.unshard(async_op=True).wait()
+            try:
+                _check_unsharded(block, list(block.parameters()), full, torch.float32)
+                waited = True
+            except AssertionError:
+                waited = False
+        finally:
+            _fsdp_compat.HandleWork.wait = real_wait
+        assert waited != no_op_wait, no_op_wait
+        time.sleep(0.6 if no_op_wait else 0.0)  # let the abandoned chain finish before resharding
+        block.reshard()
+
+
+def check_tracking(rank: int, mesh, topology: zcomm.Topology) -> None:
+    """Full ZeRO++ (qwZ + hpZ + qgZ) tracks plain FSDP2 within LOSS_TRACKING per step, fp32 and bf16."""
+    for bf16 in (False, True):
+        plain, _ = _train(_build(mesh, bf16=bf16, reshard=topology.local_size), rank)
+        model = _build(mesh, bf16=bf16, reshard=topology.local_size)
+        zcomm.fsdp.enable_zeropp(model, topology=topology)
+        ours, _ = _train(model, rank)
+        worst = max(abs(a - b) / abs(b) for a, b in zip(ours, plain))
+        assert worst <= LOSS_TRACKING, (bf16, worst, ours, plain)
+        assert ours != plain  # quantized, not passed through
+
+
+class _Mixed(nn.Module):
+    """A unit whose all-gather inputs have two dtypes: FSDP2 gathers them as one uint8 buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+        self.frozen = nn.Parameter(torch.linspace(-1, 1, 6, dtype=torch.bfloat16), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x + self.frozen.float())
+
+
+def check_uint8_fallback(rank: int, mesh, topology: zcomm.Topology) -> None:
+    """The mixed-dtype gather runs unquantized (exact), counted, with one warning for the module."""
+    results = []
+    for zeropp in (False, True):
+        torch.manual_seed(0)
+        model = _Mixed()
+        fully_shard(model, mesh=mesh)
+        if zeropp:
+            zcomm.fsdp.enable_zeropp(model, topology=topology)
+        zcomm.reset_comm_stats()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outputs = []
+            for step in range(2):  # forward and backward: the root reshards after backward, gathers again
+                outputs.append(model(_batch(step, rank)[0]))
+                outputs[-1].sum().backward()
+        results.append([out.detach() for out in outputs])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    fallback = [w for w in caught if "uint8" in str(w.message)]
+    assert len(fallback) == 1 and issubclass(fallback[0].category, RuntimeWarning), [str(w.message) for w in caught]
+    stats = zcomm.comm_stats()
+    assert stats["all_gather_into_tensor"].calls == 2 and "all_gather_q8" not in stats, stats
+
+
+def check_hsdp_rejected(rank: int, topology: zcomm.Topology) -> None:
+    mesh = init_device_mesh("cpu", (topology.num_nodes, topology.local_size), mesh_dim_names=("replicate", "shard"))
+    model = nn.Linear(4, 4)
+    fully_shard(model, mesh=mesh)
+    try:
+        zcomm.fsdp.enable_zeropp(model, topology=topology)
+    except ValueError as exc:
+        assert "HSDP" in str(exc), exc
+    else:
+        raise AssertionError("enable_zeropp accepted an HSDP module")
+
+
+def rank_main(rank: int, world: int, local_size: int, checks: tuple[str, ...]) -> list[str]:
+    torch.set_num_threads(1)
+    topology = zcomm.Topology(world_size=world, local_size=local_size)
+    mesh = init_device_mesh("cpu", (world,))
+    done = []
+    for name in checks:
+        if name == "exact":
+            cases = [(False, True, "avg"), (True, local_size, "avg"), (False, local_size, "sum"), (True, True, "sum")]
+            check_exact(rank, mesh, topology, cases)
+        elif name == "hsdp":
+            check_hsdp_rejected(rank, topology)
+        else:
+            globals()[f"check_{name}"](rank, mesh, topology)
+        done.append(name)
+    return done
