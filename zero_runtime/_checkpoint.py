@@ -57,7 +57,8 @@ def fingerprint(state: TrainingState) -> list[list[Any]]:
 
 
 def rank_state(state: TrainingState, plan: CommPlan) -> dict[str, Any]:
-    """This rank's shard of ``state`` as a ``torch.save``-able dict (tensors cloned)."""
+    """This rank's shard of ``state`` as a ``torch.save``-able dict (tensors cloned), with the
+    learning-rate schedule's counter (the learning rate itself is in the optimizer's state)."""
     return {
         "format": FORMAT,
         "world_size": plan.world_size,
@@ -67,6 +68,7 @@ def rank_state(state: TrainingState, plan: CommPlan) -> dict[str, Any]:
         "masters": [u.master.detach().clone() for u in state.units],
         "optimizer": state.optimizer.state_dict(),
         "scaler": state.scaler.state_dict(),
+        "lr_scheduler": state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None,
         "counters": {"global_step": state.global_step, "skipped_steps": state.skipped_steps},
     }
 
@@ -90,6 +92,10 @@ def validate_rank_state(state: TrainingState, plan: CommPlan, saved: Any) -> dic
     groups = saved["optimizer"].get("param_groups", [])
     if [len(g["params"]) for g in groups] != [len(g["params"]) for g in state.optimizer.param_groups]:
         raise CheckpointError("optimizer parameter groups do not match this run")
+    if (saved.get("lr_scheduler") is None) != (state.lr_scheduler is None):
+        have = "has" if state.lr_scheduler is not None else "has no"
+        raise CheckpointError(f"this run {have} a learning-rate scheduler and the state was saved "
+                              f"{'without' if state.lr_scheduler is not None else 'with'} one")
     return saved
 
 
@@ -101,6 +107,8 @@ def apply_rank_state(state: TrainingState, saved: dict[str, Any]) -> None:
         for unit, master in zip(state.units, saved["masters"]):
             unit.master.copy_(master)
     state.scaler.load_state_dict(saved["scaler"])
+    if state.lr_scheduler is not None:
+        state.lr_scheduler.load_state_dict(saved["lr_scheduler"])
     state.global_step = saved["counters"]["global_step"]
     state.skipped_steps = saved["counters"]["skipped_steps"]
 

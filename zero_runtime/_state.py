@@ -9,6 +9,7 @@ scheduler act on the same units but are not part of it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,13 +23,15 @@ class TrainingState:
 
     ``stage`` says which parts are partitioned (see ``ZeroConfig``); ``units`` hold the
     parameters, their fp32 master shards and the reduced gradient shards; ``optimizer`` is
-    the torch optimizer over the masters; ``scaler`` the loss scale; ``global_step`` counts
-    applied optimizer steps and ``skipped_steps`` those skipped on an fp16 overflow.
+    the torch optimizer over the masters; ``scaler`` the loss scale; ``lr_scheduler`` the
+    config's learning-rate schedule, if any; ``global_step`` counts applied optimizer steps
+    and ``skipped_steps`` those skipped on an fp16 overflow.
     """
 
     stage: int
     units: list[FlatUnit]
     optimizer: torch.optim.Optimizer
     scaler: LossScaler
+    lr_scheduler: Any = None  # a ``lr_schedules`` schedule over ``optimizer``, from the config
     global_step: int = 0
     skipped_steps: int = 0

@@ -32,12 +32,14 @@ from .config import ZeroConfig
 
 class ZeroOptimizer:
     def __init__(self, *, model: nn.Module, units: list[FlatUnit], optimizer: torch.optim.Optimizer,
-                 config: ZeroConfig, plan: CommPlan) -> None:
+                 config: ZeroConfig, plan: CommPlan, lr_scheduler: Any = None) -> None:
+        assert config.gradient_accumulation_steps is not None, "initialize resolves the batch sizes"
         self.model = model
         self.config = config
         self.plan = plan
         self.training_state = TrainingState(stage=config.stage, units=units, optimizer=optimizer,
-                                            scaler=make_scaler(config.precision, config.loss_scale))
+                                            scaler=make_scaler(config.precision, config.loss_scale),
+                                            lr_scheduler=lr_scheduler)
         self.scheduler: ParamScheduler | None = None
         self.hooks: ModuleHooks | None = None
         on_ready = None
@@ -66,6 +68,12 @@ class ZeroOptimizer:
     def optimizer(self) -> torch.optim.Optimizer:
         """The torch optimizer over this rank's fp32 master shards."""
         return self.training_state.optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """The schedule built from the config's ``scheduler`` section (None without one),
+        stepped after every applied optimizer step, as DeepSpeed's engine does."""
+        return self.training_state.lr_scheduler
 
     @property
     def scaler(self) -> LossScaler:
@@ -123,6 +131,8 @@ class ZeroOptimizer:
             self.optimizer.step()
             for unit in self.units:
                 unit.master.grad = None
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
         self.reducer.discard()
         if not self.last_step_skipped:
             self.sync_params_from_masters()
