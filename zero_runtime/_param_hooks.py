@@ -83,6 +83,10 @@ class ModuleHooks:
             self.scheduler.acquire(unit)
             self.outside.append(unit)
 
+    def running(self) -> bool:
+        """Whether a forward of a managed module is running."""
+        return bool(self._stack)
+
     def end_of_outside_uses(self) -> None:
         """Outside-forward readers are done (end of backward, or the weights change)."""
         self.outside.clear()

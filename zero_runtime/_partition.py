@@ -76,6 +76,7 @@ class FlatUnit:
         self.in_backward = False
         self.prefetched = False
         self.use_position: int | None = None
+        self.pinned = 0  # open GatheredParameters blocks holding it (see [Note: pinned units])
         if partition_params:
             self.free_full()
 

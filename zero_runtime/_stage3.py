@@ -140,12 +140,18 @@ class ParamScheduler:
         self.free_all()
 
     def free_all(self) -> None:
-        """Free every gathered unit (end of backward; before the weights change)."""
+        """Free every gathered unit (end of backward; before the weights change), except
+        those a ``GatheredParameters`` block pins (see [Note: pinned units] in ``_gathered``)."""
         for unit in self.units:
             unit.refs = 0
             unit.in_backward = False
-            if unit.state is not GatherState.FREE:
+            if unit.state is not GatherState.FREE and not unit.pinned:
                 self._free(unit, after_forward=False)
+
+    def wait(self, unit: FlatUnit) -> None:
+        """Finish ``unit``'s gather in flight (``GatheredParameters``)."""
+        assert unit.state is GatherState.GATHERING
+        self._wait(unit)
 
     # ----- uses -----
     def _begin_use(self, unit: FlatUnit, phase: Phase, *, traced: bool) -> None:
@@ -172,7 +178,10 @@ class ParamScheduler:
         return position
 
     def _end_use(self, unit: FlatUnit, *, after_forward: bool) -> None:
-        """Keep ``unit`` gathered or free it (see [Note: stage-3 residency])."""
+        """Keep ``unit`` gathered or free it (see [Note: stage-3 residency]); a pinned unit
+        stays gathered outside the accounting."""
+        if unit.pinned:
+            return
         if self._keep(unit):
             self.kept += 1
         else:

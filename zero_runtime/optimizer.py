@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _checkpoint, _host_sync
+from . import _checkpoint, _gathered, _host_sync
 from ._api import Phase
 from ._clip import clip_by_norm_, global_grad_norm
 from ._comm_plan import CommPlan
@@ -55,6 +55,9 @@ class ZeroOptimizer:
         self.micro_step = 0
         self.last_step_skipped = False
         self._backward_since_step = False
+        _gathered.register_owner(self)
+        self._state_dict_guard = (_gathered.guard_state_dict(model, [u for u in units if u.partitioned])
+                                  if self.hooks is not None else _gathered.StateDictGuard())
 
     def _unit_grads_ready(self, unit: FlatUnit) -> None:
         if unit.partitioned:
@@ -118,6 +121,7 @@ class ZeroOptimizer:
         the compute-dtype parameters."""
         if not self._backward_since_step:
             raise RuntimeError("step() called without backward() since the last step()")
+        self._require_unpinned()
         self._backward_since_step = False
         if self.micro_step % self.config.gradient_accumulation_steps:
             return
@@ -179,6 +183,7 @@ class ZeroOptimizer:
         """Write the fp32 masters into the compute-dtype parameters: partitioned units
         (stage 3) update their shards (the next forward gathers them); units kept whole
         (stages 1 and 2, stage 3's persistent ones) all-gather their full buffers."""
+        self._require_unpinned()
         if self.scheduler is not None:
             self.scheduler.free_all()
             self.hooks.end_of_outside_uses()
@@ -196,6 +201,16 @@ class ZeroOptimizer:
                 handle.wait()
         self.plan.weights_changed()
 
+    def _require_unpinned(self) -> None:
+        if any(unit.pinned for unit in self.units):
+            raise RuntimeError("the weights cannot change inside a GatheredParameters block (step(), "
+                               "load_checkpoint(), load_state_dict()); leave the block first")
+
+    def require_idle(self, what: str) -> None:
+        """Raise unless no forward or backward is running (``GatheredParameters``)."""
+        if self.hooks is not None and (self.hooks.running() or any(unit.in_backward for unit in self.units)):
+            raise RuntimeError(f"{what} inside a forward or backward of the model is not supported")
+
     # ----- state -----
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the training state (masters, optimizer, scaler, counters)."""
@@ -204,6 +219,7 @@ class ZeroOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what ``state_dict`` returned on this rank; validated before anything changes."""
+        self._require_unpinned()
         saved = _checkpoint.validate_rank_state(self.training_state, self.plan, state)
         _checkpoint.apply_rank_state(self.training_state, saved)
         self._after_load()
@@ -216,12 +232,14 @@ class ZeroOptimizer:
     def load_checkpoint(self, directory: str | os.PathLike) -> None:
         """Collective: load what ``save_checkpoint`` wrote, or raise ``CheckpointError`` on
         every rank with nothing changed."""
+        self._require_unpinned()
         _checkpoint.load(self.training_state, self.plan, directory)
         self._after_load()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Consolidated fp32 weights under the model's state-dict keys, on rank 0 ({} elsewhere)."""
-        return _checkpoint.full_state_dict(self.training_state, self.plan, self.model)
+        with self._state_dict_guard.suspended():
+            return _checkpoint.full_state_dict(self.training_state, self.plan, self.model)
 
     def memory_report(self) -> MemoryReport:
         return measure(self.training_state, secondary_bytes=self.plan.held_bytes())
