@@ -205,11 +205,14 @@ def load(state: TrainingState, plan: CommPlan, directory: str | os.PathLike) -> 
 
 def full_state_dict(state: TrainingState, plan: CommPlan, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Gather the fp32 masters (exact, never quantized) and unflatten them under every
-    state-dict key of ``model`` (both names of a tied parameter); rank 0 gets the dict."""
+    state-dict key of ``model`` (both names of a tied parameter); rank 0 gets the dict.
+    Frozen parameters (no master) and buffers come in the compute dtype, stage 3's
+    partitioned frozen ones gathered from their shards, the others as rank 0 holds them."""
     full_of: dict[torch.nn.Parameter, torch.Tensor] = {}
-    for unit in state.units:
-        flat = torch.empty(unit.layout.numel, dtype=torch.float32, device=unit.master.device)
-        plan.exact_all_gather(flat, unit.master.detach())
+    for unit in state.units + state.frozen_units:
+        source = unit.shard if unit.frozen else unit.master.detach()
+        flat = torch.empty(unit.layout.numel, dtype=source.dtype, device=source.device)
+        plan.exact_all_gather(flat, source)
         for param, view in zip(unit.params, unit.layout.views(flat)):
             full_of[param] = view.clone()
     if plan.rank != 0:

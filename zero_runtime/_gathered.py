@@ -46,7 +46,7 @@ _OWNER = "_zero_owner"  # attribute on each managed parameter: weakref to its Ze
 def register_owner(opt: "ZeroOptimizer") -> None:
     """Let ``GatheredParameters`` find ``opt`` from any of its units' parameters."""
     ref = weakref.ref(opt)
-    for unit in opt.units:
+    for unit in opt.units + opt.frozen_units:
         for param in unit.params:
             setattr(param, _OWNER, ref)
 
@@ -81,7 +81,7 @@ class GatheredParameters:
         self.units: list[FlatUnit] = []
         self.loose: list[torch.Tensor] = []
         if self.opt is not None:
-            unit_of = {p: u for u in self.opt.units for p in u.params}
+            unit_of = {p: u for u in self.opt.units + self.opt.frozen_units for p in u.params}
             self.units = list(dict.fromkeys(unit_of[p] for p in params if p in unit_of))
             self.loose = [p for p in params if p not in unit_of]
         self._gathered: list[FlatUnit] = []
@@ -128,7 +128,8 @@ class GatheredParameters:
                 lo, hi = unit.layout.shard_range(plan.rank)
                 if unit.partitioned:
                     unit.shard.copy_(unit.full[lo:hi])
-                unit.master.copy_(unit.full[lo:hi])
+                if unit.master is not None:  # frozen units have none
+                    unit.master.copy_(unit.full[lo:hi])
             for tensor in self.loose:
                 plan.broadcast(tensor.data, self.modifier_rank)
         plan.weights_changed()

@@ -71,13 +71,14 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec | None = None,
     dtype = DTYPES[config.precision]
     _cast_untrained_state(model, dtype)
     units = _build_units(model, groups, names, config, plan, dtype)
+    frozen_units = _build_frozen_units(model, config, plan, dtype, first_index=len(units))
     masters = [[u.master for u in units if u.group_index == i] for i in range(len(groups))]
     torch_opt = build(masters)
     lr_scheduler = _optim_spec.build_scheduler(config.scheduler, torch_opt) if config.scheduler else None
     if dtype != torch.float32:
         model.register_forward_pre_hook(_input_caster(dtype), with_kwargs=True)
     return model, ZeroOptimizer(model=model, units=units, optimizer=torch_opt, config=config, plan=plan,
-                                lr_scheduler=lr_scheduler)
+                                lr_scheduler=lr_scheduler, frozen_units=frozen_units)
 
 
 def _optimizer_spec(optimizer: OptimizerSpec | None, config: ZeroConfig) -> OptimizerSpec:
@@ -163,9 +164,28 @@ def _build_units(model: nn.Module, groups: Sequence[Sequence[nn.Parameter]], nam
     return units
 
 
+def _build_frozen_units(model: nn.Module, config: ZeroConfig, plan: CommPlan, dtype: torch.dtype, *,
+                        first_index: int) -> list[FlatUnit]:
+    """Stage 3: frozen floating parameters above the persistence threshold, partitioned by
+    module (see [Note: frozen units] in ``_partition``); none in stages 1-2."""
+    if config.stage != 3:
+        return []
+    frozen: dict[nn.Parameter, str] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad and param.is_floating_point() and param.numel() > config.param_persistence_threshold:
+            frozen.setdefault(param, name)
+    position = {param: i for i, (_, param) in enumerate(model.named_parameters())}
+    units = []
+    for bucket in group_by_module(model, list(frozen), fuse_numel=config.fuse_numel):
+        units.append(FlatUnit(index=first_index + len(units), group_index=-1, names=[frozen[p] for p in bucket],
+                              params=bucket, world_size=plan.world_size, rank=plan.rank, dtype=dtype,
+                              partition_params=True, position=min(position[p] for p in bucket), frozen=True))
+    return units
+
+
 def _cast_untrained_state(model: nn.Module, dtype: torch.dtype) -> None:
-    """Frozen floating parameters and buffers follow the compute dtype (they are not
-    partitioned); trainable ones are cast while flattening."""
+    """Frozen floating parameters and buffers follow the compute dtype (buffers are never
+    partitioned, frozen parameters only in stage 3); trainable ones are cast while flattening."""
     with torch.no_grad():
         for param in model.parameters():
             if not param.requires_grad and param.is_floating_point():

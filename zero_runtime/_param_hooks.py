@@ -54,9 +54,19 @@ class ModuleHooks:
 
     def _pre_forward(self, module: nn.Module, args: tuple) -> None:
         self._stack.append(module)
-        self._used[module] = []
+        used: list[FlatUnit] = []
+        self._used[module] = used
         for unit in self._static[module]:
             self._use(module, unit)
+        if torch.is_grad_enabled() and any(unit.frozen for unit in self._static[module]):
+            _on_all_input_grads(args, lambda: self._frozen_backward_done(used))
+
+    def _frozen_backward_done(self, used: list[FlatUnit]) -> None:
+        """The module's input gradients are final, so its backward no longer needs the frozen
+        units it used (see [Note: frozen units] in ``_partition``)."""
+        for unit in used:
+            if unit.frozen:
+                self.scheduler.grads_ready(unit)
 
     def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
         popped = self._stack.pop()
@@ -109,6 +119,24 @@ def _on_first_output_grad(output: object, callback) -> None:
     def hook(grad: torch.Tensor) -> None:
         if not fired:
             fired.append(True)
+            callback()
+
+    for tensor in tensors:
+        tensor.register_hook(hook)
+
+
+def _on_all_input_grads(args: object, callback) -> None:
+    """Call ``callback`` once the gradients of all of ``args``' tensors that require grad
+    are final (a tensor hook fires when its gradient is fully accumulated, i.e. after every
+    consumer, this module included, ran its backward). Without such inputs, never: the
+    unit is then freed at the end of backward."""
+    tensors = list({id(t): t for t in tree_flatten(args)[0]
+                    if isinstance(t, torch.Tensor) and t.requires_grad}.values())
+    remaining = [len(tensors)]
+
+    def hook(grad: torch.Tensor) -> None:
+        remaining[0] -= 1
+        if remaining[0] == 0:
             callback()
 
     for tensor in tensors:

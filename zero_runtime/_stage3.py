@@ -121,12 +121,18 @@ class ParamScheduler:
             self._end_use(unit, after_forward=True)
 
     def need_for_backward(self, units: Iterable[FlatUnit]) -> None:
+        """Backward reached an output of a module that used ``units``: gather those whose
+        backward use is not over (a frozen unit's is over only when ``backward_done`` says so)."""
         for unit in units:
-            if unit.grads_seen < unit.grad_params and not unit.in_backward:
+            if (unit.frozen or unit.grads_seen < unit.grad_params) and not unit.in_backward:
                 self._begin_use(unit, Phase.BACKWARD, traced=True)
                 unit.in_backward = True
 
     def grads_ready(self, unit: FlatUnit) -> None:
+        """The backward use of ``unit`` is over: its gradients are all accumulated, or (a
+        frozen unit) the input gradients of the module that used it are final."""
+        if not unit.in_backward and unit.frozen:
+            return
         unit.in_backward = False
         if unit.refs == 0:
             self._end_use(unit, after_forward=False)

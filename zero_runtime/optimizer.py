@@ -32,19 +32,20 @@ from .config import ZeroConfig
 
 class ZeroOptimizer:
     def __init__(self, *, model: nn.Module, units: list[FlatUnit], optimizer: torch.optim.Optimizer,
-                 config: ZeroConfig, plan: CommPlan, lr_scheduler: Any = None) -> None:
+                 config: ZeroConfig, plan: CommPlan, lr_scheduler: Any = None,
+                 frozen_units: list[FlatUnit] | None = None) -> None:
         assert config.gradient_accumulation_steps is not None, "initialize resolves the batch sizes"
         self.model = model
         self.config = config
         self.plan = plan
         self.training_state = TrainingState(stage=config.stage, units=units, optimizer=optimizer,
                                             scaler=make_scaler(config.precision, config.loss_scale),
-                                            lr_scheduler=lr_scheduler)
+                                            lr_scheduler=lr_scheduler, frozen_units=list(frozen_units or []))
         self.scheduler: ParamScheduler | None = None
         self.hooks: ModuleHooks | None = None
         on_ready = None
         if config.stage == 3:
-            partitioned = [unit for unit in units if unit.partitioned]
+            partitioned = [unit for unit in units if unit.partitioned] + self.frozen_units
             self.scheduler = ParamScheduler(units=partitioned, plan=plan, prefetch_numel=config.prefetch_bucket_size,
                                             max_live=config.max_live_parameters,
                                             max_reuse_distance=config.max_reuse_distance)
@@ -56,7 +57,7 @@ class ZeroOptimizer:
         self.last_step_skipped = False
         self._backward_since_step = False
         _gathered.register_owner(self)
-        self._state_dict_guard = (_gathered.guard_state_dict(model, [u for u in units if u.partitioned])
+        self._state_dict_guard = (_gathered.guard_state_dict(model, partitioned)
                                   if self.hooks is not None else _gathered.StateDictGuard())
 
     def _unit_grads_ready(self, unit: FlatUnit) -> None:
@@ -66,6 +67,11 @@ class ZeroOptimizer:
     @property
     def units(self) -> list[FlatUnit]:
         return self.training_state.units
+
+    @property
+    def frozen_units(self) -> list[FlatUnit]:
+        """Stage 3's partitioned frozen parameters (see [Note: frozen units] in ``_partition``)."""
+        return self.training_state.frozen_units
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -202,13 +208,13 @@ class ZeroOptimizer:
         self.plan.weights_changed()
 
     def _require_unpinned(self) -> None:
-        if any(unit.pinned for unit in self.units):
+        if any(unit.pinned for unit in self.units + self.frozen_units):
             raise RuntimeError("the weights cannot change inside a GatheredParameters block (step(), "
                                "load_checkpoint(), load_state_dict()); leave the block first")
 
     def require_idle(self, what: str) -> None:
         """Raise unless no forward or backward is running (``GatheredParameters``)."""
-        if self.hooks is not None and (self.hooks.running() or any(unit.in_backward for unit in self.units)):
+        if self.hooks is not None and (self.hooks.running() or any(u.in_backward for u in self.scheduler.units)):
             raise RuntimeError(f"{what} inside a forward or backward of the model is not supported")
 
     # ----- state -----
