@@ -30,20 +30,18 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import TYPE_CHECKING, Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from ._partition import FlatUnit, GatherState
 
-if TYPE_CHECKING:
-    from .optimizer import ZeroOptimizer
-
 _OWNER = "_zero_owner"  # attribute on each managed parameter: weakref to its ZeroOptimizer
+# (typed Any here: ``optimizer`` imports this module, so this one cannot import it back)
 
 
-def register_owner(opt: "ZeroOptimizer") -> None:
+def register_owner(opt: Any) -> None:
     """Let ``GatheredParameters`` find ``opt`` from any of its units' parameters."""
     ref = weakref.ref(opt)
     for unit in opt.units + opt.frozen_units:
@@ -51,7 +49,7 @@ def register_owner(opt: "ZeroOptimizer") -> None:
             setattr(param, _OWNER, ref)
 
 
-def owner_of(param: nn.Parameter) -> "ZeroOptimizer | None":
+def owner_of(param: nn.Parameter) -> Any:
     ref = getattr(param, _OWNER, None)
     return ref() if ref is not None else None
 
