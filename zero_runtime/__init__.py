@@ -11,8 +11,10 @@ only the communication objects of the run's comm plan.
 block (and writes a rank's edits back into every shard and fp32 master).
 
 Public modules: ``config`` (``ZeroConfig``, ``LossScaleConfig``), ``optimizer``
-(``ZeroOptimizer``), ``lr_schedules`` (DeepSpeed's warm-up schedules) and ``estimate`` (``python -m zero_runtime.estimate``). Modules whose
-names start with an underscore are internal; ``_api`` holds the contracts between them.
+(``ZeroOptimizer``), ``lr_schedules`` (DeepSpeed's warm-up schedules), ``estimate``
+(``python -m zero_runtime.estimate``) and ``export`` (``python -m zero_runtime.export``).
+Modules whose names start with an underscore are internal; ``_api`` holds the contracts
+between them.
 """
 
 from ._checkpoint import CheckpointError

@@ -233,7 +233,8 @@ class ZeroOptimizer:
     def save_checkpoint(self, directory: str | os.PathLike) -> None:
         """Collective: every rank writes its shard under ``directory`` (see ``_checkpoint``)."""
         self._require_boundary()
-        _checkpoint.save(self.training_state, self.plan, directory)
+        with self._state_dict_guard.suspended():
+            _checkpoint.save(self.training_state, self.plan, directory, self.model)
 
     def load_checkpoint(self, directory: str | os.PathLike) -> None:
         """Collective: load what ``save_checkpoint`` wrote, or raise ``CheckpointError`` on

@@ -219,7 +219,7 @@ STEPS = 5
 ORACLE_LRS = [0.0, 0.0, 0.01, 0.02, 0.015]
 
 
-def _train_from_config(rank: int, world: int) -> dict:
+def _train_from_config(rank: int, world: int, root: str) -> dict:
     import zero_runtime
 
     with warnings.catch_warnings(record=True) as caught:
@@ -233,13 +233,20 @@ def _train_from_config(rank: int, world: int) -> dict:
         for micro in range(accum):
             opt.backward(loss_of("mlp", model, local_slice(mine, micro, accum)))
             opt.step()
+    opt.save_checkpoint(root)  # the schedule's counter travels with the checkpoint
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, resumed = zero_runtime.initialize(make_model("mlp"), None, TRAIN_CONFIG)
+    resumed.load_checkpoint(root)
     return {"lrs": lrs, "accum": accum, "weights": opt.full_state_dict(), "type": type(opt.optimizer).__name__,
-            "warnings": [str(w.message) for w in caught]}
+            "warnings": [str(w.message) for w in caught],
+            "resumed": (resumed.lr_scheduler.last_batch_iteration, resumed.optimizer.param_groups[0]["lr"])}
 
 
-def test_training_from_a_deepspeed_config_matches_plain_torch():
-    results = run(_train_from_config, 2)
+def test_training_from_a_deepspeed_config_matches_plain_torch(tmp_path):
+    results = run(_train_from_config, 2, str(tmp_path / "ckpt"))
     first = results[0]
+    assert first["resumed"] == (STEPS - 1, pytest.approx(0.01))  # iteration 4: (6 - 4) / (6 - 2) x 0.02
     assert first["accum"] == 2 and first["type"] == "AdamW"
     assert first["lrs"] == pytest.approx(ORACLE_LRS, abs=1e-12)
     assert any("steps_per_print" in m and "contiguous_gradients" in m for m in first["warnings"])
