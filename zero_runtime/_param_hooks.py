@@ -37,6 +37,7 @@ class ModuleHooks:
         self.unit_of: dict[nn.Parameter, FlatUnit] = {p: u for u in units for p in u.params}
         self._stack: list[nn.Module] = []
         self._used: dict[nn.Module, list[FlatUnit]] = {}
+        self._needed: dict[nn.Module, list] = {}
         self.outside: list[FlatUnit] = []
         self._static: dict[nn.Module, list[FlatUnit]] = {}
         rooted = _units_by_root(model, units)
@@ -56,24 +57,32 @@ class ModuleHooks:
         self._stack.append(module)
         used: list[FlatUnit] = []
         self._used[module] = used
+        self._needed[module] = needed = []  # set when backward reaches this call's outputs
         for unit in self._static[module]:
             self._use(module, unit)
         if torch.is_grad_enabled() and any(unit.frozen for unit in self._static[module]):
-            _on_all_input_grads(args, lambda: self._frozen_backward_done(used))
+            _on_all_input_grads(args, lambda: self._frozen_backward_done(used, needed))
 
-    def _frozen_backward_done(self, used: list[FlatUnit]) -> None:
-        """The module's input gradients are final, so its backward no longer needs the frozen
-        units it used (see [Note: frozen units] in ``_partition``)."""
-        for unit in used:
-            if unit.frozen:
-                self.scheduler.grads_ready(unit)
+    def _backward_needs(self, used: list[FlatUnit], needed: list) -> None:
+        needed.append(True)
+        self.scheduler.need_for_backward(used)
+
+    def _frozen_backward_done(self, used: list[FlatUnit], needed: list) -> None:
+        """This call's input gradients are final, so its backward no longer needs the frozen
+        units it used (see [Note: frozen units] in ``_partition``); a call whose outputs
+        backward never reached holds nothing."""
+        if needed:
+            for unit in used:
+                if unit.frozen:
+                    self.scheduler.frozen_backward_done(unit)
 
     def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
         popped = self._stack.pop()
         assert popped is module, "forward hooks ran out of order"
         used = self._used.pop(module)
+        needed = self._needed.pop(module)
         if torch.is_grad_enabled():
-            _on_first_output_grad(output, lambda: self.scheduler.need_for_backward(used))
+            _on_first_output_grad(output, lambda: self._backward_needs(used, needed))
         for unit in used:
             self.scheduler.release(unit)
 

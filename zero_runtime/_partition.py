@@ -31,9 +31,11 @@ persistence threshold are partitioned by module like trainable ones, in units of
 (``frozen=True``, ``group_index == -1``): gathered for forward and again for backward (the
 input gradient of a frozen linear needs its weight), never reduced, with no fp32 master and
 no optimizer state. They are not in ``TrainingState.units`` (what the optimizer, the
-gradient reducer and checkpoints see) but in ``TrainingState.frozen_units``. A frozen
-unit's backward use ends when the gradients of all inputs of the module that used it are
-final (``_param_hooks``), or at the end of backward.
+gradient reducer and checkpoints see) but in ``TrainingState.frozen_units`` (checkpoints
+hold their shards for the offline export only). With no gradients to count, a frozen unit's
+backward use ends when every module call whose outputs backward reached has the gradients
+of all its inputs (``_param_hooks``; ``backward_holds`` counts those calls), or at the end
+of backward when a call's inputs need no gradient.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class FlatUnit:
         self.prefetched = False
         self.use_position: int | None = None
         self.pinned = 0  # open GatheredParameters blocks holding it (see [Note: pinned units])
+        self.backward_holds = 0  # frozen units: calls whose backward still needs it
         if partition_params:
             self.free_full()
 

@@ -121,18 +121,26 @@ class ParamScheduler:
             self._end_use(unit, after_forward=True)
 
     def need_for_backward(self, units: Iterable[FlatUnit]) -> None:
-        """Backward reached an output of a module that used ``units``: gather those whose
-        backward use is not over (a frozen unit's is over only when ``backward_done`` says so)."""
+        """Backward reached an output of a module call that used ``units``: gather those whose
+        backward use is not over. A frozen unit counts the calls holding it (a module called
+        twice in a row is needed by the first call's backward after the second's is done)."""
         for unit in units:
+            if unit.frozen:
+                unit.backward_holds += 1
             if (unit.frozen or unit.grads_seen < unit.grad_params) and not unit.in_backward:
                 self._begin_use(unit, Phase.BACKWARD, traced=True)
                 unit.in_backward = True
 
+    def frozen_backward_done(self, unit: FlatUnit) -> None:
+        """A call holding frozen ``unit`` finished its backward; the last one ends the use."""
+        assert unit.frozen and unit.backward_holds > 0
+        unit.backward_holds -= 1
+        if unit.backward_holds == 0 and unit.in_backward:
+            self.grads_ready(unit)
+
     def grads_ready(self, unit: FlatUnit) -> None:
         """The backward use of ``unit`` is over: its gradients are all accumulated, or (a
-        frozen unit) the input gradients of the module that used it are final."""
-        if not unit.in_backward and unit.frozen:
-            return
+        frozen unit) every call that used it has its input gradients."""
         unit.in_backward = False
         if unit.refs == 0:
             self._end_use(unit, after_forward=False)
@@ -151,6 +159,7 @@ class ParamScheduler:
         for unit in self.units:
             unit.refs = 0
             unit.in_backward = False
+            unit.backward_holds = 0
             if unit.state is not GatherState.FREE and not unit.pinned:
                 self._free(unit, after_forward=False)
 

@@ -1,5 +1,6 @@
 """Frozen parameters and buffers under stage 3 and ZeRO++: a LoRA-like model (frozen base
-linears, trainable low-rank adapters, a buffer) on 4 gloo ranks (2 nodes of 2).
+linears, trainable low-rank adapters, a buffer, a frozen module called twice in a row) on 4
+gloo ranks (2 nodes of 2).
 
 Oracle: plain single-process AdamW over the adapters on the global batch. Frozen weights
 must stay bit-identical to their initial values, be partitioned (empty outside a use,
@@ -47,11 +48,14 @@ class LoRAModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.layers = nn.ModuleList(LoRALinear() for _ in range(3))
+        self.shared = nn.Linear(D, D).requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = F.gelu(layer(x))
-        return x
+        # A frozen module called twice in a row: its first call's backward needs the weights
+        # after the second call's input gradient (the first call's output) is final.
+        return self.shared(self.shared(x))
 
 
 def _model() -> LoRAModel:
@@ -115,14 +119,14 @@ def test_lora_trains_only_the_adapters_under_stage3_and_zeropp():
     initial = _model().state_dict()
     oracle_losses, oracle_weights = _oracle()
     adapter_numel = 3 * 2 * D * RANK
-    frozen_numel = 3 * (D * D + D)
+    frozen_numel = 4 * (D * D + D)
     for name in CASES:
         first = results[0][name]
         weights = first["weights"]
         losses = [sum(r[name]["losses"][step] for r in results) / WORLD for step in range(STEPS)]  # global mean
         assert weights.keys() == initial.keys()  # buffers included
         for key, value in initial.items():
-            if ".base." in key or key.endswith("scaling"):
+            if ".base." in key or key.endswith("scaling") or key.startswith("shared."):
                 assert torch.equal(weights[key], value), (name, key)  # frozen: bit-identical
             else:
                 assert not torch.equal(weights[key], value), (name, key)  # adapters trained
@@ -130,7 +134,7 @@ def test_lora_trains_only_the_adapters_under_stage3_and_zeropp():
             mine = result[name]
             assert mine["frozen_numel_outside"] == [0, 0, 0]  # partitioned, freed between uses
             assert all(g is None for g in mine["frozen_grads"])
-            assert mine["frozen_units"] == (1 if name == "s3-defaults-fused" else 3)  # fused: one unit
+            assert mine["frozen_units"] == (1 if name == "s3-defaults-fused" else 4)  # fused: one unit
             # Only adapters in the optimizer: masters are this rank's shard of them (plus padding).
             assert adapter_numel / WORLD <= mine["optimizer_numel"] <= adapter_numel / WORLD + 64
             assert mine["state_tensors"] == 2 * mine["trainable_units"]  # AdamW's two moments, masters only
