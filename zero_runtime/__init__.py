@@ -7,15 +7,21 @@ Stage 3 takes the ZeRO++ options (``zero_quantized_weights``, ``zero_hpz_partiti
 ``zero_quantized_gradients``, ``zcomm_quant_group_size``; see ``ZeroConfig``): they change
 only the communication objects of the run's comm plan.
 
+``GatheredParameters(params, modifier_rank=None)`` makes partitioned parameters full for a
+block (and writes a rank's edits back into every shard and fp32 master).
+
 Public modules: ``config`` (``ZeroConfig``, ``LossScaleConfig``), ``optimizer``
-(``ZeroOptimizer``) and ``estimate`` (``python -m zero_runtime.estimate``). Modules whose
-names start with an underscore are internal; ``_api`` holds the contracts between them.
+(``ZeroOptimizer``), ``lr_schedules`` (DeepSpeed's warm-up schedules), ``estimate``
+(``python -m zero_runtime.estimate``) and ``export`` (``python -m zero_runtime.export``).
+Modules whose names start with an underscore are internal; ``_api`` holds the contracts
+between them.
 """
 
 from ._checkpoint import CheckpointError
+from ._gathered import GatheredParameters
 from ._initialize import initialize
 from ._memory import MemoryReport
 from .config import LossScaleConfig, ZeroConfig
 from .optimizer import ZeroOptimizer
 
-__all__ = ["initialize", "ZeroConfig", "LossScaleConfig", "ZeroOptimizer", "MemoryReport", "CheckpointError"]
+__all__ = ["initialize", "GatheredParameters", "ZeroConfig", "LossScaleConfig", "ZeroOptimizer", "MemoryReport", "CheckpointError"]

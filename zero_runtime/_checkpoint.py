@@ -39,6 +39,7 @@ import torch
 
 from . import _host_sync
 from ._comm_plan import CommPlan
+from ._flat_buffer import FlatLayout
 from ._state import TrainingState
 
 FORMAT = "zero_runtime.sharded/1"
@@ -52,12 +53,18 @@ class CheckpointError(ValueError):
 def fingerprint(state: TrainingState) -> list[list[Any]]:
     """What must match for shards to be interchangeable: per unit, its parameters' names and
     shapes and its padded size."""
-    return [[u.group_index, u.layout.numel, [[n, list(p.shape)] for n, p in zip(u.names, u.params)]]
-            for u in state.units]
+    return [[u.group_index, u.layout.numel, _slots(u)] for u in state.units]
+
+
+def _slots(unit) -> list[list[Any]]:
+    """Names and shapes of a unit's parameters, from its layout: a freed stage-3
+    parameter's own ``.shape`` is (0,)."""
+    return [[name, list(slot.shape)] for name, slot in zip(unit.names, unit.layout.slots)]
 
 
 def rank_state(state: TrainingState, plan: CommPlan) -> dict[str, Any]:
-    """This rank's shard of ``state`` as a ``torch.save``-able dict (tensors cloned)."""
+    """This rank's shard of ``state`` as a ``torch.save``-able dict (tensors cloned), with the
+    learning-rate schedule's counter (the learning rate itself is in the optimizer's state)."""
     return {
         "format": FORMAT,
         "world_size": plan.world_size,
@@ -67,6 +74,7 @@ def rank_state(state: TrainingState, plan: CommPlan) -> dict[str, Any]:
         "masters": [u.master.detach().clone() for u in state.units],
         "optimizer": state.optimizer.state_dict(),
         "scaler": state.scaler.state_dict(),
+        "lr_scheduler": state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None,
         "counters": {"global_step": state.global_step, "skipped_steps": state.skipped_steps},
     }
 
@@ -90,6 +98,10 @@ def validate_rank_state(state: TrainingState, plan: CommPlan, saved: Any) -> dic
     groups = saved["optimizer"].get("param_groups", [])
     if [len(g["params"]) for g in groups] != [len(g["params"]) for g in state.optimizer.param_groups]:
         raise CheckpointError("optimizer parameter groups do not match this run")
+    if (saved.get("lr_scheduler") is None) != (state.lr_scheduler is None):
+        have = "has" if state.lr_scheduler is not None else "has no"
+        raise CheckpointError(f"this run {have} a learning-rate scheduler and the state was saved "
+                              f"{'without' if state.lr_scheduler is not None else 'with'} one")
     return saved
 
 
@@ -101,6 +113,8 @@ def apply_rank_state(state: TrainingState, saved: dict[str, Any]) -> None:
         for unit, master in zip(state.units, saved["masters"]):
             unit.master.copy_(master)
     state.scaler.load_state_dict(saved["scaler"])
+    if state.lr_scheduler is not None:
+        state.lr_scheduler.load_state_dict(saved["lr_scheduler"])
     state.global_step = saved["counters"]["global_step"]
     state.skipped_steps = saved["counters"]["skipped_steps"]
 
@@ -123,10 +137,38 @@ def _write_atomic(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
-def save(state: TrainingState, plan: CommPlan, directory: str | os.PathLike) -> None:
-    """Write ``state`` to ``directory`` (collective; see [Note: atomic save])."""
+def model_keys(state: TrainingState, model: torch.nn.Module) -> tuple[dict[str, list], dict[str, torch.Tensor]]:
+    """Where each of ``model``'s state-dict keys lives in a checkpoint, for consolidation
+    without a process group (``consolidate``): ``["unit", i, slot]`` in the masters of unit
+    i, ``["frozen", i, slot]`` in the shards of frozen unit i (both names of a tied
+    parameter point at the same slot), or ``["extra"]``: a buffer or an unpartitioned frozen
+    parameter, returned as rank 0 holds it (second dict)."""
+    where: dict[torch.nn.Parameter, list] = {}
+    for kind, units in (("unit", state.units), ("frozen", state.frozen_units)):
+        for i, unit in enumerate(units):
+            for slot, param in enumerate(unit.params):
+                where[param] = [kind, i, slot]
+    keys, extras = {}, {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if value in where:
+            keys[key] = where[value]
+        else:
+            keys[key] = ["extra"]
+            extras[key] = value.detach().clone()
+    return keys, extras
+
+
+def save(state: TrainingState, plan: CommPlan, directory: str | os.PathLike,
+         model: torch.nn.Module | None = None) -> None:
+    """Write ``state`` to ``directory`` (collective; see [Note: atomic save]). With
+    ``model``, also what ``consolidate`` needs to rebuild its whole state dict: every rank's
+    frozen shards, and in rank 0's file the buffers and unpartitioned frozen parameters."""
     rank = plan.rank
     saved = rank_state(state, plan)
+    saved["frozen_shards"] = [unit.shard.detach().clone() for unit in state.frozen_units]
+    keys = None
+    if rank == 0 and model is not None:
+        keys, saved["model_extras"] = model_keys(state, model)
     root = Path(directory)
     tag = plan.broadcast_from_first(uuid.uuid4().hex if rank == 0 else None)
     saved["tag"] = tag
@@ -140,12 +182,14 @@ def save(state: TrainingState, plan: CommPlan, directory: str | os.PathLike) -> 
     infos = plan.all_gather_objects(info)
     if rank == 0:
         meta = {"format": FORMAT, "tag": tag, "world_size": plan.world_size, "stage": state.stage,
-                "fingerprint": fingerprint(state), "global_step": state.global_step, "files": infos}
+                "fingerprint": fingerprint(state), "global_step": state.global_step, "files": infos,
+                "frozen_fingerprint": [[u.layout.numel, _slots(u)] for u in state.frozen_units],
+                "model_keys": keys}
         _write_atomic(root / META, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
     plan.barrier()
 
 
-def _read_rank_state(state: TrainingState, plan: CommPlan, root: Path) -> dict[str, Any]:
+def _read_meta(root: Path) -> dict[str, Any]:
     try:
         meta = json.loads((root / META).read_text())
     except FileNotFoundError:
@@ -154,12 +198,12 @@ def _read_rank_state(state: TrainingState, plan: CommPlan, root: Path) -> dict[s
         raise CheckpointError(f"{root / META} is corrupt: {err}") from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{root / META}: unknown format {meta.get('format')!r}")
-    if meta["world_size"] != plan.world_size:
-        raise CheckpointError(f"checkpoint {root} was written by {meta['world_size']} ranks, this run has "
-                              f"{plan.world_size} (resharding is not supported)")
-    if meta["fingerprint"] != fingerprint(state):
-        raise CheckpointError(f"checkpoint {root} was written for another model or bucketing")
-    info = meta["files"][plan.rank]
+    return meta
+
+
+def _read_rank_file(root: Path, meta: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s file, checked against ``meta`` (size, sha256, save tag); tensors only."""
+    info = meta["files"][rank]
     path = root / info["name"]
     if not path.exists():
         raise CheckpointError(f"{path} is missing")
@@ -175,7 +219,44 @@ def _read_rank_state(state: TrainingState, plan: CommPlan, root: Path) -> dict[s
         raise CheckpointError(f"{path} cannot be read: {err}") from err
     if saved.get("tag") != meta["tag"]:
         raise CheckpointError(f"{path} belongs to another save than {root / META}")
-    return validate_rank_state(state, plan, saved)
+    return saved
+
+
+def consolidate(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The model's full state dict from a checkpoint, in one process with no process group
+    (``python -m zero_runtime.export``): what ``full_state_dict()`` returned when it was
+    saved (fp32 masters for trained parameters; frozen ones and buffers in the compute dtype)."""
+    root = Path(directory)
+    meta = _read_meta(root)
+    if meta.get("model_keys") is None:
+        raise CheckpointError(f"{root} was saved without the model's keys (by an older zero_runtime); it cannot be "
+                              "consolidated offline: load it in a run and call full_state_dict()")
+    files = [_read_rank_file(root, meta, rank) for rank in range(meta["world_size"])]
+
+    def unflatten(fingerprint_entry: list, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        numel, slots = fingerprint_entry[-2], fingerprint_entry[-1]
+        flat = torch.cat(shards)
+        assert flat.numel() == numel, (flat.numel(), numel)
+        return FlatLayout([shape for _, shape in slots], world_size=meta["world_size"]).views(flat)
+
+    views = {"unit": [unflatten(entry, [f["masters"][i] for f in files])
+                      for i, entry in enumerate(meta["fingerprint"])],
+             "frozen": [unflatten(entry, [f["frozen_shards"][i] for f in files])
+                        for i, entry in enumerate(meta["frozen_fingerprint"])]}
+    out = {}
+    for key, where in meta["model_keys"].items():
+        out[key] = files[0]["model_extras"][key] if where[0] == "extra" else views[where[0]][where[1]][where[2]].clone()
+    return out
+
+
+def _read_rank_state(state: TrainingState, plan: CommPlan, root: Path) -> dict[str, Any]:
+    meta = _read_meta(root)
+    if meta["world_size"] != plan.world_size:
+        raise CheckpointError(f"checkpoint {root} was written by {meta['world_size']} ranks, this run has "
+                              f"{plan.world_size} (resharding is not supported)")
+    if meta["fingerprint"] != fingerprint(state):
+        raise CheckpointError(f"checkpoint {root} was written for another model or bucketing")
+    return validate_rank_state(state, plan, _read_rank_file(root, meta, plan.rank))
 
 
 def load(state: TrainingState, plan: CommPlan, directory: str | os.PathLike) -> None:
@@ -197,11 +278,14 @@ def load(state: TrainingState, plan: CommPlan, directory: str | os.PathLike) -> 
 
 def full_state_dict(state: TrainingState, plan: CommPlan, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Gather the fp32 masters (exact, never quantized) and unflatten them under every
-    state-dict key of ``model`` (both names of a tied parameter); rank 0 gets the dict."""
+    state-dict key of ``model`` (both names of a tied parameter); rank 0 gets the dict.
+    Frozen parameters (no master) and buffers come in the compute dtype, stage 3's
+    partitioned frozen ones gathered from their shards, the others as rank 0 holds them."""
     full_of: dict[torch.nn.Parameter, torch.Tensor] = {}
-    for unit in state.units:
-        flat = torch.empty(unit.layout.numel, dtype=torch.float32, device=unit.master.device)
-        plan.exact_all_gather(flat, unit.master.detach())
+    for unit in state.units + state.frozen_units:
+        source = unit.shard if unit.frozen else unit.master.detach()
+        flat = torch.empty(unit.layout.numel, dtype=source.dtype, device=source.device)
+        plan.exact_all_gather(flat, source)
         for param, view in zip(unit.params, unit.layout.views(flat)):
             full_of[param] = view.clone()
     if plan.rank != 0:

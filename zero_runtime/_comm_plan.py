@@ -110,6 +110,10 @@ class CommPlan:
         """Blocking, never-quantized all-gather (fp32 masters for consolidation)."""
         zcomm.all_gather_into_tensor(full, shard, group=self.group, topology=self.topology)
 
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """Blocking, exact broadcast of ``tensor`` from the group's rank ``src``."""
+        dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group)
+
     def barrier(self) -> None:
         with current_device(self.device):
             dist.barrier(group=self.group)

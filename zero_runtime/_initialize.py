@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_map
 
 import zcomm
 
+from . import _optim_spec
 from ._comm_plan import CommPlan, build_comm_plan
 from ._partition import FlatUnit, group_by_module, group_by_size, trainable_named_parameters
 from .config import ZeroConfig, resolve_config
@@ -29,8 +30,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OptimizerSpec = Callable[[list[nn.Parameter]], torch.optim.Optimizer] | torch.optim.Optimizer
 
 
-def initialize(model: nn.Module, optimizer: OptimizerSpec,
-               config: ZeroConfig | Mapping[str, Any] | str | os.PathLike, *,
+def initialize(model: nn.Module, optimizer: OptimizerSpec | None = None,
+               config: ZeroConfig | Mapping[str, Any] | str | os.PathLike | None = None, *,
                group: dist.ProcessGroup | None = None,
                topology: zcomm.Topology | None = None) -> tuple[nn.Module, ZeroOptimizer]:
     """Partition ``model``'s training state over the ranks of ``group`` (default: WORLD),
@@ -44,6 +45,12 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec,
     template: its class, defaults and per-group hyper-parameters are kept, each group is
     partitioned separately.
 
+    ``optimizer`` may be None when the config has DeepSpeed's ``optimizer`` section (it is
+    then built from its ``type`` and ``params``, over one group); giving both is an error. A
+    ``scheduler`` section builds ``opt.lr_scheduler`` over the optimizer, stepped by
+    ``opt.step()`` after each applied update. The config's batch sizes are checked against
+    ``group``'s size (``ZeroConfig.for_world_size``).
+
     The trainable parameters must all be on one device that ``group``'s backend supports
     (``cuda:<local rank>`` for NCCL); every tensor the runtime creates lives there.
     """
@@ -51,8 +58,11 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec,
         raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    config = resolve_config(config)
+    if config is None:
+        raise TypeError("initialize() needs a config (a ZeroConfig, a DeepSpeed-style dict or a JSON path)")
     group = group if group is not None else dist.group.WORLD
+    config = resolve_config(config).for_world_size(dist.get_world_size(group))
+    optimizer = _optimizer_spec(optimizer, config)
     names = trainable_named_parameters(model)
     if not names:
         raise ValueError("the model has no trainable parameters (requires_grad=True); nothing to optimize")
@@ -61,11 +71,28 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec,
     dtype = DTYPES[config.precision]
     _cast_untrained_state(model, dtype)
     units = _build_units(model, groups, names, config, plan, dtype)
+    frozen_units = _build_frozen_units(model, config, plan, dtype, first_index=len(units))
     masters = [[u.master for u in units if u.group_index == i] for i in range(len(groups))]
     torch_opt = build(masters)
+    lr_scheduler = _optim_spec.build_scheduler(config.scheduler, torch_opt) if config.scheduler else None
     if dtype != torch.float32:
         model.register_forward_pre_hook(_input_caster(dtype), with_kwargs=True)
-    return model, ZeroOptimizer(model=model, units=units, optimizer=torch_opt, config=config, plan=plan)
+    return model, ZeroOptimizer(model=model, units=units, optimizer=torch_opt, config=config, plan=plan,
+                                lr_scheduler=lr_scheduler, frozen_units=frozen_units)
+
+
+def _optimizer_spec(optimizer: OptimizerSpec | None, config: ZeroConfig) -> OptimizerSpec:
+    """The caller's optimizer, or a builder of the config's ``optimizer`` section: exactly one."""
+    if optimizer is not None and config.optimizer is not None:
+        raise ValueError("an optimizer was passed to initialize() and the config has an 'optimizer' section; "
+                         "give one of them")
+    if optimizer is not None:
+        return optimizer
+    if config.optimizer is None:
+        raise ValueError("no optimizer: pass one to initialize() or give the config DeepSpeed's 'optimizer' "
+                         "section ({\"type\": \"AdamW\", \"params\": {\"lr\": ...}})")
+    spec = config.optimizer
+    return lambda params: _optim_spec.build_optimizer(spec, params)
 
 
 def _training_device(params: Iterable[nn.Parameter], group: dist.ProcessGroup) -> torch.device:
@@ -137,9 +164,28 @@ def _build_units(model: nn.Module, groups: Sequence[Sequence[nn.Parameter]], nam
     return units
 
 
+def _build_frozen_units(model: nn.Module, config: ZeroConfig, plan: CommPlan, dtype: torch.dtype, *,
+                        first_index: int) -> list[FlatUnit]:
+    """Stage 3: frozen floating parameters above the persistence threshold, partitioned by
+    module (see [Note: frozen units] in ``_partition``); none in stages 1-2."""
+    if config.stage != 3:
+        return []
+    frozen: dict[nn.Parameter, str] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad and param.is_floating_point() and param.numel() > config.param_persistence_threshold:
+            frozen.setdefault(param, name)
+    position = {param: i for i, (_, param) in enumerate(model.named_parameters())}
+    units = []
+    for bucket in group_by_module(model, list(frozen), fuse_numel=config.fuse_numel):
+        units.append(FlatUnit(index=first_index + len(units), group_index=-1, names=[frozen[p] for p in bucket],
+                              params=bucket, world_size=plan.world_size, rank=plan.rank, dtype=dtype,
+                              partition_params=True, position=min(position[p] for p in bucket), frozen=True))
+    return units
+
+
 def _cast_untrained_state(model: nn.Module, dtype: torch.dtype) -> None:
-    """Frozen floating parameters and buffers follow the compute dtype (they are not
-    partitioned); trainable ones are cast while flattening."""
+    """Frozen floating parameters and buffers follow the compute dtype (buffers are never
+    partitioned, frozen parameters only in stage 3); trainable ones are cast while flattening."""
     with torch.no_grad():
         for param in model.parameters():
             if not param.requires_grad and param.is_floating_point():

@@ -2,7 +2,9 @@
 
 Counts persistent tensors only (what the ZeRO paper's formulas describe): the compute-dtype
 parameters this rank keeps (full buffers in stages 1-2 and for stage 3's persistent units,
-its shard of stage 3's partitioned units), its gradient buffers (full in stage 1, its
+its shard of stage 3's partitioned units, frozen ones included; frozen parameters the
+runtime does not partition and buffers are not counted: they are the model's, not the
+training state's), its gradient buffers (full in stage 1, its
 reduced shard in stages 2-3) and its optimizer states (fp32 master shard plus every tensor
 in the torch optimizer's state), and the parameter copies the communication objects keep
 between uses (hpZ's secondary partition). Transient buffers are not counted: stage-3 units
@@ -36,6 +38,7 @@ def measure(state: TrainingState, *, secondary_bytes: int) -> MemoryReport:
     communication objects hold (``CommPlan.held_bytes``)."""
     units = state.units
     params = sum(_nbytes(u.shard) if u.partitioned else u.full_nbytes for u in units)
+    params += sum(_nbytes(u.shard) for u in state.frozen_units)
     grads = sum(_nbytes(u.full_grad) if state.stage == 1 else _nbytes(u.grad_shard) for u in units)
     states = sum(_nbytes(u.master) for u in units)
     for optimizer_state in state.optimizer.state.values():

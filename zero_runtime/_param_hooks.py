@@ -37,6 +37,7 @@ class ModuleHooks:
         self.unit_of: dict[nn.Parameter, FlatUnit] = {p: u for u in units for p in u.params}
         self._stack: list[nn.Module] = []
         self._used: dict[nn.Module, list[FlatUnit]] = {}
+        self._needed: dict[nn.Module, list] = {}
         self.outside: list[FlatUnit] = []
         self._static: dict[nn.Module, list[FlatUnit]] = {}
         rooted = _units_by_root(model, units)
@@ -54,16 +55,34 @@ class ModuleHooks:
 
     def _pre_forward(self, module: nn.Module, args: tuple) -> None:
         self._stack.append(module)
-        self._used[module] = []
+        used: list[FlatUnit] = []
+        self._used[module] = used
+        self._needed[module] = needed = []  # set when backward reaches this call's outputs
         for unit in self._static[module]:
             self._use(module, unit)
+        if torch.is_grad_enabled() and any(unit.frozen for unit in self._static[module]):
+            _on_all_input_grads(args, lambda: self._frozen_backward_done(used, needed))
+
+    def _backward_needs(self, used: list[FlatUnit], needed: list) -> None:
+        needed.append(True)
+        self.scheduler.need_for_backward(used)
+
+    def _frozen_backward_done(self, used: list[FlatUnit], needed: list) -> None:
+        """This call's input gradients are final, so its backward no longer needs the frozen
+        units it used (see [Note: frozen units] in ``_partition``); a call whose outputs
+        backward never reached holds nothing."""
+        if needed:
+            for unit in used:
+                if unit.frozen:
+                    self.scheduler.frozen_backward_done(unit)
 
     def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
         popped = self._stack.pop()
         assert popped is module, "forward hooks ran out of order"
         used = self._used.pop(module)
+        needed = self._needed.pop(module)
         if torch.is_grad_enabled():
-            _on_first_output_grad(output, lambda: self.scheduler.need_for_backward(used))
+            _on_first_output_grad(output, lambda: self._backward_needs(used, needed))
         for unit in used:
             self.scheduler.release(unit)
 
@@ -82,6 +101,10 @@ class ModuleHooks:
         elif unit.state is not GatherState.READY:
             self.scheduler.acquire(unit)
             self.outside.append(unit)
+
+    def running(self) -> bool:
+        """Whether a forward of a managed module is running."""
+        return bool(self._stack)
 
     def end_of_outside_uses(self) -> None:
         """Outside-forward readers are done (end of backward, or the weights change)."""
@@ -105,6 +128,24 @@ def _on_first_output_grad(output: object, callback) -> None:
     def hook(grad: torch.Tensor) -> None:
         if not fired:
             fired.append(True)
+            callback()
+
+    for tensor in tensors:
+        tensor.register_hook(hook)
+
+
+def _on_all_input_grads(args: object, callback) -> None:
+    """Call ``callback`` once the gradients of all of ``args``' tensors that require grad
+    are final (a tensor hook fires when its gradient is fully accumulated, i.e. after every
+    consumer, this module included, ran its backward). Without such inputs, never: the
+    unit is then freed at the end of backward."""
+    tensors = list({id(t): t for t in tree_flatten(args)[0]
+                    if isinstance(t, torch.Tensor) and t.requires_grad}.values())
+    remaining = [len(tensors)]
+
+    def hook(grad: torch.Tensor) -> None:
+        remaining[0] -= 1
+        if remaining[0] == 0:
             callback()
 
     for tensor in tensors:

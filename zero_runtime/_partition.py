@@ -9,8 +9,11 @@ rank and re-assembles them after each optimizer step. It owns
   parameter's ``.data`` is a view of it. A partitioned unit frees it between uses;
 * ``shard``  this rank's slice of the parameters in the compute dtype (a partitioned unit
   keeps it as its own tensor, any other unit as a view of ``full``);
-* ``master`` this rank's fp32 slice, the ``nn.Parameter`` the torch optimizer updates;
-* ``grad_shard`` this rank's reduced gradient, accumulated over micro-steps;
+* ``master`` this rank's fp32 slice, the ``nn.Parameter`` the torch optimizer updates
+  (None in a *frozen* unit: stage 3 partitions frozen parameters too, see [Note: frozen
+  units]);
+* ``grad_shard`` this rank's reduced gradient, accumulated over micro-steps (empty in a
+  frozen unit);
 * ``full_grad`` the flat gradient buffer the reduce-scatter reads, made by ``_grad_reduce``
   (stage 1 keeps it, stages 2 and 3 allocate it for one backward).
 
@@ -22,6 +25,17 @@ parameter's ``.data`` at an empty tensor (DeepSpeed's technique), so code that r
 parameter without going through the module (``model.parameters()``, ``state_dict()``) sees
 an empty tensor instead of reading freed memory; gathering points ``.data`` back at views of
 ``full``.
+
+[Note: frozen units] In stage 3, frozen parameters (``requires_grad=False``) above the
+persistence threshold are partitioned by module like trainable ones, in units of their own
+(``frozen=True``, ``group_index == -1``): gathered for forward and again for backward (the
+input gradient of a frozen linear needs its weight), never reduced, with no fp32 master and
+no optimizer state. They are not in ``TrainingState.units`` (what the optimizer, the
+gradient reducer and checkpoints see) but in ``TrainingState.frozen_units`` (checkpoints
+hold their shards for the offline export only). With no gradients to count, a frozen unit's
+backward use ends when every module call whose outputs backward reached has the gradients
+of all its inputs (``_param_hooks``; ``backward_holds`` counts those calls), or at the end
+of backward when a call's inputs need no gradient.
 """
 
 from __future__ import annotations
@@ -44,10 +58,13 @@ class GatherState(enum.Enum):
 
 class FlatUnit:
     def __init__(self, *, index: int, group_index: int, names: Sequence[str], params: Sequence[nn.Parameter],
-                 world_size: int, rank: int, dtype: torch.dtype, partition_params: bool, position: int) -> None:
+                 world_size: int, rank: int, dtype: torch.dtype, partition_params: bool, position: int,
+                 frozen: bool = False) -> None:
         """``position``: where the unit's first parameter comes in the model's parameter
         order; its gradients are final about when that parameter's are (see ``_grad_reduce``)."""
         assert params and len(names) == len(params)
+        assert not frozen or (partition_params and not any(p.requires_grad for p in params))
+        self.frozen = frozen
         self.index = index
         self.group_index = group_index
         self.partitioned = partition_params
@@ -59,13 +76,13 @@ class FlatUnit:
         lo, hi = self.layout.shard_range(rank)
         with torch.no_grad():
             flat32 = self.layout.flatten([p.detach() for p in params], dtype=torch.float32)
-            self.master = nn.Parameter(flat32[lo:hi].clone())
+            self.master = None if frozen else nn.Parameter(flat32[lo:hi].clone())
             self.full = flat32.to(dtype) if dtype != torch.float32 else flat32
             self.shard = self.full[lo:hi].clone() if partition_params else self.full[lo:hi]
         self._views = self.layout.views(self.full)
         self._empty = torch.empty(0, dtype=dtype, device=self.full.device)
         self._point_params_at_full()
-        self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=self.full.device)
+        self.grad_shard = torch.zeros(0 if frozen else self.layout.shard_numel, dtype=dtype, device=self.full.device)
         self.full_grad: torch.Tensor | None = None
         self.grads_seen = 0
         self.grad_params = sum(p.requires_grad for p in params)
@@ -76,6 +93,8 @@ class FlatUnit:
         self.in_backward = False
         self.prefetched = False
         self.use_position: int | None = None
+        self.pinned = 0  # open GatheredParameters blocks holding it (see [Note: pinned units])
+        self.backward_holds = 0  # frozen units: calls whose backward still needs it
         if partition_params:
             self.free_full()
 

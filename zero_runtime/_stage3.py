@@ -121,12 +121,26 @@ class ParamScheduler:
             self._end_use(unit, after_forward=True)
 
     def need_for_backward(self, units: Iterable[FlatUnit]) -> None:
+        """Backward reached an output of a module call that used ``units``: gather those whose
+        backward use is not over. A frozen unit counts the calls holding it (a module called
+        twice in a row is needed by the first call's backward after the second's is done)."""
         for unit in units:
-            if unit.grads_seen < unit.grad_params and not unit.in_backward:
+            if unit.frozen:
+                unit.backward_holds += 1
+            if (unit.frozen or unit.grads_seen < unit.grad_params) and not unit.in_backward:
                 self._begin_use(unit, Phase.BACKWARD, traced=True)
                 unit.in_backward = True
 
+    def frozen_backward_done(self, unit: FlatUnit) -> None:
+        """A call holding frozen ``unit`` finished its backward; the last one ends the use."""
+        assert unit.frozen and unit.backward_holds > 0
+        unit.backward_holds -= 1
+        if unit.backward_holds == 0 and unit.in_backward:
+            self.grads_ready(unit)
+
     def grads_ready(self, unit: FlatUnit) -> None:
+        """The backward use of ``unit`` is over: its gradients are all accumulated, or (a
+        frozen unit) every call that used it has its input gradients."""
         unit.in_backward = False
         if unit.refs == 0:
             self._end_use(unit, after_forward=False)
@@ -140,12 +154,19 @@ class ParamScheduler:
         self.free_all()
 
     def free_all(self) -> None:
-        """Free every gathered unit (end of backward; before the weights change)."""
+        """Free every gathered unit (end of backward; before the weights change), except
+        those a ``GatheredParameters`` block pins (see [Note: pinned units] in ``_gathered``)."""
         for unit in self.units:
             unit.refs = 0
             unit.in_backward = False
-            if unit.state is not GatherState.FREE:
+            unit.backward_holds = 0
+            if unit.state is not GatherState.FREE and not unit.pinned:
                 self._free(unit, after_forward=False)
+
+    def wait(self, unit: FlatUnit) -> None:
+        """Finish ``unit``'s gather in flight (``GatheredParameters``)."""
+        assert unit.state is GatherState.GATHERING
+        self._wait(unit)
 
     # ----- uses -----
     def _begin_use(self, unit: FlatUnit, phase: Phase, *, traced: bool) -> None:
@@ -172,7 +193,10 @@ class ParamScheduler:
         return position
 
     def _end_use(self, unit: FlatUnit, *, after_forward: bool) -> None:
-        """Keep ``unit`` gathered or free it (see [Note: stage-3 residency])."""
+        """Keep ``unit`` gathered or free it (see [Note: stage-3 residency]); a pinned unit
+        stays gathered outside the accounting."""
+        if unit.pinned:
+            return
         if self._keep(unit):
             self.kept += 1
         else:

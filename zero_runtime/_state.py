@@ -8,7 +8,8 @@ scheduler act on the same units but are not part of it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -21,14 +22,18 @@ class TrainingState:
     """This rank's partition of the training state.
 
     ``stage`` says which parts are partitioned (see ``ZeroConfig``); ``units`` hold the
-    parameters, their fp32 master shards and the reduced gradient shards; ``optimizer`` is
-    the torch optimizer over the masters; ``scaler`` the loss scale; ``global_step`` counts
-    applied optimizer steps and ``skipped_steps`` those skipped on an fp16 overflow.
+    parameters, their fp32 master shards and the reduced gradient shards; ``frozen_units``
+    hold stage 3's partitioned frozen parameters (no master, no gradient); ``optimizer`` is
+    the torch optimizer over the masters; ``scaler`` the loss scale; ``lr_scheduler`` the
+    config's learning-rate schedule, if any; ``global_step`` counts applied optimizer steps
+    and ``skipped_steps`` those skipped on an fp16 overflow.
     """
 
     stage: int
     units: list[FlatUnit]
     optimizer: torch.optim.Optimizer
     scaler: LossScaler
+    frozen_units: list[FlatUnit] = field(default_factory=list)  # stage 3's frozen parameters, partitioned
+    lr_scheduler: Any = None  # a ``lr_schedules`` schedule over ``optimizer``, from the config
     global_step: int = 0
     skipped_steps: int = 0

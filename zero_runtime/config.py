@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Mapping
 
 from zcomm.quant import QuantSpec
+
+from . import _optim_spec
 
 Precision = Literal["fp32", "bf16", "fp16"]
 # Elements per quantization scale, as ``zcomm.quant.QuantSpec.group_size`` takes it: an int
@@ -46,7 +49,8 @@ _FP16_KEYS = {
     "hysteresis": "hysteresis",
     "min_loss_scale": "min_loss_scale",
 }
-_TOP_KEYS = {"zero_optimization", "bf16", "fp16", "gradient_clipping", "gradient_accumulation_steps"}
+_TOP_KEYS = {"zero_optimization", "bf16", "fp16", "gradient_clipping", "gradient_accumulation_steps",
+             "train_batch_size", "train_micro_batch_size_per_gpu", "optimizer", "scheduler"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,6 +147,14 @@ class ZeroConfig:
       stage 3 (see [Note: default unit and bucket sizes]; on fusing, see [Note: fused units]
       in ``_partition``).
 
+    DeepSpeed's top-level keys with a meaning here (see [Note: DeepSpeed keys] below):
+    ``train_batch_size``, ``train_micro_batch_size_per_gpu`` and
+    ``gradient_accumulation_steps`` follow DeepSpeed's batch arithmetic, checked against the
+    world size by ``for_world_size`` when ``initialize`` starts (the runtime uses only the
+    accumulation steps; the batch sizes are for the user's data loader). ``optimizer`` and
+    ``scheduler`` are DeepSpeed's ``{"type": ..., "params": {...}}`` sections, checked when
+    parsed and built by ``initialize`` (see ``_optim_spec`` and ``lr_schedules``).
+
     ZeRO++ (stage 3 only; each can be on alone, all three together are ZeRO++):
     ``quantized_weights`` (qwZ) gathers parameters for forward with zcomm's INT8
     ``all_gather_q8``; ``hpz_partition_size > 1`` (hpZ) keeps a secondary copy of each
@@ -162,7 +174,11 @@ class ZeroConfig:
     max_live_parameters: int = DEFAULT_MAX_LIVE_PARAMETERS
     max_reuse_distance: int = DEFAULT_MAX_REUSE_DISTANCE
     gradient_clipping: float = 0.0
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int | None = None  # None: 1, or derived from the batch sizes
+    train_batch_size: int | None = None
+    train_micro_batch_size_per_gpu: int | None = None
+    optimizer: Mapping[str, Any] | None = None
+    scheduler: Mapping[str, Any] | None = None
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     quantized_weights: bool = False
     hpz_partition_size: int = 1
@@ -178,8 +194,11 @@ class ZeroConfig:
         self._check_counts()
         if self.gradient_clipping < 0:
             raise ValueError(f"gradient_clipping must be >= 0 (0 = off), got {self.gradient_clipping}")
-        if self.gradient_accumulation_steps < 1:
-            raise ValueError(f"gradient_accumulation_steps must be >= 1, got {self.gradient_accumulation_steps}")
+        self._check_batch_sizes()
+        if self.optimizer is not None:
+            _optim_spec.check_optimizer(self.optimizer)
+        if self.scheduler is not None:
+            _optim_spec.check_scheduler(self.scheduler)
         if not isinstance(self.loss_scale, LossScaleConfig):
             raise TypeError(f"loss_scale must be a LossScaleConfig, got {type(self.loss_scale).__name__}")
         for name, key in (("quantized_weights", "zero_quantized_weights"),
@@ -194,6 +213,53 @@ class ZeroConfig:
         if zeropp and self.stage != 3:
             raise ValueError(f"{', '.join(zeropp)} need zero_optimization.stage 3, got stage {self.stage}")
         self._check_quant_group_size()
+
+    # ----- DeepSpeed's batch sizes (issue 15) -----
+    def _check_batch_sizes(self) -> None:
+        """Positive ints where given; with neither batch size given, accumulation defaults to 1
+        (without a world size nothing more can be checked; ``for_world_size`` does the rest)."""
+        for key in ("gradient_accumulation_steps", "train_batch_size", "train_micro_batch_size_per_gpu"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+        if self.train_batch_size is None and self.train_micro_batch_size_per_gpu is None:
+            object.__setattr__(self, "gradient_accumulation_steps", self.gradient_accumulation_steps or 1)
+
+    def for_world_size(self, world_size: int) -> "ZeroConfig":
+        """This config with DeepSpeed's batch-size arithmetic done for ``world_size`` ranks
+        (``initialize`` calls it with the group's size).
+
+        ``train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps *
+        world_size``. As in DeepSpeed: all three given are checked; two given imply the third
+        (integer division, then checked, so 32 over 3 ranks fails); ``train_batch_size`` alone
+        means no accumulation and ``train_batch_size / world_size`` per rank;
+        ``train_micro_batch_size_per_gpu`` alone means no accumulation. With no batch size
+        given the config is returned unchanged (DeepSpeed requires one; this runtime never
+        sees the batches, so they are optional).
+        """
+        batch, micro, accum = (self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                               self.gradient_accumulation_steps)
+        if batch is None and micro is None:
+            return self
+        if batch is not None and micro is not None:
+            accum = accum if accum is not None else batch // micro // world_size
+        elif batch is not None:
+            accum = accum if accum is not None else 1
+            micro = batch // world_size // accum
+        else:
+            accum = accum if accum is not None else 1
+            batch = micro * accum * world_size
+        if micro < 1 or accum < 1 or batch != micro * accum * world_size:
+            raise ValueError(f"train_batch_size ({batch}) must equal train_micro_batch_size_per_gpu ({micro}) x "
+                             f"gradient_accumulation_steps ({accum}) x world size ({world_size}); given: "
+                             + ", ".join(f"{k}={v}" for k, v in (("train_batch_size", self.train_batch_size),
+                                                                 ("train_micro_batch_size_per_gpu",
+                                                                  self.train_micro_batch_size_per_gpu),
+                                                                 ("gradient_accumulation_steps",
+                                                                  self.gradient_accumulation_steps))
+                                         if v is not None))
+        return replace(self, train_batch_size=batch, train_micro_batch_size_per_gpu=micro,
+                       gradient_accumulation_steps=accum)
 
     def _check_counts(self) -> None:
         """Element counts: ints (or integral floats, as DeepSpeed's JSON writes ``1e9``),
@@ -235,26 +301,36 @@ class ZeroConfig:
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> "ZeroConfig":
-        """Parse a DeepSpeed-style dict; unknown keys raise ValueError naming all of them."""
+        """Parse a DeepSpeed-style dict; unknown keys raise ValueError naming all of them,
+        DeepSpeed's performance hints are accepted and reported once as ignored (one warning
+        naming them; see ``_deepspeed_extras``)."""
         if not isinstance(config, Mapping):
             raise TypeError(f"config must be a mapping, got {type(config).__name__}")
-        unknown = [k for k in config if k not in _TOP_KEYS]
+        config = _legacy_zero_flag(config)
+        ignored = _deepspeed_extras(config)
+        unknown = [k for k in config if k not in _TOP_KEYS and k not in ignored]
         zero = _section(config, "zero_optimization")
-        unknown += [f"zero_optimization.{k}" for k in zero if k not in _ZERO_KEYS]
+        unknown += [f"zero_optimization.{k}" for k in zero
+                    if k not in _ZERO_KEYS and f"zero_optimization.{k}" not in ignored]
         bf16, fp16 = _section(config, "bf16"), _section(config, "fp16")
         unknown += [f"bf16.{k}" for k in bf16 if k != "enabled"]
-        unknown += [f"fp16.{k}" for k in fp16 if k not in _FP16_KEYS]
+        unknown += [f"fp16.{k}" for k in fp16 if k not in _FP16_KEYS and f"fp16.{k}" not in ignored]
         if unknown:
             raise ValueError(f"unknown config keys: {', '.join(sorted(unknown))}")
         if bf16.get("enabled") and fp16.get("enabled"):
             raise ValueError("bf16.enabled and fp16.enabled are both true; pick one")
         precision = "bf16" if bf16.get("enabled") else "fp16" if fp16.get("enabled") else "fp32"
-        kwargs: dict[str, Any] = {_ZERO_KEYS[k]: v for k, v in zero.items()}
-        scale = {_FP16_KEYS[k]: v for k, v in fp16.items() if k != "enabled"}
-        for key in ("gradient_clipping", "gradient_accumulation_steps"):
+        kwargs: dict[str, Any] = {_ZERO_KEYS[k]: v for k, v in zero.items() if k in _ZERO_KEYS}
+        scale = {_FP16_KEYS[k]: v for k, v in fp16.items() if k in _FP16_KEYS and k != "enabled"}
+        for key in ("gradient_clipping", "gradient_accumulation_steps", "train_batch_size",
+                    "train_micro_batch_size_per_gpu", "optimizer", "scheduler"):
             if key in config:
                 kwargs[key] = config[key]
-        return cls(precision=precision, loss_scale=LossScaleConfig(**scale), **kwargs)
+        parsed = cls(precision=precision, loss_scale=LossScaleConfig(**scale), **kwargs)
+        if ignored:
+            warnings.warn("zero_runtime ignores these DeepSpeed settings (performance hints with no effect "
+                          f"here): {', '.join(sorted(ignored))}", UserWarning, stacklevel=2)
+        return parsed
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "ZeroConfig":
@@ -279,6 +355,72 @@ def _count(key: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not integral or value < minimum:
         raise ValueError(f"{key} must be an integer >= {minimum} (elements), got {value!r}")
     return int(value)
+
+
+# ----- DeepSpeed keys that are not ZeroConfig fields (issue 15) -----
+# [Note: DeepSpeed keys] A DeepSpeed config is taken as written: keys with a meaning here act
+# as in DeepSpeed, the hints below are accepted and named in one warning, and any other key
+# (a misspelling, or a DeepSpeed feature not implemented here) is an error listing them all.
+# Accepted and ignored, reported once by name: DeepSpeed's logging and profiling, and choices
+# of its own kernels and buffers that change nothing this runtime computes (it always
+# reduce-scatters and all-gathers, into contiguous buffers, and ignores unused parameters).
+_IGNORED_TOP_KEYS = frozenset({
+    "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown", "flops_profiler",
+    "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+})
+_IGNORED_ZERO_KEYS = frozenset({
+    "contiguous_gradients", "allgather_partitions", "allgather_bucket_size", "reduce_scatter",
+    "round_robin_gradients", "elastic_checkpoint", "ignore_unused_parameters", "log_trace_cache_warnings",
+    "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+    "use_multi_rank_bucket_allreduce", "memory_efficient_linear",
+})
+# Accepted at DeepSpeed's default only (reported as ignored): any other value changes what
+# DeepSpeed computes or communicates, which this runtime does not implement.
+_DEFAULT_ONLY = {
+    "prescale_gradients": False, "gradient_predivide_factor": 1.0, "sparse_gradients": False,
+    "communication_data_type": None, "fp16.auto_cast": False, "fp16.consecutive_hysteresis": False,
+    "zero_optimization.mics_shard_size": -1, "zero_optimization.zero_quantized_nontrainable_weights": False,
+}
+
+
+def _legacy_zero_flag(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """DeepSpeed's old ``"zero_optimization": true`` (its getting-started example) is stage 1;
+    false is its stage 0 (plain data parallelism), which this runtime does not have."""
+    flag = config.get("zero_optimization")
+    if not isinstance(flag, bool):
+        return config
+    if not flag:
+        raise ValueError("zero_optimization false is DeepSpeed's stage 0 (no ZeRO), which zero_runtime does not "
+                         "implement; use stage 1, 2 or 3")
+    return {**config, "zero_optimization": {"stage": 1}}
+
+
+def _deepspeed_extras(config: Mapping[str, Any]) -> set[str]:
+    """The dotted names of the DeepSpeed keys in ``config`` that are accepted and ignored.
+    Raises for a hint at a value other than DeepSpeed's default, and for Hugging Face's
+    ``"auto"`` placeholders (its Trainer fills them in before DeepSpeed parses the config)."""
+    sections = {"": config}
+    for name in ("zero_optimization", "fp16"):
+        sections[f"{name}."] = _section(config, name)
+    auto = [f"{prefix}{k}" for prefix, section in sections.items() for k, v in section.items() if v == "auto"]
+    auto += [f"{name}.params.{k}" for name in ("optimizer", "scheduler")
+             if isinstance(config.get(name), Mapping) and isinstance(config[name].get("params"), Mapping)
+             for k, v in config[name]["params"].items() if v == "auto"]
+    if auto:
+        raise ValueError(f"'auto' is a Hugging Face Trainer placeholder, not a DeepSpeed value; give values for: "
+                         f"{', '.join(sorted(auto))}")
+    ignored = {k for k in config if k in _IGNORED_TOP_KEYS}
+    ignored |= {f"zero_optimization.{k}" for k in sections["zero_optimization."] if k in _IGNORED_ZERO_KEYS}
+    for key, default in _DEFAULT_ONLY.items():
+        prefix, _, name = key.rpartition(".")
+        section = sections[f"{prefix}." if prefix else ""]
+        if name in section:
+            if section[name] != default:
+                raise ValueError(f"{key} = {section[name]!r} is not supported by zero_runtime (only DeepSpeed's "
+                                 f"default, {default!r})")
+            ignored.add(key)
+    return ignored
 
 
 def _section(config: Mapping[str, Any], name: str) -> Mapping[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _checkpoint, _host_sync
+from . import _checkpoint, _gathered, _host_sync
 from ._api import Phase
 from ._clip import clip_by_norm_, global_grad_norm
 from ._comm_plan import CommPlan
@@ -32,17 +32,20 @@ from .config import ZeroConfig
 
 class ZeroOptimizer:
     def __init__(self, *, model: nn.Module, units: list[FlatUnit], optimizer: torch.optim.Optimizer,
-                 config: ZeroConfig, plan: CommPlan) -> None:
+                 config: ZeroConfig, plan: CommPlan, lr_scheduler: Any = None,
+                 frozen_units: list[FlatUnit] | None = None) -> None:
+        assert config.gradient_accumulation_steps is not None, "initialize resolves the batch sizes"
         self.model = model
         self.config = config
         self.plan = plan
         self.training_state = TrainingState(stage=config.stage, units=units, optimizer=optimizer,
-                                            scaler=make_scaler(config.precision, config.loss_scale))
+                                            scaler=make_scaler(config.precision, config.loss_scale),
+                                            lr_scheduler=lr_scheduler, frozen_units=list(frozen_units or []))
         self.scheduler: ParamScheduler | None = None
         self.hooks: ModuleHooks | None = None
         on_ready = None
         if config.stage == 3:
-            partitioned = [unit for unit in units if unit.partitioned]
+            partitioned = [unit for unit in units if unit.partitioned] + self.frozen_units
             self.scheduler = ParamScheduler(units=partitioned, plan=plan, prefetch_numel=config.prefetch_bucket_size,
                                             max_live=config.max_live_parameters,
                                             max_reuse_distance=config.max_reuse_distance)
@@ -53,6 +56,9 @@ class ZeroOptimizer:
         self.micro_step = 0
         self.last_step_skipped = False
         self._backward_since_step = False
+        _gathered.register_owner(self)
+        self._state_dict_guard = (_gathered.guard_state_dict(model, partitioned)
+                                  if self.hooks is not None else _gathered.StateDictGuard())
 
     def _unit_grads_ready(self, unit: FlatUnit) -> None:
         if unit.partitioned:
@@ -63,9 +69,20 @@ class ZeroOptimizer:
         return self.training_state.units
 
     @property
+    def frozen_units(self) -> list[FlatUnit]:
+        """Stage 3's partitioned frozen parameters (see [Note: frozen units] in ``_partition``)."""
+        return self.training_state.frozen_units
+
+    @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The torch optimizer over this rank's fp32 master shards."""
         return self.training_state.optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """The schedule built from the config's ``scheduler`` section (None without one),
+        stepped after every applied optimizer step, as DeepSpeed's engine does."""
+        return self.training_state.lr_scheduler
 
     @property
     def scaler(self) -> LossScaler:
@@ -110,6 +127,7 @@ class ZeroOptimizer:
         the compute-dtype parameters."""
         if not self._backward_since_step:
             raise RuntimeError("step() called without backward() since the last step()")
+        self._require_unpinned()
         self._backward_since_step = False
         if self.micro_step % self.config.gradient_accumulation_steps:
             return
@@ -123,6 +141,8 @@ class ZeroOptimizer:
             self.optimizer.step()
             for unit in self.units:
                 unit.master.grad = None
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
         self.reducer.discard()
         if not self.last_step_skipped:
             self.sync_params_from_masters()
@@ -169,6 +189,7 @@ class ZeroOptimizer:
         """Write the fp32 masters into the compute-dtype parameters: partitioned units
         (stage 3) update their shards (the next forward gathers them); units kept whole
         (stages 1 and 2, stage 3's persistent ones) all-gather their full buffers."""
+        self._require_unpinned()
         if self.scheduler is not None:
             self.scheduler.free_all()
             self.hooks.end_of_outside_uses()
@@ -186,6 +207,16 @@ class ZeroOptimizer:
                 handle.wait()
         self.plan.weights_changed()
 
+    def _require_unpinned(self) -> None:
+        if any(unit.pinned for unit in self.units + self.frozen_units):
+            raise RuntimeError("the weights cannot change inside a GatheredParameters block (step(), "
+                               "load_checkpoint(), load_state_dict()); leave the block first")
+
+    def require_idle(self, what: str) -> None:
+        """Raise unless no forward or backward is running (``GatheredParameters``)."""
+        if self.hooks is not None and (self.hooks.running() or any(u.in_backward for u in self.scheduler.units)):
+            raise RuntimeError(f"{what} inside a forward or backward of the model is not supported")
+
     # ----- state -----
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the training state (masters, optimizer, scaler, counters)."""
@@ -194,6 +225,7 @@ class ZeroOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what ``state_dict`` returned on this rank; validated before anything changes."""
+        self._require_unpinned()
         saved = _checkpoint.validate_rank_state(self.training_state, self.plan, state)
         _checkpoint.apply_rank_state(self.training_state, saved)
         self._after_load()
@@ -201,17 +233,20 @@ class ZeroOptimizer:
     def save_checkpoint(self, directory: str | os.PathLike) -> None:
         """Collective: every rank writes its shard under ``directory`` (see ``_checkpoint``)."""
         self._require_boundary()
-        _checkpoint.save(self.training_state, self.plan, directory)
+        with self._state_dict_guard.suspended():
+            _checkpoint.save(self.training_state, self.plan, directory, self.model)
 
     def load_checkpoint(self, directory: str | os.PathLike) -> None:
         """Collective: load what ``save_checkpoint`` wrote, or raise ``CheckpointError`` on
         every rank with nothing changed."""
+        self._require_unpinned()
         _checkpoint.load(self.training_state, self.plan, directory)
         self._after_load()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Consolidated fp32 weights under the model's state-dict keys, on rank 0 ({} elsewhere)."""
-        return _checkpoint.full_state_dict(self.training_state, self.plan, self.model)
+        with self._state_dict_guard.suspended():
+            return _checkpoint.full_state_dict(self.training_state, self.plan, self.model)
 
     def memory_report(self) -> MemoryReport:
         return measure(self.training_state, secondary_bytes=self.plan.held_bytes())
