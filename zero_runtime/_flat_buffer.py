@@ -2,9 +2,20 @@
 
 A unit's parameters are laid end to end in one contiguous buffer, and the total is padded
 up to a multiple of ``world_size`` so that the buffer splits into ``world_size`` equal
-shards. Shards are not aligned to quantization groups (see [Note: shards are not padded to
-groups] in ``_quantized_comm``). Padding is zero in every buffer that follows this layout,
-so it never contributes to norms, reductions or optimizer updates.
+shards. Padding is zero in every buffer that follows this layout, so it never contributes
+to norms, reductions or optimizer updates.
+
+[Note: parameter-aligned blocks] With ``align = A > 1`` every parameter starts at a multiple
+of ``A`` and the total is padded to a multiple of ``world_size * A``, so every shard starts
+at a multiple of ``A`` too. zcomm's quantized collectives cut each payload into groups of
+``G`` elements starting at the payload's first element (``all_gather_q8``: this rank's shard;
+``reduce_scatter_q4``: this rank's slice of a bucket, whose pipeline stages are whole groups,
+and a bucket's slice is its units' shards end to end). When ``G`` divides ``A`` every group
+boundary the collectives draw falls on a multiple of ``A``, hence no group holds elements of
+two parameters: a LayerNorm weight near 1.0 never shares a scale with Linear weights near
+0.02 (or their gradients), which would make the small ones' scale up to 50x too coarse.
+The cost is fewer than ``A`` zeros per parameter plus fewer than ``world_size * A`` per
+unit, sent and stored like any other element.
 """
 
 from __future__ import annotations
@@ -22,17 +33,26 @@ class Slot(NamedTuple):
     shape: torch.Size
 
 
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
 class FlatLayout:
-    def __init__(self, shapes: Sequence[torch.Size], *, world_size: int) -> None:
+    def __init__(self, shapes: Sequence[torch.Size], *, world_size: int, align: int = 1) -> None:
+        """``align``: each parameter's offset and each shard's size are multiples of it
+        (see [Note: parameter-aligned blocks]); 1 packs the parameters without gaps."""
         assert world_size >= 1, world_size
+        assert align >= 1, align
         slots, offset = [], 0
         for shape in shapes:
             shape = torch.Size(shape)
+            offset = _round_up(offset, align)
             slots.append(Slot(offset, shape.numel(), shape))
             offset += shape.numel()
         self.slots: tuple[Slot, ...] = tuple(slots)
         self.world_size = world_size
-        self.numel = -(-max(offset, 1) // world_size) * world_size
+        self.align = align
+        self.numel = _round_up(max(offset, 1), world_size * align)
         self.shard_numel = self.numel // world_size
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:

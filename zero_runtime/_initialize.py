@@ -133,7 +133,8 @@ def _build_units(model: nn.Module, groups: Sequence[Sequence[nn.Parameter]], nam
                 continue
             units.append(FlatUnit(index=len(units), group_index=group_index, names=[names[p] for p in bucket],
                                   params=bucket, world_size=plan.world_size, rank=plan.rank, dtype=dtype,
-                                  partition_params=partition, position=min(position[p] for p in bucket)))
+                                  partition_params=partition, position=min(position[p] for p in bucket),
+                                  align=config.quant_block_align()))
     return units
 
 

@@ -9,6 +9,7 @@ to a default and change training.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
@@ -37,6 +38,7 @@ _ZERO_KEYS = {
     "zero_quantized_gradients": "quantized_gradients",
     "zcomm_quant_group_size": "quant_group_size",
     "zcomm_stage3_fuse_numel": "fuse_numel",
+    "zcomm_align_quant_blocks": "align_quant_blocks",
 }
 _FP16_KEYS = {
     "enabled": None,
@@ -151,6 +153,10 @@ class ZeroConfig:
     checked when the runtime starts); ``quantized_gradients`` (qgZ) reduce-scatters
     gradient buckets with zcomm's INT4 ``reduce_scatter_q4``. ``quant_group_size`` sets the
     elements per quantization scale of both quantized collectives (see ``QuantGroupSize``).
+    ``align_quant_blocks`` (zcomm key ``zcomm_align_quant_blocks``, default true): with qwZ
+    or qgZ on, pad each parameter in the flat units so that no quantization group ever holds
+    elements of two parameters (``quant_block_align``; see [Note: parameter-aligned blocks]
+    in ``_flat_buffer``); false packs parameters without gaps, as before issue 13.
     """
 
     stage: int = 2
@@ -169,6 +175,7 @@ class ZeroConfig:
     quantized_gradients: bool = False
     quant_group_size: QuantGroupSize = None
     fuse_numel: int | None = None  # None: DEFAULT_FUSE_NUMEL in stage 3, 0 otherwise
+    align_quant_blocks: bool = True
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -183,7 +190,8 @@ class ZeroConfig:
         if not isinstance(self.loss_scale, LossScaleConfig):
             raise TypeError(f"loss_scale must be a LossScaleConfig, got {type(self.loss_scale).__name__}")
         for name, key in (("quantized_weights", "zero_quantized_weights"),
-                          ("quantized_gradients", "zero_quantized_gradients"), ("overlap_comm", "overlap_comm")):
+                          ("quantized_gradients", "zero_quantized_gradients"), ("overlap_comm", "overlap_comm"),
+                          ("align_quant_blocks", "zcomm_align_quant_blocks")):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{key} must be true or false, got {getattr(self, name)!r}")
         if isinstance(self.hpz_partition_size, bool) or not isinstance(self.hpz_partition_size, int):
@@ -221,6 +229,15 @@ class ZeroConfig:
             # A group size with nothing quantized is almost surely a config mistake.
             raise ValueError("zcomm_quant_group_size is set but neither zero_quantized_weights nor "
                              "zero_quantized_gradients is on")
+
+    def quant_block_align(self) -> int:
+        """Elements every parameter offset and shard size of a flat unit is a multiple of: the
+        least common multiple of the group sizes of the quantized collectives that are on
+        (1: nothing quantized, ``"tensor"`` scales, or ``align_quant_blocks`` off)."""
+        if not self.align_quant_blocks or self.quant_group_size == "tensor":
+            return 1
+        widths = [bits for bits, on in zip(_QUANT_BITS, (self.quantized_weights, self.quantized_gradients)) if on]
+        return math.lcm(1, *(QuantSpec(bits=bits, group_size=self.quant_group_size).group_size for bits in widths))
 
     def zeropp_options(self) -> list[str]:
         """DeepSpeed names of the ZeRO++ options this config turns on."""
