@@ -13,6 +13,9 @@ quantization scale per communicated tensor instead of per block, through the zco
 ``zcomm_quant_group_size`` (``TENSOR_SCALE``), which DeepSpeed does not have.
 ``zeropp-g128`` is ZeRO++ with 128 elements per scale for both quantized collectives (zcomm's
 defaults are 2048 for INT8 and 512 for INT4): finer blocks, ~5% more qgZ bytes, closer loss.
+Issue 13's ablation: ``*-packed`` packs parameters without gaps (``zcomm_align_quant_blocks``
+false, the layout before issue 13, where a quantization block may straddle two parameters);
+``*-gN`` sets N elements per scale for the quantized collective(s) the row turns on.
 ``deepspeed-zeropp`` hands DeepSpeed its own ZeRO++ keys, to show what DeepSpeed does with them.
 
 [Note: same math] Every engine trains with the same optimizer (torch AdamW, same ``lr``),
@@ -33,6 +36,7 @@ from typing import Any, Literal
 Engine = Literal["zero", "fsdp2", "deepspeed"]
 
 QUANT_GROUP_SIZE_KEY = "zcomm_quant_group_size"
+ALIGN_KEY = "zcomm_align_quant_blocks"
 TENSOR_SCALE = "tensor"
 # zero_runtime's stage 3 gathers any module of at most this many parameter elements as one
 # unit: a whole block of the bench models (TinyGPT's is 198k), the same units as FSDP2's
@@ -65,6 +69,8 @@ class TrainConfig:
         quantized_gradients: qgZ, INT4 two-hop reduce-scatter of gradients.
         quant_group_size: elements per quantization scale for qwZ and qgZ, ``TENSOR_SCALE``
             for one scale per tensor (the ablation), or None for zcomm's defaults.
+        align_quant_blocks: zero_runtime's parameter-aligned quantization blocks (its
+            default); False packs parameters without gaps.
         summary: one line for ``--help`` and TRAINING.md.
     """
 
@@ -75,6 +81,7 @@ class TrainConfig:
     hpz: bool = False
     quantized_gradients: bool = False
     quant_group_size: int | str | None = None
+    align_quant_blocks: bool = True
     summary: str
 
     def __post_init__(self) -> None:
@@ -87,6 +94,9 @@ class TrainConfig:
             raise ValueError(f"{self.name}: the ZeRO++ options need stage 3")
         if self.quant_group_size is not None and not (self.quantized_weights or self.quantized_gradients):
             raise ValueError(f"{self.name}: quant_group_size needs qwZ or qgZ")
+        if not self.align_quant_blocks and (self.engine != "zero" or not (self.quantized_weights or
+                                                                           self.quantized_gradients)):
+            raise ValueError(f"{self.name}: packed blocks are a zero_runtime layout for qwZ or qgZ")
         if self.engine == "fsdp2" and (self.quantized_weights or self.quantized_gradients or self.stage != 3):
             raise ValueError(f"{self.name}: FSDP2 has no quantized collectives and is always stage 3")
 
@@ -127,6 +137,19 @@ CONFIGS: dict[str, TrainConfig] = _configs(
         quantized_gradients=True,
         quant_group_size=128,
         summary="ZeRO++ with 128 elements per quantization scale",
+    ),
+    *(
+        TrainConfig(name=f"{name}-packed", engine="zero", quantized_weights=qwz, hpz=hpz, quantized_gradients=qgz,
+                    align_quant_blocks=False, summary=f"{name} with parameters packed without gaps (before issue 13)")
+        for name, qwz, hpz, qgz in (("zeropp", True, True, True), ("zero3+qwz", True, False, False),
+                                    ("zero3+qgz", False, False, True))
+    ),
+    *(
+        TrainConfig(name=f"{name}-g{size}", engine="zero", quantized_weights=qwz, quantized_gradients=qgz,
+                    hpz=qwz and qgz, quant_group_size=size, summary=f"{name} with {size} elements per scale")
+        for name, qwz, qgz, sizes in (("zero3+qgz", False, True, (128, 256)), ("zero3+qwz", True, False, (256, 512)),
+                                      ("zeropp", True, True, (256,)))
+        for size in sizes
     ),
     TrainConfig(name="fsdp2", engine="fsdp2", summary="torch fully_shard, bf16 MixedPrecisionPolicy"),
     TrainConfig(name="fsdp2-hpz", engine="fsdp2", hpz=True, summary="fully_shard, reshard_after_forward=ranks/node"),
@@ -188,6 +211,8 @@ def zero_runtime_config(
     if config.stage == 3:
         section.update({key: DEEPSPEED_STAGE3_DEFAULTS[key] for key in RUNTIME_STAGE3_KEYS})
         section["zcomm_stage3_fuse_numel"] = STAGE3_FUSE_NUMEL
+    if not config.align_quant_blocks:
+        section[ALIGN_KEY] = False
     return {"zero_optimization": section, "bf16": {"enabled": bf16}, "gradient_clipping": gradient_clipping}
 
 
