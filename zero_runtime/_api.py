@@ -31,7 +31,7 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Hashable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -84,9 +84,27 @@ class AllGather(Comm, abc.ABC):
 
 
 class ReduceScatter(Comm, abc.ABC):
-    """Sums flat gradients over the ranks into each rank's equal slice."""
+    """Sums flat gradients over the ranks into each rank's equal slice.
+
+    Only ``__call__`` is required; the other methods are hooks for an implementation that
+    keeps state between calls (LoCo's error feedback), and hold nothing by default.
+    """
 
     @abc.abstractmethod
-    def __call__(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
+    def __call__(self, output: torch.Tensor, input: torch.Tensor, *, bucket: int) -> Handle:
         """Start summing ``input`` over the ranks into ``output``, this rank's
-        ``1 / world_size`` slice of it; the caller divides (see [Note: gloo and SUM] in ``_comm_plan``)."""
+        ``1 / world_size`` slice of it; the caller divides (see [Note: gloo and SUM] in ``_comm_plan``).
+        ``bucket`` names the gradient bucket, stable across steps."""
+
+    def held_bytes(self) -> int:
+        """Bytes of state this object keeps between calls."""
+        return 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state a checkpoint must carry for a resumed run to continue bit for bit."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state, but the checkpoint holds some "
+                             f"({', '.join(map(str, state))}): was it written with zeropp_loco_param?")

@@ -118,7 +118,7 @@ class GradReducer:
                                            device=self.plan.device)
             torch.cat([u.full_grad.view(world, -1) for u in units], dim=1, out=flat.view(world, -1))
         out = reduce_scatter.allocate(flat.numel() // world, dtype=flat.dtype, device=flat.device)
-        handle = reduce_scatter(out, flat)
+        handle = reduce_scatter(out, flat, bucket=self.launched - 1)
         self._in_flight.append(_InFlight(units, handle, out, flat))
         if not self.keep_full_grads:
             for unit in units:

@@ -36,6 +36,6 @@ class PlainReduceScatter(ReduceScatter):
         self.group = group
         self.topology = topology
 
-    def __call__(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
+    def __call__(self, output: torch.Tensor, input: torch.Tensor, *, bucket: int) -> Handle:
         return zcomm.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True,
                                            topology=self.topology)

@@ -28,6 +28,7 @@ zcomm lets a payload's last group be short, and padding every small module (a La
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,14 +60,44 @@ class QuantizedAllGather(AllGather):
 
 
 class QuantizedReduceScatter(ReduceScatter):
-    """qgZ: one hierarchical INT4 ``reduce_scatter_q4`` (SUM) per gradient bucket."""
+    """qgZ: one hierarchical INT4 ``reduce_scatter_q4`` (SUM) per gradient bucket.
 
-    def __init__(self, group: dist.ProcessGroup, topology: zcomm.Topology, *, spec: QuantSpec) -> None:
+    With ``loco`` (``zeropp_loco_param``: ``(err_beta, reset_T)``) each bucket keeps its own
+    ``zcomm.ErrorFeedback`` (LoCo, both hops), created by the bucket's first reduction; the
+    buffers count in ``held_bytes`` and travel in ``state_dict``.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, topology: zcomm.Topology, *, spec: QuantSpec,
+                 loco: tuple[float, int] | None = None) -> None:
         assert spec.bits == 4, spec
         self.group = group
         self.topology = topology
         self.spec = spec
+        self.loco = loco
+        self.feedback: dict[int, zcomm.ErrorFeedback] = {}
 
-    def __call__(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
+    def __call__(self, output: torch.Tensor, input: torch.Tensor, *, bucket: int) -> Handle:
+        feedback = None
+        if self.loco is not None:
+            if bucket not in self.feedback:
+                self.feedback[bucket] = zcomm.ErrorFeedback(*self.loco)
+            feedback = self.feedback[bucket]
         return zcomm.reduce_scatter_q4(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True,
-                                       topology=self.topology, group_size=self.spec.group_size_for(input.numel()))
+                                       topology=self.topology, group_size=self.spec.group_size_for(input.numel()),
+                                       error_feedback=feedback)
+
+    def held_bytes(self) -> int:
+        return sum(feedback.nbytes for feedback in self.feedback.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {bucket: feedback.state_dict() for bucket, feedback in self.feedback.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.loco is None:
+            super().load_state_dict(state)
+            return
+        loaded = {}
+        for bucket, saved in state.items():
+            loaded[bucket] = zcomm.ErrorFeedback(*self.loco)
+            loaded[bucket].load_state_dict(saved)
+        self.feedback = loaded

@@ -39,6 +39,7 @@ _ZERO_KEYS = {
     "zcomm_quant_group_size": "quant_group_size",
     "zcomm_stage3_fuse_numel": "fuse_numel",
     "zcomm_align_quant_blocks": "align_quant_blocks",
+    "zeropp_loco_param": "loco",
 }
 _FP16_KEYS = {
     "enabled": None,
@@ -101,6 +102,39 @@ DEFAULT_FUSE_NUMEL = 1_000_000
 DEFAULT_REDUCE_BUCKET_SIZE = 1_000_000
 
 
+# -- zeropp_loco_param (issue 13): LoCo error feedback for qgZ --------------------------------
+@dataclass(frozen=True, kw_only=True)
+class LocoConfig:
+    """DeepSpeed's ``zero_optimization.zeropp_loco_param``: LoCo error feedback on qgZ's INT4
+    reduce-scatter, with DeepSpeed's sub-keys, meanings and documented defaults (a sub-key
+    left out takes its default; any other sub-key is an error). ``err_beta``: weight of the
+    previous error in its moving average, in [0, 1); ``reset_T``: the errors restart from
+    zero every this many reductions of a bucket (>= 1). See ``zcomm.ErrorFeedback``."""
+
+    err_beta: float = 0.8
+    reset_T: int = 1024
+
+    def __post_init__(self) -> None:
+        beta = self.err_beta
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"zeropp_loco_param.err_beta must be a number in [0, 1), got {beta!r}")
+        if isinstance(self.reset_T, bool) or not isinstance(self.reset_T, int) or self.reset_T < 1:
+            raise ValueError(f"zeropp_loco_param.reset_T must be an int >= 1, got {self.reset_T!r}")
+
+    @classmethod
+    def parse(cls, value: Any) -> "LocoConfig":
+        if isinstance(value, LocoConfig):
+            return value
+        if not isinstance(value, Mapping):
+            raise TypeError(f"zeropp_loco_param must be a dict like {{\"err_beta\": 0.8, \"reset_T\": 1024}}, "
+                            f"got {value!r}")
+        unknown = sorted(set(value) - {"err_beta", "reset_T"})
+        if unknown:
+            raise ValueError(f"unknown config keys: {', '.join(f'zero_optimization.zeropp_loco_param.{k}' for k in unknown)}")
+        return cls(**value)
+# -----------------------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True, kw_only=True)
 class ZeroConfig:
     """Everything that changes what the runtime computes or communicates.
@@ -157,6 +191,9 @@ class ZeroConfig:
     or qgZ on, pad each parameter in the flat units so that no quantization group ever holds
     elements of two parameters (``quant_block_align``; see [Note: parameter-aligned blocks]
     in ``_flat_buffer``); false packs parameters without gaps, as before issue 13.
+    ``loco`` (DeepSpeed's ``zeropp_loco_param``, see ``LocoConfig``): LoCo error feedback on
+    both hops of qgZ, one INT8 error state per gradient bucket, counted in
+    ``memory_report().error_feedback`` and saved in checkpoints.
     """
 
     stage: int = 2
@@ -176,6 +213,7 @@ class ZeroConfig:
     quant_group_size: QuantGroupSize = None
     fuse_numel: int | None = None  # None: DEFAULT_FUSE_NUMEL in stage 3, 0 otherwise
     align_quant_blocks: bool = True
+    loco: LocoConfig | None = None  # zeropp_loco_param; needs quantized_gradients
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -202,6 +240,10 @@ class ZeroConfig:
         if zeropp and self.stage != 3:
             raise ValueError(f"{', '.join(zeropp)} need zero_optimization.stage 3, got stage {self.stage}")
         self._check_quant_group_size()
+        if self.loco is not None:
+            object.__setattr__(self, "loco", LocoConfig.parse(self.loco))
+            if not self.quantized_gradients:
+                raise ValueError("zeropp_loco_param (LoCo error feedback) needs zero_quantized_gradients")
 
     def _check_counts(self) -> None:
         """Element counts: ints (or integral floats, as DeepSpeed's JSON writes ``1e9``),
