@@ -15,7 +15,9 @@ quantization scale per communicated tensor instead of per block, through the zco
 defaults are 2048 for INT8 and 512 for INT4): finer blocks, ~5% more qgZ bytes, closer loss.
 Issue 13's ablation: ``*-packed`` packs parameters without gaps (``zcomm_align_quant_blocks``
 false, the layout before issue 13, where a quantization block may straddle two parameters);
-``*-gN`` sets N elements per scale for the quantized collective(s) the row turns on.
+``*-gN`` sets N elements per scale for the quantized collective(s) the row turns on;
+``*-loco`` turns on LoCo error feedback for qgZ (DeepSpeed's ``zeropp_loco_param`` with its
+defaults, :data:`LOCO_PARAM`).
 ``deepspeed-zeropp`` hands DeepSpeed its own ZeRO++ keys, to show what DeepSpeed does with them.
 
 [Note: same math] Every engine trains with the same optimizer (torch AdamW, same ``lr``),
@@ -37,6 +39,7 @@ Engine = Literal["zero", "fsdp2", "deepspeed"]
 
 QUANT_GROUP_SIZE_KEY = "zcomm_quant_group_size"
 ALIGN_KEY = "zcomm_align_quant_blocks"
+LOCO_PARAM = {"err_beta": 0.8, "reset_T": 1024}
 TENSOR_SCALE = "tensor"
 # zero_runtime's stage 3 gathers any module of at most this many parameter elements as one
 # unit: a whole block of the bench models (TinyGPT's is 198k), the same units as FSDP2's
@@ -71,6 +74,7 @@ class TrainConfig:
             for one scale per tensor (the ablation), or None for zcomm's defaults.
         align_quant_blocks: zero_runtime's parameter-aligned quantization blocks (its
             default); False packs parameters without gaps.
+        loco: LoCo error feedback on qgZ (``zeropp_loco_param``, zero_runtime only).
         summary: one line for ``--help`` and TRAINING.md.
     """
 
@@ -82,6 +86,7 @@ class TrainConfig:
     quantized_gradients: bool = False
     quant_group_size: int | str | None = None
     align_quant_blocks: bool = True
+    loco: bool = False
     summary: str
 
     def __post_init__(self) -> None:
@@ -97,6 +102,8 @@ class TrainConfig:
         if not self.align_quant_blocks and (self.engine != "zero" or not (self.quantized_weights or
                                                                            self.quantized_gradients)):
             raise ValueError(f"{self.name}: packed blocks are a zero_runtime layout for qwZ or qgZ")
+        if self.loco and (self.engine != "zero" or not self.quantized_gradients):
+            raise ValueError(f"{self.name}: LoCo is zero_runtime's error feedback for qgZ")
         if self.engine == "fsdp2" and (self.quantized_weights or self.quantized_gradients or self.stage != 3):
             raise ValueError(f"{self.name}: FSDP2 has no quantized collectives and is always stage 3")
 
@@ -151,6 +158,10 @@ CONFIGS: dict[str, TrainConfig] = _configs(
                                       ("zeropp", True, True, (256,)))
         for size in sizes
     ),
+    TrainConfig(name="zero3+qgz-loco", engine="zero", quantized_gradients=True, loco=True,
+                summary="stage 3 + qgZ with LoCo error feedback"),
+    TrainConfig(name="zeropp-loco", engine="zero", quantized_weights=True, hpz=True, quantized_gradients=True,
+                loco=True, summary="ZeRO++ with LoCo error feedback on qgZ"),
     TrainConfig(name="fsdp2", engine="fsdp2", summary="torch fully_shard, bf16 MixedPrecisionPolicy"),
     TrainConfig(name="fsdp2-hpz", engine="fsdp2", hpz=True, summary="fully_shard, reshard_after_forward=ranks/node"),
     TrainConfig(name="deepspeed-z3", engine="deepspeed", summary="DeepSpeed ZeRO-3 (needs deepspeed)"),
@@ -213,6 +224,8 @@ def zero_runtime_config(
         section["zcomm_stage3_fuse_numel"] = STAGE3_FUSE_NUMEL
     if not config.align_quant_blocks:
         section[ALIGN_KEY] = False
+    if config.loco:
+        section["zeropp_loco_param"] = dict(LOCO_PARAM)
     return {"zero_optimization": section, "bf16": {"enabled": bf16}, "gradient_clipping": gradient_clipping}
 
 
