@@ -9,11 +9,15 @@ to norms, reductions or optimizer updates.
 of ``A`` and the total is padded to a multiple of ``world_size * A``, so every shard starts
 at a multiple of ``A`` too. zcomm's quantized collectives cut each payload into groups of
 ``G`` elements starting at the payload's first element (``all_gather_q8``: this rank's shard;
-``reduce_scatter_q4``: this rank's slice of a bucket, whose pipeline stages are whole groups,
-and a bucket's slice is its units' shards end to end). When ``G`` divides ``A`` every group
+``reduce_scatter_q4``: each pipeline stage's part of this rank's slice of a bucket, and a
+bucket's slice is its units' shards end to end). When ``G`` divides ``A`` every group
 boundary the collectives draw falls on a multiple of ``A``, hence no group holds elements of
 two parameters: a LayerNorm weight near 1.0 never shares a scale with Linear weights near
 0.02 (or their gradients), which would make the small ones' scale up to 50x too coarse.
+One exception remains: ``reduce_scatter_q4`` cuts a slice of ``m`` elements into ``k``
+stage parts of ``ceil(m / k)``, which are whole groups only when ``G * k`` divides ``m``;
+``k > 1`` only for buckets of more than 8 MiB (``zcomm.reduce_scatter_q4``'s default), and
+then each of the ``k - 1`` inner stage boundaries can make one mixed group per hop row.
 The cost is fewer than ``A`` zeros per parameter plus fewer than ``world_size * A`` per
 unit, sent and stored like any other element.
 """
