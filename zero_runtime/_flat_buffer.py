@@ -19,7 +19,10 @@ stage parts of ``ceil(m / k)``, which are whole groups only when ``G * k`` divid
 ``k > 1`` only for buckets of more than 8 MiB (``zcomm.reduce_scatter_q4``'s default), and
 then each of the ``k - 1`` inner stage boundaries can make one mixed group per hop row.
 The cost is fewer than ``A`` zeros per parameter plus fewer than ``world_size * A`` per
-unit, sent and stored like any other element.
+unit, sent and stored like any other element. That is small for a unit of large parameters
+but not for a unit of one LayerNorm (2 x 128 elements would become ``world_size * A``), so
+``aligned_layout`` aligns a unit only when it costs at most ``ALIGN_BUDGET`` of the packed
+size and packs it otherwise; whether the unit is aligned is ``layout.align > 1``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ class Slot(NamedTuple):
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+# Largest share of a unit's packed elements that aligning it may add (see [Note: parameter-aligned blocks]).
+ALIGN_BUDGET = 1 / 32
 
 
 class FlatLayout:
@@ -74,3 +81,13 @@ class FlatLayout:
         for view, tensor in zip(self.views(flat), tensors):
             view.copy_(tensor)
         return flat
+
+
+def aligned_layout(shapes: Sequence[torch.Size], *, world_size: int, align: int) -> FlatLayout:
+    """The layout aligned to ``align`` if that adds at most ``ALIGN_BUDGET`` of the packed
+    elements, else the packed one."""
+    packed = FlatLayout(shapes, world_size=world_size)
+    if align == 1:
+        return packed
+    aligned = FlatLayout(shapes, world_size=world_size, align=align)
+    return aligned if aligned.numel - packed.numel <= packed.numel * ALIGN_BUDGET else packed

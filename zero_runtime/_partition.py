@@ -33,7 +33,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from ._flat_buffer import FlatLayout
+from ._flat_buffer import aligned_layout
 
 
 class GatherState(enum.Enum):
@@ -48,7 +48,8 @@ class FlatUnit:
                  align: int = 1) -> None:
         """``position``: where the unit's first parameter comes in the model's parameter
         order; its gradients are final about when that parameter's are (see ``_grad_reduce``).
-        ``align``: the layout's (see [Note: parameter-aligned blocks] in ``_flat_buffer``)."""
+        ``align``: the alignment wanted, granted when cheap (``aligned_layout``; see
+        [Note: parameter-aligned blocks] in ``_flat_buffer``)."""
         assert params and len(names) == len(params)
         self.index = index
         self.group_index = group_index
@@ -57,7 +58,7 @@ class FlatUnit:
         self.names = tuple(names)
         self.params = tuple(params)
         self.dtype = dtype
-        self.layout = FlatLayout([p.shape for p in params], world_size=world_size, align=align)
+        self.layout = aligned_layout([p.shape for p in params], world_size=world_size, align=align)
         lo, hi = self.layout.shard_range(rank)
         with torch.no_grad():
             flat32 = self.layout.flatten([p.detach() for p in params], dtype=torch.float32)

@@ -15,7 +15,7 @@ import torch
 
 import zcomm.quant as quant
 from zero_runtime import ZeroConfig
-from zero_runtime._flat_buffer import FlatLayout
+from zero_runtime._flat_buffer import ALIGN_BUDGET, FlatLayout, aligned_layout
 
 # A transformer block's shapes in model order: a LayerNorm, Linear weights and biases of
 # sizes that are not multiples of any group size.
@@ -65,6 +65,18 @@ def test_alignment_costs_less_than_one_group_per_parameter_and_shard():
     packed = FlatLayout(SHAPES, world_size=4)
     aligned = FlatLayout(SHAPES, world_size=4, align=512)
     assert aligned.numel - packed.numel < 512 * (len(SHAPES) + 4)
+
+
+def test_a_unit_is_aligned_only_when_it_is_cheap():
+    """A unit of large parameters is aligned; a unit of one small LayerNorm would grow to
+    ``world * A`` elements, so it stays packed (and says so through ``align``)."""
+    big = [(1000, 128), (128,), (128,), (128, 1000)]
+    layout = aligned_layout(big, world_size=4, align=512)
+    assert layout.align == 512 and _mixed_groups(layout, 512) == 0
+    assert layout.numel <= FlatLayout(big, world_size=4).numel * (1 + ALIGN_BUDGET)
+    small = [(128,), (128,)]
+    assert aligned_layout(small, world_size=4, align=512).align == 1
+    assert aligned_layout(big, world_size=4, align=1).align == 1
 
 
 def test_units_of_buckets_stay_aligned():
