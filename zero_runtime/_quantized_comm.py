@@ -20,9 +20,11 @@ configuration and it divides by the number of ranks, never the number of nodes. 
 and travel inside each payload; with ``zcomm_quant_group_size: "tensor"`` a payload (one
 rank's shard for qwZ, one all-to-all row of a bucket for qgZ) has a single scale.
 
-[Note: shards are not padded to groups] Shards are not padded to whole quantization groups:
-zcomm lets a payload's last group be short, and padding every small module (a LayerNorm's
-2 x d values) up to 2048 elements per rank would send more bytes than it saves.
+[Note: shards are not padded to groups] zcomm lets a payload's last group be short, so no
+shard needs padding to whole groups; the layout pads only to keep each group inside one
+parameter, and only where that is cheap (see [Note: parameter-aligned blocks] in
+``_flat_buffer``): padding every small module (a LayerNorm's 2 x d values) up to whole groups
+per rank would send more bytes than it saves.
 """
 
 from __future__ import annotations

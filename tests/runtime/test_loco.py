@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from zcomm.quant import DEFAULT_GROUP_SIZE
 from zero_harness import run
 from zero_runtime import ZeroConfig
 from zero_runtime.config import LocoConfig
@@ -40,14 +41,14 @@ def _initialize(**extra):
 
 
 def _expected_bytes(opt) -> int:
-    """INT8 bytes of both hops of every bucket, with one fp32 scale per group of 512 (INT4's
-    default group size, which the buffers reuse)."""
+    """INT8 bytes of both hops of every bucket, with one fp32 scale per group of qgZ's
+    (default) group size, which the buffers reuse."""
     total = 0
     nodes = 2
     for bucket in opt.reducer.buckets:
         m = sum(unit.layout.shard_numel for unit in bucket)
         for numel in (WORLD * m, nodes * m):
-            total += numel + 4 * math.ceil(numel / 512)
+            total += numel + 4 * math.ceil(numel / DEFAULT_GROUP_SIZE[4])
     return total
 
 
