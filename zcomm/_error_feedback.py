@@ -83,15 +83,17 @@ class ErrorFeedback:
 
     # -- used by reduce_scatter_q4's chain -------------------------------------------------
 
-    def begin(self, geometry: tuple[int, ...], hop_numels: Sequence[int], group_size: int,
-              device: torch.device) -> list[torch.Tensor]:
-        """The fp32 errors of this call, one per hop (zeros on the first call and after a reset)."""
+    def bind(self, geometry: tuple[int, ...]) -> None:
+        """Checked on the caller's thread when a call starts: the first call's geometry is this state's."""
         if self._geometry is None:
             self._geometry = geometry
         elif self._geometry != geometry:
             raise ValueError(f"this ErrorFeedback serves reduce_scatter_q4 calls of geometry {self._geometry} "
                              f"(elements per slice, world, nodes, stages, group size), got {geometry}: use "
                              "one ErrorFeedback per stream of same-shaped reductions")
+
+    def begin(self, hop_numels: Sequence[int], group_size: int, device: torch.device) -> list[torch.Tensor]:
+        """The fp32 errors of this call, one per hop (zeros on the first call and after a reset)."""
         fresh = self.calls % self.reset_T == 0 or not self._stored
         self.calls += 1
         if fresh:

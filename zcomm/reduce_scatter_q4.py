@@ -189,6 +189,8 @@ def _start(
     concrete_group_size = spec.group_size_for(info.topology.num_nodes * part)
     plan = _Plan(info, node_groups(info.group, info.topology, "reduce"), stages, part, concrete_group_size, divide_by,
                  feedback)
+    if feedback is not None:
+        feedback.bind((stages * part, info.world_size, info.topology.num_nodes, stages, concrete_group_size))
     record("reduce_scatter_q4", *_bytes_sent(plan))
     if slice_numel == 0:
         return Handle(finish=lambda: None, ready=lambda: True) if async_op else None
@@ -259,8 +261,7 @@ def _feedback_errors(plan: _Plan, device: torch.device) -> list[torch.Tensor]:
     hops = [topology.world_size * k * q]
     if topology.num_nodes > 1 and topology.local_size > 1:
         hops.append(topology.num_nodes * k * q)
-    geometry = (q * k, topology.world_size, topology.num_nodes, k, plan.group_size)
-    return plan.feedback.begin(geometry, hops, plan.group_size, device)
+    return plan.feedback.begin(hops, plan.group_size, device)
 
 
 def _stage_parts(result: torch.Tensor, stages: int, part: int) -> tuple[list[torch.Tensor], list[tuple]]:
