@@ -23,7 +23,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
 SIZES = (0, 1, 2, 3, 13, 97, 1031, 4099)  # per-rank slice (reduce-scatter) / input (all-gather) numel
 GROUP_SIZES = (None, 6, 8, 30)
-DEFAULT_GROUP_SIZES = {"all_gather_q8": 2048, "reduce_scatter_q4": 512}
+DEFAULT_GROUP_SIZES = {"all_gather_q8": 256, "reduce_scatter_q4": 256}
 TENSOR_SIZES = (0, 1, 97, 4099)  # group_size="tensor": 4099 exceeds both default group sizes
 
 

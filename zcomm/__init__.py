@@ -5,6 +5,8 @@
   returns a :class:`Handle`. :func:`reduce_scatter_q4_coalesced` reduces a list of tensors
   (a gradient bucket) as one collective, like ``reduce_scatter_tensor_coalesced``.
 * :func:`all_gather_into_tensor`, :func:`reduce_scatter_tensor`: the unquantized ones, counted.
+* :class:`ErrorFeedback`: LoCo error feedback, an explicit state a caller may pass to
+  :func:`reduce_scatter_q4` (the collectives are stateless without it).
 * :class:`Topology`: which ranks share a node; :func:`consecutive_group`: hpZ's blocks.
 * :func:`comm_stats` / :func:`reset_comm_stats` (:class:`OpStats`): bytes each rank sent,
   intra vs inter node.
@@ -18,6 +20,7 @@ threads (``ZCOMM_NUM_THREADS``, else ``torch.get_num_threads()``).
 
 from . import quant
 from ._api import Handle
+from ._error_feedback import ErrorFeedback
 from ._groups import consecutive_group
 from .all_gather_q8 import all_gather_q8
 from .comm_stats import OpStats, comm_stats, reset_comm_stats
@@ -26,6 +29,7 @@ from .reduce_scatter_q4 import reduce_scatter_q4, reduce_scatter_q4_coalesced
 from .topology import Topology
 
 __all__ = [
+    "ErrorFeedback",
     "Handle",
     "OpStats",
     "Topology",

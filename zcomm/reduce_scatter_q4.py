@@ -46,6 +46,12 @@ elements: step 1 reads the zeros from nowhere ([Note: interleaved input] in
 stage's part goes through a ``q``-element buffer on its way into ``output``. Any ``numel``
 works and the collective is never swapped for an unquantized one.
 
+Error feedback (LoCo, :class:`zcomm.ErrorFeedback`, opt-in per call): steps 1 and 3
+quantize the values plus the error the same stream left behind, then update that error
+(see :mod:`zcomm._error_feedback`). Step 1 then builds the reordered input in fp32 (one
+staging buffer of the input's size) and step 3 sums in fp32 before it re-quantizes; rows,
+groups and bytes on the wire are those of the path without feedback.
+
 Coalesced (:func:`reduce_scatter_q4_coalesced`, after
 ``torch.distributed.reduce_scatter_tensor_coalesced``): ``T`` pairs reduced as one
 collective, the flat form's result on the inputs interleaved rank by rank
@@ -68,6 +74,7 @@ import torch.distributed as dist
 from . import quant
 from ._api import GroupInfo, Handle
 from ._chain_runner import run_chain
+from ._error_feedback import ErrorFeedback, reordered_input
 from ._groups import NodeGroups, node_groups
 from ._pipeline import MAX_DEFAULT_STAGES, STAGE_BYTES, check_stages, default_stages
 from ._prologue import prologue, prologue_coalesced
@@ -91,6 +98,7 @@ class _Plan(NamedTuple):
     part: int  # q: elements of each stage's part of one slice
     group_size: int  # concrete: "tensor" resolved for the longest payload row
     divide_by: float
+    feedback: ErrorFeedback | None
 
 
 def default_pipeline_stages(input_nbytes: int, slice_numel: int, topology: Topology) -> int:
@@ -109,6 +117,7 @@ def reduce_scatter_q4(
     group_size: int | Literal["tensor"] | None = None,
     pipeline_stages: int | None = None,
     topology: Topology | None = None,
+    error_feedback: ErrorFeedback | None = None,
 ) -> Handle | None:
     """INT4 2-hop drop-in for ``torch.distributed.reduce_scatter_tensor`` with ``op`` SUM, AVG or PREMUL_SUM.
 
@@ -127,9 +136,11 @@ def reduce_scatter_q4(
         pipeline_stages: chunks overlapping intra- and inter-node hops (default
             :func:`default_pipeline_stages`).
         topology: which ranks share a node (default: :meth:`Topology.detect`).
+        error_feedback: LoCo state of the stream of reductions this call belongs to (None:
+            stateless); see :class:`zcomm.ErrorFeedback`.
     """
     info = prologue(output, input, group, topology, gather=False, quantized=True)
-    return _start(info, [output], [input], op, async_op, group_size, pipeline_stages)
+    return _start(info, [output], [input], op, async_op, group_size, pipeline_stages, error_feedback)
 
 
 def reduce_scatter_q4_coalesced(
@@ -142,6 +153,7 @@ def reduce_scatter_q4_coalesced(
     group_size: int | Literal["tensor"] | None = None,
     pipeline_stages: int | None = None,
     topology: Topology | None = None,
+    error_feedback: ErrorFeedback | None = None,
 ) -> Handle | None:
     """:func:`reduce_scatter_q4` of several tensors as one collective, after
     ``torch.distributed.reduce_scatter_tensor_coalesced``: ``outputs[i]`` receives this
@@ -157,12 +169,12 @@ def reduce_scatter_q4_coalesced(
             tensors of both lists share one dtype (fp32/bf16/fp16) and device. Outputs that
             lie end to end in one buffer (``flat.split(sizes)``) are written in place.
         inputs: contiguous; read where they are, never copied.
-        op, group, async_op, group_size, pipeline_stages, topology: as for
+        op, group, async_op, group_size, pipeline_stages, topology, error_feedback: as for
             :func:`reduce_scatter_q4`, for the whole bucket (``pipeline_stages`` and the
             default stage count apply to the interleaved input, ``"tensor"`` to its rows).
     """
     info = prologue_coalesced(outputs, inputs, group, topology, gather=False)
-    return _start(info, list(outputs), list(inputs), op, async_op, group_size, pipeline_stages)
+    return _start(info, list(outputs), list(inputs), op, async_op, group_size, pipeline_stages, error_feedback)
 
 
 def _start(
@@ -173,9 +185,12 @@ def _start(
     async_op: bool,
     group_size: int | Literal["tensor"] | None,
     pipeline_stages: int | None,
+    feedback: ErrorFeedback | None,
 ) -> Handle | None:
     """Plan the collective of the checked pairs (the flat form's slice: every output in turn) and run it."""
     divide_by = _divisor(op, info.world_size)
+    if feedback is not None and not isinstance(feedback, ErrorFeedback):
+        raise TypeError(f"error_feedback must be a zcomm.ErrorFeedback or None, got {type(feedback).__name__}")
     spec = quant.QuantSpec(bits=_BITS, group_size=group_size)
     slice_numel = sum(output.numel() for output in outputs)
     input_nbytes = slice_numel * info.world_size * inputs[0].element_size()
@@ -183,7 +198,10 @@ def _start(
     part = -(-slice_numel // stages)
     # "tensor": one group as long as the longest payload row (the intra hop's, N parts), so one per row
     concrete_group_size = spec.group_size_for(info.topology.num_nodes * part)
-    plan = _Plan(info, node_groups(info.group, info.topology, "reduce"), stages, part, concrete_group_size, divide_by)
+    plan = _Plan(info, node_groups(info.group, info.topology, "reduce"), stages, part, concrete_group_size, divide_by,
+                 feedback)
+    if feedback is not None:
+        feedback.bind((stages * part, info.world_size, info.topology.num_nodes, stages, concrete_group_size))
     record("reduce_scatter_q4", *_bytes_sent(plan))
     if slice_numel == 0:
         return Handle(finish=lambda: None, ready=lambda: True) if async_op else None
@@ -228,21 +246,39 @@ def _chain(plan: _Plan, outputs: list[torch.Tensor], inputs: list[torch.Tensor])
     perm = reorder_permutation(topology.num_nodes, topology.local_size, k)
     num_rows = first_hop_rows(topology.num_nodes, topology.local_size, k)
     # slices zero-filled to k * q elements when q does not divide them: read, never staged
-    rows = quant.reorder_quantize(
-        inputs, perm, num_rows, _BITS, plan.group_size, parts=topology.world_size, part_numel=k * q
-    )
+    errors = None
+    if plan.feedback is None:
+        rows = quant.reorder_quantize(
+            inputs, perm, num_rows, _BITS, plan.group_size, parts=topology.world_size, part_numel=k * q
+        )
+    else:
+        errors = _feedback_errors(plan, inputs[0].device)
+        values = reordered_input(inputs, perm, topology.world_size, k * q)
+        rows = plan.feedback.compensate_quantize(values, errors[0], num_rows, plan.group_size)
     slice_numel = sum(output.numel() for output in outputs)
     result = _flat_view(outputs, slice_numel)
     staged = result is None
     if staged:
         result = torch.empty(slice_numel, dtype=outputs[0].dtype, device=outputs[0].device)
     out_parts, short = _stage_parts(result, k, q)
-    _pipeline(plan, rows, out_parts)
+    _pipeline(plan, rows, out_parts, errors)
+    if errors is not None:
+        plan.feedback.end(errors, plan.group_size)
     for piece, computed in short:
         piece.copy_(computed[: piece.numel()])
     if staged:
         for output, piece in zip(outputs, result.split([output.numel() for output in outputs])):
             output.view(-1).copy_(piece)
+
+
+def _feedback_errors(plan: _Plan, device: torch.device) -> list[torch.Tensor]:
+    """This call's fp32 errors: hop 1's over the whole reordered input, hop 2's over the
+    node sums this rank re-quantizes (none with one node or one rank per node)."""
+    topology, k, q = plan.info.topology, plan.stages, plan.part
+    hops = [topology.world_size * k * q]
+    if topology.num_nodes > 1 and topology.local_size > 1:
+        hops.append(topology.num_nodes * k * q)
+    return plan.feedback.begin(hops, plan.group_size, device)
 
 
 def _stage_parts(result: torch.Tensor, stages: int, part: int) -> tuple[list[torch.Tensor], list[tuple]]:
@@ -271,7 +307,8 @@ def _flat_view(outputs: list[torch.Tensor], numel: int) -> torch.Tensor | None:
     return first.as_strided((numel,), (1,))
 
 
-def _pipeline(plan: _Plan, rows: torch.Tensor, out_parts: list[torch.Tensor]) -> None:
+def _pipeline(plan: _Plan, rows: torch.Tensor, out_parts: list[torch.Tensor],
+              errors: list[torch.Tensor] | None) -> None:
     """Run the ``k`` stages' hops on ``rows`` (from step 1), writing stage ``s`` to ``out_parts[s]``.
 
     [Note: hop overlap] All intra hops are issued first (their group runs them in order);
@@ -291,7 +328,7 @@ def _pipeline(plan: _Plan, rows: torch.Tensor, out_parts: list[torch.Tensor]) ->
         return
     in_flight: list[tuple[int, torch.Tensor, dist.Work]] = []
     for s in range(k):
-        in_flight.append((s, *_all_to_all(_inter_rows(plan, rows, intra, s), plan.groups.inter)))
+        in_flight.append((s, *_all_to_all(_inter_rows(plan, rows, intra, s, errors), plan.groups.inter)))
         if len(in_flight) == 2:
             done, received, work = in_flight.pop(0)
             _finish(plan, received, work, out_parts[done])
@@ -299,15 +336,22 @@ def _pipeline(plan: _Plan, rows: torch.Tensor, out_parts: list[torch.Tensor]) ->
         _finish(plan, received, work, out_parts[done])
 
 
-def _inter_rows(plan: _Plan, rows: torch.Tensor, intra: list, stage: int) -> torch.Tensor:
-    """Stage ``stage``'s ``N`` rows for the inter-node hop: the node's re-quantized sum (step 3), or
-    the quantized input itself when there is one rank per node."""
+def _inter_rows(plan: _Plan, rows: torch.Tensor, intra: list, stage: int,
+                errors: list[torch.Tensor] | None) -> torch.Tensor:
+    """Stage ``stage``'s ``N`` rows for the inter-node hop: the node's re-quantized sum (step 3,
+    compensated by hop 2's error with feedback), or the quantized input itself when there is
+    one rank per node."""
     num_nodes = plan.info.topology.num_nodes
     if not intra:
         return rows[stage * num_nodes : (stage + 1) * num_nodes]
     received, work = intra[stage]
     work.wait()
-    return quant.dequant_reduce(received, num_nodes * plan.part, _BITS, plan.group_size, requant_chunks=num_nodes)
+    numel = num_nodes * plan.part
+    if errors is None:
+        return quant.dequant_reduce(received, numel, _BITS, plan.group_size, requant_chunks=num_nodes)
+    node_sum = quant.dequant_reduce(received, numel, _BITS, plan.group_size, dtype=torch.float32)
+    error = errors[1][stage * numel : (stage + 1) * numel]
+    return plan.feedback.compensate_quantize(node_sum, error, num_nodes, plan.group_size)
 
 
 def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, dist.Work]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Hashable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -87,12 +87,30 @@ class AllGather(Comm, abc.ABC):
 
 
 class ReduceScatter(Comm, abc.ABC):
-    """Averages flat gradients over the ranks into each rank's equal slice of each."""
+    """Averages flat gradients over the ranks into each rank's equal slice of each.
+
+    Only ``__call__`` is required; the other methods are hooks for an implementation that
+    keeps state between calls (LoCo's error feedback), and hold nothing by default.
+    """
 
     @abc.abstractmethod
-    def __call__(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Handle:
+    def __call__(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], *, bucket: int) -> Handle:
         """Start averaging each of ``inputs`` over the ranks into ``outputs[i]``, this rank's
         ``1 / world_size`` slice of ``inputs[i]``. After the handle's ``wait()`` the outputs
         hold the mean over the ranks (the gradient of the global-batch mean); how and in which
         precision it divides is the implementation's (see [Note: gloo and SUM] in ``_comm_plan``).
-        ``inputs`` stay alive and unmodified until then."""
+        ``inputs`` stay alive and unmodified until then. ``bucket`` names the gradient bucket,
+        stable across steps."""
+
+    def held_bytes(self) -> int:
+        """Bytes of state this object keeps between calls."""
+        return 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state a checkpoint must carry for a resumed run to continue bit for bit."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state, but the checkpoint holds some "
+                             f"({', '.join(map(str, state))}): was it written with zeropp_loco_param?")

@@ -76,6 +76,7 @@ def rank_state(state: TrainingState, plan: CommPlan) -> dict[str, Any]:
         "scaler": state.scaler.state_dict(),
         "lr_scheduler": state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None,
         "counters": {"global_step": state.global_step, "skipped_steps": state.skipped_steps},
+        "reduce_scatter": plan.reduce_scatter.state_dict(),  # LoCo's error buffers, {} without
     }
 
 
@@ -105,9 +106,11 @@ def validate_rank_state(state: TrainingState, plan: CommPlan, saved: Any) -> dic
     return saved
 
 
-def apply_rank_state(state: TrainingState, saved: dict[str, Any]) -> None:
-    """Load a validated ``saved`` into ``state``: masters, optimizer, scaler and counters.
-    The caller then writes the masters into the parameters."""
+def apply_rank_state(state: TrainingState, plan: CommPlan, saved: dict[str, Any]) -> None:
+    """Load a validated ``saved`` into ``state``: masters, optimizer, scaler, counters and the
+    reduce-scatter's state (LoCo's error buffers; absent from checkpoints written before
+    issue 13). The caller then writes the masters into the parameters."""
+    plan.reduce_scatter.load_state_dict(saved.get("reduce_scatter", {}))
     state.optimizer.load_state_dict(saved["optimizer"])
     with torch.no_grad():
         for unit, master in zip(state.units, saved["masters"]):
@@ -273,7 +276,7 @@ def load(state: TrainingState, plan: CommPlan, directory: str | os.PathLike) -> 
         raise error
     if _host_sync.read_flag(failed > 0):
         raise CheckpointError(f"checkpoint {directory} failed validation on another rank; nothing was loaded")
-    apply_rank_state(state, saved)
+    apply_rank_state(state, plan, saved)
 
 
 def full_state_dict(state: TrainingState, plan: CommPlan, model: torch.nn.Module) -> dict[str, torch.Tensor]:

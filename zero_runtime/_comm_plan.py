@@ -166,6 +166,7 @@ def build_comm_plan(config: ZeroConfig, group: dist.ProcessGroup, topology: zcom
     reduce: ReduceScatter = PlainReduceScatter(gradients, topology)
     if config.quantized_gradients:
         reduce = QuantizedReduceScatter(gradients, topology,
-                                        spec=QuantSpec(bits=4, group_size=config.quant_group_size))
+                                        spec=QuantSpec(bits=4, group_size=config.quant_group_size),
+                                        loco=config.loco and (config.loco.err_beta, config.loco.reset_T))
     return CommPlan(group=group, forward_gather=forward, backward_gather=backward, reduce_scatter=reduce,
                     device=device, topology=topology)

@@ -2,9 +2,27 @@
 
 A unit's parameters are laid end to end in one contiguous buffer, and the total is padded
 up to a multiple of ``world_size`` so that the buffer splits into ``world_size`` equal
-shards. Shards are not aligned to quantization groups (see [Note: shards are not padded to
-groups] in ``_quantized_comm``). Padding is zero in every buffer that follows this layout,
-so it never contributes to norms, reductions or optimizer updates.
+shards. Padding is zero in every buffer that follows this layout, so it never contributes
+to norms, reductions or optimizer updates.
+
+[Note: parameter-aligned blocks] With ``align = A > 1`` every parameter starts at a multiple
+of ``A`` and the total is padded to a multiple of ``world_size * A``, so every shard starts
+at a multiple of ``A`` too. zcomm's quantized collectives cut each payload into groups of
+``G`` elements starting at the payload's first element (``all_gather_q8``: this rank's shard;
+``reduce_scatter_q4``: each pipeline stage's part of this rank's slice of a bucket, and a
+bucket's slice is its units' shards end to end). When ``G`` divides ``A`` every group
+boundary the collectives draw falls on a multiple of ``A``, hence no group holds elements of
+two parameters: a LayerNorm weight near 1.0 never shares a scale with Linear weights near
+0.02 (or their gradients), which would make the small ones' scale up to 50x too coarse.
+One exception remains: ``reduce_scatter_q4`` cuts a slice of ``m`` elements into ``k``
+stage parts of ``ceil(m / k)``, which are whole groups only when ``G * k`` divides ``m``;
+``k > 1`` only for buckets of more than 8 MiB (``zcomm.reduce_scatter_q4``'s default), and
+then each of the ``k - 1`` inner stage boundaries can make one mixed group per hop row.
+The cost is fewer than ``A`` zeros per parameter plus fewer than ``world_size * A`` per
+unit, sent and stored like any other element. That is small for a unit of large parameters
+but not for a unit of one LayerNorm (2 x 128 elements would become ``world_size * A``), so
+``aligned_layout`` aligns a unit only when it costs at most ``ALIGN_BUDGET`` of the packed
+size and packs it otherwise; whether the unit is aligned is ``layout.align > 1``.
 """
 
 from __future__ import annotations
@@ -22,17 +40,30 @@ class Slot(NamedTuple):
     shape: torch.Size
 
 
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+# Largest share of a unit's packed elements that aligning it may add (see [Note: parameter-aligned blocks]).
+ALIGN_BUDGET = 1 / 32
+
+
 class FlatLayout:
-    def __init__(self, shapes: Sequence[torch.Size], *, world_size: int) -> None:
+    def __init__(self, shapes: Sequence[torch.Size], *, world_size: int, align: int = 1) -> None:
+        """``align``: each parameter's offset and each shard's size are multiples of it
+        (see [Note: parameter-aligned blocks]); 1 packs the parameters without gaps."""
         assert world_size >= 1, world_size
+        assert align >= 1, align
         slots, offset = [], 0
         for shape in shapes:
             shape = torch.Size(shape)
+            offset = _round_up(offset, align)
             slots.append(Slot(offset, shape.numel(), shape))
             offset += shape.numel()
         self.slots: tuple[Slot, ...] = tuple(slots)
         self.world_size = world_size
-        self.numel = -(-max(offset, 1) // world_size) * world_size
+        self.align = align
+        self.numel = _round_up(max(offset, 1), world_size * align)
         self.shard_numel = self.numel // world_size
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -50,3 +81,13 @@ class FlatLayout:
         for view, tensor in zip(self.views(flat), tensors):
             view.copy_(tensor)
         return flat
+
+
+def aligned_layout(shapes: Sequence[torch.Size], *, world_size: int, align: int) -> FlatLayout:
+    """The layout aligned to ``align`` if that adds at most ``ALIGN_BUDGET`` of the packed
+    elements, else the packed one."""
+    packed = FlatLayout(shapes, world_size=world_size)
+    if align == 1:
+        return packed
+    aligned = FlatLayout(shapes, world_size=world_size, align=align)
+    return aligned if aligned.numel - packed.numel <= packed.numel * ALIGN_BUDGET else packed

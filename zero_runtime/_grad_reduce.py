@@ -114,7 +114,7 @@ class GradReducer:
         inputs = tuple(unit.full_grad for unit in units)
         shard_numels = [unit.layout.shard_numel for unit in units]
         out = self.plan.reduce_scatter.allocate(sum(shard_numels), dtype=units[0].dtype, device=self.plan.device)
-        handle = self.plan.reduce_scatter(out.split(shard_numels), inputs)
+        handle = self.plan.reduce_scatter(out.split(shard_numels), inputs, bucket=self.launched - 1)
         self._in_flight.append(_InFlight(units, handle, out, inputs))
         if not self.keep_full_grads:
             for unit in units:

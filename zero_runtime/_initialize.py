@@ -160,7 +160,8 @@ def _build_units(model: nn.Module, groups: Sequence[Sequence[nn.Parameter]], nam
                 continue
             units.append(FlatUnit(index=len(units), group_index=group_index, names=[names[p] for p in bucket],
                                   params=bucket, world_size=plan.world_size, rank=plan.rank, dtype=dtype,
-                                  partition_params=partition, position=min(position[p] for p in bucket)))
+                                  partition_params=partition, position=min(position[p] for p in bucket),
+                                  align=config.quant_block_align()))
     return units
 
 
@@ -179,7 +180,8 @@ def _build_frozen_units(model: nn.Module, config: ZeroConfig, plan: CommPlan, dt
     for bucket in group_by_module(model, list(frozen), fuse_numel=config.fuse_numel):
         units.append(FlatUnit(index=first_index + len(units), group_index=-1, names=[frozen[p] for p in bucket],
                               params=bucket, world_size=plan.world_size, rank=plan.rank, dtype=dtype,
-                              partition_params=True, position=min(position[p] for p in bucket), frozen=True))
+                              partition_params=True, position=min(position[p] for p in bucket), frozen=True,
+                              align=config.quant_block_align()))
     return units
 
 

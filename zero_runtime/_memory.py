@@ -7,7 +7,8 @@ runtime does not partition and buffers are not counted: they are the model's, no
 training state's), its gradient buffers (full in stage 1, its
 reduced shard in stages 2-3) and its optimizer states (fp32 master shard plus every tensor
 in the torch optimizer's state), and the parameter copies the communication objects keep
-between uses (hpZ's secondary partition). Transient buffers are not counted: stage-3 units
+between uses (hpZ's secondary partition) or between steps (LoCo's error buffers, created
+by each bucket's first reduction). Transient buffers are not counted: stage-3 units
 gathered for their use or kept gathered until their next one (at most
 ``stage3_max_live_parameters`` elements beyond the units in use), and gradient buckets in
 flight (bounded by ``reduce_bucket_size``).
@@ -27,15 +28,18 @@ class MemoryReport(NamedTuple):
     gradients: int
     optimizer_states: int
     secondary_parameters: int = 0  # copies kept by the gather objects (hpZ), 0 without ZeRO++
+    error_feedback: int = 0  # LoCo's INT8 error buffers kept by qgZ (zeropp_loco_param), else 0
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_states + self.secondary_parameters
+        return self.parameters + self.gradients + self.optimizer_states + self.secondary_parameters + \
+            self.error_feedback
 
 
-def measure(state: TrainingState, *, secondary_bytes: int) -> MemoryReport:
-    """The persistent model-state bytes of ``state``, plus ``secondary_bytes`` the
-    communication objects hold (``CommPlan.held_bytes``)."""
+def measure(state: TrainingState, *, secondary_bytes: int, error_feedback_bytes: int = 0) -> MemoryReport:
+    """The persistent model-state bytes of ``state``, plus ``secondary_bytes`` the gather
+    objects hold (``CommPlan.held_bytes``) and ``error_feedback_bytes`` the reduce-scatter
+    holds (LoCo's buffers, ``ReduceScatter.held_bytes``)."""
     units = state.units
     params = sum(_nbytes(u.shard) if u.partitioned else u.full_nbytes for u in units)
     params += sum(_nbytes(u.shard) for u in state.frozen_units)
@@ -44,7 +48,7 @@ def measure(state: TrainingState, *, secondary_bytes: int) -> MemoryReport:
     for optimizer_state in state.optimizer.state.values():
         states += sum(_nbytes(v) for v in optimizer_state.values() if isinstance(v, torch.Tensor))
     return MemoryReport(parameters=params, gradients=grads, optimizer_states=states,
-                        secondary_parameters=secondary_bytes)
+                        secondary_parameters=secondary_bytes, error_feedback=error_feedback_bytes)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -47,7 +47,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from ._flat_buffer import FlatLayout
+from ._flat_buffer import aligned_layout
 
 
 class GatherState(enum.Enum):
@@ -59,9 +59,11 @@ class GatherState(enum.Enum):
 class FlatUnit:
     def __init__(self, *, index: int, group_index: int, names: Sequence[str], params: Sequence[nn.Parameter],
                  world_size: int, rank: int, dtype: torch.dtype, partition_params: bool, position: int,
-                 frozen: bool = False) -> None:
+                 frozen: bool = False, align: int = 1) -> None:
         """``position``: where the unit's first parameter comes in the model's parameter
-        order; its gradients are final about when that parameter's are (see ``_grad_reduce``)."""
+        order; its gradients are final about when that parameter's are (see ``_grad_reduce``).
+        ``align``: the alignment wanted, granted when cheap (``aligned_layout``; see
+        [Note: parameter-aligned blocks] in ``_flat_buffer``)."""
         assert params and len(names) == len(params)
         assert not frozen or (partition_params and not any(p.requires_grad for p in params))
         self.frozen = frozen
@@ -72,7 +74,7 @@ class FlatUnit:
         self.names = tuple(names)
         self.params = tuple(params)
         self.dtype = dtype
-        self.layout = FlatLayout([p.shape for p in params], world_size=world_size)
+        self.layout = aligned_layout([p.shape for p in params], world_size=world_size, align=align)
         lo, hi = self.layout.shard_range(rank)
         with torch.no_grad():
             flat32 = self.layout.flatten([p.detach() for p in params], dtype=torch.float32)

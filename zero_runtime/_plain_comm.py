@@ -40,7 +40,7 @@ class PlainReduceScatter(ReduceScatter):
         self.group = group
         self.topology = topology
 
-    def __call__(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Handle:
+    def __call__(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], *, bucket: int) -> Handle:
         world = dist.get_world_size(self.group)
         if len(inputs) == 1:
             staged_in, staged_out = inputs[0], outputs[0]

@@ -23,14 +23,17 @@ number of nodes. Quantization scales are fp32 and travel inside each payload; wi
 ``zcomm_quant_group_size: "tensor"`` a payload (one rank's shard for qwZ, one all-to-all row
 of a bucket for qgZ) has a single scale.
 
-[Note: shards are not padded to groups] Shards are not padded to whole quantization groups:
-zcomm lets a payload's last group be short, and padding every small module (a LayerNorm's
-2 x d values) up to 2048 elements per rank would send more bytes than it saves.
+[Note: shards are not padded to groups] zcomm lets a payload's last group be short, so no
+shard needs padding to whole groups; the layout pads only to keep each group inside one
+parameter, and only where that is cheap (see [Note: parameter-aligned blocks] in
+``_flat_buffer``): padding every small module (a LayerNorm's 2 x d values) up to whole groups
+per rank would send more bytes than it saves.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,15 +65,44 @@ class QuantizedAllGather(AllGather):
 
 
 class QuantizedReduceScatter(ReduceScatter):
-    """qgZ: one hierarchical INT4 ``reduce_scatter_q4_coalesced`` (AVG) per gradient bucket."""
+    """qgZ: one hierarchical INT4 ``reduce_scatter_q4_coalesced`` (AVG) per gradient bucket.
 
-    def __init__(self, group: dist.ProcessGroup, topology: zcomm.Topology, *, spec: QuantSpec) -> None:
+    With ``loco`` (``zeropp_loco_param``: ``(err_beta, reset_T)``) each bucket keeps its own
+    ``zcomm.ErrorFeedback`` (LoCo, both hops), created by the bucket's first reduction; the
+    buffers count in ``held_bytes`` and travel in ``state_dict``.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, topology: zcomm.Topology, *, spec: QuantSpec,
+                 loco: tuple[float, int] | None = None) -> None:
         assert spec.bits == 4, spec
         self.group = group
         self.topology = topology
         self.spec = spec
+        self.loco = loco
+        self.feedback: dict[int, zcomm.ErrorFeedback] = {}
 
-    def __call__(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Handle:
+    def __call__(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], *, bucket: int) -> Handle:
+        feedback = None
+        if self.loco is not None:
+            if bucket not in self.feedback:
+                self.feedback[bucket] = zcomm.ErrorFeedback(*self.loco)
+            feedback = self.feedback[bucket]
         return zcomm.reduce_scatter_q4_coalesced(outputs, inputs, op=dist.ReduceOp.AVG, group=self.group,
                                                  async_op=True, topology=self.topology,
-                                                 group_size=self.spec.group_size)
+                                                 group_size=self.spec.group_size, error_feedback=feedback)
+
+    def held_bytes(self) -> int:
+        return sum(feedback.nbytes for feedback in self.feedback.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {bucket: feedback.state_dict() for bucket, feedback in self.feedback.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.loco is None:
+            super().load_state_dict(state)
+            return
+        loaded = {}
+        for bucket, saved in state.items():
+            loaded[bucket] = zcomm.ErrorFeedback(*self.loco)
+            loaded[bucket].load_state_dict(saved)
+        self.feedback = loaded

@@ -9,6 +9,7 @@ to a default and change training.
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from dataclasses import dataclass, field, replace
@@ -40,6 +41,8 @@ _ZERO_KEYS = {
     "zero_quantized_gradients": "quantized_gradients",
     "zcomm_quant_group_size": "quant_group_size",
     "zcomm_stage3_fuse_numel": "fuse_numel",
+    "zcomm_align_quant_blocks": "align_quant_blocks",
+    "zeropp_loco_param": "loco",
 }
 _FP16_KEYS = {
     "enabled": None,
@@ -103,6 +106,39 @@ DEFAULT_FUSE_NUMEL = 1_000_000
 DEFAULT_REDUCE_BUCKET_SIZE = 1_000_000
 
 
+# -- zeropp_loco_param (issue 13): LoCo error feedback for qgZ --------------------------------
+@dataclass(frozen=True, kw_only=True)
+class LocoConfig:
+    """DeepSpeed's ``zero_optimization.zeropp_loco_param``: LoCo error feedback on qgZ's INT4
+    reduce-scatter, with DeepSpeed's sub-keys, meanings and documented defaults (a sub-key
+    left out takes its default; any other sub-key is an error). ``err_beta``: weight of the
+    previous error in its moving average, in [0, 1); ``reset_T``: the errors restart from
+    zero every this many reductions of a bucket (>= 1). See ``zcomm.ErrorFeedback``."""
+
+    err_beta: float = 0.8
+    reset_T: int = 1024
+
+    def __post_init__(self) -> None:
+        beta = self.err_beta
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"zeropp_loco_param.err_beta must be a number in [0, 1), got {beta!r}")
+        if isinstance(self.reset_T, bool) or not isinstance(self.reset_T, int) or self.reset_T < 1:
+            raise ValueError(f"zeropp_loco_param.reset_T must be an int >= 1, got {self.reset_T!r}")
+
+    @classmethod
+    def parse(cls, value: Any) -> "LocoConfig":
+        if isinstance(value, LocoConfig):
+            return value
+        if not isinstance(value, Mapping):
+            raise TypeError(f"zeropp_loco_param must be a dict like {{\"err_beta\": 0.8, \"reset_T\": 1024}}, "
+                            f"got {value!r}")
+        unknown = sorted(set(value) - {"err_beta", "reset_T"})
+        if unknown:
+            raise ValueError(f"unknown config keys: {', '.join(f'zero_optimization.zeropp_loco_param.{k}' for k in unknown)}")
+        return cls(**value)
+# -----------------------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True, kw_only=True)
 class ZeroConfig:
     """Everything that changes what the runtime computes or communicates.
@@ -163,6 +199,13 @@ class ZeroConfig:
     checked when the runtime starts); ``quantized_gradients`` (qgZ) reduce-scatters
     gradient buckets with zcomm's INT4 ``reduce_scatter_q4``. ``quant_group_size`` sets the
     elements per quantization scale of both quantized collectives (see ``QuantGroupSize``).
+    ``align_quant_blocks`` (zcomm key ``zcomm_align_quant_blocks``, default true): with qwZ
+    or qgZ on, pad each parameter in the flat units so that no quantization group ever holds
+    elements of two parameters (``quant_block_align``; see [Note: parameter-aligned blocks]
+    in ``_flat_buffer``); false packs parameters without gaps, as before issue 13.
+    ``loco`` (DeepSpeed's ``zeropp_loco_param``, see ``LocoConfig``): LoCo error feedback on
+    both hops of qgZ, one INT8 error state per gradient bucket, counted in
+    ``memory_report().error_feedback`` and saved in checkpoints.
     """
 
     stage: int = 2
@@ -185,6 +228,8 @@ class ZeroConfig:
     quantized_gradients: bool = False
     quant_group_size: QuantGroupSize = None
     fuse_numel: int | None = None  # None: DEFAULT_FUSE_NUMEL in stage 3, 0 otherwise
+    align_quant_blocks: bool = True
+    loco: LocoConfig | None = None  # zeropp_loco_param; needs quantized_gradients
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -202,7 +247,8 @@ class ZeroConfig:
         if not isinstance(self.loss_scale, LossScaleConfig):
             raise TypeError(f"loss_scale must be a LossScaleConfig, got {type(self.loss_scale).__name__}")
         for name, key in (("quantized_weights", "zero_quantized_weights"),
-                          ("quantized_gradients", "zero_quantized_gradients"), ("overlap_comm", "overlap_comm")):
+                          ("quantized_gradients", "zero_quantized_gradients"), ("overlap_comm", "overlap_comm"),
+                          ("align_quant_blocks", "zcomm_align_quant_blocks")):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{key} must be true or false, got {getattr(self, name)!r}")
         if isinstance(self.hpz_partition_size, bool) or not isinstance(self.hpz_partition_size, int):
@@ -213,6 +259,10 @@ class ZeroConfig:
         if zeropp and self.stage != 3:
             raise ValueError(f"{', '.join(zeropp)} need zero_optimization.stage 3, got stage {self.stage}")
         self._check_quant_group_size()
+        if self.loco is not None:
+            object.__setattr__(self, "loco", LocoConfig.parse(self.loco))
+            if not self.quantized_gradients:
+                raise ValueError("zeropp_loco_param (LoCo error feedback) needs zero_quantized_gradients")
 
     # ----- DeepSpeed's batch sizes (issue 15) -----
     def _check_batch_sizes(self) -> None:
@@ -287,6 +337,15 @@ class ZeroConfig:
             # A group size with nothing quantized is almost surely a config mistake.
             raise ValueError("zcomm_quant_group_size is set but neither zero_quantized_weights nor "
                              "zero_quantized_gradients is on")
+
+    def quant_block_align(self) -> int:
+        """Elements every parameter offset and shard size of a flat unit is a multiple of: the
+        least common multiple of the group sizes of the quantized collectives that are on
+        (1: nothing quantized, ``"tensor"`` scales, or ``align_quant_blocks`` off)."""
+        if not self.align_quant_blocks or self.quant_group_size == "tensor":
+            return 1
+        widths = [bits for bits, on in zip(_QUANT_BITS, (self.quantized_weights, self.quantized_gradients)) if on]
+        return math.lcm(1, *(QuantSpec(bits=bits, group_size=self.quant_group_size).group_size for bits in widths))
 
     def zeropp_options(self) -> list[str]:
         """DeepSpeed names of the ZeRO++ options this config turns on."""

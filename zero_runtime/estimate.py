@@ -15,6 +15,14 @@ the 2-byte weights partitioned over blocks of ``--hpz-partition-size`` ranks (de
 ``zero_hpz_partition_size`` and its ``memory_report().secondary_parameters``. It is also the
 row for full ZeRO++: qwZ and qgZ add only transient buffers of one unit or bucket.
 
+The ``3 + hpZ + LoCo`` row adds qgZ's LoCo error feedback (``zeropp_loco_param``): INT8 error
+buffers that are *not* partitioned, one element per parameter for the first hop plus one
+per ``--local-size`` parameters for the second (with more than one node and more than one
+rank per node), each with an fp32 scale per ``--loco-group-size`` elements (qgZ's group
+size; the runtime's ``memory_report().error_feedback``):
+
+    (1 + 1 / local_size) * P * (1 + 4 / group_size)
+
     python -m zero_runtime.estimate --params 7e9 --world-size 64 --local-size 8
 
 The flags are named as ``zcomm.Topology`` names them (``world_size``, ``local_size``); the
@@ -33,10 +41,11 @@ class Estimate(NamedTuple):
     gradients: float
     optimizer_states: float
     secondary: float = 0.0
+    error_feedback: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.parameters + self.gradients + self.optimizer_states + self.secondary
+        return self.parameters + self.gradients + self.optimizer_states + self.secondary + self.error_feedback
 
 
 def stage_estimate(stage: int, *, params: float, world_size: int, k: float = 12.0) -> Estimate:
@@ -60,21 +69,32 @@ def hpz_estimate(*, params: float, world_size: int, partition_size: int, k: floa
     return base._replace(label="3 + hpZ", secondary=2 * params / partition_size)
 
 
+def loco_estimate(*, params: float, world_size: int, local_size: int, partition_size: int, group_size: int,
+                  k: float = 12.0) -> Estimate:
+    """The hpZ row plus LoCo's INT8 error buffers (first hop, and second hop with two hops)."""
+    base = hpz_estimate(params=params, world_size=world_size, partition_size=partition_size, k=k)
+    hops = 1.0 + (1.0 / local_size if 1 < local_size < world_size else 0.0)
+    return base._replace(label="3 + hpZ + LoCo", error_feedback=hops * params * (1.0 + 4.0 / group_size))
+
+
 Row = Callable[[argparse.Namespace], Estimate]
 ROWS: Sequence[Row] = (
     *(lambda a, s=s: stage_estimate(s, params=a.params, world_size=a.world_size, k=a.k) for s in range(4)),
     lambda a: hpz_estimate(params=a.params, world_size=a.world_size, partition_size=a.hpz_partition_size, k=a.k),
+    lambda a: loco_estimate(params=a.params, world_size=a.world_size, local_size=a.local_size,
+                            partition_size=a.hpz_partition_size, group_size=a.loco_group_size, k=a.k),
 )
 
 
 def format_table(rows: Sequence[Estimate]) -> str:
     gib = float(1 << 30)
-    header = (f"{'stage':<8} {'params GiB':>11} {'grads GiB':>10} {'optim GiB':>10} "
-              f"{'hpZ 2nd GiB':>12} {'total GiB':>10}")
+    header = (f"{'stage':<14} {'params GiB':>11} {'grads GiB':>10} {'optim GiB':>10} "
+              f"{'hpZ 2nd GiB':>12} {'LoCo GiB':>9} {'total GiB':>10}")
     lines = [header]
     for row in rows:
-        lines.append(f"{row.label:<8} {row.parameters / gib:>11.2f} {row.gradients / gib:>10.2f} "
-                     f"{row.optimizer_states / gib:>10.2f} {row.secondary / gib:>12.2f} {row.total / gib:>10.2f}")
+        lines.append(f"{row.label:<14} {row.parameters / gib:>11.2f} {row.gradients / gib:>10.2f} "
+                     f"{row.optimizer_states / gib:>10.2f} {row.secondary / gib:>12.2f} "
+                     f"{row.error_feedback / gib:>9.2f} {row.total / gib:>10.2f}")
     return "\n".join(lines)
 
 
@@ -97,6 +117,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--local-size", type=int, default=8, help="ranks per node (default hpZ partition size)")
     parser.add_argument("--hpz-partition-size", type=int, default=None,
                         help="ranks per hpZ secondary partition (default: --local-size)")
+    parser.add_argument("--loco-group-size", type=int, default=512,
+                        help="elements per scale of LoCo's INT8 error buffers: qgZ's group size (default 512)")
     parser.add_argument("--k", type=float, default=12.0, help="optimizer bytes per parameter (Adam: 12)")
     parser.add_argument("--ranks", action=_Renamed, new="--world-size")
     parser.add_argument("--ranks-per-node", action=_Renamed, new="--local-size")
@@ -105,6 +127,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.hpz_partition_size = args.local_size
     if args.world_size < 1 or args.local_size < 1 or args.hpz_partition_size < 1 or args.params <= 0:
         parser.error("--params must be > 0 and --world-size/--local-size/--hpz-partition-size >= 1")
+    if args.loco_group_size < 2:
+        parser.error("--loco-group-size must be >= 2")
     for flag, value in (("--local-size", args.local_size), ("--hpz-partition-size", args.hpz_partition_size)):
         if args.world_size % value:
             parser.error(f"--world-size {args.world_size} is not a multiple of {flag} {value}")

@@ -227,7 +227,7 @@ class ZeroOptimizer:
         """Load what ``state_dict`` returned on this rank; validated before anything changes."""
         self._require_unpinned()
         saved = _checkpoint.validate_rank_state(self.training_state, self.plan, state)
-        _checkpoint.apply_rank_state(self.training_state, saved)
+        _checkpoint.apply_rank_state(self.training_state, self.plan, saved)
         self._after_load()
 
     def save_checkpoint(self, directory: str | os.PathLike) -> None:
@@ -249,7 +249,8 @@ class ZeroOptimizer:
             return _checkpoint.full_state_dict(self.training_state, self.plan, self.model)
 
     def memory_report(self) -> MemoryReport:
-        return measure(self.training_state, secondary_bytes=self.plan.held_bytes())
+        return measure(self.training_state, secondary_bytes=self.plan.held_bytes(),
+                       error_feedback_bytes=self.plan.reduce_scatter.held_bytes())
 
     def _require_boundary(self) -> None:
         if self.micro_step % self.config.gradient_accumulation_steps or self._backward_since_step:

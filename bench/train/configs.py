@@ -12,7 +12,12 @@ node so backward gathers stay inside a node) and ``zero_quantized_gradients`` (q
 quantization scale per communicated tensor instead of per block, through the zcomm key
 ``zcomm_quant_group_size`` (``TENSOR_SCALE``), which DeepSpeed does not have.
 ``zeropp-g128`` is ZeRO++ with 128 elements per scale for both quantized collectives (zcomm's
-defaults are 2048 for INT8 and 512 for INT4): finer blocks, ~5% more qgZ bytes, closer loss.
+defaults are 256 for both since issue 13; 2048 for INT8 and 512 for INT4 before).
+Issue 13's ablation: ``*-packed`` packs parameters without gaps (``zcomm_align_quant_blocks``
+false, the layout before issue 13, where a quantization block may straddle two parameters);
+``*-gN`` sets N elements per scale for the quantized collective(s) the row turns on;
+``*-loco`` turns on LoCo error feedback for qgZ (DeepSpeed's ``zeropp_loco_param`` with its
+defaults, :data:`LOCO_PARAM`).
 ``deepspeed-zeropp`` hands DeepSpeed its own ZeRO++ keys, to show what DeepSpeed does with them.
 ``fsdp2-qwz``, ``fsdp2-qgz`` and ``fsdp2-zeropp`` are FSDP2 with zcomm's collectives installed by
 ``zcomm.fsdp.enable_zeropp`` (hpZ being FSDP2's ``reshard_after_forward=<ranks per node>``).
@@ -38,6 +43,8 @@ from typing import Any, Literal
 Engine = Literal["zero", "fsdp2", "deepspeed"]
 
 QUANT_GROUP_SIZE_KEY = "zcomm_quant_group_size"
+ALIGN_KEY = "zcomm_align_quant_blocks"
+LOCO_PARAM = {"err_beta": 0.8, "reset_T": 1024}
 TENSOR_SCALE = "tensor"
 # DeepSpeed 0.19's defaults for its stage-3 keys (deepspeed/runtime/zero/config.py), in elements.
 DEEPSPEED_STAGE3_DEFAULTS: dict[str, int] = {
@@ -63,6 +70,9 @@ class TrainConfig:
         quantized_gradients: qgZ, INT4 two-hop reduce-scatter of gradients.
         quant_group_size: elements per quantization scale for qwZ and qgZ, ``TENSOR_SCALE``
             for one scale per tensor (the ablation), or None for zcomm's defaults.
+        align_quant_blocks: zero_runtime's parameter-aligned quantization blocks (its
+            default); False packs parameters without gaps.
+        loco: LoCo error feedback on qgZ (``zeropp_loco_param``, zero_runtime only).
         summary: one line for ``--help`` and TRAINING.md.
     """
 
@@ -73,6 +83,8 @@ class TrainConfig:
     hpz: bool = False
     quantized_gradients: bool = False
     quant_group_size: int | str | None = None
+    align_quant_blocks: bool = True
+    loco: bool = False
     summary: str
 
     def __post_init__(self) -> None:
@@ -85,6 +97,11 @@ class TrainConfig:
             raise ValueError(f"{self.name}: the ZeRO++ options need stage 3")
         if self.quant_group_size is not None and not (self.quantized_weights or self.quantized_gradients):
             raise ValueError(f"{self.name}: quant_group_size needs qwZ or qgZ")
+        if not self.align_quant_blocks and (self.engine != "zero" or not (self.quantized_weights or
+                                                                           self.quantized_gradients)):
+            raise ValueError(f"{self.name}: packed blocks are a zero_runtime layout for qwZ or qgZ")
+        if self.loco and (self.engine != "zero" or not self.quantized_gradients):
+            raise ValueError(f"{self.name}: LoCo is zero_runtime's error feedback for qgZ")
         if self.engine == "fsdp2" and self.stage != 3:
             raise ValueError(f"{self.name}: FSDP2 is always stage 3")
 
@@ -126,6 +143,23 @@ CONFIGS: dict[str, TrainConfig] = _configs(
         quant_group_size=128,
         summary="ZeRO++ with 128 elements per quantization scale",
     ),
+    *(
+        TrainConfig(name=f"{name}-packed", engine="zero", quantized_weights=qwz, hpz=hpz, quantized_gradients=qgz,
+                    align_quant_blocks=False, summary=f"{name} with parameters packed without gaps (before issue 13)")
+        for name, qwz, hpz, qgz in (("zeropp", True, True, True), ("zero3+qwz", True, False, False),
+                                    ("zero3+qgz", False, False, True))
+    ),
+    *(
+        TrainConfig(name=f"{name}-g{size}", engine="zero", quantized_weights=qwz, quantized_gradients=qgz,
+                    hpz=qwz and qgz, quant_group_size=size, summary=f"{name} with {size} elements per scale")
+        for name, qwz, qgz, sizes in (("zero3+qgz", False, True, (128, 256)), ("zero3+qwz", True, False, (256, 512)),
+                                      ("zeropp", True, True, (256,)))
+        for size in sizes
+    ),
+    TrainConfig(name="zero3+qgz-loco", engine="zero", quantized_gradients=True, loco=True,
+                summary="stage 3 + qgZ with LoCo error feedback"),
+    TrainConfig(name="zeropp-loco", engine="zero", quantized_weights=True, hpz=True, quantized_gradients=True,
+                loco=True, summary="ZeRO++ with LoCo error feedback on qgZ"),
     TrainConfig(name="fsdp2", engine="fsdp2", summary="torch fully_shard, bf16 MixedPrecisionPolicy"),
     TrainConfig(name="fsdp2-hpz", engine="fsdp2", hpz=True, summary="fully_shard, reshard_after_forward=ranks/node"),
     TrainConfig(name="fsdp2-qwz", engine="fsdp2", quantized_weights=True, summary="fully_shard + zcomm.fsdp qwZ"),
@@ -194,6 +228,10 @@ def zero_runtime_config(
     """The dict for ``zero_runtime.initialize``: the stage and ZeRO++ keys only, so the
     runtime's defaults apply (see [Note: same math])."""
     section = _zero_optimization(config, local_size)
+    if not config.align_quant_blocks:
+        section[ALIGN_KEY] = False
+    if config.loco:
+        section["zeropp_loco_param"] = dict(LOCO_PARAM)
     return {"zero_optimization": section, "bf16": {"enabled": bf16}, "gradient_clipping": gradient_clipping}
 
 

@@ -11,8 +11,8 @@ from zcomm.quant import DEFAULT_GROUP_SIZE, TENSOR, QuantSpec, payload_nbytes
 
 
 def test_defaults_per_width():
-    assert QuantSpec(bits=8).group_size == DEFAULT_GROUP_SIZE[8] == 2048
-    assert QuantSpec(bits=4).group_size == DEFAULT_GROUP_SIZE[4] == 512
+    assert QuantSpec(bits=8).group_size == DEFAULT_GROUP_SIZE[8] == 256
+    assert QuantSpec(bits=4).group_size == DEFAULT_GROUP_SIZE[4] == 256
 
 
 @pytest.mark.parametrize("bits,group_size", ((8, 2), (8, 7), (4, 2), (4, 6), (4, 2**30)))

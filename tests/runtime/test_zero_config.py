@@ -170,7 +170,24 @@ def test_estimator_matches_paper_formulas(capsys):
     assert lines[6].startswith("3 + hpZ")
     main(["--params", "7e9", "--world-size", "64", "--local-size", "8", "--hpz-partition-size", "16"])
     hpz_row = capsys.readouterr().out.splitlines()[6].split()
-    assert float(hpz_row[-2]) == pytest.approx(2 * P / 16 / gib, abs=0.006)  # the secondary column
+    assert float(hpz_row[-3]) == pytest.approx(2 * P / 16 / gib, abs=0.006)  # the secondary column
+    assert float(hpz_row[-2]) == 0.0  # no LoCo buffers
+
+
+def test_estimator_loco_row_counts_both_hops_of_int8_errors(capsys):
+    """LoCo's error buffers are not partitioned: P bytes (hop 1) + P / local_size (hop 2), plus
+    a 4-byte scale per group."""
+    P, gib = 7e9, 2 ** 30
+    main(["--params", "7e9", "--world-size", "64", "--local-size", "8", "--loco-group-size", "512"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[7].startswith("3 + hpZ + LoCo")
+    loco, hpz = lines[7].split(), lines[6].split()
+    expected = (P + P / 8) * (1 + 4 / 512)
+    assert float(loco[-2]) == pytest.approx(expected / gib, abs=0.006)
+    assert float(loco[-1]) == pytest.approx(float(hpz[-1]) + expected / gib, abs=0.011)
+    main(["--params", "7e9", "--world-size", "8", "--local-size", "8"])  # one node: one hop
+    assert float(capsys.readouterr().out.splitlines()[7].split()[-2]) == pytest.approx(P * (1 + 4 / 512) / gib,
+                                                                                       abs=0.006)
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -1,0 +1,130 @@
+"""LoCo error feedback for ``reduce_scatter_q4`` (arXiv 2407.04480; DeepSpeed's ``zeropp_loco_param``).
+
+INT4 rounds each element by up to half its group's scale, and a gradient that is reduced
+the same way step after step is rounded the same way step after step: the bias adds up
+in the optimizer. Error feedback remembers what was rounded away and adds it back before
+the next quantization, so the *time average* of what the collective delivers converges
+to the exact reduction.
+
+For each hop that quantizes on this rank (hop 1: this rank's reordered input, ``W * k * q``
+elements; hop 2: its node's partial sums, ``N * k * q``), the state keeps an error ``e`` of
+that size. A call quantizes ``y = x + e`` instead of ``x`` and then sets
+``e <- err_beta * e + (1 - err_beta) * (y - dequant(quant(y)))`` (LoCo's moving average,
+DeepSpeed's update). Summed over ``T`` calls on the same ``x`` the delivered values are
+``T * x + (e_0 - e_T) / (1 - err_beta)`` (the terms telescope), so their mean is off by at
+most ``2 * max|e| / (T * (1 - err_beta))`` instead of a fixed rounding error. Every
+``reset_T`` calls both errors restart from zero (LoCo's periodic reset; DeepSpeed counts
+reductions of every tensor, this state counts the calls it takes part in).
+
+[Note: error buffers in INT8] Between calls ``e`` is stored as blocked INT8 (the
+collective's group size, fp32 scales): a quarter of fp32's memory, as LoCo and DeepSpeed
+store it. Storing rounds ``e`` by half an INT8 step of its group (``absmax(e) / 254``),
+which is small next to the INT4 error ``e`` compensates.
+
+The collective stays stateless: only a caller that passes an :class:`ErrorFeedback` gets
+this behaviour, and one object must follow one stream of reductions of the same shape
+(for instance one gradient bucket), never two calls at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from . import quant
+
+_BITS = 4
+_STORE_BITS = 8
+
+
+class ErrorFeedback:
+    """LoCo state of one stream of ``reduce_scatter_q4`` calls (see the module docstring).
+
+    Args:
+        err_beta: weight of the previous error in its moving average, in ``[0, 1)``
+            (DeepSpeed's default 0.8).
+        reset_T: the errors restart from zero every this many calls (>= 1, DeepSpeed's
+            default 1024).
+
+    The buffers are created by the first call, on its input's device, and bound to its
+    geometry (elements, world, stages, group size): a later call of another geometry raises
+    ``ValueError``. ``state_dict`` / ``load_state_dict`` carry the INT8 buffers and the call
+    count, so a resumed run continues bit for bit; ``nbytes`` is what the buffers occupy.
+    """
+
+    def __init__(self, err_beta: float = 0.8, reset_T: int = 1024) -> None:
+        if isinstance(err_beta, bool) or not isinstance(err_beta, (int, float)) or not 0.0 <= err_beta < 1.0:
+            raise ValueError(f"err_beta must be a number in [0, 1), got {err_beta!r}")
+        if isinstance(reset_T, bool) or not isinstance(reset_T, int) or reset_T < 1:
+            raise ValueError(f"reset_T must be an int >= 1, got {reset_T!r}")
+        self.err_beta = float(err_beta)
+        self.reset_T = reset_T
+        self.calls = 0
+        self._geometry: tuple[int, ...] | None = None
+        self._stored: dict[str, torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._stored.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"err_beta": self.err_beta, "reset_T": self.reset_T, "calls": self.calls,
+                "geometry": self._geometry, "buffers": dict(self._stored)}  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if (state["err_beta"], state["reset_T"]) != (self.err_beta, self.reset_T):
+            raise ValueError(f"checkpointed error feedback has err_beta={state['err_beta']}, reset_T="
+                             f"{state['reset_T']}; this one {self.err_beta}, {self.reset_T}")
+        self.calls = int(state["calls"])
+        self._geometry = None if state["geometry"] is None else tuple(state["geometry"])
+        self._stored = {name: buffer.clone() for name, buffer in state["buffers"].items()}
+
+    # -- used by reduce_scatter_q4's chain -------------------------------------------------
+
+    def bind(self, geometry: tuple[int, ...]) -> None:
+        """Checked on the caller's thread when a call starts: the first call's geometry is this state's."""
+        if self._geometry is None:
+            self._geometry = geometry
+        elif self._geometry != geometry:
+            raise ValueError(f"this ErrorFeedback serves reduce_scatter_q4 calls of geometry {self._geometry} "
+                             f"(elements per slice, world, nodes, stages, group size), got {geometry}: use "
+                             "one ErrorFeedback per stream of same-shaped reductions")
+
+    def begin(self, hop_numels: Sequence[int], group_size: int, device: torch.device) -> list[torch.Tensor]:
+        """The fp32 errors of this call, one per hop (zeros on the first call and after a reset)."""
+        fresh = self.calls % self.reset_T == 0 or not self._stored
+        self.calls += 1
+        if fresh:
+            return [torch.zeros(n, dtype=torch.float32, device=device) for n in hop_numels]
+        return [quant.dequantize(self._stored[f"hop{i}"], n, _STORE_BITS, group_size, torch.float32)
+                for i, n in enumerate(hop_numels)]
+
+    def end(self, errors: Sequence[torch.Tensor], group_size: int) -> None:
+        """Store this call's updated errors in INT8 ([Note: error buffers in INT8])."""
+        self._stored = {f"hop{i}": quant.quantize(e, _STORE_BITS, group_size) for i, e in enumerate(errors)}
+
+    def compensate_quantize(self, values: torch.Tensor, error: torch.Tensor, num_rows: int,
+                            group_size: int) -> torch.Tensor:
+        """Quantize ``values + error`` into ``num_rows`` INT4 payloads and update ``error`` in place."""
+        compensated = values.add_(error)
+        rows = quant.reorder_quantize(compensated, tuple(range(num_rows)), num_rows, _BITS, group_size)
+        restored = quant.dequantize(rows, compensated.numel() // num_rows, _BITS, group_size, torch.float32)
+        error.mul_(self.err_beta).add_(compensated.sub_(restored), alpha=1.0 - self.err_beta)
+        return rows
+
+
+def reordered_input(inputs: Sequence[torch.Tensor], perm: Sequence[int], world_size: int,
+                    slice_numel: int) -> torch.Tensor:
+    """The fp32 input hop 1 quantizes, built explicitly: every input's slice ``r`` end to end,
+    zero-filled to ``slice_numel``, cut into ``len(perm)`` sub-slices reordered by ``perm``
+    (what ``quant.reorder_quantize`` reads in place on the path without feedback)."""
+    virtual = torch.zeros(world_size, slice_numel, dtype=torch.float32, device=inputs[0].device)
+    offset = 0
+    for tensor in inputs:
+        piece = tensor.view(world_size, -1)
+        virtual[:, offset : offset + piece.shape[1]] = piece
+        offset += piece.shape[1]
+    index = torch.tensor(perm, device=virtual.device)
+    return virtual.view(len(perm), -1).index_select(0, index).view(-1)
