@@ -123,8 +123,11 @@ def test_zero_configs_two_ranks(tmp_path: Path, checkout_env: dict[str, str]) ->
             _check_trained(rows[(config, model)], steps=4)
             assert rows[(config, model)]["memory_source"] == "zero_runtime memory_report()"
             memory.append(rows[(config, model)]["memory_bytes"])
-        # Each stage partitions one more kind of model state.
-        assert memory[0] > memory[1] > memory[2]
+        # Stages 1 and 2 partition one more kind of model state each. Stage 3 partitions the
+        # parameters only above DeepSpeed's stage3_param_persistence_threshold (1e5 elements, the
+        # runtime's default): the smoke shape's parameters may all be below it, kept whole as
+        # DeepSpeed keeps them, so stage 3 holds no more than stage 2.
+        assert memory[0] > memory[1] >= memory[2]
 
 
 @pytest.mark.root
