@@ -14,7 +14,6 @@ kernels use the rank's share:
 
 from __future__ import annotations
 
-import numba
 import torch
 
 from ._env import positive_int_from_env
@@ -46,6 +45,8 @@ def use_thread_share() -> None:
     thread, so call this right before every parallel numba launch; starting numba's pool may
     change torch's count on this thread, which is put back.
     """
+    import numba  # lazily: importing zcomm must not start numba (it reads NUMBA_* at import)
+
     torch_threads = torch.get_num_threads()
     numba.set_num_threads(kernel_threads(numba.config.NUMBA_NUM_THREADS))  # starts numba's pool on first use
     if torch.get_num_threads() != torch_threads:
