@@ -57,15 +57,21 @@ def fingerprint(state: TrainingState) -> list[list[Any]]:
 
 
 def rank_state(state: TrainingState, plan: CommPlan) -> dict[str, Any]:
-    """This rank's shard of ``state`` as a ``torch.save``-able dict (tensors cloned)."""
+    """This rank's shard of ``state`` as a ``torch.save``-able dict (tensors cloned); with
+    an offloaded optimizer, its states read back (from NVMe too) in the same format."""
+    if state.offload is not None:
+        masters, optimizer = state.offload.state_dict()
+    else:
+        masters = [u.master.detach().clone() for u in state.units]
+        optimizer = state.optimizer.state_dict()
     return {
         "format": FORMAT,
         "world_size": plan.world_size,
         "rank": plan.rank,
         "stage": state.stage,
         "fingerprint": fingerprint(state),
-        "masters": [u.master.detach().clone() for u in state.units],
-        "optimizer": state.optimizer.state_dict(),
+        "masters": masters,
+        "optimizer": optimizer,
         "scaler": state.scaler.state_dict(),
         "counters": {"global_step": state.global_step, "skipped_steps": state.skipped_steps},
     }
@@ -85,21 +91,28 @@ def validate_rank_state(state: TrainingState, plan: CommPlan, saved: Any) -> dic
         raise CheckpointError("state was written for another model or bucketing (parameter names, shapes or "
                               "bucket sizes differ)")
     masters = saved["masters"]
-    if len(masters) != len(state.units) or any(m.shape != u.master.shape for m, u in zip(masters, state.units)):
+    if len(masters) != len(state.units) or any(m.shape != (u.layout.shard_numel,) for m, u in zip(masters, state.units)):
         raise CheckpointError("master shard shapes do not match this run")
     groups = saved["optimizer"].get("param_groups", [])
     if [len(g["params"]) for g in groups] != [len(g["params"]) for g in state.optimizer.param_groups]:
         raise CheckpointError("optimizer parameter groups do not match this run")
+    if state.offload is not None:
+        problem = state.offload.state_problem(saved["optimizer"])
+        if problem:
+            raise CheckpointError(problem)
     return saved
 
 
 def apply_rank_state(state: TrainingState, saved: dict[str, Any]) -> None:
     """Load a validated ``saved`` into ``state``: masters, optimizer, scaler and counters.
     The caller then writes the masters into the parameters."""
-    state.optimizer.load_state_dict(saved["optimizer"])
-    with torch.no_grad():
-        for unit, master in zip(state.units, saved["masters"]):
-            unit.master.copy_(master)
+    if state.offload is not None:
+        state.offload.load_state_dict(saved["masters"], saved["optimizer"])
+    else:
+        state.optimizer.load_state_dict(saved["optimizer"])
+        with torch.no_grad():
+            for unit, master in zip(state.units, saved["masters"]):
+                unit.master.copy_(master)
     state.scaler.load_state_dict(saved["scaler"])
     state.global_step = saved["counters"]["global_step"]
     state.skipped_steps = saved["counters"]["skipped_steps"]
@@ -199,9 +212,11 @@ def full_state_dict(state: TrainingState, plan: CommPlan, model: torch.nn.Module
     """Gather the fp32 masters (exact, never quantized) and unflatten them under every
     state-dict key of ``model`` (both names of a tied parameter); rank 0 gets the dict."""
     full_of: dict[torch.nn.Parameter, torch.Tensor] = {}
+    offloaded = state.offload.masters() if state.offload is not None else None
     for unit in state.units:
-        flat = torch.empty(unit.layout.numel, dtype=torch.float32, device=unit.master.device)
-        plan.exact_all_gather(flat, unit.master.detach())
+        master = unit.master.detach() if offloaded is None else offloaded[unit.index].to(plan.device)
+        flat = torch.empty(unit.layout.numel, dtype=torch.float32, device=plan.device)
+        plan.exact_all_gather(flat, master)
         for param, view in zip(unit.params, unit.layout.views(flat)):
             full_of[param] = view.clone()
     if plan.rank != 0:

@@ -9,11 +9,15 @@ scheduler act on the same units but are not part of it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ._loss_scaler import LossScaler
 from ._partition import FlatUnit
+
+if TYPE_CHECKING:
+    from ._offload import OptimizerOffload
 
 
 @dataclass(eq=False, kw_only=True)
@@ -32,3 +36,6 @@ class TrainingState:
     scaler: LossScaler
     global_step: int = 0
     skipped_steps: int = 0
+    # offload_optimizer: the masters and the optimizer state live there, not in ``units``'
+    # masters (emptied) and ``optimizer.state`` (unused); see ``_offload``.
+    offload: "OptimizerOffload | None" = None

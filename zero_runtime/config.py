@@ -15,6 +15,9 @@ from typing import Any, Literal, Mapping
 
 from zcomm.quant import QuantSpec
 
+from ._offload_config import (DEFAULT_SUB_GROUP_SIZE, AioConfig, OffloadOptimizerConfig, aio_config,
+                              offload_optimizer_config)
+
 Precision = Literal["fp32", "bf16", "fp16"]
 # Elements per quantization scale, as ``zcomm.quant.QuantSpec.group_size`` takes it: an int
 # valid for both INT8 and INT4 (even, >= 2), or "tensor" (one scale per communicated shard
@@ -37,6 +40,9 @@ _ZERO_KEYS = {
     "zero_quantized_gradients": "quantized_gradients",
     "zcomm_quant_group_size": "quant_group_size",
     "zcomm_stage3_fuse_numel": "fuse_numel",
+    # offload (see _offload_config)
+    "offload_optimizer": "offload_optimizer",
+    "sub_group_size": "sub_group_size",
 }
 _FP16_KEYS = {
     "enabled": None,
@@ -46,7 +52,7 @@ _FP16_KEYS = {
     "hysteresis": "hysteresis",
     "min_loss_scale": "min_loss_scale",
 }
-_TOP_KEYS = {"zero_optimization", "bf16", "fp16", "gradient_clipping", "gradient_accumulation_steps"}
+_TOP_KEYS = {"zero_optimization", "bf16", "fp16", "gradient_clipping", "gradient_accumulation_steps", "aio"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,8 +175,16 @@ class ZeroConfig:
     quantized_gradients: bool = False
     quant_group_size: QuantGroupSize = None
     fuse_numel: int | None = None  # None: DEFAULT_FUSE_NUMEL in stage 3, 0 otherwise
+    # Offload (stages 1-3; see OffloadOptimizerConfig and AioConfig in _offload_config):
+    # sub_group_size (DeepSpeed's key) is the most master elements the offloaded step
+    # updates at once, one sub-group per NVMe transfer.
+    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
+    sub_group_size: int = DEFAULT_SUB_GROUP_SIZE
+    aio: AioConfig = field(default_factory=AioConfig)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "offload_optimizer", offload_optimizer_config(self.offload_optimizer))
+        object.__setattr__(self, "aio", aio_config(self.aio))
         if self.stage not in (1, 2, 3):
             raise ValueError(f"zero_optimization.stage must be 1, 2 or 3, got {self.stage!r}")
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -251,7 +265,7 @@ class ZeroConfig:
         precision = "bf16" if bf16.get("enabled") else "fp16" if fp16.get("enabled") else "fp32"
         kwargs: dict[str, Any] = {_ZERO_KEYS[k]: v for k, v in zero.items()}
         scale = {_FP16_KEYS[k]: v for k, v in fp16.items() if k != "enabled"}
-        for key in ("gradient_clipping", "gradient_accumulation_steps"):
+        for key in ("gradient_clipping", "gradient_accumulation_steps", "aio"):
             if key in config:
                 kwargs[key] = config[key]
         return cls(precision=precision, loss_scale=LossScaleConfig(**scale), **kwargs)
@@ -270,6 +284,7 @@ _COUNTS = (
     ("max_live_parameters", "stage3_max_live_parameters", 0),
     ("max_reuse_distance", "stage3_max_reuse_distance", 0),
     ("fuse_numel", "zcomm_stage3_fuse_numel", 0),
+    ("sub_group_size", "sub_group_size", 1),
 )
 
 
