@@ -15,6 +15,7 @@ from typing import Any, Literal, Mapping
 
 from zcomm.quant import QuantSpec
 
+from .checkpointing import ActivationCheckpointingConfig
 from ._offload_config import (DEFAULT_SUB_GROUP_SIZE, AioConfig, OffloadOptimizerConfig, aio_config,
                               offload_optimizer_config)
 
@@ -52,7 +53,8 @@ _FP16_KEYS = {
     "hysteresis": "hysteresis",
     "min_loss_scale": "min_loss_scale",
 }
-_TOP_KEYS = {"zero_optimization", "bf16", "fp16", "gradient_clipping", "gradient_accumulation_steps", "aio"}
+_TOP_KEYS = {"zero_optimization", "bf16", "fp16", "gradient_clipping", "gradient_accumulation_steps", "aio",
+             "activation_checkpointing"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,10 +183,15 @@ class ZeroConfig:
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
     sub_group_size: int = DEFAULT_SUB_GROUP_SIZE
     aio: AioConfig = field(default_factory=AioConfig)
+    # DeepSpeed's activation_checkpointing section: the options of ZeroOptimizer.checkpointer
+    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "offload_optimizer", offload_optimizer_config(self.offload_optimizer))
         object.__setattr__(self, "aio", aio_config(self.aio))
+        if not isinstance(self.activation_checkpointing, ActivationCheckpointingConfig):
+            object.__setattr__(self, "activation_checkpointing",
+                               ActivationCheckpointingConfig.from_dict(self.activation_checkpointing))
         if self.stage not in (1, 2, 3):
             raise ValueError(f"zero_optimization.stage must be 1, 2 or 3, got {self.stage!r}")
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -265,7 +272,7 @@ class ZeroConfig:
         precision = "bf16" if bf16.get("enabled") else "fp16" if fp16.get("enabled") else "fp32"
         kwargs: dict[str, Any] = {_ZERO_KEYS[k]: v for k, v in zero.items()}
         scale = {_FP16_KEYS[k]: v for k, v in fp16.items() if k != "enabled"}
-        for key in ("gradient_clipping", "gradient_accumulation_steps", "aio"):
+        for key in ("gradient_clipping", "gradient_accumulation_steps", "aio", "activation_checkpointing"):
             if key in config:
                 kwargs[key] = config[key]
         return cls(precision=precision, loss_scale=LossScaleConfig(**scale), **kwargs)

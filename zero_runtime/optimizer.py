@@ -27,6 +27,7 @@ from ._offload import OptimizerOffload
 from ._param_hooks import ModuleHooks
 from ._partition import FlatUnit
 from ._stage3 import ParamScheduler
+from .checkpointing import Checkpointer
 from ._state import TrainingState
 from .config import ZeroConfig
 
@@ -54,6 +55,8 @@ class ZeroOptimizer:
             on_ready = self._unit_grads_ready
         self.reducer = GradReducer(units=units, plan=plan, stage=config.stage, bucket_numel=config.reduce_bucket_size,
                                    overlap=config.overlap_comm, on_unit_ready=on_ready)
+        # activation checkpointing with the config's options: opt.checkpointer.checkpoint(fn, *args)
+        self.checkpointer = Checkpointer(config.activation_checkpointing)
         self.micro_step = 0
         self.last_step_skipped = False
         self._backward_since_step = False
