@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from bench.harness.flags import parse_size
-from zero_runtime._offload_config import AioConfig
-from zero_runtime._swap_file import SwapFile, aligned_buffer
+from zero_runtime.config import AioConfig
+from zero_runtime.swap_file import SwapFile, aligned_buffer
 
 
 def _dd(args: list[str]) -> float:

@@ -4,7 +4,7 @@ Adam states off the training device, stepped on the CPU by ``cpu_adam``.
 The states of this rank are cut into *sub-groups* of at most ``sub_group_size`` master
 elements (never spanning two units). Each holds three fp32 arrays: master, ``exp_avg``,
 ``exp_avg_sq``. With ``device: cpu`` they are tensors in host memory; with ``device: nvme``
-they are regions of the rank's swap file (``_swap_file``), and the step streams them:
+they are regions of the rank's swap file (``swap_file``), and the step streams them:
 
 [Note: swap pipeline] Sub-group ``i`` is read into host buffer ``i % buffer_count``; the step
 starts the read of ``i + 1``, waits for the read of ``i``, updates ``i`` in its buffer (the
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ._partition import FlatUnit
-from ._swap_file import SwapFile, aligned_buffer, round_up
+from .swap_file import SwapFile, aligned_buffer, round_up
 from .config import ZeroConfig
 from .cpu_adam import AdamHyper, adam_step
 
