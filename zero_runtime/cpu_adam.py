@@ -94,8 +94,10 @@ def _adam_kernel(param, grad, exp_avg, exp_avg_sq, out, has_out, decoupled, deca
     for b in prange(blocks):
         roots = np.empty(_BLOCK, np.float32)
         count = np.empty(1, np.int32)
-        lo = np.int64(b) * _BLOCK
-        hi = min(lo + _BLOCK, n)
+        # Unsigned indices: numba then emits no negative-index wraparound, which would keep
+        # LLVM from vectorizing the loops.
+        lo = np.uint64(b) * np.uint64(_BLOCK)
+        hi = min(lo + np.uint64(_BLOCK), np.uint64(n))
         for i in range(lo, hi):
             g = grad[i]
             if not decoupled:
@@ -108,11 +110,11 @@ def _adam_kernel(param, grad, exp_avg, exp_avg_sq, out, has_out, decoupled, deca
             exp_avg_sq[i] = v
             roots[i - lo] = v
         if sqrt_address != 0:
-            count[0] = hi - lo
+            count[0] = np.int32(hi - lo)
             address = roots.ctypes.data
             _call_vssqrt(sqrt_address, count.ctypes.data, address, address)
         else:
-            for j in range(hi - lo):
+            for j in range(np.uint64(0), hi - lo):
                 roots[j] = np.sqrt(roots[j])
         for i in range(lo, hi):
             p = param[i]
