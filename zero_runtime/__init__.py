@@ -23,5 +23,7 @@ from ._initialize import initialize
 from ._memory import MemoryReport
 from .config import LossScaleConfig, ZeroConfig
 from .optimizer import ZeroOptimizer
+from .tiled_linear import TiledLinear
 
-__all__ = ["initialize", "GatheredParameters", "ZeroConfig", "LossScaleConfig", "ZeroOptimizer", "MemoryReport", "CheckpointError"]
+__all__ = ["initialize", "GatheredParameters", "ZeroConfig", "LossScaleConfig", "ZeroOptimizer", "MemoryReport",
+           "CheckpointError", "TiledLinear"]

@@ -64,15 +64,21 @@ def _slots(unit) -> list[list[Any]]:
 
 def rank_state(state: TrainingState, plan: CommPlan) -> dict[str, Any]:
     """This rank's shard of ``state`` as a ``torch.save``-able dict (tensors cloned), with the
-    learning-rate schedule's counter (the learning rate itself is in the optimizer's state)."""
+    learning-rate schedule's counter (the learning rate itself is in the optimizer's state);
+    with an offloaded optimizer, its states read back (from NVMe too) in the same format."""
+    if state.offload is not None:
+        masters, optimizer = state.offload.state_dict()
+    else:
+        masters = [u.master.detach().clone() for u in state.units]
+        optimizer = state.optimizer.state_dict()
     return {
         "format": FORMAT,
         "world_size": plan.world_size,
         "rank": plan.rank,
         "stage": state.stage,
         "fingerprint": fingerprint(state),
-        "masters": [u.master.detach().clone() for u in state.units],
-        "optimizer": state.optimizer.state_dict(),
+        "masters": masters,
+        "optimizer": optimizer,
         "scaler": state.scaler.state_dict(),
         "lr_scheduler": state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None,
         "counters": {"global_step": state.global_step, "skipped_steps": state.skipped_steps},
@@ -94,7 +100,7 @@ def validate_rank_state(state: TrainingState, plan: CommPlan, saved: Any) -> dic
         raise CheckpointError("state was written for another model or bucketing (parameter names, shapes or "
                               "bucket sizes differ)")
     masters = saved["masters"]
-    if len(masters) != len(state.units) or any(m.shape != u.master.shape for m, u in zip(masters, state.units)):
+    if len(masters) != len(state.units) or any(m.shape != (u.layout.shard_numel,) for m, u in zip(masters, state.units)):
         raise CheckpointError("master shard shapes do not match this run")
     groups = saved["optimizer"].get("param_groups", [])
     if [len(g["params"]) for g in groups] != [len(g["params"]) for g in state.optimizer.param_groups]:
@@ -103,18 +109,25 @@ def validate_rank_state(state: TrainingState, plan: CommPlan, saved: Any) -> dic
         have = "has" if state.lr_scheduler is not None else "has no"
         raise CheckpointError(f"this run {have} a learning-rate scheduler and the state was saved "
                               f"{'without' if state.lr_scheduler is not None else 'with'} one")
+    if state.offload is not None:
+        problem = state.offload.state_problem(saved["optimizer"])
+        if problem:
+            raise CheckpointError(problem)
     return saved
 
 
 def apply_rank_state(state: TrainingState, plan: CommPlan, saved: dict[str, Any]) -> None:
-    """Load a validated ``saved`` into ``state``: masters, optimizer, scaler, counters and the
-    reduce-scatter's state (LoCo's error buffers; absent from checkpoints written before
-    issue 13). The caller then writes the masters into the parameters."""
+    """Load a validated ``saved`` into ``state``: masters, optimizer (offloaded or not),
+    scaler, counters and the reduce-scatter's state (LoCo's error buffers; absent from
+    checkpoints written before issue 13). The caller then writes the masters into the parameters."""
     plan.reduce_scatter.load_state_dict(saved.get("reduce_scatter", {}))
-    state.optimizer.load_state_dict(saved["optimizer"])
-    with torch.no_grad():
-        for unit, master in zip(state.units, saved["masters"]):
-            unit.master.copy_(master)
+    if state.offload is not None:
+        state.offload.load_state_dict(saved["masters"], saved["optimizer"])
+    else:
+        state.optimizer.load_state_dict(saved["optimizer"])
+        with torch.no_grad():
+            for unit, master in zip(state.units, saved["masters"]):
+                unit.master.copy_(master)
     state.scaler.load_state_dict(saved["scaler"])
     if state.lr_scheduler is not None:
         state.lr_scheduler.load_state_dict(saved["lr_scheduler"])
@@ -285,8 +298,12 @@ def full_state_dict(state: TrainingState, plan: CommPlan, model: torch.nn.Module
     Frozen parameters (no master) and buffers come in the compute dtype, stage 3's
     partitioned frozen ones gathered from their shards, the others as rank 0 holds them."""
     full_of: dict[torch.nn.Parameter, torch.Tensor] = {}
+    offloaded = state.offload.masters() if state.offload is not None else None
     for unit in state.units + state.frozen_units:
-        source = unit.shard if unit.frozen else unit.master.detach()
+        if unit.frozen:
+            source = unit.shard
+        else:
+            source = unit.master.detach() if offloaded is None else offloaded[unit.index].to(plan.device)
         flat = torch.empty(unit.layout.numel, dtype=source.dtype, device=source.device)
         plan.exact_all_gather(flat, source)
         for param, view in zip(unit.params, unit.layout.views(flat)):

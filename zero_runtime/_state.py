@@ -9,12 +9,15 @@ scheduler act on the same units but are not part of it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._loss_scaler import LossScaler
 from ._partition import FlatUnit
+
+if TYPE_CHECKING:
+    from ._offload import OptimizerOffload
 
 
 @dataclass(eq=False, kw_only=True)
@@ -37,3 +40,6 @@ class TrainingState:
     lr_scheduler: Any = None  # a ``lr_schedules`` schedule over ``optimizer``, from the config
     global_step: int = 0
     skipped_steps: int = 0
+    # offload_optimizer: the masters and the optimizer state live there, not in ``units``'
+    # masters (emptied) and ``optimizer.state`` (unused); see ``_offload``.
+    offload: "OptimizerOffload | None" = None

@@ -18,6 +18,9 @@ from typing import Any, Literal, Mapping
 from zcomm.quant import QuantSpec
 
 from . import _optim_spec
+from .checkpointing import ActivationCheckpointingConfig
+from ._offload_config import (DEFAULT_SUB_GROUP_SIZE, AioConfig, OffloadOptimizerConfig, aio_config,
+                              offload_optimizer_config)
 
 Precision = Literal["fp32", "bf16", "fp16"]
 # Elements per quantization scale, as ``zcomm.quant.QuantSpec.group_size`` takes it: an int
@@ -43,6 +46,9 @@ _ZERO_KEYS = {
     "zcomm_stage3_fuse_numel": "fuse_numel",
     "zcomm_align_quant_blocks": "align_quant_blocks",
     "zeropp_loco_param": "loco",
+    # offload (see _offload_config)
+    "offload_optimizer": "offload_optimizer",
+    "sub_group_size": "sub_group_size",
 }
 _FP16_KEYS = {
     "enabled": None,
@@ -53,7 +59,8 @@ _FP16_KEYS = {
     "min_loss_scale": "min_loss_scale",
 }
 _TOP_KEYS = {"zero_optimization", "bf16", "fp16", "gradient_clipping", "gradient_accumulation_steps",
-             "train_batch_size", "train_micro_batch_size_per_gpu", "optimizer", "scheduler"}
+             "train_batch_size", "train_micro_batch_size_per_gpu", "optimizer", "scheduler", "aio",
+             "activation_checkpointing"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,8 +237,21 @@ class ZeroConfig:
     fuse_numel: int | None = None  # None: DEFAULT_FUSE_NUMEL in stage 3, 0 otherwise
     align_quant_blocks: bool = True
     loco: LocoConfig | None = None  # zeropp_loco_param; needs quantized_gradients
+    # Offload (stages 1-3; see OffloadOptimizerConfig and AioConfig in _offload_config):
+    # sub_group_size (DeepSpeed's key) is the most master elements the offloaded step
+    # updates at once, one sub-group per NVMe transfer.
+    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
+    sub_group_size: int = DEFAULT_SUB_GROUP_SIZE
+    aio: AioConfig = field(default_factory=AioConfig)
+    # DeepSpeed's activation_checkpointing section: the options of ZeroOptimizer.checkpointer
+    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "offload_optimizer", offload_optimizer_config(self.offload_optimizer))
+        object.__setattr__(self, "aio", aio_config(self.aio))
+        if not isinstance(self.activation_checkpointing, ActivationCheckpointingConfig):
+            object.__setattr__(self, "activation_checkpointing",
+                               ActivationCheckpointingConfig.from_dict(self.activation_checkpointing))
         if self.stage not in (1, 2, 3):
             raise ValueError(f"zero_optimization.stage must be 1, 2 or 3, got {self.stage!r}")
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -382,7 +402,7 @@ class ZeroConfig:
         kwargs: dict[str, Any] = {_ZERO_KEYS[k]: v for k, v in zero.items() if k in _ZERO_KEYS}
         scale = {_FP16_KEYS[k]: v for k, v in fp16.items() if k in _FP16_KEYS and k != "enabled"}
         for key in ("gradient_clipping", "gradient_accumulation_steps", "train_batch_size",
-                    "train_micro_batch_size_per_gpu", "optimizer", "scheduler"):
+                    "train_micro_batch_size_per_gpu", "optimizer", "scheduler", "aio", "activation_checkpointing"):
             if key in config:
                 kwargs[key] = config[key]
         parsed = cls(precision=precision, loss_scale=LossScaleConfig(**scale), **kwargs)
@@ -405,6 +425,7 @@ _COUNTS = (
     ("max_live_parameters", "stage3_max_live_parameters", 0),
     ("max_reuse_distance", "stage3_max_reuse_distance", 0),
     ("fuse_numel", "zcomm_stage3_fuse_numel", 0),
+    ("sub_group_size", "sub_group_size", 1),
 )
 
 

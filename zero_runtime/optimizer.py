@@ -23,9 +23,11 @@ from ._comm_plan import CommPlan
 from ._grad_reduce import GradReducer
 from ._loss_scaler import LossScaler, make_scaler
 from ._memory import MemoryReport, measure
+from ._offload import OptimizerOffload
 from ._param_hooks import ModuleHooks
 from ._partition import FlatUnit
 from ._stage3 import ParamScheduler
+from .checkpointing import Checkpointer
 from ._state import TrainingState
 from .config import ZeroConfig
 
@@ -38,9 +40,13 @@ class ZeroOptimizer:
         self.model = model
         self.config = config
         self.plan = plan
+        offload = None
+        if config.offload_optimizer.enabled:
+            offload = OptimizerOffload(units=units, optimizer=optimizer, config=config, rank=plan.rank)
         self.training_state = TrainingState(stage=config.stage, units=units, optimizer=optimizer,
                                             scaler=make_scaler(config.precision, config.loss_scale),
-                                            lr_scheduler=lr_scheduler, frozen_units=list(frozen_units or []))
+                                            lr_scheduler=lr_scheduler, frozen_units=list(frozen_units or []),
+                                            offload=offload)
         self.scheduler: ParamScheduler | None = None
         self.hooks: ModuleHooks | None = None
         on_ready = None
@@ -53,6 +59,8 @@ class ZeroOptimizer:
             on_ready = self._unit_grads_ready
         self.reducer = GradReducer(units=units, plan=plan, stage=config.stage, bucket_numel=config.reduce_bucket_size,
                                    overlap=config.overlap_comm, on_unit_ready=on_ready)
+        # activation checkpointing with the config's options: opt.checkpointer.checkpoint(fn, *args)
+        self.checkpointer = Checkpointer(config.activation_checkpointing)
         self.micro_step = 0
         self.last_step_skipped = False
         self._backward_since_step = False
@@ -75,7 +83,8 @@ class ZeroOptimizer:
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        """The torch optimizer over this rank's fp32 master shards."""
+        """The torch optimizer over this rank's fp32 master shards (with offload_optimizer:
+        its param groups' hyper-parameters are used, its ``state`` stays empty)."""
         return self.training_state.optimizer
 
     @property
@@ -83,6 +92,11 @@ class ZeroOptimizer:
         """The schedule built from the config's ``scheduler`` section (None without one),
         stepped after every applied optimizer step, as DeepSpeed's engine does."""
         return self.training_state.lr_scheduler
+
+    @property
+    def offload(self) -> OptimizerOffload | None:
+        """The offloaded masters and optimizer states (``offload_optimizer``), else None."""
+        return self.training_state.offload
 
     @property
     def scaler(self) -> LossScaler:
@@ -135,6 +149,8 @@ class ZeroOptimizer:
         self.last_step_skipped = not self._clip_or_detect_overflow(grads)
         if self.last_step_skipped:
             self.training_state.skipped_steps += 1
+        elif self.offload is not None:
+            self.offload.step(grads)
         else:
             for unit, grad in zip(self.units, grads):
                 unit.master.grad = grad
@@ -188,7 +204,9 @@ class ZeroOptimizer:
     def sync_params_from_masters(self) -> None:
         """Write the fp32 masters into the compute-dtype parameters: partitioned units
         (stage 3) update their shards (the next forward gathers them); units kept whole
-        (stages 1 and 2, stage 3's persistent ones) all-gather their full buffers."""
+        (stages 1 and 2, stage 3's persistent ones) all-gather their full buffers. With an
+        offloaded optimizer the step already wrote the masters in the compute dtype
+        (``offload.compute_copy``, the shard itself on a CPU run): that is the source."""
         self._require_unpinned()
         if self.scheduler is not None:
             self.scheduler.free_all()
@@ -197,11 +215,13 @@ class ZeroOptimizer:
             handles = []
             gather = self.plan.forward_gather
             for unit in self.units:
+                source = unit.master if self.offload is None else self.offload.compute_copy[unit.index]
                 if unit.partitioned:
-                    unit.shard.copy_(unit.master)
+                    if source is not unit.shard:
+                        unit.shard.copy_(source)
                 else:
                     shard = gather.allocate(unit.layout.shard_numel, dtype=unit.dtype, device=self.plan.device)
-                    shard.copy_(unit.master)
+                    shard.copy_(source)
                     handles.append((gather(unit.full, shard, unit=unit.index, phase=Phase.STEP), shard))
             for handle, _ in handles:
                 handle.wait()
@@ -247,6 +267,12 @@ class ZeroOptimizer:
         """Consolidated fp32 weights under the model's state-dict keys, on rank 0 ({} elsewhere)."""
         with self._state_dict_guard.suspended():
             return _checkpoint.full_state_dict(self.training_state, self.plan, self.model)
+
+    def close(self) -> None:
+        """Release what outlives the process otherwise: the NVMe swap file (also removed at
+        exit and when this object is collected; see [Note: swap file lifetime])."""
+        if self.offload is not None:
+            self.offload.close()
 
     def memory_report(self) -> MemoryReport:
         return measure(self.training_state, secondary_bytes=self.plan.held_bytes(),

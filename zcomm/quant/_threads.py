@@ -36,3 +36,18 @@ def kernel_threads(pool_size: int) -> int:
             "(numba's NUMBA_NUM_THREADS, by default the machine's cores): lower it or raise NUMBA_NUM_THREADS"
         )
     return count
+
+
+def use_thread_share() -> None:
+    """Set numba's thread count, on the calling thread, to the rank's share (``kernel_threads``).
+
+    See [Note: kernel threads] in ``zcomm.quant.backends.cpu``: numba's count is per Python
+    thread, so call this right before every parallel numba launch; starting numba's pool may
+    change torch's count on this thread, which is put back.
+    """
+    import numba  # lazily: importing zcomm must not start numba (it reads NUMBA_* at import)
+
+    torch_threads = torch.get_num_threads()
+    numba.set_num_threads(kernel_threads(numba.config.NUMBA_NUM_THREADS))  # starts numba's pool on first use
+    if torch.get_num_threads() != torch_threads:
+        torch.set_num_threads(torch_threads)

@@ -45,7 +45,7 @@ import torch
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .._threads import kernel_threads
+from .._threads import use_thread_share as _use_thread_share
 from .._contract import implements
 from ..wire_format import QMAX, scales_offset, values_nbytes
 from ._cpu_float_bits import (
@@ -308,14 +308,6 @@ def _reduce_requant_kernel(payloads, numel, bits, group_size, divisor, requant):
         _sum_rows(payloads, numel, bits, group_size, c * chunk + start, n, divisor, buf)
         values, scales = _payload_parts(requant[c], chunk, bits)
         _encode_group(buf, n, bits, values, start, scales, g)
-
-
-def _use_thread_share() -> None:
-    """[Note: kernel threads] on the thread about to launch a kernel."""
-    torch_threads = torch.get_num_threads()
-    numba.set_num_threads(kernel_threads(numba.config.NUMBA_NUM_THREADS))  # starts numba's pool on first use
-    if torch.get_num_threads() != torch_threads:
-        torch.set_num_threads(torch_threads)
 
 
 def _zero_padding(payloads: torch.Tensor, numel: int, bits: int) -> np.ndarray:

@@ -1,0 +1,82 @@
+"""NVMe swap throughput: zero_runtime's swap file against ``dd`` with direct I/O on the same disk.
+
+Run as ``python -m bench.nvme_swap --path DIR`` (``--help``). In one run, alternating
+``--repeats`` times: ``dd`` writes then reads ``--size`` bytes in 1 MiB blocks with
+``oflag=direct`` / ``iflag=direct`` (the disk's sequential bandwidth), and the optimizer's
+``SwapFile`` (``aio`` settings from the flags) writes then reads the same number of bytes
+from one aligned host buffer, as the offloaded optimizer step does for its sub-groups.
+Medians are reported with the ratio against ``dd`` and issue 16's target (>= 70% of the
+disk's sequential read and write bandwidth). Files are removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from bench.harness.flags import parse_size
+from zero_runtime.config import AioConfig
+from zero_runtime.swap_file import SwapFile, aligned_buffer
+
+
+def _dd(args: list[str]) -> float:
+    """GB/s as dd reports it (bytes over its own elapsed time)."""
+    out = subprocess.run(["dd", *args], capture_output=True, text=True, check=True).stderr
+    match = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", out)
+    return int(match.group(1)) / float(match.group(2)) / 1e9
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--path", required=True, help="directory on the disk to measure")
+    parser.add_argument("--size", type=parse_size, default=parse_size("1G"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--block-size", type=parse_size, default=parse_size("1M"))
+    parser.add_argument("--thread-count", type=int, default=1)
+    parser.add_argument("--queue-depth", type=int, default=8)
+    args = parser.parse_args(argv)
+    aio = AioConfig(block_size=args.block_size, thread_count=args.thread_count, queue_depth=args.queue_depth,
+                    zcomm_direct_io=True)
+    swap = SwapFile(args.path, rank=0, nbytes=args.size, aio=aio)
+    buffer = aligned_buffer(swap.nbytes)
+    buffer.random_(0, 256)
+    dd_file = Path(args.path) / f"dd_probe_{os.getpid()}"
+    count = args.size // (1 << 20)
+    rates: dict[str, list[float]] = {"dd write": [], "dd read": [], "swap write": [], "swap read": []}
+    try:
+        for _ in range(args.repeats):
+            rates["dd write"].append(_dd(["if=/dev/zero", f"of={dd_file}", "bs=1M", f"count={count}",
+                                          "oflag=direct", "conv=fsync"]))
+            rates["dd read"].append(_dd([f"if={dd_file}", "of=/dev/null", "bs=1M", "iflag=direct"]))
+            for name, write in (("swap write", True), ("swap read", False)):
+                start = time.perf_counter()
+                (swap.write if write else swap.read)(0, buffer).wait()
+                if write:
+                    os.fsync(swap.fd)
+                rates[name].append(swap.nbytes / (time.perf_counter() - start) / 1e9)
+    finally:
+        swap.close()
+        dd_file.unlink(missing_ok=True)
+    median = {k: statistics.median(v) for k, v in rates.items()}
+    print(f"# NVMe swap throughput, {args.size / 2**30:g} GiB, {args.path}, median of {args.repeats} (alternating)")
+    print(f"aio: block_size {args.block_size}, thread_count {args.thread_count}, queue_depth {args.queue_depth}, "
+          f"O_DIRECT {swap.direct}; torch {torch.__version__}\n")
+    print("| transfer | GB/s | samples |")
+    print("|---|---:|---|")
+    for name, value in median.items():
+        print(f"| {name} | {value:.2f} | {', '.join(f'{r:.2f}' for r in rates[name])} |")
+    print("\n## target (issue 16): swap >= 70% of the disk's sequential bandwidth")
+    for kind in ("write", "read"):
+        ratio = median[f"swap {kind}"] / median[f"dd {kind}"]
+        print(f"- {kind}: {ratio:.0%} of dd: {'PASS' if ratio >= 0.7 else 'MISS'}")
+
+
+if __name__ == "__main__":
+    main()

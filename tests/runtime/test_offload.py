@@ -1,0 +1,265 @@
+"""offload_optimizer (cpu, nvme): training bit-identical to training without offload (the oracle),
+through checkpoints too; swap files created, really used and removed; the error cases.
+
+Every case trains the same model the same way with ``device: none`` and with each offload
+mode on 2 gloo ranks and compares the consolidated fp32 weights and the losses bit for bit
+(``cpu_adam`` replays torch's single-tensor AdamW, so no tolerance is needed). A small
+``sub_group_size`` cuts every unit into several sub-groups, so the NVMe pipeline cycles its
+buffers (reads, updates and writes overlapping) within one step.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from zero_harness import run
+from zero_workloads import make_model, make_optimizer, zero_steps
+
+STEPS = 4
+FREE_AFTER_USE = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+                  "zcomm_stage3_fuse_numel": 0, "stage3_prefetch_bucket_size": 0, "reduce_bucket_size": 3000}
+CASES = [  # (name, model, zero_optimization, top-level extras)
+    ("mlp-s1", "mlp", {"stage": 1}, {}),
+    ("mlp-s2-clip", "mlp", {"stage": 2, "reduce_bucket_size": 300}, {"gradient_clipping": 0.5}),
+    ("gpt-s3", "gpt", {"stage": 3, **FREE_AFTER_USE}, {}),
+    ("gpt-s3-persist-bf16", "gpt", {"stage": 3, "stage3_param_persistence_threshold": 512}, {"bf16": {"enabled": True}}),
+    ("gpt-zeropp", "gpt", {"stage": 3, **FREE_AFTER_USE, "zero_quantized_weights": True,
+                           "zero_quantized_gradients": True}, {}),
+]
+SUB_GROUP = 700  # elements: several sub-groups per unit
+
+
+def _config(zero: dict, extra: dict, device: str, root: str) -> dict:
+    offload = {"device": device}
+    if device == "nvme":
+        offload.update(nvme_path=root, buffer_count=3)
+    return {"zero_optimization": {**zero, "offload_optimizer": offload, "sub_group_size": SUB_GROUP},
+            "aio": {"block_size": 8192, "thread_count": 2, "queue_depth": 2}, **extra}
+
+
+def _train(rank: int, world: int, root: str) -> dict:
+    import zero_runtime
+
+    out = {}
+    for name, kind, zero, extra in CASES:
+        for device in ("none", "cpu", "nvme"):
+            swap_dir = os.path.join(root, f"{name}-{device}")
+            os.makedirs(swap_dir, exist_ok=True)
+            ckpt = os.path.join(root, f"ckpt-{name}-{device}")
+            # One run of 2 * STEPS steps, and a second one that resumes from the checkpoint
+            # the first saved half-way (into a fresh runtime, so everything is reloaded).
+            model, opt = zero_runtime.initialize(make_model(kind), make_optimizer(),
+                                                 _config(zero, extra, device, swap_dir))
+            files = sorted(os.listdir(swap_dir))
+            losses = zero_steps(kind, model, opt, rank, world, range(STEPS))
+            opt.save_checkpoint(ckpt)
+            losses += zero_steps(kind, model, opt, rank, world, range(STEPS, 2 * STEPS))
+            weights = opt.full_state_dict()
+            opt.close()
+            model, opt = zero_runtime.initialize(make_model(kind), make_optimizer(),
+                                                 _config(zero, extra, device, swap_dir))
+            opt.load_checkpoint(ckpt)
+            resumed = zero_steps(kind, model, opt, rank, world, range(STEPS, 2 * STEPS))
+            resumed_weights = opt.full_state_dict()
+            opt.close()
+            out[name, device] = {"losses": losses, "weights": weights, "resumed": resumed,
+                                 "resumed_weights": resumed_weights, "files": files,
+                                 "left": sorted(os.listdir(swap_dir))}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("offload"))
+    return run(_train, 2, root)
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("name", [case[0] for case in CASES])
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_training_is_bit_identical_to_no_offload(results, name, device):
+    for rank in range(2):
+        base, got = results[rank][name, "none"], results[rank][name, device]
+        assert got["losses"] == base["losses"]
+        if rank == 0:
+            assert base["weights"] and _equal(got["weights"], base["weights"])
+    first = results[0][name, device]
+    assert first["resumed"] == first["losses"][STEPS:]
+    assert _equal(first["resumed_weights"], first["weights"])
+
+
+@pytest.mark.parametrize("name", [case[0] for case in CASES])
+def test_swap_files_exist_while_training_and_are_removed(results, name):
+    for rank in range(2):
+        got = results[rank][name, "nvme"]
+        assert any(f.startswith(f"zero_offload_rank{rank:05d}_") for f in got["files"]), got["files"]
+        assert got["left"] == []
+        assert results[rank][name, "cpu"]["files"] == []
+
+
+def test_weights_move_so_the_comparison_means_something(results):
+    for name, *_ in CASES:
+        got = results[0][name, "nvme"]
+        assert got["losses"][0] != got["losses"][-1]
+
+
+# ----- single-process pieces: the swap file, the pipeline on real files, errors -----
+
+def _init_one(config: dict, kind: str = "mlp"):
+    import torch.distributed as dist
+
+    import zero_runtime
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    return zero_runtime.initialize(make_model(kind), make_optimizer(), config)
+
+
+@pytest.fixture
+def single_process():
+    import torch.distributed as dist
+
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_nvme_states_really_live_in_the_file(tmp_path, single_process):
+    config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+                                    "sub_group_size": 100}}
+    model, opt = _init_one(config)
+    (swap,) = tmp_path.iterdir()
+    numel = sum(u.layout.shard_numel for u in opt.units)
+    assert swap.stat().st_size >= 12 * numel
+    assert all(u.master.numel() == 0 for u in opt.units)  # nothing resident beside the file
+    x, y = torch.randn(4, 12), torch.randn(4, 5)
+    opt.backward(torch.nn.functional.mse_loss(model(x), y))
+    opt.step()
+    # The masters read straight from the file equal the parameters the step wrote.
+    raw = torch.from_numpy(__import__("numpy").fromfile(swap, dtype="float32"))
+    sg = opt.offload.subgroups[0]
+    master = raw[sg.offset // 4 : sg.offset // 4 + sg.numel]
+    assert torch.equal(master, opt.units[sg.unit].shard[sg.lo : sg.hi])
+    assert master.abs().sum() > 0
+    opt.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_swap_file_removed_after_an_uncaught_exception(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys, torch, torch.distributed as dist
+        sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parents[2])]!r}
+        import zero_runtime
+        from zero_workloads import make_model, make_optimizer
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        config = {{"zero_optimization": {{"stage": 1, "offload_optimizer": {{"device": "nvme",
+                   "nvme_path": {str(tmp_path)!r}}}}}}}
+        model, opt = zero_runtime.initialize(make_model("mlp"), make_optimizer(), config)
+        import os; assert os.listdir({str(tmp_path)!r})
+        raise RuntimeError("boom")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "boom" in proc.stderr, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unwritable_or_missing_path_is_a_clear_error(tmp_path, single_process):
+    missing = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "no")}}}
+    with pytest.raises(ValueError, match="not an existing directory"):
+        _init_one(missing)
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(ValueError, match="not writable"):
+            _init_one({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": str(locked)}}})
+
+
+def test_full_path_is_a_clear_error_at_start_up(tmp_path, single_process):
+    # A 64 KiB tmpfs cannot hold the states of a model of 64K parameters (768 KiB).
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        model = torch.nn.Linear(256, 256)
+        import torch.distributed as dist
+
+        import zero_runtime
+
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        config = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": str(mount)}}}
+        with pytest.raises(ValueError, match="has no room"):
+            zero_runtime.initialize(model, make_optimizer(), config)
+        assert list(mount.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.fixture
+def ramfs(tmp_path):
+    """A directory on ramfs, a file system that refuses O_DIRECT (needs root to mount)."""
+    mount = tmp_path / "ramfs"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mount)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount ramfs here (needs root)")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_direct_io_required_where_impossible_is_a_clear_error(ramfs, single_process):
+    config = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": str(ramfs)}},
+              "aio": {"zcomm_direct_io": True}}
+    with pytest.raises(ValueError, match="does not allow O_DIRECT"):
+        _init_one(config)
+    assert list(ramfs.iterdir()) == []
+
+
+def test_direct_io_auto_uses_buffered_io_where_direct_is_impossible(ramfs, tmp_path, single_process):
+    for path, direct in ((ramfs, False), (tmp_path, True)):  # tmp_path: ext4 here
+        config = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": str(path)}}}
+        model, opt = _init_one(config)
+        assert opt.offload.swap.direct is direct or path is tmp_path
+        opt.backward(torch.nn.functional.mse_loss(model(torch.randn(4, 12)), torch.randn(4, 5)))
+        opt.step()
+        opt.close()
+
+
+def test_non_adam_optimizer_is_rejected(single_process):
+    import torch.distributed as dist
+
+    import zero_runtime
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    config = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+    with pytest.raises(ValueError, match="Adam"):
+        zero_runtime.initialize(make_model("mlp"), lambda p: torch.optim.SGD(p, lr=0.1), config)
+    with pytest.raises(ValueError, match="amsgrad"):
+        zero_runtime.initialize(make_model("mlp"), lambda p: torch.optim.AdamW(p, amsgrad=True), config)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"zero_optimization": {"offload_optimizer": {"device": "disk"}}}, "device"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, "offload_optimizer.ratio"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "nvme_path"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x", "buffer_count": 2}}},
+     "buffer_count"),
+    ({"zero_optimization": {"sub_group_size": 0}}, "sub_group_size"),
+    ({"aio": {"block_size": 1000}}, "block_size"),
+    ({"aio": {"use_gds": True}}, "aio.use_gds"),
+])
+def test_config_errors(bad, match):
+    from zero_runtime import ZeroConfig
+
+    with pytest.raises((ValueError, TypeError), match=match):
+        ZeroConfig.from_dict(bad)

@@ -1,0 +1,248 @@
+"""Optimizer offload (``offload_optimizer.device`` ``cpu`` or ``nvme``): fp32 master weights and
+Adam states off the training device, stepped on the CPU by ``cpu_adam``.
+
+The states of this rank are cut into *sub-groups* of at most ``sub_group_size`` master
+elements (never spanning two units). Each holds three fp32 arrays: master, ``exp_avg``,
+``exp_avg_sq``. With ``device: cpu`` they are tensors in host memory; with ``device: nvme``
+they are regions of the rank's swap file (``swap_file``), and the step streams them:
+
+[Note: swap pipeline] Sub-group ``i`` is read into host buffer ``i % buffer_count``; the step
+starts the read of ``i + 1``, waits for the read of ``i``, updates ``i`` in its buffer (the
+fused kernel also writes the compute-dtype parameters) and starts the write-back of ``i``.
+Before a buffer is read into again, the write that last used it must be complete, so with
+``buffer_count >= 3`` the read of ``i + 1`` and the write of ``i - 1`` both overlap the
+update of ``i`` (ZeRO-Infinity's overlap-centric design) and at most ``buffer_count``
+sub-groups are resident. The step ends when every write is done, so a checkpoint or an
+exception after it sees the files complete.
+
+The result is bit-identical to the torch optimizer the user gave (``cpu_adam`` replays
+torch's single-tensor Adam), so a run with offload trains exactly like one without, and
+the state dict has torch's format, interchangeable with an offload-free run's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._partition import FlatUnit
+from .swap_file import SwapFile, aligned_buffer, round_up
+from .config import ZeroConfig
+from .cpu_adam import AdamHyper, adam_step
+
+_STATES = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class SubGroup:
+    unit: int  # index into the units
+    lo: int
+    hi: int
+    offset: int = 0  # byte offset of its region in the swap file (nvme)
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """``ValueError`` unless ``optimizer`` is an Adam/AdamW the CPU step reproduces."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        raise ValueError(f"offload_optimizer steps on the CPU with a fused Adam/AdamW; got "
+                         f"{type(optimizer).__name__}: use torch.optim.Adam or AdamW, or device 'none'")
+    for group in optimizer.param_groups:
+        unsupported = [k for k in ("amsgrad", "maximize", "capturable", "differentiable") if group.get(k)]
+        unsupported += [k for k in ("lr", "eps", "weight_decay") if isinstance(group[k], torch.Tensor)]
+        unsupported += ["betas (tensors)"] if any(isinstance(b, torch.Tensor) for b in group["betas"]) else []
+        if unsupported:
+            raise ValueError(f"offload_optimizer does not support Adam's {', '.join(unsupported)}")
+
+
+def _hyper(optimizer: torch.optim.Optimizer, group: int) -> AdamHyper:
+    """Read at every step, so learning-rate schedulers acting on the param groups are followed."""
+    g = optimizer.param_groups[group]
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay"))
+    return AdamHyper(lr=float(g["lr"]), beta1=float(g["betas"][0]), beta2=float(g["betas"][1]), eps=float(g["eps"]),
+                     weight_decay=float(g["weight_decay"]), decoupled=decoupled)
+
+
+class OptimizerOffload:
+    """The offloaded masters and states of ``units``, and their optimizer step."""
+
+    def __init__(self, *, units: list[FlatUnit], optimizer: torch.optim.Optimizer, config: ZeroConfig,
+                 rank: int) -> None:
+        check_optimizer(optimizer)
+        offload = config.offload_optimizer
+        self.units = units
+        self.optimizer = optimizer
+        self.device = offload.device
+        self.steps = [0] * len(units)
+        pin = offload.pin_memory and torch.cuda.is_available()
+        self.subgroups = _cut(units, config.sub_group_size)
+        self.compute_copy = [u.shard if u.shard.device.type == "cpu" else
+                             torch.empty(u.layout.shard_numel, dtype=u.dtype, pin_memory=pin) for u in units]
+        self.swap: SwapFile | None = None
+        self.host: list[dict[str, torch.Tensor]] = []
+        if self.device == "cpu":
+            for unit in units:
+                master = unit.master.detach().to("cpu", copy=unit.master.device.type != "cpu")
+                self.host.append({"master": master.pin_memory() if pin else master,
+                                  **{k: torch.zeros_like(master, pin_memory=pin) for k in _STATES}})
+        else:
+            self._init_swap(offload, config, rank, pin)
+        for unit in units:  # the masters now live here; the device keeps an empty placeholder
+            if self.device == "nvme" or unit.master.device.type != "cpu":
+                unit.master.data = torch.empty(0, dtype=torch.float32, device=unit.master.device)
+            else:
+                unit.master.data = self.host[unit.index]["master"]
+
+    def _init_swap(self, offload, config: ZeroConfig, rank: int, pin: bool) -> None:
+        offset, placed = 0, []
+        for sg in self.subgroups:
+            placed.append(SubGroup(sg.unit, sg.lo, sg.hi, offset))
+            offset += round_up(12 * sg.numel)
+        self.subgroups = placed
+        self.swap = SwapFile(offload.nvme_path, rank=rank, nbytes=offset, aio=config.aio)
+        largest = max((round_up(12 * sg.numel) for sg in placed), default=round_up(1))
+        count = max(1, min(offload.buffer_count, len(placed)))
+        self.buffers = [aligned_buffer(largest, pin_memory=pin) for _ in range(count)]
+        try:
+            for sg in placed:  # initial masters, zero moments
+                buffer = self._region(self.buffers[0], sg)
+                buffer[0].copy_(self.units[sg.unit].master.detach()[sg.lo : sg.hi])
+                buffer[1].zero_()
+                buffer[2].zero_()
+                self._io(sg, self.buffers[0], write=True).wait()
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _region(buffer: torch.Tensor, sg: SubGroup) -> list[torch.Tensor]:
+        """The master, exp_avg and exp_avg_sq views of ``sg`` in a host buffer."""
+        floats = buffer[: 12 * sg.numel].view(torch.float32)
+        return [floats[i * sg.numel : (i + 1) * sg.numel] for i in range(3)]
+
+    def _io(self, sg: SubGroup, buffer: torch.Tensor, *, write: bool):
+        region = buffer[: round_up(12 * sg.numel)]
+        return self.swap.write(sg.offset, region) if write else self.swap.read(sg.offset, region)
+
+    # ----- the step -----
+    def step(self, grads: list[torch.Tensor]) -> None:
+        """Adam on every sub-group with the unscaled fp32 gradient shards ``grads`` (one per
+        unit); the compute-dtype copies (``compute_copy``) are written in the same pass."""
+        host_grads = [g if g.device.type == "cpu" else g.to("cpu") for g in grads]
+        for i in range(len(self.units)):
+            self.steps[i] += 1
+        hypers = [_hyper(self.optimizer, u.group_index) for u in self.units]
+
+        def update(sg: SubGroup, master, exp_avg, exp_avg_sq) -> None:
+            adam_step(master, host_grads[sg.unit][sg.lo : sg.hi], exp_avg, exp_avg_sq, hyper=hypers[sg.unit],
+                      step=float(self.steps[sg.unit]), out=self.compute_copy[sg.unit][sg.lo : sg.hi])
+
+        if self.swap is None:
+            for sg in self.subgroups:
+                state = self.host[sg.unit]
+                update(sg, *(state[k][sg.lo : sg.hi] for k in ("master", *_STATES)))
+        else:
+            self._stream(update)
+
+    def _stream(self, update) -> None:
+        """[Note: swap pipeline]."""
+        count = len(self.buffers)
+        reads, writes = {}, {}
+
+        def start_read(j: int) -> None:
+            if j - count in writes:
+                writes.pop(j - count).wait()
+            reads[j] = self._io(self.subgroups[j], self.buffers[j % count], write=False)
+
+        try:
+            start_read(0)
+            for i, sg in enumerate(self.subgroups):
+                if i + 1 < len(self.subgroups):
+                    start_read(i + 1)
+                reads.pop(i).wait()
+                update(sg, *self._region(self.buffers[i % count], sg))
+                writes[i] = self._io(sg, self.buffers[i % count], write=True)
+        finally:
+            for transfer in [*reads.values(), *writes.values()]:
+                transfer.wait()
+
+    # ----- state (checkpoints) -----
+    def unit_states(self) -> list[list[torch.Tensor]]:
+        """Per unit: CPU copies of [master, exp_avg, exp_avg_sq]."""
+        if self.swap is None:
+            return [[s[k].clone() for k in ("master", *_STATES)] for s in self.host]
+        out = [[torch.empty(u.layout.shard_numel) for _ in range(3)] for u in self.units]
+        for sg in self.subgroups:
+            self._io(sg, self.buffers[0], write=False).wait()
+            for target, source in zip(out[sg.unit], self._region(self.buffers[0], sg)):
+                target[sg.lo : sg.hi].copy_(source)
+        return out
+
+    def masters(self) -> list[torch.Tensor]:
+        return [states[0] for states in self.unit_states()]
+
+    def state_dict(self) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """The masters and ``torch.optim.Optimizer.state_dict()`` as the user's optimizer would
+        return it without offload (same indices, same tensors)."""
+        template = self.optimizer.state_dict()
+        index = self._param_index()
+        states = self.unit_states()
+        state = {}
+        for unit, (_, exp_avg, exp_avg_sq) in zip(self.units, states):
+            if self.steps[unit.index]:
+                state[index[unit.index]] = {"step": torch.tensor(float(self.steps[unit.index])),
+                                            "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        return [s[0] for s in states], {"state": state, "param_groups": template["param_groups"]}
+
+    def load_state_dict(self, masters: list[torch.Tensor], saved: dict[str, Any]) -> None:
+        """Inverse of ``state_dict`` (validated by the caller); hyper-parameters go to the
+        torch optimizer's param groups, as its ``load_state_dict`` would put them."""
+        for group, saved_group in zip(self.optimizer.param_groups, saved["param_groups"]):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+        index = self._param_index()
+        for unit, master in zip(self.units, masters):
+            entry = saved["state"].get(index[unit.index])
+            self.steps[unit.index] = int(entry["step"]) if entry else 0
+            values = [master.float()] + [entry[k].float() if entry else torch.zeros_like(master) for k in _STATES]
+            if self.swap is None:
+                for key, value in zip(("master", *_STATES), values):
+                    self.host[unit.index][key].copy_(value)
+                continue
+            for sg in (sg for sg in self.subgroups if sg.unit == unit.index):
+                for target, value in zip(self._region(self.buffers[0], sg), values):
+                    target.copy_(value[sg.lo : sg.hi])
+                self._io(sg, self.buffers[0], write=True).wait()
+        for unit, master in zip(self.units, masters):
+            self.compute_copy[unit.index].copy_(master)
+
+    def state_problem(self, saved: dict[str, Any]) -> str | None:
+        """Why ``saved`` (an optimizer state dict) cannot be loaded here, or None."""
+        index = self._param_index()
+        for unit in self.units:
+            entry = saved.get("state", {}).get(index[unit.index])
+            if entry is None:
+                continue
+            shapes = [tuple(entry[k].shape) if isinstance(entry.get(k), torch.Tensor) else None for k in _STATES]
+            if shapes != [(unit.layout.shard_numel,)] * 2 or "step" not in entry:
+                return f"optimizer state of unit {unit.index} is not Adam's exp_avg/exp_avg_sq/step of its shard"
+        return None
+
+    def _param_index(self) -> list[int]:
+        """Per unit: the index of its master in ``optimizer.state_dict()``'s numbering."""
+        order = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        return [order[id(u.master)] for u in self.units]
+
+    def close(self) -> None:
+        """Remove the swap file (see [Note: swap file lifetime]); idempotent."""
+        if self.swap is not None:
+            self.swap.close()
+
+
+def _cut(units: list[FlatUnit], size: int) -> list[SubGroup]:
+    return [SubGroup(u.index, lo, min(lo + size, u.layout.shard_numel))
+            for u in units for lo in range(0, u.layout.shard_numel, size)]

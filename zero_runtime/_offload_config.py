@@ -1,0 +1,101 @@
+"""The offload sections of the config: ``zero_optimization.offload_optimizer``, ``sub_group_size``
+and the top-level ``aio`` section, with DeepSpeed's keys, defaults and meanings.
+
+Parsed here and held by ``ZeroConfig`` (``config.py``); unknown sub-keys are rejected with
+the list of them, as everywhere in the config.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's sub_group_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadOptimizerConfig:
+    """``zero_optimization.offload_optimizer`` (stages 1-3), DeepSpeed's meaning.
+
+    ``device``: ``"none"`` keeps the fp32 master weights and the optimizer states on the
+    training device; ``"cpu"`` keeps them in CPU memory and ``"nvme"`` in one file per rank
+    under ``nvme_path`` (created at start-up, removed when the optimizer is closed, garbage
+    collected or the process exits), and the optimizer step runs on the CPU
+    (``zero_runtime.cpu_adam``: Adam/AdamW only). ``pin_memory``: page-locked host buffers
+    for the copies between the GPU and the host (a CPU run makes no such copies).
+    ``buffer_count``: host buffers the NVMe step cycles through, one sub-group each (>= 3:
+    one being read, one updated, one written back).
+    """
+
+    device: OffloadDevice = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = 4
+
+    def __post_init__(self) -> None:
+        if self.device not in ("none", "cpu", "nvme"):
+            raise ValueError(f"offload_optimizer.device must be 'none', 'cpu' or 'nvme', got {self.device!r}")
+        if not isinstance(self.pin_memory, bool):
+            raise TypeError(f"offload_optimizer.pin_memory must be true or false, got {self.pin_memory!r}")
+        if isinstance(self.buffer_count, bool) or not isinstance(self.buffer_count, int) or self.buffer_count < 3:
+            raise ValueError(f"offload_optimizer.buffer_count must be an integer >= 3, got {self.buffer_count!r}")
+        if self.device == "nvme":
+            if not isinstance(self.nvme_path, (str, os.PathLike)) or not str(self.nvme_path):
+                raise ValueError("offload_optimizer.device 'nvme' needs offload_optimizer.nvme_path (a directory)")
+            object.__setattr__(self, "nvme_path", os.fspath(self.nvme_path))
+        elif self.nvme_path is not None and not isinstance(self.nvme_path, (str, os.PathLike)):
+            raise TypeError(f"offload_optimizer.nvme_path must be a path, got {self.nvme_path!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AioConfig:
+    """The ``aio`` section: how NVMe swap files are read and written.
+
+    ``block_size`` (bytes, DeepSpeed default 1 MiB): each sub-group's transfer is split
+    into requests of this size; ``thread_count`` (default 1) threads each keep up to
+    ``queue_depth`` (default 8) of them in flight. ``zcomm_direct_io`` (zcomm key):
+    ``"auto"`` (default) opens the swap files with ``O_DIRECT`` where the file system
+    allows it and with buffered I/O where it does not (``ramfs``); ``true`` requires
+    ``O_DIRECT`` (a clear error at start-up where it is not possible); ``false`` never uses it.
+    """
+
+    block_size: int = 1 << 20
+    queue_depth: int = 8
+    thread_count: int = 1
+    zcomm_direct_io: bool | Literal["auto"] = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "queue_depth", "thread_count"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"aio.{name} must be an integer >= 1, got {value!r}")
+        if self.block_size % 4096:
+            raise ValueError(f"aio.block_size must be a multiple of 4096 bytes (direct I/O), got {self.block_size}")
+        if self.zcomm_direct_io not in (True, False, "auto"):
+            raise ValueError(f"aio.zcomm_direct_io must be true, false or 'auto', got {self.zcomm_direct_io!r}")
+
+
+def _strict(cls, section: str, value: Any):
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise TypeError(f"config section {section!r} must be a mapping, got {type(value).__name__}")
+    known = set(cls.__dataclass_fields__)
+    unknown = sorted(f"{section}.{k}" for k in value if k not in known)
+    if unknown:
+        raise ValueError(f"unknown config keys: {', '.join(unknown)}")
+    return cls(**value)
+
+
+def offload_optimizer_config(value: Any) -> OffloadOptimizerConfig:
+    return _strict(OffloadOptimizerConfig, "zero_optimization.offload_optimizer", value)
+
+
+def aio_config(value: Any) -> AioConfig:
+    return _strict(AioConfig, "aio", value)

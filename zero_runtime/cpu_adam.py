@@ -1,0 +1,209 @@
+"""A fused CPU Adam/AdamW step over flat fp32 states, bit-identical to ``torch.optim.AdamW``.
+
+One parallel pass over blocks of ``_BLOCK`` elements (each thread of the rank's share takes
+whole blocks, see :func:`zcomm.quant.cpu_kernels.use_thread_share`). Per block:
+
+1. moments: ``exp_avg`` and ``exp_avg_sq`` updated from the gradient (Adam's L2 weight
+   decay folded into the gradient first), ``exp_avg_sq`` kept in a per-thread buffer;
+2. the square roots of that buffer, with the same routine torch's CPU ``sqrt`` uses (see
+   [Note: torch's CPU sqrt]);
+3. the update: AdamW's decoupled decay, ``denom = sqrt / bc2_sqrt + eps``, the parameter
+   step, and the store of the new value into the compute-dtype copy (bf16/fp16 rounded to
+   nearest even, as ``Tensor.copy_`` rounds).
+
+Every byte of the five arrays is read and written once, where torch's single-tensor step
+makes about ten passes. The block stays in L1/L2 between the three phases.
+
+[Note: Adam's operation order] The result equals torch's single-tensor step
+(``foreach=False``, what torch picks for CPU parameters) only if every fp32 rounding is the
+same, so the kernel replays torch 2.13's CPU kernels op by op, as measured element for
+element against them (``tests/runtime/test_cpu_adam.py`` checks the whole step):
+
+* ``param.mul_(1 - lr * wd)`` (AdamW): one fp32 multiply by the fp32-rounded scalar;
+* ``grad.add(param, alpha=wd)`` (Adam): ``fma(param, wd, grad)`` (torch's vectorized add);
+* ``exp_avg.lerp_(grad, 1 - beta1)``: ``fma(w, grad - m, m)`` for ``|w| < 0.5``, else
+  ``fma(w - 1, grad - m, grad)`` (torch's ``lerp_vec``);
+* ``exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)``:
+  ``fma((1 - beta2) * grad, grad, v * beta2)`` (the compiler contracts torch's addcmul);
+* ``(exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)``: an fp32 division, not a reciprocal;
+* ``param.addcdiv_(exp_avg, denom, value=-step_size)``: ``param + (-step_size * m) / denom``.
+
+The scalars are computed in Python doubles exactly as torch computes them and rounded to
+fp32 once (``_scalars``). numba compiles without fastmath, so no other contraction happens.
+torch's ``fused=True`` CPU kernel uses a correctly rounded sqrt instead and differs from
+the single-tensor step in the last bit of some elements; this kernel follows the
+single-tensor step, which is what the runtime trains with when nothing is offloaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from zcomm.quant.cpu_kernels import kernel_view, shared_array, store_f32, use_thread_share
+
+_BLOCK = 16384  # floats: the five arrays' block (320 KiB) stays in L2; amortizes the sqrt call (~9 us)
+_KERNEL = dict(parallel=True, cache=True, nogil=True, error_model="numpy")
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """``a * b + c`` rounded once (fp32)."""
+    if not (a == b == c == types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fma(*args)
+
+    return types.float32(a, b, c), codegen
+
+
+_SQRT_FN = ir.FunctionType(ir.VoidType(), [ir.IntType(32).as_pointer(), ir.FloatType().as_pointer(),
+                                           ir.FloatType().as_pointer()])
+
+
+@intrinsic
+def _call_vssqrt(typingctx, address, count, source, target):
+    """Call the Fortran-ABI ``VSSQRT_(&n, a, r)`` at ``address`` (integers: addresses)."""
+    sig = types.void(types.int64, types.int64, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        fn = builder.inttoptr(args[0], _SQRT_FN.as_pointer())
+        ptrs = [builder.inttoptr(arg, ty) for arg, ty in zip(args[1:], _SQRT_FN.args)]
+        builder.call(fn, ptrs)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(**_KERNEL)
+def _adam_kernel(param, grad, exp_avg, exp_avg_sq, out, has_out, decoupled, decay, l2, w1, beta2, omb2, bc2_sqrt,
+                 eps, neg_step, sqrt_address):
+    n = param.shape[0]
+    blocks = (n + _BLOCK - 1) // _BLOCK
+    small = abs(w1) < np.float32(0.5)
+    w1_minus_one = w1 - np.float32(1.0)
+    for b in prange(blocks):
+        roots = np.empty(_BLOCK, np.float32)
+        count = np.empty(1, np.int32)
+        # Unsigned indices: numba then emits no negative-index wraparound, which would keep
+        # LLVM from vectorizing the loops.
+        lo = np.uint64(b) * np.uint64(_BLOCK)
+        hi = min(lo + np.uint64(_BLOCK), np.uint64(n))
+        for i in range(lo, hi):
+            g = grad[i]
+            if not decoupled:
+                g = _fma(param[i], l2, g)
+            m = exp_avg[i]
+            diff = g - m
+            m = _fma(w1, diff, m) if small else _fma(w1_minus_one, diff, g)
+            v = _fma(omb2 * g, g, exp_avg_sq[i] * beta2)
+            exp_avg[i] = m
+            exp_avg_sq[i] = v
+            roots[i - lo] = v
+        if sqrt_address != 0:
+            count[0] = np.int32(hi - lo)
+            address = roots.ctypes.data
+            _call_vssqrt(sqrt_address, count.ctypes.data, address, address)
+        else:
+            for j in range(np.uint64(0), hi - lo):
+                roots[j] = np.sqrt(roots[j])
+        for i in range(lo, hi):
+            p = param[i]
+            if decoupled:
+                p = p * decay
+            denom = roots[i - lo] / bc2_sqrt + eps
+            p = p + (neg_step * exp_avg[i]) / denom
+            param[i] = p
+            if has_out:
+                store_f32(out, i, p)
+
+
+# [Note: torch's CPU sqrt] torch's CPU ``sqrt`` of a float32 tensor is MKL's VML ``vsSqrt``
+# where torch is built with MKL (x86 wheels), and it is not correctly rounded: about a fifth
+# of the results differ from the exact square root in the last bit. To equal torch's Adam,
+# the kernel calls the same routine, through the Fortran-ABI ``VSSQRT_`` symbol that
+# libtorch_cpu exports. Which routine reproduces ``torch.sqrt`` is checked once per process
+# on a probe vector; a torch without MKL (whose sqrt is then the vectorized, correctly
+# rounded one) gets numba's ``np.sqrt``. If neither reproduces torch, the step is still
+# correct Adam but not bit-identical: ``SQRT_MATCHES_TORCH`` says which case holds.
+def _probe_sqrt() -> tuple[int, bool]:
+    values = torch.rand(4 * _BLOCK + 3, generator=torch.Generator().manual_seed(0)) * 1e-3
+    want = values.sqrt()
+    address = _mkl_vssqrt_address()
+    if address:
+        got = values.clone()
+        count = ctypes.c_int32(got.numel())
+        ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)(address)(
+            ctypes.addressof(count), got.data_ptr(), got.data_ptr())
+        if torch.equal(got, want):
+            return address, True
+    exact = torch.from_numpy(np.sqrt(values.numpy()))
+    return 0, torch.equal(exact, want)
+
+
+def _mkl_vssqrt_address() -> int:
+    library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    if not library.exists():
+        return 0
+    try:
+        return ctypes.cast(ctypes.CDLL(str(library)).VSSQRT_, ctypes.c_void_p).value or 0
+    except AttributeError:
+        return 0
+
+
+SQRT_ADDRESS, SQRT_MATCHES_TORCH = _probe_sqrt()
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    """One param group's hyper-parameters, as ``torch.optim.Adam``/``AdamW`` hold them."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool  # AdamW (decay applied to the weights) or Adam (L2 added to the gradient)
+
+
+def _scalars(h: AdamHyper, step: float):
+    """The fp32 scalars of step number ``step``, computed as torch's single-tensor Adam does."""
+    f = np.float32
+    bias_correction1 = 1 - h.beta1**step
+    bias_correction2 = 1 - h.beta2**step
+    step_size = h.lr / bias_correction1
+    return (f(1 - h.lr * h.weight_decay), f(h.weight_decay), f(1 - h.beta1), f(h.beta2), f(1 - h.beta2),
+            f(bias_correction2**0.5), f(h.eps), f(-step_size))
+
+
+def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+              hyper: AdamHyper, step: float, out: torch.Tensor | None = None) -> None:
+    """One Adam/AdamW step, in place, on contiguous fp32 CPU tensors of one size; ``step``
+    is the step number after this update (torch's ``state["step"]`` once incremented).
+    ``out`` (optional, same size, fp32/bf16/fp16, CPU) receives the updated parameters in
+    its dtype in the same pass."""
+    tensors = (param, grad, exp_avg, exp_avg_sq)
+    numel = param.numel()
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != numel:
+            raise ValueError("adam_step takes contiguous fp32 CPU tensors of one size")
+    if out is not None and (out.device.type != "cpu" or not out.is_contiguous() or out.numel() != numel
+                            or out.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+        raise ValueError("adam_step's out must be a contiguous fp32/bf16/fp16 CPU tensor of the parameters' size")
+    if not math.isfinite(step) or step < 1:
+        raise ValueError(f"step must be >= 1, got {step}")
+    if numel == 0:
+        return
+    arrays = [shared_array(t.detach().view(-1)) for t in tensors]
+    target = kernel_view(out.detach().view(-1)) if out is not None else arrays[0][:0]
+    use_thread_share()
+    _adam_kernel(*arrays, target, out is not None, hyper.decoupled, *_scalars(hyper, step), SQRT_ADDRESS)
