@@ -1,7 +1,8 @@
 """A fused CPU Adam/AdamW step over flat fp32 states, bit-identical to ``torch.optim.AdamW``.
 
-One parallel pass over blocks of ``_BLOCK`` elements (each thread of the rank's share takes
-whole blocks, see :func:`zcomm.quant.cpu_kernels.use_thread_share`). Per block:
+One parallel pass over blocks of ``_BLOCK`` elements: each thread of the rank's share (see
+:func:`zcomm.quant.cpu_kernels.use_thread_share`) takes one contiguous slice of blocks and
+walks it with its own sqrt buffer. Per block:
 
 1. moments: ``exp_avg`` and ``exp_avg_sq`` updated from the gradient (Adam's L2 weight
    decay folded into the gradient first), ``exp_avg_sq`` kept in a per-thread buffer;
@@ -13,6 +14,16 @@ whole blocks, see :func:`zcomm.quant.cpu_kernels.use_thread_share`). Per block:
 
 Every byte of the five arrays is read and written once, where torch's single-tensor step
 makes about ten passes. The block stays in L1/L2 between the three phases.
+
+[Note: Adam kernel speed] What made the step slow, measured on 100M parameters (2 cores,
+see ``bench/results/cpu_adam_*``): the stores to the optional ``out`` when it was a view of
+``param`` (LLVM then could not prove the loop free of overlap and ran its scalar version),
+the flags tested inside the loops (a conditional load or store keeps LLVM from vectorizing),
+and a buffer allocated per block. What is left above torch's ``fused=True`` step is mostly
+MKL's ``vsSqrt`` itself (about 0.6 ns per element in cache, against a streaming pass near
+memory bandwidth): no in-kernel formula tried (x * rsqrt with one Newton step in fp32 or
+fp64, the correctly rounded root) reproduces its bits, and numba's ``np.sqrt`` (correctly
+rounded) differs from it in about a fifth of the elements.
 
 [Note: Adam's operation order] The result equals torch's single-tensor step
 (``foreach=False``, what torch picks for CPU parameters) only if every fp32 rounding is the
@@ -50,7 +61,7 @@ from numba.extending import intrinsic
 
 from zcomm.quant.cpu_kernels import kernel_view, shared_array, store_f32, use_thread_share
 
-_BLOCK = 2048  # floats: the five arrays' block (320 KiB) stays in L2; amortizes the sqrt call (~9 us)
+_BLOCK = 2048  # floats: a block of the five arrays (40 KiB) stays in L1/L2; 1K-16K measured alike
 _KERNEL = dict(parallel=True, cache=True, nogil=True, error_model="numpy")
 
 
