@@ -38,15 +38,12 @@ from typing import Any
 import torch
 
 from . import _host_sync, _reshard
+from ._checkpoint_error import CheckpointError
 from ._comm_plan import CommPlan
 from ._state import TrainingState
 
 FORMAT = "zero_runtime.sharded/1"
 META = "meta.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded into this run (and nothing was changed)."""
 
 
 def fingerprint(state: TrainingState) -> list[list[Any]]:
@@ -286,7 +283,7 @@ def _read_rank_state(state: TrainingState, plan: CommPlan, root: Path) -> dict[s
     if problem:  # before reading every rank's file
         raise CheckpointError(f"checkpoint {root}: {problem}")
     files = [_read_rank_file(root, meta, rank) for rank in range(meta["world_size"])]
-    saved = _reshard.resharded_rank_state(state, plan, root, meta, files)
+    saved = _reshard.resharded_rank_state(state, plan, root, meta, files, fingerprint(state))
     if state.offload is not None:
         problem = state.offload.state_problem(saved["optimizer"])
         if problem:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ._checkpoint_error import CheckpointError
 from ._flat_buffer import FlatLayout
 
 
@@ -37,8 +38,6 @@ def saved_layout(meta: dict[str, Any], entry: list, align: int | None) -> FlatLa
     """The layout a saved unit had: ``entry`` is its fingerprint entry (``[..., numel,
     slots]``), ``align`` its recorded alignment (None in checkpoints that predate it: then it
     must have been packed)."""
-    from ._checkpoint import CheckpointError
-
     numel, slots = entry[-2], entry[-1]
     layout = FlatLayout([shape for _, shape in slots], world_size=meta["world_size"], align=align or 1)
     if layout.numel != numel:
@@ -74,13 +73,13 @@ def _optimizer_order(group_indices: list[int]) -> list[int]:
     return index
 
 
-def resharded_rank_state(state, plan, root: Path, meta: dict[str, Any], files: list[dict[str, Any]]) -> dict[str, Any]:
-    """A ``rank_state``-shaped dict for this rank of this run, built from all the saved
-    ``files`` of a checkpoint written at another layout (see [Note: resharding a checkpoint])."""
-    from ._checkpoint import CheckpointError, fingerprint
-
+def resharded_rank_state(state, plan, root: Path, meta: dict[str, Any], files: list[dict[str, Any]],
+                         run_fingerprint: list) -> dict[str, Any]:
+    """A ``rank_state``-shaped dict for this rank of this run (whose ``_checkpoint.fingerprint``
+    is ``run_fingerprint``), built from all the saved ``files`` of a checkpoint written at
+    another layout (see [Note: resharding a checkpoint])."""
     saved_fp = meta["fingerprint"]
-    problem = parameter_mismatch(saved_fp, fingerprint(state))
+    problem = parameter_mismatch(saved_fp, run_fingerprint)
     if problem:
         raise CheckpointError(f"{root}: {problem}")
     first = files[0]
