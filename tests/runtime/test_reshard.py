@@ -33,11 +33,13 @@ def _gpt2(n_layer: int = 2):
     return model
 
 
-def _initialize(world: int, n_layer: int = 2):
+def _initialize(world: int, n_layer: int = 2, offload: bool = False):
     import zero_runtime
 
     config = {"zero_optimization": {"stage": STAGES[world], "stage3_param_persistence_threshold": 0,
                                     "reduce_bucket_size": 3000}}
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     return zero_runtime.initialize(_gpt2(n_layer), lambda p: torch.optim.AdamW(p, lr=1e-2), config)
 
 
@@ -118,6 +120,12 @@ def _load(rank: int, world: int, root: str) -> dict:
     _step(model, opt, 2, rank, world)
     out["stepped"] = opt.full_state_dict()
     out["steps_after"] = [float(opt.optimizer.state[u.master]["step"]) for u in opt.units]  # each its own counter
+    if world == 1:  # into an offloaded optimizer (same format): its one step must equal the step above
+        model, opt = _initialize(world, offload=True)
+        opt.load_checkpoint(Path(root) / "ckpt")
+        out["offloaded-loaded"] = opt.full_state_dict()
+        _step(model, opt, 2, rank, world)
+        out["offloaded-stepped"] = opt.full_state_dict()
     return out
 
 
@@ -162,3 +170,13 @@ def test_another_model_is_refused_naming_parameters(runs):
     assert "12 parameter(s) differ" in result["other-model"]  # layer h.2's 12 trained parameters
     assert "transformer.h.2.attn.c_proj.weight (missing from the checkpoint)" in result["other-model"]
     assert result["untouched"]
+
+
+def test_loads_into_an_offloaded_optimizer(runs):
+    saved, loaded = runs
+    want = _assemble([r["saved"] for r in saved])
+    result = loaded[1][0]
+    for name, states in want.items():
+        assert torch.equal(result["offloaded-loaded"][name], states["master"]), name
+    for key, value in result["stepped"].items():  # offloaded training is bit-identical to training without
+        assert torch.equal(result["offloaded-stepped"][key], value), key
