@@ -150,7 +150,7 @@ class OptimizerOffload:
             self._stream(update)
 
     def _stream(self, update) -> None:
-        """[Note: swap pipeline]."""
+        """Run ``update`` on every sub-group, streamed through the host buffers; see [Note: swap pipeline]."""
         count = len(self.buffers)
         reads, writes = {}, {}
 

@@ -1,7 +1,8 @@
 """A fused CPU Adam/AdamW step over flat fp32 states, bit-identical to ``torch.optim.AdamW``.
 
-One parallel pass over blocks of ``_BLOCK`` elements (each thread of the rank's share takes
-whole blocks, see :func:`zcomm.quant.cpu_kernels.use_thread_share`). Per block:
+One parallel pass over blocks of ``_BLOCK`` elements: each thread of the rank's share (see
+:func:`zcomm.quant.cpu_kernels.use_thread_share`) takes one contiguous slice of blocks and
+walks it with its own sqrt buffer. Per block:
 
 1. moments: ``exp_avg`` and ``exp_avg_sq`` updated from the gradient (Adam's L2 weight
    decay folded into the gradient first), ``exp_avg_sq`` kept in a per-thread buffer;
@@ -13,6 +14,16 @@ whole blocks, see :func:`zcomm.quant.cpu_kernels.use_thread_share`). Per block:
 
 Every byte of the five arrays is read and written once, where torch's single-tensor step
 makes about ten passes. The block stays in L1/L2 between the three phases.
+
+[Note: Adam kernel speed] What made the step slow, measured on 100M parameters (2 cores,
+see ``bench/results/cpu_adam_*``): the stores to the optional ``out`` when it was a view of
+``param`` (LLVM then could not prove the loop free of overlap and ran its scalar version),
+the flags tested inside the loops (a conditional load or store keeps LLVM from vectorizing),
+and a buffer allocated per block. What is left above torch's ``fused=True`` step is mostly
+MKL's ``vsSqrt`` itself (about 0.6 ns per element in cache, against a streaming pass near
+memory bandwidth): no in-kernel formula tried (x * rsqrt with one Newton step in fp32 or
+fp64, the correctly rounded root) reproduces its bits, and numba's ``np.sqrt`` (correctly
+rounded) differs from it in about a fifth of the elements.
 
 [Note: Adam's operation order] The result equals torch's single-tensor step
 (``foreach=False``, what torch picks for CPU parameters) only if every fp32 rounding is the
@@ -45,12 +56,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import get_num_threads, njit, prange, types
 from numba.extending import intrinsic
 
 from zcomm.quant.cpu_kernels import kernel_view, shared_array, store_f32, use_thread_share
 
-_BLOCK = 16384  # floats: the five arrays' block (320 KiB) stays in L2; amortizes the sqrt call (~9 us)
+_BLOCK = 2048  # floats: a block of the five arrays (40 KiB) stays in L1/L2; 1K-16K measured alike
 _KERNEL = dict(parallel=True, cache=True, nogil=True, error_model="numpy")
 
 
@@ -86,45 +97,72 @@ def _call_vssqrt(typingctx, address, count, source, target):
 
 @njit(**_KERNEL)
 def _adam_kernel(param, grad, exp_avg, exp_avg_sq, out, has_out, decoupled, decay, l2, w1, beta2, omb2, bc2_sqrt,
-                 eps, neg_step, sqrt_address):
+                 eps, neg_step, sqrt_address, threads):
     n = param.shape[0]
     blocks = (n + _BLOCK - 1) // _BLOCK
+    threads = max(1, min(threads, blocks))
+    per_thread = (blocks + threads - 1) // threads
     small = abs(w1) < np.float32(0.5)
     w1_minus_one = w1 - np.float32(1.0)
-    for b in prange(blocks):
+    # [Note: Adam's thread slices] One contiguous run of blocks per thread, with its sqrt
+    # buffer allocated once: a prange over the blocks themselves allocated a buffer per block
+    # and measured about 1.5x slower (see bench/results/cpu_adam_*).
+    for t in prange(threads):
         roots = np.empty(_BLOCK, np.float32)
         count = np.empty(1, np.int32)
-        # Unsigned indices: numba then emits no negative-index wraparound, which would keep
-        # LLVM from vectorizing the loops.
-        lo = np.uint64(b) * np.uint64(_BLOCK)
-        hi = min(lo + np.uint64(_BLOCK), np.uint64(n))
-        for i in range(lo, hi):
-            g = grad[i]
-            if not decoupled:
-                g = _fma(param[i], l2, g)
-            m = exp_avg[i]
-            diff = g - m
-            m = _fma(w1, diff, m) if small else _fma(w1_minus_one, diff, g)
-            v = _fma(omb2 * g, g, exp_avg_sq[i] * beta2)
-            exp_avg[i] = m
-            exp_avg_sq[i] = v
-            roots[i - lo] = v
-        if sqrt_address != 0:
-            count[0] = np.int32(hi - lo)
-            address = roots.ctypes.data
-            _call_vssqrt(sqrt_address, count.ctypes.data, address, address)
-        else:
-            for j in range(np.uint64(0), hi - lo):
-                roots[j] = np.sqrt(roots[j])
-        for i in range(lo, hi):
-            p = param[i]
+        for b in range(t * per_thread, min((t + 1) * per_thread, blocks)):
+            # Unsigned indices: numba then emits no negative-index wraparound, which would keep
+            # LLVM from vectorizing the loops.
+            lo = np.uint64(b) * np.uint64(_BLOCK)
+            size = min(np.uint64(_BLOCK), np.uint64(n) - lo)
+            p_block, g_block = param[lo:lo + size], grad[lo:lo + size]
+            m_block, v_block = exp_avg[lo:lo + size], exp_avg_sq[lo:lo + size]
+            # Branch-free loop bodies (the flags hoisted, selects on computed values): a
+            # conditional load or store in the loop keeps LLVM from vectorizing it.
             if decoupled:
-                p = p * decay
-            denom = roots[i - lo] / bc2_sqrt + eps
-            p = p + (neg_step * exp_avg[i]) / denom
-            param[i] = p
+                for i in range(np.uint64(0), size):
+                    m, v = _moments(g_block[i], m_block[i], v_block[i], small, w1, w1_minus_one, beta2, omb2)
+                    m_block[i] = m
+                    v_block[i] = v
+                    roots[i] = v
+            else:
+                for i in range(np.uint64(0), size):
+                    m, v = _moments(_fma(p_block[i], l2, g_block[i]), m_block[i], v_block[i], small, w1,
+                                    w1_minus_one, beta2, omb2)
+                    m_block[i] = m
+                    v_block[i] = v
+                    roots[i] = v
+            if sqrt_address != 0:
+                count[0] = np.int32(size)
+                address = roots.ctypes.data
+                _call_vssqrt(sqrt_address, count.ctypes.data, address, address)
+            else:
+                for i in range(np.uint64(0), size):
+                    roots[i] = np.sqrt(roots[i])
             if has_out:
-                store_f32(out, i, p)
+                for i in range(np.uint64(0), size):
+                    p = _update(p_block[i], m_block[i], roots[i], decoupled, decay, bc2_sqrt, eps, neg_step)
+                    p_block[i] = p
+                    store_f32(out, lo + i, p)
+            else:
+                for i in range(np.uint64(0), size):
+                    p_block[i] = _update(p_block[i], m_block[i], roots[i], decoupled, decay, bc2_sqrt, eps, neg_step)
+
+
+@njit(inline="always")
+def _moments(g, m, v, small, w1, w1_minus_one, beta2, omb2):
+    """The new ``exp_avg`` and ``exp_avg_sq`` (see [Note: Adam's operation order])."""
+    diff = g - m
+    m_new = _fma(w1, diff, m) if small else _fma(w1_minus_one, diff, g)
+    return m_new, _fma(omb2 * g, g, v * beta2)
+
+
+@njit(inline="always")
+def _update(p, m, root, decoupled, decay, bc2_sqrt, eps, neg_step):
+    """The new parameter from its ``exp_avg`` and the square root of its ``exp_avg_sq``."""
+    decayed = p * decay
+    p = decayed if decoupled else p
+    return p + (neg_step * m) / (root / bc2_sqrt + eps)
 
 
 # [Note: torch's CPU sqrt] torch's CPU ``sqrt`` of a float32 tensor is MKL's VML ``vsSqrt``
@@ -161,6 +199,7 @@ def _mkl_vssqrt_address() -> int:
 
 
 SQRT_ADDRESS, SQRT_MATCHES_TORCH = _probe_sqrt()
+_NO_OUT = np.empty(0, np.float32)
 
 
 @dataclass(frozen=True)
@@ -204,6 +243,9 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
     if numel == 0:
         return
     arrays = [shared_array(t.detach().view(-1)) for t in tensors]
-    target = kernel_view(out.detach().view(-1)) if out is not None else arrays[0][:0]
+    # Not a view of ``param`` when there is no ``out``: LLVM would then see the stores to
+    # ``out`` possibly overlapping ``param`` and run the scalar version of the loop.
+    target = kernel_view(out.detach().view(-1)) if out is not None else _NO_OUT
     use_thread_share()
-    _adam_kernel(*arrays, target, out is not None, hyper.decoupled, *_scalars(hyper, step), SQRT_ADDRESS)
+    _adam_kernel(*arrays, target, out is not None, hyper.decoupled, *_scalars(hyper, step), SQRT_ADDRESS,
+                 get_num_threads())

@@ -13,11 +13,14 @@ from pathlib import Path
 
 import zcomm
 import zcomm.quant
+import zcomm.quant.cpu_kernels
 
 PACKAGE = Path(__file__).resolve().parents[2] / "zero_runtime"
-PUBLIC_MODULES = {"__init__", "config", "optimizer", "estimate"}
+PUBLIC_MODULES = {"__init__", "config", "optimizer", "estimate", "lr_schedules", "export", "checkpointing", "cpu_adam",
+                  "swap_file", "tiled_linear"}
 # Public modules of zcomm the runtime may import names from, with the names they export.
-ZCOMM_API = {"zcomm": set(zcomm.__all__), "zcomm.quant": set(zcomm.quant.__all__)}
+ZCOMM_API = {"zcomm": set(zcomm.__all__), "zcomm.quant": set(zcomm.quant.__all__),
+             "zcomm.quant.cpu_kernels": set(zcomm.quant.cpu_kernels.__all__)}
 NOTE = re.compile(r"\[Note: ([^\]]+)\]")
 
 
