@@ -37,17 +37,13 @@ from typing import Any
 
 import torch
 
-from . import _host_sync
+from . import _host_sync, _reshard
+from ._checkpoint_error import CheckpointError
 from ._comm_plan import CommPlan
-from ._flat_buffer import FlatLayout
 from ._state import TrainingState
 
 FORMAT = "zero_runtime.sharded/1"
 META = "meta.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded into this run (and nothing was changed)."""
 
 
 def fingerprint(state: TrainingState) -> list[list[Any]]:
@@ -200,6 +196,8 @@ def save(state: TrainingState, plan: CommPlan, directory: str | os.PathLike,
         meta = {"format": FORMAT, "tag": tag, "world_size": plan.world_size, "stage": state.stage,
                 "fingerprint": fingerprint(state), "global_step": state.global_step, "files": infos,
                 "frozen_fingerprint": [[u.layout.numel, _slots(u)] for u in state.frozen_units],
+                "aligns": [u.layout.align for u in state.units],
+                "frozen_aligns": [u.layout.align for u in state.frozen_units],
                 "model_keys": keys}
         _write_atomic(root / META, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
     plan.barrier()
@@ -249,30 +247,48 @@ def consolidate(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
                               "consolidated offline: load it in a run and call full_state_dict()")
     files = [_read_rank_file(root, meta, rank) for rank in range(meta["world_size"])]
 
-    def unflatten(fingerprint_entry: list, shards: list[torch.Tensor]) -> list[torch.Tensor]:
-        numel, slots = fingerprint_entry[-2], fingerprint_entry[-1]
+    def unflatten(fingerprint_entry: list, align: int | None, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        layout = _reshard.saved_layout(meta, fingerprint_entry, align)
         flat = torch.cat(shards)
-        assert flat.numel() == numel, (flat.numel(), numel)
-        return FlatLayout([shape for _, shape in slots], world_size=meta["world_size"]).views(flat)
+        if flat.numel() != layout.numel:
+            raise CheckpointError(f"{root}: shards of {flat.numel()} elements for a unit of {layout.numel}")
+        return layout.views(flat)
 
-    views = {"unit": [unflatten(entry, [f["masters"][i] for f in files])
-                      for i, entry in enumerate(meta["fingerprint"])],
-             "frozen": [unflatten(entry, [f["frozen_shards"][i] for f in files])
-                        for i, entry in enumerate(meta["frozen_fingerprint"])]}
+    def aligns(key: str, entries: list) -> list[int | None]:
+        return meta.get(key) or [None] * len(entries)
+
+    views = {"unit": [unflatten(entry, align, [f["masters"][i] for f in files]) for i, (entry, align)
+                      in enumerate(zip(meta["fingerprint"], aligns("aligns", meta["fingerprint"])))],
+             "frozen": [unflatten(entry, align, [f["frozen_shards"][i] for f in files]) for i, (entry, align)
+                        in enumerate(zip(meta["frozen_fingerprint"], aligns("frozen_aligns", meta["frozen_fingerprint"])))]}
     out = {}
     for key, where in meta["model_keys"].items():
         out[key] = files[0]["model_extras"][key] if where[0] == "extra" else views[where[0]][where[1]][where[2]].clone()
     return out
 
 
+def _same_layout(state: TrainingState, plan: CommPlan, meta: dict[str, Any]) -> bool:
+    """Whether this rank's saved file is its shard as is (else see [Note: resharding a checkpoint])."""
+    aligns = meta.get("aligns")
+    return (meta["world_size"] == plan.world_size and meta.get("stage", state.stage) == state.stage
+            and meta["fingerprint"] == fingerprint(state)
+            and (aligns is None or aligns == [u.layout.align for u in state.units]))
+
+
 def _read_rank_state(state: TrainingState, plan: CommPlan, root: Path) -> dict[str, Any]:
     meta = _read_meta(root)
-    if meta["world_size"] != plan.world_size:
-        raise CheckpointError(f"checkpoint {root} was written by {meta['world_size']} ranks, this run has "
-                              f"{plan.world_size} (resharding is not supported)")
-    if meta["fingerprint"] != fingerprint(state):
-        raise CheckpointError(f"checkpoint {root} was written for another model or bucketing")
-    return validate_rank_state(state, plan, _read_rank_file(root, meta, plan.rank))
+    if _same_layout(state, plan, meta):
+        return validate_rank_state(state, plan, _read_rank_file(root, meta, plan.rank))
+    problem = _reshard.parameter_mismatch(meta["fingerprint"], fingerprint(state))
+    if problem:  # before reading every rank's file
+        raise CheckpointError(f"checkpoint {root}: {problem}")
+    files = [_read_rank_file(root, meta, rank) for rank in range(meta["world_size"])]
+    saved = _reshard.resharded_rank_state(state, plan, root, meta, files, fingerprint(state))
+    if state.offload is not None:
+        problem = state.offload.state_problem(saved["optimizer"])
+        if problem:
+            raise CheckpointError(problem)
+    return saved
 
 
 def load(state: TrainingState, plan: CommPlan, directory: str | os.PathLike) -> None:
