@@ -102,6 +102,7 @@ class GatheredParameters:
             unit.alloc_full()
             self._gathered.append(unit)
         self.opt.plan.exact_all_gather(unit.full, unit.shard)
+        unit.mark_gathered()
         unit.state = GatherState.READY
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -126,6 +127,7 @@ class GatheredParameters:
                 lo, hi = unit.layout.shard_range(plan.rank)
                 if unit.partitioned:
                     unit.shard.copy_(unit.full[lo:hi])
+                    unit.mark_gathered()
                 if unit.master is not None:  # frozen units have none
                     unit.master.copy_(unit.full[lo:hi])
             for tensor in self.loose:

@@ -94,6 +94,7 @@ class FlatUnit:
         self.refs = 0
         self.in_backward = False
         self.prefetched = False
+        self.gathered_version = -1  # the shard's version ``full`` was (is being) gathered from
         self.use_position: int | None = None
         self.pinned = 0  # open GatheredParameters blocks holding it (see [Note: pinned units])
         self.backward_holds = 0  # frozen units: calls whose backward still needs it
@@ -108,6 +109,14 @@ class FlatUnit:
         """Give ``full`` its memory back (contents undefined until a gather fills it)."""
         self.full.untyped_storage().resize_(self.full_nbytes)
         self._point_params_at_full()
+
+    def mark_gathered(self) -> None:
+        """``full`` holds (or a gather in flight will hold) the shard as it is now."""
+        self.gathered_version = self.shard._version
+
+    def gathered_is_stale(self) -> bool:
+        """Whether the shard was written in place since ``full`` was gathered from it."""
+        return self.shard._version != self.gathered_version
 
     def free_full(self) -> None:
         for param in self.params:

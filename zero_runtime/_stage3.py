@@ -22,8 +22,19 @@ the end of the step: the next step's weights do not exist yet. The prefetches ar
 quantization included, are queued while unit i's bytes are on the wire (ZeRO++ section
 4.1.1; see [Note: quantize early] in ``_quantized_comm``). Prefetching and residency only
 change *when* a unit is gathered, never its inputs, so results are identical with them on
-or off. Every rank records the same trace (same model, same control flow), so the
-collectives stay matched across ranks.
+or off (see the next Note). Every rank records the same trace (same model, same control
+flow), so the collectives stay matched across ranks.
+
+[Note: gathers follow the shards] A gathered buffer remembers the shard version
+(``tensor._version``) its gather read (``FlatUnit.mark_gathered``). A use that finds its unit
+gathered from an older version (a prefetch issued, or a unit kept, before an in-place write
+to the shards between a forward and its backward) gathers it again before the module runs,
+and a stale buffer leaves no hpZ secondary behind when it is freed. Without this, whether a
+backward saw such a write would depend on whether the prefetch window happened to reach that
+unit, or, for a gather still in flight on gloo's worker thread, on timing. A write in flight
+with a gather only spoils that gather's result, which is discarded. Shard writes are the same
+on every rank (optimizer step, checkpoint and state-dict loads, ``GatheredParameters``), so
+the ranks agree on which units to gather again and the collectives stay matched.
 
 [Note: stage-3 residency] When a use of a unit ends, the unit stays gathered (DeepSpeed's
 rules) if its next use in this step is near and no more than ``stage3_max_live_parameters``
@@ -178,6 +189,8 @@ class ParamScheduler:
             self._prefetch()
         if unit.state is GatherState.GATHERING:
             self._wait(unit)
+        if unit.gathered_is_stale() and not unit.pinned:
+            self._regather(unit, phase)
 
     def _locate(self, unit: FlatUnit, phase: Phase) -> int | None:
         """Record the use (first step) or find it in the trace and move the cursor there."""
@@ -226,13 +239,22 @@ class ParamScheduler:
 
     def _start(self, unit: FlatUnit, phase: Phase, *, ahead: bool) -> None:
         unit.alloc_full()
-        gather = self.plan.forward_gather if phase is Phase.FORWARD else self.plan.backward_gather
-        unit.handle = gather(unit.full, unit.shard, unit=unit.index, phase=phase)
-        unit.state = GatherState.GATHERING
+        self._issue(unit, phase)
         unit.prefetched = ahead
         self.live += unit.layout.numel
         if ahead:
             self._ahead += unit.layout.numel
+
+    def _issue(self, unit: FlatUnit, phase: Phase) -> None:
+        gather = self.plan.forward_gather if phase is Phase.FORWARD else self.plan.backward_gather
+        unit.mark_gathered()
+        unit.handle = gather(unit.full, unit.shard, unit=unit.index, phase=phase)
+        unit.state = GatherState.GATHERING
+
+    def _regather(self, unit: FlatUnit, phase: Phase) -> None:
+        """See [Note: gathers follow the shards]."""
+        self._issue(unit, phase)
+        self._wait(unit)
 
     def _wait(self, unit: FlatUnit) -> None:
         unit.handle.wait()
@@ -245,7 +267,7 @@ class ParamScheduler:
     def _free(self, unit: FlatUnit, *, after_forward: bool) -> None:
         if unit.state is GatherState.GATHERING:
             self._wait(unit)
-        if after_forward:
+        if after_forward and not unit.gathered_is_stale():
             for gather in self.plan.gathers():
                 gather.after_forward(unit.full, unit.shard, unit=unit.index)
         unit.free_full()

@@ -114,9 +114,10 @@ def _exact_hpz(rank: int) -> dict:
 
 def _stale_secondaries(rank: int, root: str) -> dict:
     """Weights replaced between steps (checkpoint, state dict) and written in place between a
-    forward and its backward: hpZ must compute exactly what plain stage 3 computes."""
+    forward and its backward: hpZ, and stage 3 without prefetching, must compute exactly what
+    plain stage 3 computes (see [Note: gathers follow the shards] in ``_stage3``)."""
     out = {}
-    for name, zero in (("s3", {}), ("hpZ", HPZ)):
+    for name, zero in (("s3", {}), ("hpZ", HPZ), ("s3-no-prefetch", {"stage3_prefetch_bucket_size": 0})):
         directory = Path(root) / name
         model, opt = _initialize(zero)
         zero_steps("gpt", model, opt, rank, WORLD, range(2))
@@ -275,16 +276,17 @@ def test_hpz_backward_gathers_stay_inside_the_node(results):
 def test_hpz_never_serves_stale_secondaries(results):
     for rank_results in results:
         stale = rank_results["stale"]
-        for name in ("s3", "hpZ"):
+        for name in ("s3", "hpZ", "s3-no-prefetch"):
             runs = stale[name]
             assert runs["after_checkpoint"] == runs["continued"] == runs["fresh"], name
             assert runs["after_state_dict"] == runs["continued"], name
-        assert stale["hpZ"]["written"] == stale["s3"]["written"]
+        assert stale["hpZ"]["written"] == stale["s3"]["written"] == stale["s3-no-prefetch"]["written"]
         # Every secondary was invalidated by the in-place write between forward and backward.
         assert stale["hpZ"]["fallbacks"] > 0
     weights = results[0]["stale"]
     for key, want in weights["s3"]["weights"].items():
         assert torch.equal(weights["hpZ"]["weights"][key], want), key
+        assert torch.equal(weights["s3-no-prefetch"]["weights"][key], want), key
 
 
 def _inter_bytes(step: dict) -> int:
