@@ -7,6 +7,7 @@ Stage 3 takes the ZeRO++ options (``zero_quantized_weights``, ``zero_hpz_partiti
 ``zero_quantized_gradients``, ``zcomm_quant_group_size``; see ``ZeroConfig``): they change
 only the communication objects of the run's comm plan.
 
+``Init()`` builds a model with its parameters partitioned as each module is constructed.
 ``GatheredParameters(params, modifier_rank=None)`` makes partitioned parameters full for a
 block (and writes a rank's edits back into every shard and fp32 master).
 
@@ -20,10 +21,11 @@ between them.
 from ._checkpoint import CheckpointError
 from ._gathered import GatheredParameters
 from ._initialize import initialize
+from ._partitioned_init import Init
 from ._memory import MemoryReport
 from .config import LossScaleConfig, ZeroConfig
 from .optimizer import ZeroOptimizer
 from .tiled_linear import TiledLinear
 
-__all__ = ["initialize", "GatheredParameters", "ZeroConfig", "LossScaleConfig", "ZeroOptimizer", "MemoryReport",
+__all__ = ["initialize", "Init", "GatheredParameters", "ZeroConfig", "LossScaleConfig", "ZeroOptimizer", "MemoryReport",
            "CheckpointError", "TiledLinear"]

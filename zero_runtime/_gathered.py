@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ._partition import FlatUnit, GatherState
+from ._partitioned_init import is_partitioned
 
 _OWNER = "_zero_owner"  # attribute on each managed parameter: weakref to its ZeroOptimizer
 # (typed Any here: ``optimizer`` imports this module, so this one cannot import it back)
@@ -68,6 +69,10 @@ class GatheredParameters:
             params = list(dict.fromkeys(params))
         if not all(isinstance(p, torch.Tensor) for p in params):
             raise TypeError("GatheredParameters takes a parameter, an iterable of parameters or an nn.Module")
+        if any(is_partitioned(p) for p in params):
+            raise ValueError("GatheredParameters got parameters built under zero_runtime.Init and not yet handed "
+                             "to zero_runtime.initialize(); call initialize() first, or change them inside a "
+                             "zero_runtime.Init() block (in-place calls there see the full values)")
         owners = {id(o): o for o in (owner_of(p) for p in params) if o is not None}
         if len(owners) > 1:
             raise ValueError("the parameters belong to several zero_runtime runs; gather each run's separately")

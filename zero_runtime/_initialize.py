@@ -22,6 +22,7 @@ import zcomm
 from . import _optim_spec
 from ._comm_plan import CommPlan, build_comm_plan
 from ._partition import FlatUnit, group_by_module, group_by_size, trainable_named_parameters
+from ._partitioned_init import is_partitioned, materialize, partitioned_parameters
 from .config import ZeroConfig, resolve_config
 from .optimizer import ZeroOptimizer
 
@@ -53,6 +54,10 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec | None = None,
 
     The trainable parameters must all be on one device that ``group``'s backend supports
     (``cuda:<local rank>`` for NCCL); every tensor the runtime creates lives there.
+
+    A model built under ``zero_runtime.Init`` is taken without gathering it whole: under
+    stage 3 each partitioned unit is gathered alone while its shard is cut (peak: one unit's
+    full size), the parameters kept whole (persistent ones, stages 1-2) are gathered first.
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
@@ -69,9 +74,11 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec | None = None,
     plan = build_comm_plan(config, group, topology, device=_training_device(names, group))
     groups, build = _optimizer_groups(optimizer, names)
     dtype = DTYPES[config.precision]
+    materialize([p for p in partitioned_parameters(model) if not _unit_partitioned(p, config)], group)
     _cast_untrained_state(model, dtype)
     units = _build_units(model, groups, names, config, plan, dtype)
     frozen_units = _build_frozen_units(model, config, plan, dtype, first_index=len(units))
+    assert not partitioned_parameters(model), "every Init slice is gathered by a unit or before"
     masters = [[u.master for u in units if u.group_index == i] for i in range(len(groups))]
     torch_opt = build(masters)
     lr_scheduler = _optim_spec.build_scheduler(config.scheduler, torch_opt) if config.scheduler else None
@@ -158,6 +165,7 @@ def _build_units(model: nn.Module, groups: Sequence[Sequence[nn.Parameter]], nam
         for bucket, partition in buckets:
             if not bucket:
                 continue
+            materialize(bucket, plan.group)
             units.append(FlatUnit(index=len(units), group_index=group_index, names=[names[p] for p in bucket],
                                   params=bucket, world_size=plan.world_size, rank=plan.rank, dtype=dtype,
                                   partition_params=partition, position=min(position[p] for p in bucket),
@@ -178,6 +186,7 @@ def _build_frozen_units(model: nn.Module, config: ZeroConfig, plan: CommPlan, dt
     position = {param: i for i, (_, param) in enumerate(model.named_parameters())}
     units = []
     for bucket in group_by_module(model, list(frozen), fuse_numel=config.fuse_numel):
+        materialize(bucket, plan.group)
         units.append(FlatUnit(index=first_index + len(units), group_index=-1, names=[frozen[p] for p in bucket],
                               params=bucket, world_size=plan.world_size, rank=plan.rank, dtype=dtype,
                               partition_params=True, position=min(position[p] for p in bucket), frozen=True,
@@ -185,13 +194,18 @@ def _build_frozen_units(model: nn.Module, config: ZeroConfig, plan: CommPlan, dt
     return units
 
 
+def _unit_partitioned(param: nn.Parameter, config: ZeroConfig) -> bool:
+    """Whether stage 3 gives ``param`` (trainable or frozen) a partitioned unit."""
+    return config.stage == 3 and param.is_floating_point() and param.numel() > config.param_persistence_threshold
+
+
 def _cast_untrained_state(model: nn.Module, dtype: torch.dtype) -> None:
     """Frozen floating parameters and buffers follow the compute dtype (buffers are never
     partitioned, frozen parameters only in stage 3); trainable ones are cast while flattening."""
     with torch.no_grad():
         for param in model.parameters():
-            if not param.requires_grad and param.is_floating_point():
-                param.data = param.data.to(dtype)
+            if not param.requires_grad and param.is_floating_point() and not is_partitioned(param):
+                param.data = param.data.to(dtype)  # partitioned ones are cast by their frozen unit
         for module in model.modules():
             for name, buf in list(module.named_buffers(recurse=False, remove_duplicate=False)):
                 if buf.is_floating_point():

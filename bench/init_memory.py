@@ -1,0 +1,135 @@
+"""Peak host memory per rank while building a model, plainly and under ``zero_runtime.Init``.
+
+Run as ``python -m bench.init_memory`` (``--help``). Each mode runs in its own fresh set of
+``--world-size`` gloo ranks on this machine. A rank imports everything and joins the group,
+then resets its peak resident set (``/proc/self/clear_refs``), reads its resident set as the
+baseline, builds a Hugging Face GPT-2 of the given shape (from a config, fp32, same seed on
+every rank) and reads its peak (``VmHWM``) and final resident set. Reported per mode: the
+largest rank's peak and kept growth over the baseline, and the build time. Issue 15's target
+for ``Init``: peak <= the largest single module's parameters + 1/W of the rest + a fixed
+overhead, stated with the result: the peak of building the same model on the ``meta``
+device (its Python objects and the allocator's, no parameter bytes), the ``meta`` row. glibc's ``mmap`` threshold is fixed at 128 KiB in the
+ranks (``MALLOC_MMAP_THRESHOLD_``), so freed tensors leave the resident set at once instead
+of staying in the heap, as the default's dynamic threshold would make them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _status(field: str) -> int:
+    """``field`` of /proc/self/status in bytes."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _build(shape: dict, mode: str):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import zero_runtime
+
+    config = GPT2Config(**shape)
+    torch.manual_seed(0)
+    if mode == "init":
+        with zero_runtime.Init():
+            return GPT2LMHeadModel(config)
+    if mode == "meta":  # every Python object of the model, no parameter bytes: the fixed overhead
+        with torch.device("meta"):
+            return GPT2LMHeadModel(config)
+    return GPT2LMHeadModel(config)
+
+
+def _rank(rank: int, world_size: int, port: int, shape: dict, mode: str, queue) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel  # noqa: F401  (loaded before the baseline)
+
+    import zero_runtime  # noqa: F401
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # resets VmHWM to the current resident set
+    base = _status("VmRSS")
+    start = time.perf_counter()
+    model = _build(shape, mode)
+    seconds = time.perf_counter() - start
+    peak, kept = _status("VmHWM") - base, _status("VmRSS") - base
+    dist.barrier()
+    queue.put((rank, peak, kept, seconds))
+    del model
+    dist.destroy_process_group()
+
+
+def _run(world_size: int, shape: dict, mode: str) -> list[tuple[int, int, int, float]]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, world_size, port, shape, mode, queue)) for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    results = [queue.get(timeout=1800) for _ in procs]
+    for proc in procs:
+        proc.join()
+        if proc.exitcode:
+            raise RuntimeError(f"a rank of mode {mode} exited with {proc.exitcode}")
+    return sorted(results)
+
+
+def _module_sizes(shape: dict) -> tuple[int, int, int]:
+    """(parameters, the largest module's own parameters, bytes per parameter), on the meta device."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(**shape))
+    total = sum(p.numel() for p in dict.fromkeys(model.parameters()))
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return total, largest, 4
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--n-layer", type=int, default=12)
+    parser.add_argument("--n-embd", type=int, default=768)
+    parser.add_argument("--n-head", type=int, default=12)
+    parser.add_argument("--vocab-size", type=int, default=50257)
+    args = parser.parse_args(argv)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # inherited by the spawned ranks
+    shape = dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, vocab_size=args.vocab_size,
+                 n_positions=1024)
+    total, largest, size = _module_sizes(shape)
+    mib = 2**20
+    print(f"# Building an HF GPT-2 ({total / 1e6:.1f}M parameters, fp32) on {args.world_size} gloo ranks\n")
+    print(f"shape: {shape}; largest module: {largest / 1e6:.1f}M parameters ({largest * size / mib:.0f} MiB); "
+          f"torch {torch.__version__}; one thread per rank\n")
+    rows = {mode: _run(args.world_size, shape, mode) for mode in ("meta", "plain", "init")}
+    print("| mode | peak MiB (max rank) | kept MiB (max rank) | build s (max rank) |")
+    print("|---|---|---|---|")
+    for mode, results in rows.items():
+        print(f"| {mode} | {max(r[1] for r in results) / mib:.0f} | {max(r[2] for r in results) / mib:.0f} | "
+              f"{max(r[3] for r in results):.1f} |")
+    overhead = max(r[1] for r in rows["meta"])
+    budget = (largest + (total - largest) / args.world_size) * size
+    peak = max(r[1] for r in rows["init"])
+    verdict = "PASS" if peak <= budget + overhead else "MISS"
+    print(f"\ntarget: Init peak <= largest module + 1/{args.world_size} of the rest + overhead = "
+          f"{budget / mib:.0f} + {overhead / mib:.0f} MiB; measured {peak / mib:.0f} MiB: {verdict} "
+          f"(plain construction: {max(r[1] for r in rows['plain']) / mib:.0f} MiB, "
+          f"{max(r[1] for r in rows['plain']) / peak:.2f}x Init's peak)")
+
+
+if __name__ == "__main__":
+    main()
