@@ -149,7 +149,16 @@ class ZeroOptimizer:
         self.last_step_skipped = not self._clip_or_detect_overflow(grads)
         if self.last_step_skipped:
             self.training_state.skipped_steps += 1
-        elif self.offload is not None:
+        else:
+            self._apply(grads)
+        self.reducer.discard()
+        if not self.last_step_skipped:
+            self.sync_params_from_masters()
+            self.training_state.global_step += 1
+
+    def _apply(self, grads: list[torch.Tensor]) -> None:
+        """The optimizer step on the master shards (offloaded or not), then the schedule's."""
+        if self.offload is not None:
             self.offload.step(grads)
         else:
             for unit, grad in zip(self.units, grads):
@@ -157,12 +166,8 @@ class ZeroOptimizer:
             self.optimizer.step()
             for unit in self.units:
                 unit.master.grad = None
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-        self.reducer.discard()
-        if not self.last_step_skipped:
-            self.sync_params_from_masters()
-            self.training_state.global_step += 1
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
 
     def _unscaled_grads(self) -> list[torch.Tensor]:
         """fp32 copies of the reduced gradient shards, divided by the loss scale."""

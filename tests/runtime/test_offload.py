@@ -28,6 +28,9 @@ FREE_AFTER_USE = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_dis
 CASES = [  # (name, model, zero_optimization, top-level extras)
     ("mlp-s1", "mlp", {"stage": 1}, {}),
     ("mlp-s2-clip", "mlp", {"stage": 2, "reduce_bucket_size": 300}, {"gradient_clipping": 0.5}),
+    # The offloaded step must step the learning-rate schedule too (it did not, at first).
+    ("mlp-s1-schedule", "mlp", {"stage": 1}, {"scheduler": {"type": "WarmupDecayLR", "params": {
+        "total_num_steps": 2 * STEPS, "warmup_max_lr": 0.02, "warmup_num_steps": 2, "warmup_type": "linear"}}}),
     ("gpt-s3", "gpt", {"stage": 3, **FREE_AFTER_USE}, {}),
     ("gpt-s3-persist-bf16", "gpt", {"stage": 3, "stage3_param_persistence_threshold": 512}, {"bf16": {"enabled": True}}),
     ("gpt-zeropp", "gpt", {"stage": 3, **FREE_AFTER_USE, "zero_quantized_weights": True,
