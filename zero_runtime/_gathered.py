@@ -133,7 +133,11 @@ class GatheredParameters:
                 if unit.partitioned:
                     unit.shard.copy_(unit.full[lo:hi])
                     unit.mark_gathered()
-                if unit.master is not None:  # frozen units have none
+                if unit.master is None:  # frozen units have none
+                    continue
+                if self.opt.offload is not None:  # the masters live off the device (nvme: in the swap file)
+                    self.opt.offload.set_master(unit.index, unit.full[lo:hi])
+                else:
                     unit.master.copy_(unit.full[lo:hi])
             for tensor in self.loose:
                 plan.broadcast(tensor.data, self.modifier_rank)

@@ -220,6 +220,21 @@ class OptimizerOffload:
         for unit, master in zip(self.units, masters):
             self.compute_copy[unit.index].copy_(master)
 
+    def set_master(self, index: int, value: torch.Tensor) -> None:
+        """Overwrite unit ``index``'s fp32 master shard with ``value`` (``GatheredParameters``'
+        write-back); its moments and step count are kept, as without offload."""
+        unit = self.units[index]
+        master = value.detach().to("cpu", torch.float32)
+        if self.swap is None:
+            self.host[index]["master"].copy_(master)
+        else:
+            for sg in (sg for sg in self.subgroups if sg.unit == index):
+                self._io(sg, self.buffers[0], write=False).wait()
+                self._region(self.buffers[0], sg)[0].copy_(master[sg.lo : sg.hi])
+                self._io(sg, self.buffers[0], write=True).wait()
+        if self.compute_copy[index] is not unit.shard:
+            self.compute_copy[index].copy_(master)
+
     def state_problem(self, saved: dict[str, Any]) -> str | None:
         """Why ``saved`` (an optimizer state dict) cannot be loaded here, or None."""
         index = self._param_index()

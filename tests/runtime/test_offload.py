@@ -162,6 +162,31 @@ def test_nvme_states_really_live_in_the_file(tmp_path, single_process):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_gathered_parameters_edits_reach_offloaded_masters(tmp_path, single_process):
+    """``GatheredParameters(modifier_rank=0)`` writes the edit into the fp32 masters wherever
+    they live (with nvme: in the swap file), so the next step starts from it as without offload."""
+    import zero_runtime
+
+    results = {}
+    for device in ("none", "cpu", "nvme"):
+        offload = {"device": device, "nvme_path": str(tmp_path)} if device == "nvme" else {"device": device}
+        model, opt = _init_one({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                                      "offload_optimizer": offload, "sub_group_size": 100}})
+        zero_steps("mlp", model, opt, 0, 1, range(1))
+        first = next(model.parameters())
+        with zero_runtime.GatheredParameters(first, modifier_rank=0), torch.no_grad():
+            first.fill_(0.25)
+        edited = opt.full_state_dict()
+        zero_steps("mlp", model, opt, 0, 1, range(1, 2))
+        results[device] = edited, opt.full_state_dict()
+        opt.close()
+    (name, value), *_ = results["none"][0].items()
+    assert torch.equal(value, torch.full_like(value, 0.25)), name
+    for device in ("cpu", "nvme"):
+        for got, want in zip(results[device], results["none"]):
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), device
+
+
 def test_swap_file_removed_after_an_uncaught_exception(tmp_path):
     script = textwrap.dedent(f"""
         import sys, torch, torch.distributed as dist
