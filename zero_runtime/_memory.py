@@ -8,7 +8,10 @@ training state's), its gradient buffers (full in stage 1, its
 reduced shard in stages 2-3) and its optimizer states (fp32 master shard plus every tensor
 in the torch optimizer's state), and the parameter copies the communication objects keep
 between uses (hpZ's secondary partition) or between steps (LoCo's error buffers, created
-by each bucket's first reduction). Transient buffers are not counted: stage-3 units
+by each bucket's first reduction). With ``offload_optimizer`` the fp32 masters and Adam
+states live off the training device (host memory, or the swap file with ``nvme``): they are
+``offloaded_optimizer_states``, not part of ``total`` (the bytes on the training device), and
+``optimizer_states`` is then 0. Transient buffers are not counted: stage-3 units
 gathered for their use or kept gathered until their next one (at most
 ``stage3_max_live_parameters`` elements beyond the units in use), and gradient buckets in
 flight (bounded by ``reduce_bucket_size``).
@@ -29,6 +32,7 @@ class MemoryReport(NamedTuple):
     optimizer_states: int
     secondary_parameters: int = 0  # copies kept by the gather objects (hpZ), 0 without ZeRO++
     error_feedback: int = 0  # LoCo's INT8 error buffers kept by qgZ (zeropp_loco_param), else 0
+    offloaded_optimizer_states: int = 0  # masters and Adam states in host memory or on NVMe; not in total
 
     @property
     def total(self) -> int:
@@ -44,11 +48,15 @@ def measure(state: TrainingState, *, secondary_bytes: int, error_feedback_bytes:
     params = sum(_nbytes(u.shard) if u.partitioned else u.full_nbytes for u in units)
     params += sum(_nbytes(u.shard) for u in state.frozen_units)
     grads = sum(_nbytes(u.full_grad) if state.stage == 1 else _nbytes(u.grad_shard) for u in units)
-    states = sum(_nbytes(u.master) for u in units)
-    for optimizer_state in state.optimizer.state.values():
-        states += sum(_nbytes(v) for v in optimizer_state.values() if isinstance(v, torch.Tensor))
+    if state.offload is not None:
+        states, offloaded = 0, state.offload.held_bytes()
+    else:
+        states, offloaded = sum(_nbytes(u.master) for u in units), 0
+        for optimizer_state in state.optimizer.state.values():
+            states += sum(_nbytes(v) for v in optimizer_state.values() if isinstance(v, torch.Tensor))
     return MemoryReport(parameters=params, gradients=grads, optimizer_states=states,
-                        secondary_parameters=secondary_bytes, error_feedback=error_feedback_bytes)
+                        secondary_parameters=secondary_bytes, error_feedback=error_feedback_bytes,
+                        offloaded_optimizer_states=offloaded)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

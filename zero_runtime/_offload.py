@@ -235,6 +235,13 @@ class OptimizerOffload:
         if self.compute_copy[index] is not unit.shard:
             self.compute_copy[index].copy_(master)
 
+    def held_bytes(self) -> int:
+        """Bytes of masters and Adam states held off the device: the host tensors (``cpu``), or
+        the swap file's regions (``nvme``, block-aligned per sub-group)."""
+        if self.swap is None:
+            return sum(t.nbytes for state in self.host for t in state.values())
+        return sum(round_up(12 * sg.numel) for sg in self.subgroups)
+
     def state_problem(self, saved: dict[str, Any]) -> str | None:
         """Why ``saved`` (an optimizer state dict) cannot be loaded here, or None."""
         index = self._param_index()

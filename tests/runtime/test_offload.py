@@ -65,6 +65,7 @@ def _train(rank: int, world: int, root: str) -> dict:
             opt.save_checkpoint(ckpt)
             losses += zero_steps(kind, model, opt, rank, world, range(STEPS, 2 * STEPS))
             weights = opt.full_state_dict()
+            report, numel = opt.memory_report(), sum(u.layout.shard_numel for u in opt.units)
             opt.close()
             model, opt = zero_runtime.initialize(make_model(kind), make_optimizer(),
                                                  _config(zero, extra, device, swap_dir))
@@ -76,7 +77,7 @@ def _train(rank: int, world: int, root: str) -> dict:
             # not have closed yet, so only this rank's own files are looked at.
             mine = f"zero_offload_rank{rank:05d}_"
             out[name, device] = {"losses": losses, "weights": weights, "resumed": resumed,
-                                 "resumed_weights": resumed_weights,
+                                 "resumed_weights": resumed_weights, "report": report, "numel": numel,
                                  "files": [f for f in files if f.startswith(mine)],
                                  "left": [f for f in sorted(os.listdir(swap_dir)) if f.startswith(mine)]}
     return out
@@ -103,6 +104,19 @@ def test_training_is_bit_identical_to_no_offload(results, name, device):
     first = results[0][name, device]
     assert first["resumed"] == first["losses"][STEPS:]
     assert _equal(first["resumed_weights"], first["weights"])
+
+
+@pytest.mark.parametrize("name", [case[0] for case in CASES])
+def test_memory_report_moves_the_optimizer_states_off_the_device(results, name):
+    """Masters, exp_avg and exp_avg_sq: 12 bytes per shard element, off the device with offload
+    (the swap file rounds each sub-group up to its block alignment)."""
+    for rank in range(2):
+        base, cpu, nvme = (results[rank][name, device] for device in ("none", "cpu", "nvme"))
+        assert base["report"].optimizer_states >= 12 * base["numel"] and base["report"].offloaded_optimizer_states == 0
+        assert cpu["report"].optimizer_states == 0 and cpu["report"].offloaded_optimizer_states == 12 * cpu["numel"]
+        assert nvme["report"].optimizer_states == 0
+        assert 12 * nvme["numel"] <= nvme["report"].offloaded_optimizer_states < 12 * nvme["numel"] + 2**20
+        assert cpu["report"].total == base["report"].total - base["report"].optimizer_states
 
 
 @pytest.mark.parametrize("name", [case[0] for case in CASES])
@@ -149,6 +163,8 @@ def test_nvme_states_really_live_in_the_file(tmp_path, single_process):
     numel = sum(u.layout.shard_numel for u in opt.units)
     assert swap.stat().st_size >= 12 * numel
     assert all(u.master.numel() == 0 for u in opt.units)  # nothing resident beside the file
+    report = opt.memory_report()
+    assert report.optimizer_states == 0 and report.offloaded_optimizer_states >= 12 * numel
     x, y = torch.randn(4, 12), torch.randn(4, 5)
     opt.backward(torch.nn.functional.mse_loss(model(x), y))
     opt.step()
