@@ -128,3 +128,21 @@ def test_initialize_rejects_parameters_the_group_cannot_reduce(results):
     case = _ok(results, "wrong_devices")
     assert "parameters are on cpu" in case["cpu_on_nccl"] and "runs on cuda only" in case["cpu_on_nccl"]
     assert "several devices (cpu, cuda:0)" in case["mixed"]
+
+
+@pytest.mark.slow
+def test_offloaded_optimizer_moves_only_gradients_to_the_host(results):
+    """Per step exactly one device-to-host copy per unit (its fp32 gradient shard), after the
+    one-time copy of each master to the host at start-up; the states and the kernel's tensors
+    live on the CPU, the parameters and shards the model computes with on the GPU."""
+    case = _ok(results, "offload_cpu")
+    units = case["units"]
+    copy = "aten._to_copy.default: cuda:0 -> cpu"
+    assert case["at_start"] == [copy] * units
+    assert case["transfers"] == [copy] * (units + 2 * units)
+    assert case["kernel_calls"] >= 2 * units and case["kernel_devices"] == ["cpu"]
+    assert case["host_states"] == case["compute_copies"] == ["cpu"]
+    for kind in ("shards", "masters", "parameters", "full_state_dict"):
+        assert case[kind] == GPU, (kind, case[kind])
+    assert case["optimizer_states"] == 0 and case["offloaded"] > 0
+    assert case["host_collectives"] == [] and case["host_reads"] == []

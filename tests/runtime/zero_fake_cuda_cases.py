@@ -175,6 +175,43 @@ def checkpoint_roundtrip() -> dict[str, Any]:
                 **_audit(probe)}
 
 
+def offload_cpu() -> dict[str, Any]:
+    """``offload_optimizer: cpu`` on a CUDA run: masters and moments on the host, the step on
+    the CPU, fed by one device-to-host copy of each unit's gradient shard per step, and the
+    updated compute-dtype shards copied back to the GPU. The fused CPU kernel reads its
+    tensors' data, which fake tensors do not have, so a stand-in with its signature records
+    the devices it is given and writes ``out`` (``test_offload`` checks the kernel's numbers)."""
+    from zero_runtime import _offload
+
+    calls = []
+
+    def stand_in(param, grad, exp_avg, exp_avg_sq, *, hyper, step, out=None) -> None:
+        calls.append(_devices([param, grad, exp_avg, exp_avg_sq, out]))
+        out.copy_(param)
+
+    config = {"zero_optimization": {**PARTITIONED, "stage3_prefetch_bucket_size": 3000,
+                                    "offload_optimizer": {"device": "cpu"}}, "bf16": {"enabled": True}}
+    kernel, _offload.adam_step = _offload.adam_step, stand_in
+    try:
+        with fake_cuda() as probe:
+            model, opt = zero_runtime.initialize(_cuda_model("gpt"), make_optimizer(), config, topology=ONE_NODE)
+            at_start = list(probe["transfers"])
+            _train("gpt", model, opt, range(2))
+            report = opt.memory_report()
+            return {"units": len(opt.units), "at_start": at_start, "kernel_calls": len(calls),
+                    "kernel_devices": sorted({d for call in calls for d in call}),
+                    "host_states": _devices(t for state in opt.offload.host for t in state.values()),
+                    "compute_copies": _devices(opt.offload.compute_copy),
+                    "shards": _devices(u.shard for u in opt.units),
+                    "masters": _devices(u.master for u in opt.units),
+                    "parameters": _devices(model.parameters()),
+                    "full_state_dict": _devices(opt.full_state_dict().values()),
+                    "optimizer_states": report.optimizer_states, "offloaded": report.offloaded_optimizer_states,
+                    **_audit(probe)}
+    finally:
+        _offload.adam_step = kernel
+
+
 def wrong_devices() -> dict[str, Any]:
     """``initialize`` refuses parameters its group cannot reduce, and parameters on two devices."""
     messages = {}
@@ -208,4 +245,5 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "missing_checkpoint": missing_checkpoint,
     "checkpoint_roundtrip": checkpoint_roundtrip,
     "wrong_devices": wrong_devices,
+    "offload_cpu": offload_cpu,
 }
