@@ -80,6 +80,7 @@ class _Shard:
     shard: torch.Tensor  # ceil(numel / W) elements
     placeholder: torch.Tensor
     group: dist.ProcessGroup
+    topology: zcomm.Topology | None
     world_size: int
     rank: int
 
@@ -95,7 +96,7 @@ class _Shard:
     def gather(self) -> torch.Tensor:
         """The full value (a collective over ``group``)."""
         out = self.shard.new_empty(self.shard.numel() * self.world_size)
-        zcomm.all_gather_into_tensor(out, self.shard, group=self.group)  # counted in zcomm.comm_stats
+        zcomm.all_gather_into_tensor(out, self.shard, group=self.group, topology=self.topology)  # counted
         return out[: self.numel].view(self.shape)
 
     def cut(self, full: torch.Tensor) -> None:
@@ -128,13 +129,13 @@ def materialize(params: Iterable[torch.Tensor], group: dist.ProcessGroup) -> Non
         delattr(param, _ATTR)
 
 
-def _partition(param: torch.Tensor, group: dist.ProcessGroup) -> None:
+def _partition(param: torch.Tensor, group: dist.ProcessGroup, topology: zcomm.Topology | None) -> None:
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     data = param.data
     chunk = -(-data.numel() // world_size)
     placeholder = torch.full((), float("nan"), dtype=data.dtype, device=data.device).expand(data.shape)
     record = _Shard(shape=data.shape, shard=data.new_zeros(chunk), placeholder=placeholder, group=group,
-                    world_size=world_size, rank=rank)
+                    topology=topology, world_size=world_size, rank=rank)
     with torch.no_grad():
         record.cut(data)
     param.data = placeholder
@@ -203,7 +204,8 @@ _ACTIVE: "Init | None" = None
 class Init:
     """Context manager: modules constructed inside have their parameters partitioned over
     ``group`` (default: WORLD) as each module's ``__init__`` returns; see the module
-    docstring. ``config`` (a ``ZeroConfig``, DeepSpeed dict or JSON path; optional) is
+    docstring. ``topology`` (default: detected by zcomm, as ``initialize`` does) only
+    labels the bytes of ``Init``'s gathers in ``zcomm.comm_stats``. ``config`` (a ``ZeroConfig``, DeepSpeed dict or JSON path; optional) is
     checked to be stage 3, the only stage that keeps parameters partitioned.
 
     Every rank must construct the same model with the same seed. The model is then meant for
@@ -212,12 +214,13 @@ class Init:
     """
 
     def __init__(self, config: ZeroConfig | Mapping[str, Any] | str | None = None, *,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, topology: zcomm.Topology | None = None) -> None:
         stage = None if config is None else resolve_config(config).stage
         if stage not in (None, 3):
             raise ValueError(f"zero_runtime.Init partitions parameters for stage 3; the config has stage {stage}, "
                              "which keeps every parameter whole")
         self.group = group
+        self.topology = topology
         self._depth: dict[int, int] = {}
         self._restore: list[tuple[type, Any]] = []
         self._mode = _GatherOnUse()
@@ -277,7 +280,7 @@ class Init:
     def _partition_module(self, module: nn.Module) -> None:
         for param in dict.fromkeys(module.parameters()):
             if param.is_floating_point() and param.numel() and not is_partitioned(param):
-                _partition(param, self.group)
+                _partition(param, self.group, self.topology)
 
 
 def _on_new_subclass(cls, **kwargs: Any) -> None:

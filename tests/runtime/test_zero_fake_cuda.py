@@ -146,3 +146,12 @@ def test_offloaded_optimizer_moves_only_gradients_to_the_host(results):
         assert case[kind] == GPU, (kind, case[kind])
     assert case["optimizer_states"] == 0 and case["offloaded"] > 0
     assert case["host_collectives"] == [] and case["host_reads"] == []
+
+
+@pytest.mark.slow
+def test_partitioned_init_builds_on_the_gpu(results):
+    case = _ok(results, "partitioned_init")
+    assert case["slices"] == GPU
+    for kind in ("masters", "grad_shards", "shards", "parameters", "full_state_dict"):
+        assert case[kind] == GPU, (kind, case[kind])
+    assert case["transfers"] == [] and case["host_collectives"] == [] and case["host_reads"] == []

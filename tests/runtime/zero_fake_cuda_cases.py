@@ -212,6 +212,22 @@ def offload_cpu() -> dict[str, Any]:
         _offload.adam_step = kernel
 
 
+def partitioned_init() -> dict[str, Any]:
+    """A CUDA model built under ``zero_runtime.Init`` (stage 3): its slices, placeholders and
+    the gathers of in-place initialization stay on the GPU, and ``initialize`` builds the
+    units from them there; then one training step."""
+    config = {"zero_optimization": {**PARTITIONED}, "bf16": {"enabled": True}}
+    with fake_cuda() as probe:
+        with zero_runtime.Init(config, topology=ONE_NODE):
+            model = _cuda_model("gpt")
+            slices = _devices(p.data for p in model.parameters())
+            for param in model.parameters():  # a gathered in-place call, as HF's _init_weights makes
+                param.data.mul_(1.0)
+        model, opt = zero_runtime.initialize(model, make_optimizer(), config, topology=ONE_NODE)
+        _train("gpt", model, opt, range(1))
+        return {"slices": slices, **_placement(opt), **_audit(probe)}
+
+
 def wrong_devices() -> dict[str, Any]:
     """``initialize`` refuses parameters its group cannot reduce, and parameters on two devices."""
     messages = {}
@@ -246,4 +262,5 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "checkpoint_roundtrip": checkpoint_roundtrip,
     "wrong_devices": wrong_devices,
     "offload_cpu": offload_cpu,
+    "partitioned_init": partitioned_init,
 }
