@@ -26,7 +26,7 @@ from zero_runtime.config import AioConfig
 from zero_runtime.swap_file import SwapFile, aligned_buffer
 
 
-def _dd(args: list[str]) -> float:
+def dd_rate(args: list[str]) -> float:
     """GB/s as dd reports it (bytes over its own elapsed time)."""
     out = subprocess.run(["dd", *args], capture_output=True, text=True, check=True).stderr
     match = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", out)
@@ -52,9 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     rates: dict[str, list[float]] = {"dd write": [], "dd read": [], "swap write": [], "swap read": []}
     try:
         for _ in range(args.repeats):
-            rates["dd write"].append(_dd(["if=/dev/zero", f"of={dd_file}", "bs=1M", f"count={count}",
+            rates["dd write"].append(dd_rate(["if=/dev/zero", f"of={dd_file}", "bs=1M", f"count={count}",
                                           "oflag=direct", "conv=fsync"]))
-            rates["dd read"].append(_dd([f"if={dd_file}", "of=/dev/null", "bs=1M", "iflag=direct"]))
+            rates["dd read"].append(dd_rate([f"if={dd_file}", "of=/dev/null", "bs=1M", "iflag=direct"]))
             for name, write in (("swap write", True), ("swap read", False)):
                 start = time.perf_counter()
                 (swap.write if write else swap.read)(0, buffer).wait()
