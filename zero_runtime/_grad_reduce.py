@@ -34,9 +34,14 @@ parameters or gradients. Stage 3 relies on this to free a unit's gathered parame
 gradient to the launch of its bucket's reduce-scatter, which keeps the bucket's input alive
 until its wait; the interleaved copy of a multi-unit bucket lives only while its collective
 is in flight (the plain reduce-scatter's own staging buffer of a multi-unit bucket lives
-as long). Stage 1 keeps every ``full_grad`` and zeroes it after each reduction. All of
-them, and each bucket's output, come from the reduce-scatter's ``allocate`` (see
-[Note: comm buffers] in ``_api``).
+as long). At most ``MAX_IN_FLIGHT`` buckets are in flight: launching one more first waits
+for the oldest and adds its output into the ``grad_shard``\ s, so a backward holds the
+gradients of a few buckets at a time, never the whole model's (with every bucket in flight
+until ``finish``, a 354M-parameter GPT-2 held all 1.4 GB of its fp32 gradients at the end
+of backward). When the network is slower than backward this makes backward wait for it,
+which it would do at ``finish`` anyway. Stage 1 keeps every ``full_grad`` and zeroes it
+after each reduction. All of them, and each bucket's output, come from the reduce-scatter's
+``allocate`` (see [Note: comm buffers] in ``_api``).
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ import torch
 from ._api import Handle
 from ._comm_plan import CommPlan
 from ._partition import FlatUnit
+
+
+MAX_IN_FLIGHT = 2  # buckets; see [Note: gradient buffer lifetimes]
 
 
 class _InFlight(NamedTuple):
@@ -114,11 +122,22 @@ class GradReducer:
         inputs = tuple(unit.full_grad for unit in units)
         shard_numels = [unit.layout.shard_numel for unit in units]
         out = self.plan.reduce_scatter.allocate(sum(shard_numels), dtype=units[0].dtype, device=self.plan.device)
+        if len(self._in_flight) >= MAX_IN_FLIGHT:
+            self._complete(self._in_flight.pop(0))
         handle = self.plan.reduce_scatter(out.split(shard_numels), inputs, bucket=self.launched - 1)
         self._in_flight.append(_InFlight(units, handle, out, inputs))
         if not self.keep_full_grads:
             for unit in units:
                 unit.full_grad = None
+
+    def _complete(self, flight: _InFlight) -> None:
+        """Wait for a bucket's collective and add this rank's slices into the units' ``grad_shard``."""
+        flight.handle.wait()
+        shards = flight.output.split([u.layout.shard_numel for u in flight.units])
+        for unit, shard in zip(flight.units, shards):
+            unit.grad_shard.add_(shard)
+            if self.keep_full_grads:
+                unit.full_grad.zero_()
 
     def finish(self, *, reduce: bool) -> None:
         """End of a backward: with ``reduce``, launch every bucket not yet launched; then wait
@@ -127,12 +146,7 @@ class GradReducer:
             while self.launched < len(self.buckets):
                 self._launch_next()
         for flight in self._in_flight:
-            flight.handle.wait()
-            shards = flight.output.split([u.layout.shard_numel for u in flight.units])
-            for unit, shard in zip(flight.units, shards):
-                unit.grad_shard.add_(shard)
-                if self.keep_full_grads:
-                    unit.full_grad.zero_()
+            self._complete(flight)
         self._in_flight.clear()
         self.launched = 0
         self._pending = [len(bucket) for bucket in self.buckets]

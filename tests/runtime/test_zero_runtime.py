@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from zero_harness import run
+from zero_runtime._grad_reduce import MAX_IN_FLIGHT
 from zero_workloads import global_batch, local_slice, loss_of, make_model, make_optimizer, zero_steps
 
 CHECKPOINTED = {  # name -> (model, config); resumed in fresh processes
@@ -167,9 +168,13 @@ def _overlap(rank: int, world: int) -> dict:
                                                                "overlap_comm": overlap}})
         launched[overlap] = []
         model.tok.register_full_backward_pre_hook(lambda *_: launched[overlap].append(opt.reducer.launched))
+        if overlap:
+            in_flight = []
+            for module in model.modules():
+                module.register_full_backward_pre_hook(lambda *_: in_flight.append(len(opt.reducer._in_flight)))
         zero_steps("gpt", model, opt, rank, world, range(2))
     group, gradients = opt.plan.group, opt.plan.reduce_scatter.group
-    return {"launched": launched[True], "not_overlapped": launched[False],
+    return {"launched": launched[True], "not_overlapped": launched[False], "in_flight": in_flight,
             "buckets": [[u.layout.numel for u in b] for b in opt.reducer.buckets],
             "own_group": gradients is not group
                          and dist.get_process_group_ranks(gradients) == dist.get_process_group_ranks(group)}
@@ -385,6 +390,9 @@ def test_gradient_buckets_are_reduced_during_backward(runs):
         assert all(len(buckets) - 2 <= launched < len(buckets) for launched in overlap["launched"]), overlap
         assert overlap["own_group"]  # see [Note: gradient group]: gathers never queue behind them
         assert overlap["not_overlapped"] == [0, 0]  # overlap_comm false: all launched after backward
+        # See [Note: gradient buffer lifetimes]: never more than MAX_IN_FLIGHT buckets' gradients
+        # held, although nearly all buckets are launched before backward ends.
+        assert max(overlap["in_flight"]) == MAX_IN_FLIGHT < len(buckets) - 2
 
 
 @pytest.mark.slow
