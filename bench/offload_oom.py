@@ -21,6 +21,13 @@ same run, so the I/O time of a step (every rank's masters and states read and wr
 is stated next to the measured step time: issue 16 asks for a step within 1.25x of
 max(compute, I/O). ``offload_param`` is not built yet, so parameter shards and gradients stay
 in memory. Cgroups and swap files are removed at the end.
+
+glibc's ``mmap`` threshold is fixed at 128 KiB in every job (``MALLOC_MMAP_THRESHOLD_``, as
+in ``bench.init_memory``), so freed tensors leave the resident set. With glibc's default
+dynamic threshold, blocks up to 32 MiB (a GPT-2 medium block's shards) come from its heap
+and stay resident after they are freed: both jobs then peaked near 6 GB per rank, and
+offload saved almost nothing of the resident set. Long-running CPU jobs want the same
+setting, or jemalloc / tcmalloc.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from bench.harness.flags import parse_size
 from bench.nvme_swap import dd_rate
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+MMAP_THRESHOLD = "131072"
 
 
 def _config(mode: str, nvme_path: str, sub_group_size: int) -> dict:
@@ -184,7 +192,7 @@ def _report(results: list[dict], args: argparse.Namespace, disk: dict[str, float
           f"{args.world_size} gloo ranks, one thread each\n")
     print(f"shape: n_embd {args.n_embd}, n_layer {args.n_layer}, seq_len {args.seq_len}, batch 1 per rank; "
           f"{args.steps} steps (the first is excluded from step times); sub_group_size {args.sub_group_size}; "
-          f"nvme_path {args.nvme_path}; torch {torch.__version__}\n")
+          f"nvme_path {args.nvme_path}; torch {torch.__version__}; MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}\n")
     print(f"disk (dd, 1 GiB, direct I/O, same run): write {disk['write']:.2f} GB/s, read {disk['read']:.2f} GB/s\n")
     print("| job | memory limit | outcome | peak memory (all ranks) | step s (median) | forward+backward s | step() s |")
     print("|---|---|---|---|---|---|---|")
@@ -254,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(_worker(args))
     if os.geteuid() != 0 or not CGROUP_ROOT.is_dir():
         parser.error(f"needs root and the cgroup-v1 memory controller at {CGROUP_ROOT}")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD  # inherited by every job
     os.makedirs(args.nvme_path, exist_ok=True)
     probe = Path(args.nvme_path) / f"dd_probe_{os.getpid()}"
     try:
