@@ -145,7 +145,9 @@ def _run_job(mode: str, args: argparse.Namespace, limit: int | None, scratch: Pa
     try:
         start = time.perf_counter()
         preexec = (lambda: (group / "cgroup.procs").write_text(str(os.getpid()))) if group else None
-        proc = subprocess.run(command, preexec_fn=preexec, capture_output=True, text=True, timeout=args.timeout)
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}
+        proc = subprocess.run(command, preexec_fn=preexec, env=env, capture_output=True, text=True,
+                              timeout=args.timeout)
         wall = time.perf_counter() - start
         ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(args.world_size)
                  if Path(f"{out}.{r}").exists()]
@@ -262,7 +264,6 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(_worker(args))
     if os.geteuid() != 0 or not CGROUP_ROOT.is_dir():
         parser.error(f"needs root and the cgroup-v1 memory controller at {CGROUP_ROOT}")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD  # inherited by every job
     os.makedirs(args.nvme_path, exist_ok=True)
     probe = Path(args.nvme_path) / f"dd_probe_{os.getpid()}"
     try:

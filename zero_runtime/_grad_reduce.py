@@ -35,7 +35,7 @@ gradient to the launch of its bucket's reduce-scatter, which keeps the bucket's 
 until its wait; the interleaved copy of a multi-unit bucket lives only while its collective
 is in flight (the plain reduce-scatter's own staging buffer of a multi-unit bucket lives
 as long). At most ``MAX_IN_FLIGHT`` buckets are in flight: launching one more first waits
-for the oldest and adds its output into the ``grad_shard``\ s, so a backward holds the
+for the oldest and adds its output into the units' ``grad_shard``, so a backward holds the
 gradients of a few buckets at a time, never the whole model's (with every bucket in flight
 until ``finish``, a 354M-parameter GPT-2 held all 1.4 GB of its fp32 gradients at the end
 of backward). When the network is slower than backward this makes backward wait for it,
