@@ -500,7 +500,23 @@ def _deepspeed_extras(config: Mapping[str, Any]) -> set[str]:
                 raise ValueError(f"{key} = {section[name]!r} is not supported by zero_runtime (only DeepSpeed's "
                                  f"default, {default!r})")
             ignored.add(key)
+    if "offload_param" in sections["zero_optimization."]:
+        _check_offload_param(sections["zero_optimization."]["offload_param"])
+        ignored.add("zero_optimization.offload_param")
     return ignored
+
+
+def _check_offload_param(section: Any) -> None:
+    """DeepSpeed's parameter offload is not built yet: accepted only with device "none",
+    its default (DeepSpeed configs often spell it out), by name rather than as an unknown key."""
+    if not isinstance(section, Mapping):
+        raise TypeError(f"zero_optimization.offload_param must be a mapping, got {type(section).__name__}")
+    device = section.get("device", "none")
+    if device != "none":
+        raise ValueError(f"zero_optimization.offload_param with device {device!r} (DeepSpeed's parameter offload) "
+                         "is not implemented in zero_runtime yet: parameter shards stay on the training device. "
+                         "offload_optimizer (cpu, nvme) is implemented; set offload_param's device to 'none' "
+                         "or remove it")
 
 
 def _section(config: Mapping[str, Any], name: str) -> Mapping[str, Any]:
