@@ -178,6 +178,52 @@ def _checkpoint(rank: int, world: int, device: torch.device, group: dist.Process
             "resumed_step_tensors": optimizer_state_placement(resumed_opt.optimizer)}
 
 
+def _offload(rank: int, world: int, device: torch.device, group: dist.ProcessGroup, root: str) -> dict:
+    """AdamW (offload needs Adam) with ``offload_optimizer`` on ``device`` over ``group``: global-batch
+    losses of each config. On CUDA the gradient shards go to pinned host buffers and the
+    updated parameters come back; on the CPU nothing moves."""
+    import zero_runtime
+
+    partitioned = {"stage": 3, "stage3_param_persistence_threshold": 0, "zcomm_stage3_fuse_numel": 0}
+    configs = {
+        "cpu-pinned": {"zero_optimization": {**partitioned, "offload_optimizer": {"device": "cpu", "pin_memory": True}}},
+        "nvme": {"zero_optimization": {"stage": 2, "sub_group_size": 100,
+                                       "offload_optimizer": {"device": "nvme", "nvme_path": root}}},
+    }
+    out = {}
+    for name, config in configs.items():
+        model, opt = zero_runtime.initialize(make_model("mlp").to(device), make_optimizer(), config, group=group)
+        losses = []
+        for step in range(STEPS):
+            batch = tuple(t.to(device) for t in local_slice(global_batch("mlp", step), rank, world))
+            loss = loss_of("mlp", model, batch)
+            opt.backward(loss)
+            opt.step()
+            losses.append(loss.detach().double())
+        total = torch.stack(losses)
+        dist.all_reduce(total, group=group)
+        out[name] = (total / world).tolist()
+        opt.close()
+    return out
+
+
+def _init_on(rank: int, device: torch.device, group: dist.ProcessGroup) -> dict:
+    """A model built under ``zero_runtime.Init`` on ``device`` and one built plainly there, each
+    handed to stage 3: their consolidated weights must be bit-identical."""
+    import zero_runtime
+
+    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    with torch.device(device):
+        plain = make_model("gpt")
+        with zero_runtime.Init(config, group=group):
+            partitioned = make_model("gpt")
+    weights = [zero_runtime.initialize(model, make_optimizer(), config, group=group)[1].full_state_dict()
+               for model in (plain, partitioned)]
+    return {"same": weights[0].keys() == weights[1].keys()
+            and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]),
+            "devices": sorted({str(t.device) for t in weights[1].values()})}
+
+
 def _everywhere(rank: int, world: int, zeropp: bool, root: str) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
@@ -189,6 +235,9 @@ def _everywhere(rank: int, world: int, zeropp: bool, root: str) -> dict:
             cpu = _train(kind, config, rank, world, torch.device("cpu"), dist.group.WORLD)
         out[name] = {"cpu": cpu, "cuda": _train(kind, config, rank, world, device, nccl)}
     out["checkpoint"] = _checkpoint(rank, world, device, nccl, root)
+    out["offload"] = {"cpu": _offload(rank, world, torch.device("cpu"), dist.group.WORLD, root),
+                      "cuda": _offload(rank, world, device, nccl, root)}
+    out["init"] = _init_on(rank, device, nccl)
     return out
 
 
@@ -243,3 +292,21 @@ def test_checkpoint_resumes_bit_identically_on_cuda(runs):
         assert ckpt["loaded"] == ckpt["never_loaded"] == ckpt["resumed_step_tensors"]
         assert ckpt["never_loaded"]["step"] == ["cpu/torch.float32"]
         assert ckpt["never_loaded"]["exp_avg"] == [f"cuda:{rank}/torch.float32"]
+
+
+def test_offloaded_optimizer_on_cuda_matches_cpu(runs):
+    """The same CPU Adam step on both sides, fed with gradients that differ by fp32 rounding
+    (see [Note: CPU/CUDA bounds]); AdamW moves an element by about ``lr`` whatever its
+    gradient's size, so an element whose gradient is within rounding of zero may move either
+    way: over 4 steps that changes the loss by far less than ``ZEROPP_RTOL``."""
+    for rank_results in runs[2]:
+        cpu, cuda = rank_results["offload"]["cpu"], rank_results["offload"]["cuda"]
+        for name in ("cpu-pinned", "nvme"):
+            torch.testing.assert_close(torch.tensor(cuda[name]), torch.tensor(cpu[name]), rtol=ZEROPP_RTOL, atol=0)
+            assert cpu[name][-1] < cpu[name][0], (name, cpu[name])
+
+
+def test_partitioned_init_on_cuda_builds_what_plain_construction_builds(runs):
+    for rank, rank_results in enumerate(runs[2]):
+        assert rank_results["init"]["same"]
+        assert rank_results["init"]["devices"] == [f"cuda:{rank}"]
