@@ -9,7 +9,6 @@ bounds derived in the docstrings below.
 from __future__ import annotations
 
 import threading
-import time
 import warnings
 
 import torch
@@ -203,8 +202,10 @@ def check_weights(rank: int, mesh, topology: zcomm.Topology) -> None:
 
 def check_async_unshard(rank: int, mesh, topology: zcomm.Topology) -> None:
     """``unshard(async_op=True)`` returns before the gather ran; its ``wait()`` must complete zcomm's
-    chain. The gather worker is held for 0.5 s, so a ``wait()`` that does not wait leaves the output
-    unwritten; the same check with HandleWork.wait as a no-op must fail, which shows it can."""
+    chain. The gather worker is held (for 0.5 s by a timer, as the real ``wait()`` blocks this
+    thread), so a ``wait()`` that does not wait leaves the output unwritten; the same check with
+    HandleWork.wait as a no-op must fail, which shows it can. In that case the worker is released
+    only after the check, so no delay of this rank can let the chain finish first."""
     model = _build(mesh, bf16=False, reshard=True)
     zcomm.fsdp.enable_zeropp(model, topology=topology)
     _train(model, rank, steps=1)
@@ -216,8 +217,10 @@ def check_async_unshard(rank: int, mesh, topology: zcomm.Topology) -> None:
                 p.to_local().add_(1.0)
         full = [p.full_tensor() for p in block.parameters()]
         release = threading.Event()
-        _chain_runner._ordered_worker(group, topology, "gather").submit(release.wait)
-        threading.Timer(0.5, release.set).start()
+        worker = _chain_runner._ordered_worker(group, topology, "gather")
+        worker.submit(release.wait)
+        if not no_op_wait:
+            threading.Timer(0.5, release.set).start()
         real_wait = _fsdp_compat.HandleWork.wait
         if no_op_wait:
             _fsdp_compat.HandleWork.wait = lambda self, timeout=None: True
@@ -230,8 +233,9 @@ def check_async_unshard(rank: int, mesh, topology: zcomm.Topology) -> None:
                 waited = False
         finally:
             _fsdp_compat.HandleWork.wait = real_wait
+        release.set()
+        worker.submit(lambda: None).result()  # the worker runs in order: the abandoned chain is done
         assert waited != no_op_wait, no_op_wait
-        time.sleep(0.6 if no_op_wait else 0.0)  # let the abandoned chain finish before resharding
         block.reshard()
 
 

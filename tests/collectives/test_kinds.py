@@ -10,7 +10,10 @@ only after the other kind's call returned. Every other rank's chain of that kind
 waits for rank 3 inside its hops, so the blocked call is in flight everywhere. If the two
 kinds shared one worker (or one private group), the other kind's sync call would queue
 behind the blocked chain until the event's timeout released it, and the checks below that
-the blocked call was not yet complete would fail.
+the blocked call was not yet complete would fail. Rank 3 releases only after every rank
+has looked (a barrier on a gloo group of the test's own): otherwise a rank descheduled
+for a few milliseconds on a busy machine would look after the release and find the
+blocked call complete.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ def _gather(shard: torch.Tensor, async_op: bool) -> tuple[torch.Tensor, zcomm.Ha
     return out, zcomm.all_gather_q8(out, shard, async_op=async_op, topology=TOPOLOGY)
 
 
-def _other_kind_overtakes(rank: int, blocked_kind: str) -> dict:
+def _other_kind_overtakes(rank: int, blocked_kind: str, looked: dist.ProcessGroup) -> dict:
     """The blocked kind's async call is in flight; the other kind's sync call must still return."""
     full, shard = _inputs(rank)
     expected_reduced, _ = _reduce(full, async_op=False)  # also creates both kinds' groups
@@ -86,6 +89,7 @@ def _other_kind_overtakes(rank: int, blocked_kind: str) -> dict:
         other_out, _ = other_call(other_input, async_op=False)
         other_s = time.monotonic() - start
         in_flight = not handle.is_completed()
+        dist.barrier(group=looked)
         blocker.release()
         handle.wait()
     if blocked_kind == "reduce":
@@ -95,7 +99,7 @@ def _other_kind_overtakes(rank: int, blocked_kind: str) -> dict:
     return {"in_flight": in_flight, "same_results": results, "other_s": other_s}
 
 
-def _same_kind_keeps_order(rank: int) -> dict:
+def _same_kind_keeps_order(rank: int, looked: dist.ProcessGroup) -> dict:
     """Two async reduce-scatters: the second completes only after the first (blocked) one."""
     full, _ = _inputs(rank)
     expected, _ = _reduce(full, async_op=False)
@@ -104,6 +108,7 @@ def _same_kind_keeps_order(rank: int) -> dict:
         second_out, second = _reduce(full, async_op=True)
         time.sleep(0.5)  # time for the second to finish if it did not queue behind the first
         second_waited = not second.is_completed()
+        dist.barrier(group=looked)
         blocker.release()
         second.wait()
         first_done_by_then = first.is_completed()
@@ -113,9 +118,10 @@ def _same_kind_keeps_order(rank: int) -> dict:
 
 
 def _main(rank: int, world: int) -> list[dict]:
-    results = [_other_kind_overtakes(rank, kind) for kind in ("reduce", "gather")]
+    looked = dist.new_group(backend="gloo")  # used by the test only, never by zcomm's chains
+    results = [_other_kind_overtakes(rank, kind, looked) for kind in ("reduce", "gather")]
     dist.barrier()
-    results.append(_same_kind_keeps_order(rank))
+    results.append(_same_kind_keeps_order(rank, looked))
     return results
 
 
