@@ -246,44 +246,33 @@ def consolidate(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{root} was saved without the model's keys (by an older zero_runtime); it cannot be "
                               "consolidated offline: load it in a run and call full_state_dict()")
     files = [_read_rank_file(root, meta, rank) for rank in range(meta["world_size"])]
-
-    def unflatten(fingerprint_entry: list, align: int | None, shards: list[torch.Tensor]) -> list[torch.Tensor]:
-        layout = _reshard.saved_layout(meta, fingerprint_entry, align)
-        flat = torch.cat(shards)
-        if flat.numel() != layout.numel:
-            raise CheckpointError(f"{root}: shards of {flat.numel()} elements for a unit of {layout.numel}")
-        return layout.views(flat)
-
-    def aligns(key: str, entries: list) -> list[int | None]:
-        return meta.get(key) or [None] * len(entries)
-
-    views = {"unit": [unflatten(entry, align, [f["masters"][i] for f in files]) for i, (entry, align)
-                      in enumerate(zip(meta["fingerprint"], aligns("aligns", meta["fingerprint"])))],
-             "frozen": [unflatten(entry, align, [f["frozen_shards"][i] for f in files]) for i, (entry, align)
-                        in enumerate(zip(meta["frozen_fingerprint"], aligns("frozen_aligns", meta["frozen_fingerprint"])))]}
+    views = {"unit": [unit for _, unit in _reshard.saved_unit_views(root, meta, files)],
+             "frozen": [unit for _, unit in _reshard.saved_unit_views(root, meta, files, frozen=True)]}
     out = {}
     for key, where in meta["model_keys"].items():
         out[key] = files[0]["model_extras"][key] if where[0] == "extra" else views[where[0]][where[1]][where[2]].clone()
     return out
 
 
-def _same_layout(state: TrainingState, plan: CommPlan, meta: dict[str, Any]) -> bool:
-    """Whether this rank's saved file is its shard as is (else see [Note: resharding a checkpoint])."""
+def _same_layout(state: TrainingState, plan: CommPlan, meta: dict[str, Any], ours: list[list[Any]]) -> bool:
+    """Whether this rank's saved file is its shard as is (else see [Note: resharding a
+    checkpoint]); ``ours`` is this run's ``fingerprint``."""
     aligns = meta.get("aligns")
     return (meta["world_size"] == plan.world_size and meta.get("stage", state.stage) == state.stage
-            and meta["fingerprint"] == fingerprint(state)
+            and meta["fingerprint"] == ours
             and (aligns is None or aligns == [u.layout.align for u in state.units]))
 
 
 def _read_rank_state(state: TrainingState, plan: CommPlan, root: Path) -> dict[str, Any]:
     meta = _read_meta(root)
-    if _same_layout(state, plan, meta):
+    ours = fingerprint(state)
+    if _same_layout(state, plan, meta, ours):
         return validate_rank_state(state, plan, _read_rank_file(root, meta, plan.rank))
-    problem = _reshard.parameter_mismatch(meta["fingerprint"], fingerprint(state))
+    problem = _reshard.parameter_mismatch(meta["fingerprint"], ours)
     if problem:  # before reading every rank's file
         raise CheckpointError(f"checkpoint {root}: {problem}")
     files = [_read_rank_file(root, meta, rank) for rank in range(meta["world_size"])]
-    saved = _reshard.resharded_rank_state(state, plan, root, meta, files, fingerprint(state))
+    saved = _reshard.resharded_rank_state(state, plan, root, meta, files)
     if state.offload is not None:
         problem = state.offload.state_problem(saved["optimizer"])
         if problem:

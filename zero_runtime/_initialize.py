@@ -74,7 +74,7 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec | None = None,
     plan = build_comm_plan(config, group, topology, device=_training_device(names, group))
     groups, build = _optimizer_groups(optimizer, names)
     dtype = DTYPES[config.precision]
-    materialize([p for p in partitioned_parameters(model) if not _unit_partitioned(p, config)], group)
+    materialize([p for p in partitioned_parameters(model) if not _stage3_partitions(p, config)], group)
     _cast_untrained_state(model, dtype)
     units = _build_units(model, groups, names, config, plan, dtype)
     frozen_units = _build_frozen_units(model, config, plan, dtype, first_index=len(units))
@@ -158,8 +158,8 @@ def _build_units(model: nn.Module, groups: Sequence[Sequence[nn.Parameter]], nam
         whole = params
         buckets = []
         if config.stage == 3:
-            whole = [p for p in params if p.numel() <= config.param_persistence_threshold]
-            partitioned = [p for p in params if p.numel() > config.param_persistence_threshold]
+            whole = [p for p in params if not _stage3_partitions(p, config)]
+            partitioned = [p for p in params if _stage3_partitions(p, config)]
             buckets = [(bucket, True) for bucket in group_by_module(model, partitioned, fuse_numel=config.fuse_numel)]
         buckets += [(bucket, False) for bucket in group_by_size(whole, config.reduce_bucket_size)]
         for bucket, partition in buckets:
@@ -181,7 +181,7 @@ def _build_frozen_units(model: nn.Module, config: ZeroConfig, plan: CommPlan, dt
         return []
     frozen: dict[nn.Parameter, str] = {}
     for name, param in model.named_parameters():
-        if not param.requires_grad and param.is_floating_point() and param.numel() > config.param_persistence_threshold:
+        if not param.requires_grad and param.is_floating_point() and _stage3_partitions(param, config):
             frozen.setdefault(param, name)
     position = {param: i for i, (_, param) in enumerate(model.named_parameters())}
     units = []
@@ -194,9 +194,10 @@ def _build_frozen_units(model: nn.Module, config: ZeroConfig, plan: CommPlan, dt
     return units
 
 
-def _unit_partitioned(param: nn.Parameter, config: ZeroConfig) -> bool:
-    """Whether stage 3 gives ``param`` (trainable or frozen) a partitioned unit."""
-    return config.stage == 3 and param.is_floating_point() and param.numel() > config.param_persistence_threshold
+def _stage3_partitions(param: nn.Parameter, config: ZeroConfig) -> bool:
+    """Whether ``param`` goes into a partitioned unit: stage 3, above the persistence threshold
+    (a frozen one must also be floating, see ``_build_frozen_units``)."""
+    return config.stage == 3 and param.numel() > config.param_persistence_threshold
 
 
 def _cast_untrained_state(model: nn.Module, dtype: torch.dtype) -> None:

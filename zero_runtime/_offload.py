@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ._partition import FlatUnit
+from ._partition import FlatUnit, optimizer_indices
 from .swap_file import SwapFile, aligned_buffer, round_up
 from .config import ZeroConfig
 from .cpu_adam import AdamHyper, adam_step
@@ -190,7 +190,7 @@ class OptimizerOffload:
         """The masters and ``torch.optim.Optimizer.state_dict()`` as the user's optimizer would
         return it without offload (same indices, same tensors)."""
         template = self.optimizer.state_dict()
-        index = self._param_index()
+        index = optimizer_indices(self.optimizer, self.units)
         states = self.unit_states()
         state = {}
         for unit, (_, exp_avg, exp_avg_sq) in zip(self.units, states):
@@ -204,7 +204,7 @@ class OptimizerOffload:
         torch optimizer's param groups, as its ``load_state_dict`` would put them."""
         for group, saved_group in zip(self.optimizer.param_groups, saved["param_groups"]):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
-        index = self._param_index()
+        index = optimizer_indices(self.optimizer, self.units)
         for unit, master in zip(self.units, masters):
             entry = saved["state"].get(index[unit.index])
             self.steps[unit.index] = int(entry["step"]) if entry else 0
@@ -244,7 +244,7 @@ class OptimizerOffload:
 
     def state_problem(self, saved: dict[str, Any]) -> str | None:
         """Why ``saved`` (an optimizer state dict) cannot be loaded here, or None."""
-        index = self._param_index()
+        index = optimizer_indices(self.optimizer, self.units)
         for unit in self.units:
             entry = saved.get("state", {}).get(index[unit.index])
             if entry is None:
@@ -253,11 +253,6 @@ class OptimizerOffload:
             if shapes != [(unit.layout.shard_numel,)] * 2 or "step" not in entry:
                 return f"optimizer state of unit {unit.index} is not Adam's exp_avg/exp_avg_sq/step of its shard"
         return None
-
-    def _param_index(self) -> list[int]:
-        """Per unit: the index of its master in ``optimizer.state_dict()``'s numbering."""
-        order = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
-        return [order[id(u.master)] for u in self.units]
 
     def close(self) -> None:
         """Remove the swap file (see [Note: swap file lifetime]); idempotent."""

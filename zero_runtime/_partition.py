@@ -189,3 +189,10 @@ def group_by_module(model: nn.Module, params: Iterable[nn.Parameter], *,
 
     visit(model)
     return buckets
+
+
+def optimizer_indices(optimizer: torch.optim.Optimizer, units: list[FlatUnit]) -> list[int]:
+    """Per unit, the index of its master in ``optimizer.state_dict()``'s numbering (the order of
+    the parameters over the param groups)."""
+    order = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    return [order[id(u.master)] for u in units]

@@ -32,9 +32,10 @@ import torch
 
 from ._checkpoint_error import CheckpointError
 from ._flat_buffer import FlatLayout
+from ._partition import optimizer_indices
 
 
-def saved_layout(meta: dict[str, Any], entry: list, align: int | None) -> FlatLayout:
+def _saved_layout(meta: dict[str, Any], entry: list, align: int | None) -> FlatLayout:
     """The layout a saved unit had: ``entry`` is its fingerprint entry (``[..., numel,
     slots]``), ``align`` its recorded alignment (None in checkpoints that predate it: then it
     must have been packed)."""
@@ -44,6 +45,24 @@ def saved_layout(meta: dict[str, Any], entry: list, align: int | None) -> FlatLa
         raise CheckpointError(f"a saved unit of {numel} elements does not match its recorded layout "
                               f"({layout.numel}); the checkpoint predates recorded alignments and cannot be resharded")
     return layout
+
+
+def saved_unit_views(root: Path, meta: dict[str, Any], files: list[dict[str, Any]], *,
+                     frozen: bool = False) -> list[tuple[FlatLayout, list[torch.Tensor]]]:
+    """Per saved unit (trained, or with ``frozen`` stage 3's frozen ones), its saved layout and
+    its parameters' full values: views of the rank files' shards laid end to end."""
+    entries = meta["frozen_fingerprint" if frozen else "fingerprint"]
+    aligns = meta.get("frozen_aligns" if frozen else "aligns") or [None] * len(entries)
+    field = "frozen_shards" if frozen else "masters"
+    out = []
+    for i, (entry, align) in enumerate(zip(entries, aligns)):
+        layout = _saved_layout(meta, entry, align)
+        flat = torch.cat([f[field][i] for f in files])
+        if flat.numel() != layout.numel:
+            raise CheckpointError(f"{root}: the {field} of saved unit {i} hold {flat.numel()} elements, "
+                                  f"its layout {layout.numel}")
+        out.append((layout, layout.views(flat)))
+    return out
 
 
 def _params(entries: list) -> dict[str, tuple[list[int], int]]:
@@ -73,15 +92,11 @@ def _optimizer_order(group_indices: list[int]) -> list[int]:
     return index
 
 
-def resharded_rank_state(state, plan, root: Path, meta: dict[str, Any], files: list[dict[str, Any]],
-                         run_fingerprint: list) -> dict[str, Any]:
-    """A ``rank_state``-shaped dict for this rank of this run (whose ``_checkpoint.fingerprint``
-    is ``run_fingerprint``), built from all the saved ``files`` of a checkpoint written at
-    another layout (see [Note: resharding a checkpoint])."""
+def resharded_rank_state(state, plan, root: Path, meta: dict[str, Any], files: list[dict[str, Any]]) -> dict[str, Any]:
+    """A ``rank_state``-shaped dict for this rank of this run, built from all the saved ``files``
+    of a checkpoint written at another layout (see [Note: resharding a checkpoint]); the caller
+    has checked that the trained parameters match (``parameter_mismatch``)."""
     saved_fp = meta["fingerprint"]
-    problem = parameter_mismatch(saved_fp, run_fingerprint)
-    if problem:
-        raise CheckpointError(f"{root}: {problem}")
     first = files[0]
     groups = first["optimizer"].get("param_groups", [])
     if len(groups) != len(state.optimizer.param_groups):
@@ -90,20 +105,13 @@ def resharded_rank_state(state, plan, root: Path, meta: dict[str, Any], files: l
     if (first.get("lr_scheduler") is None) != (state.lr_scheduler is None):
         raise CheckpointError(f"{root}: the checkpoint and this run differ in having a learning-rate scheduler")
 
-    aligns = meta.get("aligns") or [None] * len(saved_fp)
     saved_index = _optimizer_order([entry[0] for entry in saved_fp])
     masters: dict[str, torch.Tensor] = {}  # parameter name -> full fp32 master
     elementwise: dict[str, dict[str, torch.Tensor]] = {}  # name -> state key -> full tensor
     scalars: dict[str, dict[str, torch.Tensor] | None] = {}  # name -> its saved unit's scalar states (None: no state)
-    for i, entry in enumerate(saved_fp):
-        layout = saved_layout(meta, entry, aligns[i])
+    for i, (entry, (layout, views)) in enumerate(zip(saved_fp, saved_unit_views(root, meta, files))):
         names = [name for name, _ in entry[-1]]
-        flat = torch.cat([f["masters"][i] for f in files])
-        if flat.numel() != layout.numel:
-            raise CheckpointError(f"{root}: the master shards of saved unit {i} hold {flat.numel()} elements, "
-                                  f"its layout {layout.numel}")
-        for name, view in zip(names, layout.views(flat)):
-            masters[name] = view
+        masters.update(zip(names, views))
         entries = [f["optimizer"].get("state", {}).get(saved_index[i]) for f in files]
         if all(e is None for e in entries):
             for name in names:
@@ -129,9 +137,8 @@ def resharded_rank_state(state, plan, root: Path, meta: dict[str, Any], files: l
         for name in names:
             scalars[name] = unit_scalars
 
-    our_index = {id(p): i for i, p in enumerate(p for g in state.optimizer.param_groups for p in g["params"])}
     new_masters, new_state = [], {}
-    for unit in state.units:
+    for unit, our_index in zip(state.units, optimizer_indices(state.optimizer, state.units)):
         start, end = unit.layout.shard_range(plan.rank)
         new_masters.append(unit.layout.flatten([masters[n] for n in unit.names], dtype=torch.float32)[start:end].clone())
         drawn = [scalars[n] for n in unit.names]
@@ -148,7 +155,7 @@ def resharded_rank_state(state, plan, root: Path, meta: dict[str, Any], files: l
         for key in keys:
             full = unit.layout.flatten([elementwise[n][key] for n in unit.names], dtype=elementwise[unit.names[0]][key].dtype)
             entry[key] = full[start:end].clone()
-        new_state[our_index[id(unit.master)]] = entry
+        new_state[our_index] = entry
     current = state.optimizer.state_dict()["param_groups"]
     param_groups = [{**saved, "params": ours["params"]} for saved, ours in zip(groups, current)]
 
