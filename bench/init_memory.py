@@ -8,9 +8,9 @@ every rank) and reads its peak (``VmHWM``) and final resident set. Reported per 
 largest rank's peak and kept growth over the baseline, and the build time. Issue 15's target
 for ``Init``: peak <= the largest single module's parameters + 1/W of the rest + a fixed
 overhead, stated with the result: the peak of building the same model on the ``meta``
-device (its Python objects and the allocator's, no parameter bytes), the ``meta`` row. glibc's ``mmap`` threshold is fixed at 128 KiB in the
-ranks (``MALLOC_MMAP_THRESHOLD_``), so freed tensors leave the resident set at once instead
-of staying in the heap, as the default's dynamic threshold would make them.
+device (its Python objects and the allocator's, no parameter bytes), the ``meta`` row. The
+ranks run with glibc's ``mmap`` threshold fixed (see [Note: glibc's mmap threshold] in
+``bench.harness.process_memory``), so freed tensors leave the resident set at once.
 """
 
 from __future__ import annotations
@@ -24,14 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _status(field: str) -> int:
-    """``field`` of /proc/self/status in bytes."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
+from bench.harness.process_memory import MALLOC_ENV, status_bytes
 
 
 def _build(shape: dict, mode: str):
@@ -60,11 +53,11 @@ def _rank(rank: int, world_size: int, port: int, shape: dict, mode: str, queue) 
     dist.barrier()
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # resets VmHWM to the current resident set
-    base = _status("VmRSS")
+    base = status_bytes("VmRSS")
     start = time.perf_counter()
     model = _build(shape, mode)
     seconds = time.perf_counter() - start
-    peak, kept = _status("VmHWM") - base, _status("VmRSS") - base
+    peak, kept = status_bytes("VmHWM") - base, status_bytes("VmRSS") - base
     dist.barrier()
     queue.put((rank, peak, kept, seconds))
     del model
@@ -107,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-head", type=int, default=12)
     parser.add_argument("--vocab-size", type=int, default=50257)
     args = parser.parse_args(argv)
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # inherited by the spawned ranks
+    os.environ.update(MALLOC_ENV)  # inherited by the spawned ranks
     shape = dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, vocab_size=args.vocab_size,
                  n_positions=1024)
     total, largest, size = _module_sizes(shape)

@@ -22,12 +22,11 @@ is stated next to the measured step time: issue 16 asks for a step within 1.25x 
 max(compute, I/O). ``offload_param`` is not built yet, so parameter shards and gradients stay
 in memory. Cgroups and swap files are removed at the end.
 
-glibc's ``mmap`` threshold is fixed at 128 KiB in every job (``MALLOC_MMAP_THRESHOLD_``, as
-in ``bench.init_memory``), so freed tensors leave the resident set. With glibc's default
-dynamic threshold, blocks up to 32 MiB (a GPT-2 medium block's shards) come from its heap
-and stay resident after they are freed: both jobs then peaked near 6 GB per rank, and
-offload saved almost nothing of the resident set. Long-running CPU jobs want the same
-setting, or jemalloc / tcmalloc.
+Every job runs with glibc's ``mmap`` threshold fixed (``MALLOC_ENV``; see [Note: glibc's mmap
+threshold] in ``bench.harness.process_memory``). With glibc's default dynamic threshold a
+GPT-2 medium block's shards came from its heap and stayed resident after they were freed:
+both jobs then peaked near 6 GB per rank, and offload saved almost nothing of the resident
+set. Long-running CPU jobs want the same setting, or jemalloc / tcmalloc.
 """
 
 from __future__ import annotations
@@ -47,10 +46,10 @@ from pathlib import Path
 import torch
 
 from bench.harness.flags import parse_size
+from bench.harness.process_memory import MALLOC_ENV, status_bytes
 from bench.nvme_swap import dd_rate
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
-MMAP_THRESHOLD = "131072"
 
 
 def _config(mode: str, nvme_path: str, sub_group_size: int) -> dict:
@@ -59,11 +58,6 @@ def _config(mode: str, nvme_path: str, sub_group_size: int) -> dict:
         zero.update(offload_optimizer={"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4},
                     sub_group_size=sub_group_size)
     return {"zero_optimization": zero}
-
-
-def _peak_rss() -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
 
 
 def _rank(rank: int, world_size: int, port: int, args: argparse.Namespace, out: str) -> None:
@@ -96,7 +90,7 @@ def _rank(rank: int, world_size: int, port: int, args: argparse.Namespace, out: 
     report = opt.memory_report()
     opt.close()
     with open(f"{out}.{rank}", "w") as f:
-        json.dump({"params": params, "steps": steps, "peak_rss": _peak_rss(),
+        json.dump({"params": params, "steps": steps, "peak_rss": status_bytes("VmHWM"),
                    "offloaded_bytes": report.offloaded_optimizer_states}, f)
     dist.destroy_process_group()
 
@@ -145,7 +139,7 @@ def _run_job(mode: str, args: argparse.Namespace, limit: int | None, scratch: Pa
     try:
         start = time.perf_counter()
         preexec = (lambda: (group / "cgroup.procs").write_text(str(os.getpid()))) if group else None
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}
+        env = {**os.environ, **MALLOC_ENV}
         proc = subprocess.run(command, preexec_fn=preexec, env=env, capture_output=True, text=True,
                               timeout=args.timeout)
         wall = time.perf_counter() - start
@@ -182,31 +176,43 @@ def _shape(args: argparse.Namespace) -> dict:
                                           "sub_group_size", "nvme_path")}
 
 
+_TIMINGS = ("total_s", "forward_backward_s", "step_s")
+
+
 def _median(values: list[float]) -> float:
     values = sorted(values)
     return values[len(values) // 2]
 
 
+def _completed(job: dict, args: argparse.Namespace) -> bool:
+    return job["exit"] == 0 and len(job["ranks"]) == args.world_size
+
+
+def _medians(job: dict) -> dict[str, float] | None:
+    """Per timing, the median over every rank's steps after the first (None with one step)."""
+    later = [step for rank in job["ranks"] for step in rank["steps"][1:]]
+    return {key: _median([step[key] for step in later]) for key in _TIMINGS} if later else None
+
+
 def _report(results: list[dict], args: argparse.Namespace, disk: dict[str, float]) -> None:
     gib = 2**30
     params = next((r["ranks"][0]["params"] for r in results if r["ranks"]), 0)
+    malloc = " ".join(f"{key}={value}" for key, value in MALLOC_ENV.items())
     print(f"# Training a model that does not fit: HF GPT-2 {params / 1e6:.0f}M parameters, fp32, stage 3, "
           f"{args.world_size} gloo ranks, one thread each\n")
     print(f"shape: n_embd {args.n_embd}, n_layer {args.n_layer}, seq_len {args.seq_len}, batch 1 per rank; "
           f"{args.steps} steps (the first is excluded from step times); sub_group_size {args.sub_group_size}; "
-          f"nvme_path {args.nvme_path}; torch {torch.__version__}; MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}\n")
+          f"nvme_path {args.nvme_path}; torch {torch.__version__}; {malloc}\n")
     print(f"disk (dd, 1 GiB, direct I/O, same run): write {disk['write']:.2f} GB/s, read {disk['read']:.2f} GB/s\n")
     print("| job | memory limit | outcome | peak memory (all ranks) | step s (median) | forward+backward s | step() s |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
-        done = r["exit"] == 0 and len(r["ranks"]) == args.world_size
+        done = _completed(r, args)
         outcome = "completed" if done else (f"killed by the OOM killer ({r['oom_kills']} kill(s))" if r["oom_kills"]
                                             else f"failed (exit {r['exit']})")
         limit = f"{r['limit'] / gib:.1f} GiB" if r["limit"] else "none"
-        cells = ["-"] * 3
-        if done and args.steps > 1:
-            later = [s for rank in r["ranks"] for s in rank["steps"][1:]]
-            cells = [f"{_median([s[k] for s in later]):.1f}" for k in ("total_s", "forward_backward_s", "step_s")]
+        medians = _medians(r) if done else None
+        cells = [f"{medians[key]:.1f}" for key in _TIMINGS] if medians else ["-"] * len(_TIMINGS)
         print(f"| {r['mode']} | {limit} | {outcome} | {r['peak'] / gib:.2f} GiB | " + " | ".join(cells) + " |")
     for r in results:
         if r["exit"] and not r["oom_kills"]:
@@ -215,20 +221,20 @@ def _report(results: list[dict], args: argparse.Namespace, disk: dict[str, float
 
 
 def _target(results: list[dict], args: argparse.Namespace, disk: dict[str, float]) -> None:
-    def step_time(mode: str, capped: bool) -> float | None:
-        for r in results:
-            if r["mode"] == mode and bool(r["limit"]) == capped and r["exit"] == 0 and args.steps > 1:
-                return _median([s["total_s"] for rank in r["ranks"] for s in rank["steps"][1:]])
-        return None
+    def completed(mode: str, capped: bool) -> tuple[dict | None, float | None]:
+        """The completed job of ``mode`` with or without a limit, and its median step time."""
+        job = next((r for r in results if r["mode"] == mode and bool(r["limit"]) == capped and _completed(r, args)),
+                   None)
+        medians = _medians(job) if job else None
+        return job, medians["total_s"] if medians else None
 
-    nvme = next((r for r in results if r["mode"] == "nvme" and r["exit"] == 0), None)
-    compute = step_time("none", capped=False)
-    if nvme is None or compute is None or step_time("nvme", capped=True) is None:
+    nvme, measured = completed("nvme", capped=True)
+    _, compute = completed("none", capped=False)
+    if measured is None or compute is None:
         print("\ntarget (step <= 1.25x max(compute, I/O)): not evaluated (needs the nvme job and the baseline)")
         return
     swapped = sum(rank["offloaded_bytes"] for rank in nvme["ranks"])  # read once and written once per step
     io = swapped / (disk["read"] * 1e9) + swapped / (disk["write"] * 1e9)
-    measured = step_time("nvme", capped=True)
     bound = max(compute, io)
     print(f"\ntarget (issue 16): NVMe step <= 1.25x max(compute, I/O). compute = the unlimited `none` step "
           f"{compute:.1f} s; I/O = {swapped / 1e9:.2f} GB read and written per step at dd's rates = {io:.1f} s; "

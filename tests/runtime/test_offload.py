@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from zero_harness import run
-from zero_workloads import make_model, make_optimizer, zero_steps
+from zero_workloads import make_model, make_optimizer, state_dicts_equal, zero_steps
 
 STEPS = 4
 FREE_AFTER_USE = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
@@ -89,10 +89,6 @@ def results(tmp_path_factory):
     return run(_train, 2, root)
 
 
-def _equal(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 @pytest.mark.parametrize("name", [case[0] for case in CASES])
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 def test_training_is_bit_identical_to_no_offload(results, name, device):
@@ -100,10 +96,10 @@ def test_training_is_bit_identical_to_no_offload(results, name, device):
         base, got = results[rank][name, "none"], results[rank][name, device]
         assert got["losses"] == base["losses"]
         if rank == 0:
-            assert base["weights"] and _equal(got["weights"], base["weights"])
+            assert base["weights"] and state_dicts_equal(got["weights"], base["weights"])
     first = results[0][name, device]
     assert first["resumed"] == first["losses"][STEPS:]
-    assert _equal(first["resumed_weights"], first["weights"])
+    assert state_dicts_equal(first["resumed_weights"], first["weights"])
 
 
 @pytest.mark.parametrize("name", [case[0] for case in CASES])
@@ -200,7 +196,7 @@ def test_gathered_parameters_edits_reach_offloaded_masters(tmp_path, single_proc
     assert torch.equal(value, torch.full_like(value, 0.25)), name
     for device in ("cpu", "nvme"):
         for got, want in zip(results[device], results["none"]):
-            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), device
+            assert state_dicts_equal(got, want), device
 
 
 def test_swap_file_removed_after_an_uncaught_exception(tmp_path):

@@ -44,7 +44,8 @@ import torch
 import torch.distributed as dist
 
 from zero_harness import run
-from zero_workloads import global_batch, local_slice, loss_of, make_model, make_optimizer, optimizer_state_placement
+from zero_workloads import (global_batch, local_slice, loss_of, make_model, make_optimizer, optimizer_state_placement,
+                            state_dicts_equal)
 
 FP32_RTOL, FP16_RTOL, ZEROPP_RTOL = 1e-4, 1e-2, 1e-3
 STEPS = 4
@@ -219,8 +220,7 @@ def _init_on(rank: int, device: torch.device, group: dist.ProcessGroup) -> dict:
             partitioned = make_model("gpt")
     weights = [zero_runtime.initialize(model, make_optimizer(), config, group=group)[1].full_state_dict()
                for model in (plain, partitioned)]
-    return {"same": weights[0].keys() == weights[1].keys()
-            and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]),
+    return {"same": state_dicts_equal(*weights),
             "devices": sorted({str(t.device) for t in weights[1].values()})}
 
 

@@ -89,6 +89,11 @@ def reference_run(kind: str, steps: int, *, clip: float = 0.0,
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def state_dicts_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """The same keys, and bit-identical tensors under each."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def optimizer_state_placement(optimizer: torch.optim.Optimizer) -> dict[str, list[str]]:
     """Per state key (``step``, ``exp_avg``, ...): the devices and dtypes of its tensors."""
     found: dict[str, set[str]] = {}
