@@ -40,6 +40,7 @@ import torch
 from . import _host_sync, _reshard
 from ._checkpoint_error import CheckpointError
 from ._comm_plan import CommPlan
+from ._param_offload import resident
 from ._state import TrainingState
 
 FORMAT = "zero_runtime.sharded/1"
@@ -177,7 +178,10 @@ def save(state: TrainingState, plan: CommPlan, directory: str | os.PathLike,
     frozen shards, and in rank 0's file the buffers and unpartitioned frozen parameters."""
     rank = plan.rank
     saved = rank_state(state, plan)
-    saved["frozen_shards"] = [unit.shard.detach().clone() for unit in state.frozen_units]
+    saved["frozen_shards"] = []
+    for unit in state.frozen_units:
+        with resident(state.param_offload, [unit]):
+            saved["frozen_shards"].append(unit.shard.detach().clone())
     keys = None
     if rank == 0 and model is not None:
         keys, saved["model_extras"] = model_keys(state, model)
@@ -305,12 +309,13 @@ def full_state_dict(state: TrainingState, plan: CommPlan, model: torch.nn.Module
     full_of: dict[torch.nn.Parameter, torch.Tensor] = {}
     offloaded = state.offload.masters() if state.offload is not None else None
     for unit in state.units + state.frozen_units:
-        if unit.frozen:
-            source = unit.shard
-        else:
-            source = unit.master.detach() if offloaded is None else offloaded[unit.index].to(plan.device)
-        flat = torch.empty(unit.layout.numel, dtype=source.dtype, device=source.device)
-        plan.exact_all_gather(flat, source)
+        with resident(state.param_offload, [unit] if unit.frozen else []):
+            if unit.frozen:
+                source = unit.shard
+            else:
+                source = unit.master.detach() if offloaded is None else offloaded[unit.index].to(plan.device)
+            flat = torch.empty(unit.layout.numel, dtype=source.dtype, device=source.device)
+            plan.exact_all_gather(flat, source)
         for param, view in zip(unit.params, unit.layout.views(flat)):
             full_of[param] = view.clone()
     if plan.rank != 0:

@@ -104,6 +104,8 @@ class GatheredParameters:
         if unit.state is GatherState.GATHERING:
             self.opt.scheduler.wait(unit)
         if unit.state is GatherState.FREE:
+            if self.opt.param_offload is not None:  # the scheduler's units are resident already
+                self.opt.param_offload.fetch(unit)
             unit.alloc_full()
             self._gathered.append(unit)
         self.opt.plan.exact_all_gather(unit.full, unit.shard)
@@ -122,6 +124,8 @@ class GatheredParameters:
             for unit in self._gathered:
                 if unit.pinned == 0:
                     unit.free_full()
+                    if self.opt.param_offload is not None:  # written home if the block changed it
+                        self.opt.param_offload.evict(unit)
 
     def _write_back(self) -> None:
         """Rank ``modifier_rank``'s values everywhere: full buffers, shards, masters."""

@@ -11,7 +11,10 @@ between uses (hpZ's secondary partition) or between steps (LoCo's error buffers,
 by each bucket's first reduction). With ``offload_optimizer`` the fp32 masters and Adam
 states live off the training device (host memory, or the swap file with ``nvme``): they are
 ``offloaded_optimizer_states``, not part of ``total`` (the bytes on the training device), and
-``optimizer_states`` is then 0. Transient buffers are not counted: stage-3 units
+``optimizer_states`` is then 0. With ``offload_param`` the partitioned units' shards live off
+the device between uses (host memory on a GPU run, the swap file with ``nvme``): they are
+``offloaded_parameters`` and not in ``parameters`` (``cpu`` on a CPU run moves nothing and
+reports 0 offloaded). Transient buffers are not counted: stage-3 units
 gathered for their use or kept gathered until their next one (at most
 ``stage3_max_live_parameters`` elements beyond the units in use), and gradient buckets in
 flight (at most ``MAX_IN_FLIGHT`` buckets of at most ``reduce_bucket_size`` elements each, or
@@ -34,6 +37,7 @@ class MemoryReport(NamedTuple):
     secondary_parameters: int = 0  # copies kept by the gather objects (hpZ), 0 without ZeRO++
     error_feedback: int = 0  # LoCo's INT8 error buffers kept by qgZ (zeropp_loco_param), else 0
     offloaded_optimizer_states: int = 0  # masters and Adam states in host memory or on NVMe; not in total
+    offloaded_parameters: int = 0  # stage 3's shards in host memory or on NVMe (offload_param); not in total
 
     @property
     def total(self) -> int:
@@ -46,8 +50,11 @@ def measure(state: TrainingState, *, secondary_bytes: int, error_feedback_bytes:
     objects hold (``CommPlan.held_bytes``) and ``error_feedback_bytes`` the reduce-scatter
     holds (LoCo's buffers, ``ReduceScatter.held_bytes``)."""
     units = state.units
-    params = sum(_nbytes(u.shard) if u.partitioned else u.full_nbytes for u in units)
-    params += sum(_nbytes(u.shard) for u in state.frozen_units)
+    shards = sum(_nbytes(u.shard) for u in units + state.frozen_units if u.partitioned)
+    params = sum(u.full_nbytes for u in units if not u.partitioned)
+    moved = state.param_offload is not None and state.param_offload.moves_shards
+    params += 0 if moved else shards
+    offloaded_params = state.param_offload.held_bytes() if moved else 0
     grads = sum(_nbytes(u.full_grad) if state.stage == 1 else _nbytes(u.grad_shard) for u in units)
     if state.offload is not None:
         states, offloaded = 0, state.offload.held_bytes()
@@ -57,7 +64,7 @@ def measure(state: TrainingState, *, secondary_bytes: int, error_feedback_bytes:
             states += sum(_nbytes(v) for v in optimizer_state.values() if isinstance(v, torch.Tensor))
     return MemoryReport(parameters=params, gradients=grads, optimizer_states=states,
                         secondary_parameters=secondary_bytes, error_feedback=error_feedback_bytes,
-                        offloaded_optimizer_states=offloaded)
+                        offloaded_optimizer_states=offloaded, offloaded_parameters=offloaded_params)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

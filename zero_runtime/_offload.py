@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ._param_offload import ParamOffload, resident
 from ._partition import FlatUnit, optimizer_indices
 from .swap_file import SwapFile, aligned_buffer, round_up
 from .config import ZeroConfig
@@ -72,10 +73,13 @@ class OptimizerOffload:
     """The offloaded masters and states of ``units``, and their optimizer step."""
 
     def __init__(self, *, units: list[FlatUnit], optimizer: torch.optim.Optimizer, config: ZeroConfig,
-                 rank: int) -> None:
+                 rank: int, param_offload: ParamOffload | None = None) -> None:
+        """``param_offload``: where the shards live (``offload_param``); a shard written as the
+        compute-dtype copy (on a CPU run) is made resident for the step's writes to it."""
         check_optimizer(optimizer)
         offload = config.offload_optimizer
         self.units = units
+        self.param_offload = param_offload
         self.optimizer = optimizer
         self.device = offload.device
         self.steps = [0] * len(units)
@@ -139,8 +143,14 @@ class OptimizerOffload:
         hypers = [_hyper(self.optimizer, u.group_index) for u in self.units]
 
         def update(sg: SubGroup, master, exp_avg, exp_avg_sq) -> None:
+            unit = self.units[sg.unit]
+            writes_shard = self.param_offload is not None and self.compute_copy[sg.unit] is unit.shard
+            if writes_shard and sg.lo == 0:  # the sub-groups of a unit come in order
+                self.param_offload.fetch(unit, read=False)
             adam_step(master, host_grads[sg.unit][sg.lo : sg.hi], exp_avg, exp_avg_sq, hyper=hypers[sg.unit],
                       step=float(self.steps[sg.unit]), out=self.compute_copy[sg.unit][sg.lo : sg.hi])
+            if writes_shard and sg.hi == unit.layout.shard_numel:
+                self.param_offload.evict(unit)
 
         if self.swap is None:
             for sg in self.subgroups:
@@ -218,7 +228,9 @@ class OptimizerOffload:
                     target.copy_(value[sg.lo : sg.hi])
                 self._io(sg, self.buffers[0], write=True).wait()
         for unit, master in zip(self.units, masters):
-            self.compute_copy[unit.index].copy_(master)
+            target = self.compute_copy[unit.index]
+            with resident(self.param_offload, [unit] if target is unit.shard else [], overwrite=True):
+                target.copy_(master)
 
     def set_master(self, index: int, value: torch.Tensor) -> None:
         """Overwrite unit ``index``'s fp32 master shard with ``value`` (``GatheredParameters``'

@@ -1,5 +1,6 @@
-"""The offload sections of the config: ``zero_optimization.offload_optimizer``, ``sub_group_size``
-and the top-level ``aio`` section, with DeepSpeed's keys, defaults and meanings.
+"""The offload sections of the config: ``zero_optimization.offload_optimizer``,
+``zero_optimization.offload_param``, ``sub_group_size`` and the top-level ``aio`` section, with
+DeepSpeed's keys, defaults and meanings.
 
 Parsed here and held by ``ZeroConfig`` (``config.py``); unknown sub-keys are rejected with
 the list of them, as everywhere in the config.
@@ -53,6 +54,57 @@ class OffloadOptimizerConfig:
         return self.device != "none"
 
 
+def _elements(key: str, value: Any, minimum: int) -> int:
+    """``value`` as an int >= ``minimum``: DeepSpeed's JSON writes element counts as integral floats (``1e8``)."""
+    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not integral or value < minimum:
+        raise ValueError(f"{key} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadParamConfig:
+    """``zero_optimization.offload_param`` (stage 3 only), DeepSpeed's keys and meaning.
+
+    ``device``: ``"none"`` keeps each partitioned unit's compute-dtype shard on the training
+    device; ``"cpu"`` keeps it in host memory and ``"nvme"`` in one file per rank under
+    ``nvme_path`` between uses, and brings it to the device when stage 3 gathers the unit
+    (see [Note: shard residency] in ``_param_offload``). Stage 3's persistent parameters are
+    not offloaded (they are never freed). ``pin_memory``: page-locked host memory for the
+    copies to and from a GPU. With ``nvme``, ``buffer_count`` host buffers of ``buffer_size``
+    elements (each at least the largest unit's shard) carry the reads and writes, so at most
+    ``buffer_count`` transfers are in flight; reads are started ahead of the gathers along the
+    first step's trace while at most ``max_in_cpu`` shard elements are resident or being
+    read (a shard a gather needs now is always fetched).
+    """
+
+    device: OffloadDevice = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+
+    def __post_init__(self) -> None:
+        if self.device not in ("none", "cpu", "nvme"):
+            raise ValueError(f"offload_param.device must be 'none', 'cpu' or 'nvme', got {self.device!r}")
+        if not isinstance(self.pin_memory, bool):
+            raise TypeError(f"offload_param.pin_memory must be true or false, got {self.pin_memory!r}")
+        object.__setattr__(self, "buffer_count", _elements("offload_param.buffer_count", self.buffer_count, 1))
+        object.__setattr__(self, "buffer_size", _elements("offload_param.buffer_size", self.buffer_size, 1))
+        object.__setattr__(self, "max_in_cpu", _elements("offload_param.max_in_cpu", self.max_in_cpu, 0))
+        if self.device == "nvme":
+            if not isinstance(self.nvme_path, (str, os.PathLike)) or not str(self.nvme_path):
+                raise ValueError("offload_param.device 'nvme' needs offload_param.nvme_path (a directory)")
+            object.__setattr__(self, "nvme_path", os.fspath(self.nvme_path))
+        elif self.nvme_path is not None and not isinstance(self.nvme_path, (str, os.PathLike)):
+            raise TypeError(f"offload_param.nvme_path must be a path, got {self.nvme_path!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
 @dataclass(frozen=True, kw_only=True)
 class AioConfig:
     """The ``aio`` section: how NVMe swap files are read and written.
@@ -95,6 +147,10 @@ def _strict(cls, section: str, value: Any):
 
 def offload_optimizer_config(value: Any) -> OffloadOptimizerConfig:
     return _strict(OffloadOptimizerConfig, "zero_optimization.offload_optimizer", value)
+
+
+def offload_param_config(value: Any) -> OffloadParamConfig:
+    return _strict(OffloadParamConfig, "zero_optimization.offload_param", value)
 
 
 def aio_config(value: Any) -> AioConfig:

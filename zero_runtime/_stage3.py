@@ -60,6 +60,7 @@ import torch
 
 from ._api import Phase
 from ._comm_plan import CommPlan
+from ._param_offload import ParamOffload
 from ._partition import FlatUnit, GatherState
 
 
@@ -103,10 +104,13 @@ class Trace:
 
 class ParamScheduler:
     def __init__(self, *, units: Sequence[FlatUnit], plan: CommPlan, prefetch_numel: int, max_live: int,
-                 max_reuse_distance: int) -> None:
+                 max_reuse_distance: int, offload: ParamOffload | None = None) -> None:
+        """``offload``: where the shards live between uses (``offload_param``; see [Note:
+        shard residency] in ``_param_offload``), None when they stay on the device."""
         assert all(unit.partitioned for unit in units)
         self.units = list(units)
         self.plan = plan
+        self.offload = offload
         self.prefetch_numel = prefetch_numel
         self.max_live = max_live
         self.max_reuse_distance = max_reuse_distance
@@ -114,6 +118,7 @@ class ParamScheduler:
         self._recording: list[Use] | None = []  # the first training step's uses
         self._cursor = -1  # trace position of the latest use
         self._front = 0  # next trace position the prefetcher looks at
+        self._read_front = 0  # next trace position whose shard read (offload_param nvme) may start
         self.live = 0  # elements of units gathering or gathered
         self._ahead = 0  # elements being gathered ahead of their use
         self.prefetches = 0  # gathers issued ahead of need, for tests and reports
@@ -161,7 +166,7 @@ class ParamScheduler:
         if self._recording is not None:
             self.trace = Trace(self._recording)
             self._recording = None
-        self._cursor, self._front = -1, 0
+        self._cursor, self._front, self._read_front = -1, 0, 0
         self.free_all()
 
     def free_all(self) -> None:
@@ -201,7 +206,7 @@ class ParamScheduler:
         if position is None:
             return None
         if position <= self._cursor:  # the control flow went back (a pass ended without backward)
-            self._front = 0
+            self._front = self._read_front = 0
         self._cursor = position
         return position
 
@@ -232,12 +237,27 @@ class ParamScheduler:
             unit, phase = uses[self._front]
             if unit.state is GatherState.FREE:
                 if self.live + unit.layout.numel > self.max_live:
-                    return
+                    break
+                if self.offload is not None and not self.offload.on_its_way(unit):
+                    break  # its shard is on NVMe: its read starts below, its gather on a later use
                 self._start(unit, phase, ahead=True)
                 self.prefetches += 1
             self._front += 1
+        self._read_ahead()
+
+    def _read_ahead(self) -> None:
+        """Start the shard reads of the units past the prefetch front (see [Note: parameter
+        swap buffers] in ``_param_offload``), so they overlap compute rather than delay gathers."""
+        if self.offload is None:
+            return
+        uses = self.trace.uses
+        self._read_front = max(self._read_front, self._front)
+        while self._read_front < len(uses) and self.offload.prefetch(uses[self._read_front].unit):
+            self._read_front += 1
 
     def _start(self, unit: FlatUnit, phase: Phase, *, ahead: bool) -> None:
+        if self.offload is not None:
+            self.offload.fetch(unit)
         unit.alloc_full()
         self._issue(unit, phase)
         unit.prefetched = ahead
@@ -271,4 +291,6 @@ class ParamScheduler:
             for gather in self.plan.gathers():
                 gather.after_forward(unit.full, unit.shard, unit=unit.index)
         unit.free_full()
+        if self.offload is not None:
+            self.offload.evict(unit)
         self.live -= unit.layout.numel

@@ -18,6 +18,7 @@ from ._partition import FlatUnit
 
 if TYPE_CHECKING:
     from ._offload import OptimizerOffload
+    from ._param_offload import ParamOffload
 
 
 @dataclass(eq=False, kw_only=True)
@@ -43,3 +44,6 @@ class TrainingState:
     # offload_optimizer: the masters and the optimizer state live there, not in ``units``'
     # masters (emptied) and ``optimizer.state`` (unused); see ``_offload``.
     offload: "OptimizerOffload | None" = None
+    # offload_param (stage 3): the partitioned units' shards live there between uses; read
+    # them inside ``_param_offload.resident`` (see [Note: shard residency]).
+    param_offload: "ParamOffload | None" = None

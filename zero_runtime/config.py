@@ -19,8 +19,8 @@ from zcomm.quant import QuantSpec
 
 from . import _optim_spec
 from .checkpointing import ActivationCheckpointingConfig
-from ._offload_config import (DEFAULT_SUB_GROUP_SIZE, AioConfig, OffloadOptimizerConfig, aio_config,
-                              offload_optimizer_config)
+from ._offload_config import (DEFAULT_SUB_GROUP_SIZE, AioConfig, OffloadOptimizerConfig, OffloadParamConfig,
+                              aio_config, offload_optimizer_config, offload_param_config)
 
 Precision = Literal["fp32", "bf16", "fp16"]
 # Elements per quantization scale, as ``zcomm.quant.QuantSpec.group_size`` takes it: an int
@@ -48,6 +48,7 @@ _ZERO_KEYS = {
     "zeropp_loco_param": "loco",
     # offload (see _offload_config)
     "offload_optimizer": "offload_optimizer",
+    "offload_param": "offload_param",
     "sub_group_size": "sub_group_size",
 }
 _FP16_KEYS = {
@@ -241,6 +242,7 @@ class ZeroConfig:
     # sub_group_size (DeepSpeed's key) is the most master elements the offloaded step
     # updates at once, one sub-group per NVMe transfer.
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
     sub_group_size: int = DEFAULT_SUB_GROUP_SIZE
     aio: AioConfig = field(default_factory=AioConfig)
     # DeepSpeed's activation_checkpointing section: the options of ZeroOptimizer.checkpointer
@@ -248,6 +250,7 @@ class ZeroConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "offload_optimizer", offload_optimizer_config(self.offload_optimizer))
+        object.__setattr__(self, "offload_param", offload_param_config(self.offload_param))
         object.__setattr__(self, "aio", aio_config(self.aio))
         if not isinstance(self.activation_checkpointing, ActivationCheckpointingConfig):
             object.__setattr__(self, "activation_checkpointing",
@@ -278,6 +281,9 @@ class ZeroConfig:
         zeropp = self.zeropp_options()
         if zeropp and self.stage != 3:
             raise ValueError(f"{', '.join(zeropp)} need zero_optimization.stage 3, got stage {self.stage}")
+        if self.offload_param.enabled and self.stage != 3:
+            raise ValueError(f"zero_optimization.offload_param (device {self.offload_param.device!r}) needs "
+                             f"zero_optimization.stage 3, got stage {self.stage}: only stage 3 frees parameters")
         self._check_quant_group_size()
         if self.loco is not None:
             object.__setattr__(self, "loco", LocoConfig.parse(self.loco))
@@ -500,23 +506,7 @@ def _deepspeed_extras(config: Mapping[str, Any]) -> set[str]:
                 raise ValueError(f"{key} = {section[name]!r} is not supported by zero_runtime (only DeepSpeed's "
                                  f"default, {default!r})")
             ignored.add(key)
-    if "offload_param" in sections["zero_optimization."]:
-        _check_offload_param(sections["zero_optimization."]["offload_param"])
-        ignored.add("zero_optimization.offload_param")
     return ignored
-
-
-def _check_offload_param(section: Any) -> None:
-    """DeepSpeed's parameter offload is not built yet: accepted only with device "none",
-    its default (DeepSpeed configs often spell it out), by name rather than as an unknown key."""
-    if not isinstance(section, Mapping):
-        raise TypeError(f"zero_optimization.offload_param must be a mapping, got {type(section).__name__}")
-    device = section.get("device", "none")
-    if device != "none":
-        raise ValueError(f"zero_optimization.offload_param with device {device!r} (DeepSpeed's parameter offload) "
-                         "is not implemented in zero_runtime yet: parameter shards stay on the training device. "
-                         "offload_optimizer (cpu, nvme) is implemented; set offload_param's device to 'none' "
-                         "or remove it")
 
 
 def _section(config: Mapping[str, Any], name: str) -> Mapping[str, Any]:

@@ -24,6 +24,7 @@ from ._grad_reduce import GradReducer
 from ._loss_scaler import LossScaler, make_scaler
 from ._memory import MemoryReport, measure
 from ._offload import OptimizerOffload
+from ._param_offload import ParamOffload, resident
 from ._param_hooks import ModuleHooks
 from ._partition import FlatUnit
 from ._stage3 import ParamScheduler
@@ -40,21 +41,29 @@ class ZeroOptimizer:
         self.model = model
         self.config = config
         self.plan = plan
-        offload = None
-        if config.offload_optimizer.enabled:
-            offload = OptimizerOffload(units=units, optimizer=optimizer, config=config, rank=plan.rank)
+        partitioned = [unit for unit in units if unit.partitioned] + list(frozen_units or [])
+        param_offload = offload = None
+        try:
+            if config.offload_param.enabled and partitioned:
+                param_offload = ParamOffload(units=partitioned, config=config, rank=plan.rank)
+            if config.offload_optimizer.enabled:
+                offload = OptimizerOffload(units=units, optimizer=optimizer, config=config, rank=plan.rank,
+                                           param_offload=param_offload)
+        except BaseException:
+            if param_offload is not None:
+                param_offload.close()
+            raise
         self.training_state = TrainingState(stage=config.stage, units=units, optimizer=optimizer,
                                             scaler=make_scaler(config.precision, config.loss_scale),
                                             lr_scheduler=lr_scheduler, frozen_units=list(frozen_units or []),
-                                            offload=offload)
+                                            offload=offload, param_offload=param_offload)
         self.scheduler: ParamScheduler | None = None
         self.hooks: ModuleHooks | None = None
         on_ready = None
         if config.stage == 3:
-            partitioned = [unit for unit in units if unit.partitioned] + self.frozen_units
             self.scheduler = ParamScheduler(units=partitioned, plan=plan, prefetch_numel=config.prefetch_bucket_size,
                                             max_live=config.max_live_parameters,
-                                            max_reuse_distance=config.max_reuse_distance)
+                                            max_reuse_distance=config.max_reuse_distance, offload=param_offload)
             self.hooks = ModuleHooks(model=model, units=partitioned, scheduler=self.scheduler)
             on_ready = self._unit_grads_ready
         self.reducer = GradReducer(units=units, plan=plan, stage=config.stage, bucket_numel=config.reduce_bucket_size,
@@ -97,6 +106,11 @@ class ZeroOptimizer:
     def offload(self) -> OptimizerOffload | None:
         """The offloaded masters and optimizer states (``offload_optimizer``), else None."""
         return self.training_state.offload
+
+    @property
+    def param_offload(self) -> ParamOffload | None:
+        """Where stage 3's parameter shards live between uses (``offload_param``), else None."""
+        return self.training_state.param_offload
 
     @property
     def scaler(self) -> LossScaler:
@@ -223,13 +237,16 @@ class ZeroOptimizer:
                 source = unit.master if self.offload is None else self.offload.compute_copy[unit.index]
                 if unit.partitioned:
                     if source is not unit.shard:
-                        unit.shard.copy_(source)
+                        with resident(self.param_offload, [unit], overwrite=True):
+                            unit.shard.copy_(source)
                 else:
                     shard = gather.allocate(unit.layout.shard_numel, dtype=unit.dtype, device=self.plan.device)
                     shard.copy_(source)
                     handles.append((gather(unit.full, shard, unit=unit.index, phase=Phase.STEP), shard))
             for handle, _ in handles:
                 handle.wait()
+        if self.param_offload is not None:
+            self.param_offload.flush()
         self.plan.weights_changed()
 
     def _require_unpinned(self) -> None:
@@ -274,10 +291,14 @@ class ZeroOptimizer:
             return _checkpoint.full_state_dict(self.training_state, self.plan, self.model)
 
     def close(self) -> None:
-        """Release what outlives the process otherwise: the NVMe swap file (also removed at
+        """Release what outlives the process otherwise: the NVMe swap files (also removed at
         exit and when this object is collected; see [Note: swap file lifetime])."""
-        if self.offload is not None:
-            self.offload.close()
+        try:
+            if self.offload is not None:
+                self.offload.close()
+        finally:
+            if self.param_offload is not None:
+                self.param_offload.close()
 
     def memory_report(self) -> MemoryReport:
         return measure(self.training_state, secondary_bytes=self.plan.held_bytes(),

@@ -67,13 +67,17 @@ class SwapFile:
     release the GIL), so that many requests are in flight at once.
     """
 
-    def __init__(self, directory: str, *, rank: int, nbytes: int, aio: AioConfig) -> None:
+    def __init__(self, directory: str, *, rank: int, nbytes: int, aio: AioConfig,
+                 holds: str = "optimizer states") -> None:
+        """``holds`` names the contents in the file's name and in errors: ``"optimizer states"``
+        (``offload_optimizer``) or ``"parameters"`` (``offload_param``)."""
         root = Path(directory)
         if not root.is_dir():
             raise ValueError(f"offload nvme_path {directory!r} is not an existing directory")
         if not os.access(root, os.W_OK | os.X_OK):
             raise ValueError(f"offload nvme_path {directory!r} is not writable by this process")
-        self.path = str(root / f"zero_offload_rank{rank:05d}_{uuid.uuid4().hex[:12]}.swap")
+        kind = "param" if holds == "parameters" else "offload"
+        self.path = str(root / f"zero_{kind}_rank{rank:05d}_{uuid.uuid4().hex[:12]}.swap")
         self.nbytes = round_up(max(nbytes, 1))
         self.direct, fd = self._open(aio.zcomm_direct_io)
         self._finalizer = weakref.finalize(self, _remove, fd, self.path)
@@ -84,7 +88,7 @@ class SwapFile:
             self.close()
             room = "has no room for" if err.errno in (errno.ENOSPC, errno.EDQUOT) else "cannot reserve"
             raise ValueError(f"offload nvme_path {directory!r} {room} this rank's {self.nbytes / 2**20:.1f} MiB "
-                             f"of optimizer states ({os.strerror(err.errno)})") from None
+                             f"of {holds} ({os.strerror(err.errno)})") from None
         self.block_size = aio.block_size
         self._pool = ThreadPoolExecutor(aio.thread_count * aio.queue_depth, thread_name_prefix="zero-swap")
 
@@ -147,6 +151,9 @@ class Transfer:
     def __init__(self, futures: list[Future], keep: torch.Tensor) -> None:
         self._futures = futures
         self._keep = keep
+
+    def done(self) -> bool:
+        return all(future.done() for future in self._futures)
 
     def wait(self) -> None:
         for future in self._futures:

@@ -138,15 +138,15 @@ def test_bad_deepspeed_sections_are_rejected_by_name(bad, message):
 
 def test_keys_of_other_features_are_parsed_not_ignored():
     """The offload, LoCo and activation-checkpointing keys reach their own settings (never the
-    accepted-and-ignored list); offload_param, not implemented, is an error naming it unless
-    its device is "none" (DeepSpeed's default, often written out), which is reported ignored."""
-    for device in ("cpu", "nvme"):
-        with pytest.raises(ValueError, match=f"offload_param with device '{device}' .* is not implemented"):
-            ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "offload_param": {"device": device}}})
-    with pytest.raises(TypeError, match="offload_param must be a mapping"):
+    accepted-and-ignored list)."""
+    with pytest.raises(TypeError, match="offload_param' must be a mapping"):
         ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "offload_param": "cpu"}})
-    with pytest.warns(UserWarning, match="zero_optimization.offload_param"):
-        ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "offload_param": {"device": "none"}}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        param = ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "offload_param": {
+            "device": "nvme", "nvme_path": "/x", "buffer_count": 4, "buffer_size": 1e8, "max_in_cpu": 1e9}}})
+    assert (param.offload_param.device, param.offload_param.buffer_size, param.offload_param.max_in_cpu) == \
+        ("nvme", 10**8, 10**9)
     config = ZeroConfig.from_dict({
         "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "sub_group_size": 1000,
                               "zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 0.5}},
