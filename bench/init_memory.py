@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.harness.process_memory import MALLOC_ENV, status_bytes
+from bench.harness.rank_exit import leave
 
 
 def _build(shape: dict, mode: str):
@@ -60,8 +61,11 @@ def _rank(rank: int, world_size: int, port: int, shape: dict, mode: str, queue) 
     peak, kept = status_bytes("VmHWM") - base, status_bytes("VmRSS") - base
     dist.barrier()
     queue.put((rank, peak, kept, seconds))
+    queue.close()
+    queue.join_thread()  # the result is in the pipe before the process leaves
     del model
     dist.destroy_process_group()
+    leave(0)
 
 
 def _run(world_size: int, shape: dict, mode: str) -> list[tuple[int, int, int, float]]:

@@ -144,7 +144,8 @@ class OptimizerOffload:
 
         def update(sg: SubGroup, master, exp_avg, exp_avg_sq) -> None:
             unit = self.units[sg.unit]
-            writes_shard = self.param_offload is not None and self.compute_copy[sg.unit] is unit.shard
+            writes_shard = (self.param_offload is not None and unit.partitioned
+                            and self.compute_copy[sg.unit] is unit.shard)
             if writes_shard and sg.lo == 0:  # the sub-groups of a unit come in order
                 self.param_offload.fetch(unit, read=False)
             adam_step(master, host_grads[sg.unit][sg.lo : sg.hi], exp_avg, exp_avg_sq, hyper=hypers[sg.unit],
@@ -229,7 +230,8 @@ class OptimizerOffload:
                 self._io(sg, self.buffers[0], write=True).wait()
         for unit, master in zip(self.units, masters):
             target = self.compute_copy[unit.index]
-            with resident(self.param_offload, [unit] if target is unit.shard else [], overwrite=True):
+            with resident(self.param_offload, [unit] if target is unit.shard and unit.partitioned else [],
+                          overwrite=True):
                 target.copy_(master)
 
     def set_master(self, index: int, value: torch.Tensor) -> None:

@@ -76,6 +76,7 @@ class ParamOffload:
         self._free_buffers: list[torch.Tensor] = []
         self._in_host = 0  # shard elements resident in host memory or in flight (nvme), see max_in_cpu
         self._writes = 0  # writes started, to order them
+        self.bytes_read = self.bytes_written = 0  # swap-file traffic (nvme), for reports
         self._on_host_device = all(u.shard.device.type == "cpu" for u in units)
         pin = offload.pin_memory and torch.cuda.is_available()
         if self.device == "cpu":
@@ -193,8 +194,9 @@ class ParamOffload:
 
     @contextlib.contextmanager
     def resident(self, units: Iterable[FlatUnit], *, overwrite: bool = False) -> Iterator[None]:
-        """The shards of ``units`` resident inside the block; those it fetched are evicted
-        after it (written home if the block wrote them)."""
+        """The shards of ``units`` resident inside the block (units not offloaded, such as
+        persistent ones, always are); those it fetched are evicted after it (written home if
+        the block wrote them)."""
         fetched = [u for u in units if id(u) in self.homes and not self.is_resident(u)]
         try:
             for unit in fetched:
@@ -215,6 +217,7 @@ class ParamOffload:
         transfer = self.swap.read(home.offset, buffer[: round_up(self._nbytes(unit))])
         home.read = (buffer, transfer)
         home.reads += 1
+        self.bytes_read += round_up(self._nbytes(unit))
         return transfer
 
     def _copy_in(self, unit: FlatUnit, buffer: torch.Tensor) -> None:
@@ -239,6 +242,7 @@ class ParamOffload:
             home.write = (buffer, self.swap.write(home.offset, buffer[: round_up(self._nbytes(unit))]))
             self._writes += 1
             home.write_order = self._writes
+            self.bytes_written += round_up(self._nbytes(unit))
         home.synced = unit.shard._version
 
     def _drop(self, unit: FlatUnit) -> None:

@@ -1,5 +1,5 @@
-import sys
+from bench.harness.rank_exit import leave
 
 from .suite import main
 
-sys.exit(main())
+leave(main())

@@ -24,7 +24,8 @@ FREE_AFTER_USE = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_dis
                   "zcomm_stage3_fuse_numel": 0, "reduce_bucket_size": 3000}
 CASES = [  # (name, zero_optimization, top-level extras)
     ("s3", {"stage": 3, **FREE_AFTER_USE}, {}),
-    ("s3-kept-prefetch-bf16", {"stage": 3, "stage3_param_persistence_threshold": 0, "zcomm_stage3_fuse_numel": 0},
+    # Persistent units (never freed, never offloaded) beside offloaded ones.
+    ("s3-kept-persist-bf16", {"stage": 3, "stage3_param_persistence_threshold": 512, "zcomm_stage3_fuse_numel": 0},
      {"bf16": {"enabled": True}}),
     ("zeropp", {"stage": 3, **FREE_AFTER_USE, "zero_quantized_weights": True, "zero_quantized_gradients": True,
                 "zero_hpz_partition_size": 2}, {}),
