@@ -74,22 +74,24 @@ class ParamOffload:
         self.swap: SwapFile | None = None
         self.buffers: list[torch.Tensor] = []
         self._free_buffers: list[torch.Tensor] = []
-        self._in_host = 0  # shard elements resident in host memory or in flight (nvme), see max_in_cpu
+        # shard elements resident or being read (nvme; see max_in_cpu): all of them, to start with
+        self._in_host = sum(u.shard.numel() for u in units)
         self._writes = 0  # writes started, to order them
         self.bytes_read = self.bytes_written = 0  # swap-file traffic (nvme), for reports
         self._on_host_device = all(u.shard.device.type == "cpu" for u in units)
         pin = offload.pin_memory and torch.cuda.is_available()
-        if self.device == "cpu":
-            for unit in units:
-                home = self.homes[id(unit)]
-                home.host = unit.shard if self._on_host_device else unit.shard.detach().to("cpu")
-                home.host = home.host.pin_memory() if pin and not self._on_host_device else home.host
-                home.synced = unit.shard._version
-            if not self._on_host_device:
-                for unit in units:
-                    self._drop(unit)
+        if self.device == "nvme":
+            self._init_swap(offload, config, rank, pin)
             return
-        self._init_swap(offload, config, rank, pin)
+        for unit in units:
+            home = self.homes[id(unit)]
+            home.synced = unit.shard._version
+            if self._on_host_device:
+                home.host = unit.shard
+                continue
+            home.host = unit.shard.detach().to("cpu")
+            home.host = home.host.pin_memory() if pin else home.host
+            self._drop(unit)
 
     def _init_swap(self, offload, config: ZeroConfig, rank: int, pin: bool) -> None:
         largest = max(u.shard.numel() for u in self.units)
@@ -221,7 +223,9 @@ class ParamOffload:
         return transfer
 
     def _copy_in(self, unit: FlatUnit, buffer: torch.Tensor) -> None:
-        self._restore(unit).copy_(buffer[: self._nbytes(unit)].view(unit.dtype), non_blocking=True)
+        # Blocking: the buffer goes back to the pool right after, and a pinned buffer's
+        # asynchronous copy to a GPU could still be reading it when the next read lands in it.
+        self._restore(unit).copy_(buffer[: self._nbytes(unit)].view(unit.dtype))
 
     @staticmethod
     def _restore(unit: FlatUnit) -> torch.Tensor:

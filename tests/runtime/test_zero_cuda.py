@@ -180,9 +180,10 @@ def _checkpoint(rank: int, world: int, device: torch.device, group: dist.Process
 
 
 def _offload(rank: int, world: int, device: torch.device, group: dist.ProcessGroup, root: str) -> dict:
-    """AdamW (offload needs Adam) with ``offload_optimizer`` on ``device`` over ``group``: global-batch
-    losses of each config. On CUDA the gradient shards go to pinned host buffers and the
-    updated parameters come back; on the CPU nothing moves."""
+    """AdamW (offload needs Adam) with ``offload_optimizer`` and ``offload_param`` on ``device``
+    over ``group``: global-batch losses of each config. On CUDA the gradient shards go to pinned
+    host buffers and the updated parameters come back, and offloaded parameter shards come to
+    the GPU for their gathers; on the CPU only the NVMe files see traffic."""
     import zero_runtime
 
     partitioned = {"stage": 3, "stage3_param_persistence_threshold": 0, "zcomm_stage3_fuse_numel": 0}
@@ -190,6 +191,10 @@ def _offload(rank: int, world: int, device: torch.device, group: dist.ProcessGro
         "cpu-pinned": {"zero_optimization": {**partitioned, "offload_optimizer": {"device": "cpu", "pin_memory": True}}},
         "nvme": {"zero_optimization": {"stage": 2, "sub_group_size": 100,
                                        "offload_optimizer": {"device": "nvme", "nvme_path": root}}},
+        "param-cpu-pinned": {"zero_optimization": {**partitioned,
+                                                   "offload_param": {"device": "cpu", "pin_memory": True}}},
+        "param-nvme-optimizer-cpu": {"zero_optimization": {**partitioned, "offload_optimizer": {"device": "cpu"},
+                                                           "offload_param": {"device": "nvme", "nvme_path": root}}},
     }
     out = {}
     for name, config in configs.items():
@@ -301,7 +306,7 @@ def test_offloaded_optimizer_on_cuda_matches_cpu(runs):
     way: over 4 steps that changes the loss by far less than ``ZEROPP_RTOL``."""
     for rank_results in runs[2]:
         cpu, cuda = rank_results["offload"]["cpu"], rank_results["offload"]["cuda"]
-        for name in ("cpu-pinned", "nvme"):
+        for name in ("cpu-pinned", "nvme", "param-cpu-pinned", "param-nvme-optimizer-cpu"):
             torch.testing.assert_close(torch.tensor(cuda[name]), torch.tensor(cpu[name]), rtol=ZEROPP_RTOL, atol=0)
             assert cpu[name][-1] < cpu[name][0], (name, cpu[name])
 

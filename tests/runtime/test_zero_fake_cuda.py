@@ -149,6 +149,22 @@ def test_offloaded_optimizer_moves_only_gradients_to_the_host(results):
 
 
 @pytest.mark.slow
+def test_offloaded_parameters_live_on_the_host_and_gather_on_the_gpu(results):
+    """One device-to-host copy per partitioned unit at start-up (its home) and one per unit per
+    step (the step's new shard going home); between steps no shard holds GPU memory; what the
+    model computes with, the gathers and the optimizer stay on the GPU."""
+    case = _ok(results, "offload_param_cpu")
+    units = case["units"]
+    assert case["at_start"] == ["aten._to_copy.default: cuda:0 -> cpu"] * units
+    assert case["transfers"][units:] == ["aten.copy_.default: cpu,cuda:0 -> cpu"] * (2 * units)
+    assert case["homes"] == ["cpu"] and case["resident_between_steps"] == 0
+    for kind in ("masters", "grad_shards", "shards", "parameters", "full_state_dict"):
+        assert case[kind] == GPU, (kind, case[kind])
+    assert case["offloaded_parameters"] > 0
+    assert case["host_collectives"] == [] and case["host_reads"] == []
+
+
+@pytest.mark.slow
 def test_partitioned_init_builds_on_the_gpu(results):
     case = _ok(results, "partitioned_init")
     assert case["slices"] == GPU

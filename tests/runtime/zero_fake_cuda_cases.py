@@ -212,6 +212,26 @@ def offload_cpu() -> dict[str, Any]:
         _offload.adam_step = kernel
 
 
+def offload_param_cpu() -> dict[str, Any]:
+    """``offload_param: cpu`` on a CUDA run: each partitioned unit's shard has its home in host
+    memory and no GPU storage between uses; a gather fetches it (host-to-device) and the step's
+    new values go home (one device-to-host copy per unit per step); gathers, parameters and the
+    optimizer stay on the GPU."""
+    config = {"zero_optimization": {**PARTITIONED, "stage3_prefetch_bucket_size": 3000,
+                                    "offload_param": {"device": "cpu"}}, "bf16": {"enabled": True}}
+    with fake_cuda() as probe:
+        model, opt = zero_runtime.initialize(_cuda_model("gpt"), make_optimizer(), config, topology=ONE_NODE)
+        at_start = list(probe["transfers"])
+        _train("gpt", model, opt, range(2))
+        offload = opt.param_offload
+        units = [u for u in opt.units if u.partitioned]
+        report = opt.memory_report()
+        return {"units": len(units), "at_start": at_start,
+                "homes": _devices(offload.homes[id(u)].host for u in units),
+                "resident_between_steps": sum(offload.is_resident(u) for u in units),
+                **_placement(opt), "offloaded_parameters": report.offloaded_parameters, **_audit(probe)}
+
+
 def partitioned_init() -> dict[str, Any]:
     """A CUDA model built under ``zero_runtime.Init`` (stage 3): its slices, placeholders and
     the gathers of in-place initialization stay on the GPU, and ``initialize`` builds the
@@ -262,5 +282,6 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "checkpoint_roundtrip": checkpoint_roundtrip,
     "wrong_devices": wrong_devices,
     "offload_cpu": offload_cpu,
+    "offload_param_cpu": offload_param_cpu,
     "partitioned_init": partitioned_init,
 }
