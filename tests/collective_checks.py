@@ -41,6 +41,7 @@ def cases(seed: int):
             stages=1 + index % 4,
             group_size=rng.choice(GROUP_SIZES),
             seed=seed * 100 + index,
+            first_hop_bits=8 if index % 3 == 2 else 4,  # reduce_scatter_q4's INT8 intra-node hop
         )
 
 
@@ -56,6 +57,7 @@ def tensor_cases(seed: int):
             stages=1 + index % 3,
             group_size="tensor",
             seed=seed * 100 + 50 + index,
+            first_hop_bits=4,
         )
 
 
@@ -82,7 +84,7 @@ def check_case(
     handles = [
         zcomm.reduce_scatter_q4(
             reduced, inputs[rank].to(device, copy=True), case["op"], group, case["async_op"],
-            group_size=gs, pipeline_stages=stages, topology=given,
+            group_size=gs, pipeline_stages=stages, topology=given, first_hop_bits=case["first_hop_bits"],
         ),
         zcomm.all_gather_q8(
             gathered, gathered_inputs[rank].to(device, copy=True), group, case["async_op"],
@@ -104,9 +106,10 @@ def check_case(
     exact = summed.cpu()[rank * m : (rank + 1) * m] / divide_by
     part = -(-m // stages)
     rs_gs = _oracle_group_size(gs, "reduce_scatter_q4", longest_row=topology.num_nodes * part)
+    first_bits = case["first_hop_bits"] if topology.local_size > 1 else 4  # step 1 crosses nodes otherwise
     bound = reduce_scatter_bound(
         inputs.double(), rank, nodes=topology.num_nodes, local=topology.local_size, stages=stages,
-        group_size=rs_gs, dtype=dtype, divide_by=divide_by, exact=exact,
+        group_size=rs_gs, dtype=dtype, divide_by=divide_by, exact=exact, first_bits=first_bits,
     )
     _assert_within("reduce_scatter_q4", case, reduced.double() - exact, bound)
 
@@ -119,7 +122,8 @@ def check_case(
     flat = _flat_all_gather_q8(gathered_inputs[rank].to(device), group, ag_gs).cpu()
     assert torch.equal(gathered, flat), ("all_gather_q8 differs from the flat quantize/all-gather/dequantize", case)
 
-    assert_stats("reduce_scatter_q4", qgz_volume(m, topology.num_nodes, topology.local_size, stages, rs_gs), case)
+    assert_stats("reduce_scatter_q4",
+                 qgz_volume(m, topology.num_nodes, topology.local_size, stages, rs_gs, first_bits=first_bits), case)
     assert_stats("all_gather_q8", qwz_volume(m, topology.num_nodes, topology.local_size, ag_gs), case)
 
 

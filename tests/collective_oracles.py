@@ -61,16 +61,18 @@ def qwz_volume(numel: int, nodes: int, local: int, group_size: int) -> tuple[int
     return (local - 1) * nodes * payload, (nodes - 1) * payload
 
 
-def qgz_volume(slice_numel: int, nodes: int, local: int, stages: int, group_size: int) -> tuple[int, int]:
+def qgz_volume(slice_numel: int, nodes: int, local: int, stages: int, group_size: int, *,
+               first_bits: int = 4) -> tuple[int, int]:
     """(intra, inter) bytes per rank of reduce_scatter_q4.
 
-    Per stage: (L-1) INT4 rows of N parts to the node's other ranks, then (N-1) INT4 rows
-    of one part (the re-quantized 1/L of this rank's share) to the other nodes.
+    Per stage: (L-1) rows of N parts (INT4, or INT8 with ``first_bits=8``) to the node's other
+    ranks, then (N-1) INT4 rows of one part (the re-quantized 1/L of this rank's share) to the
+    other nodes.
     """
     part = _ceil_div(slice_numel, stages)
     if part == 0:
         return 0, 0
-    intra = stages * (local - 1) * payload_bytes(nodes * part, 4, group_size)
+    intra = stages * (local - 1) * payload_bytes(nodes * part, first_bits, group_size)
     inter = stages * (nodes - 1) * payload_bytes(part, 4, group_size)
     return intra, inter
 
@@ -111,11 +113,14 @@ def reduce_scatter_bound(
     dtype: torch.dtype,
     divide_by: float,
     exact: torch.Tensor,
+    first_bits: int = 4,
 ) -> torch.Tensor:
     """Per-element bound of |reduce_scatter_q4 output - exact| on ``rank``.
 
-    ``inputs`` (W, W*m) fp64 are all ranks' inputs; ``exact`` (m,) the fp64 reference.
+    ``inputs`` (W, W*m) fp64 are all ranks' inputs; ``exact`` (m,) the fp64 reference;
+    ``first_bits`` the width of the first hop's rows (qmax 7 for INT4, 127 for INT8).
     """
+    first_qmax = {4: 7, 8: 127}[first_bits]
     world = nodes * local
     slice_numel = inputs.shape[1] // world
     part = _ceil_div(slice_numel, stages)
@@ -127,9 +132,9 @@ def reduce_scatter_bound(
     if local > 1:
         peers = [n * local + local_r for n in range(nodes)]
         rows_a = parts[:, peers].permute(0, 2, 1, 3).reshape(world, stages, nodes * part)
-        scale_a = _element_scales(rows_a, group_size, 7)[..., node_r * part : (node_r + 1) * part]
+        scale_a = _element_scales(rows_a, group_size, first_qmax)[..., node_r * part : (node_r + 1) * part]
     else:
-        scale_a = _element_scales(mine, group_size, 7)
+        scale_a = _element_scales(mine, group_size, first_qmax)
     err_a = _one_quantization_error(mine, scale_a)
     total = err_a.sum(0)
     if local > 1 and nodes > 1:

@@ -46,6 +46,15 @@ elements: step 1 reads the zeros from nowhere ([Note: interleaved input] in
 stage's part goes through a ``q``-element buffer on its way into ``output``. Any ``numel``
 works and the collective is never swapped for an unquantized one.
 
+[Note: an INT8 first hop] ``first_hop_bits=8`` (after SDP4Bit's two-level scheme, arXiv
+2410.15526: 8 bits inside the node, 4 across) quantizes step 1 to INT8 and makes step 3 read
+INT8 rows, sum them in fp32 and re-quantize the node's sum to INT4 as before, so the bytes
+that cross nodes are unchanged and only the intra-node hop, on the fast links, doubles. Hop
+1's error bound shrinks 18x (``absmax / 127 / 2`` per group instead of ``absmax / 7 / 2``),
+leaving hop 2's as the main term. With one node every byte is intra-node, so the single hop
+is INT8; with one rank per node there is no intra hop and step 1 stays INT4 (its rows cross
+nodes). Not combined with error feedback (its stored errors model INT4 hops).
+
 Error feedback (LoCo, :class:`zcomm.ErrorFeedback`, opt-in per call): steps 1 and 3
 quantize the values plus the error the same stream left behind, then update that error
 (see :mod:`zcomm._error_feedback`). Step 1 then builds the reordered input in fp32 (one
@@ -99,6 +108,7 @@ class _Plan(NamedTuple):
     group_size: int  # concrete: "tensor" resolved for the longest payload row
     divide_by: float
     feedback: ErrorFeedback | None
+    first_bits: int  # bits of step 1's rows (see [Note: an INT8 first hop])
 
 
 def default_pipeline_stages(input_nbytes: int, slice_numel: int, topology: Topology) -> int:
@@ -118,6 +128,7 @@ def reduce_scatter_q4(
     pipeline_stages: int | None = None,
     topology: Topology | None = None,
     error_feedback: ErrorFeedback | None = None,
+    first_hop_bits: int = 4,
 ) -> Handle | None:
     """INT4 2-hop drop-in for ``torch.distributed.reduce_scatter_tensor`` with ``op`` SUM, AVG or PREMUL_SUM.
 
@@ -138,9 +149,12 @@ def reduce_scatter_q4(
         topology: which ranks share a node (default: :meth:`Topology.detect`).
         error_feedback: LoCo state of the stream of reductions this call belongs to (None:
             stateless); see :class:`zcomm.ErrorFeedback`.
+        first_hop_bits: 4 (ZeRO++) or 8: the intra-node hop in INT8, the inter-node hop
+            still INT4 ([Note: an INT8 first hop]).
     """
     info = prologue(output, input, group, topology, gather=False, quantized=True)
-    return _start(info, [output], [input], op, async_op, group_size, pipeline_stages, error_feedback)
+    return _start(info, [output], [input], op, async_op, group_size, pipeline_stages, error_feedback,
+                  first_hop_bits)
 
 
 def reduce_scatter_q4_coalesced(
@@ -154,6 +168,7 @@ def reduce_scatter_q4_coalesced(
     pipeline_stages: int | None = None,
     topology: Topology | None = None,
     error_feedback: ErrorFeedback | None = None,
+    first_hop_bits: int = 4,
 ) -> Handle | None:
     """:func:`reduce_scatter_q4` of several tensors as one collective, after
     ``torch.distributed.reduce_scatter_tensor_coalesced``: ``outputs[i]`` receives this
@@ -169,12 +184,13 @@ def reduce_scatter_q4_coalesced(
             tensors of both lists share one dtype (fp32/bf16/fp16) and device. Outputs that
             lie end to end in one buffer (``flat.split(sizes)``) are written in place.
         inputs: contiguous; read where they are, never copied.
-        op, group, async_op, group_size, pipeline_stages, topology, error_feedback: as for
-            :func:`reduce_scatter_q4`, for the whole bucket (``pipeline_stages`` and the
+        op, group, async_op, group_size, pipeline_stages, topology, error_feedback, first_hop_bits:
+            as for :func:`reduce_scatter_q4`, for the whole bucket (``pipeline_stages`` and the
             default stage count apply to the interleaved input, ``"tensor"`` to its rows).
     """
     info = prologue_coalesced(outputs, inputs, group, topology, gather=False)
-    return _start(info, list(outputs), list(inputs), op, async_op, group_size, pipeline_stages, error_feedback)
+    return _start(info, list(outputs), list(inputs), op, async_op, group_size, pipeline_stages, error_feedback,
+                  first_hop_bits)
 
 
 def _start(
@@ -186,11 +202,13 @@ def _start(
     group_size: int | Literal["tensor"] | None,
     pipeline_stages: int | None,
     feedback: ErrorFeedback | None,
+    first_hop_bits: int,
 ) -> Handle | None:
     """Plan the collective of the checked pairs (the flat form's slice: every output in turn) and run it."""
     divide_by = _divisor(op, info.world_size)
     if feedback is not None and not isinstance(feedback, ErrorFeedback):
         raise TypeError(f"error_feedback must be a zcomm.ErrorFeedback or None, got {type(feedback).__name__}")
+    first_bits = _first_bits(first_hop_bits, info.topology, feedback)
     spec = quant.QuantSpec(bits=_BITS, group_size=group_size)
     slice_numel = sum(output.numel() for output in outputs)
     input_nbytes = slice_numel * info.world_size * inputs[0].element_size()
@@ -199,7 +217,7 @@ def _start(
     # "tensor": one group as long as the longest payload row (the intra hop's, N parts), so one per row
     concrete_group_size = spec.group_size_for(info.topology.num_nodes * part)
     plan = _Plan(info, node_groups(info.group, info.topology, "reduce"), stages, part, concrete_group_size, divide_by,
-                 feedback)
+                 feedback, first_bits)
     if feedback is not None:
         feedback.bind((stages * part, info.world_size, info.topology.num_nodes, stages, concrete_group_size))
     record("reduce_scatter_q4", *_bytes_sent(plan))
@@ -223,6 +241,15 @@ def _divisor(op: dist.ReduceOp, world_size: int) -> float:
     raise ValueError(f"op must be ReduceOp.SUM, ReduceOp.AVG or ReduceOp.PREMUL_SUM(factor), got {op}")
 
 
+def _first_bits(first_hop_bits: int, topology: Topology, feedback: ErrorFeedback | None) -> int:
+    """The bits of step 1's rows: ``first_hop_bits`` unless they cross nodes (one rank per node)."""
+    if first_hop_bits not in (4, 8) or isinstance(first_hop_bits, bool):
+        raise ValueError(f"first_hop_bits must be 4 or 8, got {first_hop_bits!r}")
+    if first_hop_bits == 8 and feedback is not None:
+        raise ValueError("first_hop_bits=8 cannot be combined with error_feedback (its errors model INT4 hops)")
+    return _BITS if topology.local_size == 1 else first_hop_bits
+
+
 def _stages(pipeline_stages: int | None, input_nbytes: int, slice_numel: int, topology: Topology) -> int:
     check_stages(pipeline_stages)
     if pipeline_stages is None:
@@ -236,7 +263,8 @@ def _bytes_sent(plan: _Plan) -> tuple[int, int]:
     if q == 0:
         return 0, 0
     inter = k * (topology.num_nodes - 1) * quant.payload_nbytes(q, _BITS, plan.group_size)
-    intra = k * (topology.local_size - 1) * quant.payload_nbytes(topology.num_nodes * q, _BITS, plan.group_size)
+    intra = k * (topology.local_size - 1) * quant.payload_nbytes(topology.num_nodes * q, plan.first_bits,
+                                                                 plan.group_size)
     return intra, inter
 
 
@@ -249,7 +277,7 @@ def _chain(plan: _Plan, outputs: list[torch.Tensor], inputs: list[torch.Tensor])
     errors = None
     if plan.feedback is None:
         rows = quant.reorder_quantize(
-            inputs, perm, num_rows, _BITS, plan.group_size, parts=topology.world_size, part_numel=k * q
+            inputs, perm, num_rows, plan.first_bits, plan.group_size, parts=topology.world_size, part_numel=k * q
         )
     else:
         errors = _feedback_errors(plan, inputs[0].device)
@@ -347,8 +375,11 @@ def _inter_rows(plan: _Plan, rows: torch.Tensor, intra: list, stage: int,
     received, work = intra[stage]
     work.wait()
     numel = num_nodes * plan.part
-    if errors is None:
+    if errors is None and plan.first_bits == _BITS:
         return quant.dequant_reduce(received, numel, _BITS, plan.group_size, requant_chunks=num_nodes)
+    if errors is None:  # INT8 rows in, the node's sum re-quantized to INT4 rows
+        node_sum = quant.dequant_reduce(received, numel, plan.first_bits, plan.group_size, dtype=torch.float32)
+        return quant.reorder_quantize(node_sum, tuple(range(num_nodes)), num_nodes, _BITS, plan.group_size)
     node_sum = quant.dequant_reduce(received, numel, _BITS, plan.group_size, dtype=torch.float32)
     error = errors[1][stage * numel : (stage + 1) * numel]
     return plan.feedback.compensate_quantize(node_sum, error, num_nodes, plan.group_size)
@@ -361,9 +392,11 @@ def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Ten
 
 
 def _finish(plan: _Plan, received: torch.Tensor, work: dist.Work | None, out: torch.Tensor) -> None:
-    """Wait for the last hop of a stage and reduce its rows into this rank's output part."""
+    """Wait for the last hop of a stage and reduce its rows into this rank's output part (the
+    rows are INT4 after an inter-node hop, step 1's width when the node is the whole group)."""
     if work is not None:
         work.wait()
+    bits = plan.first_bits if plan.info.topology.num_nodes == 1 else _BITS
     quant.dequant_reduce(
-        received, plan.part, _BITS, plan.group_size, dtype=out.dtype, divide_by=plan.divide_by, out=out
+        received, plan.part, bits, plan.group_size, dtype=out.dtype, divide_by=plan.divide_by, out=out
     )

@@ -167,6 +167,7 @@ def build_comm_plan(config: ZeroConfig, group: dist.ProcessGroup, topology: zcom
     if config.quantized_gradients:
         reduce = QuantizedReduceScatter(gradients, topology,
                                         spec=QuantSpec(bits=4, group_size=config.quant_group_size),
-                                        loco=config.loco and (config.loco.err_beta, config.loco.reset_T))
+                                        loco=config.loco and (config.loco.err_beta, config.loco.reset_T),
+                                        first_hop_bits=config.qgz_first_hop_bits)
     return CommPlan(group=group, forward_gather=forward, backward_gather=backward, reduce_scatter=reduce,
                     device=device, topology=topology)

@@ -46,6 +46,7 @@ _ZERO_KEYS = {
     "zcomm_stage3_fuse_numel": "fuse_numel",
     "zcomm_align_quant_blocks": "align_quant_blocks",
     "zeropp_loco_param": "loco",
+    "zcomm_qgz_first_hop_bits": "qgz_first_hop_bits",
     # offload (see _offload_config)
     "offload_optimizer": "offload_optimizer",
     "offload_param": "offload_param",
@@ -213,7 +214,10 @@ class ZeroConfig:
     in ``_flat_buffer``); false packs parameters without gaps, as before issue 13.
     ``loco`` (DeepSpeed's ``zeropp_loco_param``, see ``LocoConfig``): LoCo error feedback on
     both hops of qgZ, one INT8 error state per gradient bucket, counted in
-    ``memory_report().error_feedback`` and saved in checkpoints.
+    ``memory_report().error_feedback`` and saved in checkpoints. ``qgz_first_hop_bits``
+    (zcomm key ``zcomm_qgz_first_hop_bits``, 4 or 8, default 4): qgZ's intra-node hop in INT4
+    (ZeRO++) or INT8 (SDP4Bit's two-level scheme; the inter-node bytes are the same; see
+    [Note: an INT8 first hop] in ``zcomm.reduce_scatter_q4``); 8 needs qgZ and excludes LoCo.
     """
 
     stage: int = 2
@@ -238,6 +242,7 @@ class ZeroConfig:
     fuse_numel: int | None = None  # None: DEFAULT_FUSE_NUMEL in stage 3, 0 otherwise
     align_quant_blocks: bool = True
     loco: LocoConfig | None = None  # zeropp_loco_param; needs quantized_gradients
+    qgz_first_hop_bits: int = 4
     # Offload (stages 1-3; see OffloadOptimizerConfig and AioConfig in _offload_config):
     # sub_group_size (DeepSpeed's key) is the most master elements the offloaded step
     # updates at once, one sub-group per NVMe transfer.
@@ -289,6 +294,13 @@ class ZeroConfig:
             object.__setattr__(self, "loco", LocoConfig.parse(self.loco))
             if not self.quantized_gradients:
                 raise ValueError("zeropp_loco_param (LoCo error feedback) needs zero_quantized_gradients")
+        if isinstance(self.qgz_first_hop_bits, bool) or self.qgz_first_hop_bits not in (4, 8):
+            raise ValueError(f"zcomm_qgz_first_hop_bits must be 4 or 8, got {self.qgz_first_hop_bits!r}")
+        if self.qgz_first_hop_bits == 8 and not self.quantized_gradients:
+            raise ValueError("zcomm_qgz_first_hop_bits 8 needs zero_quantized_gradients (qgZ)")
+        if self.qgz_first_hop_bits == 8 and self.loco is not None:
+            raise ValueError("zcomm_qgz_first_hop_bits 8 cannot be combined with zeropp_loco_param (LoCo's "
+                             "errors model INT4 hops)")
 
     # ----- DeepSpeed's batch sizes (issue 15) -----
     def _check_batch_sizes(self) -> None:

@@ -17,7 +17,8 @@ Issue 13's ablation: ``*-packed`` packs parameters without gaps (``zcomm_align_q
 false, the layout before issue 13, where a quantization block may straddle two parameters);
 ``*-gN`` sets N elements per scale for the quantized collective(s) the row turns on;
 ``*-loco`` turns on LoCo error feedback for qgZ (DeepSpeed's ``zeropp_loco_param`` with its
-defaults, :data:`LOCO_PARAM`).
+defaults, :data:`LOCO_PARAM`); ``*-int8hop`` sends qgZ's intra-node hop in INT8
+(``zcomm_qgz_first_hop_bits: 8``, after SDP4Bit).
 ``deepspeed-zeropp`` hands DeepSpeed its own ZeRO++ keys, to show what DeepSpeed does with them.
 ``fsdp2-qwz``, ``fsdp2-qgz`` and ``fsdp2-zeropp`` are FSDP2 with zcomm's collectives installed by
 ``zcomm.fsdp.enable_zeropp`` (hpZ being FSDP2's ``reshard_after_forward=<ranks per node>``).
@@ -73,6 +74,7 @@ class TrainConfig:
         align_quant_blocks: zero_runtime's parameter-aligned quantization blocks (its
             default); False packs parameters without gaps.
         loco: LoCo error feedback on qgZ (``zeropp_loco_param``, zero_runtime only).
+        int8_first_hop: qgZ's intra-node hop in INT8 (``zcomm_qgz_first_hop_bits``, zero_runtime only).
         summary: one line for ``--help`` and TRAINING.md.
     """
 
@@ -85,6 +87,7 @@ class TrainConfig:
     quant_group_size: int | str | None = None
     align_quant_blocks: bool = True
     loco: bool = False
+    int8_first_hop: bool = False
     summary: str
 
     def __post_init__(self) -> None:
@@ -102,6 +105,8 @@ class TrainConfig:
             raise ValueError(f"{self.name}: packed blocks are a zero_runtime layout for qwZ or qgZ")
         if self.loco and (self.engine != "zero" or not self.quantized_gradients):
             raise ValueError(f"{self.name}: LoCo is zero_runtime's error feedback for qgZ")
+        if self.int8_first_hop and (self.engine != "zero" or not self.quantized_gradients or self.loco):
+            raise ValueError(f"{self.name}: the INT8 first hop is zero_runtime's qgZ option, without LoCo")
         if self.engine == "fsdp2" and self.stage != 3:
             raise ValueError(f"{self.name}: FSDP2 is always stage 3")
 
@@ -160,6 +165,8 @@ CONFIGS: dict[str, TrainConfig] = _configs(
                 summary="stage 3 + qgZ with LoCo error feedback"),
     TrainConfig(name="zeropp-loco", engine="zero", quantized_weights=True, hpz=True, quantized_gradients=True,
                 loco=True, summary="ZeRO++ with LoCo error feedback on qgZ"),
+    TrainConfig(name="zeropp-int8hop", engine="zero", quantized_weights=True, hpz=True, quantized_gradients=True,
+                int8_first_hop=True, summary="ZeRO++ with qgZ's intra-node hop in INT8 (SDP4Bit)"),
     TrainConfig(name="fsdp2", engine="fsdp2", summary="torch fully_shard, bf16 MixedPrecisionPolicy"),
     TrainConfig(name="fsdp2-hpz", engine="fsdp2", hpz=True, summary="fully_shard, reshard_after_forward=ranks/node"),
     TrainConfig(name="fsdp2-qwz", engine="fsdp2", quantized_weights=True, summary="fully_shard + zcomm.fsdp qwZ"),
@@ -232,6 +239,8 @@ def zero_runtime_config(
         section[ALIGN_KEY] = False
     if config.loco:
         section["zeropp_loco_param"] = dict(LOCO_PARAM)
+    if config.int8_first_hop:
+        section["zcomm_qgz_first_hop_bits"] = 8
     return {"zero_optimization": section, "bf16": {"enabled": bf16}, "gradient_clipping": gradient_clipping}
 
 
