@@ -59,8 +59,8 @@ def results():
 def test_int8_first_hop_is_more_accurate_at_the_same_inter_node_bytes(results):
     for rank in results:
         int4, int8 = rank[4], rank[8]
-        # Hop 1 and hop 2 contribute about equally at INT4 (4 sources at scale s, 2 node sums
-        # at about sqrt(2) s), so removing most of hop 1's error leaves ~1/sqrt(2) of the total.
+        # Hop 2's INT4 error remains and is the larger term (its scales are those of node
+        # sums), so the total drops by less than hop 1's share: measured 0.79-0.80x here.
         assert int8["error"] < 0.85 * int4["error"], (int8["error"], int4["error"])
         assert int8["inter"] == int4["inter"] > 0
         assert 1.8 * int4["intra"] < int8["intra"] < 2.1 * int4["intra"]
