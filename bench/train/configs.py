@@ -17,8 +17,10 @@ Issue 13's ablation: ``*-packed`` packs parameters without gaps (``zcomm_align_q
 false, the layout before issue 13, where a quantization block may straddle two parameters);
 ``*-gN`` sets N elements per scale for the quantized collective(s) the row turns on;
 ``*-loco`` turns on LoCo error feedback for qgZ (DeepSpeed's ``zeropp_loco_param`` with its
-defaults, :data:`LOCO_PARAM`); ``*-int8hop`` sends qgZ's intra-node hop in INT8
-(``zcomm_qgz_first_hop_bits: 8``, after SDP4Bit).
+defaults, :data:`LOCO_PARAM`); ``*-int8hop`` / ``*-int4hop`` set the width of qgZ's
+intra-node hop (``zcomm_qgz_first_hop_bits``; the runtime's default is 8 since issue 13, so
+``zeropp-int8hop`` is ``zeropp`` written out and ``zeropp-int4hop`` is ZeRO++ as the paper
+and the runtime before that change send it).
 ``deepspeed-zeropp`` hands DeepSpeed its own ZeRO++ keys, to show what DeepSpeed does with them.
 ``fsdp2-qwz``, ``fsdp2-qgz`` and ``fsdp2-zeropp`` are FSDP2 with zcomm's collectives installed by
 ``zcomm.fsdp.enable_zeropp`` (hpZ being FSDP2's ``reshard_after_forward=<ranks per node>``).
@@ -74,7 +76,8 @@ class TrainConfig:
         align_quant_blocks: zero_runtime's parameter-aligned quantization blocks (its
             default); False packs parameters without gaps.
         loco: LoCo error feedback on qgZ (``zeropp_loco_param``, zero_runtime only).
-        int8_first_hop: qgZ's intra-node hop in INT8 (``zcomm_qgz_first_hop_bits``, zero_runtime only).
+        first_hop_bits: width of qgZ's intra-node hop, 4 or 8 (``zcomm_qgz_first_hop_bits``,
+            zero_runtime only), or None for the runtime's default.
         summary: one line for ``--help`` and TRAINING.md.
     """
 
@@ -87,7 +90,7 @@ class TrainConfig:
     quant_group_size: int | str | None = None
     align_quant_blocks: bool = True
     loco: bool = False
-    int8_first_hop: bool = False
+    first_hop_bits: int | None = None
     summary: str
 
     def __post_init__(self) -> None:
@@ -105,8 +108,8 @@ class TrainConfig:
             raise ValueError(f"{self.name}: packed blocks are a zero_runtime layout for qwZ or qgZ")
         if self.loco and (self.engine != "zero" or not self.quantized_gradients):
             raise ValueError(f"{self.name}: LoCo is zero_runtime's error feedback for qgZ")
-        if self.int8_first_hop and (self.engine != "zero" or not self.quantized_gradients or self.loco):
-            raise ValueError(f"{self.name}: the INT8 first hop is zero_runtime's qgZ option, without LoCo")
+        if self.first_hop_bits is not None and (self.engine != "zero" or not self.quantized_gradients):
+            raise ValueError(f"{self.name}: the first hop's width is an option of zero_runtime's qgZ")
         if self.engine == "fsdp2" and self.stage != 3:
             raise ValueError(f"{self.name}: FSDP2 is always stage 3")
 
@@ -165,8 +168,12 @@ CONFIGS: dict[str, TrainConfig] = _configs(
                 summary="stage 3 + qgZ with LoCo error feedback"),
     TrainConfig(name="zeropp-loco", engine="zero", quantized_weights=True, hpz=True, quantized_gradients=True,
                 loco=True, summary="ZeRO++ with LoCo error feedback on qgZ"),
-    TrainConfig(name="zeropp-int8hop", engine="zero", quantized_weights=True, hpz=True, quantized_gradients=True,
-                int8_first_hop=True, summary="ZeRO++ with qgZ's intra-node hop in INT8 (SDP4Bit)"),
+    *(
+        TrainConfig(name=f"zeropp-int{bits}hop", engine="zero", quantized_weights=True, hpz=True,
+                    quantized_gradients=True, first_hop_bits=bits,
+                    summary=f"ZeRO++ with qgZ's intra-node hop in INT{bits} ({what})")
+        for bits, what in ((8, "SDP4Bit's two-level scheme, the runtime's default"), (4, "the paper's"))
+    ),
     TrainConfig(name="fsdp2", engine="fsdp2", summary="torch fully_shard, bf16 MixedPrecisionPolicy"),
     TrainConfig(name="fsdp2-hpz", engine="fsdp2", hpz=True, summary="fully_shard, reshard_after_forward=ranks/node"),
     TrainConfig(name="fsdp2-qwz", engine="fsdp2", quantized_weights=True, summary="fully_shard + zcomm.fsdp qwZ"),
@@ -239,8 +246,8 @@ def zero_runtime_config(
         section[ALIGN_KEY] = False
     if config.loco:
         section["zeropp_loco_param"] = dict(LOCO_PARAM)
-    if config.int8_first_hop:
-        section["zcomm_qgz_first_hop_bits"] = 8
+    if config.first_hop_bits is not None:
+        section["zcomm_qgz_first_hop_bits"] = config.first_hop_bits
     return {"zero_optimization": section, "bf16": {"enabled": bf16}, "gradient_clipping": gradient_clipping}
 
 
