@@ -227,8 +227,8 @@ class ZeroConfig:
     both hops of qgZ, one INT8 error state per gradient bucket, counted in
     ``memory_report().error_feedback`` and saved in checkpoints. ``qgz_first_hop_bits``
     (zcomm key ``zcomm_qgz_first_hop_bits``, 4 or 8): qgZ's intra-node hop in INT4 (the ZeRO++
-    paper's) or INT8 (SDP4Bit's two-level scheme; the inter-node bytes are the same; see
-    [Note: an INT8 first hop] in ``zcomm.reduce_scatter_q4``); 8 needs qgZ and excludes LoCo.
+    paper's) or INT8 (SDP4Bit's two-level scheme; the inter-node bytes are the same; the
+    ``first_hop_bits`` Note of ``zcomm.reduce_scatter_q4``); 8 needs qgZ and excludes LoCo.
     Default (None, resolved here): 8 with qgZ, 4 with LoCo (see [Note: qgZ's first hop]).
     """
 
