@@ -145,22 +145,18 @@ class ParamOffload:
             return
         if self.device == "cpu":
             self._restore(unit).copy_(home.host, non_blocking=True)
-        elif home.read is not None:
-            buffer, transfer = home.read
-            home.read = None
-            transfer.wait()
-            self._copy_in(unit, buffer)
-            self._free_buffers.append(buffer)
-        elif home.write is not None:  # its last values are still in the write's buffer
+        elif home.write is not None:  # its last values are still in the write's buffer (no read then)
             self._copy_in(unit, home.write[0])
         else:
-            buffer = self._take_buffer()
-            self._start_read(unit, buffer)
+            if home.read is None:
+                self._start_read(unit, self._take_buffer())
             buffer, transfer = home.read
             home.read = None
-            transfer.wait()
-            self._copy_in(unit, buffer)
-            self._free_buffers.append(buffer)
+            try:
+                transfer.wait()
+                self._copy_in(unit, buffer)
+            finally:
+                self._free_buffers.append(buffer)
         home.synced = unit.shard._version
 
     def evict(self, unit: FlatUnit) -> None:
@@ -181,7 +177,8 @@ class ParamOffload:
         """Start reading ``unit``'s shard ahead of its gather (nvme); False when no buffer is
         free or ``max_in_cpu`` is reached (the caller stops walking ahead)."""
         home = self.homes.get(id(unit))
-        if self.device != "nvme" or home is None or self.is_resident(unit) or home.read or home.write:
+        if (self.device != "nvme" or home is None or self.is_resident(unit) or home.read is not None
+                or home.write is not None):
             return True
         if self._in_host + unit.shard.numel() > self.max_in_cpu:
             return False
