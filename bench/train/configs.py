@@ -17,10 +17,8 @@ Issue 13's ablation: ``*-packed`` packs parameters without gaps (``zcomm_align_q
 false, the layout before issue 13, where a quantization block may straddle two parameters);
 ``*-gN`` sets N elements per scale for the quantized collective(s) the row turns on;
 ``*-loco`` turns on LoCo error feedback for qgZ (DeepSpeed's ``zeropp_loco_param`` with its
-defaults, :data:`LOCO_PARAM`); ``*-int8hop`` / ``*-int4hop`` set the width of qgZ's
-intra-node hop (``zcomm_qgz_first_hop_bits``; the runtime's default is 8 since issue 13, so
-``zeropp-int8hop`` is ``zeropp`` written out and ``zeropp-int4hop`` is ZeRO++ as the paper
-and the runtime before that change send it).
+defaults, :data:`LOCO_PARAM`); ``*-int8hop`` sends qgZ's intra-node hop in INT8
+(``zcomm_qgz_first_hop_bits: 8``, after SDP4Bit; the runtime's default is the paper's INT4).
 ``deepspeed-zeropp`` hands DeepSpeed its own ZeRO++ keys, to show what DeepSpeed does with them.
 ``fsdp2-qwz``, ``fsdp2-qgz`` and ``fsdp2-zeropp`` are FSDP2 with zcomm's collectives installed by
 ``zcomm.fsdp.enable_zeropp`` (hpZ being FSDP2's ``reshard_after_forward=<ranks per node>``).
@@ -168,12 +166,8 @@ CONFIGS: dict[str, TrainConfig] = _configs(
                 summary="stage 3 + qgZ with LoCo error feedback"),
     TrainConfig(name="zeropp-loco", engine="zero", quantized_weights=True, hpz=True, quantized_gradients=True,
                 loco=True, summary="ZeRO++ with LoCo error feedback on qgZ"),
-    *(
-        TrainConfig(name=f"zeropp-int{bits}hop", engine="zero", quantized_weights=True, hpz=True,
-                    quantized_gradients=True, first_hop_bits=bits,
-                    summary=f"ZeRO++ with qgZ's intra-node hop in INT{bits} ({what})")
-        for bits, what in ((8, "SDP4Bit's two-level scheme, the runtime's default"), (4, "the paper's"))
-    ),
+    TrainConfig(name="zeropp-int8hop", engine="zero", quantized_weights=True, hpz=True, quantized_gradients=True,
+                first_hop_bits=8, summary="ZeRO++ with qgZ's intra-node hop in INT8 (SDP4Bit's two-level scheme)"),
     TrainConfig(name="fsdp2", engine="fsdp2", summary="torch fully_shard, bf16 MixedPrecisionPolicy"),
     TrainConfig(name="fsdp2-hpz", engine="fsdp2", hpz=True, summary="fully_shard, reshard_after_forward=ranks/node"),
     TrainConfig(name="fsdp2-qwz", engine="fsdp2", quantized_weights=True, summary="fully_shard + zcomm.fsdp qwZ"),

@@ -397,8 +397,8 @@ def _payload(numel: int, bits: int, groups: int) -> int:
 def test_quant_group_size_sets_the_scales_per_payload(results):
     """zcomm's byte model on 2x2 (N = L = 2): all_gather_q8 of a P-byte INT8 payload sends
     (N-1) P across nodes and (L-1) N P inside; reduce_scatter_q4 of a bucket with an
-    m-element shard sends (L-1) payloads of N*m elements inside the node (INT8: the runtime's
-    default first hop) and (N-1) INT4 payloads of m across."""
+    m-element shard sends (L-1) payloads of N*m elements inside the node (at the first hop's
+    width: INT4 by default) and (N-1) INT4 payloads of m across."""
     nodes = local = 2
     for rank, rank_results in enumerate(results):
         for size, run_ in rank_results["group_size"].items():
@@ -407,7 +407,7 @@ def test_quant_group_size_sets_the_scales_per_payload(results):
             assert run_["phases"]["forward"]["all_gather_q8"] == (
                 len(payloads), sum((local - 1) * nodes * p for p in payloads), sum((nodes - 1) * p for p in payloads))
             buckets, first = run_["buckets"], run_["first_hop_bits"]
-            assert first == 8
+            assert first == 4
             assert run_["phases"]["backward"]["reduce_scatter_q4"] == (
                 len(buckets), sum((local - 1) * _payload(nodes * m, first, groups(nodes * m)) for m in buckets),
                 sum((nodes - 1) * _payload(m, 4, groups(m)) for m in buckets)), (rank, size)
