@@ -144,8 +144,7 @@ class OptimizerOffload:
 
         def update(sg: SubGroup, master, exp_avg, exp_avg_sq) -> None:
             unit = self.units[sg.unit]
-            writes_shard = (self.param_offload is not None and unit.partitioned
-                            and self.compute_copy[sg.unit] is unit.shard)
+            writes_shard = self._writes_offloaded_shard(unit)
             if writes_shard and sg.lo == 0:  # the sub-groups of a unit come in order
                 self.param_offload.fetch(unit, read=False)
             adam_step(master, host_grads[sg.unit][sg.lo : sg.hi], exp_avg, exp_avg_sq, hyper=hypers[sg.unit],
@@ -229,10 +228,14 @@ class OptimizerOffload:
                     target.copy_(value[sg.lo : sg.hi])
                 self._io(sg, self.buffers[0], write=True).wait()
         for unit, master in zip(self.units, masters):
-            target = self.compute_copy[unit.index]
-            with resident(self.param_offload, [unit] if target is unit.shard and unit.partitioned else [],
-                          overwrite=True):
-                target.copy_(master)
+            with resident(self.param_offload, [unit] if self._writes_offloaded_shard(unit) else [], overwrite=True):
+                self.compute_copy[unit.index].copy_(master)
+
+    def _writes_offloaded_shard(self, unit: FlatUnit) -> bool:
+        """Whether ``unit``'s compute-dtype copy is its shard (a CPU run) and ``offload_param``
+        keeps that shard off the device between uses: writing it needs the shard resident."""
+        return (self.param_offload is not None and unit.partitioned
+                and self.compute_copy[unit.index] is unit.shard)
 
     def set_master(self, index: int, value: torch.Tensor) -> None:
         """Overwrite unit ``index``'s fp32 master shard with ``value`` (``GatheredParameters``'

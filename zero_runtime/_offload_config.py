@@ -36,30 +36,41 @@ class OffloadOptimizerConfig:
     buffer_count: int = 4
 
     def __post_init__(self) -> None:
-        if self.device not in ("none", "cpu", "nvme"):
-            raise ValueError(f"offload_optimizer.device must be 'none', 'cpu' or 'nvme', got {self.device!r}")
-        if not isinstance(self.pin_memory, bool):
-            raise TypeError(f"offload_optimizer.pin_memory must be true or false, got {self.pin_memory!r}")
+        _check_device("offload_optimizer", self.device, self.pin_memory)
         if isinstance(self.buffer_count, bool) or not isinstance(self.buffer_count, int) or self.buffer_count < 3:
             raise ValueError(f"offload_optimizer.buffer_count must be an integer >= 3, got {self.buffer_count!r}")
-        if self.device == "nvme":
-            if not isinstance(self.nvme_path, (str, os.PathLike)) or not str(self.nvme_path):
-                raise ValueError("offload_optimizer.device 'nvme' needs offload_optimizer.nvme_path (a directory)")
-            object.__setattr__(self, "nvme_path", os.fspath(self.nvme_path))
-        elif self.nvme_path is not None and not isinstance(self.nvme_path, (str, os.PathLike)):
-            raise TypeError(f"offload_optimizer.nvme_path must be a path, got {self.nvme_path!r}")
+        object.__setattr__(self, "nvme_path", _nvme_path("offload_optimizer", self.device, self.nvme_path))
 
     @property
     def enabled(self) -> bool:
         return self.device != "none"
 
 
-def _elements(key: str, value: Any, minimum: int) -> int:
-    """``value`` as an int >= ``minimum``: DeepSpeed's JSON writes element counts as integral floats (``1e8``)."""
+def integral_count(key: str, value: Any, minimum: int, *, unit: str = "elements") -> int:
+    """``value`` as an int >= ``minimum`` (of ``unit``; ``key`` names it in the error), also
+    from an integral float: DeepSpeed's JSON writes counts as ``1e8``. Used by ``config`` too."""
     integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
     if isinstance(value, bool) or not integral or value < minimum:
-        raise ValueError(f"{key} must be an integer >= {minimum}, got {value!r}")
+        raise ValueError(f"{key} must be an integer >= {minimum} ({unit}), got {value!r}")
     return int(value)
+
+
+def _check_device(section: str, device: Any, pin_memory: Any) -> None:
+    if device not in ("none", "cpu", "nvme"):
+        raise ValueError(f"{section}.device must be 'none', 'cpu' or 'nvme', got {device!r}")
+    if not isinstance(pin_memory, bool):
+        raise TypeError(f"{section}.pin_memory must be true or false, got {pin_memory!r}")
+
+
+def _nvme_path(section: str, device: str, nvme_path: Any) -> str | None:
+    """``nvme_path`` as a str: required with ``device: nvme``, a path or None otherwise."""
+    if device == "nvme":
+        if not isinstance(nvme_path, (str, os.PathLike)) or not str(nvme_path):
+            raise ValueError(f"{section}.device 'nvme' needs {section}.nvme_path (a directory)")
+        return os.fspath(nvme_path)
+    if nvme_path is not None and not isinstance(nvme_path, (str, os.PathLike)):
+        raise TypeError(f"{section}.nvme_path must be a path, got {nvme_path!r}")
+    return nvme_path
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,19 +97,12 @@ class OffloadParamConfig:
     max_in_cpu: int = 1_000_000_000
 
     def __post_init__(self) -> None:
-        if self.device not in ("none", "cpu", "nvme"):
-            raise ValueError(f"offload_param.device must be 'none', 'cpu' or 'nvme', got {self.device!r}")
-        if not isinstance(self.pin_memory, bool):
-            raise TypeError(f"offload_param.pin_memory must be true or false, got {self.pin_memory!r}")
-        object.__setattr__(self, "buffer_count", _elements("offload_param.buffer_count", self.buffer_count, 1))
-        object.__setattr__(self, "buffer_size", _elements("offload_param.buffer_size", self.buffer_size, 1))
-        object.__setattr__(self, "max_in_cpu", _elements("offload_param.max_in_cpu", self.max_in_cpu, 0))
-        if self.device == "nvme":
-            if not isinstance(self.nvme_path, (str, os.PathLike)) or not str(self.nvme_path):
-                raise ValueError("offload_param.device 'nvme' needs offload_param.nvme_path (a directory)")
-            object.__setattr__(self, "nvme_path", os.fspath(self.nvme_path))
-        elif self.nvme_path is not None and not isinstance(self.nvme_path, (str, os.PathLike)):
-            raise TypeError(f"offload_param.nvme_path must be a path, got {self.nvme_path!r}")
+        _check_device("offload_param", self.device, self.pin_memory)
+        object.__setattr__(self, "buffer_count",
+                           integral_count("offload_param.buffer_count", self.buffer_count, 1, unit="buffers"))
+        object.__setattr__(self, "buffer_size", integral_count("offload_param.buffer_size", self.buffer_size, 1))
+        object.__setattr__(self, "max_in_cpu", integral_count("offload_param.max_in_cpu", self.max_in_cpu, 0))
+        object.__setattr__(self, "nvme_path", _nvme_path("offload_param", self.device, self.nvme_path))
 
     @property
     def enabled(self) -> bool:

@@ -176,9 +176,8 @@ class ParamOffload:
     def prefetch(self, unit: FlatUnit) -> bool:
         """Start reading ``unit``'s shard ahead of its gather (nvme); False when no buffer is
         free or ``max_in_cpu`` is reached (the caller stops walking ahead)."""
-        home = self.homes.get(id(unit))
-        if (self.device != "nvme" or home is None or self.is_resident(unit) or home.read is not None
-                or home.write is not None):
+        home = self.homes[id(unit)]
+        if self.device != "nvme" or self.is_resident(unit) or home.read is not None or home.write is not None:
             return True
         if self._in_host + unit.shard.numel() > self.max_in_cpu:
             return False

@@ -20,7 +20,7 @@ from zcomm.quant import QuantSpec
 from . import _optim_spec
 from .checkpointing import ActivationCheckpointingConfig
 from ._offload_config import (DEFAULT_SUB_GROUP_SIZE, AioConfig, OffloadOptimizerConfig, OffloadParamConfig,
-                              aio_config, offload_optimizer_config, offload_param_config)
+                              aio_config, integral_count, offload_optimizer_config, offload_param_config)
 
 Precision = Literal["fp32", "bf16", "fp16"]
 # Elements per quantization scale, as ``zcomm.quant.QuantSpec.group_size`` takes it: an int
@@ -367,10 +367,10 @@ class ZeroConfig:
         stored as ints; ``fuse_numel``'s None resolved."""
         if self.fuse_numel is None:
             object.__setattr__(self, "fuse_numel", DEFAULT_FUSE_NUMEL if self.stage == 3 else 0)
-        elif self.stage != 3 and _count("zcomm_stage3_fuse_numel", self.fuse_numel, 0):
+        elif self.stage != 3 and integral_count("zcomm_stage3_fuse_numel", self.fuse_numel, 0):
             raise ValueError(f"zcomm_stage3_fuse_numel needs zero_optimization.stage 3, got stage {self.stage}")
         for name, key, minimum in _COUNTS:
-            object.__setattr__(self, name, _count(key, getattr(self, name), minimum))
+            object.__setattr__(self, name, integral_count(key, getattr(self, name), minimum))
 
     def _check_quant_group_size(self) -> None:
         """Valid for both widths, whichever options are on: a config that quantizes only
@@ -458,14 +458,6 @@ _COUNTS = (
     ("fuse_numel", "zcomm_stage3_fuse_numel", 0),
     ("sub_group_size", "sub_group_size", 1),
 )
-
-
-def _count(key: str, value: Any, minimum: int) -> int:
-    """``value`` as an int >= ``minimum``; ``key`` names it in the error."""
-    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-    if isinstance(value, bool) or not integral or value < minimum:
-        raise ValueError(f"{key} must be an integer >= {minimum} (elements), got {value!r}")
-    return int(value)
 
 
 # ----- DeepSpeed keys that are not ZeroConfig fields (issue 15) -----
