@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero_harness import run
+from zero_harness import initialize_one_rank, run
 from zero_workloads import make_model, make_optimizer, state_dicts_equal, zero_steps
 
 STEPS = 4
@@ -132,29 +132,10 @@ def test_weights_move_so_the_comparison_means_something(results):
 
 # ----- single-process pieces: the swap file, the pipeline on real files, errors -----
 
-def _init_one(config: dict, kind: str = "mlp"):
-    import torch.distributed as dist
-
-    import zero_runtime
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    return zero_runtime.initialize(make_model(kind), make_optimizer(), config)
-
-
-@pytest.fixture
-def single_process():
-    import torch.distributed as dist
-
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def test_nvme_states_really_live_in_the_file(tmp_path, single_process):
     config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
                                     "sub_group_size": 100}}
-    model, opt = _init_one(config)
+    model, opt = initialize_one_rank(make_model("mlp"), config)
     (swap,) = tmp_path.iterdir()
     numel = sum(u.layout.shard_numel for u in opt.units)
     assert swap.stat().st_size >= 12 * numel
@@ -182,8 +163,9 @@ def test_gathered_parameters_edits_reach_offloaded_masters(tmp_path, single_proc
     results = {}
     for device in ("none", "cpu", "nvme"):
         offload = {"device": device, "nvme_path": str(tmp_path)} if device == "nvme" else {"device": device}
-        model, opt = _init_one({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                                      "offload_optimizer": offload, "sub_group_size": 100}})
+        zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": offload,
+                "sub_group_size": 100}
+        model, opt = initialize_one_rank(make_model("mlp"), {"zero_optimization": zero})
         zero_steps("mlp", model, opt, 0, 1, range(1))
         first = next(model.parameters())
         with zero_runtime.GatheredParameters(first, modifier_rank=0), torch.no_grad():
@@ -220,12 +202,13 @@ def test_swap_file_removed_after_an_uncaught_exception(tmp_path):
 def test_unwritable_or_missing_path_is_a_clear_error(tmp_path, single_process):
     missing = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "no")}}}
     with pytest.raises(ValueError, match="not an existing directory"):
-        _init_one(missing)
+        initialize_one_rank(make_model("mlp"), missing)
     if os.geteuid() != 0:  # root writes anywhere
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
         with pytest.raises(ValueError, match="not writable"):
-            _init_one({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": str(locked)}}})
+            config = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": str(locked)}}}
+            initialize_one_rank(make_model("mlp"), config)
 
 
 def test_full_path_is_a_clear_error_at_start_up(tmp_path, single_process):
@@ -236,15 +219,9 @@ def test_full_path_is_a_clear_error_at_start_up(tmp_path, single_process):
                       capture_output=True).returncode != 0:
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
-        model = torch.nn.Linear(256, 256)
-        import torch.distributed as dist
-
-        import zero_runtime
-
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
         config = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": str(mount)}}}
         with pytest.raises(ValueError, match="has no room"):
-            zero_runtime.initialize(model, make_optimizer(), config)
+            initialize_one_rank(torch.nn.Linear(256, 256), config)
         assert list(mount.iterdir()) == []
     finally:
         subprocess.run(["umount", str(mount)], check=True)
@@ -265,14 +242,14 @@ def test_direct_io_required_where_impossible_is_a_clear_error(ramfs, single_proc
     config = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": str(ramfs)}},
               "aio": {"zcomm_direct_io": True}}
     with pytest.raises(ValueError, match="does not allow O_DIRECT"):
-        _init_one(config)
+        initialize_one_rank(make_model("mlp"), config)
     assert list(ramfs.iterdir()) == []
 
 
 def test_direct_io_auto_uses_buffered_io_where_direct_is_impossible(ramfs, tmp_path, single_process):
     for path, direct in ((ramfs, False), (tmp_path, True)):  # tmp_path: ext4 here
         config = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": str(path)}}}
-        model, opt = _init_one(config)
+        model, opt = initialize_one_rank(make_model("mlp"), config)
         assert opt.offload.swap.direct is direct or path is tmp_path
         opt.backward(torch.nn.functional.mse_loss(model(torch.randn(4, 12)), torch.randn(4, 5)))
         opt.step()
@@ -280,16 +257,11 @@ def test_direct_io_auto_uses_buffered_io_where_direct_is_impossible(ramfs, tmp_p
 
 
 def test_non_adam_optimizer_is_rejected(single_process):
-    import torch.distributed as dist
-
-    import zero_runtime
-
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     config = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
     with pytest.raises(ValueError, match="Adam"):
-        zero_runtime.initialize(make_model("mlp"), lambda p: torch.optim.SGD(p, lr=0.1), config)
+        initialize_one_rank(make_model("mlp"), config, lambda p: torch.optim.SGD(p, lr=0.1))
     with pytest.raises(ValueError, match="amsgrad"):
-        zero_runtime.initialize(make_model("mlp"), lambda p: torch.optim.AdamW(p, amsgrad=True), config)
+        initialize_one_rank(make_model("mlp"), config, lambda p: torch.optim.AdamW(p, amsgrad=True))
 
 
 @pytest.mark.parametrize("bad, match", [

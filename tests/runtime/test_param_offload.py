@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from zero_harness import run
+from zero_harness import initialize_one_rank, run
 from zero_workloads import make_model, make_optimizer, state_dicts_equal, zero_steps
 
 STEPS = 3
@@ -129,25 +129,6 @@ def test_memory_report_moves_the_shards_off_the_device(results, name):
 
 # ----- single process: the file really holds the shards, reads run ahead, errors -----
 
-def _init_one(config: dict, kind: str = "gpt"):
-    import torch.distributed as dist
-
-    import zero_runtime
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    return zero_runtime.initialize(make_model(kind), make_optimizer(), config)
-
-
-@pytest.fixture
-def single_process():
-    import torch.distributed as dist
-
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _nvme(tmp_path, **extra) -> dict:
     return {"zero_optimization": {"stage": 3, **FREE_AFTER_USE, "offload_param": {
         "device": "nvme", "nvme_path": str(tmp_path), **extra}}}
@@ -158,7 +139,7 @@ def test_shards_live_only_in_the_file(tmp_path, single_process):
     raw), and a value written into the file is what the next gather returns."""
     import zero_runtime
 
-    model, opt = _init_one(_nvme(tmp_path))
+    model, opt = initialize_one_rank(make_model("gpt"), _nvme(tmp_path))
     offload = opt.param_offload
     units = [u for u in opt.units if u.partitioned]
     zero_steps("gpt", model, opt, 0, 1, range(1))
@@ -184,7 +165,7 @@ def test_reads_run_ahead_of_the_gathers(tmp_path, single_process, max_in_cpu):
     """From the second step on, the scheduler starts the reads of the units past its prefetch
     front, within buffer_count buffers: gathers then find their shards read ahead. With
     ``max_in_cpu: 0`` nothing is read ahead and every shard is read when its gather needs it."""
-    model, opt = _init_one(_nvme(tmp_path, buffer_count=3, max_in_cpu=max_in_cpu))
+    model, opt = initialize_one_rank(make_model("gpt"), _nvme(tmp_path, buffer_count=3, max_in_cpu=max_in_cpu))
     offload = opt.param_offload
     zero_steps("gpt", model, opt, 0, 1, range(1))
     waited = []
@@ -211,7 +192,7 @@ def test_gathered_parameters_edits_reach_offloaded_shards(tmp_path, single_proce
     results = {}
     for device in ("none", "nvme"):
         config = _nvme(tmp_path) if device == "nvme" else {"zero_optimization": {"stage": 3, **FREE_AFTER_USE}}
-        model, opt = _init_one(config)
+        model, opt = initialize_one_rank(make_model("gpt"), config)
         zero_steps("gpt", model, opt, 0, 1, range(1))
         first = next(model.parameters())
         with zero_runtime.GatheredParameters(first, modifier_rank=0), torch.no_grad():
@@ -226,17 +207,13 @@ def test_gathered_parameters_edits_reach_offloaded_shards(tmp_path, single_proce
 def test_frozen_units_are_offloaded_and_checkpointed(tmp_path, single_process):
     """Stage 3 partitions frozen parameters too: their shards live in the file, and a
     checkpoint and ``full_state_dict`` still read them."""
-    import torch.distributed as dist
-
-    import zero_runtime
     from zero_runtime.export import consolidate
 
     model = make_model("gpt")
     model.tok.weight.requires_grad_(False)
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     swap_dir = tmp_path / "swap"
     swap_dir.mkdir()
-    model, opt = zero_runtime.initialize(model, make_optimizer(), _nvme(swap_dir))
+    model, opt = initialize_one_rank(model, _nvme(swap_dir))
     assert opt.frozen_units and all(not opt.param_offload.is_resident(u) for u in opt.frozen_units)
     zero_steps("gpt", model, opt, 0, 1, range(1))
     opt.save_checkpoint(tmp_path / "ckpt")
@@ -267,10 +244,10 @@ def test_config_errors(bad, match):
 
 def test_buffers_smaller_than_a_shard_are_a_clear_error_at_start_up(tmp_path, single_process):
     with pytest.raises(ValueError, match=r"buffer_size \(16 elements\) is smaller than the largest parameter shard"):
-        _init_one(_nvme(tmp_path, buffer_size=16))
+        initialize_one_rank(make_model("gpt"), _nvme(tmp_path, buffer_size=16))
     assert list(tmp_path.iterdir()) == []
 
 
 def test_unwritable_path_is_a_clear_error(tmp_path, single_process):
     with pytest.raises(ValueError, match="is not an existing directory"):
-        _init_one(_nvme(tmp_path / "missing"))
+        initialize_one_rank(make_model("gpt"), _nvme(tmp_path / "missing"))
