@@ -48,8 +48,10 @@ works and the collective is never swapped for an unquantized one.
 
 [Note: an INT8 first hop] ``first_hop_bits=8`` (after SDP4Bit's two-level scheme, arXiv
 2410.15526: 8 bits inside the node, 4 across) quantizes step 1 to INT8 and makes step 3 read
-INT8 rows, sum them in fp32 and re-quantize the node's sum to INT4 as before, so the bytes
-that cross nodes are unchanged and only the intra-node hop, on the fast links, doubles. Hop
+INT8 rows, sum them in fp32 and re-quantize the node's sum to INT4 as before, in the same
+one-pass kernel (``dequant_reduce(requant_bits=4)``: the fp32 sum never goes to memory), so
+the bytes that cross nodes are unchanged and only the intra-node hop, on the fast links,
+doubles. Hop
 1's error bound shrinks 18x (``absmax / 127 / 2`` per group instead of ``absmax / 7 / 2``),
 leaving hop 2's as the main term. With one node every byte is intra-node, so the single hop
 is INT8; with one rank per node there is no intra hop and step 1 stays INT4 (its rows cross
@@ -375,11 +377,10 @@ def _inter_rows(plan: _Plan, rows: torch.Tensor, intra: list, stage: int,
     received, work = intra[stage]
     work.wait()
     numel = num_nodes * plan.part
-    if errors is None and plan.first_bits == _BITS:
-        return quant.dequant_reduce(received, numel, _BITS, plan.group_size, requant_chunks=num_nodes)
-    if errors is None:  # INT8 rows in, the node's sum re-quantized to INT4 rows
-        node_sum = quant.dequant_reduce(received, numel, plan.first_bits, plan.group_size, dtype=torch.float32)
-        return quant.reorder_quantize(node_sum, tuple(range(num_nodes)), num_nodes, _BITS, plan.group_size)
+    if errors is None:  # INT4 (or INT8) rows in, the node's sum re-quantized to INT4 rows
+        return quant.dequant_reduce(
+            received, numel, plan.first_bits, plan.group_size, requant_chunks=num_nodes, requant_bits=_BITS
+        )
     node_sum = quant.dequant_reduce(received, numel, _BITS, plan.group_size, dtype=torch.float32)
     error = errors[1][stage * numel : (stage + 1) * numel]
     return plan.feedback.compensate_quantize(node_sum, error, num_nodes, plan.group_size)

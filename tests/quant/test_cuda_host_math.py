@@ -211,7 +211,7 @@ REQUANT_CASES = REDUCE_CASES + [(8, 8200, 6 * 8200), (4, 9000, 6 * 9001)]
 def test_dequant_reduce_store(host_check, tmp_path, bits, group_size, numel, k, divide_by, misalign):
     payloads = make_payloads(numel, group_size, bits, k=k, seed=numel + k)
     for dtype in DTYPES:
-        args = ["reduce", DTYPE_TAG[dtype], bits, group_size, misalign, numel, k, _fp32_hex(divide_by), 0]
+        args = ["reduce", DTYPE_TAG[dtype], bits, group_size, misalign, numel, k, _fp32_hex(divide_by), 0, bits]
         ran = _run(host_check, tmp_path, args, payloads)
         expected = zq.dequant_reduce(
             payloads, numel, bits, group_size, dtype=dtype, divide_by=divide_by, backend="reference"
@@ -224,18 +224,20 @@ def test_dequant_reduce_store(host_check, tmp_path, bits, group_size, numel, k, 
 @pytest.mark.parametrize("k", (1, 4))
 @pytest.mark.parametrize("bits,group_size,numel", REQUANT_CASES)
 def test_dequant_reduce_requantize(host_check, tmp_path, bits, group_size, numel, k, divide_by, misalign):
+    """Re-quantized to the input's width and (INT8 in, qgZ's first hop) to the other one."""
     payloads = make_payloads(numel, group_size, bits, k=k, seed=numel + 7 * k)
-    for m in (1, 2, 3):
-        args = ["reduce", "f32", bits, group_size, misalign, numel, k, _fp32_hex(divide_by), m]
+    for m, out_bits in ((1, bits), (2, bits), (3, bits), (2, 12 - bits)):
+        args = ["reduce", "f32", bits, group_size, misalign, numel, k, _fp32_hex(divide_by), m, out_bits]
         ran = _run(host_check, tmp_path, args, payloads)
         expected = zq.dequant_reduce(
-            payloads, numel, bits, group_size, requant_chunks=m, divide_by=divide_by, backend="reference"
+            payloads, numel, bits, group_size, requant_chunks=m, requant_bits=out_bits, divide_by=divide_by,
+            backend="reference",
         )
-        assert ran.out == _bytes(expected), m
+        assert ran.out == _bytes(expected), (m, out_bits)
         chunk, stride = numel // m, payloads.shape[1]
-        out_row = zq.payload_nbytes(chunk, bits, group_size)
-        run = _run_bytes(bits)
-        aligned = group_size % 8 == 0 and chunk % 8 == 0 and stride % run == 0 and out_row % run == 0
+        out_row = zq.payload_nbytes(chunk, out_bits, group_size)
+        aligned = (group_size % 8 == 0 and chunk % 8 == 0 and stride % _run_bytes(bits) == 0
+                   and out_row % _run_bytes(out_bits) == 0)
         assert ran.vec == (not misalign and aligned), m
         assert ran.tiles == _tiles(min(group_size, chunk)), m
 

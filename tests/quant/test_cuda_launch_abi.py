@@ -76,7 +76,9 @@ def _run_every_op(bits: int, dtype: torch.dtype, group_size: int) -> None:
     pieces = [x[: 6 * group_size], x[6 * group_size : 6 * 3 * group_size]]
     cuda_launch.reorder_quantize(pieces, 6, 4 * group_size, perm, chunks, bits, group_size, chunk_rows)
     cuda_launch.dequant_reduce(payloads, numel, bits, group_size, 2.0, torch.empty(numel, dtype=dtype))
-    cuda_launch.dequant_reduce_requant(payloads, numel, bits, group_size, 2.0, chunk_rows)
+    for out_bits in (8, 4):
+        requant_rows = torch.empty(chunks, payload_nbytes(numel // chunks, out_bits, group_size), dtype=torch.uint8)
+        cuda_launch.dequant_reduce_requant(payloads, numel, bits, out_bits, group_size, 2.0, requant_rows)
 
 
 @pytest.mark.parametrize("group_size", (64, 10_000), ids=("teams", "tiles"))
@@ -85,7 +87,7 @@ def test_launch_arguments_match_kernel_parameters(kernel_params, launches, bits,
     for dtype in DTYPES:
         _run_every_op(bits, dtype, group_size)
     encoder_launches = sum(name.startswith(ENCODERS) for _, name, _ in launches)
-    assert encoder_launches == 3 * 4 * (1 if group_size <= cuda_launch.TEAM_MAX_GROUP else 2)  # 3 dtypes, 4 launches
+    assert encoder_launches == 3 * 5 * (1 if group_size <= cuda_launch.TEAM_MAX_GROUP else 2)  # 3 dtypes, 5 launches
     for source, name, args in launches:
         assert source in loader.KERNEL_SOURCES and name in kernel_params, name
         declared = [(PARAM_BYTES[t], t == "f32") for t in kernel_params[name]]

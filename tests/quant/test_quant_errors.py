@@ -51,6 +51,9 @@ BACKENDS = ("reference", "cpu")
         (lambda b: q.dequant_reduce(torch.zeros(2, 15, dtype=torch.uint8), 8, 8, 4, backend=b), ValueError, "payloads"),
         (lambda b: q.dequant_reduce(torch.zeros(2, 16, dtype=torch.uint8), 8, 8, 4, divide_by=0, backend=b), ValueError, "divide_by"),
         (lambda b: q.dequant_reduce(torch.zeros(2, 16, dtype=torch.uint8), 8, 8, 4, requant_chunks=3, backend=b), ValueError, "requant_chunks"),
+        (lambda b: q.dequant_reduce(torch.zeros(2, 16, dtype=torch.uint8), 8, 8, 4, requant_bits=4, backend=b), ValueError, "requant_bits needs requant_chunks"),
+        (lambda b: q.dequant_reduce(torch.zeros(2, 17, dtype=torch.uint8), 9, 8, 3, requant_chunks=1, requant_bits=4, backend=b), ValueError, "group_size must be even"),
+        (lambda b: q.dequant_reduce(torch.zeros(2, 16, dtype=torch.uint8), 8, 8, 4, requant_chunks=1, requant_bits=2, backend=b), ValueError, "bits must be one of"),
     ],
 )
 def test_bad_input_names_the_argument(backend: str, call, error: type, names: str) -> None:

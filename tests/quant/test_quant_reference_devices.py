@@ -58,8 +58,9 @@ def _run_every_kernel(device: str) -> None:
         reference.reorder_quantize([x[:600], x[600:]], 2, 520, (1, 0, 3, 2), 2, bits, 64, filled)
         out = torch.empty(500, dtype=torch.float16, device=device)
         reference.dequant_reduce(rows, 500, bits, 64, 3.0, out)
-        requant = torch.empty(2, payload_nbytes(250, bits, 64), dtype=torch.uint8, device=device)
-        reference.dequant_reduce_requant(rows, 500, bits, 64, 3.0, requant)
+        for out_bits in (8, 4):
+            requant = torch.empty(2, payload_nbytes(250, out_bits, 64), dtype=torch.uint8, device=device)
+            reference.dequant_reduce_requant(rows, 500, bits, out_bits, 64, 3.0, requant)
 
 
 def test_reference_divides_only_by_tensors_on_the_dividends_device():

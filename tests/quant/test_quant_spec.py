@@ -81,3 +81,9 @@ def test_ops_take_the_tensor_and_default_group_sizes(backend, bits):
     requant = quant.dequant_reduce(rows, 500, bits, TENSOR, requant_chunks=2, backend=backend)
     expected = torch.stack([quant.quantize(c, bits, TENSOR, backend=backend) for c in total.view(2, 250)])
     assert torch.equal(requant, expected)
+    # INT8 rows of an odd length into one INT4 chunk: one scale each side (INT4 rounds the
+    # group up to even, which changes no byte of the INT8 rows)
+    rows = torch.stack([quant.quantize(c, 8, TENSOR, backend=backend) for c in x[:1001].view(7, 143)[:2]])
+    requant = quant.dequant_reduce(rows, 143, 8, TENSOR, requant_chunks=1, requant_bits=4, backend=backend)
+    total = quant.dequant_reduce(rows, 143, 8, TENSOR, backend=backend)
+    assert torch.equal(requant[0], quant.quantize(total, 4, TENSOR, backend=backend))

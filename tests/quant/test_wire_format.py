@@ -98,6 +98,19 @@ def test_dequant_reduce_requantizes_into_self_contained_chunks(any_target):
     assert chunks[1].tolist() == [0, 127, 0, 0] + scale
 
 
+def test_dequant_reduce_requantizes_int8_rows_into_int4_chunks(any_target):
+    """qgZ's INT8 first hop: INT8 rows summed, each chunk of the sum written as INT4."""
+    values = ([127.0, 7.0, 127.0, 1.0], [0.0, 0.0, -127.0, 6.0])
+    rows = torch.stack([any_target.run(quant.quantize, torch.tensor(v), 8, 2) for v in values])
+    # Sums [127, 7 | 0, 7]. Chunk 0: absmax 127, scale fl32(127 / 7), codes 7 and
+    # round(7 / (127 / 7)) = round(0.3858) = 0. Chunk 1: absmax 7, scale 1, codes 0 and 7.
+    chunks = any_target.run(quant.dequant_reduce, rows, 4, 8, 2, requant_chunks=2, requant_bits=4)
+    assert chunks.shape == (2, quant.payload_nbytes(2, 4, 2))
+    scale = (torch.tensor([127.0]) / 7).view(torch.uint8).tolist()
+    assert chunks[0].tolist() == [0x07, 0, 0, 0] + scale
+    assert chunks[1].tolist() == [0x70, 0, 0, 0] + ONE
+
+
 def test_reorder_quantize_moves_slices_before_chunking(any_target):
     x = torch.tensor([1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 127.0, 127.0])
     chunks = any_target.run(quant.reorder_quantize, x, [3, 0, 2, 1], 2, 8, 4)

@@ -202,11 +202,20 @@ def dequant_reduce(
 
 @_op
 def dequant_reduce_requant(
-    payloads: Tensor, numel: int, bits: int, group_size: int, divide_by: float, backend: str, out: Tensor
+    payloads: Tensor,
+    numel: int,
+    bits: int,
+    out_bits: int,
+    group_size: int,
+    divide_by: float,
+    backend: str,
+    out: Tensor,
 ) -> None:
-    """Row ``c`` of ``out`` (2-D uint8, ``m`` rows, ``m`` dividing ``numel``) = the payload of
-    chunk ``c`` of the fp32 sum that :func:`dequant_reduce` stores, with the same bits and
-    group size."""
+    """Row ``c`` of ``out`` (2-D uint8, ``m`` rows, ``m`` dividing ``numel``) = the
+    ``out_bits`` payload of chunk ``c`` of the fp32 sum that :func:`dequant_reduce` stores,
+    with the input's group size (``out_bits`` may differ from the input's ``bits``: qgZ's
+    INT8 first hop sums INT8 rows into INT4 rows)."""
     _check_reduction(payloads, numel, bits, group_size, divide_by)
+    _check_spec(out_bits, group_size)
     assert out.dim() == 2 and out.shape[0] >= 1 and numel % out.shape[0] == 0, (numel, out.shape)
-    _check_payloads(out, "out", out.shape[0], numel // out.shape[0], bits, group_size, payloads.device)
+    _check_payloads(out, "out", out.shape[0], numel // out.shape[0], out_bits, group_size, payloads.device)

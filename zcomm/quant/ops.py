@@ -235,6 +235,7 @@ def dequant_reduce(
     *,
     dtype: torch.dtype = torch.float32,
     requant_chunks: int | None = None,
+    requant_bits: int | None = None,
     divide_by: float = 1.0,
     backend: str | None = None,
     out: torch.Tensor | None = None,
@@ -243,14 +244,21 @@ def dequant_reduce(
 
     ``payloads`` is 2-D ``(k, payload_nbytes(numel))`` as an all-to-all delivers them. The
     fp32 sum (in row order, then divided by ``divide_by``) is returned as ``numel`` elements
-    of ``dtype``, or, with ``requant_chunks=m``, re-quantized in the same pass (same bits and
-    group size) into ``(m, payload_nbytes(numel // m))`` self-contained payloads. With
-    ``group_size="tensor"`` every input payload and every re-quantized chunk has one scale.
+    of ``dtype``, or, with ``requant_chunks=m``, re-quantized in the same pass (same group
+    size; ``requant_bits`` bits, by default ``bits``) into ``(m, payload_nbytes(numel // m))``
+    self-contained payloads: the same bytes as :func:`reorder_quantize` of the fp32 sum,
+    without the sum ever being stored. With ``group_size="tensor"`` every input payload and
+    every re-quantized chunk has one scale.
     """
     _check_payloads(payloads, "payloads")
     _check_numel(numel)
-    # "tensor": a group of the inputs' size covers every chunk of the sum in one group too
-    group = _spec_group_size(bits, group_size, numel)
+    if requant_bits is not None and requant_chunks is None:
+        raise ValueError("requant_bits needs requant_chunks (it is the width of the re-quantized payloads)")
+    out_bits = bits if requant_bits is None else requant_bits
+    # "tensor": a group of the inputs' size covers every chunk of the sum in one group too;
+    # the larger resolution is valid for both widths (INT4 rounds an odd size up, which
+    # leaves one group per payload and so the same bytes)
+    group = max(_spec_group_size(b, group_size, numel) for b in (bits, out_bits))
     if payloads.dim() != 2 or payloads.shape[0] < 1:
         raise ValueError(f"payloads must be 2-D (k >= 1, nbytes), got shape {tuple(payloads.shape)}")
     rows = _as_rows(payloads, numel, bits, group, "payloads")
@@ -258,13 +266,15 @@ def dequant_reduce(
         raise ValueError(f"divide_by must be a positive number, got {divide_by!r}")
     if requant_chunks is None:
         _check_dtype(dtype, "dtype")
-        shape, out_dtype, op = (numel,), dtype, _contract.dequant_reduce
+        shape, out_dtype = (numel,), dtype
     else:
         _check_requant_chunks(requant_chunks, numel)
-        shape = (requant_chunks, payload_nbytes(numel // requant_chunks, bits, group))
-        out_dtype, op = torch.uint8, _contract.dequant_reduce_requant
+        shape = (requant_chunks, payload_nbytes(numel // requant_chunks, out_bits, group))
+        out_dtype = torch.uint8
     name = _registry.select(backend, payloads.device)
     result = _output(out, shape, out_dtype, payloads.device)
-    if numel:
-        op(rows, numel, bits, group, float(divide_by), name, result)
+    if numel and requant_chunks is None:
+        _contract.dequant_reduce(rows, numel, bits, group, float(divide_by), name, result)
+    elif numel:
+        _contract.dequant_reduce_requant(rows, numel, bits, out_bits, group, float(divide_by), name, result)
     return result

@@ -1,7 +1,7 @@
 // dequant_reduce: k payload rows, dequantized and summed in fp32 in row order, divided
 // once, then either stored as floats (the run decoder with one segment of k rows) or
-// re-quantized in the same pass into m payloads (the group encoder reading a PayloadSum,
-// so the fp32 sums never go to memory).
+// re-quantized in the same pass into m payloads of IN_BITS or another width OUT_BITS (the
+// group encoder reading a PayloadSum, so the fp32 sums never go to memory).
 #include "group_encoder.cuh"
 #include "instantiate.cuh"
 #include "run_decoder.cuh"
@@ -14,14 +14,14 @@
         zc::decode_segments(zc::SegmentLayout<T, BITS>{rows, out, 1, k, divisor});                    \
     }
 
-#define ZC_DEQUANT_REDUCE_REQUANT(BITS)                                                               \
-    extern "C" __global__ void zc_dequant_reduce_requant_int##BITS(                                   \
+#define ZC_DEQUANT_REDUCE_REQUANT(IN_BITS, OUT_BITS)                                                  \
+    extern "C" __global__ void zc_dequant_reduce_requant_int##IN_BITS##_int##OUT_BITS(                 \
         const zc::u8* payloads, zc::i64 stride, zc::i64 numel, zc::i64 group_size, zc::i64 k, float divisor, \
         zc::i64 num_chunks, zc::i64 out_stride, zc::u8* out, zc::u32* group_absmax, int pass) {       \
-        const zc::PayloadRows<BITS> rows{payloads, stride, numel, group_size};                        \
-        const zc::ChunkLayout<BITS> layout{out, numel / num_chunks, num_chunks, group_size, out_stride}; \
-        zc::run_encoder<BITS>(zc::PayloadSum<BITS>(rows, 0, k, divisor), layout, pass, group_absmax); \
+        const zc::PayloadRows<IN_BITS> rows{payloads, stride, numel, group_size};                     \
+        const zc::ChunkLayout<OUT_BITS> layout{out, numel / num_chunks, num_chunks, group_size, out_stride}; \
+        zc::run_encoder<OUT_BITS>(zc::PayloadSum<IN_BITS>(rows, 0, k, divisor), layout, pass, group_absmax); \
     }
 
 ZC_FOR_EACH_DTYPE_BITS(ZC_DEQUANT_REDUCE)
-ZC_FOR_EACH_BITS(ZC_DEQUANT_REDUCE_REQUANT)
+ZC_FOR_EACH_BITS_PAIR(ZC_DEQUANT_REDUCE_REQUANT)

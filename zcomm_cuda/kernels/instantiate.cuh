@@ -1,6 +1,7 @@
 // Expands a kernel-defining macro M(TAG, T, BITS) for every input/output dtype and bit
-// width, so each .cu file states its kernel once and the loader finds it by name
-// (zcomm/quant/backends/_cuda_launch.py builds the same "<op>_<TAG>_int<BITS>" names).
+// width (or M(IN_BITS, OUT_BITS) for every pair of widths), so each .cu file states its
+// kernel once and the loader finds it by name (zcomm/quant/backends/_cuda_launch.py builds
+// the same "<op>_<TAG>_int<BITS>" and "<op>_int<IN_BITS>_int<OUT_BITS>" names).
 #pragma once
 
 #include "wire_math.cuh"
@@ -13,6 +14,9 @@
     M(f16, zc::fp16_t, 8)         \
     M(f16, zc::fp16_t, 4)
 
-#define ZC_FOR_EACH_BITS(M) \
-    M(8)                    \
-    M(4)
+// (input bits, output bits) of a re-quantizing kernel
+#define ZC_FOR_EACH_BITS_PAIR(M) \
+    M(8, 8)                      \
+    M(8, 4)                      \
+    M(4, 8)                      \
+    M(4, 4)

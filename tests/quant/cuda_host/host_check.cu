@@ -18,8 +18,8 @@
 //     (interleave: IN holds the tensors one after another, tensor k being PARTS x WIDTHS[k]
 //     elements; each is copied into a buffer of its own, as separate allocations)
 //   host_check dequantize DTYPE BITS GS MISALIGN NUMEL K IN OUT
-//   host_check reduce     DTYPE BITS GS MISALIGN NUMEL K DIVISOR_BITS(hex fp32) M IN OUT
-//     (reduce: M = 0 stores DTYPE values, M > 0 re-quantizes into M payloads)
+//   host_check reduce     DTYPE BITS GS MISALIGN NUMEL K DIVISOR_BITS(hex fp32) M OUT_BITS IN OUT
+//     (reduce: M = 0 stores DTYPE values, M > 0 re-quantizes into M payloads of OUT_BITS)
 // Prints "vec=V tiles=T": whether the vector paths were taken (V) and, for the encoder,
 // whether the tile scheme ran (T; see [Note: large groups] in group_encoder.cuh).
 #include <cstdio>
@@ -157,6 +157,17 @@ template <class T, int BITS> bool run_interleave(char** argv, size_t elem_shift,
     return vec;
 }
 
+// dequant_reduce_requant: the k rows of BITS summed into m payloads of OUT_BITS.
+template <int BITS, int OUT_BITS>
+bool run_requant(const PayloadRows<BITS>& rows, i64 k, float divisor, i64 m, size_t byte_shift, const char* out_path) {
+    const i64 row = payload_bytes(rows.numel / m, OUT_BITS, rows.group_size);
+    Buffer out(row * m, byte_shift);
+    const ChunkLayout<OUT_BITS> layout{out.data, rows.numel / m, m, rows.group_size, row};
+    const bool vec = encode_all<OUT_BITS>(PayloadSum<BITS>(rows, 0, k, divisor), layout);
+    write_file(out_path, out.data, row * m);
+    return vec;
+}
+
 // Runs one op for element type T and BITS; returns whether vector paths ran.
 template <class T, int BITS> bool run_op(const std::string& op, char** argv, int argc) {
     const i64 gs = std::atoll(argv[4]);
@@ -192,17 +203,16 @@ template <class T, int BITS> bool run_op(const std::string& op, char** argv, int
     const i64 segments = op == "dequantize" ? k : 1;
     float divisor = 1.0f;
     i64 m = 0;
+    int out_bits = BITS;
     if (op == "reduce") {
         const u32 divisor_bits = static_cast<u32>(std::strtoul(argv[8], nullptr, 16));
         divisor = bits_float(divisor_bits);
         m = std::atoll(argv[9]);
+        out_bits = std::atoi(argv[10]);
     }
     if (m > 0) {
-        const i64 row = payload_bytes(numel / m, BITS, gs);
-        Buffer out(row * m, byte_shift);
-        const bool vec = encode_all<BITS>(PayloadSum<BITS>(rows, 0, k, divisor), ChunkLayout<BITS>{out.data, numel / m, m, gs, row});
-        write_file(out_path, out.data, row * m);
-        return vec;
+        return out_bits == 8 ? run_requant<BITS, 8>(rows, k, divisor, m, byte_shift, out_path)
+                             : run_requant<BITS, 4>(rows, k, divisor, m, byte_shift, out_path);
     }
     Buffer out(segments * numel * sizeof(T), elem_shift);
     T* dst = reinterpret_cast<T*>(out.data);

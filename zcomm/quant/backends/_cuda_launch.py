@@ -210,14 +210,14 @@ def dequant_reduce(
 
 
 def dequant_reduce_requant(
-    payloads: torch.Tensor, numel: int, bits: int, group_size: int, divide_by: float, out: torch.Tensor
+    payloads: torch.Tensor, numel: int, bits: int, out_bits: int, group_size: int, divide_by: float, out: torch.Tensor
 ) -> None:
     """Sum (and divide) ``k`` payload rows and re-quantize the sum into ``out``'s rows, in one pass."""
     chunks = out.shape[0]
     chunk = numel // chunks
     _encode(
         "dequant_reduce.cu",
-        f"zc_dequant_reduce_requant_int{bits}",
+        f"zc_dequant_reduce_requant_int{bits}_int{out_bits}",
         payloads.device,
         num_groups(chunk, group_size) * chunks,
         min(group_size, chunk),

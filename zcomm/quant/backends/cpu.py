@@ -298,16 +298,17 @@ def _reduce_kernel(payloads, bits, group_size, divisor, out):
 
 
 @njit(**_KERNEL)
-def _reduce_requant_kernel(payloads, numel, bits, group_size, divisor, requant):
-    """Row ``c`` of ``requant`` = chunk ``c`` of (sum of the payload rows) / divisor, one
-    output group per unit, summed straight into the buffer it is quantized from."""
+def _reduce_requant_kernel(payloads, numel, bits, out_bits, group_size, divisor, requant):
+    """Row ``c`` of ``requant`` = chunk ``c`` of (sum of the ``bits`` payload rows) / divisor
+    in ``out_bits``, one output group per unit, summed straight into the buffer it is
+    quantized from."""
     chunk = numel // requant.shape[0]
     for unit in prange(_unit_count(requant.shape[0], chunk, group_size)):
         buf = np.empty(group_size, np.float32)
         c, g, start, n = _unit(unit, chunk, group_size)
         _sum_rows(payloads, numel, bits, group_size, c * chunk + start, n, divisor, buf)
-        values, scales = _payload_parts(requant[c], chunk, bits)
-        _encode_group(buf, n, bits, values, start, scales, g)
+        values, scales = _payload_parts(requant[c], chunk, out_bits)
+        _encode_group(buf, n, out_bits, values, start, scales, g)
 
 
 def _zero_padding(payloads: torch.Tensor, numel: int, bits: int) -> np.ndarray:
@@ -371,8 +372,8 @@ def dequant_reduce(
 
 @implements("dequant_reduce_requant", "cpu")
 def dequant_reduce_requant(
-    payloads: torch.Tensor, numel: int, bits: int, group_size: int, divide_by: float, out: torch.Tensor
+    payloads: torch.Tensor, numel: int, bits: int, out_bits: int, group_size: int, divide_by: float, out: torch.Tensor
 ) -> None:
-    requant = _zero_padding(out, numel // out.shape[0], bits)
+    requant = _zero_padding(out, numel // out.shape[0], out_bits)
     _use_thread_share()
-    _reduce_requant_kernel(shared_array(payloads), numel, bits, group_size, _fp32(divide_by), requant)
+    _reduce_requant_kernel(shared_array(payloads), numel, bits, out_bits, group_size, _fp32(divide_by), requant)

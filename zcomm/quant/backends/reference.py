@@ -160,8 +160,8 @@ def dequant_reduce(
 
 @implements("dequant_reduce_requant", "reference")
 def dequant_reduce_requant(
-    payloads: torch.Tensor, numel: int, bits: int, group_size: int, divide_by: float, out: torch.Tensor
+    payloads: torch.Tensor, numel: int, bits: int, out_bits: int, group_size: int, divide_by: float, out: torch.Tensor
 ) -> None:
     acc = _reduce(payloads, numel, bits, group_size, divide_by)
     for chunk, values in enumerate(acc.view(out.shape[0], -1)):
-        _encode(values, bits, group_size, out[chunk])
+        _encode(values, out_bits, group_size, out[chunk])
