@@ -86,6 +86,7 @@ from . import quant
 from ._api import GroupInfo, Handle
 from ._chain_runner import run_chain
 from ._error_feedback import ErrorFeedback, reordered_input
+from ._hadamard import check_block, rotate_back_, rotated_input
 from ._groups import NodeGroups, node_groups
 from ._pipeline import MAX_DEFAULT_STAGES, STAGE_BYTES, check_stages, default_stages
 from ._prologue import prologue, prologue_coalesced
@@ -111,6 +112,7 @@ class _Plan(NamedTuple):
     divide_by: float
     feedback: ErrorFeedback | None
     first_bits: int  # bits of step 1's rows (see [Note: an INT8 first hop])
+    hadamard_block: int | None  # see [Note: Hadamard smoothing] in zcomm._hadamard
 
 
 def default_pipeline_stages(input_nbytes: int, slice_numel: int, topology: Topology) -> int:
@@ -131,6 +133,7 @@ def reduce_scatter_q4(
     topology: Topology | None = None,
     error_feedback: ErrorFeedback | None = None,
     first_hop_bits: int = 4,
+    hadamard_block: int | None = None,
 ) -> Handle | None:
     """INT4 2-hop drop-in for ``torch.distributed.reduce_scatter_tensor`` with ``op`` SUM, AVG or PREMUL_SUM.
 
@@ -153,10 +156,15 @@ def reduce_scatter_q4(
             stateless); see :class:`zcomm.ErrorFeedback`.
         first_hop_bits: 4 (ZeRO++) or 8: the intra-node hop in INT8, the inter-node hop
             still INT4 ([Note: an INT8 first hop]).
+        hadamard_block: None, or a power of two: rotate every block of this many elements of
+            each slice by an orthonormal Hadamard matrix before quantizing and rotate the
+            output back, spreading outliers over their block (SDP4Bit's smoothing; [Note:
+            Hadamard smoothing] in ``zcomm._hadamard``). Same bytes on the wire; costs an fp32
+            copy of the input and ``log2(block)`` passes over it. Not with ``error_feedback``.
     """
     info = prologue(output, input, group, topology, gather=False, quantized=True)
     return _start(info, [output], [input], op, async_op, group_size, pipeline_stages, error_feedback,
-                  first_hop_bits)
+                  first_hop_bits, hadamard_block)
 
 
 def reduce_scatter_q4_coalesced(
@@ -171,6 +179,7 @@ def reduce_scatter_q4_coalesced(
     topology: Topology | None = None,
     error_feedback: ErrorFeedback | None = None,
     first_hop_bits: int = 4,
+    hadamard_block: int | None = None,
 ) -> Handle | None:
     """:func:`reduce_scatter_q4` of several tensors as one collective, after
     ``torch.distributed.reduce_scatter_tensor_coalesced``: ``outputs[i]`` receives this
@@ -186,13 +195,13 @@ def reduce_scatter_q4_coalesced(
             tensors of both lists share one dtype (fp32/bf16/fp16) and device. Outputs that
             lie end to end in one buffer (``flat.split(sizes)``) are written in place.
         inputs: contiguous; read where they are, never copied.
-        op, group, async_op, group_size, pipeline_stages, topology, error_feedback, first_hop_bits:
+        op, group, async_op, group_size, pipeline_stages, topology, error_feedback, first_hop_bits, hadamard_block:
             as for :func:`reduce_scatter_q4`, for the whole bucket (``pipeline_stages`` and the
             default stage count apply to the interleaved input, ``"tensor"`` to its rows).
     """
     info = prologue_coalesced(outputs, inputs, group, topology, gather=False)
     return _start(info, list(outputs), list(inputs), op, async_op, group_size, pipeline_stages, error_feedback,
-                  first_hop_bits)
+                  first_hop_bits, hadamard_block)
 
 
 def _start(
@@ -205,12 +214,17 @@ def _start(
     pipeline_stages: int | None,
     feedback: ErrorFeedback | None,
     first_hop_bits: int,
+    hadamard_block: int | None,
 ) -> Handle | None:
     """Plan the collective of the checked pairs (the flat form's slice: every output in turn) and run it."""
     divide_by = _divisor(op, info.world_size)
     if feedback is not None and not isinstance(feedback, ErrorFeedback):
         raise TypeError(f"error_feedback must be a zcomm.ErrorFeedback or None, got {type(feedback).__name__}")
     first_bits = _first_bits(first_hop_bits, info.topology, feedback)
+    check_block(hadamard_block)
+    if hadamard_block is not None and feedback is not None:
+        raise ValueError("hadamard_block cannot be combined with error_feedback (its errors would mix rotated and "
+                         "unrotated values if the block changed between calls)")
     spec = quant.QuantSpec(bits=_BITS, group_size=group_size)
     slice_numel = sum(output.numel() for output in outputs)
     input_nbytes = slice_numel * info.world_size * inputs[0].element_size()
@@ -219,7 +233,7 @@ def _start(
     # "tensor": one group as long as the longest payload row (the intra hop's, N parts), so one per row
     concrete_group_size = spec.group_size_for(info.topology.num_nodes * part)
     plan = _Plan(info, node_groups(info.group, info.topology, "reduce"), stages, part, concrete_group_size, divide_by,
-                 feedback, first_bits)
+                 feedback, first_bits, hadamard_block)
     if feedback is not None:
         feedback.bind((stages * part, info.world_size, info.topology.num_nodes, stages, concrete_group_size))
     record("reduce_scatter_q4", *_bytes_sent(plan))
@@ -275,6 +289,9 @@ def _chain(plan: _Plan, outputs: list[torch.Tensor], inputs: list[torch.Tensor])
     topology, k, q = plan.info.topology, plan.stages, plan.part
     perm = reorder_permutation(topology.num_nodes, topology.local_size, k)
     num_rows = first_hop_rows(topology.num_nodes, topology.local_size, k)
+    block = plan.hadamard_block
+    if block is not None:
+        inputs = rotated_input(inputs, topology.world_size, block)
     # slices zero-filled to k * q elements when q does not divide them: read, never staged
     errors = None
     if plan.feedback is None:
@@ -285,19 +302,22 @@ def _chain(plan: _Plan, outputs: list[torch.Tensor], inputs: list[torch.Tensor])
         errors = _feedback_errors(plan, inputs[0].device)
         values = reordered_input(inputs, perm, topology.world_size, k * q)
         rows = plan.feedback.compensate_quantize(values, errors[0], num_rows, plan.group_size)
-    slice_numel = sum(output.numel() for output in outputs)
-    result = _flat_view(outputs, slice_numel)
+    sizes = [output.numel() for output in outputs]
+    result = None if block is not None else _flat_view(outputs, sum(sizes))
     staged = result is None
-    if staged:
-        result = torch.empty(slice_numel, dtype=outputs[0].dtype, device=outputs[0].device)
+    if staged:  # fp32 when rotated: rotated back before the output dtype's rounding
+        dtype = torch.float32 if block is not None else outputs[0].dtype
+        result = torch.empty(sum(sizes), dtype=dtype, device=outputs[0].device)
     out_parts, short = _stage_parts(result, k, q)
     _pipeline(plan, rows, out_parts, errors)
     if errors is not None:
         plan.feedback.end(errors, plan.group_size)
     for piece, computed in short:
         piece.copy_(computed[: piece.numel()])
+    if block is not None:
+        rotate_back_(result, sizes, block)
     if staged:
-        for output, piece in zip(outputs, result.split([output.numel() for output in outputs])):
+        for output, piece in zip(outputs, result.split(sizes)):
             output.view(-1).copy_(piece)
 
 

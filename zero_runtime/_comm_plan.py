@@ -168,6 +168,7 @@ def build_comm_plan(config: ZeroConfig, group: dist.ProcessGroup, topology: zcom
         reduce = QuantizedReduceScatter(gradients, topology,
                                         spec=QuantSpec(bits=4, group_size=config.quant_group_size),
                                         loco=config.loco and (config.loco.err_beta, config.loco.reset_T),
-                                        first_hop_bits=config.qgz_first_hop_bits)
+                                        first_hop_bits=config.qgz_first_hop_bits,
+                                        hadamard_block=config.qgz_hadamard_block)
     return CommPlan(group=group, forward_gather=forward, backward_gather=backward, reduce_scatter=reduce,
                     device=device, topology=topology)

@@ -67,20 +67,23 @@ class QuantizedAllGather(AllGather):
 class QuantizedReduceScatter(ReduceScatter):
     """qgZ: one hierarchical INT4 ``reduce_scatter_q4_coalesced`` (AVG) per gradient bucket.
 
-    ``first_hop_bits`` 8 (``zcomm_qgz_first_hop_bits``) sends the intra-node hop in INT8.
+    ``first_hop_bits`` 8 (``zcomm_qgz_first_hop_bits``) sends the intra-node hop in INT8;
+    ``hadamard_block`` (``zcomm_qgz_hadamard_block``) rotates the gradients before quantizing.
     With ``loco`` (``zeropp_loco_param``: ``(err_beta, reset_T)``) each bucket keeps its own
     ``zcomm.ErrorFeedback`` (LoCo, both hops), created by the bucket's first reduction; the
     buffers count in ``held_bytes`` and travel in ``state_dict``.
     """
 
     def __init__(self, group: dist.ProcessGroup, topology: zcomm.Topology, *, spec: QuantSpec,
-                 loco: tuple[float, int] | None = None, first_hop_bits: int = 4) -> None:
+                 loco: tuple[float, int] | None = None, first_hop_bits: int = 4,
+                 hadamard_block: int | None = None) -> None:
         assert spec.bits == 4, spec
         self.group = group
         self.topology = topology
         self.spec = spec
         self.loco = loco
         self.first_hop_bits = first_hop_bits
+        self.hadamard_block = hadamard_block
         self.feedback: dict[int, zcomm.ErrorFeedback] = {}
 
     def __call__(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], *, bucket: int) -> Handle:
@@ -92,7 +95,8 @@ class QuantizedReduceScatter(ReduceScatter):
         return zcomm.reduce_scatter_q4_coalesced(outputs, inputs, op=dist.ReduceOp.AVG, group=self.group,
                                                  async_op=True, topology=self.topology,
                                                  group_size=self.spec.group_size, error_feedback=feedback,
-                                                 first_hop_bits=self.first_hop_bits)
+                                                 first_hop_bits=self.first_hop_bits,
+                                                 hadamard_block=self.hadamard_block)
 
     def held_bytes(self) -> int:
         return sum(feedback.nbytes for feedback in self.feedback.values())

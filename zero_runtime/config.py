@@ -47,6 +47,7 @@ _ZERO_KEYS = {
     "zcomm_align_quant_blocks": "align_quant_blocks",
     "zeropp_loco_param": "loco",
     "zcomm_qgz_first_hop_bits": "qgz_first_hop_bits",
+    "zcomm_qgz_hadamard_block": "qgz_hadamard_block",
     # offload (see _offload_config)
     "offload_optimizer": "offload_optimizer",
     "offload_param": "offload_param",
@@ -230,7 +231,11 @@ class ZeroConfig:
     (zcomm key ``zcomm_qgz_first_hop_bits``, 4 or 8): qgZ's intra-node hop in INT4 (the ZeRO++
     paper's) or INT8 (SDP4Bit's two-level scheme; the inter-node bytes are the same; the
     ``first_hop_bits`` Note of ``zcomm.reduce_scatter_q4``); 8 needs qgZ and excludes LoCo.
-    Default 4 (see [Note: qgZ's first hop]).
+    Default 4 (see [Note: qgZ's first hop]). ``qgz_hadamard_block`` (zcomm key
+    ``zcomm_qgz_hadamard_block``, a power of two or None): qgZ's gradients rotated in blocks of
+    that many elements by an orthonormal Hadamard matrix before quantization, and back after
+    (``hadamard_block`` of ``zcomm.reduce_scatter_q4``); needs qgZ and excludes LoCo. Default
+    None.
     """
 
     stage: int = 2
@@ -256,6 +261,7 @@ class ZeroConfig:
     align_quant_blocks: bool = True
     loco: LocoConfig | None = None  # zeropp_loco_param; needs quantized_gradients
     qgz_first_hop_bits: int = 4
+    qgz_hadamard_block: int | None = None
     # Offload (stages 1-3; see OffloadOptimizerConfig and AioConfig in _offload_config):
     # sub_group_size (DeepSpeed's key) is the most master elements the offloaded step
     # updates at once, one sub-group per NVMe transfer.
@@ -314,6 +320,18 @@ class ZeroConfig:
         if self.qgz_first_hop_bits == 8 and self.loco is not None:
             raise ValueError("zcomm_qgz_first_hop_bits 8 cannot be combined with zeropp_loco_param (LoCo's "
                              "errors model INT4 hops)")
+        self._check_hadamard_block()
+
+    def _check_hadamard_block(self) -> None:
+        block = self.qgz_hadamard_block
+        if block is None:
+            return
+        if isinstance(block, bool) or not isinstance(block, int) or block < 2 or block & (block - 1):
+            raise ValueError(f"zcomm_qgz_hadamard_block must be a power of two >= 2 or null, got {block!r}")
+        if not self.quantized_gradients:
+            raise ValueError("zcomm_qgz_hadamard_block needs zero_quantized_gradients (qgZ)")
+        if self.loco is not None:
+            raise ValueError("zcomm_qgz_hadamard_block cannot be combined with zeropp_loco_param")
 
     # ----- DeepSpeed's batch sizes (issue 15) -----
     def _check_batch_sizes(self) -> None:

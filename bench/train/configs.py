@@ -76,6 +76,8 @@ class TrainConfig:
         loco: LoCo error feedback on qgZ (``zeropp_loco_param``, zero_runtime only).
         first_hop_bits: width of qgZ's intra-node hop, 4 or 8 (``zcomm_qgz_first_hop_bits``,
             zero_runtime only), or None for the runtime's default.
+        hadamard_block: qgZ's Hadamard rotation block (``zcomm_qgz_hadamard_block``,
+            zero_runtime only), or None for none.
         summary: one line for ``--help`` and TRAINING.md.
     """
 
@@ -89,6 +91,7 @@ class TrainConfig:
     align_quant_blocks: bool = True
     loco: bool = False
     first_hop_bits: int | None = None
+    hadamard_block: int | None = None
     summary: str
 
     def __post_init__(self) -> None:
@@ -108,6 +111,8 @@ class TrainConfig:
             raise ValueError(f"{self.name}: LoCo is zero_runtime's error feedback for qgZ")
         if self.first_hop_bits is not None and (self.engine != "zero" or not self.quantized_gradients):
             raise ValueError(f"{self.name}: the first hop's width is an option of zero_runtime's qgZ")
+        if self.hadamard_block is not None and (self.engine != "zero" or not self.quantized_gradients):
+            raise ValueError(f"{self.name}: the Hadamard rotation is an option of zero_runtime's qgZ")
         if self.engine == "fsdp2" and self.stage != 3:
             raise ValueError(f"{self.name}: FSDP2 is always stage 3")
 
@@ -168,6 +173,9 @@ CONFIGS: dict[str, TrainConfig] = _configs(
                 loco=True, summary="ZeRO++ with LoCo error feedback on qgZ"),
     TrainConfig(name="zeropp-int8hop", engine="zero", quantized_weights=True, hpz=True, quantized_gradients=True,
                 first_hop_bits=8, summary="ZeRO++ with qgZ's intra-node hop in INT8 (SDP4Bit's two-level scheme)"),
+    TrainConfig(name="zeropp-hadamard", engine="zero", quantized_weights=True, hpz=True, quantized_gradients=True,
+                hadamard_block=256,
+                summary="ZeRO++ with qgZ's gradients Hadamard-rotated in blocks of 256 (SDP4Bit's smoothing)"),
     TrainConfig(name="fsdp2", engine="fsdp2", summary="torch fully_shard, bf16 MixedPrecisionPolicy"),
     TrainConfig(name="fsdp2-hpz", engine="fsdp2", hpz=True, summary="fully_shard, reshard_after_forward=ranks/node"),
     TrainConfig(name="fsdp2-qwz", engine="fsdp2", quantized_weights=True, summary="fully_shard + zcomm.fsdp qwZ"),
@@ -242,6 +250,8 @@ def zero_runtime_config(
         section["zeropp_loco_param"] = dict(LOCO_PARAM)
     if config.first_hop_bits is not None:
         section["zcomm_qgz_first_hop_bits"] = config.first_hop_bits
+    if config.hadamard_block is not None:
+        section["zcomm_qgz_hadamard_block"] = config.hadamard_block
     return {"zero_optimization": section, "bf16": {"enabled": bf16}, "gradient_clipping": gradient_clipping}
 
 

@@ -181,14 +181,17 @@ def _mixed_payloads(numel: int, k: int, bits: int, group_size: int, seed: int) -
 
 def _check_reductions(target: Target, payloads: torch.Tensor, numel: int, bits: int, gs: int, divide_by: float, what):
     """dequant_reduce to every dtype, and re-quantized into every chunk count among 1, 2, 3, 6
-    at both widths; the reference's one pass equals its two (the fp32 sum, then quantized)."""
+    (and, for the most chunks, to the other width too); the reference's one pass equals its
+    two (the fp32 sum, then quantized)."""
     args = (payloads, numel, bits, gs)
     total = q.dequant_reduce(*args, divide_by=divide_by, backend="reference")
     for dtype in DTYPES:
         ref = q.dequant_reduce(*args, dtype=dtype, divide_by=divide_by, backend="reference")
         got = target.run(q.dequant_reduce, *args, dtype=dtype, divide_by=divide_by)
         assert_same_bytes(got, ref, f"{target} dequant_reduce to {dtype} {what}")
-    for chunks, out_bits in ((m, b) for m in (1, 2, 3, 6) if numel % m == 0 for b in (8, 4) if gs % 2 == 0 or b == 8):
+    counts = [m for m in (1, 2, 3, 6) if numel % m == 0]
+    other = [(counts[-1], 12 - bits)] if bits == 4 or gs % 2 == 0 else []
+    for chunks, out_bits in [(m, bits) for m in counts] + other:
         kwargs = dict(requant_chunks=chunks, requant_bits=out_bits, divide_by=divide_by)
         ref = q.dequant_reduce(*args, **kwargs, backend="reference")
         two_pass = q.reorder_quantize(total, tuple(range(chunks)), chunks, out_bits, gs, backend="reference")

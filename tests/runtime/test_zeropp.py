@@ -46,6 +46,8 @@ HPZ = {"zero_hpz_partition_size": 2}
 QWZ = {"zero_quantized_weights": True}
 QGZ = {"zero_quantized_gradients": True}
 OPTIONS = {"qwZ": QWZ, "hpZ": HPZ, "qgZ": QGZ, "ZeRO++": {**QWZ, **HPZ, **QGZ},
+           # SDP4Bit's options of qgZ: the INT8 first hop and the Hadamard rotation, together
+           "qgZ INT8 hop + Hadamard": {**QGZ, "zcomm_qgz_first_hop_bits": 8, "zcomm_qgz_hadamard_block": 64},
            # DeepSpeed's residency defaults (units kept from forward to backward, fused blocks),
            # with the norms, biases and position embedding persistent, and small qgZ buckets.
            "ZeRO++ defaults": {**QWZ, **HPZ, **QGZ, "stage3_param_persistence_threshold": 512,
@@ -248,6 +250,27 @@ def test_each_option_alone_and_all_together_train_on_2x2_and_1x4(results):
         for (option, topology), losses in rank_results["train"].items():
             assert all(map(math.isfinite, losses)), (option, topology, losses)
             assert losses[-1] < 0.8 * losses[0], (option, topology, losses)
+
+
+def test_qgz_first_hop_and_hadamard_keys_are_validated():
+    from zero_runtime.config import ZeroConfig
+
+    def parse(**zero):
+        return ZeroConfig.from_dict({"zero_optimization": {"stage": 3, **zero}})
+
+    config = parse(**QGZ, zcomm_qgz_first_hop_bits=8, zcomm_qgz_hadamard_block=256)
+    assert (config.qgz_first_hop_bits, config.qgz_hadamard_block) == (8, 256)
+    assert (parse(**QGZ).qgz_first_hop_bits, parse(**QGZ).qgz_hadamard_block) == (4, None)
+    for block in (0, 96, 2.0, True):
+        with pytest.raises(ValueError, match="zcomm_qgz_hadamard_block must be a power of two"):
+            parse(**QGZ, zcomm_qgz_hadamard_block=block)
+    with pytest.raises(ValueError, match="zcomm_qgz_first_hop_bits must be 4 or 8"):
+        parse(**QGZ, zcomm_qgz_first_hop_bits=6)
+    for key, value in (("zcomm_qgz_hadamard_block", 64), ("zcomm_qgz_first_hop_bits", 8)):
+        with pytest.raises(ValueError, match=f"{key} .*needs zero_quantized_gradients"):
+            parse(**{key: value})
+        with pytest.raises(ValueError, match=f"{key} .*cannot be combined with zeropp_loco_param"):
+            parse(**QGZ, **{key: value}, zeropp_loco_param={})
 
 
 @pytest.mark.slow
