@@ -24,12 +24,12 @@ import math
 import torch
 
 
-def check_block(block: int | None) -> None:
-    """``block`` is None (no rotation) or a power of two >= 2."""
+def check_hadamard_block(block: int | None, name: str = "hadamard_block") -> None:
+    """``block`` is None (no rotation) or a power of two >= 2; ``name`` names it in the error."""
     if block is None:
         return
     if isinstance(block, bool) or not isinstance(block, int) or block < 2 or block & (block - 1):
-        raise ValueError(f"hadamard_block must be None or a power of two >= 2, got {block!r}")
+        raise ValueError(f"{name} must be a power of two >= 2 or None, got {block!r}")
 
 
 def rotate_blocks_(x: torch.Tensor, block: int) -> None:

@@ -86,7 +86,7 @@ from . import quant
 from ._api import GroupInfo, Handle
 from ._chain_runner import run_chain
 from ._error_feedback import ErrorFeedback, reordered_input
-from ._hadamard import check_block, rotate_back_, rotated_input
+from ._hadamard import check_hadamard_block, rotate_back_, rotated_input
 from ._groups import NodeGroups, node_groups
 from ._pipeline import MAX_DEFAULT_STAGES, STAGE_BYTES, check_stages, default_stages
 from ._prologue import prologue, prologue_coalesced
@@ -95,7 +95,8 @@ from .comm_stats import record
 from .topology import Topology
 
 __all__ = [
-    "MAX_DEFAULT_STAGES", "STAGE_BYTES", "default_pipeline_stages", "reduce_scatter_q4", "reduce_scatter_q4_coalesced",
+    "MAX_DEFAULT_STAGES", "STAGE_BYTES", "check_hadamard_block", "default_pipeline_stages", "reduce_scatter_q4",
+    "reduce_scatter_q4_coalesced",
 ]
 
 _BITS = 4
@@ -221,7 +222,7 @@ def _start(
     if feedback is not None and not isinstance(feedback, ErrorFeedback):
         raise TypeError(f"error_feedback must be a zcomm.ErrorFeedback or None, got {type(feedback).__name__}")
     first_bits = _first_bits(first_hop_bits, info.topology, feedback)
-    check_block(hadamard_block)
+    check_hadamard_block(hadamard_block)
     if hadamard_block is not None and feedback is not None:
         raise ValueError("hadamard_block cannot be combined with error_feedback (its errors would mix rotated and "
                          "unrotated values if the block changed between calls)")

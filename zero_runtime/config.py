@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Mapping
 
 from zcomm.quant import QuantSpec
+from zcomm.reduce_scatter_q4 import check_hadamard_block
 
 from . import _optim_spec
 from .checkpointing import ActivationCheckpointingConfig
@@ -324,11 +325,9 @@ class ZeroConfig:
         self._check_hadamard_block()
 
     def _check_hadamard_block(self) -> None:
-        block = self.qgz_hadamard_block
-        if block is None:
+        if self.qgz_hadamard_block is None:
             return
-        if isinstance(block, bool) or not isinstance(block, int) or block < 2 or block & (block - 1):
-            raise ValueError(f"zcomm_qgz_hadamard_block must be a power of two >= 2 or null, got {block!r}")
+        check_hadamard_block(self.qgz_hadamard_block, "zcomm_qgz_hadamard_block")
         if not self.quantized_gradients:
             raise ValueError("zcomm_qgz_hadamard_block needs zero_quantized_gradients (qgZ)")
         if self.loco is not None:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import zcomm
 from collective_oracles import reduce_scatter_bound
 from spawn_harness import run_distributed
-from zcomm._hadamard import check_block, rotate_back_, rotate_blocks_, rotated_input
+from zcomm._hadamard import check_hadamard_block, rotate_back_, rotate_blocks_, rotated_input
 
 BLOCK = 256
 M = 4096 + 100  # 16 whole blocks and an unrotated tail per slice
@@ -70,7 +70,7 @@ def test_rotation_makes_its_tensors_on_the_input_device():
 @pytest.mark.parametrize("block", (0, 1, 3, 96, -4, 2.0, True))
 def test_bad_blocks_are_refused(block):
     with pytest.raises(ValueError, match="power of two"):
-        check_block(block)
+        check_hadamard_block(block)
 
 
 def _input(rank: int, world: int, spikes: bool) -> torch.Tensor:
