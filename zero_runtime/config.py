@@ -15,8 +15,8 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Mapping
 
+from zcomm import check_hadamard_block
 from zcomm.quant import QuantSpec
-from zcomm.reduce_scatter_q4 import check_hadamard_block
 
 from . import _optim_spec
 from .checkpointing import ActivationCheckpointingConfig
