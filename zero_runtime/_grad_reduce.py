@@ -67,13 +67,18 @@ class _InFlight(NamedTuple):
 
 class GradReducer:
     def __init__(self, *, units: Sequence[FlatUnit], plan: CommPlan, stage: int, bucket_numel: int,
-                 overlap: bool = True, on_unit_ready: Callable[[FlatUnit], None] | None = None) -> None:
-        """``overlap`` (``overlap_comm``): stages 2 and 3 launch buckets during backward."""
+                 overlap: bool = True, on_unit_ready: Callable[[FlatUnit], None] | None = None,
+                 on_shards_final: Callable[[tuple[FlatUnit, ...]], None] | None = None) -> None:
+        """``overlap`` (``overlap_comm``): stages 2 and 3 launch buckets during backward.
+        ``on_unit_ready(unit)``: all of ``unit``'s parameter gradients were accumulated.
+        ``on_shards_final(units)``: a bucket's reduced slices were added into its units'
+        ``grad_shard`` (on a non-boundary micro-step of accumulation they are partial sums)."""
         self.units = list(units)
         self.plan = plan
         self.eager = stage >= 2 and overlap
         self.keep_full_grads = stage == 1
         self.on_unit_ready = on_unit_ready
+        self.on_shards_final = on_shards_final
         self.buckets = bucket_units(self.units, bucket_numel)
         self._bucket_of = {unit.index: k for k, bucket in enumerate(self.buckets) for unit in bucket}
         self._pending = [len(bucket) for bucket in self.buckets]  # units whose gradients are not final
@@ -138,6 +143,8 @@ class GradReducer:
             unit.grad_shard.add_(shard)
             if self.keep_full_grads:
                 unit.full_grad.zero_()
+        if self.on_shards_final is not None:
+            self.on_shards_final(flight.units)
 
     def finish(self, *, reduce: bool) -> None:
         """End of a backward: with ``reduce``, launch every bucket not yet launched; then wait
@@ -152,6 +159,16 @@ class GradReducer:
         self._pending = [len(bucket) for bucket in self.buckets]
         for unit in self.units:
             unit.grads_seen = 0
+
+    def abandon(self) -> None:
+        """After a failed backward: wait for the collectives in flight and forget every
+        gradient accumulated since the last update, as ``discard`` does."""
+        flights, self._in_flight = self._in_flight, []
+        for flight in flights:
+            flight.handle.wait()
+        self.launched = 0
+        self._pending = [len(bucket) for bucket in self.buckets]
+        self.discard()
 
     def discard(self) -> None:
         """Forget accumulated gradients (``zero_grad``); nothing may be in flight."""

@@ -6,14 +6,21 @@ elements (never spanning two units). Each holds three fp32 arrays: master, ``exp
 ``exp_avg_sq``. With ``device: cpu`` they are tensors in host memory; with ``device: nvme``
 they are regions of the rank's swap file (``swap_file``), and the step streams them:
 
-[Note: swap pipeline] Sub-group ``i`` is read into host buffer ``i % buffer_count``; the step
-starts the read of ``i + 1``, waits for the read of ``i``, updates ``i`` in its buffer (the
-fused kernel also writes the compute-dtype parameters) and starts the write-back of ``i``.
-Before a buffer is read into again, the write that last used it must be complete, so with
-``buffer_count >= 3`` the read of ``i + 1`` and the write of ``i - 1`` both overlap the
-update of ``i`` (ZeRO-Infinity's overlap-centric design) and at most ``buffer_count``
-sub-groups are resident. The step ends when every write is done, so a checkpoint or an
-exception after it sees the files complete.
+they are regions of the rank's swap file (``swap_file``), and the step streams them through
+``buffer_count`` host buffers (see [Note: swap pipeline] in ``_swap_stream``).
+
+[Note: step during backward] Adam is elementwise, so a unit can be updated as soon as its
+own reduced gradient is final, in any order. With ``zcomm_overlap_step`` the optimizer calls
+``begin_step`` before the backward of an accumulation boundary, and ``add`` with the units of
+each gradient bucket as its reduce-scatter completes (``GradReducer``'s ``on_shards_final``):
+their sub-groups' reads, updates and writes then run during the rest of backward, and
+``step()`` only drains what is left. This is exact only when nothing the update reads
+depends on later gradients: no clipping by the global norm, no overflow skip (``ZeroConfig``
+refuses both), and the hyper-parameters taken when ``begin_step`` is called (``step()``
+raises if the param groups changed since). A unit's parameters are written while backward
+still runs; no autograd node reads them any more (see [Note: last gradient hook of a unit]
+in ``_grad_reduce``). If backward fails after the first update, the step stays in progress
+and the state refuses to be read or stepped until a checkpoint is loaded (``abort_step``).
 
 The result is bit-identical to the torch optimizer the user gave (``cpu_adam`` replays
 torch's single-tensor Adam), so a run with offload trains exactly like one without, and
@@ -22,13 +29,14 @@ the state dict has torch's format, interchangeable with an offload-free run's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
 from ._param_offload import ParamOffload, resident
 from ._partition import FlatUnit, optimizer_indices
+from ._swap_stream import SwapStream
 from .swap_file import SwapFile, aligned_buffer, round_up
 from .config import ZeroConfig
 from .cpu_adam import AdamHyper, adam_step
@@ -46,6 +54,16 @@ class SubGroup:
     @property
     def numel(self) -> int:
         return self.hi - self.lo
+
+
+@dataclass
+class _Step:
+    """An update in progress: the hyper-parameters it uses and the gradients given so far."""
+
+    hypers: list[AdamHyper]
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)  # unit index -> host gradient shard
+    stream: SwapStream | None = None  # nvme
+    updated: int = 0  # sub-groups updated (cpu)
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -89,6 +107,7 @@ class OptimizerOffload:
                              torch.empty(u.layout.shard_numel, dtype=u.dtype, pin_memory=pin) for u in units]
         self.swap: SwapFile | None = None
         self.host: list[dict[str, torch.Tensor]] = []
+        self._step: _Step | None = None
         if self.device == "cpu":
             for unit in units:
                 master = unit.master.detach().to("cpu", copy=unit.master.device.type != "cpu")
@@ -96,6 +115,7 @@ class OptimizerOffload:
                                   **{k: torch.zeros_like(master, pin_memory=pin) for k in _STATES}})
         else:
             self._init_swap(offload, config, rank, pin)
+        self._by_unit = {u.index: [sg for sg in self.subgroups if sg.unit == u.index] for u in units}
         for unit in units:  # the masters now live here; the device keeps an empty placeholder
             if self.device == "nvme" or unit.master.device.type != "cpu":
                 unit.master.data = torch.empty(0, dtype=torch.float32, device=unit.master.device)
@@ -137,53 +157,95 @@ class OptimizerOffload:
     def step(self, grads: list[torch.Tensor]) -> None:
         """Adam on every sub-group with the unscaled fp32 gradient shards ``grads`` (one per
         unit); the compute-dtype copies (``compute_copy``) are written in the same pass."""
-        host_grads = [g if g.device.type == "cpu" else g.to("cpu") for g in grads]
+        self.begin_step()
+        try:
+            self.add(self.units, grads)
+            self.end_step()
+        except BaseException:
+            self.abort_step()
+            raise
+
+    @property
+    def in_step(self) -> bool:
+        """Between ``begin_step`` and ``end_step`` (or a failure in between)."""
+        return self._step is not None
+
+    def begin_step(self) -> None:
+        """Start an update whose units arrive by ``add``; the hyper-parameters are read now
+        (see [Note: step during backward])."""
+        if self._step is not None:
+            raise RuntimeError("an earlier optimizer step was interrupted half-way (an exception during backward "
+                               "with zcomm_overlap_step): the optimizer state is partly updated; load a checkpoint")
         for i in range(len(self.units)):
             self.steps[i] += 1
         hypers = [_hyper(self.optimizer, u.group_index) for u in self.units]
+        stream = None if self.swap is None else SwapStream(buffers=self.buffers, io=self._io, region=self._region,
+                                                           update=self._update)
+        self._step = _Step(hypers=hypers, stream=stream)
 
-        def update(sg: SubGroup, master, exp_avg, exp_avg_sq) -> None:
-            unit = self.units[sg.unit]
-            writes_shard = self._writes_offloaded_shard(unit)
-            if writes_shard and sg.lo == 0:  # the sub-groups of a unit come in order
-                self.param_offload.fetch(unit, read=False)
-            adam_step(master, host_grads[sg.unit][sg.lo : sg.hi], exp_avg, exp_avg_sq, hyper=hypers[sg.unit],
-                      step=float(self.steps[sg.unit]), out=self.compute_copy[sg.unit][sg.lo : sg.hi])
-            if writes_shard and sg.hi == unit.layout.shard_numel:
-                self.param_offload.evict(unit)
+    def add(self, units: list[FlatUnit], grads: list[torch.Tensor]) -> None:
+        """Update ``units`` (each once per step) with their final unscaled gradient shards;
+        with NVMe their sub-groups join the swap stream, which runs ahead as far as its
+        buffers allow without waiting on reads it just started."""
+        step = self._step
+        assert step is not None, "add() outside begin_step()/end_step()"
+        for unit, grad in zip(units, grads):
+            assert unit.index not in step.grads, "a unit was updated twice in one step"
+            step.grads[unit.index] = grad if grad.device.type == "cpu" else grad.to("cpu")
+        subgroups = [sg for unit in units for sg in self._by_unit[unit.index]]
+        if step.stream is not None:
+            step.stream.add(subgroups)
+            return
+        for sg in subgroups:
+            state = self.host[sg.unit]
+            self._update(sg, *(state[k][sg.lo : sg.hi] for k in ("master", *_STATES)))
+            step.updated += 1
 
-        if self.swap is None:
-            for sg in self.subgroups:
-                state = self.host[sg.unit]
-                update(sg, *(state[k][sg.lo : sg.hi] for k in ("master", *_STATES)))
-        else:
-            self._stream(update)
+    def end_step(self) -> list[str]:
+        """Finish the update (every unit must have been added); returns the names of the
+        hyper-parameters that changed in the param groups since ``begin_step`` read them."""
+        step = self._step
+        assert step is not None and len(step.grads) == len(self.units), "end_step() before every unit was added"
+        if step.stream is not None:
+            step.stream.drain()
+        self._step = None
+        now = [_hyper(self.optimizer, u.group_index) for u in self.units]
+        return sorted({name for old, new in zip(step.hypers, now) for name in (f.name for f in fields(AdamHyper))
+                       if getattr(old, name) != getattr(new, name)})
 
-    def _stream(self, update) -> None:
-        """Run ``update`` on every sub-group, streamed through the host buffers; see [Note: swap pipeline]."""
-        count = len(self.buffers)
-        reads, writes = {}, {}
+    def abort_step(self) -> None:
+        """After an exception between ``begin_step`` and ``end_step``: a step that updated
+        nothing yet is undone; one that did stays in progress, so the next step and every
+        read of the state refuse until ``load_state_dict`` replaces it."""
+        step = self._step
+        if step is None:
+            return
+        if step.stream is not None:
+            step.stream.settle()
+        if step.updated == 0 and (step.stream is None or step.stream.updated == 0):
+            self.steps = [n - 1 for n in self.steps]
+            self._step = None
 
-        def start_read(j: int) -> None:
-            if j - count in writes:
-                writes.pop(j - count).wait()
-            reads[j] = self._io(self.subgroups[j], self.buffers[j % count], write=False)
+    def _update(self, sg: SubGroup, master, exp_avg, exp_avg_sq) -> None:
+        step = self._step
+        unit = self.units[sg.unit]
+        writes_shard = self._writes_offloaded_shard(unit)
+        if writes_shard:  # read its values back should anything have evicted it part-way
+            self.param_offload.fetch(unit, read=sg.lo > 0)
+        adam_step(master, step.grads[sg.unit][sg.lo : sg.hi], exp_avg, exp_avg_sq, hyper=step.hypers[sg.unit],
+                  step=float(self.steps[sg.unit]), out=self.compute_copy[sg.unit][sg.lo : sg.hi])
+        if writes_shard and sg.hi == unit.layout.shard_numel:
+            self.param_offload.evict(unit)
 
-        try:
-            start_read(0)
-            for i, sg in enumerate(self.subgroups):
-                if i + 1 < len(self.subgroups):
-                    start_read(i + 1)
-                reads.pop(i).wait()
-                update(sg, *self._region(self.buffers[i % count], sg))
-                writes[i] = self._io(sg, self.buffers[i % count], write=True)
-        finally:
-            for transfer in [*reads.values(), *writes.values()]:
-                transfer.wait()
+    def _require_whole(self, what: str) -> None:
+        if self._step is not None:
+            raise RuntimeError(f"{what} while an optimizer step is in progress (or was interrupted half-way: "
+                               "load a checkpoint)")
 
     # ----- state (checkpoints) -----
     def unit_states(self) -> list[list[torch.Tensor]]:
         """Per unit: CPU copies of [master, exp_avg, exp_avg_sq]."""
+        self._require_whole("the optimizer state was read")
         if self.swap is None:
             return [[s[k].clone() for k in ("master", *_STATES)] for s in self.host]
         out = [[torch.empty(u.layout.shard_numel) for _ in range(3)] for u in self.units]
@@ -212,6 +274,10 @@ class OptimizerOffload:
     def load_state_dict(self, masters: list[torch.Tensor], saved: dict[str, Any]) -> None:
         """Inverse of ``state_dict`` (validated by the caller); hyper-parameters go to the
         torch optimizer's param groups, as its ``load_state_dict`` would put them."""
+        if self._step is not None:  # an interrupted step (abort_step): the loaded state replaces it
+            if self._step.stream is not None:
+                self._step.stream.settle()
+            self._step = None
         for group, saved_group in zip(self.optimizer.param_groups, saved["param_groups"]):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
         index = optimizer_indices(self.optimizer, self.units)
@@ -240,6 +306,7 @@ class OptimizerOffload:
     def set_master(self, index: int, value: torch.Tensor) -> None:
         """Overwrite unit ``index``'s fp32 master shard with ``value`` (``GatheredParameters``'
         write-back); its moments and step count are kept, as without offload."""
+        self._require_whole("a master was overwritten")
         unit = self.units[index]
         master = value.detach().to("cpu", torch.float32)
         if self.swap is None:

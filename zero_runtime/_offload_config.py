@@ -28,17 +28,30 @@ class OffloadOptimizerConfig:
     for the copies between the GPU and the host (a CPU run makes no such copies).
     ``buffer_count``: host buffers the NVMe step cycles through, one sub-group each (>= 3:
     one being read, one updated, one written back).
+
+    ``zcomm_overlap_step`` (zcomm's key, default false): on an accumulation boundary, update
+    each unit as soon as its reduced gradient is final, during backward, instead of all of
+    them in ``step()``, so the swap traffic of the step overlaps backward's compute (see
+    [Note: step during backward] in ``_offload``). The result is bit-identical; it needs
+    ``gradient_clipping`` 0 and no fp16 dynamic loss scaling (both need every gradient before
+    the first update), and the hyper-parameters are read when ``backward()`` starts.
     """
 
     device: OffloadDevice = "none"
     nvme_path: str | None = None
     pin_memory: bool = False
     buffer_count: int = 4
+    zcomm_overlap_step: bool = False
 
     def __post_init__(self) -> None:
         _check_device("offload_optimizer", self.device, self.pin_memory)
         if isinstance(self.buffer_count, bool) or not isinstance(self.buffer_count, int) or self.buffer_count < 3:
             raise ValueError(f"offload_optimizer.buffer_count must be an integer >= 3, got {self.buffer_count!r}")
+        if not isinstance(self.zcomm_overlap_step, bool):
+            raise TypeError(f"offload_optimizer.zcomm_overlap_step must be true or false, "
+                            f"got {self.zcomm_overlap_step!r}")
+        if self.zcomm_overlap_step and not self.enabled:
+            raise ValueError("offload_optimizer.zcomm_overlap_step needs offload_optimizer.device 'cpu' or 'nvme'")
         object.__setattr__(self, "nvme_path", _nvme_path("offload_optimizer", self.device, self.nvme_path))
 
     @property

@@ -310,6 +310,8 @@ class ZeroConfig:
         if self.offload_param.enabled and self.stage != 3:
             raise ValueError(f"zero_optimization.offload_param (device {self.offload_param.device!r}) needs "
                              f"zero_optimization.stage 3, got stage {self.stage}: only stage 3 frees parameters")
+        if self.offload_optimizer.zcomm_overlap_step:
+            self._check_overlap_step()
         self._check_quant_group_size()
         if self.loco is not None:
             object.__setattr__(self, "loco", LocoConfig.parse(self.loco))
@@ -323,6 +325,15 @@ class ZeroConfig:
             raise ValueError("zcomm_qgz_first_hop_bits 8 cannot be combined with zeropp_loco_param (LoCo's "
                              "errors model INT4 hops)")
         self._check_hadamard_block()
+
+    def _check_overlap_step(self) -> None:
+        """An update during backward cannot wait for the global gradient norm."""
+        if self.gradient_clipping > 0:
+            raise ValueError("offload_optimizer.zcomm_overlap_step cannot be combined with gradient_clipping: "
+                             "clipping needs every gradient before the first update")
+        if self.precision == "fp16" and self.loss_scale.loss_scale == 0:
+            raise ValueError("offload_optimizer.zcomm_overlap_step cannot be combined with fp16 dynamic loss "
+                             "scaling: a step is skipped on overflow, known only once every gradient is")
 
     def _check_hadamard_block(self) -> None:
         if self.qgz_hadamard_block is None:

@@ -67,7 +67,8 @@ class ZeroOptimizer:
             self.hooks = ModuleHooks(model=model, units=partitioned, scheduler=self.scheduler)
             on_ready = self._unit_grads_ready
         self.reducer = GradReducer(units=units, plan=plan, stage=config.stage, bucket_numel=config.reduce_bucket_size,
-                                   overlap=config.overlap_comm, on_unit_ready=on_ready)
+                                   overlap=config.overlap_comm, on_unit_ready=on_ready,
+                                   on_shards_final=self._shards_final if offload is not None else None)
         # activation checkpointing with the config's options: opt.checkpointer.checkpoint(fn, *args)
         self.checkpointer = Checkpointer(config.activation_checkpointing)
         self.micro_step = 0
@@ -80,6 +81,12 @@ class ZeroOptimizer:
     def _unit_grads_ready(self, unit: FlatUnit) -> None:
         if unit.partitioned:
             self.scheduler.grads_ready(unit)
+
+    def _shards_final(self, units: tuple[FlatUnit, ...]) -> None:
+        """A bucket's gradient shards are complete: during an overlapped step (see [Note: step
+        during backward] in ``_offload``) its units are updated now."""
+        if self.offload.in_step:
+            self.offload.add(list(units), [self._unscaled(unit) for unit in units])
 
     @property
     def units(self) -> list[FlatUnit]:
@@ -140,10 +147,22 @@ class ZeroOptimizer:
             raise RuntimeError("backward() called twice without step() in between; call step() after "
                                "every backward (it only updates on accumulation boundaries)")
         factor = self.scaler.scale / self.config.gradient_accumulation_steps
-        (loss * factor if factor != 1.0 else loss).backward()
-        self.micro_step += 1
-        boundary = self.micro_step % self.config.gradient_accumulation_steps == 0
-        self.reducer.finish(reduce=self.config.stage >= 2 or boundary)
+        overlap = (self.config.offload_optimizer.zcomm_overlap_step
+                   and (self.micro_step + 1) % self.config.gradient_accumulation_steps == 0)
+        if overlap:
+            self._require_unpinned()
+            self.offload.begin_step()
+        try:
+            (loss * factor if factor != 1.0 else loss).backward()
+            self.micro_step += 1
+            boundary = self.micro_step % self.config.gradient_accumulation_steps == 0
+            self.reducer.finish(reduce=self.config.stage >= 2 or boundary)
+        except BaseException:  # the window's gradients are dropped; a half-applied update: see abort_step
+            self.reducer.abandon()
+            self.micro_step = 0
+            if overlap:
+                self.offload.abort_step()
+            raise
         if self.scheduler is not None:
             self.scheduler.end_backward()
             self.hooks.end_of_outside_uses()
@@ -159,20 +178,34 @@ class ZeroOptimizer:
         self._backward_since_step = False
         if self.micro_step % self.config.gradient_accumulation_steps:
             return
-        grads = self._unscaled_grads()
-        self.last_step_skipped = not self._clip_or_detect_overflow(grads)
-        if self.last_step_skipped:
-            self.training_state.skipped_steps += 1
+        changed: list[str] = []
+        if self.offload is not None and self.offload.in_step:  # updated during backward
+            self.last_step_skipped = False
+            changed = self._apply(None)
         else:
-            self._apply(grads)
+            grads = [self._unscaled(unit) for unit in self.units]
+            self.last_step_skipped = not self._clip_or_detect_overflow(grads)
+            if self.last_step_skipped:
+                self.training_state.skipped_steps += 1
+            else:
+                self._apply(grads)
         self.reducer.discard()
         if not self.last_step_skipped:
             self.sync_params_from_masters()
             self.training_state.global_step += 1
+        if changed:
+            raise RuntimeError(f"the optimizer's {', '.join(changed)} changed between backward() and step(): with "
+                               "offload_optimizer.zcomm_overlap_step this step used the values at backward(); "
+                               "change hyper-parameters after step(), as an lr scheduler does")
 
-    def _apply(self, grads: list[torch.Tensor]) -> None:
-        """The optimizer step on the master shards (offloaded or not), then the schedule's."""
-        if self.offload is not None:
+    def _apply(self, grads: list[torch.Tensor] | None) -> list[str]:
+        """The optimizer step on the master shards (offloaded or not), then the schedule's.
+        ``grads`` None: finish the step the backward started (see [Note: step during
+        backward] in ``_offload``); returns the hyper-parameters changed since it began."""
+        changed = []
+        if grads is None:
+            changed = self.offload.end_step()
+        elif self.offload is not None:
             self.offload.step(grads)
         else:
             for unit, grad in zip(self.units, grads):
@@ -182,14 +215,13 @@ class ZeroOptimizer:
                 unit.master.grad = None
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        return changed
 
-    def _unscaled_grads(self) -> list[torch.Tensor]:
-        """fp32 copies of the reduced gradient shards, divided by the loss scale."""
-        grads = [u.grad_shard.float() for u in self.units]
-        if self.scaler.scale != 1.0:
-            for grad in grads:
-                grad.div_(self.scaler.scale)
-        return grads
+    def _unscaled(self, unit: FlatUnit) -> torch.Tensor:
+        """``unit``'s reduced gradient shard in fp32 (the shard itself when it is fp32: the
+        step consumes it before ``discard`` zeroes it), divided by the loss scale."""
+        grad = unit.grad_shard.float()
+        return grad.div_(self.scaler.scale) if self.scaler.scale != 1.0 else grad
 
     def _clip_or_detect_overflow(self, grads: list[torch.Tensor]) -> bool:
         """Clip ``grads`` in place by the global norm; with the fp16 dynamic scaler, False
@@ -216,6 +248,9 @@ class ZeroOptimizer:
 
     def zero_grad(self) -> None:
         """Drop gradients accumulated since the last update (``step`` already clears them)."""
+        if self.offload is not None and self.offload.in_step:
+            raise RuntimeError("zero_grad() after a backward() that already updated the weights "
+                               "(offload_optimizer.zcomm_overlap_step): call step() to finish that update")
         self.reducer.discard()
         self.micro_step = 0
         self._backward_since_step = False

@@ -131,11 +131,13 @@ def test_initialize_rejects_parameters_the_group_cannot_reduce(results):
 
 
 @pytest.mark.slow
-def test_offloaded_optimizer_moves_only_gradients_to_the_host(results):
+@pytest.mark.parametrize("name", ["offload_cpu", "offload_cpu_overlap"])
+def test_offloaded_optimizer_moves_only_gradients_to_the_host(results, name):
     """Per step exactly one device-to-host copy per unit (its fp32 gradient shard), after the
     one-time copy of each master to the host at start-up; the states and the kernel's tensors
-    live on the CPU, the parameters and shards the model computes with on the GPU."""
-    case = _ok(results, "offload_cpu")
+    live on the CPU, the parameters and shards the model computes with on the GPU. The same
+    with the update during backward (``zcomm_overlap_step``)."""
+    case = _ok(results, name)
     units = case["units"]
     copy = "aten._to_copy.default: cuda:0 -> cpu"
     assert case["at_start"] == [copy] * units

@@ -11,6 +11,8 @@ and control flow are).
 
 from __future__ import annotations
 
+import functools
+
 import tempfile
 from typing import Any, Callable
 
@@ -175,12 +177,13 @@ def checkpoint_roundtrip() -> dict[str, Any]:
                 **_audit(probe)}
 
 
-def offload_cpu() -> dict[str, Any]:
+def offload_cpu(overlap: bool = False) -> dict[str, Any]:
     """``offload_optimizer: cpu`` on a CUDA run: masters and moments on the host, the step on
     the CPU, fed by one device-to-host copy of each unit's gradient shard per step, and the
     updated compute-dtype shards copied back to the GPU. The fused CPU kernel reads its
     tensors' data, which fake tensors do not have, so a stand-in with its signature records
-    the devices it is given and writes ``out`` (``test_offload`` checks the kernel's numbers)."""
+    the devices it is given and writes ``out`` (``test_offload`` checks the kernel's numbers).
+    ``overlap``: with ``zcomm_overlap_step``, the copies and updates happen during backward."""
     from zero_runtime import _offload
 
     calls = []
@@ -190,7 +193,8 @@ def offload_cpu() -> dict[str, Any]:
         out.copy_(param)
 
     config = {"zero_optimization": {**PARTITIONED, "stage3_prefetch_bucket_size": 3000,
-                                    "offload_optimizer": {"device": "cpu"}}, "bf16": {"enabled": True}}
+                                    "offload_optimizer": {"device": "cpu", "zcomm_overlap_step": overlap}},
+              "bf16": {"enabled": True}}
     kernel, _offload.adam_step = _offload.adam_step, stand_in
     try:
         with fake_cuda() as probe:
@@ -282,6 +286,7 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "checkpoint_roundtrip": checkpoint_roundtrip,
     "wrong_devices": wrong_devices,
     "offload_cpu": offload_cpu,
+    "offload_cpu_overlap": functools.partial(offload_cpu, overlap=True),
     "offload_param_cpu": offload_param_cpu,
     "partitioned_init": partitioned_init,
 }

@@ -1,0 +1,249 @@
+"""offload_optimizer.zcomm_overlap_step: the offloaded update runs during backward, unit by
+unit as gradient buckets complete, and training stays bit-identical to training without
+offload (the oracle), through checkpoints and gradient accumulation; the swap pipeline's
+ordering; the refusals and the recovery from a failed backward.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from zero_harness import initialize_one_rank, run
+from zero_workloads import loss_of, make_model, make_optimizer, state_dicts_equal, zero_steps
+
+STEPS = 3
+FREE_AFTER_USE = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+                  "zcomm_stage3_fuse_numel": 0, "stage3_prefetch_bucket_size": 0, "reduce_bucket_size": 3000}
+CASES = [  # (name, model, zero_optimization, top-level extras, micro-batches per step)
+    ("mlp-s1", "mlp", {"stage": 1}, {}, 1),
+    ("mlp-s2-accum", "mlp", {"stage": 2, "reduce_bucket_size": 300}, {}, 2),
+    ("gpt-s3", "gpt", {"stage": 3, **FREE_AFTER_USE}, {}, 1),
+    ("gpt-s3-accum-persist", "gpt", {"stage": 3, "stage3_param_persistence_threshold": 512}, {}, 2),
+    ("gpt-zeropp", "gpt", {"stage": 3, **FREE_AFTER_USE, "zero_quantized_weights": True,
+                           "zero_quantized_gradients": True}, {}, 1),
+    # offload_param on NVMe as well: the update writes shards the parameter offload swaps
+    ("gpt-s3-param-nvme", "gpt", {"stage": 3, **FREE_AFTER_USE, "offload_param": {"device": "nvme"}}, {}, 1),
+    ("mlp-s1-schedule", "mlp", {"stage": 1}, {"scheduler": {"type": "WarmupDecayLR", "params": {
+        "total_num_steps": 2 * STEPS, "warmup_max_lr": 0.02, "warmup_num_steps": 2, "warmup_type": "linear"}}}, 1),
+]
+SUB_GROUP = 700  # elements: several sub-groups per unit, so the stream cycles its buffers
+
+
+def _config(zero: dict, extra: dict, accumulation: int, device: str, root: str) -> dict:
+    zero = {**zero, "sub_group_size": SUB_GROUP}
+    if "offload_param" in zero:
+        zero["offload_param"] = {**zero["offload_param"], "nvme_path": root, "buffer_count": 2,
+                                 "buffer_size": 10**6}
+        if device == "none":  # the oracle: no offload at all
+            del zero["offload_param"]
+    if device != "none":
+        zero["offload_optimizer"] = {"device": device, "zcomm_overlap_step": True,
+                                     **({"nvme_path": root, "buffer_count": 4} if device == "nvme" else {})}
+    return {"zero_optimization": zero, "gradient_accumulation_steps": accumulation,
+            "aio": {"block_size": 8192, "thread_count": 2, "queue_depth": 2}, **extra}
+
+
+def _train(rank: int, world: int, root: str) -> dict:
+    import zero_runtime
+
+    out = {}
+    for name, kind, zero, extra, accumulation in CASES:
+        for device in ("none", "cpu", "nvme"):
+            swap_dir = os.path.join(root, f"{name}-{device}")
+            os.makedirs(swap_dir, exist_ok=True)
+            ckpt = os.path.join(root, f"ckpt-{name}-{device}")
+            config = _config(zero, extra, accumulation, device, swap_dir)
+            model, opt = zero_runtime.initialize(make_model(kind), make_optimizer(), config)
+            losses = zero_steps(kind, model, opt, rank, world, range(STEPS), accumulation=accumulation)
+            opt.save_checkpoint(ckpt)
+            losses += zero_steps(kind, model, opt, rank, world, range(STEPS, 2 * STEPS), accumulation=accumulation)
+            weights = opt.full_state_dict()
+            opt.close()
+            model, opt = zero_runtime.initialize(make_model(kind), make_optimizer(), config)
+            opt.load_checkpoint(ckpt)
+            resumed = zero_steps(kind, model, opt, rank, world, range(STEPS, 2 * STEPS), accumulation=accumulation)
+            resumed_weights = opt.full_state_dict()
+            opt.close()
+            mine = f"_rank{rank:05d}_"
+            out[name, device] = {"losses": losses, "weights": weights, "resumed": resumed,
+                                 "resumed_weights": resumed_weights,
+                                 "left": [f for f in os.listdir(swap_dir) if mine in f]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run(_train, 2, str(tmp_path_factory.mktemp("overlap")))
+
+
+@pytest.mark.parametrize("name", [case[0] for case in CASES])
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_training_is_bit_identical_to_no_offload(results, name, device):
+    for rank in range(2):
+        base, got = results[rank][name, "none"], results[rank][name, device]
+        assert got["losses"] == base["losses"]
+        assert got["losses"][0] != got["losses"][-1]
+        assert got["left"] == []
+        if rank == 0:
+            assert base["weights"] and state_dicts_equal(got["weights"], base["weights"])
+    first = results[0][name, device]
+    assert first["resumed"] == first["losses"][STEPS:]
+    assert state_dicts_equal(first["resumed_weights"], first["weights"])
+
+
+# ----- single process: the update really happens during backward; refusals; recovery -----
+
+def _one_rank(tmp_path, device: str = "nvme", **offload):
+    config = {"zero_optimization": {"stage": 3, **FREE_AFTER_USE, "sub_group_size": SUB_GROUP,
+                                    "offload_optimizer": {"device": device, "zcomm_overlap_step": True,
+                                                          "nvme_path": str(tmp_path), "buffer_count": 4, **offload}}}
+    return initialize_one_rank(make_model("gpt"), config)
+
+
+def _batch(step: int = 0):
+    from zero_workloads import global_batch
+
+    return global_batch("gpt", step)
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_units_are_updated_during_backward(tmp_path, single_process, device):
+    """After backward() (before step()) most shards already hold their new values; step()
+    finishes the rest. On NVMe the stream has updated sub-groups and kept some reads ahead."""
+    model, opt = _one_rank(tmp_path, device)
+    before = [u.shard.clone() for u in opt.units]
+    opt.backward(loss_of("gpt", model, _batch()))
+    assert opt.offload.in_step
+    moved = sum(not torch.equal(u.shard, b) for u, b in zip(opt.units, before))
+    assert moved >= len(opt.units) // 2, (moved, len(opt.units))
+    if device == "nvme":
+        stream = opt.offload._step.stream
+        assert 0 < stream.updated < len(stream.items) and stream.read_next > stream.updated
+    opt.step()
+    assert not opt.offload.in_step
+    assert all(not torch.equal(u.shard, b) for u, b in zip(opt.units, before))
+    opt.close()
+
+
+def test_learning_rate_changed_between_backward_and_step_is_an_error(tmp_path, single_process):
+    model, opt = _one_rank(tmp_path)
+    opt.backward(loss_of("gpt", model, _batch()))
+    opt.optimizer.param_groups[0]["lr"] *= 2
+    with pytest.raises(RuntimeError, match="lr changed between backward"):
+        opt.step()
+    assert opt.global_step == 1 and not opt.offload.in_step  # the step itself completed, with the old lr
+    opt.backward(loss_of("gpt", model, _batch(1)))
+    opt.step()
+    opt.close()
+
+
+def test_zero_grad_after_an_updating_backward_is_an_error(tmp_path, single_process):
+    model, opt = _one_rank(tmp_path, "cpu")
+    opt.backward(loss_of("gpt", model, _batch()))
+    with pytest.raises(RuntimeError, match="call step"):
+        opt.zero_grad()
+    opt.step()
+    opt.zero_grad()
+    opt.close()
+
+
+def test_failure_before_any_update_is_undone(tmp_path, single_process):
+    """A backward that fails before a gradient bucket completes leaves nothing updated:
+    training goes on exactly as if that backward had not happened."""
+    model, opt = _one_rank(tmp_path)
+    reference_model, reference = _one_rank(tmp_path)
+
+    def fails(*_):
+        raise RuntimeError("injected")
+
+    loss = loss_of("gpt", model, _batch())
+    handle = loss.grad_fn.register_prehook(fails)
+    with pytest.raises(RuntimeError, match="injected"):
+        opt.backward(loss)
+    handle.remove()
+    assert not opt.offload.in_step
+    for o, m in ((opt, model), (reference, reference_model)):
+        o.backward(loss_of("gpt", m, _batch()))
+        o.step()
+    assert state_dicts_equal(opt.full_state_dict(), reference.full_state_dict())
+    opt.close()
+    reference.close()
+
+
+def test_failure_after_updates_refuses_until_a_checkpoint_is_loaded(tmp_path, single_process):
+    model, opt = _one_rank(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    opt.save_checkpoint(ckpt)
+    loss = loss_of("gpt", model, _batch())
+    calls = []
+
+    def fail_late(grad):  # the position embedding's gradient comes last in backward
+        calls.append(1)
+        raise RuntimeError("injected late")
+
+    model.pos.weight.register_hook(fail_late)
+    with pytest.raises(RuntimeError, match="injected late"):
+        opt.backward(loss)
+    assert calls and opt.offload.in_step
+    with pytest.raises(RuntimeError, match="interrupted half-way"):
+        opt.backward(loss_of("gpt", model, _batch()))
+    with pytest.raises(RuntimeError, match="in progress"):
+        opt.state_dict()
+    opt.load_checkpoint(ckpt)
+    assert not opt.offload.in_step
+    opt.close()
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"gradient_clipping": 1.0}, "gradient_clipping"),
+    ({"fp16": {"enabled": True}}, "dynamic loss scaling"),
+])
+def test_refused_where_an_update_needs_every_gradient(extra, match):
+    from zero_runtime import ZeroConfig
+
+    config = {"zero_optimization": {"offload_optimizer": {"device": "cpu", "zcomm_overlap_step": True}}, **extra}
+    with pytest.raises(ValueError, match=match):
+        ZeroConfig.from_dict(config)
+
+
+def test_static_fp16_scale_is_allowed_and_other_bad_values_refused():
+    from zero_runtime import ZeroConfig
+
+    ZeroConfig.from_dict({"fp16": {"enabled": True, "loss_scale": 128},
+                          "zero_optimization": {"offload_optimizer": {"device": "cpu", "zcomm_overlap_step": True}}})
+    with pytest.raises(ValueError, match="needs offload_optimizer.device"):
+        ZeroConfig.from_dict({"zero_optimization": {"offload_optimizer": {"zcomm_overlap_step": True}}})
+    with pytest.raises(TypeError, match="true or false"):
+        ZeroConfig.from_dict({"zero_optimization": {"offload_optimizer": {"device": "cpu",
+                                                                          "zcomm_overlap_step": 1}}})
+
+
+# ----- a failed backward without offload (the same change made it recoverable) -----
+
+def test_failed_backward_discards_the_accumulated_gradients(single_process):
+    """Accumulation over 2 micro-steps: the second backward fails. The gradients of the
+    window are dropped and the next two micro-steps make a whole update, equal to that of a
+    runtime that never saw the failed window."""
+    config = {"zero_optimization": {"stage": 3, **FREE_AFTER_USE}, "gradient_accumulation_steps": 2}
+    model, opt = initialize_one_rank(make_model("gpt"), config)
+    reference_model, reference = initialize_one_rank(make_model("gpt"), config)
+    opt.backward(loss_of("gpt", model, _batch(0)))
+    opt.step()
+    loss = loss_of("gpt", model, _batch(1))
+
+    def fail(grad):
+        raise RuntimeError("injected")
+
+    handle = model.pos.weight.register_hook(fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        opt.backward(loss)
+    handle.remove()
+    for o, m in ((opt, model), (reference, reference_model)):
+        for micro in (2, 3):
+            o.backward(loss_of("gpt", m, _batch(micro)))
+            o.step()
+    assert opt.global_step == reference.global_step == 1
+    assert state_dicts_equal(opt.full_state_dict(), reference.full_state_dict())
