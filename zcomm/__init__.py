@@ -4,7 +4,8 @@
   ``torch.distributed.all_gather_into_tensor`` / ``reduce_scatter_tensor``; ``async_op=True``
   returns a :class:`Handle`. :func:`reduce_scatter_q4_coalesced` reduces a list of tensors
   (a gradient bucket) as one collective, like ``reduce_scatter_tensor_coalesced``;
-  :func:`check_hadamard_block` validates its ``hadamard_block`` (for a config that sets it).
+  :func:`check_hadamard_block` and :func:`check_first_hop_bits` validate its ``hadamard_block`` and
+  ``first_hop_bits`` (for a config that sets them).
 * :func:`all_gather_into_tensor`, :func:`reduce_scatter_tensor`: the unquantized ones, counted.
 * :class:`ErrorFeedback`: LoCo error feedback, an explicit state a caller may pass to
   :func:`reduce_scatter_q4` (the collectives are stateless without it).
@@ -26,7 +27,8 @@ from ._groups import consecutive_group
 from .all_gather_q8 import all_gather_q8
 from .comm_stats import OpStats, comm_stats, reset_comm_stats
 from .plain_collectives import all_gather_into_tensor, reduce_scatter_tensor
-from .reduce_scatter_q4 import check_hadamard_block, reduce_scatter_q4, reduce_scatter_q4_coalesced
+from .reduce_scatter_q4 import (check_first_hop_bits, check_hadamard_block, reduce_scatter_q4,
+                                reduce_scatter_q4_coalesced)
 from .topology import Topology
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "Topology",
     "all_gather_into_tensor",
     "all_gather_q8",
+    "check_first_hop_bits",
     "check_hadamard_block",
     "comm_stats",
     "consecutive_group",

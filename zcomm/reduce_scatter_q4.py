@@ -95,8 +95,8 @@ from .comm_stats import record
 from .topology import Topology
 
 __all__ = [
-    "MAX_DEFAULT_STAGES", "STAGE_BYTES", "check_hadamard_block", "default_pipeline_stages", "reduce_scatter_q4",
-    "reduce_scatter_q4_coalesced",
+    "MAX_DEFAULT_STAGES", "STAGE_BYTES", "check_first_hop_bits", "check_hadamard_block", "default_pipeline_stages",
+    "reduce_scatter_q4", "reduce_scatter_q4_coalesced",
 ]
 
 _BITS = 4
@@ -258,10 +258,15 @@ def _divisor(op: dist.ReduceOp, world_size: int) -> float:
     raise ValueError(f"op must be ReduceOp.SUM, ReduceOp.AVG or ReduceOp.PREMUL_SUM(factor), got {op}")
 
 
+def check_first_hop_bits(bits: int, name: str = "first_hop_bits") -> None:
+    """``bits`` is 4 or 8 (the width of step 1's rows); ``name`` names it in the error."""
+    if isinstance(bits, bool) or bits not in (4, 8):
+        raise ValueError(f"{name} must be 4 or 8, got {bits!r}")
+
+
 def _first_bits(first_hop_bits: int, topology: Topology, feedback: ErrorFeedback | None) -> int:
     """The bits of step 1's rows: ``first_hop_bits`` unless they cross nodes (one rank per node)."""
-    if first_hop_bits not in (4, 8) or isinstance(first_hop_bits, bool):
-        raise ValueError(f"first_hop_bits must be 4 or 8, got {first_hop_bits!r}")
+    check_first_hop_bits(first_hop_bits)
     if first_hop_bits == 8 and feedback is not None:
         raise ValueError("first_hop_bits=8 cannot be combined with error_feedback (its errors model INT4 hops)")
     return _BITS if topology.local_size == 1 else first_hop_bits

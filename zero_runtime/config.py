@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Mapping
 
-from zcomm import check_hadamard_block
+from zcomm import check_first_hop_bits, check_hadamard_block
 from zcomm.quant import QuantSpec
 
 from . import _optim_spec
@@ -317,8 +317,7 @@ class ZeroConfig:
             object.__setattr__(self, "loco", LocoConfig.parse(self.loco))
             if not self.quantized_gradients:
                 raise ValueError("zeropp_loco_param (LoCo error feedback) needs zero_quantized_gradients")
-        if isinstance(self.qgz_first_hop_bits, bool) or self.qgz_first_hop_bits not in (4, 8):
-            raise ValueError(f"zcomm_qgz_first_hop_bits must be 4 or 8, got {self.qgz_first_hop_bits!r}")
+        check_first_hop_bits(self.qgz_first_hop_bits, "zcomm_qgz_first_hop_bits")
         if self.qgz_first_hop_bits == 8 and not self.quantized_gradients:
             raise ValueError("zcomm_qgz_first_hop_bits 8 needs zero_quantized_gradients (qgZ)")
         if self.qgz_first_hop_bits == 8 and self.loco is not None:
