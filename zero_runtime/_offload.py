@@ -4,8 +4,6 @@ Adam states off the training device, stepped on the CPU by ``cpu_adam``.
 The states of this rank are cut into *sub-groups* of at most ``sub_group_size`` master
 elements (never spanning two units). Each holds three fp32 arrays: master, ``exp_avg``,
 ``exp_avg_sq``. With ``device: cpu`` they are tensors in host memory; with ``device: nvme``
-they are regions of the rank's swap file (``swap_file``), and the step streams them:
-
 they are regions of the rank's swap file (``swap_file``), and the step streams them through
 ``buffer_count`` host buffers (see [Note: swap pipeline] in ``_swap_stream``).
 
