@@ -103,6 +103,7 @@ class OptimizerOffload:
         self.subgroups = _cut(units, config.sub_group_size)
         self.compute_copy = [u.shard if u.shard.device.type == "cpu" else
                              torch.empty(u.layout.shard_numel, dtype=u.dtype, pin_memory=pin) for u in units]
+        self._pinned = pin
         self.swap: SwapFile | None = None
         self.host: list[dict[str, torch.Tensor]] = []
         self._step: _Step | None = None
@@ -291,6 +292,8 @@ class OptimizerOffload:
                 for target, value in zip(self._region(self.buffers[0], sg), values):
                     target.copy_(value[sg.lo : sg.hi])
                 self._io(sg, self.buffers[0], write=True).wait()
+        if self._pinned:  # the last write-back may still read compute_copy (see [Note: write-back copies])
+            torch.cuda.synchronize()
         for unit, master in zip(self.units, masters):
             with resident(self.param_offload, [unit] if self._writes_offloaded_shard(unit) else [], overwrite=True):
                 self.compute_copy[unit.index].copy_(master)

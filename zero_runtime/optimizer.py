@@ -260,7 +260,17 @@ class ZeroOptimizer:
         (stage 3) update their shards (the next forward gathers them); units kept whole
         (stages 1 and 2, stage 3's persistent ones) all-gather their full buffers. With an
         offloaded optimizer the step already wrote the masters in the compute dtype
-        (``offload.compute_copy``, the shard itself on a CPU run): that is the source."""
+        (``offload.compute_copy``, the shard itself on a CPU run): that is the source.
+
+        [Note: write-back copies] On a CUDA run with an offloaded optimizer the copies from
+        ``compute_copy`` to the device are asynchronous (``non_blocking``; truly so when
+        ``pin_memory`` made ``compute_copy`` page-locked): they queue on the current stream
+        ahead of the gathers that read the shards. The host writes ``compute_copy`` again
+        only in the next update, which first copies that unit's gradient to the host with a
+        synchronous copy on the same stream, so every copy queued here has finished by then;
+        ``set_master`` likewise copies its value to the host first, and ``load_state_dict``
+        synchronizes the device before it writes ``compute_copy`` from a checkpoint.
+        """
         self._require_unpinned()
         if self.scheduler is not None:
             self.scheduler.free_all()
@@ -273,10 +283,10 @@ class ZeroOptimizer:
                 if unit.partitioned:
                     if source is not unit.shard:
                         with resident(self.param_offload, [unit], overwrite=True):
-                            unit.shard.copy_(source)
+                            unit.shard.copy_(source, non_blocking=True)
                 else:
                     shard = gather.allocate(unit.layout.shard_numel, dtype=unit.dtype, device=self.plan.device)
-                    shard.copy_(source)
+                    shard.copy_(source, non_blocking=True)
                     handles.append((gather(unit.full, shard, unit=unit.index, phase=Phase.STEP), shard))
             for handle, _ in handles:
                 handle.wait()

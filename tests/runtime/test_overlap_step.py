@@ -26,6 +26,10 @@ CASES = [  # (name, model, zero_optimization, top-level extras, micro-batches pe
                            "zero_quantized_gradients": True}, {}, 1),
     # offload_param on NVMe as well: the update writes shards the parameter offload swaps
     ("gpt-s3-param-nvme", "gpt", {"stage": 3, **FREE_AFTER_USE, "offload_param": {"device": "nvme"}}, {}, 1),
+    # hpZ's secondary partitions follow shards written during backward; bf16 shards apart from the masters
+    ("gpt-hpz-param-nvme-bf16", "gpt", {"stage": 3, **FREE_AFTER_USE, "zero_quantized_weights": True,
+                                        "zero_quantized_gradients": True, "zero_hpz_partition_size": 2,
+                                        "offload_param": {"device": "nvme"}}, {"bf16": {"enabled": True}}, 1),
     ("mlp-s1-schedule", "mlp", {"stage": 1}, {"scheduler": {"type": "WarmupDecayLR", "params": {
         "total_num_steps": 2 * STEPS, "warmup_max_lr": 0.02, "warmup_num_steps": 2, "warmup_type": "linear"}}}, 1),
 ]
