@@ -20,6 +20,19 @@ still runs; no autograd node reads them any more (see [Note: last gradient hook 
 in ``_grad_reduce``). If backward fails after the first update, the step stays in progress
 and the state refuses to be read or stepped until a checkpoint is loaded (``abort_step``).
 
+[Note: gradient copies to the host] On a CUDA run each unit's gradient shard is copied
+to host memory (page-locked with ``pin_memory``) with ``non_blocking`` when its unit is
+added, and an event recorded behind the copy; the unit's first update waits for that event.
+Updates lag the adds: with ``device: cpu`` the sub-groups of one ``add`` are updated at the
+next (or at ``end_step``); with ``nvme`` the swap stream holds back the last
+``buffer_count - 2`` sub-groups, so only a bucket larger than that updates some of its own.
+During backward the host thus waits mostly for copies queued a bucket earlier while the GPU
+goes on with the kernels queued since, instead of draining its queue at every bucket as a
+synchronous copy would. The
+device gradient is not freed or zeroed before the update (``discard`` runs after
+``step()``), and any memory the caching allocator reuses is reused in stream order, after
+the copy.
+
 The result is bit-identical to the torch optimizer the user gave (``cpu_adam`` replays
 torch's single-tensor Adam), so a run with offload trains exactly like one without, and
 the state dict has torch's format, interchangeable with an offload-free run's.
@@ -60,7 +73,9 @@ class _Step:
 
     hypers: list[AdamHyper]
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # unit index -> host gradient shard
+    copied: dict[int, torch.Event] = field(default_factory=dict)  # unit index -> its gradient copy's event
     stream: SwapStream | None = None  # nvme
+    pending: list[SubGroup] = field(default_factory=list)  # cpu: sub-groups of the last add, updated next
     updated: int = 0  # sub-groups updated (cpu)
 
 
@@ -190,15 +205,31 @@ class OptimizerOffload:
         assert step is not None, "add() outside begin_step()/end_step()"
         for unit, grad in zip(units, grads):
             assert unit.index not in step.grads, "a unit was updated twice in one step"
-            step.grads[unit.index] = grad if grad.device.type == "cpu" else grad.to("cpu")
+            step.grads[unit.index] = self._host_grad(unit, grad)
         subgroups = [sg for unit in units for sg in self._by_unit[unit.index]]
         if step.stream is not None:
             step.stream.add(subgroups)
             return
+        ready, step.pending = step.pending, subgroups
+        self._update_in_memory(ready)
+
+    def _host_grad(self, unit: FlatUnit, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` on the host: a CUDA gradient is copied asynchronously (see [Note: gradient
+        copies to the host]); its update waits for the copy."""
+        if grad.device.type == "cpu":
+            return grad
+        host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self._pinned)
+        host.copy_(grad, non_blocking=True)
+        event = torch.Event(device=grad.device)
+        event.record()
+        self._step.copied[unit.index] = event
+        return host
+
+    def _update_in_memory(self, subgroups: list[SubGroup]) -> None:
         for sg in subgroups:
             state = self.host[sg.unit]
             self._update(sg, *(state[k][sg.lo : sg.hi] for k in ("master", *_STATES)))
-            step.updated += 1
+            self._step.updated += 1
 
     def end_step(self) -> list[str]:
         """Finish the update (every unit must have been added); returns the names of the
@@ -207,6 +238,7 @@ class OptimizerOffload:
         assert step is not None and len(step.grads) == len(self.units), "end_step() before every unit was added"
         if step.stream is not None:
             step.stream.drain()
+        self._update_in_memory(step.pending)
         self._step = None
         now = [_hyper(self.optimizer, u.group_index) for u in self.units]
         return sorted({name for old, new in zip(step.hypers, now) for name in (f.name for f in fields(AdamHyper))
@@ -227,6 +259,8 @@ class OptimizerOffload:
 
     def _update(self, sg: SubGroup, master, exp_avg, exp_avg_sq) -> None:
         step = self._step
+        if sg.unit in step.copied:
+            step.copied.pop(sg.unit).synchronize()
         unit = self.units[sg.unit]
         writes_shard = self._writes_offloaded_shard(unit)
         if writes_shard:  # read its values back should anything have evicted it part-way

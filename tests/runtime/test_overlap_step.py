@@ -132,6 +132,52 @@ def test_units_are_updated_during_backward(tmp_path, single_process, device):
     opt.close()
 
 
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_gradient_copies_are_waited_for_once_before_their_units_update(tmp_path, single_process, monkeypatch,
+                                                                        device):
+    """The CUDA path's ordering with stand-in events (a CPU run makes no copies): each unit's
+    copy event is synchronized exactly once, before its first update; with ``device: cpu``
+    no update happens in the add that brought its unit (with NVMe, only the read-ahead's
+    sub-groups wait; see [Note: gradient copies to the host])."""
+    from zero_runtime import _offload
+
+    log = []
+
+    class Event:
+        def __init__(self, unit: int) -> None:
+            self.unit = unit
+
+        def synchronize(self) -> None:
+            log.append(("sync", self.unit))
+
+    def host_grad(self, unit, grad):
+        log.append(("copy", unit.index))
+        self._step.copied[unit.index] = Event(unit.index)
+        return grad.clone()
+
+    update = _offload.OptimizerOffload._update
+
+    def logged_update(self, sg, *views):
+        update(self, sg, *views)
+        log.append(("update", sg.unit))
+
+    monkeypatch.setattr(_offload.OptimizerOffload, "_host_grad", host_grad)
+    monkeypatch.setattr(_offload.OptimizerOffload, "_update", logged_update)
+    model, opt = _one_rank(tmp_path, device)
+    opt.backward(loss_of("gpt", model, _batch()))
+    opt.step()
+    for unit in range(len(opt.units)):
+        copy, sync = log.index(("copy", unit)), log.index(("sync", unit))
+        assert log.count(("sync", unit)) == 1 and copy < sync < log.index(("update", unit))
+        assert ("copy", unit) == log[copy] and not any(e == ("update", unit) for e in log[copy:sync])
+    adds = [i for i, e in enumerate(log) if e[0] == "copy"]
+    for i, e in enumerate(log):  # cpu: an update follows the copy of a later unit, or comes after every copy
+        if e[0] == "update" and device == "cpu":
+            own = log.index(("copy", e[1]))
+            assert any(own < j < i for j in adds) or i > adds[-1]
+    opt.close()
+
+
 def test_learning_rate_changed_between_backward_and_step_is_an_error(tmp_path, single_process):
     model, opt = _one_rank(tmp_path)
     opt.backward(loss_of("gpt", model, _batch()))

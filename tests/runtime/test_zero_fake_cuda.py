@@ -141,7 +141,8 @@ def test_offloaded_optimizer_moves_only_gradients_to_the_host(results, name):
     units = case["units"]
     copy = "aten._to_copy.default: cuda:0 -> cpu"
     assert case["at_start"] == [copy] * units
-    assert case["transfers"] == [copy] * (units + 2 * units)
+    # each step: one asynchronous copy per unit into a host buffer (see [Note: gradient copies to the host])
+    assert case["transfers"] == [copy] * units + ["aten.copy_.default: cpu,cuda:0 -> cpu"] * (2 * units)
     assert case["kernel_calls"] >= 2 * units and case["kernel_devices"] == ["cpu"]
     assert case["host_states"] == case["compute_copies"] == ["cpu"]
     for kind in ("shards", "masters", "parameters", "full_state_dict"):
