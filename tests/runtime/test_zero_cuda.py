@@ -195,6 +195,11 @@ def _offload(rank: int, world: int, device: torch.device, group: dist.ProcessGro
                                                    "offload_param": {"device": "cpu", "pin_memory": True}}},
         "param-nvme-optimizer-cpu": {"zero_optimization": {**partitioned, "offload_optimizer": {"device": "cpu"},
                                                            "offload_param": {"device": "nvme", "nvme_path": root}}},
+        # the update during backward, fed by asynchronous copies to pinned buffers
+        "cpu-pinned-overlap": {"zero_optimization": {**partitioned, "offload_optimizer": {
+            "device": "cpu", "pin_memory": True, "zcomm_overlap_step": True}}},
+        "nvme-pinned-overlap": {"zero_optimization": {"stage": 2, "sub_group_size": 100, "offload_optimizer": {
+            "device": "nvme", "nvme_path": root, "pin_memory": True, "zcomm_overlap_step": True}}},
     }
     out = {}
     for name, config in configs.items():
@@ -306,7 +311,8 @@ def test_offloaded_optimizer_on_cuda_matches_cpu(runs):
     way: over 4 steps that changes the loss by far less than ``ZEROPP_RTOL``."""
     for rank_results in runs[2]:
         cpu, cuda = rank_results["offload"]["cpu"], rank_results["offload"]["cuda"]
-        for name in ("cpu-pinned", "nvme", "param-cpu-pinned", "param-nvme-optimizer-cpu"):
+        for name in ("cpu-pinned", "nvme", "param-cpu-pinned", "param-nvme-optimizer-cpu", "cpu-pinned-overlap",
+                     "nvme-pinned-overlap"):
             torch.testing.assert_close(torch.tensor(cuda[name]), torch.tensor(cpu[name]), rtol=ZEROPP_RTOL, atol=0)
             assert cpu[name][-1] < cpu[name][0], (name, cpu[name])
 
