@@ -28,10 +28,9 @@ next (or at ``end_step``); with ``nvme`` the swap stream holds back the last
 ``buffer_count - 2`` sub-groups, so only a bucket larger than that updates some of its own.
 During backward the host thus waits mostly for copies queued a bucket earlier while the GPU
 goes on with the kernels queued since, instead of draining its queue at every bucket as a
-synchronous copy would. The
-device gradient is not freed or zeroed before the update (``discard`` runs after
-``step()``), and any memory the caching allocator reuses is reused in stream order, after
-the copy.
+synchronous copy would. The device gradient is not freed or zeroed before the update
+(``discard`` runs after ``step()``), and any memory the caching allocator reuses is reused
+in stream order, after the copy.
 
 The result is bit-identical to the torch optimizer the user gave (``cpu_adam`` replays
 torch's single-tensor Adam), so a run with offload trains exactly like one without, and
@@ -76,7 +75,7 @@ class _Step:
     copied: dict[int, torch.Event] = field(default_factory=dict)  # unit index -> its gradient copy's event
     stream: SwapStream | None = None  # nvme
     pending: list[SubGroup] = field(default_factory=list)  # cpu: sub-groups of the last add, updated next
-    updated: int = 0  # sub-groups updated (cpu)
+    updated: int = 0  # sub-groups updated so far
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -229,7 +228,6 @@ class OptimizerOffload:
         for sg in subgroups:
             state = self.host[sg.unit]
             self._update(sg, *(state[k][sg.lo : sg.hi] for k in ("master", *_STATES)))
-            self._step.updated += 1
 
     def end_step(self) -> list[str]:
         """Finish the update (every unit must have been added); returns the names of the
@@ -253,7 +251,7 @@ class OptimizerOffload:
             return
         if step.stream is not None:
             step.stream.settle()
-        if step.updated == 0 and (step.stream is None or step.stream.updated == 0):
+        if step.updated == 0:
             self.steps = [n - 1 for n in self.steps]
             self._step = None
 
@@ -269,6 +267,7 @@ class OptimizerOffload:
                   step=float(self.steps[sg.unit]), out=self.compute_copy[sg.unit][sg.lo : sg.hi])
         if writes_shard and sg.hi == unit.layout.shard_numel:
             self.param_offload.evict(unit)
+        step.updated += 1
 
     def _require_whole(self, what: str) -> None:
         if self._step is not None:

@@ -266,10 +266,12 @@ class ZeroOptimizer:
         ``compute_copy`` to the device are asynchronous (``non_blocking``; truly so when
         ``pin_memory`` made ``compute_copy`` page-locked): they queue on the current stream
         ahead of the gathers that read the shards. The host writes ``compute_copy`` again
-        only in the next update, which first copies that unit's gradient to the host with a
-        synchronous copy on the same stream, so every copy queued here has finished by then;
-        ``set_master`` likewise copies its value to the host first, and ``load_state_dict``
-        synchronizes the device before it writes ``compute_copy`` from a checkpoint.
+        only in the next update of that unit, which first waits for the event recorded behind
+        the unit's gradient copy on the same stream (see [Note: gradient copies to the host]
+        in ``_offload``), queued after every copy here, so these have finished by then;
+        ``set_master`` copies its value to the host synchronously first, and
+        ``load_state_dict`` synchronizes the device before it writes ``compute_copy`` from a
+        checkpoint.
         """
         self._require_unpinned()
         if self.scheduler is not None:
