@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from zero_harness import initialize_one_rank, run
-from zero_workloads import make_model, make_optimizer, state_dicts_equal, zero_steps
+from zero_workloads import assert_trains_alike, make_model, state_dicts_equal, train_save_resume, zero_steps
 
 STEPS = 4
 FREE_AFTER_USE = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
@@ -48,38 +48,24 @@ def _config(zero: dict, extra: dict, device: str, root: str) -> dict:
 
 
 def _train(rank: int, world: int, root: str) -> dict:
-    import zero_runtime
+    # Both ranks share swap_dir (as ranks of a node share nvme_path): the other rank may not
+    # have closed yet, so only this rank's own files are looked at.
+    def mine(swap_dir: str) -> list[str]:
+        return [f for f in sorted(os.listdir(swap_dir)) if f.startswith(f"zero_offload_rank{rank:05d}_")]
 
     out = {}
     for name, kind, zero, extra in CASES:
         for device in ("none", "cpu", "nvme"):
             swap_dir = os.path.join(root, f"{name}-{device}")
             os.makedirs(swap_dir, exist_ok=True)
-            ckpt = os.path.join(root, f"ckpt-{name}-{device}")
             # One run of 2 * STEPS steps, and a second one that resumes from the checkpoint
             # the first saved half-way (into a fresh runtime, so everything is reloaded).
-            model, opt = zero_runtime.initialize(make_model(kind), make_optimizer(),
-                                                 _config(zero, extra, device, swap_dir))
-            files = sorted(os.listdir(swap_dir))
-            losses = zero_steps(kind, model, opt, rank, world, range(STEPS))
-            opt.save_checkpoint(ckpt)
-            losses += zero_steps(kind, model, opt, rank, world, range(STEPS, 2 * STEPS))
-            weights = opt.full_state_dict()
-            report, numel = opt.memory_report(), sum(u.layout.shard_numel for u in opt.units)
-            opt.close()
-            model, opt = zero_runtime.initialize(make_model(kind), make_optimizer(),
-                                                 _config(zero, extra, device, swap_dir))
-            opt.load_checkpoint(ckpt)
-            resumed = zero_steps(kind, model, opt, rank, world, range(STEPS, 2 * STEPS))
-            resumed_weights = opt.full_state_dict()
-            opt.close()
-            # Both ranks share swap_dir (as ranks of a node share nvme_path): the other rank may
-            # not have closed yet, so only this rank's own files are looked at.
-            mine = f"zero_offload_rank{rank:05d}_"
-            out[name, device] = {"losses": losses, "weights": weights, "resumed": resumed,
-                                 "resumed_weights": resumed_weights, "report": report, "numel": numel,
-                                 "files": [f for f in files if f.startswith(mine)],
-                                 "left": [f for f in sorted(os.listdir(swap_dir)) if f.startswith(mine)]}
+            out[name, device] = train_save_resume(
+                kind, _config(zero, extra, device, swap_dir), rank, world, os.path.join(root, f"ckpt-{name}-{device}"),
+                STEPS, at_start=lambda opt: {"files": mine(swap_dir)},
+                after_training=lambda opt: {"report": opt.memory_report(),
+                                            "numel": sum(u.layout.shard_numel for u in opt.units)})
+            out[name, device]["left"] = mine(swap_dir)
     return out
 
 
@@ -92,14 +78,7 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("name", [case[0] for case in CASES])
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 def test_training_is_bit_identical_to_no_offload(results, name, device):
-    for rank in range(2):
-        base, got = results[rank][name, "none"], results[rank][name, device]
-        assert got["losses"] == base["losses"]
-        if rank == 0:
-            assert base["weights"] and state_dicts_equal(got["weights"], base["weights"])
-    first = results[0][name, device]
-    assert first["resumed"] == first["losses"][STEPS:]
-    assert state_dicts_equal(first["resumed_weights"], first["weights"])
+    assert_trains_alike(results, (name, "none"), (name, device), STEPS)
 
 
 @pytest.mark.parametrize("name", [case[0] for case in CASES])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from zero_harness import initialize_one_rank, run
-from zero_workloads import loss_of, make_model, make_optimizer, state_dicts_equal, zero_steps
+from zero_workloads import assert_trains_alike, loss_of, make_model, state_dicts_equal, train_save_resume
 
 STEPS = 3
 FREE_AFTER_USE = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
@@ -51,30 +51,15 @@ def _config(zero: dict, extra: dict, accumulation: int, device: str, root: str) 
 
 
 def _train(rank: int, world: int, root: str) -> dict:
-    import zero_runtime
-
     out = {}
     for name, kind, zero, extra, accumulation in CASES:
         for device in ("none", "cpu", "nvme"):
             swap_dir = os.path.join(root, f"{name}-{device}")
             os.makedirs(swap_dir, exist_ok=True)
-            ckpt = os.path.join(root, f"ckpt-{name}-{device}")
             config = _config(zero, extra, accumulation, device, swap_dir)
-            model, opt = zero_runtime.initialize(make_model(kind), make_optimizer(), config)
-            losses = zero_steps(kind, model, opt, rank, world, range(STEPS), accumulation=accumulation)
-            opt.save_checkpoint(ckpt)
-            losses += zero_steps(kind, model, opt, rank, world, range(STEPS, 2 * STEPS), accumulation=accumulation)
-            weights = opt.full_state_dict()
-            opt.close()
-            model, opt = zero_runtime.initialize(make_model(kind), make_optimizer(), config)
-            opt.load_checkpoint(ckpt)
-            resumed = zero_steps(kind, model, opt, rank, world, range(STEPS, 2 * STEPS), accumulation=accumulation)
-            resumed_weights = opt.full_state_dict()
-            opt.close()
-            mine = f"_rank{rank:05d}_"
-            out[name, device] = {"losses": losses, "weights": weights, "resumed": resumed,
-                                 "resumed_weights": resumed_weights,
-                                 "left": [f for f in os.listdir(swap_dir) if mine in f]}
+            out[name, device] = train_save_resume(kind, config, rank, world, os.path.join(root, f"ckpt-{name}-{device}"),
+                                                  STEPS, accumulation=accumulation)
+            out[name, device]["left"] = [f for f in os.listdir(swap_dir) if f"_rank{rank:05d}_" in f]
     return out
 
 
@@ -86,16 +71,8 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("name", [case[0] for case in CASES])
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 def test_training_is_bit_identical_to_no_offload(results, name, device):
-    for rank in range(2):
-        base, got = results[rank][name, "none"], results[rank][name, device]
-        assert got["losses"] == base["losses"]
-        assert got["losses"][0] != got["losses"][-1]
-        assert got["left"] == []
-        if rank == 0:
-            assert base["weights"] and state_dicts_equal(got["weights"], base["weights"])
-    first = results[0][name, device]
-    assert first["resumed"] == first["losses"][STEPS:]
-    assert state_dicts_equal(first["resumed_weights"], first["weights"])
+    assert_trains_alike(results, (name, "none"), (name, device), STEPS)
+    assert all(rank[name, device]["left"] == [] for rank in results)
 
 
 # ----- single process: the update really happens during backward; refusals; recovery -----

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from zero_harness import initialize_one_rank, run
-from zero_workloads import make_model, make_optimizer, state_dicts_equal, zero_steps
+from zero_workloads import assert_trains_alike, make_model, state_dicts_equal, train_save_resume, zero_steps
 
 STEPS = 3
 FREE_AFTER_USE = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
@@ -49,7 +49,9 @@ def _mine(root: str, rank: int) -> list[str]:
 
 
 def _train(rank: int, world: int, root: str) -> dict:
-    import zero_runtime
+    def after_training(opt) -> dict:
+        return {"report": opt.memory_report(), "reads": opt.param_offload.reads() if opt.param_offload is not None else 0,
+                "shards": sum(u.shard.numel() * u.shard.element_size() for u in opt.units if u.partitioned)}
 
     out = {}
     for name, zero, extra in CASES:
@@ -57,25 +59,10 @@ def _train(rank: int, world: int, root: str) -> dict:
             swap_dir = os.path.join(root, f"{name}-{param}-{optimizer}")
             os.makedirs(swap_dir, exist_ok=True)
             ckpt = os.path.join(root, f"ckpt-{name}-{param}-{optimizer}")
-            config = _config(zero, extra, param, optimizer, swap_dir)
-            model, opt = zero_runtime.initialize(make_model("gpt"), make_optimizer(), config)
-            files = _mine(swap_dir, rank)
-            losses = zero_steps("gpt", model, opt, rank, world, range(STEPS))
-            opt.save_checkpoint(ckpt)
-            losses += zero_steps("gpt", model, opt, rank, world, range(STEPS, 2 * STEPS))
-            weights = opt.full_state_dict()
-            report = opt.memory_report()
-            reads = opt.param_offload.reads() if opt.param_offload is not None else 0
-            opt.close()
-            model, opt = zero_runtime.initialize(make_model("gpt"), make_optimizer(), config)
-            opt.load_checkpoint(ckpt)
-            resumed = zero_steps("gpt", model, opt, rank, world, range(STEPS, 2 * STEPS))
-            resumed_weights = opt.full_state_dict()
-            opt.close()
-            shards = sum(u.shard.numel() * u.shard.element_size() for u in opt.units if u.partitioned)
-            out[name, param, optimizer] = {
-                "losses": losses, "weights": weights, "resumed": resumed, "resumed_weights": resumed_weights,
-                "report": report, "reads": reads, "files": files, "left": _mine(swap_dir, rank), "shards": shards}
+            out[name, param, optimizer] = train_save_resume(
+                "gpt", _config(zero, extra, param, optimizer, swap_dir), rank, world, ckpt, STEPS,
+                at_start=lambda opt: {"files": _mine(swap_dir, rank)}, after_training=after_training)
+            out[name, param, optimizer]["left"] = _mine(swap_dir, rank)
     return out
 
 
@@ -87,15 +74,7 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("name", [case[0] for case in CASES])
 @pytest.mark.parametrize("param,optimizer", MODES)
 def test_training_is_bit_identical_to_no_offload(results, name, param, optimizer):
-    for rank in range(2):
-        base, got = results[rank][name, "none", "none"], results[rank][name, param, optimizer]
-        assert got["losses"] == base["losses"]
-        if rank == 0:
-            assert base["weights"] and state_dicts_equal(got["weights"], base["weights"])
-        assert got["losses"][0] != got["losses"][-1]  # the weights moved: the comparison means something
-    first = results[0][name, param, optimizer]
-    assert first["resumed"] == first["losses"][STEPS:]
-    assert state_dicts_equal(first["resumed_weights"], first["weights"])
+    assert_trains_alike(results, (name, "none", "none"), (name, param, optimizer), STEPS)
 
 
 @pytest.mark.parametrize("name", [case[0] for case in CASES])

@@ -8,6 +8,7 @@ batch. Both sides call the same functions here, so they differ only in the runti
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -121,3 +122,45 @@ def zero_steps(kind: str, model, opt, rank: int, world: int, steps: range, *, ac
         dist.all_reduce(total)
         losses.append(total.item() / (world * accumulation))
     return losses
+
+
+def train_save_resume(kind: str, config: dict, rank: int, world: int, ckpt: str, steps: int, *,
+                      accumulation: int = 1, at_start: Callable[[Any], dict] | None = None,
+                      after_training: Callable[[Any], dict] | None = None) -> dict:
+    """The offload tests' run: ``2 * steps`` runtime steps with a checkpoint saved to ``ckpt``
+    half-way, then a fresh runtime that loads it and runs the second half again. Returns
+    ``losses``, ``weights`` (consolidated at the end), ``resumed`` and ``resumed_weights``,
+    with what ``at_start(opt)`` (right after ``initialize``) and ``after_training(opt)``
+    (before the first runtime closes) return."""
+    import zero_runtime
+
+    model, opt = zero_runtime.initialize(make_model(kind), make_optimizer(), config)
+    out = at_start(opt) if at_start else {}
+    out["losses"] = zero_steps(kind, model, opt, rank, world, range(steps), accumulation=accumulation)
+    opt.save_checkpoint(ckpt)
+    out["losses"] += zero_steps(kind, model, opt, rank, world, range(steps, 2 * steps), accumulation=accumulation)
+    out["weights"] = opt.full_state_dict()
+    out.update(after_training(opt) if after_training else {})
+    opt.close()
+    model, opt = zero_runtime.initialize(make_model(kind), make_optimizer(), config)
+    opt.load_checkpoint(ckpt)
+    out["resumed"] = zero_steps(kind, model, opt, rank, world, range(steps, 2 * steps), accumulation=accumulation)
+    out["resumed_weights"] = opt.full_state_dict()
+    opt.close()
+    return out
+
+
+def assert_trains_alike(results: list[dict], base_key: Any, key: Any, steps: int) -> None:
+    """``train_save_resume`` outputs per rank (``results[rank][key]``): the run under ``key``
+    has the losses of the run under ``base_key`` on every rank, bit for bit, and moved its
+    weights (so the comparison means something); rank 0's consolidated weights are
+    bit-identical; the resumed second half repeats the uninterrupted one exactly."""
+    for rank, out in enumerate(results):
+        base, got = out[base_key], out[key]
+        assert got["losses"] == base["losses"]
+        assert got["losses"][0] != got["losses"][-1]
+        if rank == 0:
+            assert base["weights"] and state_dicts_equal(got["weights"], base["weights"])
+    first = results[0][key]
+    assert first["resumed"] == first["losses"][steps:]
+    assert state_dicts_equal(first["resumed_weights"], first["weights"])
