@@ -2,7 +2,8 @@
 
 ``python -m bench.gpu_check.test_runner --out DIR [--jobs N] [-k EXPR] FILE...`` runs each
 file in its own ``pytest -v`` process, ``--jobs`` of them concurrently (one GPU is shared;
-the tests are small next to an H100/H200). A test that kills its process (a segfault, an
+the tests are small next to an H100/H200), each with ``OMP_NUM_THREADS`` at its share of
+the cores. A test that kills its process (a segfault, an
 abort) cannot take the other files down, and within its file the runner recovers the way
 pytest-xdist does for a crashed worker: the crashed test is the last one pytest announced
 without an outcome (``-v`` names each test before it runs), it is recorded as a failure
@@ -19,13 +20,14 @@ when every test passed, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ElementTree
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 MAX_RUNS = 5
 MERGED = "cuda-tests.xml"
@@ -77,7 +79,15 @@ def _describe(returncode: int) -> str:
     return f"signal {-returncode}" if returncode < 0 else f"exit status {returncode}"
 
 
-def run_file(file: str, out: Path, *, python: str, select: str | None, extra: Sequence[str] = ()) -> FileOutcome:
+def thread_share(jobs: int) -> dict[str, str]:
+    """The environment of a pytest process: torch's CPU threads capped at this process's share of the cores."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or jobs) // jobs)))
+    return env
+
+
+def run_file(file: str, out: Path, *, python: str, select: str | None, extra: Sequence[str] = (),
+             env: Mapping[str, str] | None = None) -> FileOutcome:
     """Run ``file`` until it finishes, deselecting tests that ended their process (see the module docstring)."""
     log = out / f"{slug(file)}.log"
     deselected: list[str] = []
@@ -95,7 +105,7 @@ def run_file(file: str, out: Path, *, python: str, select: str | None, extra: Se
             handle.flush()
             start = handle.tell()
             returncode = subprocess.run(argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        check=False).returncode  # fmt: skip
+                                        env=env, check=False).returncode  # fmt: skip
         if xml.exists():
             xmls.append(xml)
         if returncode >= 0 and xml.exists():
@@ -158,7 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--jobs must be at least 1")
     args.out.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        outcomes = list(pool.map(lambda f: run_file(f, args.out, python=args.python, select=args.select), args.files))
+        env = thread_share(args.jobs)
+        outcomes = list(pool.map(lambda f: run_file(f, args.out, python=args.python, select=args.select, env=env),
+                                 args.files))  # fmt: skip
     counts = merge(outcomes, args.out / MERGED)
     for outcome in outcomes:
         crashed = ", ".join(f"{c.test or '(outside a test)'} ({_describe(c.returncode)})" for c in outcome.crashes)
