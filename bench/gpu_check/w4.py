@@ -240,6 +240,9 @@ def _rank_main(rank: int, port: int, device_name: str, cpu_backend: str | None, 
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
+        # a Queue's put returns before its feeder thread has written: flush it before leaving
+        results.close()
+        results.join_thread()
         sys.stdout.flush()
         os._exit(0)
 
