@@ -299,3 +299,22 @@ def test_an_interrupted_check_takes_its_stage_down(tmp_path, monkeypatch):
     pid = int((tmp_path / "interrupted.log").read_text().splitlines()[1])
     status = Path(f"/proc/{pid}/status")
     assert not status.exists() or "State:\tZ" in status.read_text()
+
+
+def test_a_failed_run_is_verified_when_the_stage_asks_for_names(tmp_path):
+    names = lambda out: ["crashed its process: t.py::test_b"]  # noqa: E731
+    quiet = stages.run_stage(_stage("quiet", "raise SystemExit(1)", verify=names), tmp_path, _far())
+    assert quiet.problems == ("exited with status 1",)
+    named = stages.run_stage(_stage("named", "raise SystemExit(1)", verify=names, verify_failed_run=True), tmp_path, _far())
+    assert named.problems == ("exited with status 1", "crashed its process: t.py::test_b")
+
+
+def test_report_shows_the_w4_checks(tmp_path):
+    checks = [{"check": "all_gather_q8 bf16 stages=4", "ok": True, "detail": "bytes identical"},
+              {"check": "zero_runtime ZeRO++", "ok": False, "detail": "losses differ"}]
+    (tmp_path / "w4.json").write_text(json.dumps({"device": "cuda", "world_size": 4, "local_size": 2, "backend": "gloo",
+                                                  "seconds": 31.0, "checks": checks, "problems": ["rank 3 raised"]}))
+    lines = report._w4(tmp_path)
+    assert lines[0] == "4 ranks (2 nodes x 2) over gloo, device cuda, 31 s."
+    assert "| all_gather_q8 bf16 stages=4 | ok | bytes identical |" in lines
+    assert "| zero_runtime ZeRO++ | FAILED | losses differ |" in lines and lines[-1] == "- rank 3 raised"
