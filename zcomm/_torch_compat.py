@@ -31,10 +31,12 @@ for any other backend it reads ``global_ranks_in_group``, which torch leaves emp
 default group. After ``destroy_process_group()`` and a second ``init_process_group(...,
 device_id=...)`` the new world's NCCL backend has ``uid`` >= 1, so splitting the world
 indexes an empty vector and the process dies with SIGSEGV, on every rank, with nothing
-in the Python traceback (seen on torch 2.11 on an H200; the same C++ is in 2.13). The
-upstream fix drops the ``uid == 0`` test (pytorch's "Fix ProcessGroupNCCL::split OOB when
-the world PG is not the first NCCL PG"); no torch release known here carries it, so
-:data:`SPLIT_AFTER_REINIT_FIXED_IN` is None and every version is treated as affected.
+in the Python traceback (seen on torch 2.11 on an H200; the same C++ is in 2.13). That
+``split`` came with torch's C++ ``splitGroup`` (torch 2.9); before it, ``split_group``
+computed the global ranks in Python, so :data:`SPLIT_CRASH_SINCE` is 2.9. The upstream
+fix drops the ``uid == 0`` test (pytorch's "Fix ProcessGroupNCCL::split OOB when the world
+PG is not the first NCCL PG"); no torch release known here carries it, so
+:data:`SPLIT_AFTER_REINIT_FIXED_IN` is None: every version from 2.9 on is affected.
 :func:`split_subgroups` refuses such a split with a ``RuntimeError`` naming the reason,
 before any rank enters ``split_group``: every rank of a world that was re-initialised
 the same way sees the same ``uid`` and raises alike. Splitting a non-default group is
@@ -52,8 +54,10 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.constants import default_pg_timeout
 
-# The first torch release whose ProcessGroupNCCL.split handles a world backend that is not
-# the process's first ([Note: split after a re-initialised world]); None: none known.
+# The torch releases whose ProcessGroupNCCL.split crashes on a world backend that is not the
+# process's first: from SPLIT_CRASH_SINCE up to, not including, SPLIT_AFTER_REINIT_FIXED_IN
+# (None: no release known to carry the fix). [Note: split after a re-initialised world]
+SPLIT_CRASH_SINCE: tuple[int, int] = (2, 9)
 SPLIT_AFTER_REINIT_FIXED_IN: tuple[int, int] | None = None
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -108,9 +112,10 @@ def release_of(version: str) -> tuple[int, int]:
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
-def split_is_fixed(version: str) -> bool:
-    """Whether torch ``version`` splits a re-initialised world safely ([Note: split after a re-initialised world])."""
-    return SPLIT_AFTER_REINIT_FIXED_IN is not None and release_of(version) >= SPLIT_AFTER_REINIT_FIXED_IN
+def split_crashes_on(version: str) -> bool:
+    """Whether torch ``version`` crashes splitting a re-initialised world ([Note: split after a re-initialised world])."""
+    release = release_of(version)
+    return release >= SPLIT_CRASH_SINCE and (SPLIT_AFTER_REINIT_FIXED_IN is None or release < SPLIT_AFTER_REINIT_FIXED_IN)
 
 
 def split_crash_reason(parent: dist.ProcessGroup, version: str = torch.__version__) -> str | None:
@@ -120,7 +125,7 @@ def split_crash_reason(parent: dist.ProcessGroup, version: str = torch.__version
     device is not the first NCCL backend this process created ([Note: split after a
     re-initialised world]).
     """
-    if parent is not c10d._get_default_group() or split_is_fixed(version):
+    if parent is not c10d._get_default_group() or not split_crashes_on(version):
         return None
     device = parent.bound_device_id
     uid = getattr(parent._get_backend(device), "uid", 0) if device is not None else 0

@@ -76,6 +76,8 @@ def test_the_guard_follows_the_release_that_fixes_split(monkeypatch):
     monkeypatch.setattr(c10d, "_get_default_group", lambda: world)
     assert torch_compat.SPLIT_AFTER_REINIT_FIXED_IN is None  # no release known to carry the fix
     assert torch_compat.split_crash_reason(world, "2.13.0") is not None
+    assert torch_compat.split_crash_reason(world, "2.9.1+cu128") is not None
+    assert torch_compat.split_crash_reason(world, "2.8.0") is None  # split_group computed ranks in Python then
     monkeypatch.setattr(torch_compat, "SPLIT_AFTER_REINIT_FIXED_IN", (2, 14))
     assert torch_compat.split_crash_reason(world, "2.13.0+cu130") is not None
     assert torch_compat.split_crash_reason(world, "2.14.0+cu130") is None
