@@ -94,6 +94,7 @@ def run_file(file: str, out: Path, *, python: str, select: str | None, extra: Se
     crashes: list[Crash] = []
     xmls: list[Path] = []
     log.write_text("")
+    (out / "tmp").mkdir(exist_ok=True)  # pytest makes --basetemp, not its parent
     for attempt in range(1, MAX_RUNS + 1):
         xml = out / f"{slug(file)}.run{attempt}.xml"
         argv = [python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--continue-on-collection-errors",

@@ -38,7 +38,7 @@ def test_d(): assert False
 
 def test_a_crashing_test_is_a_named_failure_and_the_rest_still_run(tmp_path):
     (tmp_path / "test_crashy.py").write_text(_CRASHY)
-    (tmp_path / "test_fine.py").write_text("def test_one(): pass\n")
+    (tmp_path / "test_fine.py").write_text("def test_one(tmp_path): assert tmp_path.is_dir()\n")
     out = tmp_path / "out"
     done = subprocess.run([PY, "-m", "bench.gpu_check.test_runner", "--out", str(out), "--jobs", "2",
                            "test_crashy.py", "test_fine.py"], cwd=tmp_path, env=checkout_environment(os.environ),
