@@ -12,7 +12,7 @@ outcome and the crashed one deselected, until the file finishes or ``MAX_RUNS`` 
 made. Nothing here needs pytest-xdist, which a GPU machine may lack.
 
 Outputs in ``DIR``: ``<file>.log`` (all runs of a file, in order), the JUnit XML of every
-run, and ``cuda-tests.xml``, their merge plus one ``crashes`` suite holding a failing
+run (the tests' temporary files go to a scratch folder removed at the end), and ``cuda-tests.xml``, their merge plus one ``crashes`` suite holding a failing
 test case per crash, which the stage's verification and the report count. Exit status 0
 when every test passed, 1 otherwise.
 """
@@ -24,6 +24,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import xml.etree.ElementTree as ElementTree
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -86,19 +87,21 @@ def thread_share(jobs: int) -> dict[str, str]:
     return env
 
 
-def run_file(file: str, out: Path, *, python: str, select: str | None, extra: Sequence[str] = (),
+def run_file(file: str, out: Path, *, python: str, select: str | None, scratch: Path, extra: Sequence[str] = (),
              env: Mapping[str, str] | None = None) -> FileOutcome:
-    """Run ``file`` until it finishes, deselecting tests that ended their process (see the module docstring)."""
+    """Run ``file`` until it finishes, deselecting tests that ended their process (see the module docstring).
+
+    The tests' temporary files go under ``scratch``, not into the result folder ``out``.
+    """
     log = out / f"{slug(file)}.log"
     deselected: list[str] = []
     crashes: list[Crash] = []
     xmls: list[Path] = []
     log.write_text("")
-    (out / "tmp").mkdir(exist_ok=True)  # pytest makes --basetemp, not its parent
     for attempt in range(1, MAX_RUNS + 1):
         xml = out / f"{slug(file)}.run{attempt}.xml"
         argv = [python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--continue-on-collection-errors",
-                f"--junitxml={xml}", f"--basetemp={out / 'tmp' / f'{slug(file)}.run{attempt}'}",
+                f"--junitxml={xml}", f"--basetemp={scratch / f'{slug(file)}.run{attempt}'}",
                 *(["-k", select] if select else []), *extra, file,
                 *(f"--deselect={node}" for node in deselected)]  # fmt: skip
         with log.open("a") as handle:
@@ -168,10 +171,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.jobs < 1:
         raise SystemExit("--jobs must be at least 1")
     args.out.mkdir(parents=True, exist_ok=True)
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        env = thread_share(args.jobs)
-        outcomes = list(pool.map(lambda f: run_file(f, args.out, python=args.python, select=args.select, env=env),
-                                 args.files))  # fmt: skip
+    env = thread_share(args.jobs)
+    with tempfile.TemporaryDirectory(prefix="zcomm-cuda-tests-") as scratch:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            outcomes = list(pool.map(lambda f: run_file(f, args.out, python=args.python, select=args.select,
+                                                        scratch=Path(scratch), env=env), args.files))  # fmt: skip
     counts = merge(outcomes, args.out / MERGED)
     for outcome in outcomes:
         crashed = ", ".join(f"{c.test or '(outside a test)'} ({_describe(c.returncode)})" for c in outcome.crashes)
