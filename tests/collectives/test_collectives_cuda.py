@@ -22,6 +22,8 @@ why; with ``ZCOMM_GPU_CHECK=1`` (set by ``make gpu-check``) they fail instead.
 from __future__ import annotations
 
 import os
+import signal
+import time
 import traceback
 from itertools import islice
 from typing import Any, Callable
@@ -38,6 +40,7 @@ from zcomm_cuda import unavailable_reason
 GPU_CHECK = os.environ.get("ZCOMM_GPU_CHECK") == "1"
 ONE_RANK = zcomm.Topology(world_size=1, local_size=1)
 BACKENDS = ("cuda", "reference")
+_TEARDOWN_GRACE_S = 30.0
 
 
 def _missing(backend: str | None) -> str | None:
@@ -77,12 +80,17 @@ def _in_fresh_process(body: Callable[..., Any], *args: Any, timeout: float = 300
     results = context.SimpleQueue()
     child = context.Process(target=_fresh_main, args=(results, body, args), daemon=True)
     child.start()
-    child.join(timeout)
+    deadline = time.monotonic() + timeout
+    while results.empty() and child.is_alive() and time.monotonic() < deadline:
+        child.join(0.1)
+    reported = not results.empty()
+    child.join(_TEARDOWN_GRACE_S if reported else 0)  # a result in hand: the world's teardown may not hang the test
     if child.is_alive():
         child.kill()
         child.join()
-        pytest.fail(f"{body.__name__} on a bound world did not finish in {timeout:.0f} s")
-    if results.empty():
+    if not reported:
+        if child.exitcode == -signal.SIGKILL:
+            pytest.fail(f"{body.__name__} on a bound world did not finish in {timeout:.0f} s")
         pytest.fail(f"{body.__name__} on a bound world died with exit code {child.exitcode} (a negative code is a signal)")
     ok, value = results.get()
     if not ok:
