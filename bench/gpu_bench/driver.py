@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None, **tools: str) -> int:
     print(f"gpu-bench: results in {out_dir}", flush=True)
     for line in absent:
         print(f"gpu-bench: {line}", flush=True)
-    (out_dir / "environment.json").write_text(json.dumps(_environment(gpu), indent=1) + "\n")
+    env = _environment(gpu)
+    (out_dir / "environment.json").write_text(json.dumps(env, indent=1) + "\n")
     deadline = started + plan.TOTAL_BUDGET_S
     results = []
     for stage in stages:
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None, **tools: str) -> int:
         print(f"gpu-bench: {stage.name}: {results[-1].status} in {results[-1].seconds:.0f} s", flush=True)
     text = report.render(
         title=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.node()}, {machine}",
-        results=results, absent=absent, gpu=gpu, seconds=time.monotonic() - started,
+        results=results, absent=absent, gpu=gpu, seconds=time.monotonic() - started, environment=env,
         command=" ".join([Path(sys.executable).name, "-m", "bench.gpu_bench", *(sys.argv[1:] if argv is None else argv)]),
     )  # fmt: skip
     (out_dir / "report.md").write_text(text)

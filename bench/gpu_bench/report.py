@@ -4,7 +4,8 @@ Layout of ``report.md`` (the tools' JSON and logs sit beside it):
 
 1. verdict: COMPLETE only when every part ran and passed, with the time spent; the tools
    this checkout lacks, each on its own line;
-2. parts: one row each (what it measures, result, seconds, limit, log);
+2. parts: one row each (what it measures, result, seconds, limit, log), then the machine
+   and software (GPU, driver, torch, NCCL, cupy, CPU, checkout);
 3. host cost per call: the rows of ``bench.host_cost``'s JSON as they come (its columns
    are its own), one table per device;
 4. kernel GB/s: per (size, group size), ``bench.kernels``'s JSON rows when it writes JSON,
@@ -109,7 +110,7 @@ def _training(out_dir: Path) -> list[str]:
 
 
 def render(*, title: str, results: Sequence[StageResult], absent: Sequence[str], gpu: bool, seconds: float,
-           command: str) -> str:  # fmt: skip
+           command: str, environment: Mapping[str, str] | None = None) -> str:  # fmt: skip
     """The whole ``report.md``."""
     out_dir = results[0].log.parent if results else Path(".")
     passed = sum(r.passed for r in results)
@@ -129,6 +130,12 @@ def render(*, title: str, results: Sequence[StageResult], absent: Sequence[str],
         *[f"| {r.stage.name} | {r.stage.title} | {r.status.upper()} | {r.seconds:.0f} | {r.limit_s:.0f} | "
           f"[{r.log.name}]({r.log.name}) |" for r in results],  # fmt: skip
         *[f"- **{r.stage.name}**: {problem}" for r in results for problem in r.problems],
+        "",
+        "## Environment",
+        "",
+        "| | |",
+        "|---|---|",
+        *[f"| {key} | {value} |" for key, value in (environment or {}).items()],
         "",
         "## Host cost per call (world size 1)",
         "",

@@ -50,7 +50,7 @@ def test_on_a_cpu_machine_the_cpu_part_runs_and_the_exit_says_no_gpu(tmp_path, f
     assert text.startswith("# zcomm gpu-bench: COMPLETE, CPU part only (no GPU) (1 of 1 parts passed)")
     assert "| op | size | device | host_us | sync_us |" in text and "| quantize | 1M | cpu | 1.5 | 2.25 |" in text
     assert "16M" not in text.split("## Host cost")[1].split("## Kernel")[0]  # the CPU part stays small
-    assert "(no GPU: not measured)" in text
+    assert "(no GPU: not measured)" in text and f"| torch | {torch.__version__} |" in text
     assert sorted(p.name for p in out.iterdir()) == ["environment.json", "host-cost-cpu.log", "host_cost_cpu.json", "report.md"]
 
 
