@@ -100,7 +100,7 @@ def _same_bytes(device_out: Sequence[torch.Tensor], cpu_out: Sequence[torch.Tens
     return same, diff
 
 
-def _gather_case(device: torch.device, topology, dtype: torch.dtype, stages: int, async_op: bool):
+def _gather_case(topology, dtype: torch.dtype, stages: int, async_op: bool):
     import zcomm
 
     x = _inputs(11, 5000, dtype)
@@ -115,7 +115,7 @@ def _gather_case(device: torch.device, topology, dtype: torch.dtype, stages: int
     return run, exact, GATHER_BOUND
 
 
-def _reduce_case(device: torch.device, topology, dtype: torch.dtype, stages: int, async_op: bool, *,
+def _reduce_case(topology, dtype: torch.dtype, stages: int, async_op: bool, *,
                  coalesced: bool, first_hop_bits: int, hadamard: int | None):  # fmt: skip
     import zcomm
 
@@ -165,7 +165,7 @@ def _collective_checks(device: torch.device, cpu_backend: str | None, dtypes: Se
     results = []
     for name, make, options in _cases(dtypes):
         try:
-            run, exact, bound = make(device, topology, **options)
+            run, exact, bound = make(topology, **options)
             on_device = run(device)
             with _backend(cpu_backend):
                 on_cpu = run(torch.device("cpu"))
