@@ -20,18 +20,23 @@
 # [Note: gpu-check python] `make gpu-check` needs no venv and installs nothing: GPU machines
 # have no package registry, so it runs the checkout (PYTHONPATH) with the interpreter that
 # holds the machine's CUDA torch and cupy, python3 unless GPU_PYTHON names another. It exits
-# 2 at once on a machine without a GPU; see bench/gpu_check/__init__.py.
+# 2 at once on a machine without a GPU; see bench/gpu_check/__init__.py. `make gpu-bench` (the
+# speed report, bench/gpu_bench/) runs the same way; without a GPU it runs its CPU part and
+# exits 2. `make gpu-lease OUTDIR=...` runs both under hard time limits (about 8 minutes in
+# all) and packs their results into OUTDIR (bench/gpu_lease.sh); docs/gpu-check.md.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.zcomm-installed
 PYTEST_ARGS ?=
 GPU_PYTHON ?= python3
 GPU_CHECK_ARGS ?=
+GPU_BENCH_ARGS ?=
+OUTDIR ?= gpu-lease-out
 CHECKOUT_PYTHONPATH = PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}"
 
 PEERS_LOG := $(VENV)/peers-install.log
 
-.PHONY: demo test install peers clean-venv nvcc-check gpu-check
+.PHONY: demo test install peers clean-venv nvcc-check gpu-check gpu-bench gpu-lease
 
 install: $(STAMP)
 
@@ -71,6 +76,12 @@ nvcc-check: $(STAMP)
 
 gpu-check:
 	$(CHECKOUT_PYTHONPATH) $(GPU_PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS)
+
+gpu-bench:
+	$(CHECKOUT_PYTHONPATH) $(GPU_PYTHON) -m bench.gpu_bench $(GPU_BENCH_ARGS)
+
+gpu-lease:
+	GPU_PYTHON=$(GPU_PYTHON) bench/gpu_lease.sh $(OUTDIR)
 
 clean-venv:
 	rm -rf $(VENV)

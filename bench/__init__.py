@@ -4,7 +4,8 @@
 * :mod:`bench.kernels`: GB/s of the quantization ops on every backend against a device copy;
 * :mod:`bench.train`: the same training under ZeRO 1-3, ZeRO++, FSDP2 and DeepSpeed;
 * :mod:`bench.demo`: ``make demo``, the training comparison on a simulated 2 x 2 cluster;
-* :mod:`bench.gpu_check`: ``make gpu-check``, zcomm validated on a CUDA machine in 10 minutes;
+* :mod:`bench.gpu_check`: ``make gpu-check``, zcomm validated on a CUDA machine in 5 minutes;
+* :mod:`bench.gpu_bench`: ``make gpu-bench``, every speed target measured on a CUDA machine in one call;
 * :mod:`bench.simcluster`: a multi-node cluster of network namespaces on one machine;
 * :mod:`bench.harness`: what the suites share (launch, device-aware buffers and timing,
   checking, bandwidth, wire counters, report).

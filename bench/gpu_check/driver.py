@@ -1,7 +1,7 @@
 """The gpu-check command: refuse at once without a GPU, run the stages, write the report.
 
 See :mod:`bench.gpu_check` for what it checks and ``[Note: gpu-check time budget]`` in
-:mod:`bench.gpu_check.stages` for how the 10 minutes are shared.
+:mod:`bench.gpu_check.stages` for how its 5 minutes are shared.
 """
 
 from __future__ import annotations

@@ -19,11 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import kernels
 from bench.collectives import cli as collectives_cli
 from bench.collectives.catalog import ALL_OPS
-from bench.train import cli as train_cli
-from bench.gpu_check import driver, report, stages
+from bench.gpu_check import driver, report, stages, test_runner, w4
 from bench.harness.checkout import REPO
 PY = sys.executable
 
@@ -109,8 +107,8 @@ def test_a_stage_whose_modules_are_missing_fails_without_running(tmp_path):
 def test_the_plan_fits_the_budget_and_names_missing_test_files(tmp_path, monkeypatch):
     monkeypatch.setattr(stages, "CUDA_TESTS", (*stages.CUDA_TESTS[:1], "tests/test_not_there.py"))
     plan = stages.plan(tmp_path, gpus=1)
-    assert [s.name for s in plan] == ["cuda-tests", "kernels", "collectives", "zero-runtime"]
-    assert sum(s.limit_s for s in plan) + 15 <= stages.TOTAL_BUDGET_S < 600
+    assert [s.name for s in plan] == ["cuda-tests", "w4", "collectives"]
+    assert sum(s.limit_s for s in plan) + 15 <= stages.TOTAL_BUDGET_S <= 300
     tests = plan[0]
     assert tests.env == {stages.GPU_CHECK_ENV: "1"}
     assert "tests/test_not_there.py" not in tests.argv and stages.CUDA_TESTS[0] in tests.argv
@@ -124,22 +122,19 @@ def _module_args(stage: stages.Stage, module: str) -> list[str]:
 
 def test_the_stage_commands_are_valid_for_their_programs(tmp_path):
     by_name = {s.name: s for s in stages.plan(tmp_path, gpus=1)}
-    kernel_args = kernels.build_parser().parse_args(_module_args(by_name["kernels"], "bench.kernels"))
-    assert (kernel_args.device, kernel_args.backends, kernel_args.dtype) == (["cuda"], ["cuda"], ["fp32", "bf16"])
-    assert kernel_args.numel >= 16 << 20
+    runner_args = test_runner.build_parser().parse_args(_module_args(by_name["cuda-tests"], "bench.gpu_check.test_runner"))
+    assert runner_args.jobs == stages.TEST_JOBS and runner_args.select == stages.CUDA_TESTS_SELECT
+    assert runner_args.out == tmp_path / stages.TESTS_DIR
+    w4_args = w4.build_parser().parse_args(_module_args(by_name["w4"], "bench.gpu_check.w4"))
+    assert w4_args.device == "cuda" and w4_args.timeout < by_name["w4"].limit_s
     config = collectives_cli.parse_config(_module_args(by_name["collectives"], "bench.collectives"))
     assert (config.device, config.backend, set(config.ops)) == ("cuda", "nccl", set(ALL_OPS))
-    train_args = train_cli.build_parser().parse_args(_module_args(by_name["zero-runtime"], "bench.train"))
-    assert [c.name for c in train_cli.chosen_configs(train_args)] == list(stages.TRAIN_CONFIGS)
     assert "torch.distributed.run" not in by_name["collectives"].argv
 
 
 def test_several_gpus_get_one_rank_each(tmp_path):
     by_name = {s.name: s for s in stages.plan(tmp_path, gpus=4)}
-    for name in ("collectives", "zero-runtime"):
-        assert "--nproc-per-node=4" in by_name[name].argv
-    train_args = train_cli.build_parser().parse_args(_module_args(by_name["zero-runtime"], "bench.train"))
-    assert train_args.batch % 4 == 0
+    assert "--nproc-per-node=4" in by_name["collectives"].argv
 
 
 def test_collectives_verification(tmp_path):
@@ -150,19 +145,14 @@ def test_collectives_verification(tmp_path):
     assert stages._verify_collectives(tmp_path / "nowhere") == ["bench.collectives wrote no collectives.json"]
 
 
-def test_training_verification(tmp_path):
-    ok = {"status": "ok", "note": "", "train_losses": [5.5, 5.0]}
-    results = [
-        {"config": "zero1", **ok},
-        {"config": "zero2", **ok, "train_losses": [5.5, float("nan")]},
-        {"config": "zero3", **ok, "status": "skipped", "note": "cupy missing"},
-    ]
-    (tmp_path / "train.json").write_text(json.dumps({"meta": {}, "results": results}))
-    assert stages._verify_training(tmp_path) == [
-        "zero2: non-finite training loss [5.5, nan]",
-        "zero3: skipped (cupy missing)",
-        "zeropp: no result",
-    ]
+def test_w4_verification(tmp_path):
+    checks = [{"check": "all_gather_q8 bf16", "ok": True, "detail": "bytes identical"},
+              {"check": "reduce_scatter_q4 fp32", "ok": False, "detail": "bytes DIFFER"}]
+    (tmp_path / "w4.json").write_text(json.dumps({"checks": checks, "problems": ["rank 2 reported nothing"]}))
+    assert stages._verify_w4(tmp_path) == ["reduce_scatter_q4 fp32: bytes DIFFER", "rank 2 reported nothing"]
+    (tmp_path / "w4.json").write_text(json.dumps({"checks": [], "problems": []}))
+    assert stages._verify_w4(tmp_path) == ["no check ran"]
+    assert stages._verify_w4(tmp_path / "nowhere") == ["bench.gpu_check.w4 wrote no w4.json"]
 
 
 def _fake_results(tmp_path: Path) -> list[stages.StageResult]:
@@ -177,7 +167,7 @@ def test_report_layout(tmp_path):
     text = report.render(title="today on box, Fake GPU", results=_fake_results(tmp_path), environment={"GPU": "Fake GPU"},
                          gpus=1, seconds=12, budget_s=570, command="python3 -m bench.gpu_check")  # fmt: skip
     assert text.startswith("# zcomm gpu-check: FAILED (1 of 2 stages passed)")
-    for heading in ("## Stages", "## Coverage", "## Environment", "## Kernel benchmark", "## Collectives", "## ZeRO runtime", "## Log tails"):
+    for heading in ("## Stages", "## Coverage", "## Environment", "## W = 4 on one GPU", "## Collectives", "## Log tails"):
         assert heading in text
     assert "| first | first title | PASSED |" in text and "| second | second title | FAILED |" in text
     assert "- exited with status 1" in text
@@ -284,8 +274,8 @@ def test_conftest_rejects_an_unclear_switch(tmp_path):
 
 
 def test_malformed_outputs_are_reported_not_raised(tmp_path):
-    (tmp_path / "train.json").write_text("{not json")
-    result = stages.run_stage(_stage("zero-runtime", "pass", verify=stages._verify_training), tmp_path, _far())
+    (tmp_path / "w4.json").write_text("{not json")
+    result = stages.run_stage(_stage("w4", "pass", verify=stages._verify_w4), tmp_path, _far())
     assert result.status == "failed" and "could not be verified" in result.problems[0]
     text = report.render(title="t", results=[result], environment={}, gpus=1, seconds=1, budget_s=570, command="c")
     assert "could not read this stage's output" in text
@@ -309,3 +299,22 @@ def test_an_interrupted_check_takes_its_stage_down(tmp_path, monkeypatch):
     pid = int((tmp_path / "interrupted.log").read_text().splitlines()[1])
     status = Path(f"/proc/{pid}/status")
     assert not status.exists() or "State:\tZ" in status.read_text()
+
+
+def test_a_failed_run_is_verified_when_the_stage_asks_for_names(tmp_path):
+    names = lambda out: ["crashed its process: t.py::test_b"]  # noqa: E731
+    quiet = stages.run_stage(_stage("quiet", "raise SystemExit(1)", verify=names), tmp_path, _far())
+    assert quiet.problems == ("exited with status 1",)
+    named = stages.run_stage(_stage("named", "raise SystemExit(1)", verify=names, verify_failed_run=True), tmp_path, _far())
+    assert named.problems == ("exited with status 1", "crashed its process: t.py::test_b")
+
+
+def test_report_shows_the_w4_checks(tmp_path):
+    checks = [{"check": "all_gather_q8 bf16 stages=4", "ok": True, "detail": "bytes identical"},
+              {"check": "zero_runtime ZeRO++", "ok": False, "detail": "losses differ"}]
+    (tmp_path / "w4.json").write_text(json.dumps({"device": "cuda", "world_size": 4, "local_size": 2, "backend": "gloo",
+                                                  "seconds": 31.0, "checks": checks, "problems": ["rank 3 raised"]}))
+    lines = report._w4(tmp_path)
+    assert lines[0] == "4 ranks (2 nodes x 2) over gloo, device cuda, 31 s."
+    assert "| all_gather_q8 bf16 stages=4 | ok | bytes identical |" in lines
+    assert "| zero_runtime ZeRO++ | FAILED | losses differ |" in lines and lines[-1] == "- rank 3 raised"

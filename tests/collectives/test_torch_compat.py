@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
@@ -36,3 +37,66 @@ def test_new_named_group_and_group_timeout_on_one_rank(gloo_world, world_timeout
     value = torch.tensor([3.0])
     dist.all_reduce(value, group=group)
     assert value.item() == 3.0
+
+
+class _FakeWorld:
+    """A default group bound to ``cuda:0`` whose NCCL backend has the given construction counter."""
+
+    bound_device_id = torch.device("cuda", 0)
+
+    def __init__(self, uid: int):
+        self._backend = type("FakeNCCL", (), {"uid": uid})()
+
+    def _get_backend(self, device):
+        assert device == self.bound_device_id
+        return self._backend
+
+
+def test_torch_release_parsing():
+    assert torch_compat.release_of("2.11.0+cu130") == (2, 11)
+    assert torch_compat.release_of("2.13.0a0+git1234") == (2, 13)
+    assert torch_compat.release_of("3.0.0rc1") == (3, 0)
+
+
+def test_a_reinitialised_bound_world_is_refused_with_the_reason(monkeypatch):
+    for uid, refused in ((0, False), (1, True), (3, True)):
+        world = _FakeWorld(uid)
+        monkeypatch.setattr(c10d, "_get_default_group", lambda world=world: world)
+        reason = torch_compat.split_crash_reason(world, "2.11.0+cu130")
+        assert (reason is not None) == refused, (uid, reason)
+        if refused:
+            assert f"uid {uid}" in reason and "torch 2.11.0+cu130" in reason and "segmentation fault" in reason
+            assert "destroyed" in reason and "device_id" in reason
+        # a subgroup records its ranks: splitting it is safe whatever the world's history
+        assert torch_compat.split_crash_reason(_FakeWorld(uid), "2.11.0+cu130") is None
+
+
+def test_the_guard_follows_the_release_that_fixes_split(monkeypatch):
+    world = _FakeWorld(2)
+    monkeypatch.setattr(c10d, "_get_default_group", lambda: world)
+    assert torch_compat.SPLIT_AFTER_REINIT_FIXED_IN is None  # no release known to carry the fix
+    assert torch_compat.split_crash_reason(world, "2.13.0") is not None
+    assert torch_compat.split_crash_reason(world, "2.9.1+cu128") is not None
+    assert torch_compat.split_crash_reason(world, "2.8.0") is None  # split_group computed ranks in Python then
+    monkeypatch.setattr(torch_compat, "SPLIT_AFTER_REINIT_FIXED_IN", (2, 14))
+    assert torch_compat.split_crash_reason(world, "2.13.0+cu130") is not None
+    assert torch_compat.split_crash_reason(world, "2.14.0+cu130") is None
+    assert torch_compat.split_crash_reason(world, "2.15.1") is None
+
+
+def test_split_subgroups_raises_before_entering_split_group(monkeypatch):
+    world = _FakeWorld(1)
+    monkeypatch.setattr(c10d, "_get_default_group", lambda: world)
+    monkeypatch.setattr(torch_compat, "group_timeout", lambda group: None)
+
+    def crash(**kwargs):
+        raise AssertionError("split_group was entered")
+
+    monkeypatch.setattr(dist, "split_group", crash)
+    with pytest.raises(RuntimeError, match="segmentation fault"):
+        torch_compat.split_subgroups(world, [[0]], desc="zcomm test")
+
+
+def test_an_unbound_gloo_world_is_never_refused(gloo_world):
+    assert gloo_world.bound_device_id is None
+    assert torch_compat.split_crash_reason(gloo_world) is None

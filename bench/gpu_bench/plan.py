@@ -1,0 +1,110 @@
+"""The parts of ``make gpu-bench``: commands, time limits, and which tools this checkout has.
+
+[Note: gpu-bench time budget] gpu-bench shares an 8-minute lease with gpu-check (which
+takes up to ``bench.gpu_check.stages.TOTAL_BUDGET_S``), so its limits add up to 205 s of
+``TOTAL_BUDGET_S`` = 215 s, in order of value: host cost (35 s), the training runs (80 s:
+six configurations of a 160M GPT, 10 steps each, 3 of them warm-up), then the kernel
+sweep, one ``bench.kernels`` process per (size, group size) at 15 s each. A part that
+overruns is killed and reported as timed out; the parts after it still get their time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from bench.gpu_check.stages import Stage
+
+TOTAL_BUDGET_S = 215.0
+HOST_COST = "bench.host_cost"
+KERNELS = "bench.kernels"
+TRAIN = "bench.train"
+HOST_COST_SIZES = {"cuda": "1M,16M", "cpu": "1M"}
+KERNEL_NUMELS = ("16M", "64M", "256M")
+KERNEL_GROUP_SIZES = (256, 512)
+TRAIN_CONFIGS = ("zero3", "zeropp", "zero3+qwz", "zero3+qgz", "fsdp2", "fsdp2-zeropp")
+GPT_160M = ("--d-model", "1024", "--n-layers", "12", "--n-heads", "16", "--seq-len", "512", "--batch", "8")
+TRAIN_STEPS, TRAIN_WARMUP = 10, 3
+
+
+def available(module: str) -> bool:
+    """Whether this checkout (and interpreter) has ``module``."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _host_cost(out_dir: Path, python: str, device: str, module: str) -> Stage:
+    return Stage(
+        name=f"host-cost-{device}",
+        title=f"{module} on {device}, world size 1, {HOST_COST_SIZES[device]} elements: host enqueue and synchronized "
+              "time per call of each zcomm op next to torch's",
+        argv=(python, "-m", module, "--device", device, "--sizes", HOST_COST_SIZES[device],
+              "--json", str(out_dir / f"host_cost_{device}.json")),  # fmt: skip
+        limit_s=35,
+        verify=lambda out, d=device: [] if (out / f"host_cost_{d}.json").exists() else [f"{module} wrote no JSON"],
+    )
+
+
+def kernel_stage_name(numel: str, group_size: int) -> str:
+    return f"kernels-{numel}-g{group_size}"
+
+
+def _kernels(out_dir: Path, python: str, numel: str, group_size: int, module: str) -> Stage:
+    name = kernel_stage_name(numel, group_size)
+    return Stage(
+        name=name,
+        title=f"{module}: cuda kernels' GB/s vs a device copy of the same bytes, {numel} elements, group {group_size}, "
+              "bf16 and fp32",
+        argv=(python, "-m", module, "--device", "cuda", "--backends", "cuda", "--dtype", "bf16", "fp32",
+              "--numel", numel, "--group-size", str(group_size), "--output", str(out_dir / f"{name}.md")),  # fmt: skip
+        limit_s=15,
+        needs=("cupy",),
+    )
+
+
+def _train(out_dir: Path, python: str, module: str) -> Stage:
+    return Stage(
+        name="train",
+        title=f"{module}: GPT ~160M (d_model 1024, 12 layers, 16 heads, seq 512, batch 8, bf16) on one GPU, "
+              f"{TRAIN_STEPS} steps ({TRAIN_WARMUP} warm-up): {', '.join(TRAIN_CONFIGS)}",
+        argv=(python, "-m", module, "--configs", *TRAIN_CONFIGS, *GPT_160M, "--dtype", "bf16",
+              "--steps", str(TRAIN_STEPS), "--warmup", str(TRAIN_WARMUP), "--eval-batches", "2",
+              "--json", str(out_dir / "train.json")),  # fmt: skip
+        limit_s=80,
+        needs=("cupy", "numpy"),
+        verify=_verify_train,
+    )
+
+
+def _verify_train(out_dir: Path) -> list[str]:
+    import json
+
+    path = out_dir / "train.json"
+    if not path.exists():
+        return ["bench.train wrote no train.json"]
+    rows = {row["config"]: row for row in json.loads(path.read_text())["results"]}
+    return [f"{name}: {rows[name]['status']} ({rows[name]['note']})" if name in rows else f"{name}: no result"
+            for name in TRAIN_CONFIGS if name not in rows or rows[name]["status"] != "ok"]  # fmt: skip
+
+
+def plan(out_dir: Path, *, gpu: bool, python: str = sys.executable, host_cost: str = HOST_COST,
+         kernels: str = KERNELS, train: str = TRAIN) -> tuple[list[Stage], list[str]]:  # fmt: skip
+    """The parts to run, in order, and a line for each tool this checkout does not have.
+
+    Without a GPU only the CPU host cost runs; the module names are parameters so that a
+    test can stand in small fakes for the tools.
+    """
+    stages, absent = [], []
+    for module in (host_cost, kernels, train) if gpu else (host_cost,):
+        if not available(module):
+            absent.append(f"`python -m {module}`: not available in this checkout")
+    if available(host_cost):
+        stages.append(_host_cost(out_dir, python, "cuda" if gpu else "cpu", host_cost))
+    if gpu and available(train):
+        stages.append(_train(out_dir, python, train))
+    if gpu and available(kernels):
+        stages += [_kernels(out_dir, python, n, g, kernels) for n in KERNEL_NUMELS for g in KERNEL_GROUP_SIZES]
+    return stages, absent

@@ -1,0 +1,155 @@
+"""The markdown report of a gpu-bench: verdict, parts, then the three tables of measurements.
+
+Layout of ``report.md`` (the tools' JSON and logs sit beside it):
+
+1. verdict: COMPLETE only when every part ran and passed, with the time spent; the tools
+   this checkout lacks, each on its own line;
+2. parts: one row each (what it measures, result, seconds, limit, log), then the machine
+   and software (GPU, driver, torch, NCCL, cupy, CPU, checkout);
+3. host cost per call: the rows of ``bench.host_cost``'s JSON as they come (its columns
+   are its own), one table per device;
+4. kernel GB/s: per (size, group size), ``bench.kernels``'s JSON rows when it writes JSON,
+   else its markdown report;
+5. training: per configuration, median step time, its ratio to zero3's from the same run,
+   validation loss, last training loss;
+6. the tails of the logs of parts that did not pass.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from bench.gpu_check.report import tail
+from bench.gpu_check.stages import StageResult
+
+from . import plan
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return "-" if value is None else str(value)
+
+
+def rows_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """A markdown table of ``rows`` with the union of their keys as columns, in first-seen order."""
+    columns: list[str] = []
+    for row in rows:
+        columns += [key for key in row if key not in columns]
+    if not columns:
+        return ["(no rows)"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return lines + ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
+
+
+def json_rows(path: Path) -> list[Mapping[str, Any]]:
+    """The rows of a tool's JSON: a list of objects, or the list under ``rows``/``results`` of an object."""
+    data = json.loads(path.read_text())
+    if isinstance(data, dict):
+        data = next((data[key] for key in ("rows", "results") if isinstance(data.get(key), list)), [data])
+    if not isinstance(data, list) or not all(isinstance(row, dict) for row in data):
+        raise ValueError(f"{path.name}: expected a list of objects")
+    return data
+
+
+def _guarded_rows(path: Path) -> list[str]:
+    if not path.exists():
+        return [f"({path.name} was not written)"]
+    try:
+        return rows_table(json_rows(path))
+    except (OSError, ValueError) as exc:
+        return [f"(could not read {path.name}: {exc})"]
+
+
+def _host_cost(out_dir: Path, devices: Sequence[str]) -> list[str]:
+    lines: list[str] = []
+    for device in devices:
+        lines += [f"### {device}", "", *_guarded_rows(out_dir / f"host_cost_{device}.json"), ""]
+    return lines
+
+
+def _kernels(out_dir: Path) -> list[str]:
+    lines: list[str] = []
+    for numel in plan.KERNEL_NUMELS:
+        for group in plan.KERNEL_GROUP_SIZES:
+            name = plan.kernel_stage_name(numel, group)
+            json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
+            lines += [f"### {numel} elements, group size {group}", ""]
+            if json_path.exists():
+                lines += _guarded_rows(json_path)
+            elif md_path.exists():
+                lines += ["####" + l[1:] if l.startswith("# ") else l for l in md_path.read_text().splitlines()]
+            else:
+                lines.append(f"({name} wrote no report)")
+            lines.append("")
+    return lines
+
+
+def _training(out_dir: Path) -> list[str]:
+    path = out_dir / "train.json"
+    if not path.exists():
+        return ["(no train.json)"]
+    try:
+        rows = json.loads(path.read_text())["results"]
+    except (OSError, ValueError, KeyError) as exc:
+        return [f"(could not read train.json: {type(exc).__name__}: {exc})"]
+    base = next((r.get("median_step_s") for r in rows if r["config"] == "zero3" and r["status"] == "ok"), None)
+    lines = ["| config | status | median step (ms) | vs zero3 | val loss | last train loss | note |",
+             "|---|---|---:|---:|---:|---:|---|"]  # fmt: skip
+    for row in rows:
+        step = row.get("median_step_s")
+        ratio = f"{step / base:.2f}x" if step and base else "-"
+        losses = row.get("train_losses") or [None]
+        lines.append(f"| {row['config']} | {row['status']} | {_cell(step * 1e3 if step else None)} | {ratio} | "
+                     f"{_cell(row.get('val_loss'))} | {_cell(losses[-1])} | {row.get('note', '')} |")  # fmt: skip
+    return lines
+
+
+def render(*, title: str, results: Sequence[StageResult], absent: Sequence[str], gpu: bool, seconds: float,
+           command: str, environment: Mapping[str, str] | None = None) -> str:  # fmt: skip
+    """The whole ``report.md``."""
+    out_dir = results[0].log.parent if results else Path(".")
+    passed = sum(r.passed for r in results)
+    complete = not absent and passed == len(results)
+    verdict = ("COMPLETE" if complete else "INCOMPLETE") + ("" if gpu else ", CPU part only (no GPU)")
+    lines = [
+        f"# zcomm gpu-bench: {verdict} ({passed} of {len(results)} parts passed)",
+        "",
+        f"{title}. Command: `{command}`; {seconds:.0f} s of the {plan.TOTAL_BUDGET_S:.0f} s budget. "
+        "Every number below was measured in this run; ratios compare numbers of this run only.",
+        *[f"\n- {line}" for line in absent],
+        "",
+        "## Parts",
+        "",
+        "| part | what it measures | result | seconds | limit (s) | log |",
+        "|---|---|---|---:|---:|---|",
+        *[f"| {r.stage.name} | {r.stage.title} | {r.status.upper()} | {r.seconds:.0f} | {r.limit_s:.0f} | "
+          f"[{r.log.name}]({r.log.name}) |" for r in results],  # fmt: skip
+        *[f"- **{r.stage.name}**: {problem}" for r in results for problem in r.problems],
+        "",
+        "## Environment",
+        "",
+        "| | |",
+        "|---|---|",
+        *[f"| {key} | {value} |" for key, value in (environment or {}).items()],
+        "",
+        "## Host cost per call (world size 1)",
+        "",
+        *_host_cost(out_dir, ["cuda"] if gpu else ["cpu"]),
+        "## Kernel GB/s against a device copy of the same bytes",
+        "",
+        *(_kernels(out_dir) if gpu else ["(no GPU: not measured)", ""]),
+        "## Training a ~160M-parameter GPT on one GPU (bf16)",
+        "",
+        *(_training(out_dir) if gpu else ["(no GPU: not measured)"]),
+    ]
+    failed = [r for r in results if not r.passed]
+    if failed:
+        lines += ["", "## Log tails of the parts that did not pass"]
+        for r in failed:
+            lines += ["", f"### {r.stage.name}: {r.status}", "", "```", tail(r.log), "```"]
+    return "\n".join(lines) + "\n"

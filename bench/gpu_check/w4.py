@@ -1,0 +1,324 @@
+"""World size 4 on one machine: zcomm's hierarchical collectives and ZeRO++ on 2 nodes x 2 ranks, one device.
+
+``python -m bench.gpu_check.w4 --device {cuda,cpu} --json PATH`` starts 4 rank processes,
+joined in a **gloo** process group and laid out as ``Topology(world_size=4, local_size=2)``
+(2 pretend nodes of 2 ranks). One GPU cannot host two ranks of one NCCL communicator
+("Duplicate GPU detected"), but gloo runs its collectives on CUDA tensors (it stages them
+through the host), also on subgroups; so with ``--device cuda`` every rank keeps its
+tensors on ``cuda:0`` and zcomm's CUDA kernels run on them, with W > 1: both hops of the
+two-hop reduce-scatter, the tensor-slice reordering, the pipelined stages, hpZ blocks,
+stream ordering between zcomm's streams and the caller's. What this does not exercise is
+NCCL itself (its rings, peer-to-peer copies, its stream semantics): the collectives stage
+of gpu-check covers NCCL at world size 1 only.
+
+Oracle: each rank runs every collective twice on the same group, once on ``--device``
+tensors and once on CPU tensors (zcomm's ``cpu`` backend, or ``--cpu-backend``), and the
+outputs must be **byte-identical** (the wire format is exact: the same quantized bytes,
+the same full-precision reductions between hops). Each CPU output is also held against a
+plain ``torch.distributed`` collective in fp64 within a loose analytic bound on the
+quantization error (an INT8 step is absmax/127, an INT4 step absmax/7 per hop), which
+catches a CPU path that is wrong in the same way as the device path. Cases:
+``all_gather_q8`` (1 and 4 stages), ``reduce_scatter_q4`` and ``reduce_scatter_q4_coalesced``
+(1 and 4 stages, INT4 and INT8 first hop, with and without the Hadamard rotation), bf16
+and fp32, sync and async; then 3 steps of zero_runtime's ZeRO++ (stage 3 with qwZ + hpZ over
+pairs of ranks + qgZ) on a small GPT on ``--device`` and on the CPU, whose global-batch
+losses must agree within ``ZEROPP_RTOL`` (see ``tests/runtime/test_zero_cuda.py``'s
+[Note: CPU/CUDA bounds] for why 1e-3).
+
+With ``--device cpu`` both sides are CPU tensors: the same launcher, ranks and checks, so a
+CPU machine proves the wiring (the CUDA variant differs only by the device). Exit status
+0 when every check passed, 1 when one failed, 2 when ``--device cuda`` has no GPU. The
+parent waits at most ``--timeout`` seconds and reports ranks that crashed or hung by rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD, LOCAL = 4, 2
+ZEROPP_RTOL = 1e-3
+STEPS = 3
+# Loose bounds on ||quantized - exact|| / ||exact|| for normal inputs: an INT8 level is
+# absmax/127 (absmax ~ 4 sigma over a group), rounding error ~ level/sqrt(12) per element
+# (~0.01 sigma); INT4 levels are absmax/7 (~0.17 sigma), two hops of them at most ~0.35.
+GATHER_BOUND, REDUCE_BOUND = 0.05, 0.35
+BACKEND_VARIABLE = "ZCOMM_BACKEND"
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# torch 2.13 renamed the flat all-gather (the old name warns)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@contextlib.contextmanager
+def _backend(name: str | None) -> Iterator[None]:
+    """zcomm's quantization backend inside the block (None: the environment's, else the device's)."""
+    saved = os.environ.get(BACKEND_VARIABLE)
+    if name is not None:
+        os.environ[BACKEND_VARIABLE] = name
+    try:
+        yield
+    finally:
+        os.environ.pop(BACKEND_VARIABLE, None)
+        if saved is not None:
+            os.environ[BACKEND_VARIABLE] = saved
+
+
+def _inputs(seed: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(numel, generator=generator) * (1 + dist.get_rank())).to(dtype)
+
+
+def _wait(handle: Any) -> None:
+    if handle is not None:
+        handle.wait()
+
+
+def _rel_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((approx.double() - exact).norm() / exact.norm().clamp_min(1e-30))
+
+
+def _same_bytes(device_out: Sequence[torch.Tensor], cpu_out: Sequence[torch.Tensor]) -> tuple[bool, float]:
+    """Whether the outputs are byte-identical, and their largest absolute difference."""
+    same, diff = True, 0.0
+    for a, b in zip(device_out, cpu_out):
+        a = a.cpu()
+        same &= torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        diff = max(diff, float((a.double() - b.double()).abs().max()))
+    return same, diff
+
+
+def _gather_case(topology, dtype: torch.dtype, stages: int, async_op: bool):
+    import zcomm
+
+    x = _inputs(11, 5000, dtype)
+
+    def run(on: torch.device) -> list[torch.Tensor]:
+        out = torch.empty(WORLD * x.numel(), dtype=dtype, device=on)
+        _wait(zcomm.all_gather_q8(out, x.to(on), None, async_op, pipeline_stages=stages, topology=topology))
+        return [out]
+
+    exact = torch.empty(WORLD * x.numel(), dtype=torch.float64)
+    _all_gather_single(exact, x.double())
+    return run, exact, GATHER_BOUND
+
+
+def _reduce_case(topology, dtype: torch.dtype, stages: int, async_op: bool, *,
+                 coalesced: bool, first_hop_bits: int, hadamard: int | None):  # fmt: skip
+    import zcomm
+
+    numels = (WORLD * 4096, WORLD * 1000, WORLD * 256) if coalesced else (WORLD * 8192,)
+    xs = [_inputs(23 + i, n, dtype) for i, n in enumerate(numels)]
+    options = dict(pipeline_stages=stages, topology=topology, first_hop_bits=first_hop_bits, hadamard_block=hadamard)
+
+    def run(on: torch.device) -> list[torch.Tensor]:
+        ins = [x.to(on) for x in xs]
+        outs = [torch.empty(x.numel() // WORLD, dtype=dtype, device=on) for x in xs]
+        if coalesced:
+            _wait(zcomm.reduce_scatter_q4_coalesced(outs, ins, dist.ReduceOp.SUM, None, async_op, **options))
+        else:
+            _wait(zcomm.reduce_scatter_q4(outs[0], ins[0], dist.ReduceOp.SUM, None, async_op, **options))
+        return outs
+
+    exact = []
+    for x in xs:
+        total = x.double()
+        dist.all_reduce(total)  # gloo: SUM on fp64, then this rank's slice
+        exact.append(total.view(WORLD, -1)[dist.get_rank()])
+    return run, torch.cat(exact), REDUCE_BOUND
+
+
+def _cases(dtypes: Sequence[str]) -> list[tuple[str, Callable, dict]]:
+    cases = []
+    for short in dtypes:
+        dtype = DTYPES[short]
+        for stages in (1, 4):
+            async_op = stages == 4
+            cases.append((f"all_gather_q8 {short} stages={stages}", _gather_case,
+                          dict(dtype=dtype, stages=stages, async_op=async_op)))  # fmt: skip
+            for coalesced in (False, True):
+                for bits, hadamard in ((4, None), (8, None), (4, 256)):
+                    name = (f"reduce_scatter_q4{'_coalesced' if coalesced else ''} {short} stages={stages} "
+                            f"first_hop=INT{bits}{' hadamard=256' if hadamard else ''}")  # fmt: skip
+                    cases.append((name, functools.partial(_reduce_case, coalesced=coalesced, first_hop_bits=bits,
+                                                          hadamard=hadamard),
+                                  dict(dtype=dtype, stages=stages, async_op=async_op)))  # fmt: skip
+    return cases
+
+
+def _collective_checks(device: torch.device, cpu_backend: str | None, dtypes: Sequence[str]) -> list[dict]:
+    import zcomm
+
+    topology = zcomm.Topology(world_size=WORLD, local_size=LOCAL)
+    results = []
+    for name, make, options in _cases(dtypes):
+        try:
+            run, exact, bound = make(topology, **options)
+            on_device = run(device)
+            with _backend(cpu_backend):
+                on_cpu = run(torch.device("cpu"))
+            same, diff = _same_bytes(on_device, on_cpu)
+            error = _rel_error(torch.cat([t.reshape(-1) for t in on_cpu]), exact)
+            ok = same and error <= bound
+            detail = f"bytes {'identical' if same else f'DIFFER (max |diff| {diff:.3g})'}; rel. error vs fp64 {error:.4f} (bound {bound})"
+        except Exception:  # a failing case is reported by name; the others still run
+            ok, detail = False, traceback.format_exc(limit=4).strip().splitlines()[-1]
+        results.append({"check": name, "ok": ok, "detail": detail})
+    return results
+
+
+def _train(device: torch.device, topology) -> list[float]:
+    """Global-batch losses of ``STEPS`` steps of ZeRO++ on a small GPT (same weights and batches on every rank)."""
+    import zero_runtime
+
+    from bench.train.models import GPTConfig, TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab_size=256, seq_len=32, d_model=64, n_heads=4, n_layers=2)).to(device)
+    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "zero_quantized_weights": True,
+                                    "zero_quantized_gradients": True, "zero_hpz_partition_size": LOCAL}}  # fmt: skip
+    sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+    model, opt = zero_runtime.initialize(model, sgd, config, topology=topology)
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, 256, (2 * WORLD, 33), generator=generator)
+        loss = model.loss(tokens.view(WORLD, 2, 33)[dist.get_rank()].to(device))
+        opt.backward(loss)
+        opt.step()
+        losses.append(loss.detach().double().cpu())
+    total = torch.stack(losses)
+    dist.all_reduce(total)
+    opt.close()
+    return (total / WORLD).tolist()
+
+
+def _runtime_check(device: torch.device, cpu_backend: str | None) -> dict:
+    import zcomm
+
+    topology = zcomm.Topology(world_size=WORLD, local_size=LOCAL)
+    name = f"zero_runtime ZeRO++ (qwZ + hpZ 2 + qgZ), {STEPS} steps, fp32"
+    try:
+        on_device = _train(device, topology)
+        with _backend(cpu_backend):
+            on_cpu = _train(torch.device("cpu"), topology)
+        worst = max(abs(a - b) / abs(b) for a, b in zip(on_device, on_cpu))
+        ok = worst <= ZEROPP_RTOL and all(map(math.isfinite, on_device))
+        detail = f"losses {['%.5f' % v for v in on_device]} vs CPU {['%.5f' % v for v in on_cpu]}; max rel. diff {worst:.2e} (bound {ZEROPP_RTOL})"
+    except Exception:
+        ok, detail = False, traceback.format_exc(limit=4).strip().splitlines()[-1]
+    return {"check": name, "ok": ok, "detail": detail}
+
+
+def _rank_main(rank: int, port: int, device_name: str, cpu_backend: str | None, dtypes: Sequence[str],
+               results: Any) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or WORLD) // WORLD))
+    try:
+        store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+        device = torch.device(device_name, 0) if device_name == "cuda" else torch.device("cpu")
+        # TF32 would make the device side round differently from the CPU side
+        torch.backends.cuda.matmul.allow_tf32 = False
+        checks = _collective_checks(device, cpu_backend, dtypes) + [_runtime_check(device, cpu_backend)]
+        results.put((rank, True, checks))
+        store.add("w4/done", 1)  # [Note: teardown] of tests/spawn_harness.py: leave together, no gloo teardown
+        deadline = time.monotonic() + 30
+        while store.add("w4/done", 0) < WORLD and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        # a Queue's put returns before its feeder thread has written: flush it before leaving
+        results.close()
+        results.join_thread()
+        sys.stdout.flush()
+        os._exit(0)
+
+
+def run_ranks(device: str, cpu_backend: str | None, timeout: float,
+              dtypes: Sequence[str] = tuple(DTYPES)) -> tuple[list[dict], list[str]]:
+    """Every rank's checks (rank 0's list, with each check failed where any rank failed it) and problems by rank."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    procs = [context.Process(target=_rank_main, args=(rank, store.port, device, cpu_backend, tuple(dtypes), results), daemon=True)
+             for rank in range(WORLD)]  # fmt: skip
+    for proc in procs:
+        proc.start()
+    reports: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    while len(reports) < WORLD and time.monotonic() < deadline:
+        try:
+            rank, ok, value = results.get(timeout=1.0)
+            reports[rank] = (ok, value)
+        except Exception:  # queue.Empty: see whether a rank died without reporting
+            if any(not p.is_alive() and r not in reports for r, p in enumerate(procs)) and results.empty():
+                time.sleep(1.0)
+                if results.empty():
+                    break
+    for proc in procs:
+        proc.join(timeout=max(0.0, min(30.0, deadline - time.monotonic())))
+        if proc.is_alive():
+            proc.kill()
+    problems = []
+    for rank, proc in enumerate(procs):
+        if rank not in reports:
+            problems.append(f"rank {rank} reported nothing (exit code {proc.exitcode}; negative: a signal; None: "
+                            f"killed after the {timeout:.0f} s limit)")  # fmt: skip
+        elif not reports[rank][0]:
+            problems.append(f"rank {rank} raised:\n{reports[rank][1]}")
+    per_rank = [reports[r][1] for r in sorted(reports) if reports[r][0]]
+    merged = []
+    for index, check in enumerate(per_rank[0] if per_rank else []):
+        failed = [r for r, checks in enumerate(per_rank) if not checks[index]["ok"]]
+        detail = check["detail"] if not failed else f"failed on rank(s) {failed}: " + per_rank[failed[0]][index]["detail"]
+        merged.append({**check, "ok": not failed and len(per_rank) == WORLD, "detail": detail})
+    return merged, problems
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check.w4", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--cpu-backend", default=None, help="zcomm backend of the CPU side (default: the CPU's)")
+    parser.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), default=list(DTYPES))
+    parser.add_argument("--json", type=Path, help="write the checks as JSON")
+    parser.add_argument("--timeout", type=float, default=200.0, help="seconds the ranks may take (default 200)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("w4: --device cuda, but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+    checks, problems = run_ranks(args.device, args.cpu_backend, args.timeout, args.dtypes)
+    seconds = time.monotonic() - start
+    for check in checks:
+        print(f"{'ok  ' if check['ok'] else 'FAIL'} {check['check']}: {check['detail']}")
+    for problem in problems:
+        print(f"FAIL {problem}")
+    passed = bool(checks) and not problems and all(c["ok"] for c in checks)
+    print(f"w4: {sum(c['ok'] for c in checks)} of {len(checks)} checks passed on {WORLD} ranks "
+          f"({WORLD // LOCAL} nodes x {LOCAL}), device {args.device}, gloo, {seconds:.0f} s")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({"device": args.device, "world_size": WORLD, "local_size": LOCAL,
+                                         "backend": "gloo", "seconds": seconds, "checks": checks,
+                                         "problems": problems, "passed": passed}, indent=1) + "\n")  # fmt: skip
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""``make gpu-bench`` on a CPU machine: the CPU part runs, the GPU parts are planned right.
+
+The host-cost tool is written by others; here a small stand-in with its declared CLI
+(``--device {cpu,cuda} --sizes LIST --json PATH``) checks the wiring: the command the plan
+builds, the JSON the report reads, the exit status. The GPU parts' commands are parsed by
+the real tools' parsers, so a flag that does not exist fails here, not on a GPU lease.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from bench import kernels
+from bench.gpu_bench import driver, plan, report
+from bench.train import cli as train_cli
+from bench.train.models import TinyGPT
+
+_FAKE_HOST_COST = '''
+import argparse, json
+parser = argparse.ArgumentParser()
+parser.add_argument("--device", choices=("cpu", "cuda"), required=True)
+parser.add_argument("--sizes", default="1M,16M")
+parser.add_argument("--json", required=True)
+args = parser.parse_args()
+rows = [{"op": op, "size": size, "device": args.device, "host_us": 1.5, "sync_us": 2.25}
+        for size in args.sizes.split(",") for op in ("quantize", "clone")]
+json.dump({"rows": rows}, open(args.json, "w"))
+print("measured", len(rows), "rows")
+'''
+
+
+@pytest.fixture
+def fake_tool(tmp_path, monkeypatch):
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "fake_host_cost.py").write_text(_FAKE_HOST_COST)
+    monkeypatch.syspath_prepend(str(tools))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tools), os.environ.get("PYTHONPATH")])))
+    return "fake_host_cost"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_on_a_cpu_machine_the_cpu_part_runs_and_the_exit_says_no_gpu(tmp_path, fake_tool):
+    out = tmp_path / "bench"
+    assert driver.main(["--out", str(out)], host_cost=fake_tool) == driver.EXIT_NO_GPU
+    text = (out / "report.md").read_text()
+    assert text.startswith("# zcomm gpu-bench: COMPLETE, CPU part only (no GPU) (1 of 1 parts passed)")
+    assert "| op | size | device | host_us | sync_us |" in text and "| quantize | 1M | cpu | 1.5 | 2.25 |" in text
+    assert "16M" not in text.split("## Host cost")[1].split("## Kernel")[0]  # the CPU part stays small
+    assert "(no GPU: not measured)" in text and f"| torch | {torch.__version__} |" in text
+    assert sorted(p.name for p in out.iterdir()) == ["environment.json", "host-cost-cpu.log", "host_cost_cpu.json", "report.md"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_a_missing_tool_is_named_and_fails_the_run(tmp_path):
+    out = tmp_path / "bench"
+    assert driver.main(["--out", str(out)], host_cost="no_such_tool_zcomm") == driver.EXIT_FAILED
+    text = (out / "report.md").read_text()
+    assert "INCOMPLETE" in text.splitlines()[0]
+    assert "`python -m no_such_tool_zcomm`: not available in this checkout" in text
+
+
+def _args(stage, module: str) -> list[str]:
+    argv = list(stage.argv)
+    return argv[argv.index(module) + 1 :]
+
+
+def test_the_gpu_plan_fits_its_budget_and_its_commands_parse(tmp_path, fake_tool):
+    stages, absent = plan.plan(tmp_path, gpu=True, host_cost=fake_tool)
+    assert absent == []
+    names = [s.name for s in stages]
+    assert names[:2] == ["host-cost-cuda", "train"] and len(names) == 2 + 6
+    assert sum(s.limit_s for s in stages) + 10 <= plan.TOTAL_BUDGET_S <= 3.6 * 60
+    host = _args(stages[0], fake_tool)
+    assert host[:4] == ["--device", "cuda", "--sizes", "1M,16M"] and host[4] == "--json"
+    train = train_cli.build_parser().parse_args(_args(stages[1], "bench.train"))
+    assert [c.name for c in train_cli.chosen_configs(train)] == list(plan.TRAIN_CONFIGS)
+    shape = train_cli.model_config(train)
+    assert (shape.d_model, shape.n_layers, shape.n_heads, shape.seq_len, train.batch, train.dtype) == (1024, 12, 16, 512, 8, "bf16")
+    with torch.device("meta"):
+        params = sum(p.numel() for p in TinyGPT(shape).parameters())
+    assert 140e6 < params < 180e6
+    seen = set()
+    for stage in stages[2:]:
+        parsed = kernels.build_parser().parse_args(_args(stage, "bench.kernels"))
+        assert parsed.device == ["cuda"] and parsed.backends == ["cuda"] and set(parsed.dtype) == {"bf16", "fp32"}
+        seen.add((parsed.numel, parsed.group_size))
+    assert seen == {(n << 20, g) for n in (16, 64, 256) for g in (256, 512)}
+
+
+def test_report_tables_from_rows_and_training():
+    assert report.rows_table([{"a": 1, "b": 0.123456}, {"a": 2, "c": None}]) == [
+        "| a | b | c |", "|---|---|---|", "| 1 | 0.1235 | - |", "| 2 | - | - |"]
+
+
+def test_training_table_gives_ratios_to_zero3(tmp_path):
+    import json
+
+    rows = [{"config": "zero3", "status": "ok", "median_step_s": 0.04, "val_loss": 2.5, "train_losses": [3.0, 2.6], "note": ""},
+            {"config": "zeropp", "status": "ok", "median_step_s": 0.09, "val_loss": 2.51, "train_losses": [3.0, 2.61], "note": ""},
+            {"config": "fsdp2", "status": "failed", "median_step_s": None, "val_loss": None, "train_losses": [], "note": "boom"}]
+    (tmp_path / "train.json").write_text(json.dumps({"meta": {}, "results": rows}))
+    table = report._training(tmp_path)
+    assert "| zero3 | ok | 40 | 1.00x | 2.5 | 2.6 |  |" in table
+    assert "| zeropp | ok | 90 | 2.25x | 2.51 | 2.61 |  |" in table
+    assert "| fsdp2 | failed | - | - | - | - | boom |" in table
