@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .lr_schedules import SCHEDULES
+from ._config_keys import did_you_mean, unknown_keys_error
 
 _DEEPSPEED_ONLY_OPTIMIZERS = ("lamb", "onebitadam", "onebitlamb", "zerooneadam", "lion", "muadam", "muadamw",
                               "musgd", "muon", "adamw8bit")
@@ -37,9 +38,9 @@ _SECTION_KEYS = {"type", "params"}
 def _section(spec: Any, name: str) -> tuple[str, dict[str, Any]]:
     if not isinstance(spec, Mapping):
         raise TypeError(f"config section {name!r} must be a mapping, got {type(spec).__name__}")
-    unknown = sorted(set(spec) - _SECTION_KEYS)
+    unknown = set(spec) - _SECTION_KEYS
     if unknown:
-        raise ValueError(f"unknown config keys: {', '.join(f'{name}.{k}' for k in unknown)}")
+        raise unknown_keys_error(name, unknown, _SECTION_KEYS)
     kind = spec.get("type")
     if not isinstance(kind, str):
         raise ValueError(f"{name}.type must be a string naming the {name}, got {kind!r}")
@@ -78,7 +79,8 @@ def _check_params(owner: Callable, params: Mapping[str, Any], where: str, skip: 
     accepted = [name for name in inspect.signature(owner).parameters if name not in skip]
     unknown = sorted(set(params) - set(accepted))
     if unknown:
-        raise ValueError(f"unknown {where} parameters: {', '.join(unknown)} (accepted: {', '.join(accepted)})")
+        named = ", ".join(f"{k}{did_you_mean(k, accepted)}" for k in unknown)
+        raise ValueError(f"unknown {where} parameters: {named} (accepted: {', '.join(accepted)})")
 
 
 def check_optimizer(spec: Any) -> None:
