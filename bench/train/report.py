@@ -118,8 +118,8 @@ COLUMN_LEGEND = (
     "wire MB/step: inter-node bytes sent per measured step, summed over the nodes (10^6 bytes)",
     "wire ms: the busiest node's inter-node bytes per step (larger direction) / the measured link throughput",
     "wire %: wire ms / step ms (near 100: communication-bound, near 0: compute-bound)",
-    "mem MiB: the largest rank's model-state bytes (parameters, gradients, optimizer states) as its engine "
-    "reports them, on a GPU torch's peak allocation; n/a where it cannot tell (DeepSpeed on a CPU)",
+    "mem MiB: the largest rank's peak model-state bytes (parameters, gradients, optimizer states) as its "
+    "engine reports them (FSDP2 and DeepSpeed on a GPU: torch's peak allocation); n/a: DeepSpeed on a CPU",
     "loss first / loss last: train loss (nats per byte, mean over ranks) of the first and last step; "
     "val loss: on the held-out files after the last step",
 )
