@@ -33,8 +33,8 @@ def test_snippet_runs_as_written_on_two_gloo_ranks(index, local_size, tmp_path):
     script.write_text(SNIPPETS[index])
     env = dict(os.environ, ZCOMM_LOCAL_SIZE=local_size, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    result = subprocess.run(launch, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     if index == 0:  # every rank prints its byte counts: across nodes only when there are two
         crossed = re.findall(r"inter_bytes=(\d+)", result.stdout)

@@ -179,14 +179,16 @@ def test_swap_file_removed_after_an_uncaught_exception(tmp_path):
 
 
 def test_unwritable_or_missing_path_is_a_clear_error(tmp_path, single_process):
-    missing = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "no")}}}
+    missing = {"zero_optimization": {"stage": 2,
+                                     "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "no")}}}
     with pytest.raises(ValueError, match="not an existing directory"):
         initialize_one_rank(make_model("mlp"), missing)
     if os.geteuid() != 0:  # root writes anywhere
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
         with pytest.raises(ValueError, match="not writable"):
-            config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(locked)}}}
+            config = {"zero_optimization": {"stage": 2,
+                                            "offload_optimizer": {"device": "nvme", "nvme_path": str(locked)}}}
             initialize_one_rank(make_model("mlp"), config)
 
 
@@ -245,7 +247,8 @@ def test_non_adam_optimizer_is_rejected(single_process):
 
 @pytest.mark.parametrize("bad, match", [
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "disk"}}}, "device"),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, "offload_optimizer.ratio"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
+     "offload_optimizer.ratio"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}, "nvme_path"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/x", "buffer_count": 2}}},
      "buffer_count"),

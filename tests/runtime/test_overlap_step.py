@@ -231,7 +231,8 @@ def test_failure_after_updates_refuses_until_a_checkpoint_is_loaded(tmp_path, si
 def test_refused_where_an_update_needs_every_gradient(extra, match):
     from zero_runtime import ZeroConfig
 
-    config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "zcomm_overlap_step": True}}, **extra}
+    config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "zcomm_overlap_step": True}},
+              **extra}
     with pytest.raises(ValueError, match=match):
         ZeroConfig.from_dict(config)
 

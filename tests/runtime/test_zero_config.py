@@ -45,7 +45,8 @@ def test_unknown_keys_are_all_listed_with_the_nearest_known_key():
 @pytest.mark.parametrize("bad, message", [
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"devcie": "cpu"}}},
      "zero_optimization.offload_optimizer.devcie \\(did you mean zero_optimization.offload_optimizer.device\\?\\)"),
-    ({"zero_optimization": {"stage": 3}, "aio": {"queue_dept": 4}}, "aio.queue_dept \\(did you mean aio.queue_depth\\?\\)"),
+    ({"zero_optimization": {"stage": 3}, "aio": {"queue_dept": 4}},
+     "aio.queue_dept \\(did you mean aio.queue_depth\\?\\)"),
     ({"zero_optimization": {"stage": 3}, "activation_checkpointing": {"cpu_checkpoint": True}},
      "activation_checkpointing.cpu_checkpoint \\(did you mean activation_checkpointing.cpu_checkpointing\\?\\)"),
     ({"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "parms": {}}},
@@ -143,7 +144,8 @@ def test_stage3_keys_take_deepspeeds_defaults_and_json_numbers():
               parsed.prefetch_bucket_size, parsed.reduce_bucket_size, parsed.fuse_numel)
     assert values == (10_000, 300_000_000, 0, 5_000_000, 200_000, 0)
     assert all(type(value) is int for value in values)
-    assert plain.overlap_comm and not ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "overlap_comm": False}}).overlap_comm
+    assert plain.overlap_comm
+    assert not ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "overlap_comm": False}}).overlap_comm
     # As in DeepSpeed, the stage-3 keys are accepted, and have no effect, below stage 3.
     assert ZeroConfig.from_dict({"zero_optimization": {"stage": 2, "stage3_max_live_parameters": 1e9}}).stage == 2
 
