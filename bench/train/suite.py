@@ -193,7 +193,7 @@ def report(
 ) -> None:
     env = ctx.env
     title = (f"{env.num_nodes} node(s) x {env.local_size} rank(s), {facts.precision.dtype}, "
-             f"batch {args.batch} x {args.seq_len}")  # fmt: skip
+             f"global batch {args.batch} sequences x {args.seq_len} tokens")  # fmt: skip
     sizes = ", ".join(f"{model} {count:,} params" for model, count in params.items() if count is not None)
     print(f"bench.train: {title}; {sizes}")
     print(
