@@ -2,8 +2,11 @@
 
 ``ZeroConfig`` is the validated, typed form. ``ZeroConfig.from_dict`` accepts the subset of
 DeepSpeed's JSON schema this runtime implements, under DeepSpeed's own key names, and rejects
-every other key with an error that lists them: a misspelt key must never silently fall back
-to a default and change training.
+every other key with an error that lists them (each with the nearest known key): a misspelt
+key must never silently fall back to a default and change training. For the same reason it
+never runs a config differently from how DeepSpeed would read it: Hugging Face's ``"auto"``
+anywhere is an error naming its key path, and a config without ``zero_optimization.stage``
+(DeepSpeed's stage 0) is an error rather than some other stage.
 """
 
 from __future__ import annotations
