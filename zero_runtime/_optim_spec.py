@@ -71,7 +71,10 @@ def _optimizer_class(kind: str, params: dict[str, Any]) -> tuple[type[torch.opti
                          "optimizer to initialize()")
     cls = getattr(torch.optim, kind, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ValueError(f"optimizer.type {kind!r} is neither Adam, AdamW, Adagrad nor a torch.optim optimizer class")
+        names = {n for n, c in vars(torch.optim).items()
+                 if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer}
+        raise ValueError(f"optimizer.type {kind!r} is neither Adam, AdamW, Adagrad nor a torch.optim optimizer "
+                         f"class{did_you_mean(kind, names)}")
     return cls, params
 
 
@@ -97,7 +100,8 @@ def check_scheduler(spec: Any) -> None:
         raise ValueError(f"scheduler.type {kind!r} is not implemented in zero_runtime; implemented: "
                          f"{', '.join(SCHEDULES)} (or build a torch scheduler on opt.optimizer yourself)")
     if kind not in SCHEDULES:
-        raise ValueError(f"scheduler.type {kind!r} is not one of DeepSpeed's schedules {', '.join(SCHEDULES)}")
+        raise ValueError(f"scheduler.type {kind!r} is not one of DeepSpeed's schedules {', '.join(SCHEDULES)}"
+                         f"{did_you_mean(kind, SCHEDULES)}")
     _check_params(SCHEDULES[kind], params, f"scheduler.params for {kind}", ("self", "optimizer"))
 
 

@@ -110,7 +110,9 @@ def test_without_batch_sizes_accumulation_stays_as_given():
 @pytest.mark.parametrize("bad, message", [
     ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, "'Lamb' is one of DeepSpeed's own optimizers"),
     ({"optimizer": {"type": "OneBitAdam"}}, "'OneBitAdam' is one of DeepSpeed's own optimizers"),
-    ({"optimizer": {"type": "Adamm"}}, "'Adamm' is neither Adam, AdamW, Adagrad nor a torch.optim"),
+    ({"optimizer": {"type": "Adamm"}}, "'Adamm' is neither Adam, AdamW, Adagrad nor a torch.optim.*did you mean Adam"),
+    ({"optimizer": {"type": "RMSProp"}}, "did you mean RMSprop\\?"),
+    ({"scheduler": {"type": "WarmupLr"}}, "not one of DeepSpeed's schedules.*did you mean WarmupLR\\?"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betaz": [0.9, 0.99]}}},
      "unknown optimizer.params for AdamW parameters: betaz"),
     ({"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}}, "use the top-level 'gradient_clipping'"),
