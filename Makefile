@@ -42,14 +42,20 @@ install: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml
 	@if [ ! -x $(PY) ]; then \
-	  if python3 -c 'import torch' >/dev/null 2>&1; then python3 -m venv --system-site-packages $(VENV); \
+	  if python3 -c 'import torch' >/dev/null 2>&1; then \
+	    echo "install: $(VENV)/ sees this python's torch ($$(python3 -c 'import torch; print(torch.__version__)'))"; \
+	    python3 -m venv --system-site-packages $(VENV); \
 	  else python3 -m venv $(VENV); fi; \
 	fi
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c 'import torch' >/dev/null 2>&1 || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,hf,mpi,bench]'
-	$(PY) -c 'import cupy' >/dev/null 2>&1 || $(PY) -m pip install -q 'cupy-cuda13x>=14' 'nvidia-cuda-nvrtc==13.0.*'
-	touch $@
+	@$(PY) -m pip install -q --upgrade pip
+	@$(PY) -c 'import torch' >/dev/null 2>&1 || { echo "install: torch 2.13.0, the CPU build"; $(PY) -m pip install -q torch==2.13.0; }
+	@echo "install: zcomm from this checkout (editable) with pytest, transformers, mpich/mpi4py, tqdm, matplotlib"
+	@$(PY) -m pip install -q -e '.[dev,hf,mpi,bench]'
+	@$(PY) -c 'import cupy' >/dev/null 2>&1 || { \
+	  echo "install: cupy + NVRTC (about 160 MB), even without a GPU: NVRTC compiles the CUDA kernels on the CPU so the tests can check what they compile to"; \
+	  $(PY) -m pip install -q 'cupy-cuda13x>=14' 'nvidia-cuda-nvrtc==13.0.*'; }
+	@touch $@
+	@echo "install: done ($(VENV)/)"
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

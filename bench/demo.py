@@ -3,19 +3,26 @@
 ``python -m bench.demo`` (or ``training``) trains the same TinyGPT on the same real text
 under ZeRO-3, ZeRO++ (qwZ + hpZ + qgZ), torch FSDP2 and DeepSpeed ZeRO-3, one after another
 in one launch, and also hands DeepSpeed its own ZeRO++ keys to show what it does with them
-(on a CPU it raises; the row shows DeepSpeed's error). It prints ``bench.train``'s table,
-which states the CPU, the precision (bf16 only where the hardware computes in it, else
-fp32 for every configuration) and each row's wire share, and then the measured speedup
-and inter-node byte ratio of ZeRO++ over each other configuration and of our ZeRO-3 over
-DeepSpeed's. DeepSpeed is optional (``make peers``): without it its rows say so and the
-rest runs. Every engine gets the same optimizer, precision, batch and gradient clipping.
-The model shape (3.3M parameters, 64 tokens per rank and step) is the regime ZeRO++ is
-for: a small per-GPU batch on a slow inter-node link, where communication dominates the
-step. It takes a few minutes on 2 cores.
+(on a CPU it raises: the row says "expected failure" and why, once). Each configuration
+prints one progress line (step i of n, seconds so far, an estimate of the rest). Then
+``bench.train``'s table, which states the CPU, the precision (bf16 only where the hardware
+computes in it, else fp32 for every configuration) and each row's wire share, with one line
+explaining each column, and the measured speedup and inter-node byte ratio of ZeRO++ over
+each other configuration and of our ZeRO-3 over DeepSpeed's. DeepSpeed is optional
+(``make peers``): without it its rows say so and the rest runs. Every engine gets the same
+optimizer, precision, batch and gradient clipping. The model shape (3.2M parameters, a
+global batch of 4 sequences x 64 tokens) is the regime ZeRO++ is for: a small per-GPU batch
+on a slow inter-node link, where communication dominates the step.
+
+The results are kept in a folder named at the end (``--out DIR``; default
+``demo-results/<UTC time>/`` under the current directory): ``train.json`` (every row and the
+run's facts), ``results.md`` (the table, one line per column, the ratios), ``demo.png``
+(step time and inter-node bytes per configuration) and ``bench.train``'s
+``loss_vs_step.png`` and ``step_time.png``.
 
 ``python -m bench.demo collectives`` runs the collectives suite instead: bf16, 1 MiB to
 64 MiB, torch's collectives against zcomm's, ``reduce_scatter_q4`` with one and with four
-pipeline stages (a few minutes).
+pipeline stages (a few minutes; printed, not kept).
 
 Without root or iproute2 either job warns and runs under mpirun on plain loopback, with
 ``ZCOMM_LOCAL_SIZE=2`` so zcomm still sees two nodes (but no link is limited or counted).
@@ -23,25 +30,24 @@ Without root or iproute2 either job warns and runs under mpirun on plain loopbac
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
-import tempfile
+import time
 from pathlib import Path
 
+from .demo_report import TRAIN_CONFIGS, markdown, plot, training_summary
 from .harness.checkout import checkout_environment
 from .simcluster.launcher import missing_prerequisite
 
 NUM_NODES, LOCAL_SIZE, RATE = 2, 2, "200mbit"
 COLLECTIVES = ("-m", "bench.collectives", "-b", "1M", "-e", "64M", "-f", "2", "-n", "2", "-w", "1",
                "-d", "bfloat16", "--stages", "1,4")  # fmt: skip
-TRAIN_CONFIGS = ("zero3", "zeropp", "fsdp2", "deepspeed-z3", "deepspeed-zeropp")
-# (ours, theirs): the ratios printed after the table, each when both rows ran.
-COMPARISONS = (*(("zeropp", name) for name in TRAIN_CONFIGS if name != "zeropp"), ("zero3", "deepspeed-z3"))
 TRAINING = ("-m", "bench.train", "--configs", *TRAIN_CONFIGS, "--d-model", "256", "--n-layers", "4",
             "--batch", "4", "--seq-len", "64", "--steps", "20", "--warmup", "3")  # fmt: skip
-
+KEPT = ("train.json", "results.md", "demo.png", "loss_vs_step.png", "step_time.png")
 
 def command(job: tuple[str, ...], simulated: bool) -> list[str]:
     ranks = [sys.executable, *job]
@@ -59,46 +65,51 @@ def _run(argv: list[str]) -> int:
     return subprocess.run(argv, env=env, check=False).returncode
 
 
-def _ratio_line(ours: dict, other: dict) -> str:
-    speedup = other["median_step_s"] / ours["median_step_s"]
-    pace = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
-    line = f"{ours['config']} vs {other['config']:6s}: step time {pace}"
-    if ours["wire_tx_bytes_per_step"] is not None and other["wire_tx_bytes_per_step"]:
-        line += f", inter-node wire bytes {ours['wire_tx_bytes_per_step'] / other['wire_tx_bytes_per_step']:.3f}x"
-    return line
+def default_out_dir(now: float | None = None) -> Path:
+    """``demo-results/<UTC time>`` under the current directory (a new folder per run)."""
+    return Path("demo-results") / time.strftime("%Y%m%d-%H%M%SZ", time.gmtime(now))
 
 
-def training_summary(results: list[dict]) -> list[str]:
-    """The measured step-time speedup and wire-byte ratio of each comparison whose rows both ran,
-    then why any configuration did not run."""
-    rows = {row["config"]: row for row in results if row["status"] == "ok"}
-    if "zeropp" not in rows:
-        return ["zeropp did not run: no comparison"]
-    lines = [_ratio_line(rows[ours], rows[other]) for ours, other in COMPARISONS if ours in rows and other in rows]
-    lines += [f"{row['config']} {row['status']}: {row['note']}" for row in results if row["status"] != "ok"]
-    return lines
+def keep_results(out: Path, shown_command: str) -> list[str]:
+    """Write ``results.md`` and ``demo.png`` next to the run's ``train.json``; return the summary lines."""
+    payload = json.loads((out / "train.json").read_text())
+    (out / "results.md").write_text(markdown(payload, shown_command))
+    meta = payload["meta"]
+    title = f"make demo: {meta['num_nodes']} nodes x {meta['local_size']} ranks, {meta['precision']}, {meta['cpu']}"
+    plot(payload["results"], out / "demo.png", title)
+    return training_summary(payload["results"])
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.demo", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("job", nargs="?", choices=("training", "collectives"), default="training")
+    parser.add_argument("--out", type=Path, help="folder for the training job's results (default: "
+                        "demo-results/<UTC time>/)")  # fmt: skip
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    job = (argv if argv is not None else sys.argv[1:]) or ["training"]
-    if job in (["-h"], ["--help"]):
-        print(__doc__)
-        return 0
-    if job not in (["training"], ["collectives"]):
-        print("usage: python -m bench.demo [training|collectives]", file=sys.stderr)
-        return 2
+    args = _parse(sys.argv[1:] if argv is None else argv)
     problem = missing_prerequisite()
     if problem:
         print(f"WARNING: {problem}\nWARNING: running on plain loopback: no 200 Mbit/s link, no wire bytes.", file=sys.stderr)
-    if job == ["collectives"]:
+    if args.job == "collectives":
         return _run(command(COLLECTIVES, simulated=problem is None))
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "train.json"
-        code = _run(command((*TRAINING, "--json", str(out)), simulated=problem is None))
-        if code == 0:
-            print("\n# ZeRO++ against the others, measured in this run")
-            print("\n".join(training_summary(json.loads(out.read_text())["results"])))
-    return code
+    out = (args.out or default_out_dir()).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    job = (*TRAINING, "--json", str(out / "train.json"), "--plot-dir", str(out))
+    argv = command(job, simulated=problem is None)
+    print(f"# {len(TRAIN_CONFIGS)} configurations, one after another; results go to {out}", flush=True)
+    code = _run(argv)
+    if code != 0 or not (out / "train.json").exists():
+        print(f"# the training run failed (status {code}); nothing kept in {out}", file=sys.stderr)
+        return code or 1
+    summary = keep_results(out, "make demo  # " + " ".join(argv))
+    print("\n# ZeRO++ against the others, measured in this run")
+    print("\n".join(summary))
+    print(f"\n# results kept in {out}/: {', '.join(name for name in KEPT if (out / name).exists())}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ def prologue_coalesced(
 
 def _resolve_group(group: dist.ProcessGroup | None, topology: Topology | None) -> GroupInfo:
     if not dist.is_initialized():
-        raise ValueError("torch.distributed is not initialized: call init_process_group first")
+        raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
     group = group if group is not None else dist.group.WORLD
     rank = dist.get_rank(group)
     if rank < 0:

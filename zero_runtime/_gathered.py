@@ -70,9 +70,9 @@ class GatheredParameters:
         if not all(isinstance(p, torch.Tensor) for p in params):
             raise TypeError("GatheredParameters takes a parameter, an iterable of parameters or an nn.Module")
         if any(is_partitioned(p) for p in params):
-            raise ValueError("GatheredParameters got parameters built under zero_runtime.Init and not yet handed "
-                             "to zero_runtime.initialize(); call initialize() first, or change them inside a "
-                             "zero_runtime.Init() block (in-place calls there see the full values)")
+            raise RuntimeError("GatheredParameters got parameters built under zero_runtime.Init and not yet handed "
+                               "to zero_runtime.initialize(); call initialize() first, or change them inside a "
+                               "zero_runtime.Init() block (in-place calls there see the full values)")
         owners = {id(o): o for o in (owner_of(p) for p in params) if o is not None}
         if len(owners) > 1:
             raise ValueError("the parameters belong to several zero_runtime runs; gather each run's separately")

@@ -31,6 +31,10 @@ from ._state import TrainingState
 
 
 class MemoryReport(NamedTuple):
+    """Bytes of model state held by this rank, by category (every field is in bytes).
+    ``print(report)`` shows each in MiB with its byte count; ``total`` is the training
+    device's share (the offloaded fields are not in it)."""
+
     parameters: int
     gradients: int
     optimizer_states: int
@@ -43,6 +47,13 @@ class MemoryReport(NamedTuple):
     def total(self) -> int:
         return self.parameters + self.gradients + self.optimizer_states + self.secondary_parameters + \
             self.error_feedback
+
+    def __str__(self) -> str:
+        fields = [*self._fields[:5], "total", *self._fields[5:]]
+        width = max(map(len, fields))
+        lines = [f"  {name:<{width}} {getattr(self, name) / 2**20:12.3f} MiB  ({getattr(self, name):,} bytes)"
+                 for name in fields]
+        return "\n".join(["MemoryReport (model-state bytes on this rank; offloaded_* are not in total):", *lines])
 
 
 def measure(state: TrainingState, *, secondary_bytes: int, error_feedback_bytes: int = 0) -> MemoryReport:

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
+from ._config_keys import unknown_keys_error
+
 OffloadDevice = Literal["none", "cpu", "nvme"]
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's sub_group_size
 
@@ -156,9 +158,9 @@ def _strict(cls, section: str, value: Any):
     if not isinstance(value, Mapping):
         raise TypeError(f"config section {section!r} must be a mapping, got {type(value).__name__}")
     known = set(cls.__dataclass_fields__)
-    unknown = sorted(f"{section}.{k}" for k in value if k not in known)
+    unknown = [k for k in value if k not in known]
     if unknown:
-        raise ValueError(f"unknown config keys: {', '.join(unknown)}")
+        raise unknown_keys_error(section, unknown, known)
     return cls(**value)
 
 

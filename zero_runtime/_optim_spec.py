@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .lr_schedules import SCHEDULES
+from ._config_keys import did_you_mean, unknown_keys_error
 
 _DEEPSPEED_ONLY_OPTIMIZERS = ("lamb", "onebitadam", "onebitlamb", "zerooneadam", "lion", "muadam", "muadamw",
                               "musgd", "muon", "adamw8bit")
@@ -37,9 +38,9 @@ _SECTION_KEYS = {"type", "params"}
 def _section(spec: Any, name: str) -> tuple[str, dict[str, Any]]:
     if not isinstance(spec, Mapping):
         raise TypeError(f"config section {name!r} must be a mapping, got {type(spec).__name__}")
-    unknown = sorted(set(spec) - _SECTION_KEYS)
+    unknown = set(spec) - _SECTION_KEYS
     if unknown:
-        raise ValueError(f"unknown config keys: {', '.join(f'{name}.{k}' for k in unknown)}")
+        raise unknown_keys_error(name, unknown, _SECTION_KEYS)
     kind = spec.get("type")
     if not isinstance(kind, str):
         raise ValueError(f"{name}.type must be a string naming the {name}, got {kind!r}")
@@ -70,7 +71,10 @@ def _optimizer_class(kind: str, params: dict[str, Any]) -> tuple[type[torch.opti
                          "optimizer to initialize()")
     cls = getattr(torch.optim, kind, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ValueError(f"optimizer.type {kind!r} is neither Adam, AdamW, Adagrad nor a torch.optim optimizer class")
+        names = {n for n, c in vars(torch.optim).items()
+                 if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer}
+        raise ValueError(f"optimizer.type {kind!r} is neither Adam, AdamW, Adagrad nor a torch.optim optimizer "
+                         f"class{did_you_mean(kind, names)}")
     return cls, params
 
 
@@ -78,7 +82,8 @@ def _check_params(owner: Callable, params: Mapping[str, Any], where: str, skip: 
     accepted = [name for name in inspect.signature(owner).parameters if name not in skip]
     unknown = sorted(set(params) - set(accepted))
     if unknown:
-        raise ValueError(f"unknown {where} parameters: {', '.join(unknown)} (accepted: {', '.join(accepted)})")
+        named = ", ".join(f"{k}{did_you_mean(k, accepted)}" for k in unknown)
+        raise ValueError(f"unknown {where} parameters: {named} (accepted: {', '.join(accepted)})")
 
 
 def check_optimizer(spec: Any) -> None:
@@ -95,7 +100,8 @@ def check_scheduler(spec: Any) -> None:
         raise ValueError(f"scheduler.type {kind!r} is not implemented in zero_runtime; implemented: "
                          f"{', '.join(SCHEDULES)} (or build a torch scheduler on opt.optimizer yourself)")
     if kind not in SCHEDULES:
-        raise ValueError(f"scheduler.type {kind!r} is not one of DeepSpeed's schedules {', '.join(SCHEDULES)}")
+        raise ValueError(f"scheduler.type {kind!r} is not one of DeepSpeed's schedules {', '.join(SCHEDULES)}"
+                         f"{did_you_mean(kind, SCHEDULES)}")
     _check_params(SCHEDULES[kind], params, f"scheduler.params for {kind}", ("self", "optimizer"))
 
 

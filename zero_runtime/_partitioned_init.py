@@ -228,7 +228,8 @@ class Init:
     def __enter__(self) -> "Init":
         global _ACTIVE
         if not dist.is_initialized():
-            raise RuntimeError("zero_runtime.Init needs torch.distributed: call init_process_group first")
+            raise RuntimeError("torch.distributed is not initialized: zero_runtime.Init needs it; call "
+                               "init_process_group first")
         if _ACTIVE is not None:
             raise RuntimeError("zero_runtime.Init blocks do not nest")
         self.group = self.group if self.group is not None else dist.group.WORLD

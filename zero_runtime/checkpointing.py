@@ -34,6 +34,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ._config_keys import unknown_keys_error
+
 
 @dataclass(frozen=True, kw_only=True)
 class ActivationCheckpointingConfig:
@@ -58,9 +60,9 @@ class ActivationCheckpointingConfig:
     def from_dict(cls, section: Mapping[str, Any]) -> "ActivationCheckpointingConfig":
         if not isinstance(section, Mapping):
             raise TypeError(f"config section 'activation_checkpointing' must be a mapping, got {type(section).__name__}")
-        unknown = sorted(f"activation_checkpointing.{k}" for k in section if k not in cls.__dataclass_fields__)
+        unknown = [k for k in section if k not in cls.__dataclass_fields__]
         if unknown:
-            raise ValueError(f"unknown config keys: {', '.join(unknown)}")
+            raise unknown_keys_error("activation_checkpointing", unknown, cls.__dataclass_fields__)
         return cls(**section)
 
 

@@ -2,8 +2,11 @@
 
 ``ZeroConfig`` is the validated, typed form. ``ZeroConfig.from_dict`` accepts the subset of
 DeepSpeed's JSON schema this runtime implements, under DeepSpeed's own key names, and rejects
-every other key with an error that lists them: a misspelt key must never silently fall back
-to a default and change training.
+every other key with an error that lists them (each with the nearest known key): a misspelt
+key must never silently fall back to a default and change training. For the same reason it
+never runs a config differently from how DeepSpeed would read it: Hugging Face's ``"auto"``
+anywhere is an error naming its key path, and a config without ``zero_optimization.stage``
+(DeepSpeed's stage 0) is an error rather than some other stage.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from zcomm import check_first_hop_bits, check_hadamard_block
 from zcomm.quant import QuantSpec
 
 from . import _optim_spec
+from ._config_keys import describe_unknown, unknown_keys_error
 from .checkpointing import ActivationCheckpointingConfig
 from ._offload_config import (DEFAULT_SUB_GROUP_SIZE, AioConfig, OffloadOptimizerConfig, OffloadParamConfig,
                               aio_config, integral_count, offload_optimizer_config, offload_param_config)
@@ -143,9 +147,9 @@ class LocoConfig:
         if not isinstance(value, Mapping):
             raise TypeError(f"zeropp_loco_param must be a dict like {{\"err_beta\": 0.8, \"reset_T\": 1024}}, "
                             f"got {value!r}")
-        unknown = sorted(set(value) - {"err_beta", "reset_T"})
+        unknown = set(value) - {"err_beta", "reset_T"}
         if unknown:
-            raise ValueError(f"unknown config keys: {', '.join(f'zero_optimization.zeropp_loco_param.{k}' for k in unknown)}")
+            raise unknown_keys_error("zero_optimization.zeropp_loco_param", unknown, ("err_beta", "reset_T"))
         return cls(**value)
 # -----------------------------------------------------------------------------------------------
 
@@ -166,6 +170,10 @@ class LocoConfig:
 @dataclass(frozen=True, kw_only=True)
 class ZeroConfig:
     """Everything that changes what the runtime computes or communicates.
+
+    ``stage`` (1, 2 or 3) has no default: DeepSpeed's default is stage 0, plain data
+    parallelism, which this runtime does not implement, so a config that leaves the stage
+    out is refused rather than run at another stage than DeepSpeed would.
 
     Element counts are in parameter elements (DeepSpeed's unit); DeepSpeed's JSON accepts
     them as integral floats (``1e9``), and so does this class. ``gradient_clipping == 0``
@@ -240,7 +248,7 @@ class ZeroConfig:
     None.
     """
 
-    stage: int = 2
+    stage: int  # no default: DeepSpeed's is stage 0, which this runtime does not have
     precision: Precision = "fp32"
     reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE
     overlap_comm: bool = True
@@ -282,7 +290,8 @@ class ZeroConfig:
             object.__setattr__(self, "activation_checkpointing",
                                ActivationCheckpointingConfig.from_dict(self.activation_checkpointing))
         if self.stage not in (1, 2, 3):
-            raise ValueError(f"zero_optimization.stage must be 1, 2 or 3, got {self.stage!r}")
+            raise ValueError(f"zero_optimization.stage must be 1, 2 or 3, got {self.stage!r}"
+                             + (f": {_STAGE_0} is not implemented by zero_runtime" if self.stage == 0 else ""))
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {self.precision!r}")
         self._check_counts()
@@ -439,22 +448,22 @@ class ZeroConfig:
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> "ZeroConfig":
-        """Parse a DeepSpeed-style dict; unknown keys raise ValueError naming all of them,
-        DeepSpeed's performance hints are accepted and reported once as ignored (one warning
-        naming them; see ``_deepspeed_extras``)."""
+        """Parse a DeepSpeed-style dict. Hugging Face's ``"auto"`` anywhere is an error naming
+        its key path; unknown keys raise one ValueError naming all of them (with the closest
+        known key of their section); a config without ``zero_optimization.stage`` is an error
+        saying what DeepSpeed would run. DeepSpeed's performance hints are accepted and
+        reported once as ignored (one warning naming them; see ``_deepspeed_extras``)."""
         if not isinstance(config, Mapping):
             raise TypeError(f"config must be a mapping, got {type(config).__name__}")
+        _reject_hf_auto(config)
         config = _legacy_zero_flag(config)
         ignored = _deepspeed_extras(config)
-        unknown = [k for k in config if k not in _TOP_KEYS and k not in ignored]
         zero = _section(config, "zero_optimization")
-        unknown += [f"zero_optimization.{k}" for k in zero
-                    if k not in _ZERO_KEYS and f"zero_optimization.{k}" not in ignored]
         bf16, fp16 = _section(config, "bf16"), _section(config, "fp16")
-        unknown += [f"bf16.{k}" for k in bf16 if k != "enabled"]
-        unknown += [f"fp16.{k}" for k in fp16 if k not in _FP16_KEYS and f"fp16.{k}" not in ignored]
-        if unknown:
-            raise ValueError(f"unknown config keys: {', '.join(sorted(unknown))}")
+        _reject_unknown(config, zero, bf16, fp16, ignored)
+        if "stage" not in zero:
+            raise ValueError(f"zero_optimization.stage is not set: DeepSpeed would run {_STAGE_0}, which "
+                             f"zero_runtime does not implement; {_SET_STAGE}")
         if bf16.get("enabled") and fp16.get("enabled"):
             raise ValueError("bf16.enabled and fp16.enabled are both true; pick one")
         precision = "bf16" if bf16.get("enabled") else "fp16" if fp16.get("enabled") else "fp32"
@@ -515,6 +524,12 @@ _DEFAULT_ONLY = {
 }
 
 
+# DeepSpeed's stage 0, and what to write instead, for the errors that refuse it.
+_STAGE_0 = ("stage 0 (plain data parallelism: every rank keeps the whole model, its gradients and optimizer "
+            "states, and gradients are all-reduced)")
+_SET_STAGE = "set zero_optimization.stage to 1, 2 or 3 (stage 1 partitions only the optimizer states)"
+
+
 def _legacy_zero_flag(config: Mapping[str, Any]) -> Mapping[str, Any]:
     """DeepSpeed's old ``"zero_optimization": true`` (its getting-started example) is stage 1;
     false is its stage 0 (plain data parallelism), which this runtime does not have."""
@@ -522,25 +537,17 @@ def _legacy_zero_flag(config: Mapping[str, Any]) -> Mapping[str, Any]:
     if not isinstance(flag, bool):
         return config
     if not flag:
-        raise ValueError("zero_optimization false is DeepSpeed's stage 0 (no ZeRO), which zero_runtime does not "
-                         "implement; use stage 1, 2 or 3")
+        raise ValueError(f"zero_optimization false is DeepSpeed's {_STAGE_0}, which zero_runtime does not "
+                         f"implement; {_SET_STAGE}")
     return {**config, "zero_optimization": {"stage": 1}}
 
 
 def _deepspeed_extras(config: Mapping[str, Any]) -> set[str]:
     """The dotted names of the DeepSpeed keys in ``config`` that are accepted and ignored.
-    Raises for a hint at a value other than DeepSpeed's default, and for Hugging Face's
-    ``"auto"`` placeholders (its Trainer fills them in before DeepSpeed parses the config)."""
+    Raises for a hint at a value other than DeepSpeed's default."""
     sections = {"": config}
     for name in ("zero_optimization", "fp16"):
         sections[f"{name}."] = _section(config, name)
-    auto = [f"{prefix}{k}" for prefix, section in sections.items() for k, v in section.items() if v == "auto"]
-    auto += [f"{name}.params.{k}" for name in ("optimizer", "scheduler")
-             if isinstance(config.get(name), Mapping) and isinstance(config[name].get("params"), Mapping)
-             for k, v in config[name]["params"].items() if v == "auto"]
-    if auto:
-        raise ValueError(f"'auto' is a Hugging Face Trainer placeholder, not a DeepSpeed value; give values for: "
-                         f"{', '.join(sorted(auto))}")
     ignored = {k for k in config if k in _IGNORED_TOP_KEYS}
     ignored |= {f"zero_optimization.{k}" for k in sections["zero_optimization."] if k in _IGNORED_ZERO_KEYS}
     for key, default in _DEFAULT_ONLY.items():
@@ -552,6 +559,48 @@ def _deepspeed_extras(config: Mapping[str, Any]) -> set[str]:
                                  f"default, {default!r})")
             ignored.add(key)
     return ignored
+
+
+# [Note: Hugging Face "auto"] Hugging Face's Trainer replaces every "auto" in a DeepSpeed
+# config (at any depth: bf16.enabled, optimizer.params.lr, zero_optimization.*, ...) before
+# DeepSpeed reads it; DeepSpeed itself has no such value. A truthy "auto" read as a value
+# would silently turn options on (bf16.enabled "auto" would mean bf16), so every one is an
+# error naming its key path. The only "auto" that is a value here is zcomm's own
+# aio.zcomm_direct_io, which Hugging Face does not know.
+_AUTO_IS_A_VALUE = frozenset({"aio.zcomm_direct_io"})
+
+
+def _auto_paths(value: Any, path: str) -> list[str]:
+    if isinstance(value, Mapping):
+        return [p for k, v in value.items() for p in _auto_paths(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in _auto_paths(v, f"{path}[{i}]")]
+    return [path] if isinstance(value, str) and value == "auto" and path not in _AUTO_IS_A_VALUE else []
+
+
+def _reject_hf_auto(config: Mapping[str, Any]) -> None:
+    auto = _auto_paths(config, "")
+    if auto:
+        raise ValueError(f"'auto' is a Hugging Face Trainer placeholder, not a DeepSpeed value; give values for: "
+                         f"{', '.join(sorted(auto))}")
+
+
+def _reject_unknown(config: Mapping[str, Any], zero: Mapping[str, Any], bf16: Mapping[str, Any],
+                    fp16: Mapping[str, Any], ignored: set[str]) -> None:
+    """One error naming every unknown key of the top level, ``zero_optimization``, ``bf16``
+    and ``fp16``, each with the closest key its section knows (or ignores)."""
+    known = {"": _TOP_KEYS | _IGNORED_TOP_KEYS | {k for k in _DEFAULT_ONLY if "." not in k},
+             "zero_optimization": set(_ZERO_KEYS) | _IGNORED_ZERO_KEYS
+             | {k.partition(".")[2] for k in _DEFAULT_ONLY if k.startswith("zero_optimization.")},
+             "bf16": {"enabled"},
+             "fp16": set(_FP16_KEYS) | {k.partition(".")[2] for k in _DEFAULT_ONLY if k.startswith("fp16.")}}
+    unknown = []
+    for name, section in (("", config), ("zero_optimization", zero), ("bf16", bf16), ("fp16", fp16)):
+        path = f"{name}." if name else ""
+        unknown += [(f"{path}{k}", describe_unknown(name, k, known[name])) for k in section
+                    if k not in known[name] and f"{path}{k}" not in ignored]
+    if unknown:
+        raise ValueError(f"unknown config keys: {', '.join(text for _, text in sorted(unknown))}")
 
 
 def _section(config: Mapping[str, Any], name: str) -> Mapping[str, Any]:

@@ -79,6 +79,8 @@ class TrainConfig:
         hadamard_block: qgZ's Hadamard rotation block (``zcomm_qgz_hadamard_block``,
             zero_runtime only), or None for none.
         summary: one line for ``--help`` and TRAINING.md.
+        fails_on_cpu: why the engine is known to raise for this configuration on a CPU (the
+            row then reads "expected failure" with this reason), or None.
     """
 
     name: str
@@ -93,6 +95,7 @@ class TrainConfig:
     first_hop_bits: int | None = None
     hadamard_block: int | None = None
     summary: str
+    fails_on_cpu: str | None = None
 
     def __post_init__(self) -> None:
         if self.engine not in ("zero", "fsdp2", "deepspeed"):
@@ -197,6 +200,7 @@ CONFIGS: dict[str, TrainConfig] = _configs(
         hpz=True,
         quantized_gradients=True,
         summary="DeepSpeed ZeRO-3 with its own ZeRO++ keys (qwZ + hpZ + qgZ)",
+        fails_on_cpu="DeepSpeed's ZeRO++ quantizer is CUDA-only, it has no CPU build",
     ),
 )
 

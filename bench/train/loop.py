@@ -73,8 +73,9 @@ class LoopSettings:
 class ConfigResult:
     """What one configuration measured.
 
-    ``status`` is "ok", "skipped" (an optional dependency is missing) or "failed" (a peer
-    engine raised); ``note`` then says why. ``wire_busiest_bytes_per_step`` is the busiest
+    ``status`` is "ok", "skipped" (an optional dependency is missing), "failed" (a peer
+    engine raised) or "expected failure" (it raised where it is known to, e.g. DeepSpeed's
+    ZeRO++ on a CPU); ``note`` then says why. ``wire_busiest_bytes_per_step`` is the busiest
     node's larger direction; ``wire_time_s`` and ``wire_fraction`` (of the median step) are
     None without wire counters or a measured link throughput.
     """
@@ -176,15 +177,17 @@ def run_config(
     ctx: DistContext,
     settings: LoopSettings,
     link_bytes_per_s: float | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> ConfigResult:
     """Train one configuration from the seed and measure it; collective, call on every rank.
 
     ``link_bytes_per_s`` is the measured throughput of one node's link (None: no wire time).
+    ``on_step(step)`` is called after each step (1-based), e.g. to print progress.
     """
     torch.manual_seed(settings.seed)
     runner = make_runner()
     meter = WireMeter(ctx)
-    log = _train(runner, meter, corpus, ctx, settings)
+    log = _train(runner, meter, corpus, ctx, settings, on_step)
     row = _summarize(name, model, log, runner.memory(), meter.totals(), ctx, settings)
     if row.wire_busiest_bytes_per_step is not None and link_bytes_per_s:
         row.wire_time_s = row.wire_busiest_bytes_per_step / link_bytes_per_s
@@ -192,7 +195,8 @@ def run_config(
     return row
 
 
-def _train(runner: Runner, meter: WireMeter, corpus: ByteCorpus, ctx: DistContext, settings: LoopSettings) -> _RankLog:
+def _train(runner: Runner, meter: WireMeter, corpus: ByteCorpus, ctx: DistContext, settings: LoopSettings,
+           on_step: Callable[[int], None] | None = None) -> _RankLog:
     val_batches = corpus.val_batches(batch=settings.batch, num_batches=settings.eval_batches)
     log = _RankLog()
     for step in range(settings.steps):
@@ -203,6 +207,8 @@ def _train(runner: Runner, meter: WireMeter, corpus: ByteCorpus, ctx: DistContex
         began = time.perf_counter()
         log.losses.append(runner.train_step(tokens))
         log.times.append(time.perf_counter() - began)
+        if on_step is not None:
+            on_step(step + 1)
         if _eval_due(step + 1, settings):
             measuring = step >= settings.warmup
             if measuring:

@@ -110,9 +110,18 @@ def _line(row: ConfigResult) -> str:
     )
 
 
-WIRE_LEGEND = (
-    "wire ms: the busiest node's inter-node bytes per step (larger direction) / the measured link throughput; "
-    "wire %: wire ms / step ms (near 100: communication-bound, near 0: compute-bound)"
+# One line per column, printed under the table and written under the demo's markdown table.
+COLUMN_LEGEND = (
+    "config: the configuration (bench/TRAINING.md); model: the model trained",
+    "step ms: median over the measured steps (after the warm-up) of the slowest rank's step time",
+    "tokens/s: global (all ranks together): global batch x sequence length / median step time",
+    "wire MB/step: inter-node bytes sent per measured step, summed over the nodes (10^6 bytes)",
+    "wire ms: the busiest node's inter-node bytes per step (larger direction) / the measured link throughput",
+    "wire %: wire ms / step ms (near 100: communication-bound, near 0: compute-bound)",
+    "mem MiB: the largest rank's peak model-state bytes (parameters, gradients, optimizer states) as its "
+    "engine reports them (FSDP2 and DeepSpeed on a GPU: torch's peak allocation); n/a: DeepSpeed on a CPU",
+    "loss first / loss last: train loss (nats per byte, mean over ranks) of the first and last step; "
+    "val loss: on the held-out files after the last step",
 )
 
 
@@ -122,8 +131,8 @@ def format_table(rows: list[ConfigResult]) -> str:
 
 
 def format_report(rows: list[ConfigResult], facts: RunFacts) -> str:
-    """The run's facts, the table and the legend of its wire columns."""
-    return "\n".join([*facts.header(), format_table(rows), WIRE_LEGEND])
+    """The run's facts, the table and one line explaining each column."""
+    return "\n".join([*facts.header(), format_table(rows), *COLUMN_LEGEND])
 
 
 def write_json(path: str | Path, rows: list[ConfigResult], meta: dict[str, Any]) -> None:

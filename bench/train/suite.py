@@ -36,6 +36,7 @@ from .data import ByteCorpus, TextDataConfig
 from .deepspeed_runner import DeepSpeedRunner
 from .fsdp2_runner import FSDP2Runner
 from .loop import ConfigResult, LoopSettings, run_config
+from .progress import StepProgress
 from .models import GPTConfig, ModelSpec, model_spec
 from .report import RunFacts, format_report, write_json, write_plots
 from .runner import EngineFailed, Runner, Unavailable
@@ -110,15 +111,30 @@ def run_model(
         return [ConfigResult(config=c.name, model=model, status="skipped", note=str(note)) for c in configs], None
     rows = []
     for config in configs:
-        _progress(ctx, f"{model}: {config.name}")
         make = runner_factory(config, spec, facts.engine_configs[config.name], ctx, args, facts.precision)
+        progress = StepProgress(f"{model}: {config.name}", settings.steps) if ctx.env.rank == 0 else None
         try:
-            rows.append(run_config(config.name, model, make, corpus, ctx, settings, facts.link_bytes_per_s))
+            rows.append(run_config(config.name, model, make, corpus, ctx, settings, facts.link_bytes_per_s,
+                                   on_step=progress))
         except Unavailable as note:
             rows.append(ConfigResult(config=config.name, model=model, status="skipped", note=str(note)))
         except EngineFailed as note:
-            rows.append(ConfigResult(config=config.name, model=model, status="failed", note=str(note)))
+            rows.append(failed_row(config, model, note, ctx.device))
+        if progress is not None and rows[-1].status != "ok":
+            _progress(ctx, f"{model}: {config.name}: {rows[-1].status} (see the table)")
     return rows, sum(p.numel() for p in spec.build().parameters())
+
+
+def failed_row(config: TrainConfig, model: str, failure: EngineFailed, device: torch.device) -> ConfigResult:
+    """A configuration whose engine raised: "expected failure" with the known reason and the
+    error's first line when the configuration is known to fail on this device, else "failed"
+    with the whole description (where the engine raised it)."""
+    if config.fails_on_cpu and device.type == "cpu":
+        cause = failure.__cause__ or failure
+        said = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+        return ConfigResult(config=config.name, model=model, status="expected failure",
+                            note=f"{config.fails_on_cpu} (it raised {said})")
+    return ConfigResult(config=config.name, model=model, status="failed", note=str(failure))
 
 
 def _progress(ctx: DistContext, message: str) -> None:
@@ -177,7 +193,7 @@ def report(
 ) -> None:
     env = ctx.env
     title = (f"{env.num_nodes} node(s) x {env.local_size} rank(s), {facts.precision.dtype}, "
-             f"batch {args.batch} x {args.seq_len}")  # fmt: skip
+             f"global batch {args.batch} sequences x {args.seq_len} tokens")  # fmt: skip
     sizes = ", ".join(f"{model} {count:,} params" for model, count in params.items() if count is not None)
     print(f"bench.train: {title}; {sizes}")
     print(

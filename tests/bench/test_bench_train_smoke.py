@@ -184,5 +184,6 @@ def test_deepspeed_is_the_same_math_as_ours(tmp_path: Path, checkout_env: dict[s
     assert rows["fsdp2"]["train_losses"] == pytest.approx(ours, rel=1e-5)
     assert result["meta"]["engine_configs"]["deepspeed-z3"]["gradient_clipping"] == 0.05
     zeropp = rows["deepspeed-zeropp"]
-    assert zeropp["status"] == "ok" or (zeropp["status"] == "failed" and " raised " in zeropp["note"])
+    assert zeropp["status"] == "ok" or (zeropp["status"] == "expected failure" and "CUDA-only" in zeropp["note"]
+                                        and " raised " in zeropp["note"])
     assert f"DeepSpeed: {result['meta']['deepspeed']}" in stdout

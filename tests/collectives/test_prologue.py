@@ -57,7 +57,7 @@ def test_bad_arguments_fail_before_any_communication(gloo_world, call, error, ma
 
 def test_the_collectives_need_an_initialized_process_group():
     assert not dist.is_initialized()
-    with pytest.raises(ValueError, match="torch.distributed is not initialized"):
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
         ag(torch.empty(4), X)
 
 

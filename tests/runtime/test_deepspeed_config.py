@@ -82,7 +82,7 @@ def test_documented_configs_parse_and_name_the_ignored_hints():
     (32, 4, 2, 4, (32, 4, 2)),  # three given: checked
 ])
 def test_batch_arithmetic_follows_deepspeed(batch, micro, accum, world, expected):
-    config = ZeroConfig(train_batch_size=batch, train_micro_batch_size_per_gpu=micro,
+    config = ZeroConfig(stage=2, train_batch_size=batch, train_micro_batch_size_per_gpu=micro,
                         gradient_accumulation_steps=accum).for_world_size(world)
     assert (config.train_batch_size, config.train_micro_batch_size_per_gpu,
             config.gradient_accumulation_steps) == expected
@@ -96,21 +96,23 @@ def test_batch_arithmetic_follows_deepspeed(batch, micro, accum, world, expected
     (8, 16, None, 1),  # accumulation would be 0
 ])
 def test_batch_arithmetic_mismatch_names_the_numbers(batch, micro, accum, world):
-    config = ZeroConfig(train_batch_size=batch, train_micro_batch_size_per_gpu=micro,
+    config = ZeroConfig(stage=2, train_batch_size=batch, train_micro_batch_size_per_gpu=micro,
                         gradient_accumulation_steps=accum)
     with pytest.raises(ValueError, match=f"x world size \\({world}\\); given: train_batch_size={batch}"):
         config.for_world_size(world)
 
 
 def test_without_batch_sizes_accumulation_stays_as_given():
-    assert ZeroConfig().for_world_size(8).gradient_accumulation_steps == 1
-    assert ZeroConfig(gradient_accumulation_steps=3).for_world_size(8).gradient_accumulation_steps == 3
+    assert ZeroConfig(stage=2).for_world_size(8).gradient_accumulation_steps == 1
+    assert ZeroConfig(stage=2, gradient_accumulation_steps=3).for_world_size(8).gradient_accumulation_steps == 3
 
 
 @pytest.mark.parametrize("bad, message", [
     ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, "'Lamb' is one of DeepSpeed's own optimizers"),
     ({"optimizer": {"type": "OneBitAdam"}}, "'OneBitAdam' is one of DeepSpeed's own optimizers"),
-    ({"optimizer": {"type": "Adamm"}}, "'Adamm' is neither Adam, AdamW, Adagrad nor a torch.optim"),
+    ({"optimizer": {"type": "Adamm"}}, "'Adamm' is neither Adam, AdamW, Adagrad nor a torch.optim.*did you mean Adam"),
+    ({"optimizer": {"type": "RMSProp"}}, "did you mean RMSprop\\?"),
+    ({"scheduler": {"type": "WarmupLr"}}, "not one of DeepSpeed's schedules.*did you mean WarmupLR\\?"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betaz": [0.9, 0.99]}}},
      "unknown optimizer.params for AdamW parameters: betaz"),
     ({"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}}, "use the top-level 'gradient_clipping'"),
@@ -129,11 +131,12 @@ def test_without_batch_sizes_accumulation_stays_as_given():
     ({"communication_data_type": "fp16"}, "communication_data_type = 'fp16' is not supported"),
     ({"zero_optimization": {"stage": 3, "mics_shard_size": 8}}, "mics_shard_size = 8 is not supported"),
     ({"zero_optimization": False}, "stage 0"),
-    ({"steps_per_prnt": 10, "wall_clock_breakdown": False}, "unknown config keys: steps_per_prnt$"),
+    ({"steps_per_prnt": 10, "wall_clock_breakdown": False},
+     "unknown config keys: steps_per_prnt \\(did you mean steps_per_print\\?\\)$"),
 ])
 def test_bad_deepspeed_sections_are_rejected_by_name(bad, message):
     with pytest.raises((ValueError, TypeError), match=message):
-        ZeroConfig.from_dict(bad)
+        ZeroConfig.from_dict({"zero_optimization": {"stage": 2}, **bad})
 
 
 def test_keys_of_other_features_are_parsed_not_ignored():

@@ -179,14 +179,16 @@ def test_swap_file_removed_after_an_uncaught_exception(tmp_path):
 
 
 def test_unwritable_or_missing_path_is_a_clear_error(tmp_path, single_process):
-    missing = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "no")}}}
+    missing = {"zero_optimization": {"stage": 2,
+                                     "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "no")}}}
     with pytest.raises(ValueError, match="not an existing directory"):
         initialize_one_rank(make_model("mlp"), missing)
     if os.geteuid() != 0:  # root writes anywhere
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
         with pytest.raises(ValueError, match="not writable"):
-            config = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": str(locked)}}}
+            config = {"zero_optimization": {"stage": 2,
+                                            "offload_optimizer": {"device": "nvme", "nvme_path": str(locked)}}}
             initialize_one_rank(make_model("mlp"), config)
 
 
@@ -198,7 +200,7 @@ def test_full_path_is_a_clear_error_at_start_up(tmp_path, single_process):
                       capture_output=True).returncode != 0:
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
-        config = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": str(mount)}}}
+        config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(mount)}}}
         with pytest.raises(ValueError, match="has no room"):
             initialize_one_rank(torch.nn.Linear(256, 256), config)
         assert list(mount.iterdir()) == []
@@ -218,7 +220,7 @@ def ramfs(tmp_path):
 
 
 def test_direct_io_required_where_impossible_is_a_clear_error(ramfs, single_process):
-    config = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": str(ramfs)}},
+    config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(ramfs)}},
               "aio": {"zcomm_direct_io": True}}
     with pytest.raises(ValueError, match="does not allow O_DIRECT"):
         initialize_one_rank(make_model("mlp"), config)
@@ -227,7 +229,7 @@ def test_direct_io_required_where_impossible_is_a_clear_error(ramfs, single_proc
 
 def test_direct_io_auto_uses_buffered_io_where_direct_is_impossible(ramfs, tmp_path, single_process):
     for path, direct in ((ramfs, False), (tmp_path, True)):  # tmp_path: ext4 here
-        config = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": str(path)}}}
+        config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(path)}}}
         model, opt = initialize_one_rank(make_model("mlp"), config)
         assert opt.offload.swap.direct is direct or path is tmp_path
         opt.backward(torch.nn.functional.mse_loss(model(torch.randn(4, 12)), torch.randn(4, 5)))
@@ -236,7 +238,7 @@ def test_direct_io_auto_uses_buffered_io_where_direct_is_impossible(ramfs, tmp_p
 
 
 def test_non_adam_optimizer_is_rejected(single_process):
-    config = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+    config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     with pytest.raises(ValueError, match="Adam"):
         initialize_one_rank(make_model("mlp"), config, lambda p: torch.optim.SGD(p, lr=0.1))
     with pytest.raises(ValueError, match="amsgrad"):
@@ -244,14 +246,15 @@ def test_non_adam_optimizer_is_rejected(single_process):
 
 
 @pytest.mark.parametrize("bad, match", [
-    ({"zero_optimization": {"offload_optimizer": {"device": "disk"}}}, "device"),
-    ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, "offload_optimizer.ratio"),
-    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "nvme_path"),
-    ({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x", "buffer_count": 2}}},
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "disk"}}}, "device"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
+     "offload_optimizer.ratio"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}, "nvme_path"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/x", "buffer_count": 2}}},
      "buffer_count"),
-    ({"zero_optimization": {"sub_group_size": 0}}, "sub_group_size"),
-    ({"aio": {"block_size": 1000}}, "block_size"),
-    ({"aio": {"use_gds": True}}, "aio.use_gds"),
+    ({"zero_optimization": {"stage": 2, "sub_group_size": 0}}, "sub_group_size"),
+    ({"zero_optimization": {"stage": 2}, "aio": {"block_size": 1000}}, "block_size"),
+    ({"zero_optimization": {"stage": 2}, "aio": {"use_gds": True}}, "aio.use_gds"),
 ])
 def test_config_errors(bad, match):
     from zero_runtime import ZeroConfig

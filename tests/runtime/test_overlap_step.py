@@ -231,7 +231,8 @@ def test_failure_after_updates_refuses_until_a_checkpoint_is_loaded(tmp_path, si
 def test_refused_where_an_update_needs_every_gradient(extra, match):
     from zero_runtime import ZeroConfig
 
-    config = {"zero_optimization": {"offload_optimizer": {"device": "cpu", "zcomm_overlap_step": True}}, **extra}
+    config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "zcomm_overlap_step": True}},
+              **extra}
     with pytest.raises(ValueError, match=match):
         ZeroConfig.from_dict(config)
 
@@ -240,12 +241,13 @@ def test_static_fp16_scale_is_allowed_and_other_bad_values_refused():
     from zero_runtime import ZeroConfig
 
     ZeroConfig.from_dict({"fp16": {"enabled": True, "loss_scale": 128},
-                          "zero_optimization": {"offload_optimizer": {"device": "cpu", "zcomm_overlap_step": True}}})
+                          "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu",
+                                                                                  "zcomm_overlap_step": True}}})
     with pytest.raises(ValueError, match="needs offload_optimizer.device"):
-        ZeroConfig.from_dict({"zero_optimization": {"offload_optimizer": {"zcomm_overlap_step": True}}})
+        ZeroConfig.from_dict({"zero_optimization": {"stage": 2, "offload_optimizer": {"zcomm_overlap_step": True}}})
     with pytest.raises(TypeError, match="true or false"):
-        ZeroConfig.from_dict({"zero_optimization": {"offload_optimizer": {"device": "cpu",
-                                                                          "zcomm_overlap_step": 1}}})
+        ZeroConfig.from_dict({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu",
+                                                                                    "zcomm_overlap_step": 1}}})
 
 
 # ----- a failed backward without offload (the same change made it recoverable) -----

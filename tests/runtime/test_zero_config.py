@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -28,29 +29,87 @@ def test_deepspeed_dict_maps_to_fields(tmp_path):
     assert (config.gradient_clipping, config.gradient_accumulation_steps) == (1.0, 4)
     assert (config.loss_scale.initial_scale_power, config.loss_scale.loss_scale_window,
             config.loss_scale.hysteresis, config.loss_scale.min_loss_scale) == (8, 50, 1, 2)
-    assert ZeroConfig.from_dict({"bf16": {"enabled": True}}).precision == "bf16"
+    assert ZeroConfig.from_dict({"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}).precision == "bf16"
 
 
-def test_unknown_keys_are_all_listed():
-    with pytest.raises(ValueError, match="unknown config keys: fp16.loss_scael, train_batch_sizes, "
-                                         "zero_optimization.stgae"):
-        ZeroConfig.from_dict({"zero_optimization": {"stgae": 2}, "train_batch_sizes": 8,
+def test_unknown_keys_are_all_listed_with_the_nearest_known_key():
+    with pytest.raises(ValueError) as err:
+        ZeroConfig.from_dict({"zero_optimization": {"stgae": 2}, "train_batch_sizes": 8, "fancy_feature": 1,
                               "fp16": {"enabled": True, "loss_scael": 0}})
+    assert str(err.value) == (
+        "unknown config keys: fancy_feature, fp16.loss_scael (did you mean fp16.loss_scale?), "
+        "train_batch_sizes (did you mean train_batch_size?), zero_optimization.stgae (did you mean "
+        "zero_optimization.stage?)")
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"devcie": "cpu"}}},
+     "zero_optimization.offload_optimizer.devcie \\(did you mean zero_optimization.offload_optimizer.device\\?\\)"),
+    ({"zero_optimization": {"stage": 3}, "aio": {"queue_dept": 4}},
+     "aio.queue_dept \\(did you mean aio.queue_depth\\?\\)"),
+    ({"zero_optimization": {"stage": 3}, "activation_checkpointing": {"cpu_checkpoint": True}},
+     "activation_checkpointing.cpu_checkpoint \\(did you mean activation_checkpointing.cpu_checkpointing\\?\\)"),
+    ({"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "parms": {}}},
+     "optimizer.parms \\(did you mean optimizer.params\\?\\)"),
+    ({"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"weight_decy": 0.1}}},
+     "weight_decy \\(did you mean weight_decay\\?\\)"),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True, "zeropp_loco_param": {"err_bta": 0.5}}},
+     "zeropp_loco_param.err_bta \\(did you mean zero_optimization.zeropp_loco_param.err_beta\\?\\)"),
+    ({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_sav": True}},
+     "did you mean zero_optimization.stage3_gather_16bit_weights_on_model_save\\?"),  # an ignored key is known
+])
+def test_near_miss_keys_in_every_section_say_did_you_mean(bad, message):
+    with pytest.raises(ValueError, match=message):
+        ZeroConfig.from_dict(bad)
+
+
+@pytest.mark.parametrize("config", [
+    {"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}},
+    {"zero_optimization": {"stage": 2}, "fp16": {"enabled": "auto", "loss_scale": 0}},
+    {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": "auto"}}},
+    {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"betas": ["auto", 0.999]}}},
+    {"zero_optimization": {"stage": 2}, "activation_checkpointing": {"number_checkpoints": "auto"}},
+])
+def test_hugging_face_auto_at_any_depth_is_an_error_naming_its_path(config):
+    paths = {"bf16": "bf16.enabled", "fp16": "fp16.enabled", "optimizer": "optimizer.params.betas[0]",
+             "activation_checkpointing": "activation_checkpointing.number_checkpoints"}
+    path = next((v for k, v in paths.items() if k in config), "zero_optimization.offload_optimizer.pin_memory")
+    with pytest.raises(ValueError, match=f"Hugging Face Trainer placeholder.*give values for: {re.escape(path)}$"):
+        ZeroConfig.from_dict(config)
+
+
+def test_auto_is_a_value_only_for_zcomms_own_direct_io_key():
+    config = ZeroConfig.from_dict({"zero_optimization": {"stage": 2}, "aio": {"zcomm_direct_io": "auto"}})
+    assert config.aio.zcomm_direct_io == "auto"
+
+
+@pytest.mark.parametrize("config, message", [
+    ({}, "zero_optimization.stage is not set: DeepSpeed would run stage 0 \\(plain data parallelism"),
+    ({"zero_optimization": {"reduce_bucket_size": 1000}}, "stage is not set: DeepSpeed would run stage 0"),
+    ({"zero_optimization": {"stage": 0}}, "stage must be 1, 2 or 3, got 0: stage 0 \\(plain data parallelism"),
+    ({"zero_optimization": False}, "zero_optimization false is DeepSpeed's stage 0"),
+])
+def test_a_config_without_a_stage_is_refused_saying_deepspeed_would_run_stage_0(config, message):
+    with pytest.raises(ValueError, match=message):
+        ZeroConfig.from_dict(config)
+    with pytest.raises(TypeError, match="stage"):
+        ZeroConfig()  # type: ignore[call-arg]
 
 
 @pytest.mark.parametrize("bad, message", [
     ({"zero_optimization": {"stage": 4}}, "stage must be 1, 2 or 3"),
-    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "pick one"),
-    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be an integer >= 1"),
-    ({"gradient_clipping": -1}, "gradient_clipping must be >= 0"),
-    ({"fp16": {"enabled": True, "hysteresis": 0}}, "hysteresis must be >= 1"),
+    ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "fp16": {"enabled": True}}, "pick one"),
+    ({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 0},
+     "gradient_accumulation_steps must be an integer >= 1"),
+    ({"zero_optimization": {"stage": 2}, "gradient_clipping": -1}, "gradient_clipping must be >= 0"),
+    ({"zero_optimization": {"stage": 2}, "fp16": {"enabled": True, "hysteresis": 0}}, "hysteresis must be >= 1"),
     ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 0}}, "zero_hpz_partition_size must be >= 1"),
     ({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}}, "need zero_optimization.stage 3"),
     ({"zero_optimization": []}, "must be a mapping"),
     ({"zero_optimization": {"stage": 3, "zcomm_stage3_fuse_numel": -1}},
      "zcomm_stage3_fuse_numel must be an integer >= 0"),
     ({"zero_optimization": {"stage": 2, "zcomm_stage3_fuse_numel": 100}}, "zcomm_stage3_fuse_numel needs"),
-    ({"zero_optimization": {"reduce_bucket_size": 0}}, "reduce_bucket_size must be an integer >= 1"),
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": 0}}, "reduce_bucket_size must be an integer >= 1"),
     ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": -1}}, "stage3_prefetch_bucket_size must be"),
     ({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": -1}},
      "stage3_param_persistence_threshold must be an integer >= 0"),
@@ -59,7 +118,7 @@ def test_unknown_keys_are_all_listed():
     ({"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": True}}, "stage3_max_reuse_distance must be"),
     ({"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": "auto"}},
      "placeholder, not a DeepSpeed value; give values for: zero_optimization.stage3_max_reuse_distance"),
-    ({"zero_optimization": {"overlap_comm": "yes"}}, "overlap_comm must be true or false"),
+    ({"zero_optimization": {"stage": 2, "overlap_comm": "yes"}}, "overlap_comm must be true or false"),
     ({"zero_optimization": {"stage": 3, "stage3_param_persistence_thresold": 0}},
      "unknown config keys: zero_optimization.stage3_param_persistence_thresold"),
 ])
@@ -85,7 +144,8 @@ def test_stage3_keys_take_deepspeeds_defaults_and_json_numbers():
               parsed.prefetch_bucket_size, parsed.reduce_bucket_size, parsed.fuse_numel)
     assert values == (10_000, 300_000_000, 0, 5_000_000, 200_000, 0)
     assert all(type(value) is int for value in values)
-    assert plain.overlap_comm and not ZeroConfig.from_dict({"zero_optimization": {"overlap_comm": False}}).overlap_comm
+    assert plain.overlap_comm
+    assert not ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "overlap_comm": False}}).overlap_comm
     # As in DeepSpeed, the stage-3 keys are accepted, and have no effect, below stage 3.
     assert ZeroConfig.from_dict({"zero_optimization": {"stage": 2, "stage3_max_live_parameters": 1e9}}).stage == 2
 

@@ -203,7 +203,7 @@ def _bad_input(rank: int, world: int) -> dict:
         errors["step_without_backward"] = str(err)
     frozen = make_model("mlp").requires_grad_(False)
     try:
-        zero_runtime.initialize(frozen, make_optimizer(), {})
+        zero_runtime.initialize(frozen, make_optimizer(), {"zero_optimization": {"stage": 2}})
     except ValueError as err:
         errors["no_trainable"] = str(err)
     model = make_model("mlp")
@@ -211,7 +211,7 @@ def _bad_input(rank: int, world: int) -> dict:
                                   {"params": model.layers[1:].parameters(), "weight_decay": 0.0}])
     template.param_groups[1]["params"].append(model.layers[0].weight)
     try:
-        zero_runtime.initialize(model, template, {})
+        zero_runtime.initialize(model, template, {"zero_optimization": {"stage": 2}})
     except ValueError as err:
         errors["two_groups"] = str(err)
     return errors

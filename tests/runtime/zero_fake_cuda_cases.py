@@ -134,7 +134,8 @@ def missing_checkpoint() -> dict[str, Any]:
     """A load that fails validation agrees over the group (a CUDA flag on an NCCL group) and
     raises ``CheckpointError``; this rank's own failure needs no host read."""
     with fake_cuda(flags=[]) as probe:
-        model, opt = zero_runtime.initialize(_cuda_model("mlp"), make_optimizer(), {}, topology=ONE_NODE)
+        model, opt = zero_runtime.initialize(_cuda_model("mlp"), make_optimizer(), {"zero_optimization": {"stage": 2}},
+                                             topology=ONE_NODE)
         try:
             opt.load_checkpoint(tempfile.mkdtemp() + "/absent")
             raised = None
@@ -260,7 +261,7 @@ def wrong_devices() -> dict[str, Any]:
         mixed.layers[0] = torch.nn.Linear(12, 20)
         for name, model in (("cpu_on_nccl", make_model("mlp")), ("mixed", mixed)):
             try:
-                zero_runtime.initialize(model, make_optimizer(), {}, topology=ONE_NODE)
+                zero_runtime.initialize(model, make_optimizer(), {"zero_optimization": {"stage": 2}}, topology=ONE_NODE)
                 messages[name] = None
             except ValueError as err:
                 messages[name] = str(err)
