@@ -40,8 +40,8 @@ assert TILE_THREADS == THREADS
 
 _DTYPE_TAG = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
-# perm -> the same perm as a pinned int64 CPU tensor, never freed; see [Note: perm lifetime].
-_PINNED_PERMS: dict[tuple[int, ...], torch.Tensor] = {}
+# (perm, device index) -> the perm as an int64 tensor on that device, never freed; see [Note: perm lifetime].
+_DEVICE_PERMS: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
 
 
 def _ptr(t: torch.Tensor) -> np.uint64:
@@ -92,25 +92,31 @@ def _decoder_blocks(device: torch.device, runs: int) -> int:
 
 
 def _device_perm(perm: Sequence[int], device: torch.device) -> torch.Tensor:
-    """``perm`` as an int64 tensor on ``device``, uploaded on the current stream.
+    """``perm`` as an int64 tensor on ``device``, made once per (perm, device).
 
-    [Note: perm lifetime] The kernel reads the permutation from device memory. Every call
-    uploads it on the caller's current stream from a pinned host copy cached per perm:
-    ``.to(device, non_blocking=True)`` is a cudaMemcpyAsync that does not synchronize the
-    host, and under CUDA-graph capture it becomes a copy node of the graph. The device copy
-    is an ordinary stream-ordered temporary: allocated on the current stream, read by the
-    kernel queued after the copy on that same stream, and not handed to any other stream by
-    torch's caching allocator before that work has run (during capture it belongs to the
-    graph's pool). The pinned host copy is never freed nor written after creation, so every
-    copy in flight and every replay of a captured graph reads valid, complete data. Creating
-    it pins memory once per perm; a warm-up call before a graph capture does that outside
-    the capture (pinning during capture needs torch's pinned allocator to support it).
+    [Note: perm lifetime] The kernel reads the permutation from device memory. The first call
+    for a (perm, device) uploads it with a synchronous copy (the only host synchronization on
+    this path, once per permutation: a collective's permutation depends only on its topology
+    and stage count) and caches the device tensor for the life of the process; it is never
+    written again and never freed. So every later kernel, on any stream, reads complete data
+    without any ordering against the upload, and a CUDA graph captured later replays reads of
+    memory that stays valid: torch's caching allocator never hands the block to anyone else
+    since the cache holds it. The upload itself cannot run during a graph capture (a
+    synchronizing copy is illegal there), so a first use inside a capture raises and asks for
+    the warm-up call that every capture needs anyway (NCCL needs one too).
     """
-    key = tuple(perm)
-    host = _PINNED_PERMS.get(key)
-    if host is None:
-        host = _PINNED_PERMS[key] = torch.tensor(key, dtype=torch.int64).pin_memory()
-    return host.to(device, non_blocking=True)
+    index = loader.device_index(device)
+    key = (tuple(perm), index)
+    cached = _DEVICE_PERMS.get(key)
+    if cached is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "reorder_quantize: the permutation is uploaded to the GPU on its first use, which cannot be "
+                "captured in a CUDA graph; run the collective once before capturing it"
+            )
+        cached = _DEVICE_PERMS[key] = torch.tensor(key[0], dtype=torch.int64).to(torch.device("cuda", index))
+        torch.cuda.current_stream(index).synchronize()
+    return cached
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> None:
@@ -181,7 +187,7 @@ def _device_table(xs: Sequence[torch.Tensor], parts: int) -> torch.Tensor:
     a pinned host tensor from torch's caching host allocator, copied with
     ``non_blocking=True`` (no host synchronization). The allocator records the copy on the
     stream and does not hand the pinned block out again before the copy has run, so
-    dropping the host tensor here is safe. Unlike the permutation's cached pinned copy
+    dropping the host tensor here is safe. Unlike the permutation's cached device copy
     ([Note: perm lifetime]), a per-call host buffer cannot be replayed by a CUDA graph: the
     interleaved form is not graph-capturable; one tensor that fills its parts never needs it.
     """
