@@ -4,8 +4,8 @@
   one per launch (checked on CPU with a stand-in cupy);
 * ``loader.current_raw_stream`` (torch's private ``_cuda_getCurrentRawStream``) gives the
   handle of the public ``torch.cuda.current_stream`` (GPU);
-* the permutation reaches the device once per (perm, device), and a first upload inside a
-  CUDA graph capture is refused with an error that asks for a warm-up (GPU).
+* the permutation reaches the device once per (perm, device) in eager calls; first seen
+  inside a CUDA graph capture it is uploaded by the graph and not cached (GPU).
 """
 
 from __future__ import annotations
@@ -53,14 +53,24 @@ def test_raw_stream_is_torchs_current_stream() -> None:
 
 
 @requires_gpu
-def test_permutation_uploaded_once_and_not_during_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_permutation_uploaded_once_outside_a_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager: one device copy per (perm, device), the same tensor on every later call, also on
+    another stream. First seen inside a capture: a graph-owned copy, not cached."""
     monkeypatch.setattr(cuda_launch, "_DEVICE_PERMS", {})
     device = torch.device("cuda", torch.cuda.current_device())
     first = cuda_launch._device_perm((2, 0, 1), device)
     assert first.device == device and first.tolist() == [2, 0, 1]
     assert cuda_launch._device_perm([2, 0, 1], device) is first
-    graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
-    with torch.cuda.stream(side), pytest.raises(RuntimeError, match="run the collective once before capturing"):
-        with torch.cuda.graph(graph):
-            cuda_launch._device_perm((1, 0), device)
+    with torch.cuda.stream(side):
+        assert cuda_launch._device_perm((2, 0, 1), device) is first
+    torch.cuda.synchronize()
+    assert cuda_launch._device_perm((2, 0, 1), device) is first  # the warm-up call sees the upload done
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = cuda_launch._device_perm((1, 0), device)
+        assert cuda_launch._device_perm((2, 0, 1), device) is first  # seen complete: read directly
+    assert ((1, 0), device.index) not in cuda_launch._DEVICE_PERMS
+    graph.replay()
+    torch.cuda.synchronize()
+    assert captured.tolist() == [1, 0]

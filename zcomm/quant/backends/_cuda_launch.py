@@ -40,8 +40,21 @@ assert TILE_THREADS == THREADS
 
 _DTYPE_TAG = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
-# (perm, device index) -> the perm as an int64 tensor on that device, never freed; see [Note: perm lifetime].
-_DEVICE_PERMS: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
+# perm -> the same perm as a pinned int64 CPU tensor, never freed; see [Note: perm lifetime].
+_PINNED_PERMS: dict[tuple[int, ...], torch.Tensor] = {}
+
+
+class _DevicePerm:
+    """A permutation's device copy: the tensor, the event after its upload, whether that has run."""
+
+    __slots__ = ("tensor", "uploaded", "stream", "done")
+
+    def __init__(self, tensor: torch.Tensor, uploaded: torch.cuda.Event, stream: int) -> None:
+        self.tensor, self.uploaded, self.stream, self.done = tensor, uploaded, stream, False
+
+
+# (perm, device index) -> its device copy, never freed; see [Note: perm lifetime].
+_DEVICE_PERMS: dict[tuple[tuple[int, ...], int], _DevicePerm] = {}
 
 
 def _ptr(t: torch.Tensor) -> np.uint64:
@@ -91,32 +104,50 @@ def _decoder_blocks(device: torch.device, runs: int) -> int:
     return _cap(-(-runs // THREADS), _max_blocks(device))
 
 
-def _device_perm(perm: Sequence[int], device: torch.device) -> torch.Tensor:
-    """``perm`` as an int64 tensor on ``device``, made once per (perm, device).
+def _pinned_perm(key: tuple[int, ...]) -> torch.Tensor:
+    host = _PINNED_PERMS.get(key)
+    if host is None:
+        host = _PINNED_PERMS[key] = torch.tensor(key, dtype=torch.int64).pin_memory()
+    return host
 
-    [Note: perm lifetime] The kernel reads the permutation from device memory. The first call
-    for a (perm, device) uploads it with a synchronous copy (the only host synchronization on
-    this path, once per permutation: a collective's permutation depends only on its topology
-    and stage count) and caches the device tensor for the life of the process; it is never
-    written again and never freed. So every later kernel, on any stream, reads complete data
-    without any ordering against the upload, and a CUDA graph captured later replays reads of
-    memory that stays valid: torch's caching allocator never hands the block to anyone else
-    since the cache holds it. The upload itself cannot run during a graph capture (a
-    synchronizing copy is illegal there), so a first use inside a capture raises and asks for
-    the warm-up call that every capture needs anyway (NCCL needs one too).
+
+def _device_perm(perm: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``perm`` as an int64 tensor on ``device``: uploaded once per (perm, device), then looked up.
+
+    [Note: perm lifetime] The kernel reads the permutation from device memory. The first
+    eager call for a (perm, device) copies it on the current stream from a pinned host copy
+    (``non_blocking``: a cudaMemcpyAsync, no host synchronization), records an event after
+    the copy, and keeps the device tensor and the pinned source for the life of the process:
+    neither is written again nor freed, so torch's caching allocator never hands their memory
+    to anyone else. A later call on the upload's stream is ordered after the copy by the
+    stream; a call on another stream makes that stream wait for the event until the event
+    has been seen complete (``query``, which does not block), after which the copy is simply
+    there. Under CUDA-graph capture a copy whose completion has not been seen is not used
+    (waiting on an event recorded outside the capture is not capturable): the call uploads a
+    stream-ordered temporary from the pinned copy instead, which becomes a copy node of the
+    graph, reading pinned memory that stays valid for every replay, and the temporary belongs
+    to the graph's memory pool. A copy seen complete is read by the captured kernels directly.
     """
     index = loader.device_index(device)
-    key = (tuple(perm), index)
-    cached = _DEVICE_PERMS.get(key)
+    key = tuple(perm)
+    cached = _DEVICE_PERMS.get((key, index))
+    capturing = torch.cuda.is_current_stream_capturing()
     if cached is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "reorder_quantize: the permutation is uploaded to the GPU on its first use, which cannot be "
-                "captured in a CUDA graph; run the collective once before capturing it"
-            )
-        cached = _DEVICE_PERMS[key] = torch.tensor(key[0], dtype=torch.int64).to(torch.device("cuda", index))
-        torch.cuda.current_stream(index).synchronize()
-    return cached
+        if capturing:
+            return _pinned_perm(key).to(device, non_blocking=True)
+        stream = torch.cuda.current_stream(index)
+        tensor = _pinned_perm(key).to(device, non_blocking=True)
+        uploaded = torch.cuda.Event()
+        uploaded.record(stream)
+        _DEVICE_PERMS[(key, index)] = _DevicePerm(tensor, uploaded, stream.cuda_stream)
+        return tensor
+    if not cached.done:
+        if capturing:
+            return _pinned_perm(key).to(device, non_blocking=True)
+        cached.done = cached.uploaded.query()
+        if not cached.done and loader.current_raw_stream(index) != cached.stream:
+            torch.cuda.current_stream(index).wait_event(cached.uploaded)
+    return cached.tensor
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> None:
@@ -187,8 +218,8 @@ def _device_table(xs: Sequence[torch.Tensor], parts: int) -> torch.Tensor:
     a pinned host tensor from torch's caching host allocator, copied with
     ``non_blocking=True`` (no host synchronization). The allocator records the copy on the
     stream and does not hand the pinned block out again before the copy has run, so
-    dropping the host tensor here is safe. Unlike the permutation's cached device copy
-    ([Note: perm lifetime]), a per-call host buffer cannot be replayed by a CUDA graph: the
+    dropping the host tensor here is safe. Unlike the permutation's pinned copy, which is
+    kept ([Note: perm lifetime]), a per-call host buffer cannot be replayed by a CUDA graph: the
     interleaved form is not graph-capturable; one tensor that fills its parts never needs it.
     """
     host = torch.tensor(interleaved_table(xs, parts), dtype=torch.int64).pin_memory()
