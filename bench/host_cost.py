@@ -5,10 +5,10 @@ process is a world of one rank with a process group it creates itself (gloo on C
 CUDA) and the collectives' input is bf16 on CUDA, fp32 on CPU. Each row is timed two ways,
 after one warm-up call (numba cache load, NVRTC compile, NCCL setup):
 
-* ``host us``: the mean wall time per call of ``n`` calls issued back to back, read before
-  the device is synchronized: the host's enqueue cost (on CPU, where nothing is queued, the
-  whole call);
-* ``synced us``: the mean wall time per call when every call is followed by a device
+* ``host us``: the mean wall time per call of calls issued back to back, read before the
+  device is synchronized, in 5 rounds of ``n / 5`` calls, the median round: the host's
+  enqueue cost (on CPU, where nothing is queued, the whole call);
+* ``synced us``: the median wall time of ``n`` calls each followed by a device
   synchronization: the latency of one call, host and device together.
 
 ``n`` is chosen per row so the row takes about ``--budget`` seconds (at least
@@ -56,6 +56,7 @@ ROWS = 4  # payload rows of dequantize / dequant_reduce, chunks of reorder_quant
 DEFAULT_SIZES = "1M,16M"
 CPU_QUANTIZE_NUMEL = 1024
 CPU_QUANTIZE_TARGET_US = 25.0
+ROUNDS = 5  # host time: the median of this many rounds' means (one descheduled call skews a mean)
 
 
 @dataclass(frozen=True)
@@ -104,11 +105,14 @@ class Timer:
         """(host us, synced us) per call, after one warm-up call."""
         call()
         calls = self._calls(call)
-        self._sync()
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        host = (time.perf_counter() - start) / calls
+        per_round = max(1, calls // ROUNDS)
+        host = []
+        for _ in range(ROUNDS):
+            self._sync()
+            start = time.perf_counter()
+            for _ in range(per_round):
+                call()
+            host.append((time.perf_counter() - start) / per_round)
         self._sync()
         synced = []
         for _ in range(calls):
@@ -116,7 +120,7 @@ class Timer:
             call()
             self._sync()
             synced.append(time.perf_counter() - begin)
-        return host * 1e6, statistics.median(synced) * 1e6
+        return statistics.median(host) * 1e6, statistics.median(synced) * 1e6
 
 
 def _op_rows(timer: Timer, numel: int, dtype: torch.dtype) -> list[Row]:
@@ -200,7 +204,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sizes", default=None, help=f"elements per input, comma separated (default {DEFAULT_SIZES}; "
                         f"on cpu {_size(CPU_QUANTIZE_NUMEL)} is added for its target)")
     parser.add_argument("--json", default=None, help="also write the rows and targets to this file")
-    parser.add_argument("--budget", type=float, default=None, help="seconds per timed row (default: cpu 0.2, cuda 0.3)")
+    parser.add_argument("--budget", type=float, default=None, help="seconds per timed row (default: cpu 0.5, cuda 0.3)")
     parser.add_argument("--min-calls", type=int, default=5)
     parser.add_argument("--max-calls", type=int, default=200)
     args = parser.parse_args(argv)
@@ -216,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu" and args.sizes is None:
         sizes.insert(0, CPU_QUANTIZE_NUMEL)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    budget = args.budget if args.budget is not None else (0.3 if device.type == "cuda" else 0.2)
+    budget = args.budget if args.budget is not None else (0.3 if device.type == "cuda" else 0.5)
     timer = Timer(device, budget, args.min_calls, args.max_calls)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as store_dir:
