@@ -191,6 +191,12 @@ def launch(source: str, name: str, device: torch.device, blocks: int, threads: i
 
 def _current_device() -> int:
     """The CUDA runtime's current device of this thread (torch and cupy share it)."""
+    return _cupy_runtime().getDevice()
+
+
+@lru_cache(maxsize=None)
+def _cupy_runtime() -> Any:
+    """``cupy.cuda.runtime``, imported once (on the first launch: this module imports without cupy)."""
     from cupy.cuda import runtime
 
-    return runtime.getDevice()
+    return runtime
