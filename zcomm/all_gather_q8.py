@@ -34,10 +34,10 @@ form's; only the payloads' alignment padding can add a few bytes per chunk. The 
 (:func:`default_pipeline_stages`) pipelines only large gathers over two hops.
 
 Buffers: the ``P``-byte payload, the ``N * P`` bytes gathered by step 2 and the ``W * P``
-bytes gathered by step 3 (all ``uint8``, per chunk; unpipelined with several nodes of
-several ranks, also a copy of them in rank order for step 4's single dequantize; pipelined,
-step 4 dequantizes each rank's payload straight into its place instead) live for one
-call; ``output`` is written only in step 4.
+bytes gathered by step 3 (all ``uint8``, per chunk; with several nodes of several ranks,
+also a copy of them in rank order for step 4's single dequantize; pipelined, also the
+chunk's ``W`` dequantized rows, copied into their places in ``output`` by one strided copy)
+live for one call; ``output`` is written only in step 4.
 
 [Note: qwZ buffer lifetime] The chain keeps each hop's send buffer referenced until that hop's
 ``wait()`` has returned, and the last hop's receive buffer until step 4 has consumed it. On
@@ -66,10 +66,11 @@ import torch
 import torch.distributed as dist
 
 from . import quant
-from ._api import Handle
+from ._api import GroupInfo, Handle
 from ._chain_runner import run_chain
 from ._groups import node_groups
 from ._pipeline import GATHER_STAGE_BYTES, check_stages, default_stages
+from ._plan_cache import cached_plan, typed
 from ._prologue import prologue
 from ._torch_compat import all_gather_single
 from .comm_stats import record
@@ -84,12 +85,13 @@ _Hop = tuple[torch.Tensor | None, torch.Tensor, dist.Work | None]
 
 
 class _Plan(NamedTuple):
-    """Everything the chain needs, fixed at call time on the caller's thread."""
+    """Everything the chain needs, resolved once per group, sizes and options (``_make_plan``)."""
 
     hops: tuple[dist.ProcessGroup, ...]  # the inter-node group, then the intra-node group, where they have peers
     topology: Topology
     group_size: int  # concrete: "tensor" resolved for this payload
     bounds: tuple[int, ...]  # chunk c is input elements [bounds[c], bounds[c + 1])
+    bytes_sent: tuple[int, int]  # (intra, inter) per call, for comm_stats
 
 
 def default_pipeline_stages(output_nbytes: int, num_groups: int, topology: Topology) -> int:
@@ -127,19 +129,29 @@ def all_gather_q8(
     """
     info = prologue(output, input, group, topology, gather=True, quantized=True)
     check_stages(pipeline_stages)
-    spec = quant.QuantSpec(bits=_BITS, group_size=group_size)
-    concrete_group_size = spec.group_size_for(input.numel())
+    numel, output_nbytes = input.numel(), output.numel() * output.element_size()
+    key = ("all_gather_q8", info.topology, numel, output_nbytes, typed(group_size), pipeline_stages)
+    plan = cached_plan(info.group, key, partial(_make_plan, info, numel, output_nbytes, group_size, pipeline_stages))
+    record("all_gather_q8", *plan.bytes_sent)
+    return run_chain(partial(_chain, plan, output, input), info, "gather", (output, input), async_op)
+
+
+def _make_plan(
+    info: GroupInfo, numel: int, output_nbytes: int, group_size: int | Literal["tensor"] | None,
+    pipeline_stages: int | None,
+) -> _Plan:
+    """The plan of a call with these sizes and options ([Note: plan cache lifetime] in :mod:`zcomm._plan_cache`)."""
+    concrete_group_size = quant.QuantSpec(bits=_BITS, group_size=group_size).group_size_for(numel)
     groups = node_groups(info.group, info.topology, "gather")
     hops = tuple(hop for hop in (groups.inter, groups.intra) if hop is not None)
-    num_groups = quant.num_groups(input.numel(), concrete_group_size)
+    num_groups = quant.num_groups(numel, concrete_group_size)
     if pipeline_stages is None:
-        pipeline_stages = default_pipeline_stages(output.numel() * output.element_size(), num_groups, info.topology)
+        pipeline_stages = default_pipeline_stages(output_nbytes, num_groups, info.topology)
     # whole groups per chunk; with no hop at all (one rank) there is nothing to overlap
     stages = min(pipeline_stages, max(1, num_groups)) if hops else 1
-    bounds = _chunk_bounds(input.numel(), concrete_group_size, stages)
-    plan = _Plan(hops, info.topology, concrete_group_size, bounds)
-    record("all_gather_q8", *_bytes_sent(plan))
-    return run_chain(partial(_chain, plan, output, input), info, "gather", (output, input), async_op)
+    bounds = _chunk_bounds(numel, concrete_group_size, stages)
+    plan = _Plan(hops, info.topology, concrete_group_size, bounds, (0, 0))
+    return plan._replace(bytes_sent=_bytes_sent(plan))
 
 
 def _chunk_bounds(numel: int, group_size: int, stages: int) -> tuple[int, ...]:
@@ -198,17 +210,22 @@ def _gather_pipelined(plan: _Plan, output: torch.Tensor, input: torch.Tensor) ->
 
 
 def _finish_chunk(plan: _Plan, chunk: tuple[int, int], hop: _Hop, output: torch.Tensor) -> None:
-    """Wait for ``chunk``'s last hop and dequantize each rank's payload into its place in ``output``."""
+    """Wait for ``chunk``'s last hop and dequantize every rank's payload into its place in ``output``.
+
+    One multi-row dequantize per chunk: the ``W`` rows, in rank order, into a ``W x chunk``
+    buffer, then one strided copy into the chunk's column of ``output`` viewed as ``W`` rows of
+    ``numel`` (each row of ``output`` is one rank's input). A call per rank would cost ``W``
+    op calls per chunk on the host.
+    """
     _, gathered, work = hop
     if work is not None:
         work.wait()
     (lo, hi), topology, numel = chunk, plan.topology, plan.bounds[-1]
-    rows = gathered.view(topology.local_size, topology.num_nodes, -1)  # arrival order [local rank][node]
-    for node in range(topology.num_nodes):
-        for local_rank in range(topology.local_size):
-            start = (node * topology.local_size + local_rank) * numel
-            out = output[start + lo : start + hi]
-            quant.dequantize(rows[local_rank, node], hi - lo, _BITS, plan.group_size, output.dtype, out=out)
+    world_size = topology.world_size
+    # arrival order [local rank][node] -> rank order [node][local rank] (a copy of the payload bytes)
+    rows = gathered.view(topology.local_size, topology.num_nodes, -1).transpose(0, 1).reshape(world_size, -1)
+    values = quant.dequantize(rows, hi - lo, _BITS, plan.group_size, output.dtype)
+    output.view(world_size, numel)[:, lo:hi].copy_(values.view(world_size, hi - lo))
 
 
 def _start_gather(send: torch.Tensor, group: dist.ProcessGroup) -> _Hop:

@@ -89,6 +89,7 @@ from ._error_feedback import ErrorFeedback, reordered_input
 from ._hadamard import check_hadamard_block, rotate_back_, rotated_input
 from ._groups import NodeGroups, node_groups
 from ._pipeline import MAX_DEFAULT_STAGES, STAGE_BYTES, check_stages, default_stages
+from ._plan_cache import cached_plan, typed
 from ._prologue import prologue, prologue_coalesced
 from ._slice_reorder import first_hop_rows, reorder_permutation
 from .comm_stats import record
@@ -102,17 +103,34 @@ __all__ = [
 _BITS = 4
 
 
-class _Plan(NamedTuple):
-    """Everything the chain needs, fixed at call time on the caller's thread."""
+class _Shape(NamedTuple):
+    """What a call's group, sizes and options fix, resolved once (``_make_shape``; [Note: plan
+    cache lifetime] in :mod:`zcomm._plan_cache`)."""
 
-    info: GroupInfo
     groups: NodeGroups
     stages: int
     part: int  # q: elements of each stage's part of one slice
     group_size: int  # concrete: "tensor" resolved for the longest payload row
+    first_bits: int  # bits of step 1's rows (see [Note: an INT8 first hop])
+    perm: tuple[int, ...]  # step 1's slice order (zcomm._slice_reorder)
+    num_rows: int  # step 1's payload rows
+    bytes_sent: tuple[int, int]  # (intra, inter) per call, for comm_stats
+
+
+class _Plan(NamedTuple):
+    """Everything the chain needs: the cached shape and this call's reduction and options."""
+
+    info: GroupInfo
+    groups: NodeGroups
+    stages: int
+    part: int
+    group_size: int
+    first_bits: int
+    perm: tuple[int, ...]
+    num_rows: int
+    bytes_sent: tuple[int, int]
     divide_by: float
     feedback: ErrorFeedback | None
-    first_bits: int  # bits of step 1's rows (see [Note: an INT8 first hop])
     hadamard_block: int | None  # see [Note: Hadamard smoothing] in zcomm._hadamard
 
 
@@ -226,18 +244,18 @@ def _start(
     if hadamard_block is not None and feedback is not None:
         raise ValueError("hadamard_block cannot be combined with error_feedback (its errors would mix rotated and "
                          "unrotated values if the block changed between calls)")
-    spec = quant.QuantSpec(bits=_BITS, group_size=group_size)
+    check_stages(pipeline_stages)
     slice_numel = sum(output.numel() for output in outputs)
     input_nbytes = slice_numel * info.world_size * inputs[0].element_size()
-    stages = _stages(pipeline_stages, input_nbytes, slice_numel, info.topology)
-    part = -(-slice_numel // stages)
-    # "tensor": one group as long as the longest payload row (the intra hop's, N parts), so one per row
-    concrete_group_size = spec.group_size_for(info.topology.num_nodes * part)
-    plan = _Plan(info, node_groups(info.group, info.topology, "reduce"), stages, part, concrete_group_size, divide_by,
-                 feedback, first_bits, hadamard_block)
+    key = ("reduce_scatter_q4", info.topology, slice_numel, input_nbytes, typed(group_size), pipeline_stages,
+           first_bits)
+    shape = cached_plan(info.group, key, partial(_make_shape, info, slice_numel, input_nbytes, group_size,
+                                                 pipeline_stages, first_bits))
+    plan = _Plan(info, *shape, divide_by=divide_by, feedback=feedback, hadamard_block=hadamard_block)
     if feedback is not None:
-        feedback.bind((stages * part, info.world_size, info.topology.num_nodes, stages, concrete_group_size))
-    record("reduce_scatter_q4", *_bytes_sent(plan))
+        feedback.bind((shape.stages * shape.part, info.world_size, info.topology.num_nodes, shape.stages,
+                       shape.group_size))
+    record("reduce_scatter_q4", *shape.bytes_sent)
     if slice_numel == 0:
         return Handle(finish=lambda: None, ready=lambda: True) if async_op else None
     chain = partial(_chain, plan, outputs, [input.view(-1) for input in inputs])
@@ -272,29 +290,37 @@ def _first_bits(first_hop_bits: int, topology: Topology, feedback: ErrorFeedback
     return _BITS if topology.local_size == 1 else first_hop_bits
 
 
-def _stages(pipeline_stages: int | None, input_nbytes: int, slice_numel: int, topology: Topology) -> int:
-    check_stages(pipeline_stages)
-    if pipeline_stages is None:
-        return default_pipeline_stages(input_nbytes, slice_numel, topology)
-    return pipeline_stages
+def _make_shape(
+    info: GroupInfo, slice_numel: int, input_nbytes: int, group_size: int | Literal["tensor"] | None,
+    pipeline_stages: int | None, first_bits: int,
+) -> _Shape:
+    spec = quant.QuantSpec(bits=_BITS, group_size=group_size)
+    topology = info.topology
+    stages = pipeline_stages if pipeline_stages is not None else (
+        default_pipeline_stages(input_nbytes, slice_numel, topology))
+    part = -(-slice_numel // stages)
+    # "tensor": one group as long as the longest payload row (the intra hop's, N parts), so one per row
+    concrete_group_size = spec.group_size_for(topology.num_nodes * part)
+    perm = reorder_permutation(topology.num_nodes, topology.local_size, stages)
+    num_rows = first_hop_rows(topology.num_nodes, topology.local_size, stages)
+    bytes_sent = _bytes_sent(topology, stages, part, concrete_group_size, first_bits)
+    return _Shape(node_groups(info.group, topology, "reduce"), stages, part, concrete_group_size, first_bits, perm,
+                  num_rows, bytes_sent)
 
 
-def _bytes_sent(plan: _Plan) -> tuple[int, int]:
+def _bytes_sent(topology: Topology, k: int, q: int, group_size: int, first_bits: int) -> tuple[int, int]:
     """(intra, inter) bytes of the all-to-all rows this rank sends to other ranks (comm_stats model)."""
-    topology, k, q = plan.info.topology, plan.stages, plan.part
     if q == 0:
         return 0, 0
-    inter = k * (topology.num_nodes - 1) * quant.payload_nbytes(q, _BITS, plan.group_size)
-    intra = k * (topology.local_size - 1) * quant.payload_nbytes(topology.num_nodes * q, plan.first_bits,
-                                                                 plan.group_size)
+    inter = k * (topology.num_nodes - 1) * quant.payload_nbytes(q, _BITS, group_size)
+    intra = k * (topology.local_size - 1) * quant.payload_nbytes(topology.num_nodes * q, first_bits, group_size)
     return intra, inter
 
 
 def _chain(plan: _Plan, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
     """Steps 1-5 of the module docstring, on this thread (or enqueued on the current CUDA stream)."""
     topology, k, q = plan.info.topology, plan.stages, plan.part
-    perm = reorder_permutation(topology.num_nodes, topology.local_size, k)
-    num_rows = first_hop_rows(topology.num_nodes, topology.local_size, k)
+    perm, num_rows = plan.perm, plan.num_rows
     block = plan.hadamard_block
     if block is not None:
         inputs = rotated_input(inputs, topology.world_size, block)

@@ -130,21 +130,73 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def current_raw_stream(index: int) -> int:
+    """The handle (``cudaStream_t`` as an int) of torch's current stream on device ``index``.
+
+    [Note: the raw stream] ``torch.cuda.current_stream(index).cuda_stream`` builds a
+    ``torch.cuda.Stream`` object per call; the private ``torch._C._cuda_getCurrentRawStream``
+    (what bitsandbytes uses) returns the handle alone. zcomm_cuda is the bottom layer and may
+    import nothing of zcomm, so this one function is where it touches that private API;
+    ``tests/quant/test_cuda_launch_abi.py`` pins that it exists in CUDA builds of torch and
+    agrees with the public form.
+    """
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+# (raw stream handle, device index) -> the cupy ExternalStream wrapping it; see [Note: stream objects]
+_STREAMS: dict[tuple[int, int], Any] = {}
+
+
+def _external_stream(handle: int, index: int) -> Any:
+    """A cupy stream object for the raw ``handle``, made once per (handle, device).
+
+    [Note: stream objects] A ``cupy.cuda.ExternalStream`` only wraps a handle: it neither
+    owns nor synchronizes the stream. Keeping one per handle is safe even after torch destroys
+    that stream: a launch uses the wrapper of the handle it was given this call, and a new
+    stream that reuses the handle is the same stream to the driver.
+    """
+    stream = _STREAMS.get((handle, index))
+    if stream is None:
+        import cupy
+
+        stream = _STREAMS[(handle, index)] = cupy.cuda.ExternalStream(handle, index)
+    return stream
+
+
 def launch(source: str, name: str, device: torch.device, blocks: int, threads: int, args: Sequence[Any]) -> None:
     """Launch kernel ``name`` on ``device`` on torch's current stream for that device.
 
-    [Note: stream ordering] The kernel is enqueued on ``torch.cuda.current_stream(device)``
-    (as a cupy ExternalStream), so it runs after everything the caller already queued on
-    that stream (the producer of the input) and before everything queued after it (the
+    [Note: stream ordering] The kernel is enqueued on torch's current stream of the device
+    ([Note: the raw stream]), so it runs after everything the caller already queued on that
+    stream (the producer of the input) and before everything queued after it (the
     collective that sends the payload): the caller's ordering holds with no synchronization,
     exactly as for a torch op. Tensors are passed as raw ``data_ptr()`` addresses; the
     caller keeps them alive, and torch's caching allocator does not reuse their memory for
-    other streams' allocations before work queued on this stream has run.
+    other streams' allocations before work queued on this stream has run. The launch makes no
+    Python object per call beyond the argument tuple: the kernel, the stream wrapper and the
+    device switch (only when cupy's current device differs) are looked up, not built.
     """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    function = kernel(source, name, index)
+    stream = _external_stream(current_raw_stream(index), index)
+    args = args if type(args) is tuple else tuple(args)
+    if _current_device() == index:
+        function((blocks,), (threads,), args, 0, stream)  # (grid, block, args, shared_mem, stream)
+        return
     import cupy
 
-    index = device_index(device)
-    function = kernel(source, name, index)
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream, index)
     with cupy.cuda.Device(index):
-        function((blocks,), (threads,), tuple(args), 0, stream)  # (grid, block, args, shared_mem, stream)
+        function((blocks,), (threads,), args, 0, stream)
+
+
+def _current_device() -> int:
+    """The CUDA runtime's current device of this thread (torch and cupy share it)."""
+    return _cupy_runtime().getDevice()
+
+
+@lru_cache(maxsize=None)
+def _cupy_runtime() -> Any:
+    """``cupy.cuda.runtime``, imported once (on the first launch: this module imports without cupy)."""
+    from cupy.cuda import runtime
+
+    return runtime

@@ -1,10 +1,10 @@
-"""all_gather_q8 unpipelined dequantizes all W payloads with one op call (one kernel launch on CUDA).
+"""all_gather_q8 dequantizes all W payloads of a chunk with one op call (one kernel launch on CUDA).
 
 The rows arrive ordered [local rank][node] while the output is in rank order [node][local
-rank]; the single call must still put every rank's payload in its place. Pipelined in ``k``
-chunks ([Note: qwZ pipeline]) it makes one call per rank and chunk (``W * k``), each
-straight into that rank's piece of the output, so a chunk is dequantized while the next
-one is on the wire. Runs on 4 gloo
+rank]; the single call must still put every rank's payload in its place. Unpipelined that
+is one call per collective; pipelined in ``k`` chunks ([Note: qwZ pipeline]) one call per
+chunk (``k``, not one per rank and chunk), so a chunk is dequantized while the next one is
+on the wire. Runs on 4 gloo
 ranks (CPU: the call count is the same on every backend) with the topologies 1x4, 2x2 and
 4x1, counting ``zcomm.quant.dequantize`` calls and comparing the output, bit for bit, with
 the payloads gathered by torch in rank order and dequantized by the reference backend.
@@ -52,5 +52,5 @@ def _count_dequantize_calls(rank: int, world: int) -> list[int]:
     return per_call
 
 
-def test_all_gather_q8_dequantizes_once_per_call_or_once_per_rank_and_chunk():
-    assert run_distributed(_count_dequantize_calls, WORLD) == [[1, 3 * WORLD] * 3] * WORLD
+def test_all_gather_q8_dequantizes_once_per_call_or_once_per_chunk():
+    assert run_distributed(_count_dequantize_calls, WORLD) == [[1, 3] * 3] * WORLD

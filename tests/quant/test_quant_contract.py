@@ -1,11 +1,13 @@
 """The kernel contract as ``torch.library`` operators: one schema per op, every backend behind it.
 
-* ``torch.library.opcheck`` on every ``zcomm::`` op, for every backend on every device it runs
-  on (``any_target``), with the very calls the public functions make (recorded by a dispatch
+* The schemas name no backend: torch dispatches ``zcomm::`` ops by device type (``cpu``,
+  ``cuda``), and the reference oracle is the same schemas in ``zcomm_reference::``.
+* ``torch.library.opcheck`` on every op, for every backend on every device it runs on
+  (``any_target``), with the very calls the public functions make (recorded by a dispatch
   mode): the schema states the one mutated argument, the fake implementation matches the
   kernels, and the ops trace through AOTAutograd with dynamic shapes.
-* Every backend's kernels take the op's arguments (less ``backend``), in the op's order;
-  the cuda backend's too, checked here on its module without a GPU.
+* Every backend's kernels take the op's arguments, in the op's order; the cuda backend's
+  too, checked here on its module without a GPU.
 * The public ops compile into one ``torch.compile`` graph that holds the ``zcomm`` ops, and
   run on fake CUDA tensors (FakeTensorMode) with every tensor they create on the GPU.
 """
@@ -38,7 +40,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace == "zcomm":
+        if func.namespace in (_contract.NAMESPACE, _contract.REFERENCE_NAMESPACE):
             assert not kwargs, (func, kwargs)
             self.calls.append((func, args))
         result = func(*args, **kwargs)
@@ -74,25 +76,35 @@ def _recorded(run: Callable[[], None]) -> _Recorder:
     return recorder
 
 
-def test_every_op_has_one_schema_with_backend_and_out():
+def _namespace(backend: str) -> str:
+    return _contract.REFERENCE_NAMESPACE if backend == "reference" else _contract.NAMESPACE
+
+
+def test_every_op_has_one_schema_with_out_and_no_backend():
     names = ["quantize", "dequantize", "reorder_quantize", "dequant_reduce", "dequant_reduce_requant"]
-    assert list(_contract.OPS) == names
-    for name in _contract.OPS:
-        schema = getattr(torch.ops.zcomm, name).default._schema
-        arguments = {a.name: a for a in schema.arguments}
-        assert str(arguments["backend"].type) == "str" and not schema.returns, schema
-        mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-        assert mutated == ["out"], schema
+    assert list(_contract.OPS) == list(_contract.REFERENCE_OPS) == list(_contract.SCHEMAS) == names
+    for name in names:
+        schemas = [getattr(getattr(torch.ops, ns), name).default._schema for ns in ("zcomm", "zcomm_reference")]
+        # the oracle's schema is the native one's, name for name and type for type
+        assert [(a.name, str(a.type)) for a in schemas[0].arguments] == [
+            (a.name, str(a.type)) for a in schemas[1].arguments
+        ]
+        for schema in schemas:
+            arguments = [a.name for a in schema.arguments]
+            assert "backend" not in arguments and not schema.returns, schema
+            mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+            assert mutated == ["out"], schema
 
 
 @pytest.mark.parametrize("op", list(_contract.OPS))
 def test_opcheck(any_target: Target, op: str):
     inputs = _inputs(any_target.device)
     recorder = _recorded(lambda: _public_calls(any_target.backend, *inputs))
-    calls = [(func, args) for func, args in recorder.calls if func.name() == f"zcomm::{op}"]
+    namespace = _namespace(any_target.backend)
+    assert {func.namespace for func, _ in recorder.calls} == {namespace}
+    calls = [(func, args) for func, args in recorder.calls if func.name() == f"{namespace}::{op}"]
     assert len(calls) == (4 if op == "quantize" else 2), [func.name() for func, _ in recorder.calls]
     for func, args in calls:
-        assert any_target.backend in args
         torch.library.opcheck(func, args)
 
 
@@ -106,7 +118,7 @@ def test_backend_kernels_take_the_ops_arguments(module: str, backend: str | None
     kernels = importlib.import_module(f"zcomm.quant.backends.{module}")
     for name in _contract.OPS:
         schema = getattr(torch.ops.zcomm, name).default._schema
-        expected = [a.name for a in schema.arguments if a.name != "backend"]
+        expected = [a.name for a in schema.arguments]
         kernel = getattr(kernels, name)
         assert list(inspect.signature(kernel).parameters) == expected, (module, name)
         if backend is not None:
@@ -142,5 +154,6 @@ def test_ops_on_fake_cuda_tensors_stay_on_the_gpu(backend: str):
         x = torch.empty(NUMEL, dtype=torch.bfloat16, device="cuda")
         weight = torch.empty(NUMEL, device="cuda", requires_grad=True)
         recorder = _recorded(lambda: _public_calls(backend, x, weight))
-    assert {func.name() for func, _ in recorder.calls} == {f"zcomm::{name}" for name in _contract.OPS}
+    namespace = _namespace(backend)
+    assert {func.name() for func, _ in recorder.calls} == {f"{namespace}::{name}" for name in _contract.OPS}
     assert recorder.devices == {"cuda"}

@@ -5,7 +5,8 @@ else ``ZCOMM_BACKEND``, else the tensor's device): :func:`quantize`, :func:`dequ
 :func:`reorder_quantize`, :func:`dequant_reduce`, defined in :mod:`zcomm.quant.ops`. The
 byte layout is specified in :mod:`zcomm.quant.wire_format`; :class:`QuantSpec` (bits and
 elements per scale) is validated once, in :mod:`zcomm.quant.spec`, for every layer. The
-kernels behind the ops are ``torch.library`` operators (``torch.ops.zcomm.*``) whose
+kernels behind the ops are ``torch.library`` operators dispatched by device type
+(``torch.ops.zcomm.*``; the reference oracle as ``torch.ops.zcomm_reference.*``) whose
 contract is stated once, in ``zcomm/quant/_contract.py``.
 """
 

@@ -1,12 +1,22 @@
 """The kernel contract: the five ``zcomm::`` operators every backend implements, defined once.
 
-Each operator is a ``torch.library`` custom op. Its Python signature below is its schema
-(``torch.ops.zcomm.<name>``), its body states and asserts its preconditions, and the same
-body is its fake (meta) implementation, so FakeTensor, ``torch.compile`` and
-``torch.library.opcheck`` see every op with the shapes it promises. The public functions of
-:mod:`zcomm.quant.ops` validate the caller's arguments (``TypeError``/``ValueError``),
-allocate the outputs and call these ops; the preconditions hold by then, and the asserts
-only guard a direct ``torch.ops.zcomm`` call from a kernel writing out of bounds.
+Each operator is defined with ``torch.library.Library.define`` from the schema in
+:data:`SCHEMAS` and dispatched by torch on the device type of its tensors: the ``CPU``
+kernel is the ``cpu`` backend's (numba), the ``CUDA`` kernel the ``cuda`` backend's
+(:mod:`zcomm_cuda`). The same five schemas are defined a second time in the
+``zcomm_reference`` namespace, whose ``CPU`` and ``CUDA`` kernels are both the ``reference``
+backend's (plain torch, the oracle): ``torch.ops.zcomm_reference.<name>`` is the oracle
+called directly. Each op's preconditions function below is its fake (meta) implementation
+(``register_fake``), so FakeTensor, ``torch.compile`` and ``torch.library.opcheck`` see every
+op with the shapes it promises.
+
+[Note: validation at the boundary] The public functions of :mod:`zcomm.quant.ops` validate
+the caller's arguments once (``TypeError``/``ValueError``), allocate the outputs and call
+these ops; an eager call goes straight to the backend's kernel, which does not check again.
+The preconditions run when an op is traced (fake tensors, ``torch.compile``, ``opcheck``),
+where they state and assert the contract. ``torch.ops.zcomm.*`` is thus an internal
+interface: calling it directly with arguments that break the contract is undefined (a
+kernel may write out of bounds), as for any unchecked kernel.
 
 Every op writes its result into the preallocated ``out`` (the one argument it mutates, fully
 written, payload padding included) and returns nothing. Common preconditions:
@@ -18,21 +28,20 @@ written, payload padding included) and returns nothing. Common preconditions:
   ``payload_nbytes(numel, bits, group_size)`` bytes laid out as in
   :mod:`zcomm.quant.wire_format`, whose arithmetic every kernel follows to the bit.
 
-[Note: backend dispatch] torch dispatches an op by the device type of its tensors, but zcomm
-has two backends for each device type (``reference`` and ``cpu`` on CPU tensors,
-``reference`` and ``cuda`` on CUDA tensors). So every op takes the name of the backend as a
-``str`` argument, chosen by the public function (its ``backend=`` argument, then
-``ZCOMM_BACKEND``, then the device; :func:`zcomm.quant._registry.select`). The op's one kernel
-for CPU and CUDA tensors looks up the kernel that backend registered with :func:`implements`,
-loading the backend on first use; a backend that cannot load raises
+[Note: backend dispatch] torch picks the kernel from the device type of the tensors, so
+the backend name is not part of any schema. Each device type has one native backend (``cpu``
+for CPU tensors, ``cuda`` for CUDA tensors) behind ``torch.ops.zcomm``; the ``reference``
+backend runs on both and lives in its own namespace, ``torch.ops.zcomm_reference``. The public
+functions choose the namespace (their ``backend=`` argument, then ``ZCOMM_BACKEND``, then the
+device; :func:`zcomm.quant._registry.select`). The kernel registered for a dispatch key is a
+trampoline that looks up the function the backend registered with :func:`implements`,
+importing the backend on first use; a backend that cannot load raises
 ``BackendUnavailableError``, and no other backend stands in. Under ``torch.compile`` the
-name is a constant of the captured graph: it is chosen when the graph is traced.
+namespace is fixed when the graph is traced.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import Callable, Sequence, TypeVar
 
 import torch
@@ -51,17 +60,45 @@ Kernel = TypeVar("Kernel", bound=Callable[..., None])
 # padded tensor is never written, so a bucket of gradients needs no torch.cat and a size
 # that needs padding no staging buffer.
 
-# op name -> the custom op; filled by @_op below, in the order the ops are defined
-OPS: dict[str, torch.library.CustomOpDef] = {}
+NAMESPACE = "zcomm"
+REFERENCE_NAMESPACE = "zcomm_reference"
+
+# The schemas, in the order the ops are defined; ``out`` is the one argument each op mutates.
+SCHEMAS: dict[str, str] = {
+    "quantize": "(Tensor x, int bits, int group_size, Tensor(a!) out) -> ()",
+    "dequantize": "(Tensor payloads, int numel, int bits, int group_size, Tensor(a!) out) -> ()",
+    "reorder_quantize": (
+        "(Tensor[] xs, int parts, int part_numel, int[] perm, int num_chunks, int bits, int group_size, "
+        "Tensor(a!) out) -> ()"
+    ),
+    "dequant_reduce": (
+        "(Tensor payloads, int numel, int bits, int group_size, float divide_by, Tensor(a!) out) -> ()"
+    ),
+    "dequant_reduce_requant": (
+        "(Tensor payloads, int numel, int bits, int out_bits, int group_size, float divide_by, "
+        "Tensor(a!) out) -> ()"
+    ),
+}
+
+# the device types of the native namespace and the backend behind each
+NATIVE_BACKENDS: dict[str, str] = {"cpu": "cpu", "cuda": "cuda"}
+_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+
+_LIBRARIES = {
+    namespace: torch.library.Library(namespace, "DEF") for namespace in (NAMESPACE, REFERENCE_NAMESPACE)
+}
+# op name -> its overload, per namespace; filled by @_op below, in the order of SCHEMAS
+OPS: dict[str, torch._ops.OpOverload] = {}
+REFERENCE_OPS: dict[str, torch._ops.OpOverload] = {}
 _KERNELS: dict[tuple[str, str], Callable[..., None]] = {}
 
 
 def implements(op: str, backend: str) -> Callable[[Kernel], Kernel]:
     """Decorator: register ``fn`` as ``backend``'s kernel for ``op``.
 
-    A kernel takes the op's arguments without ``backend``, in the op's order.
+    A kernel takes the op's arguments, in the schema's order.
     """
-    assert op in OPS, op
+    assert op in SCHEMAS, op
     assert backend in _registry.backend_device_types(), backend
 
     def register(fn: Kernel) -> Kernel:
@@ -71,41 +108,44 @@ def implements(op: str, backend: str) -> Callable[[Kernel], Kernel]:
     return register
 
 
-def _kernel(op: str, backend: str, device_type: str) -> Callable[..., None]:
-    """``backend``'s kernel for ``op`` on ``device_type`` tensors, loading the backend on first use."""
-    _registry.check(backend, device_type)
-    if (op, backend) not in _KERNELS:
-        _registry.load(backend)
+def _load_kernel(op: str, backend: str) -> Callable[..., None]:
+    """``backend``'s kernel for ``op``, importing the backend (which registers it) on first use."""
+    _registry.load(backend)
     kernel = _KERNELS.get((op, backend))
     if kernel is None:
         raise _registry.BackendUnavailableError(f"zcomm backend {backend!r} has no kernel for {op!r}")
     return kernel
 
 
-def _op(preconditions: Callable[..., None]) -> torch.library.CustomOpDef:
-    """Define the custom op ``zcomm::<name>`` from its preconditions function.
+def kernel(op: str, backend: str) -> Callable[..., None]:
+    """The function ``backend`` registered for ``op`` (loading the backend on first use)."""
+    return _KERNELS.get((op, backend)) or _load_kernel(op, backend)
 
-    The function's signature is the schema (``out`` the mutated argument) and its body the
-    fake implementation; the CPU and CUDA kernel checks it, then runs the selected backend's
-    kernel ([Note: backend dispatch]).
-    """
+
+def _trampoline(op: str, backend: str) -> Callable[..., None]:
+    """The dispatch-key kernel of ``op`` for ``backend``: its registered function, looked up per call."""
+    key = (op, backend)
+
+    def run(*args: object) -> None:
+        (_KERNELS.get(key) or _load_kernel(op, backend))(*args)
+
+    run.__name__ = f"{backend}_{op}"
+    return run
+
+
+def _op(preconditions: Callable[..., None]) -> Callable[..., None]:
+    """Define ``zcomm::<name>`` and ``zcomm_reference::<name>`` with ``preconditions`` as their fake kernel."""
     name = preconditions.__name__
-    parameters = list(inspect.signature(preconditions).parameters)
-    backend_index = parameters.index("backend")
-
-    @functools.wraps(preconditions)
-    def dispatch(*args: object) -> None:
-        preconditions(*args)
-        device_type = next(a for a in args if isinstance(a, Tensor)).device.type
-        kernel = _kernel(name, args[backend_index], device_type)
-        kernel(*args[:backend_index], *args[backend_index + 1 :])
-
-    op = torch.library.custom_op(
-        f"zcomm::{name}", dispatch, mutates_args=("out",), device_types=_registry.DEVICE_TYPES
-    )
-    op.register_fake(preconditions)
-    OPS[name] = op
-    return op
+    assert name in SCHEMAS and name not in OPS, name
+    for namespace, table in ((NAMESPACE, OPS), (REFERENCE_NAMESPACE, REFERENCE_OPS)):
+        library = _LIBRARIES[namespace]
+        library.define(name + SCHEMAS[name])
+        for device_type, key in _DISPATCH_KEYS.items():
+            backend = NATIVE_BACKENDS[device_type] if namespace == NAMESPACE else "reference"
+            library.impl(name, _trampoline(name, backend), key)
+        torch.library.register_fake(f"{namespace}::{name}", preconditions, lib=library)
+        table[name] = getattr(getattr(torch.ops, namespace), name).default
+    return preconditions
 
 
 def _check_spec(bits: int, group_size: int) -> None:
@@ -132,7 +172,7 @@ def _check_payloads(
 
 
 @_op
-def quantize(x: Tensor, bits: int, group_size: int, backend: str, out: Tensor) -> None:
+def quantize(x: Tensor, bits: int, group_size: int, out: Tensor) -> None:
     """``out`` = the payload of the 1-D float ``x`` (``out``: 1-D uint8)."""
     _check_spec(bits, group_size)
     assert x.numel() > 0
@@ -142,7 +182,7 @@ def quantize(x: Tensor, bits: int, group_size: int, backend: str, out: Tensor) -
 
 
 @_op
-def dequantize(payloads: Tensor, numel: int, bits: int, group_size: int, backend: str, out: Tensor) -> None:
+def dequantize(payloads: Tensor, numel: int, bits: int, group_size: int, out: Tensor) -> None:
     """``out[r * numel : (r + 1) * numel]`` = payload row ``r`` of ``payloads`` (2-D, ``k >= 1``
     rows) dequantized to ``out``'s float dtype."""
     _check_spec(bits, group_size)
@@ -160,7 +200,6 @@ def reorder_quantize(
     num_chunks: int,
     bits: int,
     group_size: int,
-    backend: str,
     out: Tensor,
 ) -> None:
     """Row ``c`` of ``out`` (2-D uint8, ``num_chunks`` rows) = the payload of chunk ``c`` of
@@ -192,7 +231,7 @@ def _check_reduction(payloads: Tensor, numel: int, bits: int, group_size: int, d
 
 @_op
 def dequant_reduce(
-    payloads: Tensor, numel: int, bits: int, group_size: int, divide_by: float, backend: str, out: Tensor
+    payloads: Tensor, numel: int, bits: int, group_size: int, divide_by: float, out: Tensor
 ) -> None:
     """``out`` (1-D float, ``numel``) = the fp32 sum of the payload rows, in row order, divided
     by ``fp32(divide_by)`` and rounded to ``out``'s dtype."""
@@ -208,7 +247,6 @@ def dequant_reduce_requant(
     out_bits: int,
     group_size: int,
     divide_by: float,
-    backend: str,
     out: Tensor,
 ) -> None:
     """Row ``c`` of ``out`` (2-D uint8, ``m`` rows, ``m`` dividing ``numel``) = the

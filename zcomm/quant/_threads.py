@@ -14,11 +14,16 @@ kernels use the rank's share:
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ._env import positive_int_from_env
 
 NUM_THREADS_VARIABLE = "ZCOMM_NUM_THREADS"
+# the numba thread count use_thread_share last set, per Python thread
+_THREAD_STATE = threading.local()
+_NUMBA = None  # the numba module, once a kernel has been launched
 
 
 def kernel_threads(pool_size: int) -> int:
@@ -43,11 +48,26 @@ def use_thread_share() -> None:
 
     See [Note: kernel threads] in ``zcomm.quant.backends.cpu``: numba's count is per Python
     thread, so call this right before every parallel numba launch; starting numba's pool may
-    change torch's count on this thread, which is put back.
+    change torch's count on this thread, which is put back. numba's setter costs a few
+    microseconds (a lock and checks), so it runs only when the count differs from the one
+    this function last set on this thread (``numba.set_num_threads`` called elsewhere on the
+    same thread is not seen: zcomm's kernels own numba's count on the threads that launch them).
     """
-    import numba  # lazily: importing zcomm must not start numba (it reads NUMBA_* at import)
-
+    numba = _NUMBA or _import_numba()
+    count = kernel_threads(numba.config.NUMBA_NUM_THREADS)
+    if getattr(_THREAD_STATE, "count", None) == count:
+        return
     torch_threads = torch.get_num_threads()
-    numba.set_num_threads(kernel_threads(numba.config.NUMBA_NUM_THREADS))  # starts numba's pool on first use
+    numba.set_num_threads(count)  # starts numba's pool on first use
+    _THREAD_STATE.count = count
     if torch.get_num_threads() != torch_threads:
         torch.set_num_threads(torch_threads)
+
+
+def _import_numba():  # noqa: ANN202 (the module)
+    """numba, imported on the first launch: importing zcomm must not start numba (it reads NUMBA_* at import)."""
+    global _NUMBA
+    import numba
+
+    _NUMBA = numba
+    return numba

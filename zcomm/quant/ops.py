@@ -4,22 +4,84 @@ Each function validates its arguments once, here (``TypeError``/``ValueError`` n
 argument and what is accepted; bits and group size through
 :class:`~zcomm.quant.spec.QuantSpec`, so ``group_size`` may also be ``"tensor"``, one scale
 per payload, or ``None``, the width's default), allocates its output unless ``out=`` is
-given, picks the backend (``backend=``, then ``ZCOMM_BACKEND``, then the tensor's device)
-and calls the ``zcomm::`` operator of :mod:`zcomm.quant._contract` that the backend
-implements. The bytes produced are those of :mod:`zcomm.quant.wire_format`. The ops are not
-differentiable: inputs that require grad (parameters) are read detached.
+given, picks the operator namespace (``backend=``, then ``ZCOMM_BACKEND``, then the
+tensor's device: ``torch.ops.zcomm`` for the device's native backend,
+``torch.ops.zcomm_reference`` for the reference oracle; [Note: backend dispatch] in
+:mod:`zcomm.quant._contract`) and calls the op, which runs the kernel without checking
+again ([Note: validation at the boundary]). The bytes produced are those of
+:mod:`zcomm.quant.wire_format`. The ops are not differentiable: inputs that require grad
+(parameters) are read detached.
+
+The checks are written for a short host path (a quantize of a few thousand elements costs
+about as much host time as a torch op): specs are cached per ``(bits, group_size)``, and
+the common case (contiguous input, preallocated or fresh output, default backend) takes a
+handful of attribute reads; ``tests/quant/test_host_path.py`` counts the Python calls of
+one op so that a regression shows on any machine.
 """
 
 from __future__ import annotations
 
 import math
+from os import environ as _environ
 from typing import Sequence
 
 import torch
 
 from . import _contract, _registry
 from .spec import GroupSize, QuantSpec
-from .wire_format import SUPPORTED_DTYPES, payload_nbytes
+from .wire_format import ALIGN, SCALE_BYTES, SUPPORTED_DTYPES
+
+_REFERENCE = "reference"
+_OPS = _contract.OPS
+_REFERENCE_OPS = _contract.REFERENCE_OPS
+_UINT8 = torch.uint8
+_NATIVE_DEVICE_TYPES = frozenset(_contract.NATIVE_BACKENDS)
+# (type(bits), bits, type(group_size), group_size) -> (the validated spec, its int group size
+# or None for "tensor"); the types keep True / 8.0 from hitting the entries of 1 / 8
+_SPECS: dict[tuple[type, object, type, object], tuple[QuantSpec, int | None]] = {}
+_FLOAT_DTYPES = frozenset(SUPPORTED_DTYPES)
+
+
+def _spec(bits: int, group_size: GroupSize) -> tuple[QuantSpec, int | None]:
+    """The :class:`QuantSpec` of ``(bits, group_size)`` (validated once and cached) and its int
+    group size (None for ``"tensor"``, resolved per payload by ``group_size_for``)."""
+    key = (type(bits), bits, type(group_size), group_size)
+    try:
+        return _SPECS[key]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable group_size: QuantSpec says what is accepted
+        QuantSpec(bits=bits, group_size=group_size)
+        raise AssertionError("an unhashable group_size passed QuantSpec") from None
+    spec = QuantSpec(bits=bits, group_size=group_size)
+    entry = _SPECS[key] = (spec, None if spec.per_tensor else spec.group_size)
+    return entry
+
+
+def _ops(backend: str | None, device: torch.device) -> dict[str, torch._ops.OpOverload]:
+    """The ops that run on ``device`` for ``backend``, then ``$ZCOMM_BACKEND``, then the device
+    ([Note: backend dispatch])."""
+    if backend is None:
+        backend = _environ.get(_registry.BACKEND_VARIABLE) or None
+        if backend is None and device.type in _NATIVE_DEVICE_TYPES:
+            return _OPS
+    return _REFERENCE_OPS if _registry.select(backend, device) == _REFERENCE else _OPS
+
+
+def _row_nbytes(numel: int, bits: int, group_size: int) -> int:
+    """``payload_nbytes`` for a concrete int ``group_size`` the caller already validated
+    (:mod:`zcomm.quant.wire_format`'s arithmetic in one expression: values, padding to
+    :data:`ALIGN`, one fp32 scale per group)."""
+    if not numel:
+        return 0
+    values = numel if bits == 8 else (numel + 1) // 2
+    return (values + ALIGN - 1) // ALIGN * ALIGN + SCALE_BYTES * ((numel + group_size - 1) // group_size)
+
+
+def _group_size(bits: int, group_size: GroupSize, numel: int) -> int:
+    """The validated int group size for payloads of ``numel`` elements (``"tensor"``: one group)."""
+    spec, group = _spec(bits, group_size)
+    return spec.group_size_for(numel) if group is None else group
 
 
 def _check_dtype(dtype: torch.dtype, name: str) -> None:
@@ -39,20 +101,23 @@ def _check_float_input(x: torch.Tensor, name: str) -> None:
 def _check_payloads(payloads: torch.Tensor, name: str) -> None:
     if not isinstance(payloads, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(payloads).__name__}")
-    if payloads.dtype != torch.uint8:
+    if payloads.dtype != _UINT8:
         raise TypeError(f"{name} must have dtype torch.uint8, got {payloads.dtype}")
     if not payloads.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
 
 
 def _check_numel(numel: int, name: str = "numel") -> None:
-    if isinstance(numel, bool) or not isinstance(numel, int):
+    if type(numel) is not int:
         raise TypeError(f"{name} must be an int, got {numel!r}")
     if numel < 0:
         raise ValueError(f"{name} must be >= 0, got {numel}")
 
 
-def _check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+def _output(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``out`` checked and viewed as ``shape``, or a fresh tensor of ``shape`` when None."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
     if out.dtype != dtype:
@@ -63,18 +128,14 @@ def _check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, de
         raise ValueError("out must be contiguous")
     if out.numel() != math.prod(shape):
         raise ValueError(f"out must have {math.prod(shape)} elements (shape {shape}), got shape {tuple(out.shape)}")
-
-
-def _output(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if out is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    _check_out(out, shape, dtype, device)
-    return out.view(shape)
+    return out if out.shape == shape else out.view(shape)
 
 
 def _as_rows(payloads: torch.Tensor, numel: int, bits: int, group_size: int, name: str) -> torch.Tensor:
     """View ``payloads`` as ``(k, payload_nbytes(numel))`` rows, checking the length."""
-    row = payload_nbytes(numel, bits, group_size)
+    row = _row_nbytes(numel, bits, group_size)
+    if payloads.dim() == 2 and payloads.shape[1] == row:
+        return payloads
     if payloads.dim() == 1:
         if payloads.numel() != row:
             raise ValueError(
@@ -82,17 +143,17 @@ def _as_rows(payloads: torch.Tensor, numel: int, bits: int, group_size: int, nam
                 f"group_size={group_size} needs a payload of {row} bytes"
             )
         return payloads.view(1, row)
-    if payloads.dim() != 2 or payloads.shape[1] != row:
-        raise ValueError(
-            f"{name} must be 1-D ({row} bytes) or 2-D (k, {row}) for numel={numel}, bits={bits}, "
-            f"group_size={group_size}; got shape {tuple(payloads.shape)}"
-        )
-    return payloads
+    raise ValueError(
+        f"{name} must be 1-D ({row} bytes) or 2-D (k, {row}) for numel={numel}, bits={bits}, "
+        f"group_size={group_size}; got shape {tuple(payloads.shape)}"
+    )
 
 
-def _spec_group_size(bits: int, group_size: GroupSize, numel: int) -> int:
-    """The validated int group size for payloads of ``numel`` elements (``"tensor"``: one group)."""
-    return QuantSpec(bits=bits, group_size=group_size).group_size_for(numel)
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (contiguous) as the 1-D, detached tensor the ops take."""
+    if x.requires_grad:
+        x = x.detach()
+    return x if x.dim() == 1 else x.view(-1)
 
 
 def quantize(
@@ -102,12 +163,17 @@ def quantize(
 
     Returns a 1-D ``uint8`` tensor of ``payload_nbytes(x.numel(), bits, group_size)`` bytes.
     """
-    _check_float_input(x, "x")
-    group = _spec_group_size(bits, group_size, x.numel())
-    name = _registry.select(backend, x.device)
-    result = _output(out, (payload_nbytes(x.numel(), bits, group),), torch.uint8, x.device)
-    if x.numel():
-        _contract.quantize(x.detach().view(-1), bits, group, name, result)
+    if type(x) is not torch.Tensor or x.dtype not in _FLOAT_DTYPES or not x.is_contiguous():
+        _check_float_input(x, "x")  # raises for the exact reason
+    numel = x.numel()
+    spec, group = _spec(bits, group_size)
+    if group is None:
+        group = spec.group_size_for(numel)
+    device = x.device
+    ops = _ops(backend, device)
+    result = _output(out, (_row_nbytes(numel, bits, group),), _UINT8, device)
+    if numel:
+        ops["quantize"](x if x.dim() == 1 and not x.requires_grad else _flat(x), bits, group, result)
     return result
 
 
@@ -126,15 +192,21 @@ def dequantize(
     ``numel`` is the element count of each payload; the result has ``k * numel`` elements
     of ``dtype``, payload ``i`` landing at ``[i * numel, (i + 1) * numel)``.
     """
-    _check_payloads(payload, "payload")
-    _check_numel(numel)
-    group = _spec_group_size(bits, group_size, numel)
-    _check_dtype(dtype, "dtype")
+    if type(payload) is not torch.Tensor or payload.dtype != _UINT8 or not payload.is_contiguous():
+        _check_payloads(payload, "payload")  # raises for the exact reason
+    if type(numel) is not int or numel < 0:
+        _check_numel(numel)
+    spec, group = _spec(bits, group_size)
+    if group is None:
+        group = spec.group_size_for(numel)
+    if dtype not in _FLOAT_DTYPES:
+        _check_dtype(dtype, "dtype")
     rows = _as_rows(payload, numel, bits, group, "payload")
-    name = _registry.select(backend, payload.device)
-    result = _output(out, (rows.shape[0] * numel,), dtype, payload.device)
-    if result.numel():
-        _contract.dequantize(rows, numel, bits, group, name, result)
+    device = payload.device
+    ops = _ops(backend, device)
+    result = _output(out, (rows.shape[0] * numel,), dtype, device)
+    if numel and rows.shape[0]:
+        ops["dequantize"](rows, numel, bits, group, result)
     return result
 
 
@@ -165,18 +237,18 @@ def _check_interleaved(
             raise ValueError(
                 f"x[{index}] is {tensor.dtype} on {tensor.device} but x[0] is {tensors[0].dtype} on {tensors[0].device}"
             )
-    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+    if type(parts) is not int or parts < 1:
         raise ValueError(f"parts must be a positive int, got {parts!r}")
     for index, tensor in enumerate(tensors):
         if tensor.numel() % parts:
             raise ValueError(f"x[{index}].numel()={tensor.numel()} is not divisible into parts={parts} equal pieces")
     filled = sum(tensor.numel() for tensor in tensors) // parts
     if part_numel is None:
-        return [t.detach().view(-1) for t in tensors], filled
+        return [_flat(t) for t in tensors], filled
     _check_numel(part_numel, "part_numel")
     if part_numel < filled:
         raise ValueError(f"part_numel={part_numel} is shorter than the {filled} elements each part holds")
-    return [t.detach().view(-1) for t in tensors], part_numel
+    return [_flat(t) for t in tensors], part_numel
 
 
 def reorder_quantize(
@@ -206,22 +278,22 @@ def reorder_quantize(
     tensors, part_numel = _check_interleaved(x, parts, part_numel)
     numel = parts * part_numel
     perm_t = _check_perm(perm, numel)
-    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
+    if type(num_chunks) is not int or num_chunks < 1:
         raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
     if numel % num_chunks:
         raise ValueError(f"x.numel()={numel} is not divisible into num_chunks={num_chunks} equal chunks")
     chunk = numel // num_chunks
-    group = _spec_group_size(bits, group_size, chunk)
+    group = _group_size(bits, group_size, chunk)
     device = tensors[0].device
-    name = _registry.select(backend, device)
-    result = _output(out, (num_chunks, payload_nbytes(chunk, bits, group)), torch.uint8, device)
+    ops = _ops(backend, device)
+    result = _output(out, (num_chunks, _row_nbytes(chunk, bits, group)), _UINT8, device)
     if numel:
-        _contract.reorder_quantize(tensors, parts, part_numel, perm_t, num_chunks, bits, group, name, result)
+        ops["reorder_quantize"](tensors, parts, part_numel, perm_t, num_chunks, bits, group, result)
     return result
 
 
 def _check_requant_chunks(requant_chunks: int, numel: int) -> None:
-    if isinstance(requant_chunks, bool) or not isinstance(requant_chunks, int) or requant_chunks < 1:
+    if type(requant_chunks) is not int or requant_chunks < 1:
         raise ValueError(f"requant_chunks must be a positive int or None, got {requant_chunks!r}")
     if numel % requant_chunks:
         raise ValueError(f"numel={numel} is not divisible into requant_chunks={requant_chunks} equal chunks")
@@ -258,23 +330,24 @@ def dequant_reduce(
     # "tensor": a group of the inputs' size covers every chunk of the sum in one group too;
     # the larger resolution is valid for both widths (INT4 rounds an odd size up, which
     # leaves one group per payload and so the same bytes)
-    group = max(_spec_group_size(b, group_size, numel) for b in (bits, out_bits))
+    group = _group_size(bits, group_size, numel)
+    if out_bits != bits:
+        group = max(group, _group_size(out_bits, group_size, numel))
     if payloads.dim() != 2 or payloads.shape[0] < 1:
         raise ValueError(f"payloads must be 2-D (k >= 1, nbytes), got shape {tuple(payloads.shape)}")
     rows = _as_rows(payloads, numel, bits, group, "payloads")
     if isinstance(divide_by, bool) or not isinstance(divide_by, (int, float)) or not divide_by > 0:
         raise ValueError(f"divide_by must be a positive number, got {divide_by!r}")
+    device = payloads.device
+    ops = _ops(backend, device)
     if requant_chunks is None:
         _check_dtype(dtype, "dtype")
-        shape, out_dtype = (numel,), dtype
-    else:
-        _check_requant_chunks(requant_chunks, numel)
-        shape = (requant_chunks, payload_nbytes(numel // requant_chunks, out_bits, group))
-        out_dtype = torch.uint8
-    name = _registry.select(backend, payloads.device)
-    result = _output(out, shape, out_dtype, payloads.device)
-    if numel and requant_chunks is None:
-        _contract.dequant_reduce(rows, numel, bits, group, float(divide_by), name, result)
-    elif numel:
-        _contract.dequant_reduce_requant(rows, numel, bits, out_bits, group, float(divide_by), name, result)
+        result = _output(out, (numel,), dtype, device)
+        if numel:
+            ops["dequant_reduce"](rows, numel, bits, group, float(divide_by), result)
+        return result
+    _check_requant_chunks(requant_chunks, numel)
+    result = _output(out, (requant_chunks, _row_nbytes(numel // requant_chunks, out_bits, group)), _UINT8, device)
+    if numel:
+        ops["dequant_reduce_requant"](rows, numel, bits, out_bits, group, float(divide_by), result)
     return result

@@ -29,7 +29,6 @@ so the kernels are recompiled with the new helpers.
 
 from __future__ import annotations
 
-import ctypes
 
 import numpy as np
 import torch
@@ -46,7 +45,15 @@ F32_MAGNITUDE_MASK = 0x7FFFFFFF
 # The numpy dtype each torch dtype is handed to the kernels as (see the module docstring).
 _KERNEL_DTYPE = {torch.float32: torch.float32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 # Payloads (uint8) and kernel views (see _KERNEL_DTYPE) as numpy dtypes.
-_NUMPY_DTYPE = {torch.uint8: np.uint8, torch.int16: np.int16, torch.float32: np.float32}
+_NUMPY_DTYPE = {
+    torch.uint8: np.dtype(np.uint8), torch.int16: np.dtype(np.int16), torch.float32: np.dtype(np.float32)
+}
+
+
+class _Memory:
+    """What ``numpy.asarray`` reads an array's memory from: the ``__array_interface__`` protocol."""
+
+    __slots__ = ("__array_interface__",)
 
 
 def shared_array(tensor: torch.Tensor) -> np.ndarray:
@@ -57,13 +64,18 @@ def shared_array(tensor: torch.Tensor) -> np.ndarray:
     between uses by resizing its storage to zero, as ZeRO-3 and FSDP do with the parameter
     buffer they hand to ``all_gather_q8`` as ``output``. The kernels use the array only during
     the call, while the caller holds ``tensor``, so a view over its data pointer is safe here.
+    The view is made through the array interface protocol (address, shape, type string):
+    one ``numpy.asarray``, no ctypes pointer objects, which keeps a kernel launch's host cost low.
     """
     assert tensor.is_contiguous() and tensor.device.type == "cpu"
     dtype = _NUMPY_DTYPE[tensor.dtype]
     if tensor.numel() == 0:
         return np.empty(tuple(tensor.shape), dtype)
-    pointer = ctypes.cast(tensor.data_ptr(), ctypes.POINTER(np.ctypeslib.as_ctypes_type(dtype)))
-    return np.ctypeslib.as_array(pointer, shape=tuple(tensor.shape))
+    memory = _Memory()
+    memory.__array_interface__ = {
+        "data": (tensor.data_ptr(), False), "shape": tuple(tensor.shape), "typestr": dtype.str, "version": 3
+    }
+    return np.asarray(memory)
 
 
 def kernel_view(tensor: torch.Tensor) -> np.ndarray:

@@ -44,6 +44,19 @@ _DTYPE_TAG = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"
 _PINNED_PERMS: dict[tuple[int, ...], torch.Tensor] = {}
 
 
+class _DevicePerm:
+    """A permutation's device copy: the tensor, the event after its upload, whether that has run."""
+
+    __slots__ = ("tensor", "uploaded", "stream", "done")
+
+    def __init__(self, tensor: torch.Tensor, uploaded: torch.cuda.Event, stream: int) -> None:
+        self.tensor, self.uploaded, self.stream, self.done = tensor, uploaded, stream, False
+
+
+# (perm, device index) -> its device copy, never freed; see [Note: perm lifetime].
+_DEVICE_PERMS: dict[tuple[tuple[int, ...], int], _DevicePerm] = {}
+
+
 def _ptr(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
 
@@ -91,26 +104,50 @@ def _decoder_blocks(device: torch.device, runs: int) -> int:
     return _cap(-(-runs // THREADS), _max_blocks(device))
 
 
-def _device_perm(perm: Sequence[int], device: torch.device) -> torch.Tensor:
-    """``perm`` as an int64 tensor on ``device``, uploaded on the current stream.
-
-    [Note: perm lifetime] The kernel reads the permutation from device memory. Every call
-    uploads it on the caller's current stream from a pinned host copy cached per perm:
-    ``.to(device, non_blocking=True)`` is a cudaMemcpyAsync that does not synchronize the
-    host, and under CUDA-graph capture it becomes a copy node of the graph. The device copy
-    is an ordinary stream-ordered temporary: allocated on the current stream, read by the
-    kernel queued after the copy on that same stream, and not handed to any other stream by
-    torch's caching allocator before that work has run (during capture it belongs to the
-    graph's pool). The pinned host copy is never freed nor written after creation, so every
-    copy in flight and every replay of a captured graph reads valid, complete data. Creating
-    it pins memory once per perm; a warm-up call before a graph capture does that outside
-    the capture (pinning during capture needs torch's pinned allocator to support it).
-    """
-    key = tuple(perm)
+def _pinned_perm(key: tuple[int, ...]) -> torch.Tensor:
     host = _PINNED_PERMS.get(key)
     if host is None:
         host = _PINNED_PERMS[key] = torch.tensor(key, dtype=torch.int64).pin_memory()
-    return host.to(device, non_blocking=True)
+    return host
+
+
+def _device_perm(perm: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``perm`` as an int64 tensor on ``device``: uploaded once per (perm, device), then looked up.
+
+    [Note: perm lifetime] The kernel reads the permutation from device memory. The first
+    eager call for a (perm, device) copies it on the current stream from a pinned host copy
+    (``non_blocking``: a cudaMemcpyAsync, no host synchronization), records an event after
+    the copy, and keeps the device tensor and the pinned source for the life of the process:
+    neither is written again nor freed, so torch's caching allocator never hands their memory
+    to anyone else. A later call on the upload's stream is ordered after the copy by the
+    stream; a call on another stream makes that stream wait for the event until the event
+    has been seen complete (``query``, which does not block), after which the copy is simply
+    there. Under CUDA-graph capture a copy whose completion has not been seen is not used
+    (waiting on an event recorded outside the capture is not capturable): the call uploads a
+    stream-ordered temporary from the pinned copy instead, which becomes a copy node of the
+    graph, reading pinned memory that stays valid for every replay, and the temporary belongs
+    to the graph's memory pool. A copy seen complete is read by the captured kernels directly.
+    """
+    index = loader.device_index(device)
+    key = tuple(perm)
+    cached = _DEVICE_PERMS.get((key, index))
+    capturing = torch.cuda.is_current_stream_capturing()
+    if cached is None:
+        if capturing:
+            return _pinned_perm(key).to(device, non_blocking=True)
+        stream = torch.cuda.current_stream(index)
+        tensor = _pinned_perm(key).to(device, non_blocking=True)
+        uploaded = torch.cuda.Event()
+        uploaded.record(stream)
+        _DEVICE_PERMS[(key, index)] = _DevicePerm(tensor, uploaded, stream.cuda_stream)
+        return tensor
+    if not cached.done:
+        if capturing:
+            return _pinned_perm(key).to(device, non_blocking=True)
+        cached.done = cached.uploaded.query()
+        if not cached.done and loader.current_raw_stream(index) != cached.stream:
+            torch.cuda.current_stream(index).wait_event(cached.uploaded)
+    return cached.tensor
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> None:
@@ -181,8 +218,8 @@ def _device_table(xs: Sequence[torch.Tensor], parts: int) -> torch.Tensor:
     a pinned host tensor from torch's caching host allocator, copied with
     ``non_blocking=True`` (no host synchronization). The allocator records the copy on the
     stream and does not hand the pinned block out again before the copy has run, so
-    dropping the host tensor here is safe. Unlike the permutation's cached pinned copy
-    ([Note: perm lifetime]), a per-call host buffer cannot be replayed by a CUDA graph: the
+    dropping the host tensor here is safe. Unlike the permutation's pinned copy, which is
+    kept ([Note: perm lifetime]), a per-call host buffer cannot be replayed by a CUDA graph: the
     interleaved form is not graph-capturable; one tensor that fills its parts never needs it.
     """
     host = torch.tensor(interleaved_table(xs, parts), dtype=torch.int64).pin_memory()

@@ -325,8 +325,12 @@ def _quantize_into(
     """``reorder_quantize`` of the interleaved input of ``xs`` (which the caller keeps alive)."""
     numel = parts * part_numel
     payloads = _zero_padding(out2d, numel // out2d.shape[0], bits)
-    widths = [x.numel() // parts for x in xs]
-    sources = np.array([[x.data_ptr() for x in xs], widths, np.cumsum(widths)], np.int64)
+    sources = np.empty((3, len(xs)), np.int64)
+    end = 0
+    for index, x in enumerate(xs):
+        width = x.numel() // parts
+        end += width
+        sources[:, index] = (x.data_ptr(), width, end)
     like = kernel_view(xs[0][:0].detach())
     _use_thread_share()
     _reorder_quantize_kernel(like, sources, part_numel, numel, np.asarray(perm, np.int64), bits, group_size, payloads)

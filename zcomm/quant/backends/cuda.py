@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from zcomm_cuda import unavailable_reason
 
-from .._contract import OPS, implements
+from .._contract import SCHEMAS, implements
 
 _REASON = unavailable_reason()
 if _REASON is not None:
@@ -20,5 +20,5 @@ if _REASON is not None:
 
 from . import _cuda_launch  # noqa: E402  (needs the checks above to have passed)
 
-for _op in OPS:
+for _op in SCHEMAS:
     implements(_op, "cuda")(getattr(_cuda_launch, _op))
