@@ -9,6 +9,7 @@ errors, the torch contract zcomm's adapter relies on (private module included) a
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 
 import pytest
@@ -21,6 +22,7 @@ import zcomm
 import zcomm.fsdp
 from spawn_harness import run_distributed
 import zcomm.quant as quant
+import zcomm_cuda
 from zcomm import _fsdp_blocks, _fsdp_compat
 from zero_runtime import _flat_buffer
 
@@ -227,3 +229,74 @@ def test_premul_sum_is_the_fp32_division_by_its_inverse(gloo_world):
             assert torch.equal(out, summed / torch.tensor(3.0))
         else:
             torch.testing.assert_close(out, summed * factor, rtol=2.0**-22, atol=0)
+
+
+def _require_cuda(backend: str) -> None:
+    """Skip (fail under ZCOMM_GPU_CHECK=1) without a CUDA device, NCCL or, for ``cuda``, its backend."""
+    reason = None
+    if not torch.cuda.is_available():
+        reason = "no CUDA device (torch.cuda.is_available() is False)"
+    elif not dist.is_nccl_available():
+        reason = "this torch build has no NCCL"
+    elif backend == "cuda":
+        reason = zcomm_cuda.unavailable_reason()
+    if reason is not None:
+        if os.environ.get("ZCOMM_GPU_CHECK") == "1":
+            pytest.fail(f"ZCOMM_GPU_CHECK=1 but {reason}")
+        pytest.skip(reason)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "reference"])
+def test_aligned_staging_on_cuda(monkeypatch, backend):
+    """enable_zeropp's comms on CUDA tensors (one NCCL rank: FSDP2 itself skips its collectives at
+    world size 1, so the comms are called as FSDP2 calls them): issued on a side stream as FSDP2's
+    all-gather stream, the in-place gather waited for on the current stream (async: the handle's
+    copy out runs there, [Note: staged buffer lifetime]; sync: an event). Aligned, every parameter
+    is within its own INT8 (gather) / INT4 (reduce-scatter) half-scale; packed, not."""
+    _require_cuda(backend)
+    if backend == "reference":
+        monkeypatch.setenv("ZCOMM_BACKEND", "reference")
+    else:
+        monkeypatch.delenv("ZCOMM_BACKEND", raising=False)
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        topologies = zcomm.fsdp._GroupTopologies(group, zcomm.Topology(world_size=1, local_size=1))
+        gen = torch.Generator().manual_seed(0)
+        params = [(torch.randn(n, generator=gen) * m).to(device) for n, m in zip(ROW, ROW_MAGNITUDES)]
+        flat = torch.cat(params)
+        layout = _fsdp_blocks.aligned_layout(ROW, align=256)
+        assert layout is not None
+        current, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+        for align, async_op in ((True, False), (True, True), (False, True)):
+            kwargs = dict(quantized=True, group_size=None, module_name="row", layout=layout if align else None)
+            gathered = torch.full_like(flat, float("nan"))
+            reduced = torch.full_like(flat, float("nan"))
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                gathered.copy_(flat)  # FSDP2's all-gather is in place: the input is the output's slice
+                work = zcomm.fsdp.ZeroppAllGather(topologies, **kwargs)(
+                    output_tensor=gathered, input_tensor=gathered.narrow(0, 0, flat.numel()), group=group,
+                    async_op=async_op,
+                )
+                zcomm.fsdp.ZeroppReduceScatter(topologies, **kwargs)(
+                    output_tensor=reduced, input_tensor=flat.clone(), group=group, op=dist.ReduceOp.AVG
+                )
+                done = side.record_event()
+            if async_op:
+                assert isinstance(work, dist.Work)
+                current.wait_event(done)
+                work.wait()
+            else:
+                assert work is None
+                current.wait_event(done)
+            for result, bits in ((gathered, 8), (reduced, 4)):
+                relative = [
+                    ((got - p).abs().max() / p.abs().max()).item() for got, p in zip(result.split(ROW), params)
+                ]
+                within = max(relative) <= 1 / quant.QMAX[bits] / 2 * (1 + 1e-4)  # + rounding of a fused kernel
+                assert within == align, (align, async_op, bits, relative)
+    finally:
+        dist.destroy_process_group()
