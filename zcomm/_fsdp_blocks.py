@@ -17,8 +17,18 @@ collectives draw then falls on a multiple of ``G``, which divides ``A``, hence n
 holds elements of two parameters, and the zeros change no group's absmax. This is
 zero_runtime's layout rule ([Note: parameter-aligned blocks] in ``zero_runtime._flat_buffer``)
 applied to a copy: a unit is aligned only when that adds at most :data:`ALIGN_BUDGET` of its
-packed elements (a unit of small parameters would otherwise send mostly zeros), and the
-zeros travel and are counted like any other element. The copies in and out are one pass
+packed elements, and the zeros travel and are counted like any other element.
+
+[Note: small pieces packed together] Unlike zero_runtime's units, which shard one flat buffer
+into contiguous ranges, FSDP2 shards every parameter along dim 0, so a LayerNorm of ``d``
+weights leaves ``d / world`` elements in *every* row, and aligning each such piece costs
+nearly ``A`` zeros per piece and row: a pre-LN MLP block of hidden size 64 on 4 ranks would
+grow 11%. When full alignment is over the budget, the staged row therefore keeps the pieces
+of at least ``A`` elements aligned, in FSDP2's order, and packs the pieces of fewer than ``A``
+after them (the row's order is the copy's own; the copy back restores FSDP2's): a block then
+holds either part of one large parameter or small pieces only (LayerNorm weights, biases),
+never small pieces next to large Linear weights, whose small gradients would round to zero
+under the larger scale. Beyond the budget even then, the unit stays packed. The copies in and out are one pass
 over the unit's buffers each, on the device and stream of the data.
 """
 
@@ -42,20 +52,24 @@ class BlockLayout:
     """Where each parameter's piece of one row of FSDP2's flat buffer goes in the aligned row.
 
     ``numels``: the elements of each parameter's piece of a row (its padded shard), in
-    FSDP2's order; ``align``: the multiple every piece starts at in the aligned row.
+    FSDP2's order; ``align``: the multiple every piece starts at in the aligned row, except
+    pieces of fewer than ``pack_below`` elements, packed after the others ([Note: small
+    pieces packed together]; 0: every piece aligned).
     """
 
-    def __init__(self, numels: Sequence[int], *, align: int) -> None:
+    def __init__(self, numels: Sequence[int], *, align: int, pack_below: int = 0) -> None:
         assert align > 1 and numels, (align, numels)
         self.numels = tuple(int(n) for n in numels)
         self.align = align
+        self.pack_below = pack_below
         self.numel = sum(self.numels)  # one row of FSDP2's buffer
         self.offsets = tuple(sum(self.numels[:i]) for i in range(len(self.numels)))
-        aligned, end = [], 0
-        for n in self.numels:
-            end = _round_up(end, align)
-            aligned.append(end)
-            end += n
+        aligned, end = [0] * len(self.numels), 0
+        for i in sorted(range(len(self.numels)), key=lambda i: self.numels[i] < pack_below):
+            if self.numels[i] >= pack_below:
+                end = _round_up(end, align)
+            aligned[i] = end
+            end += self.numels[i]
         self.aligned_offsets = tuple(aligned)
         self._end = end
 
@@ -81,14 +95,19 @@ class BlockLayout:
 
 
 def aligned_layout(numels: Sequence[int], *, align: int) -> BlockLayout | None:
-    """The aligned layout of a unit whose row holds pieces of ``numels`` elements, or None when
-    ``align`` is 1, the unit is empty, or aligning adds more than :data:`ALIGN_BUDGET` of its
-    packed elements."""
+    """The aligned layout of a unit whose row holds pieces of ``numels`` elements: every piece
+    aligned if that adds at most :data:`ALIGN_BUDGET` of the packed elements, else the pieces of
+    at least ``align`` elements aligned and the smaller ones packed after them if that does
+    ([Note: small pieces packed together]); None when neither does, ``align`` is 1 or the unit
+    is empty."""
     packed = sum(numels)
     if align <= 1 or packed == 0:
         return None
-    layout = BlockLayout(numels, align=align)
-    return layout if layout.row_numel() - packed <= packed * ALIGN_BUDGET else None
+    for pack_below in (0, align):
+        layout = BlockLayout(numels, align=align, pack_below=pack_below)
+        if layout.row_numel() - packed <= packed * ALIGN_BUDGET:
+            return layout
+    return None
 
 
 def block_align(group_sizes: Sequence[int]) -> int:

@@ -28,10 +28,13 @@ parameter boundaries from FSDP2's own state (:func:`zcomm._fsdp_compat.shard_num
 where that adds at most 1/32 of the unit's elements (zero_runtime's rule), stages the
 quantized collectives through a zero-padded copy in which every parameter starts at a
 multiple of the group size, so no block holds two parameters ([Note: aligned staging] in
-:mod:`zcomm._fsdp_blocks`; the all-gather and the reduce-scatter both follow it). A unit of
-small parameters stays packed, as do the blocks of a reduce-scatter whose layout FSDP2
-changed (only some parameters got gradients: warned once per module). ``align_blocks=False``
-packs every unit.
+:mod:`zcomm._fsdp_blocks`; the all-gather and the reduce-scatter both follow it). Where that
+is over the budget (FSDP2 leaves a piece of every LayerNorm and bias in every rank's row),
+only the pieces of at least a group are aligned and the smaller ones are packed together
+after them, so small parameters share blocks only with each other ([Note: small pieces
+packed together]); beyond the budget even then, the unit stays packed. So does a
+reduce-scatter whose layout FSDP2 changed (only some parameters got gradients: warned once
+per module). ``align_blocks=False`` packs every unit.
 
 Results: an ``async_op=True`` quantized gather returns a real ``torch.distributed.Work``
 whose ``wait()`` completes zcomm's chain (FSDP2 waits only on ``Work`` instances), and for
@@ -267,12 +270,14 @@ def enable_zeropp(
             and :func:`zcomm.reduce_scatter_q4`; None: zcomm's defaults).
         topology: which ranks of the shard group share a node (default:
             :meth:`zcomm.Topology.detect` on that group).
-        align_blocks: keep every quantization block inside one parameter where that adds at
-            most 1/32 of a unit's elements (see the module docstring); False packs them.
+        align_blocks: keep quantization blocks inside one parameter (or, failing that, keep
+            small parameters out of large ones' blocks) where that adds at most 1/32 of a
+            unit's elements (see the module docstring); False packs them.
 
     Returns:
         for every unit with parameters of its own (by module name; the root by its class
-        name), whether its quantization blocks are aligned to its parameters.
+        name), whether its quantization blocks are aligned to its parameters (fully or with
+        its small parameters packed together).
 
     Raises:
         ValueError: the installed torch has no supported FSDP2 comm API; ``module`` holds no
