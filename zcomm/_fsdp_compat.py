@@ -22,7 +22,15 @@ and pinned by ``tests/collectives/test_fsdp_zeropp.py``:
 * the reduce-scatter is always called synchronously (no ``async_op``), its result ignored;
   ``op`` is ``ReduceOp.AVG`` / ``ReduceOp.SUM`` (a ``RedOpType``) or, after
   ``set_gradient_divide_factor(f)``, ``ReduceOp.PREMUL_SUM(1 / f)``, a ``ReduceOp`` whose
-  ``.op`` is ``PREMUL_SUM`` and ``.factor`` the Python float ``1 / f``.
+  ``.op`` is ``PREMUL_SUM`` and ``.factor`` the Python float ``1 / f``;
+* the flat layouts (``foreach_all_gather``, ``foreach_reduce``): a rank's all-gather input is
+  the concatenation of its padded shard of every parameter of the unit's parameter group,
+  in ``FSDPParamGroup.fsdp_params`` order, each ``padded_sharded_param_size.numel()``
+  elements, and row ``r`` of the reduce-scatter input (``world`` rows) is the same for rank
+  ``r``'s shards of the gradients, over the parameters that have one in that backward. The
+  group is ``FSDPModule._get_fsdp_state()._fsdp_param_group`` (an attribute in 2.11, a
+  property over ``_fsdp_param_groups`` in 2.13, None for a unit without parameters); only
+  :func:`shard_numels` reads it.
 """
 
 from __future__ import annotations
@@ -71,6 +79,15 @@ def torch_problem(version: str = torch.__version__, import_error: str | None = N
     if not all(hasattr(FSDPModule, name) for name in ("set_custom_all_gather", "set_custom_reduce_scatter")):
         return f"torch {version}'s FSDPModule has no set_custom_all_gather / set_custom_reduce_scatter"
     return None
+
+
+def shard_numels(unit: FSDPModule) -> tuple[int, ...]:
+    """Elements of each parameter's padded shard in ``unit``'s flat FSDP2 buffers, in their
+    order there (empty for a unit without parameters of its own)."""
+    group = unit._get_fsdp_state()._fsdp_param_group
+    if group is None:
+        return ()
+    return tuple(param.padded_sharded_param_size.numel() for param in group.fsdp_params)
 
 
 class HandleWork(dist.Work):

@@ -23,11 +23,22 @@ silently swapped: FSDP2 gathers a unit whose all-gather inputs have several dtyp
 training, a frozen parameter of another dtype) as one ``uint8`` buffer, and the split
 sizes needed to quantize its pieces are not passed to the comm; fp64 has no quantized form.
 
+Quantization blocks follow the parameters: :func:`enable_zeropp` reads each unit's
+parameter boundaries from FSDP2's own state (:func:`zcomm._fsdp_compat.shard_numels`) and,
+where that adds at most 1/32 of the unit's elements (zero_runtime's rule), stages the
+quantized collectives through a zero-padded copy in which every parameter starts at a
+multiple of the group size, so no block holds two parameters ([Note: aligned staging] in
+:mod:`zcomm._fsdp_blocks`; the all-gather and the reduce-scatter both follow it). Where that
+is over the budget (FSDP2 leaves a piece of every LayerNorm and bias in every rank's row),
+only the pieces of at least a group are aligned and the smaller ones are packed together
+after them, so small parameters share blocks only with each other ([Note: small pieces
+packed together]); beyond the budget even then, the unit stays packed. So does a
+reduce-scatter whose layout FSDP2 changed (only some parameters got gradients: warned once
+per module). ``align_blocks=False`` packs every unit.
+
 Results: an ``async_op=True`` quantized gather returns a real ``torch.distributed.Work``
-whose ``wait()`` completes zcomm's chain (FSDP2 waits only on ``Work`` instances). The
-quantization blocks run across parameter boundaries of the flat buffer (``group_size``
-elements each, zcomm's defaults when None): a LayerNorm weight near 1.0 next to small
-Linear weights shares a scale with them in at most one block per boundary.
+whose ``wait()`` completes zcomm's chain (FSDP2 waits only on ``Work`` instances), and for
+an aligned unit then copies the result into FSDP2's buffer.
 
 HSDP (a 2-D mesh) is rejected: FSDP2's replicate all-reduce is not replaceable.
 """
@@ -43,11 +54,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._fsdp_compat import AllGather, FSDPModule, ReduceScatter, as_work, torch_problem
+from ._api import Handle
+from ._fsdp_blocks import BlockLayout, aligned_layout, block_align
+from ._fsdp_compat import AllGather, FSDPModule, ReduceScatter, as_work, shard_numels, torch_problem
 from .all_gather_q8 import all_gather_q8
 from .plain_collectives import all_gather_into_tensor, reduce_scatter_tensor
-from .quant import SUPPORTED_DTYPES
-from .reduce_scatter_q4 import reduce_scatter_q4
+from .quant import SUPPORTED_DTYPES, QuantSpec
+from .reduce_scatter_q4 import default_pipeline_stages, reduce_scatter_q4
 from .topology import Topology
 
 __all__ = ["ZeroppAllGather", "ZeroppReduceScatter", "enable_zeropp"]
@@ -72,33 +85,61 @@ class _GroupTopologies:
 
 
 class _WarnOnce:
-    """One warning per module and reason for a collective that could not be quantized."""
+    """One warning per module and reason: a collective that could not be quantized, or whose
+    quantization blocks could not be aligned to the parameters."""
 
     def __init__(self, module_name: str) -> None:
         self._module_name = module_name
         self._seen: set[str] = set()
 
     def __call__(self, what: str, reason: str) -> None:
+        self._once(
+            reason,
+            f"zcomm.fsdp: {what} of module {self._module_name!r} is not quantized ({reason}); it runs "
+            "unquantized and is counted in zcomm.comm_stats() as such",
+        )
+
+    def unaligned(self, what: str, reason: str) -> None:
+        self._once(
+            reason,
+            f"zcomm.fsdp: {what} of module {self._module_name!r} is quantized with blocks that may span "
+            f"two parameters ({reason})",
+        )
+
+    def _once(self, reason: str, message: str) -> None:
         if reason not in self._seen:
             self._seen.add(reason)
-            warnings.warn(
-                f"zcomm.fsdp: {what} of module {self._module_name!r} is not quantized ({reason}); it runs "
-                "unquantized and is counted in zcomm.comm_stats() as such",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 class _ZeroppComm:
     """What both adapters share: their unit's groups and settings, and FSDP2's ``allocate``."""
 
     def __init__(
-        self, topologies: _GroupTopologies, *, quantized: bool, group_size: GroupSize, module_name: str
+        self,
+        topologies: _GroupTopologies,
+        *,
+        quantized: bool,
+        group_size: GroupSize,
+        module_name: str,
+        layout: BlockLayout | None = None,
     ) -> None:
         self._topologies = topologies
         self._quantized = quantized
         self._group_size = group_size
         self._warn = _WarnOnce(module_name)
+        self.layout = layout  # the unit's aligned layout, None where its blocks stay packed
+        self._stages: dict[tuple[dist.ProcessGroup, torch.dtype], int] = {}  # qgZ's, fixed per group and dtype
+
+    def _layout_for(self, row_numel: int, what: str) -> BlockLayout | None:
+        """The aligned layout if a row of this call's buffer is the one it was derived for."""
+        if self.layout is None:
+            return None
+        if row_numel != self.layout.numel:
+            self._warn.unaligned(what, f"FSDP2's buffer holds {row_numel} elements per rank, not the "
+                                 f"{self.layout.numel} of all the unit's parameters")
+            return None
+        return self.layout
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Buffers where FSDP2 asks for them: on the device of the data they serve."""
@@ -114,15 +155,27 @@ class ZeroppAllGather(_ZeroppComm, AllGather):
         topology = self._topologies.of(group)
         if self._quantized and group is self._topologies.shard_group:
             if input_tensor.dtype in SUPPORTED_DTYPES:
-                result = all_gather_q8(
-                    output_tensor, input_tensor, group, async_op, group_size=self._group_size, topology=topology
-                )
-                return as_work(result)
+                layout = self._layout_for(input_tensor.numel(), "weight all-gather")
+                if layout is None:
+                    result = all_gather_q8(
+                        output_tensor, input_tensor, group, async_op, group_size=self._group_size, topology=topology
+                    )
+                    return as_work(result)
+                return as_work(self._gather_aligned(layout, output_tensor, input_tensor, group, async_op, topology))
             if input_tensor.dtype == torch.uint8:
                 self._warn("weight all-gather", "parameters of several dtypes, gathered as one uint8 buffer")
             else:
                 self._warn("weight all-gather", f"no quantized form: {input_tensor.dtype}")
         return all_gather_into_tensor(output_tensor, input_tensor, group, async_op, topology=topology)
+
+    def _gather_aligned(self, layout, output, input, group, async_op, topology) -> Handle | None:
+        """qwZ through the aligned staging copies ([Note: aligned staging]): FSDP2's in-place
+        ``input`` is read into the staged input before ``output`` is written."""
+        world = topology.world_size
+        staged_in = layout.pad(input, rows=1)
+        staged_out = torch.empty(world * staged_in.numel(), dtype=output.dtype, device=output.device)
+        result = all_gather_q8(staged_out, staged_in, group, async_op, group_size=self._group_size, topology=topology)
+        return _then_unpad(result, layout, staged_out, output, rows=world)
 
 
 class ZeroppReduceScatter(_ZeroppComm, ReduceScatter):
@@ -139,12 +192,59 @@ class ZeroppReduceScatter(_ZeroppComm, ReduceScatter):
         topology = self._topologies.of(group)
         if self._quantized:
             if input_tensor.dtype in SUPPORTED_DTYPES:
-                result = reduce_scatter_q4(
-                    output_tensor, input_tensor, op, group, async_op, group_size=self._group_size, topology=topology
-                )
-                return as_work(result)
+                layout = self._layout_for(output_tensor.numel(), "gradient reduce-scatter")
+                if layout is None:
+                    result = reduce_scatter_q4(
+                        output_tensor, input_tensor, op, group, async_op, group_size=self._group_size, topology=topology
+                    )
+                    return as_work(result)
+                return as_work(self._reduce_aligned(layout, output_tensor, input_tensor, op, group, async_op, topology))
             self._warn("gradient reduce-scatter", f"no quantized form: {input_tensor.dtype}")
         return reduce_scatter_tensor(output_tensor, input_tensor, op, group, async_op, topology=topology)
+
+    def _reduce_aligned(self, layout, output, input, op, group, async_op, topology) -> Handle | None:
+        """qgZ through the aligned staging copies, with the pipeline stage count fixed before the
+        rows are padded, so that every stage's part starts at a multiple of the alignment."""
+        world = topology.world_size
+        stages = self._stages.get((group, input.dtype))
+        if stages is None:
+            nbytes = world * layout.row_numel() * input.element_size()
+            stages = default_pipeline_stages(nbytes, layout.row_numel(), topology)
+            self._stages[(group, input.dtype)] = stages
+        staged_in = layout.pad(input, rows=world, stages=stages)
+        staged_out = torch.empty(staged_in.numel() // world, dtype=output.dtype, device=output.device)
+        result = reduce_scatter_q4(
+            staged_out, staged_in, op, group, async_op,
+            group_size=self._group_size, pipeline_stages=stages, topology=topology,
+        )  # fmt: skip
+        return _then_unpad(result, layout, staged_out, output, rows=1)
+
+
+def _then_unpad(
+    result: Handle | None, layout: BlockLayout, staged: torch.Tensor, out: torch.Tensor, *, rows: int
+) -> Handle | None:
+    """Copy the staged result into FSDP2's ``out``: now for a synchronous call, else in the
+    returned handle's ``wait()``.
+
+    [Note: staged buffer lifetime] The collective keeps both staged buffers alive for its own
+    work (on CUDA it records them on its side stream). The copy out reads ``staged`` after the
+    collective: at once on the calling stream for a synchronous call; for an asynchronous one
+    in ``wait()``, which holds ``staged`` until then and enqueues the collective's tail and the
+    copy on the waiting stream, in that order. That stream may not be the one ``staged`` was
+    allocated on (FSDP2 waits on its compute stream for a gather issued on its all-gather
+    stream), so ``staged`` is recorded on it, and the allocator keeps it until the copy ran.
+    """
+    if result is None:
+        layout.unpad(staged, out, rows=rows)
+        return None
+
+    def finish() -> None:
+        result.wait()
+        if staged.is_cuda:
+            staged.record_stream(torch.cuda.current_stream(staged.device))
+        layout.unpad(staged, out, rows=rows)
+
+    return Handle(finish=finish, ready=result.is_completed)
 
 
 def enable_zeropp(
@@ -154,7 +254,8 @@ def enable_zeropp(
     quantized_gradients: bool = True,
     group_size: GroupSize = None,
     topology: Topology | None = None,
-) -> None:
+    align_blocks: bool = True,
+) -> dict[str, bool]:
     """Install zcomm's collectives on ``module`` and every ``FSDPModule`` below it (after ``fully_shard``).
 
     Collective: every rank of the shard groups calls it, in the same order. Calling it again
@@ -169,6 +270,14 @@ def enable_zeropp(
             and :func:`zcomm.reduce_scatter_q4`; None: zcomm's defaults).
         topology: which ranks of the shard group share a node (default:
             :meth:`zcomm.Topology.detect` on that group).
+        align_blocks: keep quantization blocks inside one parameter (or, failing that, keep
+            small parameters out of large ones' blocks) where that adds at most 1/32 of a
+            unit's elements (see the module docstring); False packs them.
+
+    Returns:
+        for every unit with parameters of its own (by module name; the root by its class
+        name), whether its quantization blocks are aligned to its parameters (fully or with
+        its small parameters packed together).
 
     Raises:
         ValueError: the installed torch has no supported FSDP2 comm API; ``module`` holds no
@@ -180,23 +289,39 @@ def enable_zeropp(
         raise ValueError(problem)
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    for name, flag in (("quantized_weights", quantized_weights), ("quantized_gradients", quantized_gradients)):
+    flags = (("quantized_weights", quantized_weights), ("quantized_gradients", quantized_gradients),
+             ("align_blocks", align_blocks))  # fmt: skip
+    for name, flag in flags:
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
     units = [(name, sub) for name, sub in module.named_modules() if isinstance(sub, FSDPModule)]
     if not units:
         raise ValueError(f"{type(module).__name__} holds no FSDPModule: apply fully_shard before enable_zeropp")
     groups = [(name, sub, _shard_group(name, sub)) for name, sub in units]
+    align = _block_align(quantized_weights, quantized_gradients, group_size) if align_blocks else 1
     topologies: dict[dist.ProcessGroup, _GroupTopologies] = {}
+    aligned: dict[str, bool] = {}
     for name, sub, group in groups:
         if group is None:  # a unit with no parameters of its own communicates nothing
             continue
         if group not in topologies:
             topologies[group] = _GroupTopologies(group, topology if topology is not None else Topology.detect(group))
         label = name or type(sub).__name__
-        common = dict(group_size=group_size, module_name=label)
+        layout = aligned_layout(shard_numels(sub), align=align)
+        aligned[label] = layout is not None
+        common = dict(group_size=group_size, module_name=label, layout=layout)
         sub.set_custom_all_gather(ZeroppAllGather(topologies[group], quantized=quantized_weights, **common))
         sub.set_custom_reduce_scatter(ZeroppReduceScatter(topologies[group], quantized=quantized_gradients, **common))
+    return aligned
+
+
+def _block_align(quantized_weights: bool, quantized_gradients: bool, group_size: GroupSize) -> int:
+    """The alignment that keeps the quantized collectives' blocks inside parameters (1: none
+    quantized, or one scale per payload, which no padding could confine to a parameter)."""
+    if group_size == "tensor":
+        return 1
+    widths = [bits for bits, on in ((8, quantized_weights), (4, quantized_gradients)) if on]
+    return block_align([QuantSpec(bits=bits, group_size=group_size).group_size for bits in widths])
 
 
 def _shard_group(name: str, unit: nn.Module) -> dist.ProcessGroup | None:

@@ -8,6 +8,7 @@ bounds derived in the docstrings below.
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 
@@ -19,7 +20,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import zcomm
 import zcomm.fsdp
-from zcomm import _chain_runner, _fsdp_compat
+from zcomm import _chain_runner, _fsdp_blocks, _fsdp_compat
+from zcomm.quant import DEFAULT_GROUP_SIZE
 
 STEPS = 4
 LR = 0.05
@@ -285,6 +287,180 @@ def check_uint8_fallback(rank: int, mesh, topology: zcomm.Topology) -> None:
     assert len(fallback) == 1 and issubclass(fallback[0].category, RuntimeWarning), [str(w.message) for w in caught]
     stats = zcomm.comm_stats()
     assert stats["all_gather_into_tensor"].calls == 2 and "all_gather_q8" not in stats, stats
+
+
+def check_fp64_fallback(rank: int, mesh, topology: zcomm.Topology) -> None:
+    """fp64 has no quantized form: both collectives run unquantized (exact), counted, warned once each."""
+    results = []
+    for zeropp in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(6, 3).double()
+        fully_shard(model, mesh=mesh)
+        if zeropp:
+            zcomm.fsdp.enable_zeropp(model, topology=topology)
+        zcomm.reset_comm_stats()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(2):
+                model(_batch(step, rank)[0].double()).sum().backward()
+        results.append([p.grad.full_tensor() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    fallback = sorted(str(w.message).split(" of module")[0] for w in caught if "torch.float64" in str(w.message))
+    assert fallback == ["zcomm.fsdp: gradient reduce-scatter", "zcomm.fsdp: weight all-gather"], fallback
+    stats = zcomm.comm_stats()
+    assert stats["all_gather_into_tensor"].calls == 2 and stats["reduce_scatter_tensor"].calls == 2, stats
+    assert "all_gather_q8" not in stats and "reduce_scatter_q4" not in stats, stats
+
+
+class _Wide(nn.Module):
+    """One FSDP2 unit whose row aligns cheaply on 4 and on 6 ranks (multiples of 256 but for
+    the biases and the LayerNorm, which FSDP2 packs between the Linear weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(64, 960)
+        self.norm = nn.LayerNorm(960)
+        self.lin2 = nn.Linear(960, 96)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin2(nn.functional.gelu(self.norm(self.lin1(x))))
+
+
+# FSDP2's order of _Wide's parameters, and the magnitudes of check_aligned_error's gradients:
+# Linear weights near 0.02, biases near 0.01, the LayerNorm's weight near 1.0.
+_WIDE_MAGNITUDES = (0.02, 0.01, 1.0, 0.05, 0.02, 0.01)
+
+
+def _expected_row(world: int) -> tuple[list[int], list[int], int]:
+    """Oracle for the aligned row of _Wide (from the shapes, not from FSDP2's state): each
+    parameter's padded shard (dim 0 rounded up to the world size), the offsets of the pieces
+    at multiples of the group size, and the row's length."""
+    group_size = math.lcm(DEFAULT_GROUP_SIZE[8], DEFAULT_GROUP_SIZE[4])
+    numels = [-(-p.shape[0] // world) * math.prod(p.shape[1:]) for p in _Wide().parameters()]
+    offsets, end = [], 0
+    for n in numels:
+        end = -(-end // group_size) * group_size
+        offsets.append(end)
+        end += n
+    return numels, offsets, -(-end // group_size) * group_size
+
+
+def _train_wide(model: nn.Module, rank: int, steps: int = 2) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    gen = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(8, 64, generator=gen), torch.randn(8, 96, generator=gen)
+    losses = []
+    for _ in range(steps):
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _wide_unit(mesh) -> nn.Module:
+    torch.manual_seed(0)
+    model = _Wide()
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def check_aligned_layout(rank: int, mesh, topology: zcomm.Topology) -> None:
+    """Inside FSDP2 (forward, backward, optimizer step), qwZ and qgZ of an aligned unit get rows
+    in which every parameter starts at a multiple of the group size, zero-padded: no group of
+    the collectives holds two parameters; the staged all-gather input is this rank's shards;
+    the result tracks plain FSDP2, with no warning. With a frozen parameter the reduce-scatter
+    buffer is not the one the layout was derived for: it runs quantized, packed, warned once."""
+    world, group_size = topology.world_size, DEFAULT_GROUP_SIZE[4]
+    numels, offsets, row = _expected_row(world)
+    assert (row - sum(numels)) <= sum(numels) / 32, "the test's unit must be cheap to align"
+    owner = torch.full((row,), -1)
+    for index, (offset, n) in enumerate(zip(offsets, numels)):
+        owner[offset : offset + n] = index
+    assert all(len(set(owner[s : s + group_size].tolist()) - {-1}) <= 1 for s in range(0, row, group_size))
+    seen: dict[str, list[torch.Tensor]] = {"gather": [], "reduce": []}
+    real_gather, real_reduce = zcomm.fsdp.all_gather_q8, zcomm.fsdp.reduce_scatter_q4
+
+    def gather(output, input, *args, **kwargs):
+        seen["gather"].append(input.detach().clone())
+        return real_gather(output, input, *args, **kwargs)
+
+    def reduce(output, input, *args, **kwargs):
+        seen["reduce"].append(input.detach().clone())
+        return real_reduce(output, input, *args, **kwargs)
+
+    losses = []
+    for zeropp in (False, True):
+        model = _wide_unit(mesh)
+        shards = [p.to_local().detach().reshape(-1).clone() for p in model.parameters()]
+        if zeropp:
+            zcomm.fsdp.enable_zeropp(model, topology=topology)
+            zcomm.fsdp.all_gather_q8, zcomm.fsdp.reduce_scatter_q4 = gather, reduce
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                losses.append(_train_wide(model, rank))
+        finally:
+            zcomm.fsdp.all_gather_q8, zcomm.fsdp.reduce_scatter_q4 = real_gather, real_reduce
+    assert not [w for w in caught if "zcomm" in str(w.message)], [str(w.message) for w in caught]
+    assert len(seen["gather"]) == 2 and len(seen["reduce"]) == 2, {k: len(v) for k, v in seen.items()}
+    staged = seen["gather"][0]
+    assert staged.numel() == row, (staged.numel(), row)
+    for offset, shard in zip(offsets, shards):
+        assert torch.equal(staged[offset : offset + shard.numel()], shard)
+    for rows in (staged.view(1, row), seen["reduce"][0].view(world, row)):
+        assert bool((rows[:, owner < 0] == 0).all())
+    assert all(abs(a - b) <= LOSS_TRACKING * abs(b) for a, b in zip(losses[1], losses[0])), losses
+    # a frozen parameter leaves FSDP2's reduce-scatter buffer: that one runs packed, and says so once
+    model = _wide_unit(mesh)
+    model.lin2.bias.requires_grad_(False)
+    zcomm.fsdp.enable_zeropp(model, topology=topology)
+    zcomm.reset_comm_stats()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train_wide(model, rank)
+    unaligned = [str(w.message) for w in caught if "may span two parameters" in str(w.message)]
+    assert len(unaligned) == 1 and "gradient reduce-scatter" in unaligned[0], unaligned
+    assert zcomm.comm_stats()["reduce_scatter_q4"].calls == 2, zcomm.comm_stats()
+
+
+def check_aligned_error(rank: int, mesh, topology: zcomm.Topology) -> None:
+    """qgZ's per-parameter INT4 error on a LayerNorm-next-to-Linear unit, through enable_zeropp's
+    reduce-scatter comm with the layout of a real FSDP2 unit (which enable_zeropp aligns):
+    aligned, every parameter's reduced gradient is within the bound of its own size; packed, the
+    Linear bias that shares a block with the LayerNorm weight breaks it.
+
+    Oracle: every rank builds every rank's reduce-scatter input (per-parameter magnitudes
+    _WIDE_MAGNITUDES, seeded by rank) and averages them in fp64. Bound per parameter (AVG), as
+    in check_gradients but with ``G_p`` the largest element of parameter ``p`` in any input:
+    ``G_p * 29/196``, plus fp32 rounding (1e-5 * G_p).
+    """
+    world = topology.world_size
+    numels = list(_fsdp_compat.shard_numels(_wide_unit(mesh)))
+    assert numels == _expected_row(world)[0], numels
+
+    def rank_input(source: int) -> list[torch.Tensor]:  # per parameter: (world rows, numel) of one rank
+        gen = torch.Generator().manual_seed(100 + source)
+        return [torch.randn(world, n, generator=gen) * m for n, m in zip(numels, _WIDE_MAGNITUDES)]
+
+    inputs = [rank_input(source) for source in range(world)]
+    expected = [sum(inp[p][rank].double() for inp in inputs) / world for p in range(len(numels))]
+    bounds = [max(inp[p].abs().max().item() for inp in inputs) * (29 / 196 + 1e-5) for p in range(len(numels))]
+    own = torch.cat(inputs[rank], dim=1).reshape(-1)
+    errors = {}
+    unit = _wide_unit(mesh)
+    assert list(zcomm.fsdp.enable_zeropp(unit, quantized_weights=False, topology=topology).values()) == [True]
+    topologies = zcomm.fsdp._GroupTopologies(mesh.get_group(), topology)
+    for align in (True, False):
+        layout = _fsdp_blocks.aligned_layout(numels, align=DEFAULT_GROUP_SIZE[4]) if align else None
+        comm = zcomm.fsdp.ZeroppReduceScatter(topologies, quantized=True, group_size=None, module_name="_Wide",
+                                              layout=layout)  # fmt: skip
+        out = torch.empty(sum(numels))
+        comm(output_tensor=out, input_tensor=own.clone(), group=mesh.get_group(), op=dist.ReduceOp.AVG)
+        errors[align] = [(got.double() - exp).abs().max().item() for got, exp in zip(out.split(numels), expected)]
+    assert all(e <= b for e, b in zip(errors[True], bounds)), (errors[True], bounds)
+    assert errors[False][1] > bounds[1], (errors[False], bounds)  # the Linear bias beside the LayerNorm weight
 
 
 def check_hsdp_rejected(rank: int, topology: zcomm.Topology) -> None:
