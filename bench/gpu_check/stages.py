@@ -51,6 +51,7 @@ CUDA_TESTS = (
     "tests/quant/test_wire_format.py",
     "tests/quant/test_cuda_compile.py",
     "tests/quant/test_cuda_host_math.py",
+    "tests/quant/test_cuda_launch_host.py",
 )
 CUDA_TESTS_SELECT = "not on-cpu"
 TESTS_DIR = "cuda-tests"
