@@ -5,7 +5,7 @@
 //
 // Teams (extent <= kTeamMaxGroup), one launch: team_walk.cuh's teams of lanes walk the
 // jobs. When the buffers allow vector access and the group fits in the team's registers
-// (extent <= kRegisterMaxGroup; e.g. 16 lanes of 2 runs for 256 elements), each lane loads
+// (extent <= kRegisterMaxGroup; e.g. 8 lanes of 4 runs for 256 elements), each lane loads
 // its runs once into registers (RegisterLane), the team reduces the absmax with warp
 // shuffles only, every lane derives the same scale and reciprocal and writes its codes
 // from the registers: one read of memory. Otherwise (larger groups, misaligned buffers,
@@ -174,6 +174,9 @@ template <int BITS> struct RegisterLane {
 
     template <class Source> ZC_HD u32 load(const Source& src, const GroupSpan& s, int lane, int lanes) {
         u32 m = 0;
+        // [Note: held runs] Unrolled, so that v is indexed by constants only and stays in
+        // registers: a loop the compiler kept would index v at run time and put it on the stack.
+#pragma unroll
         for (int i = 0; i < kRunsPerLane; ++i) {
             const i64 e = 8 * (lane + static_cast<i64>(lanes) * i);
             if (e < s.len) {
@@ -187,6 +190,7 @@ template <int BITS> struct RegisterLane {
     ZC_HD void store(const GroupSpan& s, int lane, int lanes, bool words_aligned, u32 absmax_bits) const {
         const float scale = scale_from_absmax_bits(absmax_bits, Bits<BITS>::kQmax);
         const Quantizer quantize(scale, Bits<BITS>::kQmax);
+#pragma unroll  // [Note: held runs]
         for (int i = 0; i < kRunsPerLane; ++i) {
             const i64 e = 8 * (lane + static_cast<i64>(lanes) * i);
             if (e < s.len) {

@@ -22,7 +22,7 @@
 namespace zc {
 
 constexpr i64 kTeamMaxGroup = 4096;  // larger groups take the encoder's tile scheme
-constexpr int kRunsPerLane = 2;      // runs of 8 a lane holds in registers
+constexpr int kRunsPerLane = 4;      // runs of 8 a lane holds in registers
 constexpr i64 kRegisterMaxGroup = 32 * 8 * kRunsPerLane;  // groups a full-warp team holds in registers
 
 // Lanes per group: the fewest (a power of two in [1, 32]) that hold the group in
