@@ -1,6 +1,9 @@
 """Kernel benchmark: GB/s of every quantization op on every backend, against a copy of the same bytes.
 
 Run as ``python -m bench.kernels`` (``--help`` for size, dtypes, devices, backends, repeats).
+``python -m bench.kernels --sweep [--quick] [--json PATH] [--output PATH]`` runs instead the
+kernel-only GPU sweep of :mod:`bench.kernels_sweep` (CUDA-graph replay, L2-rotated buffers,
+every op against a copy of the same bytes at 16M/64M/256M elements, group 256/512, bf16/fp32).
 For one input of ``--numel`` elements per dtype and device, each op runs once to warm up
 (numba compilation or cache load, NVRTC compilation, first-touch page faults) and is then
 timed ``--repeats`` times into preallocated outputs (``out=``); the median is reported. A
@@ -297,12 +300,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=5, help="timed samples per op (median reported)")
     parser.add_argument("--reference-repeats", type=int, default=1, help="timed calls per reference op on the CPU")
     parser.add_argument("--output", help="also write the report (markdown) to this file")
+    parser.add_argument("--sweep", action="store_true",
+                        help="instead: the kernel-only GPU sweep of bench.kernels_sweep (16M/64M/256M elements, "
+                        "group 256/512, bf16/fp32, CUDA-graph timing vs a copy of the same bytes)")
+    parser.add_argument("--quick", action="store_true", help="with --sweep: 16M elements only")
+    parser.add_argument("--json", metavar="PATH", help="with --sweep: also write the rows as JSON to PATH")
     return parser
 
 
 def main(argv: list[str] | None = None) -> list[str]:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if (args.quick or args.json) and not args.sweep:
+        parser.error("--quick and --json go with --sweep")
+    if args.sweep:
+        from bench import kernels_sweep
+
+        return kernels_sweep.main(args.quick, args.json, args.output)
     if args.numel % (len(_PERM) * _CHUNKS):
         parser.error(f"--numel must be a multiple of {len(_PERM) * _CHUNKS}")
     if args.repeats < 1 or args.reference_repeats < 1:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench import kernels
+from bench import kernels, kernels_sweep
 
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 
@@ -75,3 +75,42 @@ def test_small_cpu_run_reports_every_op_against_a_copy(tmp_path):
     assert all(line.endswith("% |") for line in rows)
     assert "| device | dtype | backend | op | median ms | GB/s | vs copy |" in report
     assert report[-2:] == ["| target (this run) | measured | target | result |", "|---|---:|---|---|"]  # no cpu backend: no targets
+
+
+def test_sweep_flags_need_the_sweep(capsys):
+    with pytest.raises(SystemExit):
+        kernels.main(["--quick"])
+    assert "--quick and --json go with --sweep" in capsys.readouterr().err
+
+
+@NO_GPU
+def test_sweep_without_a_gpu_is_an_error():
+    with pytest.raises(SystemExit, match="no GPU is visible"):
+        kernels.main(["--sweep", "--quick"])
+
+
+def test_sweep_covers_every_op_with_its_bytes():
+    """Per dtype 6 rows (quantize, dequantize, reorder_quantize at INT8 and INT4); the reductions
+    (payloads in, fp32 or payloads out) once per size, with the fp32 rows."""
+    n, gs = 1 << 12, 256
+    fp32 = kernels_sweep._op_specs(n, torch.float32, gs)
+    bf16 = kernels_sweep._op_specs(n, torch.bfloat16, gs)
+    assert len(bf16) == 6 and len(fp32) == 10
+    bytes_of = {label: nbytes for _, label, nbytes, _ in fp32}
+    p8 = kernels.q.payload_nbytes(n, 8, gs)
+    assert bytes_of["quantize INT8"] == 4 * n + p8 == bytes_of["dequantize INT8"]
+    assert bytes_of["dequant_reduce INT8 k=4 -> fp32"] == 4 * p8 + 4 * n
+    assert {label: nbytes for _, label, nbytes, _ in bf16}["quantize INT4"] == 2 * n + kernels.q.payload_nbytes(n, 4, gs)
+    assert {family for family, *_ in fp32} == set(kernels_sweep.TARGETS)
+
+
+def test_sweep_report_marks_each_row_against_its_target():
+    rows = [
+        dict(numel=16 << 20, group_size=256, dtype="bf16", family="quantize", op="quantize INT8", bytes=100,
+             seconds=1e-5, gbps=10.0, copy_gbps=11.0, vs_copy=10 / 11, target=0.85),
+        dict(numel=16 << 20, group_size=512, dtype="fp32", family="dequant_reduce", op="dequant_reduce INT4", bytes=100,
+             seconds=1e-5, gbps=6.0, copy_gbps=10.0, vs_copy=0.6, target=0.70),
+    ]
+    lines = kernels_sweep.report(rows, 12.0, "Some GPU")
+    assert lines[-1] == "1 of 2 rows meet their target; 1 miss."
+    assert lines[4].endswith("| 91% | >= 85% | PASS |") and lines[5].endswith("| 60% | >= 70% | MISS |")

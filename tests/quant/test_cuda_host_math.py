@@ -47,6 +47,8 @@ class Ran(NamedTuple):
     out: bytes
     vec: bool  # the vector paths ran
     tiles: bool  # the encoder ran the tile scheme
+    regs: bool  # the encoder's teams held their groups in registers (one read)
+    teams: bool  # the decoder ran the team layout
 
 
 def _run(binary: Path, tmp_path: Path, args: list[object], data: torch.Tensor) -> Ran:
@@ -57,12 +59,28 @@ def _run(binary: Path, tmp_path: Path, args: list[object], data: torch.Tensor) -
         [str(binary), *map(str, args), str(src), str(dst)], check=True, capture_output=True, text=True
     )
     flags = dict(item.split("=") for item in done.stdout.split())
-    return Ran(dst.read_bytes(), flags["vec"] == "1", flags["tiles"] == "1")
+    return Ran(*(dst.read_bytes(), *(flags[key] == "1" for key in ("vec", "tiles", "regs", "teams"))))
 
 
 def _tiles(extent: int) -> bool:
     """Whether the launcher runs the tile scheme for groups of ``extent`` elements."""
     return cuda_launch.encoder_passes(1, extent, 1)[0][0] != cuda_launch.TEAMS
+
+
+def _team_constant(name: str) -> str:
+    """A constant of team_walk.cuh, which the checks below mirror to know which path must run."""
+    return re.search(rf"constexpr \w+ {name} = ([^;]+);", (KERNELS / "team_walk.cuh").read_text()).group(1)
+
+
+RUNS_PER_LANE = int(_team_constant("kRunsPerLane"))
+REGISTER_MAX_GROUP = 32 * 8 * RUNS_PER_LANE
+assert _team_constant("kRegisterMaxGroup") == "32 * 8 * kRunsPerLane"
+TEAM_MAX_GROUP = int(_team_constant("kTeamMaxGroup"))
+
+
+def _regs(vec: bool, extent: int) -> bool:
+    """Whether the encoder's teams hold groups of ``extent`` elements in registers."""
+    return vec and extent <= REGISTER_MAX_GROUP
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -78,10 +96,11 @@ def _sizes(group_size: int) -> tuple[int, ...]:
     return (1, group_size - 1, 9 * group_size + 3, 18 * group_size)
 
 
-# 520: teams of 32 lanes, each lane looping over several runs and a partial one.
+# 520: teams of 32 lanes holding the group in registers, some lanes with a run fewer;
+# 1032: just past the registers (streamed teams), each lane looping over several runs.
 # 4096 / 4097: the largest team group, the smallest tiled one; 20000 / 10006: three tiles,
 # the last one short (10006: scalar paths, not a multiple of 8).
-GROUP_SIZES = {8: (7, 8, 40, 520, 4096, 4097, 20000), 4: (2, 6, 32, 100, 4096, 10006)}
+GROUP_SIZES = {8: (7, 8, 40, 520, 1032, 4096, 4097, 20000), 4: (2, 6, 32, 100, 4096, 10006)}
 LARGE = 4096
 QUANT_CASES = [
     (dtype, bits, gs, n)
@@ -100,6 +119,7 @@ def test_quantize(host_check, tmp_path, dtype, bits, group_size, numel, misalign
     assert ran.out == _bytes(zq.quantize(x, bits, group_size, backend="reference"))
     assert ran.vec == (not misalign and group_size % 8 == 0 and numel % 8 == 0)
     assert ran.tiles == _tiles(min(group_size, numel))
+    assert ran.regs == _regs(ran.vec, min(group_size, numel))
 
 
 @pytest.mark.parametrize("bits", (8, 4))
@@ -141,6 +161,7 @@ def test_reorder_quantize(host_check, tmp_path, dtype, bits, numel, perm, num_ch
     aligned = group_size % 8 == 0 and chunk % 8 == 0 and (numel // len(perm)) % 8 == 0 and row % _run_bytes(bits) == 0
     assert ran.vec == (not misalign and aligned)
     assert ran.tiles == _tiles(min(group_size, chunk))
+    assert ran.regs == _regs(ran.vec, min(group_size, chunk))
 
 
 INTERLEAVE_CASES = [
@@ -177,9 +198,14 @@ def test_reorder_quantize_interleaved(
     row = zq.payload_nbytes(chunk, bits, group_size)
     assert ran.vec == (not misalign and group_size % 8 == 0 and chunk % 8 == 0 and row % _run_bytes(bits) == 0)
     assert ran.tiles == _tiles(min(group_size, chunk))
+    assert ran.regs == _regs(ran.vec, min(group_size, chunk))
 
 
-DECODE_CASES = [(bits, gs, n) for bits in (8, 4) for gs in (8, 6) for n in (1, gs + 3, 10 * gs, 16 * gs + 6)]
+# 8 / 256 / 512: the team layout (one lane per group, 16 and 32 lanes); 6: runs (scalar);
+# 8192: groups beyond a team, the run layout on the vector path
+DECODE_CASES = [(bits, gs, n) for bits in (8, 4) for gs in (8, 6) for n in (1, gs + 3, 10 * gs, 16 * gs + 6)] + [
+    (bits, gs, n) for bits in (8, 4) for gs, n in ((256, 7 * 256 + 8), (512, 3 * 512), (8192, 2 * 8192 + 16))
+]
 
 
 @pytest.mark.parametrize("misalign", (0, 1))
@@ -193,15 +219,19 @@ def test_dequantize(host_check, tmp_path, dtype, bits, group_size, numel, misali
     stride = payloads.shape[1]
     aligned = group_size % 8 == 0 and numel % 8 == 0 and stride % _run_bytes(bits) == 0
     assert ran.vec == (not misalign and aligned)
+    assert ran.teams == (ran.vec and min(group_size, numel) <= TEAM_MAX_GROUP)
 
 
 def _fp32_hex(value: float) -> str:
     return format(struct.unpack("<I", struct.pack("<f", value))[0], "08x")
 
 
-REDUCE_CASES = [(bits, gs, n) for bits in (8, 4) for gs in (8, 6) for n in (6, 24 * gs)]
-# re-quantized groups in the tile scheme: whole and short tiles, vector and scalar paths
-REQUANT_CASES = REDUCE_CASES + [(8, 8200, 6 * 8200), (4, 9000, 6 * 9001)]
+REDUCE_CASES = [(bits, gs, n) for bits in (8, 4) for gs in (8, 6) for n in (6, 24 * gs)] + [
+    (8, 256, 12 * 256), (4, 512, 6 * 512)  # teams of 16 and 32 lanes, groups held in registers
+]
+# re-quantized groups beyond the registers (streamed teams), and in the tile scheme: whole
+# and short tiles, vector and scalar paths
+REQUANT_CASES = REDUCE_CASES + [(8, 2048, 6 * 2048), (8, 8200, 6 * 8200), (4, 9000, 6 * 9001)]
 
 
 @pytest.mark.parametrize("misalign", (0, 1))
@@ -240,6 +270,7 @@ def test_dequant_reduce_requantize(host_check, tmp_path, bits, group_size, numel
                    and out_row % _run_bytes(out_bits) == 0)
         assert ran.vec == (not misalign and aligned), m
         assert ran.tiles == _tiles(min(group_size, chunk)), m
+        assert ran.regs == _regs(ran.vec, min(group_size, chunk)), m
 
 
 def test_launcher_mirrors_the_encoder_constants():
@@ -249,7 +280,9 @@ def test_launcher_mirrors_the_encoder_constants():
     def constant(name: str) -> str:
         return re.search(rf"constexpr \w+ {name} = ([^;]+);", header).group(1)
 
-    assert int(constant("kTeamMaxGroup")) == cuda_launch.TEAM_MAX_GROUP
+    assert TEAM_MAX_GROUP == cuda_launch.TEAM_MAX_GROUP
+    version = re.search(r"constexpr int kWireFormatVersion = (\d+);", (KERNELS / "wire_math.cuh").read_text())
+    assert int(version.group(1)) == zq.wire_format.WIRE_FORMAT_VERSION
     assert int(constant("kTileThreads")) == cuda_launch.TILE_THREADS == cuda_launch.THREADS
     assert constant("kTileElems") == "8 * 4 * kTileThreads"
     assert 8 * 4 * cuda_launch.TILE_THREADS == cuda_launch.TILE_ELEMS

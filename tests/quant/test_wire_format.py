@@ -3,18 +3,23 @@
 The inputs are chosen so every scale is exact (absmax = qmax gives scale 1.0), which lets
 the expected bytes be written down without running any backend: these tests pin the spec
 itself (nibble order, padding, scale placement, rounding, NaN/Inf/zero groups) for every
-backend, on every device it runs on (the ``any_target`` fixture).
+backend, on every device it runs on (the ``any_target`` fixture). Two cases pin what version
+2 of the format changed: codes are ``rint((x * p) * r)`` with a per-group reciprocal ``r``
+(a product that lands on a .5 tie where the division would not), and subnormal scales take
+the pre-scale ``p = 2**64``.
 """
 
 from __future__ import annotations
 
 import struct
 
+import numpy as np
 import pytest
 import torch
 
 from quant_cases import Target
 from zcomm import quant
+from zcomm.quant.wire_format import WIRE_FORMAT_VERSION
 
 ONE = list(struct.pack("<f", 1.0))
 ZERO = list(struct.pack("<f", 0.0))
@@ -118,3 +123,31 @@ def test_reorder_quantize_moves_slices_before_chunking(any_target):
     assert chunks[0].tolist() == [127, 127, 1, 1] + ONE
     expected_1 = quant.quantize(torch.tensor([3.0, 3.0, 2.0, 2.0]), 8, 4, backend="reference")
     assert chunks[1].tolist() == expected_1.tolist()
+
+
+def _f32(hex_literal: str) -> float:
+    return float.fromhex(hex_literal)
+
+
+def test_version_2_multiplies_by_the_groups_reciprocal(any_target):
+    # absmax a = 0x1.8306bep+0: scale s = fl32(a / 127) = 0x1.8612e4p-7, r = fl32(1 / s) =
+    # 0x1.5004bap+6. For x = 0x1.891f0cp-1, fl32(x * r) is exactly 64.5 (a tie: code 64, even),
+    # while fl32(x / s) = 64.500008 would give 65 (version 1).
+    a, x = _f32("0x1.8306bep+0"), _f32("0x1.891f0cp-1")
+    scale, reciprocal = np.float32(_f32("0x1.8612e4p-7")), np.float32(_f32("0x1.5004bap+6"))
+    assert np.float32(a) / np.float32(127) == scale and np.float32(1) / scale == reciprocal
+    assert np.float32(x) * reciprocal == np.float32(64.5) and np.float32(x) / scale > np.float32(64.5)
+    assert _payload([a, x], 8, 2, any_target) == [127, 64, 0, 0] + list(struct.pack("<f", float(scale)))
+    assert WIRE_FORMAT_VERSION == 2
+
+
+def test_subnormal_scale_is_prescaled_before_its_reciprocal(any_target):
+    # absmax 127 * 2^-140 gives the subnormal scale 2^-140, whose reciprocal 2^140 is no fp32
+    # number: p = 2^64, r = 1 / 2^-76 = 2^76, and 3 * 2^-140 -> (3 * 2^-76) * 2^76 = 3.
+    tiny = 2.0**-140
+    values = [127 * tiny, 3 * tiny, -64.5 * tiny, 0.0]
+    # -64.5 is a tie: -64 (even)
+    expected = [127, 3, 256 - 64, 0] + list(struct.pack("<f", tiny))
+    assert _payload(values, 8, 4, any_target) == expected
+    int4 = [7 * tiny, -2.5 * tiny]  # scale 2^-140 again; -2.5 -> -2
+    assert _payload(int4, 4, 2, any_target) == [0xE7, 0, 0, 0] + list(struct.pack("<f", tiny))

@@ -1,8 +1,16 @@
-"""The zcomm wire format: blocked, symmetric INT8 / INT4 payloads with fp32 scales.
+"""The zcomm wire format, version 2: blocked, symmetric INT8 / INT4 payloads with fp32 scales.
 
 This module is the single written-down definition of the bytes that every quantized
 collective puts on the wire. Every backend (``reference``, ``cpu``, ``cuda``) must produce
 these exact bytes for the same input; the tests compare them byte for byte.
+
+Versions. A payload carries no version number: its layout (values, padding, scales) is
+the same in every version, and a reader decodes any version's payload correctly. What a
+version fixes is the *encoder's* arithmetic: version 2 multiplies by a per-group
+reciprocal where version 1 divided every element by the scale, so the same input can give
+codes that differ by one. Every rank of a job must run the same version
+(:data:`WIRE_FORMAT_VERSION`): the backends of one build agree byte for byte, but payloads
+of different versions, and any test or checkpoint that pins exact bytes, do not.
 
 Groups
     A 1-D tensor of ``n`` elements (fp32, bf16 or fp16) is split into
@@ -20,9 +28,19 @@ Scale of a group (``qmax = 2**(bits - 1) - 1``: 127 for INT8, 7 for INT4)
 
 Quantized values
     * ``scale`` is 0, NaN or Inf        -> ``q = 0`` for the whole group
-    * else ``q = clamp(rint(x / scale), -qmax, qmax)``, where ``x / scale`` is an fp32
-      *division* (never a multiplication by a reciprocal) and ``rint`` rounds half to even.
+    * else, once per group, the pre-scale ``p`` and the reciprocal ``r``:
+      ``p = 2**64`` if ``scale`` is subnormal (``scale < 2**-126``), else ``p = 1``;
+      ``r = 1 / (scale * p)``, an fp32 *division* (``scale * p`` is exact);
+      then per element ``q = clamp(rint((x * p) * r), -qmax, qmax)``: two fp32
+      multiplications (``x * p`` is exact; with ``p = 1`` it is ``x`` itself), never a
+      division, and ``rint`` rounds half to even.
 
+      ``p`` exists only so that ``r`` stays finite and correctly rounded: a subnormal scale
+      below ``2**-128`` has no finite fp32 reciprocal, and ``0 * Inf`` would be NaN. With
+      ``|x| <= qmax * scale`` the product ``(x * p) * r`` is finite, so the clamp is an
+      ordinary one. ``x * r`` and ``x / scale`` differ by at most two roundings
+      (``|x / scale| * 2**-23``), so a code can differ from version 1's by one where
+      ``x / scale`` is within that of a .5 tie.
 Dequantized values
     * ``scale`` is NaN or Inf           -> every element is the canonical NaN
       (never a finite number: training code relies on non-finite values to detect overflow)
@@ -58,10 +76,15 @@ import torch
 
 from .spec import SUPPORTED_BITS, GroupSize, QuantSpec
 
+WIRE_FORMAT_VERSION = 2
 QMAX: dict[int, int] = {bits: 2 ** (bits - 1) - 1 for bits in SUPPORTED_BITS}
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 SCALE_BYTES = 4
 ALIGN = 4
+# Subnormal scales (below 2**-126) are multiplied by SUBNORMAL_PRESCALE before taking the
+# reciprocal, and so is every element of their group (see "Quantized values" above).
+SUBNORMAL_PRESCALE = 2.0**64
+SMALLEST_NORMAL_F32 = 2.0**-126
 
 CANONICAL_NAN_BITS = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
 

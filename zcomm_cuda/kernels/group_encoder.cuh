@@ -3,24 +3,27 @@
 // Algorithm. A job is one group of one chunk (payload). Two schemes, picked by the launcher
 // (zcomm/quant/backends/_cuda_launch.py) from the group's extent, min(group_size, chunk_numel):
 //
-// Teams (extent <= kTeamMaxGroup), one launch. A team of `lanes` threads (a power of two,
-// at most a warp, sized so that each lane gets about one run of 8 per group) handles one
-// job: each lane takes the max of abs_bits over its elements (runs of 8 when the buffers
-// allow vector access, then single elements for the tail), the team reduces the max with
-// warp shuffles, every lane derives the same scale and writes its quantized values, and
-// lane 0 writes the scale (plus the zero padding after the last group of a chunk). A warp
-// holds 32 / lanes teams; warps walk the jobs grid-stride. Each group's elements are read
-// twice (once for the absmax, once to quantize); the second read hits L1/L2, since a
-// team's footprint is a single group.
+// Teams (extent <= kTeamMaxGroup), one launch: team_walk.cuh's teams of lanes walk the
+// jobs. When the buffers allow vector access and the group fits in the team's registers
+// (extent <= kRegisterMaxGroup; e.g. 8 lanes of 4 runs for 256 elements), each lane loads
+// its runs once into registers (RegisterLane), the team reduces the absmax with warp
+// shuffles only, every lane derives the same scale and reciprocal and writes its codes
+// from the registers: one read of memory. Otherwise (larger groups, misaligned buffers,
+// groups with a scalar tail) each lane streams its elements twice, once for the absmax and
+// once to quantize (lane_absmax, encode_group_lane); the second read hits L1/L2, since a
+// team's footprint is a single group. Lane 0 writes the scale (plus the zero padding after
+// the last group of a chunk).
 //
 // Tiles (larger groups, e.g. one group per tensor), two launches: see [Note: large groups].
 //
-// lane_absmax and encode_group_lane are __host__ __device__: the host check drives them
-// lane by lane (team and block maxima as plain loops) to run both schemes on the CPU.
+// RegisterLane, lane_absmax, encode_group_lane and the walk are __host__ __device__: the
+// host check drives them lane by lane, warp by warp (team and block maxima as plain loops)
+// to run every scheme on the CPU with the kernels' own index arithmetic.
 // Element indices are 64-bit throughout, so no group or tensor size overflows them.
 #pragma once
 
 #include "sources.cuh"
+#include "team_walk.cuh"
 
 namespace zc {
 
@@ -38,18 +41,10 @@ namespace zc {
 // The max over tiles is the max over the group, and every byte is written by the same
 // functions as in the team scheme, so the output is byte-identical to it. The launches are
 // ordered by the stream; group_absmax is a stream-ordered temporary of the launcher.
-constexpr i64 kTeamMaxGroup = 4096;
 constexpr int kTileThreads = 256;
 constexpr i64 kTileElems = 8 * 4 * kTileThreads;  // four runs of 8 per thread
 
 enum EncoderPass : int { kTeams = 0, kTileAbsmax = 1, kTileEncode = 2 };
-
-// Lanes per group: enough for one run of 8 each, a power of two in [1, 32].
-ZC_HD int team_lanes(i64 group_size) {
-    int lanes = 1;
-    while (lanes < 32 && lanes * 8 < group_size) lanes *= 2;
-    return lanes;
-}
 
 // One group of one chunk, resolved to addresses in the output payload rows, or one tile of
 // a group (see [Note: large groups]): then only the group's first tile has a scale slot.
@@ -84,9 +79,9 @@ template <int BITS> struct ChunkLayout {
         return group_size % 8 == 0 && chunk_numel % 8 == 0 && aligned(out, run_bytes) && row_stride % run_bytes == 0;
     }
 
-    ZC_HD GroupSpan span(i64 job) const {
-        const i64 chunk = job / groups_per_chunk();
-        const i64 group = job % groups_per_chunk();
+    ZC_HD GroupSpan span(i64 job) const { return span(job / groups_per_chunk(), job % groups_per_chunk()); }
+
+    ZC_HD GroupSpan span(i64 chunk, i64 group) const {
         const i64 offset = group * group_size;
         const i64 remaining = chunk_numel - offset;
         u8* row = out + chunk * row_stride;
@@ -169,11 +164,78 @@ ZC_HD void encode_group_lane(const Source& src, const GroupSpan& s, int lane, in
     }
 }
 
+// One lane of a team that holds its group in registers: the runs of 8 at elements
+// 8 * (lane + lanes * i), i < kRunsPerLane, of a group whose length is a multiple of 8
+// (the vector condition) and at most 8 * kRunsPerLane * lanes. load() reads them once and
+// returns the lane's absmax bits; store() quantizes them with the team's absmax and writes
+// the codes (and, on lane 0, the scale and padding), with no second read of the source.
+template <int BITS> struct RegisterLane {
+    float v[kRunsPerLane][8];
+
+    template <class Source> ZC_HD u32 load(const Source& src, const GroupSpan& s, int lane, int lanes) {
+        u32 m = 0;
+        // [Note: held runs] Unrolled, so that v is indexed by constants only and stays in
+        // registers: a loop the compiler kept would index v at run time and put it on the stack.
+#pragma unroll
+        for (int i = 0; i < kRunsPerLane; ++i) {
+            const i64 e = 8 * (lane + static_cast<i64>(lanes) * i);
+            if (e < s.len) {
+                src.load8(s.first + e, v[i]);
+                for (int k = 0; k < 8; ++k) m = max_u32(m, abs_bits(v[i][k]));
+            }
+        }
+        return m;
+    }
+
+    ZC_HD void store(const GroupSpan& s, int lane, int lanes, bool words_aligned, u32 absmax_bits) const {
+        const float scale = scale_from_absmax_bits(absmax_bits, Bits<BITS>::kQmax);
+        const Quantizer quantize(scale, Bits<BITS>::kQmax);
+#pragma unroll  // [Note: held runs]
+        for (int i = 0; i < kRunsPerLane; ++i) {
+            const i64 e = 8 * (lane + static_cast<i64>(lanes) * i);
+            if (e < s.len) {
+                int q[8];
+                for (int k = 0; k < 8; ++k) q[k] = quantize(v[i][k]);
+                u32 w[Codes8<BITS>::kWords];
+                Codes8<BITS>::pack(q, w);
+                store_words(s.values + e / Bits<BITS>::kElementsPerByte, w);
+            }
+        }
+        if (lane == 0 && s.scale_slot != nullptr) {
+            store_u32(s.scale_slot, float_bits(scale), words_aligned);
+            for (int k = 0; k < s.pad_len; ++k) s.pad_begin[k] = 0;
+        }
+    }
+};
+
+// Whether a team holds its group in registers (see RegisterLane).
+ZC_HD bool in_registers(bool vec, i64 group_extent) { return vec && group_extent <= kRegisterMaxGroup; }
+
 #ifdef __CUDACC__
-// Max over the `lanes` aligned lanes of a team; every lane of the warp must call it.
-__device__ __forceinline__ u32 team_max(u32 v, int lanes) {
-    for (int offset = lanes / 2; offset > 0; offset /= 2) v = max_u32(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
-    return v;
+// The rounds of the team scheme, with the group in registers (REGISTERS) or streamed.
+template <bool REGISTERS, int BITS, class Source>
+__device__ __forceinline__ void encode_rounds(const Source& src, const ChunkLayout<BITS>& layout, bool vec) {
+    const bool words_aligned = layout.words_aligned();
+    const int lanes = team_lanes(layout.group_extent());
+    const int warp_lane = static_cast<int>(threadIdx.x & 31u);
+    const int lane = warp_lane & (lanes - 1);
+    const i64 warp = (static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const TeamWalk walk(layout.jobs(), lanes, static_cast<i64>(gridDim.x) * blockDim.x / 32);
+    JobCursor job = walk.cursor(warp, warp_lane / lanes, layout.groups_per_chunk());
+    for (i64 round = warp; round < walk.rounds; round += walk.num_warps, job.advance()) {
+        const bool live = job.row < layout.num_chunks;
+        const GroupSpan s = layout.span(live ? job.row : 0, live ? job.group : 0);
+        if constexpr (REGISTERS) {
+            RegisterLane<BITS> held;
+            const u32 partial = live ? held.load(src, s, lane, lanes) : 0u;
+            const u32 absmax_bits = team_max(partial, lanes);
+            if (live) held.store(s, lane, lanes, words_aligned, absmax_bits);
+        } else {
+            const u32 partial = live ? lane_absmax<BITS>(src, s, lane, lanes, vec) : 0u;
+            const u32 absmax_bits = team_max(partial, lanes);
+            if (live) encode_group_lane<BITS>(src, s, lane, lanes, vec, words_aligned, absmax_bits);
+        }
+    }
 }
 
 // The team scheme. Requires blockDim.x to be a multiple of 32, so that the round loop is
@@ -181,22 +243,10 @@ __device__ __forceinline__ u32 team_max(u32 v, int lanes) {
 template <int BITS, class Source>
 __device__ void encode_groups(const Source& src, const ChunkLayout<BITS>& layout) {
     const bool vec = src.can_vectorize() && layout.can_vectorize();
-    const bool words_aligned = layout.words_aligned();
-    const int lanes = team_lanes(layout.group_size);
-    const int teams_per_warp = 32 / lanes;
-    const int warp_lane = static_cast<int>(threadIdx.x & 31u);
-    const int lane = warp_lane & (lanes - 1);
-    const i64 warp = (static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-    const i64 num_warps = static_cast<i64>(gridDim.x) * blockDim.x / 32;
-    const i64 jobs = layout.jobs();
-    const i64 rounds = (jobs + teams_per_warp - 1) / teams_per_warp;
-    for (i64 round = warp; round < rounds; round += num_warps) {
-        const i64 job = round * teams_per_warp + warp_lane / lanes;
-        const bool live = job < jobs;
-        const GroupSpan s = layout.span(live ? job : 0);
-        const u32 partial = live ? lane_absmax<BITS>(src, s, lane, lanes, vec) : 0u;
-        const u32 absmax_bits = team_max(partial, lanes);
-        if (live) encode_group_lane<BITS>(src, s, lane, lanes, vec, words_aligned, absmax_bits);
+    if (in_registers(vec, layout.group_extent())) {
+        encode_rounds<true, BITS>(src, layout, vec);
+    } else {
+        encode_rounds<false, BITS>(src, layout, vec);
     }
 }
 

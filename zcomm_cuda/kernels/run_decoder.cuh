@@ -6,9 +6,17 @@
 // rows_per_segment = k. Each thread decodes one run of 8 elements of one segment at a time
 // (vector loads and stores when the buffers allow, else element by element, also for the
 // short last run of a segment); threads walk the runs grid-stride.
+//
+// Groups of up to kTeamMaxGroup elements, when the buffers allow vector access, take the
+// team layout of team_walk.cuh instead: a team of lanes per group of one segment, each lane
+// decoding the group's runs lane, lane + lanes, ... The group index of every run is then
+// known without a division, each lane reads each row's scale once per group, and no index
+// arithmetic is repeated per run beyond an add. decode_group_lane is what the host check
+// drives, over the same cursor.
 #pragma once
 
 #include "sources.cuh"
+#include "team_walk.cuh"
 
 namespace zc {
 
@@ -22,7 +30,27 @@ template <class T, int BITS> struct SegmentLayout {
     ZC_HD i64 runs_per_segment() const { return (rows.numel + 7) / 8; }
     ZC_HD i64 runs() const { return runs_per_segment() * segments; }
     ZC_HD bool can_vectorize() const { return rows.can_vectorize() && rows.numel % 8 == 0 && aligned(out, 16); }
+    ZC_HD i64 groups_per_segment() const { return num_groups(rows.numel, rows.group_size); }
+    ZC_HD i64 group_extent() const { return rows.group_size < rows.numel ? rows.group_size : rows.numel; }
+    // Whether the team layout runs (the vector paths, and groups a team takes at once).
+    ZC_HD bool teams(bool vec) const { return vec && group_extent() <= kTeamMaxGroup; }
 };
+
+// One lane's runs of group `group` of segment `segment` (vector paths only: the group's
+// length is a multiple of 8 and every run is aligned).
+template <class T, int BITS>
+ZC_HD void decode_group_lane(const SegmentLayout<T, BITS>& layout, i64 segment, i64 group, int lane, int lanes) {
+    const i64 first = group * layout.rows.group_size;
+    const i64 rest = layout.rows.numel - first;
+    const i64 len = rest < layout.rows.group_size ? rest : layout.rows.group_size;
+    const PayloadSum<BITS> src(layout.rows, segment * layout.rows_per_segment, layout.rows_per_segment, layout.divisor);
+    T* dst = layout.out + segment * layout.rows.numel + first;
+    for (i64 e = 8 * static_cast<i64>(lane); e < len; e += 8 * static_cast<i64>(lanes)) {
+        float v[8];
+        src.load8_in_group(first + e, group, v);
+        store8(dst + e, v);
+    }
+}
 
 template <class T, int BITS> ZC_HD void decode_run(const SegmentLayout<T, BITS>& layout, i64 run, bool vec) {
     const i64 segment = run / layout.runs_per_segment();
@@ -41,12 +69,32 @@ template <class T, int BITS> ZC_HD void decode_run(const SegmentLayout<T, BITS>&
 }
 
 #ifdef __CUDACC__
-template <class T, int BITS> __device__ void decode_segments(const SegmentLayout<T, BITS>& layout) {
-    const bool vec = layout.can_vectorize();
+template <class T, int BITS> __device__ void decode_runs(const SegmentLayout<T, BITS>& layout, bool vec) {
     const i64 stride = static_cast<i64>(gridDim.x) * blockDim.x;
     const i64 runs = layout.runs();
     for (i64 run = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; run < runs; run += stride) {
         decode_run(layout, run, vec);
+    }
+}
+
+template <class T, int BITS> __device__ void decode_teams(const SegmentLayout<T, BITS>& layout) {
+    const int lanes = team_lanes(layout.group_extent());
+    const int warp_lane = static_cast<int>(threadIdx.x & 31u);
+    const i64 warp = (static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const i64 groups = layout.groups_per_segment();
+    const TeamWalk walk(groups * layout.segments, lanes, static_cast<i64>(gridDim.x) * blockDim.x / 32);
+    JobCursor job = walk.cursor(warp, warp_lane / lanes, groups);
+    for (i64 round = warp; round < walk.rounds; round += walk.num_warps, job.advance()) {
+        if (job.row < layout.segments) decode_group_lane(layout, job.row, job.group, warp_lane & (lanes - 1), lanes);
+    }
+}
+
+template <class T, int BITS> __device__ void decode_segments(const SegmentLayout<T, BITS>& layout) {
+    const bool vec = layout.can_vectorize();
+    if (layout.teams(vec)) {
+        decode_teams(layout);
+    } else {
+        decode_runs(layout, vec);
     }
 }
 #endif

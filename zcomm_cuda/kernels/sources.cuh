@@ -103,19 +103,21 @@ template <int BITS> struct PayloadRows {
         constexpr int run_bytes = 4 * Codes8<BITS>::kWords;
         return group_size % 8 == 0 && aligned(base, run_bytes) && stride % run_bytes == 0;
     }
-    ZC_HD float scale(const u8* row_bytes, i64 j, bool word_aligned) const {
-        const u8* slot = row_bytes + scales_offset(numel, BITS) + 4 * (j / group_size);
+    // The scale of group `group` of a row.
+    ZC_HD float scale(const u8* row_bytes, i64 group, bool word_aligned) const {
+        const u8* slot = row_bytes + scales_offset(numel, BITS) + 4 * group;
         return bits_float(load_u32(slot, word_aligned));
     }
     ZC_HD float value1(const u8* row_bytes, i64 j, bool word_aligned) const {
-        return dequantize_value(load_code<BITS>(row_bytes, j), scale(row_bytes, j, word_aligned));
+        return dequantize_value(load_code<BITS>(row_bytes, j), scale(row_bytes, j / group_size, word_aligned));
     }
-    ZC_HD void value8(const u8* row_bytes, i64 j, bool word_aligned, float (&v)[8]) const {
+    // Elements [j, j + 8), all in group `group`.
+    ZC_HD void value8(const u8* row_bytes, i64 j, i64 group, bool word_aligned, float (&v)[8]) const {
         u32 w[Codes8<BITS>::kWords];
         load_words(w, row_bytes + j / Bits<BITS>::kElementsPerByte);
         int q[8];
         Codes8<BITS>::unpack(w, q);
-        const float s = scale(row_bytes, j, word_aligned);
+        const float s = scale(row_bytes, group, word_aligned);
         for (int k = 0; k < 8; ++k) v[k] = dequantize_value(q[k], s);
     }
 };
@@ -146,11 +148,16 @@ template <int BITS> struct PayloadSum {
         return finish(acc);
     }
 
-    ZC_HD void load8(i64 j, float (&v)[8]) const {
-        rows.value8(rows.row(first_row), j, word_aligned, v);
+    // A run of 8 lies in one input group (can_vectorize: group_size % 8 == 0), whose index
+    // is computed once for all rows.
+    ZC_HD void load8(i64 j, float (&v)[8]) const { load8_in_group(j, j / rows.group_size, v); }
+
+    // load8 of a run the caller knows to lie in input group `group`.
+    ZC_HD void load8_in_group(i64 j, i64 group, float (&v)[8]) const {
+        rows.value8(rows.row(first_row), j, group, word_aligned, v);
         for (i64 r = 1; r < count; ++r) {
             float d[8];
-            rows.value8(rows.row(first_row + r), j, word_aligned, d);
+            rows.value8(rows.row(first_row + r), j, group, word_aligned, d);
             for (int k = 0; k < 8; ++k) v[k] = add_rn(v[k], d[k]);
         }
         for (int k = 0; k < 8; ++k) v[k] = finish(v[k]);

@@ -4,8 +4,9 @@
 // Every function here is __host__ __device__ so that the same source that runs on the GPU
 // can be compiled for the CPU and compared byte for byte with the reference backend.
 //
-// [Note: explicit rounding] The wire format fixes the fp32 operations (division, not a
-// multiplication by a reciprocal; no fused multiply-add; no flush-to-zero), and the bytes
+// [Note: explicit rounding] The wire format fixes the fp32 operations (one IEEE division
+// per group for the reciprocal of the scale, multiplications by it per element; no fused
+// multiply-add; no flush-to-zero), and the bytes
 // must not depend on how the kernels are compiled: cupy's own compile path appends
 // -ftz=true, and a user may add --use_fast_math. Compiler flags rewrite C++ float
 // operators and even the __fdiv_rn/__fmul_rn/__fadd_rn intrinsics (-ftz=true turns them
@@ -190,21 +191,34 @@ ZC_HD float scale_from_absmax_bits(u32 absmax_bits, int qmax) {
     return div_rn(bits_float(absmax_bits), static_cast<float>(qmax));
 }
 
-// Quantizes elements of one group: q = clamp(rint(x / scale), -qmax, qmax), or 0 for the
-// whole group when the scale is 0, NaN or Inf. x is finite whenever the scale is usable
-// (a NaN or Inf element makes the scale NaN or Inf), so x / scale is finite or +-Inf and
-// the saturating rint_to_int followed by an integer clamp equals the float clamp.
-struct Quantizer {
-    float scale;
-    int qmax;
-    bool usable;
+// Quantizes elements of one group (wire format version 2): once per group the pre-scale
+// p (2^64 for a subnormal scale, else 1) and the reciprocal r = 1 / (scale * p), an IEEE
+// division; per element q = clamp(rint((x * p) * r), -qmax, qmax), two multiplications and
+// no division. The whole group gets 0 when the scale is 0, NaN or Inf. x is finite whenever
+// the scale is usable (a NaN or Inf element makes the scale NaN or Inf) and |x| <= qmax *
+// scale, so (x * p) * r is finite and the saturating rint_to_int followed by an integer
+// clamp equals the float clamp. An unusable scale gets r = 0 (and p = 1), so that every
+// code is 0 without a per-element test: x * 0 is +-0 for the finite x of a zero group, and
+// a NaN or Inf x (only in NaN or Inf groups) gives NaN, which rint_to_int maps to 0.
+constexpr u32 kF32SmallestNormal = 0x00800000u;  // 2^-126
+constexpr u32 kF32TwoPow64 = 0x5F800000u;        // 2^64, the pre-scale of subnormal scales
+constexpr int kWireFormatVersion = 2;            // zcomm/quant/wire_format.py: WIRE_FORMAT_VERSION
 
-    ZC_HD Quantizer(float scale_, int qmax_)
-        : scale(scale_), qmax(qmax_), usable(is_finite(scale_) && !is_zero(scale_)) {}
+struct Quantizer {
+    float prescale;
+    float reciprocal;
+    int qmax;
+
+    ZC_HD Quantizer(float scale, int qmax_) : prescale(1.0f), reciprocal(0.0f), qmax(qmax_) {
+        const u32 bits = float_bits(scale);  // scales are >= +0 or the canonical NaN
+        if (is_finite(scale) && !is_zero(scale)) {
+            prescale = bits < kF32SmallestNormal ? bits_float(kF32TwoPow64) : 1.0f;
+            reciprocal = div_rn(1.0f, mul_rn(scale, prescale));
+        }
+    }
 
     ZC_HD int operator()(float x) const {
-        if (!usable) return 0;
-        const int r = rint_to_int(div_rn(x, scale));
+        const int r = rint_to_int(mul_rn(mul_rn(x, prescale), reciprocal));
         return r > qmax ? qmax : (r < -qmax ? -qmax : r);
     }
 };

@@ -1,12 +1,14 @@
 // Host-side driver of the CUDA kernels' code, for tests/quant/test_cuda_host_math.py.
 //
 // It runs the same __host__ __device__ functions the kernels run (the group encoder's
-// lane_absmax / encode_group_lane in the team or the tile scheme, chosen as the launcher
-// chooses, the run decoder's decode_run, the sources, the packing and the wire-format
-// math), with the GPU parallelism replaced by loops: a team's shuffle max and a tile's
-// block max become maxima over their lanes, the tile scheme's atomicMax a max per group,
-// the grid-stride loops plain loops (the tile encode pass walks the tiles backwards, as
-// blocks may run in any order). What the device alone contributes (__shfl_xor_sync,
+// RegisterLane or lane_absmax / encode_group_lane in the team scheme, or the tile scheme,
+// chosen as the kernels and the launcher choose; the decoder's decode_group_lane or
+// decode_run; the job cursor and team walk; the sources, the packing and the wire-format
+// math), with the GPU parallelism replaced by loops: the team walk over a grid of
+// kHostWarps warps, team by team, round by round, with the kernels' cursor (checked against
+// a division at every step); a team's shuffle max and a tile's block max become maxima
+// over their lanes, the tile scheme's atomicMax a max per group (the tile encode pass walks
+// the tiles backwards, as blocks may run in any order). What the device alone contributes (__shfl_xor_sync,
 // shared memory, atomics, uint4 memory instructions, the inline PTX arithmetic) is not
 // exercised here; on the host that arithmetic is the plain IEEE operators.
 //
@@ -20,8 +22,10 @@
 //   host_check dequantize DTYPE BITS GS MISALIGN NUMEL K IN OUT
 //   host_check reduce     DTYPE BITS GS MISALIGN NUMEL K DIVISOR_BITS(hex fp32) M OUT_BITS IN OUT
 //     (reduce: M = 0 stores DTYPE values, M > 0 re-quantizes into M payloads of OUT_BITS)
-// Prints "vec=V tiles=T": whether the vector paths were taken (V) and, for the encoder,
-// whether the tile scheme ran (T; see [Note: large groups] in group_encoder.cuh).
+// Prints "vec=V tiles=T regs=R teams=D": whether the vector paths were taken (V); for the
+// encoder, whether the tile scheme ran (T; see [Note: large groups] in group_encoder.cuh)
+// and whether teams held their groups in registers (R); for the decoder, whether the team
+// layout ran (D; run_decoder.cuh).
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -68,16 +72,49 @@ i64 payload_bytes(i64 numel, int bits, i64 gs) {
     return numel == 0 ? 0 : scales_offset(numel, bits) + 4 * num_groups(numel, gs);
 }
 
+// Warps of the simulated grid: few, so that every warp runs several rounds and the job
+// cursor's carry into the next row is taken (see [Note: job cursor] in team_walk.cuh).
+constexpr i64 kHostWarps = 3;
+bool g_registers = false;  // whether the last encode held its groups in registers
+bool g_teams = false;      // whether the last decode ran the team layout
+
+// Every (warp, team, round) of the grid in the kernels' order, with the kernels' cursor;
+// `job(row, group)` runs one live job. Aborts if the cursor ever disagrees with the division.
+template <class Job> void walk_jobs(i64 jobs, i64 groups_per_row, i64 rows, int lanes, Job job_fn) {
+    const TeamWalk walk(jobs, lanes, kHostWarps);
+    i64 visited = 0;
+    for (i64 warp = 0; warp < kHostWarps; ++warp) {
+        for (int team = 0; team < walk.teams_per_warp; ++team) {
+            JobCursor job = walk.cursor(warp, team, groups_per_row);
+            for (i64 round = warp; round < walk.rounds; round += walk.num_warps, job.advance()) {
+                const i64 index = round * walk.teams_per_warp + team;
+                if (job.row * groups_per_row + job.group != index || job.group >= groups_per_row) std::abort();
+                if (job.row >= rows) continue;
+                job_fn(job.row, job.group);
+                ++visited;
+            }
+        }
+    }
+    if (visited != jobs) std::abort();
+}
+
 template <int BITS, class Source> void encode_teams(const Source& src, const ChunkLayout<BITS>& layout, bool vec) {
-    const int lanes = team_lanes(layout.group_size);
-    for (i64 job = 0; job < layout.jobs(); ++job) {
-        const GroupSpan s = layout.span(job);
+    const int lanes = team_lanes(layout.group_extent());
+    g_registers = in_registers(vec, layout.group_extent());
+    walk_jobs(layout.jobs(), layout.groups_per_chunk(), layout.num_chunks, lanes, [&](i64 chunk, i64 group) {
+        const GroupSpan s = layout.span(chunk, group);
         u32 absmax_bits = 0;
+        if (g_registers) {
+            std::vector<RegisterLane<BITS>> held(static_cast<size_t>(lanes));
+            for (int lane = 0; lane < lanes; ++lane) absmax_bits = max_u32(absmax_bits, held[lane].load(src, s, lane, lanes));
+            for (int lane = 0; lane < lanes; ++lane) held[lane].store(s, lane, lanes, layout.words_aligned(), absmax_bits);
+            return;
+        }
         for (int lane = 0; lane < lanes; ++lane) absmax_bits = max_u32(absmax_bits, lane_absmax<BITS>(src, s, lane, lanes, vec));
         for (int lane = 0; lane < lanes; ++lane) {
             encode_group_lane<BITS>(src, s, lane, lanes, vec, layout.words_aligned(), absmax_bits);
         }
-    }
+    });
 }
 
 template <int BITS, class Source> void encode_tiles(const Source& src, const ChunkLayout<BITS>& layout, bool vec) {
@@ -104,6 +141,7 @@ bool g_tiles = false;  // whether the last encode ran the tile scheme (printed b
 template <int BITS, class Source> bool encode_all(const Source& src, const ChunkLayout<BITS>& layout) {
     const bool vec = src.can_vectorize() && layout.can_vectorize();
     g_tiles = layout.group_extent() > kTeamMaxGroup;
+    g_registers = false;
     if (g_tiles) {
         encode_tiles<BITS>(src, layout, vec);
     } else {
@@ -114,7 +152,16 @@ template <int BITS, class Source> bool encode_all(const Source& src, const Chunk
 
 template <class T, int BITS> bool decode_all(const SegmentLayout<T, BITS>& layout) {
     const bool vec = layout.can_vectorize();
-    for (i64 run = 0; run < layout.runs(); ++run) decode_run(layout, run, vec);
+    g_teams = layout.teams(vec);
+    if (!g_teams) {
+        for (i64 run = 0; run < layout.runs(); ++run) decode_run(layout, run, vec);
+        return vec;
+    }
+    const int lanes = team_lanes(layout.group_extent());
+    walk_jobs(layout.groups_per_segment() * layout.segments, layout.groups_per_segment(), layout.segments, lanes,
+              [&](i64 segment, i64 group) {
+                  for (int lane = 0; lane < lanes; ++lane) decode_group_lane(layout, segment, group, lane, lanes);
+              });
     return vec;
 }
 
@@ -246,6 +293,6 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "unknown dtype %s\n", dtype.c_str());
         return 2;
     }
-    std::printf("vec=%d tiles=%d\n", vec ? 1 : 0, g_tiles ? 1 : 0);
+    std::printf("vec=%d tiles=%d regs=%d teams=%d\n", vec ? 1 : 0, g_tiles ? 1 : 0, g_registers ? 1 : 0, g_teams ? 1 : 0);
     return 0;
 }

@@ -31,8 +31,8 @@ WARPS_PER_BLOCK = THREADS // 32
 BLOCKS_PER_SM = 8
 RUN = 8  # elements per vector run in the kernels (vector_io.cuh)
 
-# Mirrors of group_encoder.cuh (tests/quant/test_cuda_host_math.py checks that they agree).
-TEAM_MAX_GROUP = 4096  # kTeamMaxGroup: larger groups take the tile scheme
+# Mirrors of team_walk.cuh and group_encoder.cuh (tests/quant/test_cuda_host_math.py checks that they agree).
+TEAM_MAX_GROUP = 4096  # kTeamMaxGroup (team_walk.cuh): larger groups take the tile scheme
 TILE_THREADS = 256  # kTileThreads: the block size of the tile passes
 TILE_ELEMS = 8192  # kTileElems: elements per tile
 TEAMS, TILE_ABSMAX, TILE_ENCODE = 0, 1, 2  # EncoderPass

@@ -14,8 +14,9 @@ gathered into a small per-thread buffer of ``group_size`` floats, which then sta
    magnitude as unsigned integers), then the scale, then the codes, packed straight into
    the payload, or *store*: round the fp32 values into the output dtype.
 
-The arithmetic is that of :mod:`zcomm.quant.wire_format`: fp32 division by the scale,
-round half to even (``np.rint``), an fp32 multiply to dequantize, no fastmath (no FMA
+The arithmetic is that of :mod:`zcomm.quant.wire_format`: one fp32 division per group for
+the reciprocal of the (pre-scaled) scale, fp32 multiplications by it, round half to even
+(``np.rint``), an fp32 multiply to dequantize, no fastmath (no FMA
 contraction, no flush-to-zero), and ``error_model="numpy"`` so a division by zero gives
 IEEE results instead of raising. Kernels are compiled with ``cache=True`` (spawned worker
 processes load them from ``__pycache__`` instead of compiling) and ``nogil=True`` (a
@@ -47,7 +48,7 @@ from numba.extending import intrinsic
 
 from .._threads import use_thread_share as _use_thread_share
 from .._contract import implements
-from ..wire_format import QMAX, scales_offset, values_nbytes
+from ..wire_format import QMAX, SMALLEST_NORMAL_F32, SUBNORMAL_PRESCALE, scales_offset, values_nbytes
 from ._cpu_float_bits import (
     F32_CANONICAL_NAN_BITS,
     F32_INF_BITS,
@@ -65,6 +66,9 @@ _HELPER = dict(error_model="numpy")
 _NEGATIVE_ZERO = np.float32(-0.0)
 _INT8_QMAX = QMAX[8]
 _INT4_QMAX = QMAX[4]
+_ONE = np.float32(1)
+_PRESCALE = np.float32(SUBNORMAL_PRESCALE)
+_SMALLEST_NORMAL = np.float32(SMALLEST_NORMAL_F32)
 
 
 @njit(**_HELPER)
@@ -79,30 +83,30 @@ def _group_scale(buf, n, qmax):
 
 
 @njit(**_HELPER)
-def _code(value, scale, limit):
-    """``clamp(rint(value / scale), -limit, limit)`` in fp32, as an integer."""
-    rounded = np.rint(value / scale)
+def _code(value, prescale, reciprocal, limit):
+    """``clamp(rint((value * prescale) * reciprocal), -limit, limit)`` in fp32, as an integer."""
+    rounded = np.rint((value * prescale) * reciprocal)
     rounded = rounded if rounded < limit else limit
     rounded = rounded if rounded > -limit else -limit
     return np.int64(rounded)
 
 
 @njit(**_HELPER)
-def _pack8(buf, scale, limit, dst):
+def _pack8(buf, prescale, reciprocal, limit, dst):
     for i in range(dst.size):
-        dst[i] = _code(buf[i], scale, limit)
+        dst[i] = _code(buf[i], prescale, reciprocal, limit)
 
 
 @njit(**_HELPER)
-def _pack4(buf, n, scale, limit, dst):
+def _pack4(buf, n, prescale, reciprocal, limit, dst):
     """Element ``2i`` in the low nibble, ``2i + 1`` in the high one; a lone last element
     leaves its high nibble 0."""
     for j in range(n // 2):
-        low = _code(buf[2 * j], scale, limit) & 15
-        high = _code(buf[2 * j + 1], scale, limit) & 15
+        low = _code(buf[2 * j], prescale, reciprocal, limit) & 15
+        high = _code(buf[2 * j + 1], prescale, reciprocal, limit) & 15
         dst[j] = low | (high << 4)
     if n % 2:
-        dst[n // 2] = _code(buf[n - 1], scale, limit) & 15
+        dst[n // 2] = _code(buf[n - 1], prescale, reciprocal, limit) & 15
 
 
 @njit(**_HELPER)
@@ -116,10 +120,13 @@ def _encode_group(buf, n, bits, values, start, scales, group):
     if scale == 0 or not np.isfinite(scale):
         # All-zero, NaN and Inf groups carry only their scale; their codes are 0.
         dst[:] = 0
-    elif bits == 8:
-        _pack8(buf, scale, np.float32(qmax), dst)
+        return
+    prescale = _PRESCALE if scale < _SMALLEST_NORMAL else _ONE
+    reciprocal = _ONE / (scale * prescale)
+    if bits == 8:
+        _pack8(buf, prescale, reciprocal, np.float32(qmax), dst)
     else:
-        _pack4(buf, n, scale, np.float32(qmax), dst)
+        _pack4(buf, n, prescale, reciprocal, np.float32(qmax), dst)
 
 
 @njit(**_HELPER)

@@ -2,7 +2,8 @@
 
 It is the oracle the ``cpu`` and ``cuda`` backends are tested against, byte for byte. Each
 step follows :mod:`zcomm.quant.wire_format` literally: pad to whole groups, per-group
-NaN/Inf/absmax, fp32 division, round half to even, clamp, pack, append the scales. It runs
+NaN/Inf/absmax, the fp32 scale and per-group reciprocal, fp32 multiplications, round half to
+even, clamp, pack, append the scales. It runs
 on CPU and CUDA tensors with the same bytes.
 
 [Note: true division on CUDA] ATen's CUDA division (``div_true_kernel_cuda``) computes
@@ -19,7 +20,15 @@ from typing import Sequence
 import torch
 
 from .._contract import implements
-from ..wire_format import CANONICAL_NAN_BITS, QMAX, num_groups, scales_offset, values_nbytes
+from ..wire_format import (
+    CANONICAL_NAN_BITS,
+    QMAX,
+    SMALLEST_NORMAL_F32,
+    SUBNORMAL_PRESCALE,
+    num_groups,
+    scales_offset,
+    values_nbytes,
+)
 
 _NAN = float("nan")
 
@@ -43,13 +52,20 @@ def _scales(groups: torch.Tensor, qmax: int) -> torch.Tensor:
 
 
 def _quantize_values(values: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``values`` -> (int8 codes of ``values.numel()``, fp32 scales per group)."""
+    """fp32 ``values`` -> (int8 codes of ``values.numel()``, fp32 scales per group).
+
+    Codes are ``rint((x * p) * r)`` with the per-group pre-scale ``p`` and reciprocal
+    ``r = 1 / (scale * p)`` of the wire format (``p`` is 1 but for subnormal scales).
+    """
     qmax = QMAX[bits]
     groups = _group_view(values, group_size)
     scale = _scales(groups, qmax)
     usable = torch.isfinite(scale) & (scale != 0)
     divisor = torch.where(usable, scale, torch.ones_like(scale))
-    codes = torch.round(groups / divisor[:, None]).clamp(-qmax, qmax)
+    prescale = torch.where(divisor < SMALLEST_NORMAL_F32, SUBNORMAL_PRESCALE, 1.0).to(torch.float32)
+    # a tensor divided by a tensor on its own device: the IEEE division ([Note: true division on CUDA])
+    reciprocal = torch.ones_like(divisor) / (divisor * prescale)
+    codes = torch.round((groups * prescale[:, None]) * reciprocal[:, None]).clamp(-qmax, qmax)
     codes = torch.where(usable[:, None], codes, torch.zeros_like(codes))
     return codes.reshape(-1)[: values.numel()].to(torch.int8), scale
 
