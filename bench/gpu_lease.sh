@@ -32,7 +32,7 @@ run() {  # NAME LIMIT_S FOLDER: one command under a hard limit, its output in th
 
 : >"$log"
 run gpu-check 300 "$check"; check_status=$?
-run gpu-bench 230 "$bench"; bench_status=$?
+run gpu-bench 240 "$bench"; bench_status=$?
 for folder in "$check" "$bench"; do
   name=$(basename "$folder")
   if [ -d "$folder" ]; then

@@ -1,11 +1,12 @@
 """The parts of ``make gpu-bench``: commands, time limits, and which tools this checkout has.
 
 [Note: gpu-bench time budget] gpu-bench shares an 8-minute lease with gpu-check (which
-takes up to ``bench.gpu_check.stages.TOTAL_BUDGET_S``), so its limits add up to 205 s of
-``TOTAL_BUDGET_S`` = 215 s, in order of value: host cost (35 s), the training runs (80 s:
+takes up to ``bench.gpu_check.stages.TOTAL_BUDGET_S``), so its limits add up to 215 s of
+``TOTAL_BUDGET_S`` = 225 s, in order of value: host cost (45 s), the training runs (80 s:
 six configurations of a 160M GPT, 10 steps each, 3 of them warm-up), then the kernel
-sweep, one ``bench.kernels`` process per (size, group size) at 15 s each. A part that
-overruns is killed and reported as timed out; the parts after it still get their time.
+sweep, one ``bench.kernels --sweep`` process (90 s: every op at 16M, 64M and 256M elements,
+group sizes 256 and 512, bf16 and fp32, timed by CUDA-graph replay). A part that overruns is
+killed and reported as timed out; the parts after it still get their time.
 """
 
 from __future__ import annotations
@@ -16,13 +17,11 @@ from pathlib import Path
 
 from bench.gpu_check.stages import Stage
 
-TOTAL_BUDGET_S = 215.0
+TOTAL_BUDGET_S = 225.0
 HOST_COST = "bench.host_cost"
 KERNELS = "bench.kernels"
 TRAIN = "bench.train"
 HOST_COST_SIZES = {"cuda": "1M,16M", "cpu": "1M"}
-KERNEL_NUMELS = ("16M", "64M", "256M")
-KERNEL_GROUP_SIZES = (256, 512)
 TRAIN_CONFIGS = ("zero3", "zeropp", "zero3+qwz", "zero3+qgz", "fsdp2", "fsdp2-zeropp")
 GPT_160M = ("--d-model", "1024", "--n-layers", "12", "--n-heads", "16", "--seq-len", "512", "--batch", "8")
 TRAIN_STEPS, TRAIN_WARMUP = 10, 3
@@ -43,24 +42,19 @@ def _host_cost(out_dir: Path, python: str, device: str, module: str) -> Stage:
               "time per call of each zcomm op next to torch's",
         argv=(python, "-m", module, "--device", device, "--sizes", HOST_COST_SIZES[device],
               "--json", str(out_dir / f"host_cost_{device}.json")),  # fmt: skip
-        limit_s=35,
+        limit_s=45,
         verify=lambda out, d=device: [] if (out / f"host_cost_{d}.json").exists() else [f"{module} wrote no JSON"],
     )
 
 
-def kernel_stage_name(numel: str, group_size: int) -> str:
-    return f"kernels-{numel}-g{group_size}"
-
-
-def _kernels(out_dir: Path, python: str, numel: str, group_size: int, module: str) -> Stage:
-    name = kernel_stage_name(numel, group_size)
+def _kernels(out_dir: Path, python: str, module: str) -> Stage:
     return Stage(
-        name=name,
-        title=f"{module}: cuda kernels' GB/s vs a device copy of the same bytes, {numel} elements, group {group_size}, "
-              "bf16 and fp32",
-        argv=(python, "-m", module, "--device", "cuda", "--backends", "cuda", "--dtype", "bf16", "fp32",
-              "--numel", numel, "--group-size", str(group_size), "--output", str(out_dir / f"{name}.md")),  # fmt: skip
-        limit_s=15,
+        name="kernels",
+        title=f"{module} --sweep: cuda kernels' GB/s vs a device copy of the same bytes, 16M/64M/256M elements, "
+              "group 256 and 512, bf16 and fp32 (CUDA-graph replay)",
+        argv=(python, "-m", module, "--sweep", "--json", str(out_dir / "kernels.json"),
+              "--output", str(out_dir / "kernels.md")),  # fmt: skip
+        limit_s=90,
         needs=("cupy",),
     )
 
@@ -106,5 +100,5 @@ def plan(out_dir: Path, *, gpu: bool, python: str = sys.executable, host_cost: s
     if gpu and available(train):
         stages.append(_train(out_dir, python, train))
     if gpu and available(kernels):
-        stages += [_kernels(out_dir, python, n, g, kernels) for n in KERNEL_NUMELS for g in KERNEL_GROUP_SIZES]
+        stages.append(_kernels(out_dir, python, kernels))
     return stages, absent

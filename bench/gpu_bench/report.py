@@ -8,8 +8,7 @@ Layout of ``report.md`` (the tools' JSON and logs sit beside it):
    and software (GPU, driver, torch, NCCL, cupy, CPU, checkout);
 3. host cost per call: the rows of ``bench.host_cost``'s JSON as they come (its columns
    are its own), one table per device;
-4. kernel GB/s: per (size, group size), ``bench.kernels``'s JSON rows when it writes JSON,
-   else its markdown report;
+4. kernel GB/s: the rows of ``bench.kernels --sweep``'s JSON (its markdown when there is no JSON);
 5. training: per configuration, median step time, its ratio to zero3's from the same run,
    validation loss, last training loss;
 6. the tails of the logs of parts that did not pass.
@@ -73,20 +72,12 @@ def _host_cost(out_dir: Path, devices: Sequence[str]) -> list[str]:
 
 
 def _kernels(out_dir: Path) -> list[str]:
-    lines: list[str] = []
-    for numel in plan.KERNEL_NUMELS:
-        for group in plan.KERNEL_GROUP_SIZES:
-            name = plan.kernel_stage_name(numel, group)
-            json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
-            lines += [f"### {numel} elements, group size {group}", ""]
-            if json_path.exists():
-                lines += _guarded_rows(json_path)
-            elif md_path.exists():
-                lines += ["####" + l[1:] if l.startswith("# ") else l for l in md_path.read_text().splitlines()]
-            else:
-                lines.append(f"({name} wrote no report)")
-            lines.append("")
-    return lines
+    json_path, md_path = out_dir / "kernels.json", out_dir / "kernels.md"
+    if json_path.exists():
+        return [*_guarded_rows(json_path), ""]
+    if md_path.exists():
+        return ["####" + l[1:] if l.startswith("# ") else l for l in md_path.read_text().splitlines()] + [""]
+    return ["(the kernel sweep wrote no report)", ""]
 
 
 def _training(out_dir: Path) -> list[str]:
