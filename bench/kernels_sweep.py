@@ -6,8 +6,10 @@ every size (16M, 64M, 256M elements; ``--quick``: 16M only), group size (256, 51
 
 * ``LAUNCHES`` back-to-back calls into preallocated outputs are captured once in a CUDA
   graph, and the graph is replayed ``REPLAYS`` times between two CUDA events; the time per
-  call is the elapsed time over ``LAUNCHES * REPLAYS``. A replay issues no host work per
-  call, so launch cost cannot hide a slow kernel nor a fast one behind the host.
+  call is the elapsed time over ``LAUNCHES * REPLAYS``, and the reported time the median of
+  ``SAMPLES`` such measurements (a single one of the copy swung by 1.5x at 256M elements on
+  an H200). A replay issues no host work per call, so launch cost cannot hide a slow kernel
+  nor a fast one behind the host.
 * When an op's bytes (read + written) would fit in L2 a few times over, the captured calls
   rotate over ``ceil(4 * L2 / bytes)`` sets of inputs and outputs, so no call finds its data
   in L2 left by the previous one.
@@ -38,11 +40,12 @@ PERM = (7, 6, 5, 4, 3, 2, 1, 0)
 CHUNKS = 4  # reorder_quantize chunks, dequant_reduce rows and re-quantized chunks
 LAUNCHES = 20
 REPLAYS = 3
+SAMPLES = 5
 TARGETS = {"quantize": 0.85, "dequantize": 0.85, "reorder_quantize": 0.70, "dequant_reduce": 0.70}
 
 
 def _time_graph(calls: list[Callable[[], object]]) -> float:
-    """Seconds per call of ``calls`` (cycled up to LAUNCHES), captured in one CUDA graph."""
+    """Median seconds per call of ``calls`` (cycled up to LAUNCHES), captured in one CUDA graph."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -56,13 +59,16 @@ def _time_graph(calls: list[Callable[[], object]]) -> float:
             calls[i % len(calls)]()
     graph.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / (LAUNCHES * REPLAYS)
+    samples = []
+    for _ in range(SAMPLES):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(REPLAYS):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / (LAUNCHES * REPLAYS))
+    return sorted(samples)[SAMPLES // 2]
 
 
 def _copies(nbytes: int) -> int:
@@ -70,7 +76,7 @@ def _copies(nbytes: int) -> int:
     return max(1, min(LAUNCHES, math.ceil(4 * l2 / nbytes)))
 
 
-def _op_specs(n: int, dtype: torch.dtype, gs: int) -> list[tuple[str, str, int, Callable[[], Callable[[], object]]]]:
+def op_specs(n: int, dtype: torch.dtype, gs: int) -> list[tuple[str, str, int, Callable[[], Callable[[], object]]]]:
     """(op family, label, bytes moved, factory of one call on fresh buffers) per op."""
     elem = torch.tensor([], dtype=dtype).element_size()
     dev = torch.device("cuda")
@@ -133,7 +139,7 @@ def sweep(quick: bool = False) -> list[dict]:
     for n in SIZES[:1] if quick else SIZES:
         for gs in GROUP_SIZES:
             for tag, dtype in DTYPES.items():
-                for family, label, nbytes, factory in _op_specs(n, dtype, gs):
+                for family, label, nbytes, factory in op_specs(n, dtype, gs):
                     calls = [factory() for _ in range(_copies(nbytes))]
                     seconds = _time_graph(calls)
                     del calls

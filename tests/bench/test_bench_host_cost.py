@@ -33,7 +33,7 @@ def test_cpu_run_measures_every_row(tmp_path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(
         [sys.executable, "-m", "bench.host_cost", "--device", "cpu", "--sizes", "1K", "--budget", "0.01",
-         "--min-calls", "2", "--json", str(report)],
+         "--min-calls", "2", "--json", str(report), "--profile", str(tmp_path / "profile.txt")],
         capture_output=True, text=True, cwd=REPO, env=env, timeout=600,
     )
     assert done.returncode == 0, done.stderr
@@ -47,3 +47,6 @@ def test_cpu_run_measures_every_row(tmp_path) -> None:
         assert any(b.startswith(base) for b in found[name]), (name, found.get(name))
     assert "reduce_scatter_q4 1 stage" in found["reduce_scatter_q4 4 stages"]
     assert "quantize int8" in done.stdout and "# targets" in done.stdout
+    profile = (tmp_path / "profile.txt").read_text()
+    for name in ("all_gather_q8", "reduce_scatter_q4 1 stage", "reduce_scatter_q4 4 stages"):
+        assert f"## {name}, 1K elements, 100 calls" in profile
