@@ -93,8 +93,8 @@ def test_sweep_covers_every_op_with_its_bytes():
     """Per dtype 6 rows (quantize, dequantize, reorder_quantize at INT8 and INT4); the reductions
     (payloads in, fp32 or payloads out) once per size, with the fp32 rows."""
     n, gs = 1 << 12, 256
-    fp32 = kernels_sweep._op_specs(n, torch.float32, gs)
-    bf16 = kernels_sweep._op_specs(n, torch.bfloat16, gs)
+    fp32 = kernels_sweep.op_specs(n, torch.float32, gs)
+    bf16 = kernels_sweep.op_specs(n, torch.bfloat16, gs)
     assert len(bf16) == 6 and len(fp32) == 10
     bytes_of = {label: nbytes for _, label, nbytes, _ in fp32}
     p8 = kernels.q.payload_nbytes(n, 8, gs)
