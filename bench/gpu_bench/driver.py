@@ -15,17 +15,12 @@ import time
 from pathlib import Path
 
 from bench.gpu_check import environment
-from bench.gpu_check.driver import RESULTS, _slug, gpu_problem
+from bench.gpu_check.driver import default_out_dir, gpu_problem
 from bench.gpu_check.stages import REPO, run_stage
 
 from . import plan, report
 
 EXIT_COMPLETE, EXIT_FAILED, EXIT_NO_GPU = 0, 1, 2
-
-
-def default_out_dir(machine: str) -> Path:
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    return RESULTS / f"gpu-bench_{_slug(machine)}_{stamp}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +51,7 @@ def main(argv: list[str] | None = None, **tools: str) -> int:
     import torch
 
     machine = torch.cuda.get_device_name(0) if gpu else "cpu"
-    out_dir = args.out or default_out_dir(machine)
+    out_dir = args.out or default_out_dir(machine, prefix="gpu-bench")
     stages, absent = plan.plan(out_dir, gpu=gpu, **tools)
     if args.only:
         unknown = sorted(set(args.only) - {stage.name for stage in stages})

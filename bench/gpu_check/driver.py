@@ -38,9 +38,10 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
 
 
-def default_out_dir(gpu_name: str) -> Path:
+def default_out_dir(gpu_name: str, prefix: str = "gpu-check") -> Path:
+    """``bench/results/<prefix>_<machine slug>_<UTC time>``: one folder per run."""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    return RESULTS / f"gpu-check_{_slug(gpu_name)}_{stamp}"
+    return RESULTS / f"{prefix}_{_slug(gpu_name)}_{stamp}"
 
 
 def build_parser() -> argparse.ArgumentParser:
