@@ -19,8 +19,8 @@ from torch.utils._pytree import tree_map
 
 import zcomm
 
-from . import _optim_spec
-from ._comm_plan import CommPlan, build_comm_plan
+from .config import _optim_spec
+from .comm._plan import CommPlan, build_comm_plan
 from ._partition import FlatUnit, group_by_module, group_by_size, trainable_named_parameters
 from ._partitioned_init import is_partitioned, materialize, partitioned_parameters
 from .config import ZeroConfig, resolve_config

@@ -58,9 +58,9 @@ from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
-from ._api import Phase
-from ._comm_plan import CommPlan
-from ._param_offload import ParamOffload
+from ._contract import Phase
+from .comm._plan import CommPlan
+from .offload._params import ParamOffload
 from ._partition import FlatUnit, GatherState
 
 

@@ -17,8 +17,8 @@ from ._loss_scaler import LossScaler
 from ._partition import FlatUnit
 
 if TYPE_CHECKING:
-    from ._offload import OptimizerOffload
-    from ._param_offload import ParamOffload
+    from .offload._optimizer import OptimizerOffload
+    from .offload._params import ParamOffload
 
 
 @dataclass(eq=False, kw_only=True)

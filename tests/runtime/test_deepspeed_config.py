@@ -161,7 +161,7 @@ def test_keys_of_other_features_are_parsed_not_ignored():
 
 
 def test_optimizer_types_build_deepspeeds_classes_and_defaults():
-    from zero_runtime._optim_spec import build_optimizer
+    from zero_runtime.config._optim_spec import build_optimizer
 
     params = [torch.nn.Parameter(torch.zeros(3))]
     adam = build_optimizer({"type": "Adam", "params": {"lr": 0.1}}, params)

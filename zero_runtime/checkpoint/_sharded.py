@@ -37,11 +37,12 @@ from typing import Any
 
 import torch
 
-from . import _host_sync, _reshard
-from ._checkpoint_error import CheckpointError
-from ._comm_plan import CommPlan
-from ._param_offload import resident
-from ._state import TrainingState
+from .. import _host_sync
+from . import _reshard
+from ._error import CheckpointError
+from ..comm._plan import CommPlan
+from ..offload._params import resident
+from .._state import TrainingState
 
 FORMAT = "zero_runtime.sharded/1"
 META = "meta.json"

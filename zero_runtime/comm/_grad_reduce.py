@@ -50,9 +50,9 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from ._api import Handle
-from ._comm_plan import CommPlan
-from ._partition import FlatUnit
+from .._contract import Handle
+from ._plan import CommPlan
+from .._partition import FlatUnit
 
 
 MAX_IN_FLIGHT = 2  # buckets; see [Note: gradient buffer lifetimes]

@@ -44,11 +44,11 @@ from typing import Any
 
 import torch
 
-from ._param_offload import ParamOffload, resident
-from ._partition import FlatUnit, optimizer_indices
+from ._params import ParamOffload, resident
+from .._partition import FlatUnit, optimizer_indices
 from ._swap_stream import SwapStream
 from .swap_file import SwapFile, aligned_buffer, round_up
-from .config import ZeroConfig
+from ..config import ZeroConfig
 from .cpu_adam import AdamHyper, adam_step
 
 _STATES = ("exp_avg", "exp_avg_sq")

@@ -61,11 +61,11 @@ import torch.distributed as dist
 import zcomm
 from zcomm.quant import QuantSpec
 
-from ._api import AllGather, ReduceScatter
+from .._contract import AllGather, ReduceScatter
 from ._hpz_gather import HpzGather
-from ._plain_comm import PlainAllGather, PlainReduceScatter
-from ._quantized_comm import QuantizedAllGather, QuantizedReduceScatter
-from .config import ZeroConfig
+from ._plain import PlainAllGather, PlainReduceScatter
+from ._quantized import QuantizedAllGather, QuantizedReduceScatter
+from ..config import ZeroConfig
 
 
 @dataclass(frozen=True, kw_only=True)

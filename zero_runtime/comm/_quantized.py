@@ -41,7 +41,7 @@ import torch.distributed as dist
 import zcomm
 from zcomm.quant import QuantSpec
 
-from ._api import AllGather, Handle, Phase, ReduceScatter
+from .._contract import AllGather, Handle, Phase, ReduceScatter
 
 
 class QuantizedAllGather(AllGather):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import zcomm
 
-from ._api import AllGather, Handle, Phase, ReduceScatter
+from .._contract import AllGather, Handle, Phase, ReduceScatter
 
 
 class PlainAllGather(AllGather):

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
-from ._config_keys import unknown_keys_error
+from .._config_keys import unknown_keys_error
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's sub_group_size
