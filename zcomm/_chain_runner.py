@@ -60,7 +60,7 @@ def run_chain(
     """
     if tensors[0].is_cuda:
         return _run_on_stream(chain, tensors, async_op)
-    # [Note: worker ordering] sync calls queue behind pending async ones of their kind.
+    # Sync calls queue behind pending async ones of their kind (see [Note: worker ordering]).
     future = _ordered_worker(info.group, info.topology, kind).submit(chain)
     handle = Handle(finish=future.result, ready=future.done)
     if async_op:

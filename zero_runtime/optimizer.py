@@ -85,7 +85,7 @@ class ZeroOptimizer:
 
     def _shards_final(self, units: tuple[FlatUnit, ...]) -> None:
         """A bucket's gradient shards are complete: during an overlapped step (see [Note: step
-        during backward] in ``_offload``) its units are updated now."""
+        during backward] in ``offload._optimizer``) its units are updated now."""
         if self.offload.in_step:
             self.offload.add(list(units), [self._unscaled(unit) for unit in units])
 
@@ -202,7 +202,7 @@ class ZeroOptimizer:
     def _apply(self, grads: list[torch.Tensor] | None) -> list[str]:
         """The optimizer step on the master shards (offloaded or not), then the schedule's.
         ``grads`` None: finish the step the backward started (see [Note: step during
-        backward] in ``_offload``); returns the hyper-parameters changed since it began."""
+        backward] in ``offload._optimizer``); returns the hyper-parameters changed since it began."""
         changed = []
         if grads is None:
             changed = self.offload.end_step()
@@ -269,7 +269,7 @@ class ZeroOptimizer:
         ahead of the gathers that read the shards. The host writes ``compute_copy`` again
         only in the next update of that unit, which first waits for the event recorded behind
         the unit's gradient copy on the same stream (see [Note: gradient copies to the host]
-        in ``_offload``), queued after every copy here, so these have finished by then;
+        in ``offload._optimizer``), queued after every copy here, so these have finished by then;
         ``set_master`` copies its value to the host synchronously first, and
         ``load_state_dict`` synchronizes the device before it writes ``compute_copy`` from a
         checkpoint.

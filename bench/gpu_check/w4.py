@@ -22,8 +22,8 @@ catches a CPU path that is wrong in the same way as the device path. Cases:
 (1 and 4 stages, INT4 and INT8 first hop, with and without the Hadamard rotation), bf16
 and fp32, sync and async; then 3 steps of zero_runtime's ZeRO++ (stage 3 with qwZ + hpZ over
 pairs of ranks + qgZ) on a small GPT on ``--device`` and on the CPU, whose global-batch
-losses must agree within ``ZEROPP_RTOL`` (see ``tests/runtime/test_zero_cuda.py``'s
-[Note: CPU/CUDA bounds] for why 1e-3).
+losses must agree within ``ZEROPP_RTOL`` (for why 1e-3, see [Note: CPU/CUDA bounds] in
+``tests/runtime/test_zero_cuda.py``).
 
 With ``--device cpu`` both sides are CPU tensors: the same launcher, ranks and checks, so a
 CPU machine proves the wiring (the CUDA variant differs only by the device). Exit status

@@ -2,7 +2,7 @@
 
 [Note: swap pipeline] Sub-groups are numbered in the order they are added (all at once in
 ``step()``, or unit by unit as gradients become final during backward; see [Note: step
-during backward] in ``_offload``). Sub-group ``j`` is read into buffer ``j % count``. Before
+during backward] in ``offload._optimizer``). Sub-group ``j`` is read into buffer ``j % count``. Before
 sub-group ``i`` is updated, the reads of ``i + 1 .. i + ahead`` are started, with
 ``ahead = count - 2``: together with ``i`` they fill ``count - 1`` buffers, and the last
 one holds the write of ``i - 1``, still in flight (``buffer_count`` is at least 3; fewer
@@ -19,7 +19,7 @@ later ``add``, after a bucket's worth of backward compute; a larger bucket waits
 reads it started itself (more buffers, or a smaller ``sub_group_size``, avoid that). Every action happens at a fixed point of the sequence of
 ``add`` calls, never depending on whether a transfer has finished, which keeps the parameter
 offload's decisions (the update writes stage-3 shards) the same on every rank (see [Note:
-matched decisions] in ``_param_offload``). ``drain`` returns once every write is done, so a
+matched decisions] in ``offload._params``). ``drain`` returns once every write is done, so a
 checkpoint or an exception after it finds the file complete.
 """
 
