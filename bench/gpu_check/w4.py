@@ -216,7 +216,8 @@ def _runtime_check(device: torch.device, cpu_backend: str | None) -> dict:
             on_cpu = _train(torch.device("cpu"), topology)
         worst = max(abs(a - b) / abs(b) for a, b in zip(on_device, on_cpu))
         ok = worst <= ZEROPP_RTOL and all(map(math.isfinite, on_device))
-        detail = f"losses {['%.5f' % v for v in on_device]} vs CPU {['%.5f' % v for v in on_cpu]}; max rel. diff {worst:.2e} (bound {ZEROPP_RTOL})"
+        detail = (f"losses {['%.5f' % v for v in on_device]} vs CPU {['%.5f' % v for v in on_cpu]}; "
+                  f"max rel. diff {worst:.2e} (bound {ZEROPP_RTOL})")
     except Exception:
         ok, detail = False, traceback.format_exc(limit=4).strip().splitlines()[-1]
     return {"check": name, "ok": ok, "detail": detail}

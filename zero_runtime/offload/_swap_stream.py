@@ -16,9 +16,9 @@ been added): during backward the last ``ahead`` sub-groups wait, with their read
 for the next gradients, and ``drain`` updates them at the end. So when a bucket's units
 bring at most ``ahead`` sub-groups, every read started during backward is waited for in a
 later ``add``, after a bucket's worth of backward compute; a larger bucket waits for some
-reads it started itself (more buffers, or a smaller ``sub_group_size``, avoid that). Every action happens at a fixed point of the sequence of
-``add`` calls, never depending on whether a transfer has finished, which keeps the parameter
-offload's decisions (the update writes stage-3 shards) the same on every rank (see [Note:
+reads it started itself (more buffers, or a smaller ``sub_group_size``, avoid that). Every
+action happens at a fixed point of the sequence of ``add`` calls, never depending on whether
+a transfer has finished, which keeps the parameter offload's decisions (the update writes stage-3 shards) the same on every rank (see [Note:
 matched decisions] in ``offload._params``). ``drain`` returns once every write is done, so a
 checkpoint or an exception after it finds the file complete.
 """
