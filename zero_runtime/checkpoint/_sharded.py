@@ -116,8 +116,8 @@ def validate_rank_state(state: TrainingState, plan: CommPlan, saved: Any) -> dic
 
 def apply_rank_state(state: TrainingState, plan: CommPlan, saved: dict[str, Any]) -> None:
     """Load a validated ``saved`` into ``state``: masters, optimizer (offloaded or not),
-    scaler, counters and the reduce-scatter's state (LoCo's error buffers; absent from
-    checkpoints written before issue 13). The caller then writes the masters into the parameters."""
+    scaler, counters and the reduce-scatter's state (LoCo's error buffers; checkpoints of a
+    runtime without LoCo have none). The caller then writes the masters into the parameters."""
     plan.reduce_scatter.load_state_dict(saved.get("reduce_scatter", {}))
     if state.offload is not None:
         state.offload.load_state_dict(saved["masters"], saved["optimizer"])
