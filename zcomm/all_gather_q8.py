@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from . import quant
-from ._api import GroupInfo, Handle
+from ._contract import GroupInfo, Handle
 from ._chain_runner import run_chain
 from ._groups import node_groups
 from ._pipeline import GATHER_STAGE_BYTES, check_stages, default_stages
