@@ -130,7 +130,6 @@ class LocoConfig:
 # sends half the intra-node bytes, which on a GPU node's links are cheap but not free.
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class ZeroConfig:
     """Everything that changes what the runtime computes or communicates.
