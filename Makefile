@@ -4,7 +4,7 @@
 # served locally on the CI/dev machines, so setup never pulls a multi-GB CUDA wheel there.
 # Both install zcomm with the extras they need (see setup.cfg): `mpi` (mpirun, mpi4py) and
 # `bench` (tqdm, matplotlib) for the benchmark suites the demo and the tests run, `hf`
-# (transformers) so the tests train an unmodified Hugging Face GPT-2, `dev` (pytest).
+# (transformers) so the tests train an unmodified Hugging Face GPT-2, `dev` (pytest, ruff).
 # [Note: optional peers] `make peers` (run by `make demo`, not by `make test`) tries the
 # `peers` extra, DeepSpeed, for the demo's and bench.train's DeepSpeed rows. It is optional:
 # when pip cannot install it (DeepSpeed builds from source and needs torch at build time) it
@@ -49,7 +49,7 @@ $(STAMP): setup.cfg pyproject.toml
 	fi
 	@$(PY) -m pip install -q --upgrade pip
 	@$(PY) -c 'import torch' >/dev/null 2>&1 || { echo "install: torch 2.13.0, the CPU build"; $(PY) -m pip install -q torch==2.13.0; }
-	@echo "install: zcomm from this checkout (editable) with pytest, transformers, mpich/mpi4py, tqdm, matplotlib"
+	@echo "install: zcomm from this checkout (editable) with pytest, ruff, transformers, mpich/mpi4py, tqdm, matplotlib"
 	@$(PY) -m pip install -q -e '.[dev,hf,mpi,bench]'
 	@$(PY) -c 'import cupy' >/dev/null 2>&1 || { \
 	  echo "install: cupy + NVRTC (about 160 MB), even without a GPU: NVRTC compiles the CUDA kernels on the CPU so the tests can check what they compile to"; \
@@ -57,7 +57,9 @@ $(STAMP): setup.cfg pyproject.toml
 	@touch $@
 	@echo "install: done ($(VENV)/)"
 
+# ruff first: it checks the whole tree in well under a second, before minutes of pytest.
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 peers: $(STAMP)

@@ -15,7 +15,7 @@ median is reported. Rows:
 * ``zero_runtime.cpu_adam`` without and with the bf16 copy fused into its pass.
 
 Every implementation uses the rank's thread share, ``torch.get_num_threads()`` (``--threads``
-sets it). The run ends with the targets of issue 16 from this run's medians (fused step >=
+sets it). The run ends with the targets from this run's medians (fused step >=
 2x torch foreach, and no slower than the fastest of torch fused and DeepSpeedCPUAdam),
 PASS or MISS, and whether the fused step is bit-identical to torch's single-tensor step on
 this data. These are measurements, not tests.
@@ -126,7 +126,7 @@ def _report(args, samples: dict[str, list[float]], deepspeed_note: str, identica
     if deepspeed_note:
         print(f"\n{deepspeed_note}")
     competitors = [median["torch AdamW fused=True"]] + ([median["DeepSpeedCPUAdam"]] if "DeepSpeedCPUAdam" in median else [])
-    print("\n## targets (issue 16)")
+    print("\n## targets")
     speedup = median["torch AdamW foreach"] / ours
     print(f"- fused step >= 2x torch foreach: {speedup:.2f}x: {'PASS' if speedup >= 2 else 'MISS'}")
     fastest = min(competitors)

@@ -5,7 +5,7 @@ Run as ``python -m bench.init_memory`` (``--help``). Each mode runs in its own f
 then resets its peak resident set (``/proc/self/clear_refs``), reads its resident set as the
 baseline, builds a Hugging Face GPT-2 of the given shape (from a config, fp32, same seed on
 every rank) and reads its peak (``VmHWM``) and final resident set. Reported per mode: the
-largest rank's peak and kept growth over the baseline, and the build time. Issue 15's target
+largest rank's peak and kept growth over the baseline, and the build time. The target
 for ``Init``: peak <= the largest single module's parameters + 1/W of the rest + a fixed
 overhead, stated with the result: the peak of building the same model on the ``meta``
 device (its Python objects and the allocator's, no parameter bytes), the ``meta`` row. The

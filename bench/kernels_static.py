@@ -48,7 +48,6 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 
 from zcomm_cuda import loader
 
@@ -132,7 +131,7 @@ def _sass(nvdisasm: str, cubin: Path, line_info: bool) -> dict[str, list[tuple[i
     args = [nvdisasm, "-c", *(["-g"] if line_info else []), str(cubin)]
     text = subprocess.run(args, check=True, capture_output=True, text=True).stdout
     kernels: dict[str, list] = {}
-    current, where, labels = None, None, {}
+    current, where = None, None
     for line in text.splitlines():
         func = _FUNC.match(line)
         if func:

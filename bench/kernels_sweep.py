@@ -17,7 +17,7 @@ every size (16M, 64M, 256M elements; ``--quick``: 16M only), group size (256, 51
   reads and writes as many bytes as the op), timed the same way, rotation included.
 
 ``GB/s = (bytes read + bytes written) / time``; ``vs copy`` is the op's GB/s over the
-copy's. Targets (from the kernels' issue): quantize and dequantize >= 85% of the copy,
+copy's. Targets: quantize and dequantize >= 85% of the copy,
 reorder_quantize and dequant_reduce (to fp32 or re-quantizing) >= 70%. Each row is marked
 PASS or MISS; these are measurements, not tests.
 """

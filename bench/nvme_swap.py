@@ -5,7 +5,7 @@ Run as ``python -m bench.nvme_swap --path DIR`` (``--help``). In one run, altern
 ``oflag=direct`` / ``iflag=direct`` (the disk's sequential bandwidth), and the optimizer's
 ``SwapFile`` (``aio`` settings from the flags) writes then reads the same number of bytes
 from one aligned host buffer, as the offloaded optimizer step does for its sub-groups.
-Medians are reported with the ratio against ``dd`` and issue 16's target (>= 70% of the
+Medians are reported with the ratio against ``dd`` and the target (>= 70% of the
 disk's sequential read and write bandwidth). Files are removed at the end.
 """
 
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---:|---|")
     for name, value in median.items():
         print(f"| {name} | {value:.2f} | {', '.join(f'{r:.2f}' for r in rates[name])} |")
-    print("\n## target (issue 16): swap >= 70% of the disk's sequential bandwidth")
+    print("\n## target: swap >= 70% of the disk's sequential bandwidth")
     for kind in ("write", "read"):
         ratio = median[f"swap {kind}"] / median[f"dd {kind}"]
         print(f"- {kind}: {ratio:.0%} of dd: {'PASS' if ratio >= 0.7 else 'MISS'}")

@@ -25,7 +25,7 @@ cgroup's ``memory.oom_control`` counter) and as completed when every rank finish
 peak is the cgroup's ``memory.max_usage_in_bytes`` (for the unlimited baseline: the sum of
 the ranks' ``VmHWM``). ``dd`` with direct I/O measures the disk's sequential bandwidth in the
 same run, so the I/O time of a step (every rank's masters and states read and written once)
-is stated next to the measured step time: issue 16 asks for a step within 1.25x of
+is stated next to the measured step time: the target is a step within 1.25x of
 max(compute, I/O). With ``--repeats N`` the capped jobs run N times in alternating order,
 each round after its own ``dd`` probe (a shared disk's speed drifts), and the overlapped
 step is compared with the plain one round by round. Gradient shards stay in memory in every mode. Cgroups and swap files are
@@ -272,7 +272,7 @@ def _target(results: list[dict], args: argparse.Namespace, disks: list[dict[str,
                   f"{read / 1e9:.2f} GB read and {written / 1e9:.2f} GB written per step (all ranks) at that run's "
                   f"dd rates = {io:.1f} s; measured {measured:.1f} s = {ratios[-1]:.2f}x")
         ratio = _median(ratios)
-        print(f"\ntarget (issue 16) for {mode}: NVMe step <= 1.25x max(compute, I/O): median over "
+        print(f"\ntarget for {mode}: NVMe step <= 1.25x max(compute, I/O): median over "
               f"{len(ratios)} run(s) {ratio:.2f}x: {'PASS' if ratio <= 1.25 else 'MISS'}")
     _paired(results, args)
 

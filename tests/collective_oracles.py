@@ -1,6 +1,6 @@
 """Independent oracles for the quantized collectives: error bounds and byte volumes.
 
-Written from the wire format's and the issue's definitions, not from zcomm's code.
+Written from the definitions of the wire format and of the collectives, not from zcomm's code.
 
 Error of one quantization (wire format: ``s = fp32(absmax) / qmax`` per group of
 ``group_size`` consecutive elements of a payload, ``q = rint(fp32(x / s))``, ``y = fp32(q * s)``):

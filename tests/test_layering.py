@@ -140,3 +140,10 @@ def test_no_import_cycles_inside_a_package(package):
     graph = {m: {n for n in IMPORTS[m] if n in members} for m in members}
     cycles = [c for m in members if (c := _cycle_from(m, graph))]
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles[:5])
+
+
+def test_contract_modules_have_one_name():
+    """Each package keeps its contracts in a module called ``_contract`` (none is ``_api``),
+    so that a reader looks for them in one place."""
+    assert [m for m in SOURCES if m.rsplit(".", 1)[-1] == "_api"] == []
+    assert {"zcomm._contract", "zcomm.quant._contract", "zero_runtime._contract"} <= set(SOURCES)

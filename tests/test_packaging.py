@@ -32,3 +32,8 @@ def test_build_is_quiet_and_ships_the_kernel_sources(tmp_path):
     kernels = {p.name for p in (REPO / "zcomm_cuda" / "kernels").iterdir() if p.suffix in (".cu", ".cuh")}
     assert kernels and {p.name for p in (build / "zcomm_cuda" / "kernels").iterdir()} >= kernels
     assert sorted(p.name for p in build.iterdir()) == sorted(PACKAGES)  # bench/ and tests/ stay out
+    # every module ships, those of sub-packages included
+    for package in PACKAGES:
+        ours = {p.relative_to(REPO).as_posix() for p in (REPO / package).rglob("*.py") if "__pycache__" not in p.parts}
+        shipped = {p.relative_to(build).as_posix() for p in (build / package).rglob("*.py")}
+        assert ours == shipped, sorted(ours ^ shipped)

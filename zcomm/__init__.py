@@ -21,7 +21,7 @@ threads (``ZCOMM_NUM_THREADS``, else ``torch.get_num_threads()``).
 """
 
 from . import quant
-from ._api import Handle
+from ._contract import Handle
 from ._error_feedback import ErrorFeedback
 from ._groups import consecutive_group
 from .all_gather_q8 import all_gather_q8

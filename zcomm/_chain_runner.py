@@ -10,7 +10,7 @@ every member must issue its hops on each private group in the same order.
 * CPU: the chain runs on the ordered worker of the caller's (group, topology, kind)
   ([Note: worker ordering]).
 
-Each :data:`~zcomm._api.Kind` of collective (``"gather"``: qwZ, ``"reduce"``: qgZ) has its
+Each :data:`~zcomm._contract.Kind` of collective (``"gather"``: qwZ, ``"reduce"``: qgZ) has its
 own private subgroups ([Note: kinds]) and, on CPU, its own worker, so the two kinds are
 independent streams of work: a gather issued while a reduce-scatter is in flight runs at
 once, on its own groups, instead of queueing behind it.
@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from ._api import Chain, GroupInfo, Handle, Kind
+from ._contract import Chain, GroupInfo, Handle, Kind
 from .topology import Topology
 
 # caller's group -> (topology, kind) -> its single worker; weak in the group like zcomm._groups'
@@ -60,7 +60,7 @@ def run_chain(
     """
     if tensors[0].is_cuda:
         return _run_on_stream(chain, tensors, async_op)
-    # [Note: worker ordering] sync calls queue behind pending async ones of their kind.
+    # Sync calls queue behind pending async ones of their kind (see [Note: worker ordering]).
     future = _ordered_worker(info.group, info.topology, kind).submit(chain)
     handle = Handle(finish=future.result, ready=future.done)
     if async_op:

@@ -40,7 +40,7 @@ import abc
 import torch
 import torch.distributed as dist
 
-from ._api import Handle
+from ._contract import Handle
 
 # the first release whose FSDP2 sources were checked against the contract above
 MIN_TORCH = (2, 11)

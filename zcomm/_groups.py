@@ -2,7 +2,7 @@
 
 qgZ's and qwZ's two hops run on an intra-node group (the ranks of this rank's node) and an
 inter-node group (the ranks with this rank's local rank, one per node), one pair per
-:data:`~zcomm._api.Kind` of collective ([Note: kinds]): qwZ's gathers and qgZ's reductions
+:data:`~zcomm._contract.Kind` of collective ([Note: kinds]): qwZ's gathers and qgZ's reductions
 never share a group, so each kind keeps its own order and neither waits for the other;
 hpZ (the ZeRO runtime) gathers inside a block of consecutive ranks. zcomm creates these groups itself,
 so its traffic never interleaves with the caller's collectives on the caller's group.
@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
-from ._api import Kind
+from ._contract import Kind
 from .topology import Topology
 from ._torch_compat import creates_by_split, new_named_group, split_subgroups
 

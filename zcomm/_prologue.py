@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ._api import GroupInfo
+from ._contract import GroupInfo
 from .quant import SUPPORTED_DTYPES
 from .topology import Topology
 

@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from . import quant
-from ._api import GroupInfo, Handle
+from ._contract import GroupInfo, Handle
 from ._chain_runner import run_chain
 from ._groups import node_groups
 from ._pipeline import GATHER_STAGE_BYTES, check_stages, default_stages
@@ -181,7 +181,7 @@ def _chain(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:
 def _gather_whole(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:
     """Unpipelined: one payload through both hops, then one dequantize of all ``W`` rows in rank order."""
     num_nodes, local_size, numel = plan.topology.num_nodes, plan.topology.local_size, input.numel()
-    # [Note: qwZ buffer lifetime] ``wait()`` returns only after its hop has read ``gathered``
+    # ``wait()`` returns only after its hop has read ``gathered`` (see [Note: qwZ buffer lifetime])
     gathered = quant.quantize(input.reshape(-1), _BITS, plan.group_size)
     for hop in plan.hops:
         _, gathered, work = _start_gather(gathered, hop)

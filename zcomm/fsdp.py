@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._api import Handle
+from ._contract import Handle
 from ._fsdp_blocks import BlockLayout, aligned_layout, block_align
 from ._fsdp_compat import AllGather, FSDPModule, ReduceScatter, as_work, shard_numels, torch_problem
 from .all_gather_q8 import all_gather_q8

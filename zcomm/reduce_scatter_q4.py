@@ -83,7 +83,7 @@ import torch
 import torch.distributed as dist
 
 from . import quant
-from ._api import GroupInfo, Handle
+from ._contract import GroupInfo, Handle
 from ._chain_runner import run_chain
 from ._error_feedback import ErrorFeedback, reordered_input
 from ._hadamard import check_hadamard_block, rotate_back_, rotated_input

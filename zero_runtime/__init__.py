@@ -11,14 +11,17 @@ only the communication objects of the run's comm plan.
 ``GatheredParameters(params, modifier_rank=None)`` makes partitioned parameters full for a
 block (and writes a rank's edits back into every shard and fp32 master).
 
-Public modules: ``config`` (``ZeroConfig``, ``LossScaleConfig``), ``optimizer``
-(``ZeroOptimizer``), ``lr_schedules`` (DeepSpeed's warm-up schedules), ``estimate``
-(``python -m zero_runtime.estimate``) and ``export`` (``python -m zero_runtime.export``).
-Modules whose names start with an underscore are internal; ``_api`` holds the contracts
-between them.
+Public modules: ``config`` (``ZeroConfig``, ``LossScaleConfig``; the DeepSpeed JSON reader),
+``optimizer`` (``ZeroOptimizer``), ``lr_schedules`` (DeepSpeed's warm-up schedules),
+``estimate`` (``python -m zero_runtime.estimate``), ``activation_checkpointing`` and
+``tiled_linear``. Sub-packages by concern: ``offload`` (``cpu_adam``, ``swap_file``),
+``checkpoint`` (sharded checkpoints; ``export``, ``python -m zero_runtime.export``) and
+``comm`` (the comm plan). ``cpu_adam``, ``swap_file``, ``export`` and ``checkpointing`` stay
+importable at the top, re-exporting their new homes. Modules whose names start with an
+underscore are internal; ``_contract`` holds the contracts between them.
 """
 
-from ._checkpoint import CheckpointError
+from .checkpoint._sharded import CheckpointError
 from ._gathered import GatheredParameters
 from ._initialize import initialize
 from ._partitioned_init import Init

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from ._comm_plan import CommPlan
+from .comm._plan import CommPlan
 
 
 def global_grad_norm(grads: Sequence[torch.Tensor], plan: CommPlan) -> torch.Tensor:

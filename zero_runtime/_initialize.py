@@ -1,6 +1,6 @@
 """``initialize``: wrap a model and an optimizer into ZeRO stage 1, 2 or 3 (``zero_runtime.initialize``).
 
-It checks the model and the process group, builds the comm plan (``_comm_plan``), groups the
+It checks the model and the process group, builds the comm plan (``comm._plan``), groups the
 trainable parameters into flat units (``_partition``; per optimizer group, by size for
 stages 1-2 and stage 3's persistent parameters, by module for stage 3's partitioned ones),
 builds the torch optimizer over their fp32 master shards and hands everything to
@@ -19,8 +19,8 @@ from torch.utils._pytree import tree_map
 
 import zcomm
 
-from . import _optim_spec
-from ._comm_plan import CommPlan, build_comm_plan
+from .config import _optim_spec
+from .comm._plan import CommPlan, build_comm_plan
 from ._partition import FlatUnit, group_by_module, group_by_size, trainable_named_parameters
 from ._partitioned_init import is_partitioned, materialize, partitioned_parameters
 from .config import ZeroConfig, resolve_config

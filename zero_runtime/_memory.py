@@ -18,7 +18,7 @@ reports 0 offloaded). Transient buffers are not counted: stage-3 units
 gathered for their use or kept gathered until their next one (at most
 ``stage3_max_live_parameters`` elements beyond the units in use), and gradient buckets in
 flight (at most ``MAX_IN_FLIGHT`` buckets of at most ``reduce_bucket_size`` elements each, or
-one larger unit each; see [Note: gradient buffer lifetimes] in ``_grad_reduce``).
+one larger unit each; see [Note: gradient buffer lifetimes] in ``comm._grad_reduce``).
 """
 
 from __future__ import annotations

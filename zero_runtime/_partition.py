@@ -14,7 +14,7 @@ rank and re-assembles them after each optimizer step. It owns
   units]);
 * ``grad_shard`` this rank's reduced gradient, accumulated over micro-steps (empty in a
   frozen unit);
-* ``full_grad`` the flat gradient buffer the reduce-scatter reads, made by ``_grad_reduce``
+* ``full_grad`` the flat gradient buffer the reduce-scatter reads, made by ``comm._grad_reduce``
   (stage 1 keeps it, stages 2 and 3 allocate it for one backward).
 
 [Note: freeing stage-3 parameters] Freeing does two things. It resizes the storage of
@@ -61,7 +61,7 @@ class FlatUnit:
                  world_size: int, rank: int, dtype: torch.dtype, partition_params: bool, position: int,
                  frozen: bool = False, align: int = 1) -> None:
         """``position``: where the unit's first parameter comes in the model's parameter
-        order; its gradients are final about when that parameter's are (see ``_grad_reduce``).
+        order; its gradients are final about when that parameter's are (see ``comm._grad_reduce``).
         ``align``: the alignment wanted, granted when cheap (``aligned_layout``; see
         [Note: parameter-aligned blocks] in ``_flat_buffer``)."""
         assert params and len(names) == len(params)

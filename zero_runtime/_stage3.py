@@ -20,7 +20,7 @@ use and the live elements stay within ``stage3_max_live_parameters``. It never w
 the end of the step: the next step's weights do not exist yet. The prefetches are issued
 *before* waiting for the current unit's own gather, so the next units' gathers, qwZ's
 quantization included, are queued while unit i's bytes are on the wire (ZeRO++ section
-4.1.1; see [Note: quantize early] in ``_quantized_comm``). Prefetching and residency only
+4.1.1; see [Note: quantize early] in ``comm._quantized``). Prefetching and residency only
 change *when* a unit is gathered, never its inputs, so results are identical with them on
 or off (see the next Note). Every rank records the same trace (same model, same control
 flow), so the collectives stay matched across ranks.
@@ -58,9 +58,9 @@ from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
-from ._api import Phase
-from ._comm_plan import CommPlan
-from ._param_offload import ParamOffload
+from ._contract import Phase
+from .comm._plan import CommPlan
+from .offload._params import ParamOffload
 from ._partition import FlatUnit, GatherState
 
 
@@ -106,7 +106,7 @@ class ParamScheduler:
     def __init__(self, *, units: Sequence[FlatUnit], plan: CommPlan, prefetch_numel: int, max_live: int,
                  max_reuse_distance: int, offload: ParamOffload | None = None) -> None:
         """``offload``: where the shards live between uses (``offload_param``; see [Note:
-        shard residency] in ``_param_offload``), None when they stay on the device."""
+        shard residency] in ``offload._params``), None when they stay on the device."""
         assert all(unit.partitioned for unit in units)
         self.units = list(units)
         self.plan = plan
@@ -247,7 +247,7 @@ class ParamScheduler:
 
     def _read_ahead(self) -> None:
         """Start the shard reads of the units past the prefetch front (see [Note: parameter
-        swap buffers] in ``_param_offload``), so they overlap compute rather than delay gathers."""
+        swap buffers] in ``offload._params``), so they overlap compute rather than delay gathers."""
         if self.offload is None:
             return
         uses = self.trace.uses

@@ -1,6 +1,6 @@
 """``TrainingState``: what a run has learned, apart from how it computes and communicates.
 
-Checkpointing (``_checkpoint``) saves and restores it and memory reporting (``_memory``)
+Checkpointing (``checkpoint._sharded``) saves and restores it and memory reporting (``_memory``)
 measures it; neither sees ``ZeroOptimizer``, its hooks or its schedulers. ``ZeroOptimizer``
 owns one and updates its counters; the comm plan, the gradient reducer and the stage-3
 scheduler act on the same units but are not part of it.
@@ -17,8 +17,8 @@ from ._loss_scaler import LossScaler
 from ._partition import FlatUnit
 
 if TYPE_CHECKING:
-    from ._offload import OptimizerOffload
-    from ._param_offload import ParamOffload
+    from .offload._optimizer import OptimizerOffload
+    from .offload._params import ParamOffload
 
 
 @dataclass(eq=False, kw_only=True)
@@ -42,8 +42,8 @@ class TrainingState:
     global_step: int = 0
     skipped_steps: int = 0
     # offload_optimizer: the masters and the optimizer state live there, not in ``units``'
-    # masters (emptied) and ``optimizer.state`` (unused); see ``_offload``.
+    # masters (emptied) and ``optimizer.state`` (unused); see ``offload._optimizer``.
     offload: "OptimizerOffload | None" = None
     # offload_param (stage 3): the partitioned units' shards live there between uses; read
-    # them inside ``_param_offload.resident`` (see [Note: shard residency]).
+    # them inside ``offload._params.resident`` (see [Note: shard residency]).
     param_offload: "ParamOffload | None" = None

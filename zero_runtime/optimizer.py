@@ -16,19 +16,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _checkpoint, _gathered, _host_sync
-from ._api import Phase
+from . import _gathered, _host_sync
+from .checkpoint import _sharded
+from ._contract import Phase
 from ._clip import clip_by_norm_, global_grad_norm
-from ._comm_plan import CommPlan
-from ._grad_reduce import GradReducer
+from .comm._plan import CommPlan
+from .comm._grad_reduce import GradReducer
 from ._loss_scaler import LossScaler, make_scaler
 from ._memory import MemoryReport, measure
-from ._offload import OptimizerOffload
-from ._param_offload import ParamOffload, resident
+from .offload._optimizer import OptimizerOffload
+from .offload._params import ParamOffload, resident
 from ._param_hooks import ModuleHooks
 from ._partition import FlatUnit
 from ._stage3 import ParamScheduler
-from .checkpointing import Checkpointer
+from .activation_checkpointing import Checkpointer
 from ._state import TrainingState
 from .config import ZeroConfig
 
@@ -84,7 +85,7 @@ class ZeroOptimizer:
 
     def _shards_final(self, units: tuple[FlatUnit, ...]) -> None:
         """A bucket's gradient shards are complete: during an overlapped step (see [Note: step
-        during backward] in ``_offload``) its units are updated now."""
+        during backward] in ``offload._optimizer``) its units are updated now."""
         if self.offload.in_step:
             self.offload.add(list(units), [self._unscaled(unit) for unit in units])
 
@@ -201,7 +202,7 @@ class ZeroOptimizer:
     def _apply(self, grads: list[torch.Tensor] | None) -> list[str]:
         """The optimizer step on the master shards (offloaded or not), then the schedule's.
         ``grads`` None: finish the step the backward started (see [Note: step during
-        backward] in ``_offload``); returns the hyper-parameters changed since it began."""
+        backward] in ``offload._optimizer``); returns the hyper-parameters changed since it began."""
         changed = []
         if grads is None:
             changed = self.offload.end_step()
@@ -268,7 +269,7 @@ class ZeroOptimizer:
         ahead of the gathers that read the shards. The host writes ``compute_copy`` again
         only in the next update of that unit, which first waits for the event recorded behind
         the unit's gradient copy on the same stream (see [Note: gradient copies to the host]
-        in ``_offload``), queued after every copy here, so these have finished by then;
+        in ``offload._optimizer``), queued after every copy here, so these have finished by then;
         ``set_master`` copies its value to the host synchronously first, and
         ``load_state_dict`` synchronizes the device before it writes ``compute_copy`` from a
         checkpoint.
@@ -310,32 +311,32 @@ class ZeroOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the training state (masters, optimizer, scaler, counters)."""
         self._require_boundary()
-        return _checkpoint.rank_state(self.training_state, self.plan)
+        return _sharded.rank_state(self.training_state, self.plan)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what ``state_dict`` returned on this rank; validated before anything changes."""
         self._require_unpinned()
-        saved = _checkpoint.validate_rank_state(self.training_state, self.plan, state)
-        _checkpoint.apply_rank_state(self.training_state, self.plan, saved)
+        saved = _sharded.validate_rank_state(self.training_state, self.plan, state)
+        _sharded.apply_rank_state(self.training_state, self.plan, saved)
         self._after_load()
 
     def save_checkpoint(self, directory: str | os.PathLike) -> None:
-        """Collective: every rank writes its shard under ``directory`` (see ``_checkpoint``)."""
+        """Collective: every rank writes its shard under ``directory`` (see ``checkpoint._sharded``)."""
         self._require_boundary()
         with self._state_dict_guard.suspended():
-            _checkpoint.save(self.training_state, self.plan, directory, self.model)
+            _sharded.save(self.training_state, self.plan, directory, self.model)
 
     def load_checkpoint(self, directory: str | os.PathLike) -> None:
         """Collective: load what ``save_checkpoint`` wrote, or raise ``CheckpointError`` on
         every rank with nothing changed."""
         self._require_unpinned()
-        _checkpoint.load(self.training_state, self.plan, directory)
+        _sharded.load(self.training_state, self.plan, directory)
         self._after_load()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Consolidated fp32 weights under the model's state-dict keys, on rank 0 ({} elsewhere)."""
         with self._state_dict_guard.suspended():
-            return _checkpoint.full_state_dict(self.training_state, self.plan, self.model)
+            return _sharded.full_state_dict(self.training_state, self.plan, self.model)
 
     def close(self) -> None:
         """Release what outlives the process otherwise: the NVMe swap files (also removed at

@@ -40,7 +40,8 @@ def wire_ratios(rows: Sequence[Row], *, num_nodes: int, local_size: int, itemsiz
         if row.wire_bytes is None or num_nodes < 2:
             continue
         ring = ring_internode_bytes(row.size_bytes // itemsize * BF16_BYTES, num_nodes, local_size)
-        lines.append(f"{row.op:>28} {row.size_bytes:>10} B: wire {row.wire_bytes:14.0f} B = {row.wire_bytes / ring:5.3f}x the bf16 ring ({ring:.0f} B)")
+        lines.append(f"{row.op:>28} {row.size_bytes:>10} B: wire {row.wire_bytes:14.0f} B = "
+                     f"{row.wire_bytes / ring:5.3f}x the bf16 ring ({ring:.0f} B)")
     return lines
 
 

@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     text = report.render(
         title=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.node()}, {gpus} x {gpu_name}",
         results=results, environment=env, gpus=gpus, seconds=time.monotonic() - started,
-        budget_s=stages.TOTAL_BUDGET_S, command=" ".join([Path(sys.executable).name, "-m", "bench.gpu_check", *(sys.argv[1:] if argv is None else argv)]),
+        budget_s=stages.TOTAL_BUDGET_S,
+        command=" ".join([Path(sys.executable).name, "-m", "bench.gpu_check", *(sys.argv[1:] if argv is None else argv)]),
         notes=_cleared_notes(),
     )  # fmt: skip
     (out_dir / "report.md").write_text(text)

@@ -34,7 +34,9 @@ def _command(argv: list[str]) -> str:
     if shutil.which(argv[0]) is None:
         return f"{argv[0]} not found"
     done = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
-    return (done.stdout.strip() or done.stderr.strip()).splitlines()[-1] if done.returncode == 0 else f"{argv[0]} failed: {done.stderr.strip()}"
+    if done.returncode != 0:
+        return f"{argv[0]} failed: {done.stderr.strip()}"
+    return (done.stdout.strip() or done.stderr.strip()).splitlines()[-1]
 
 
 def _version(package: str) -> str:

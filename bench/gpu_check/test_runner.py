@@ -12,9 +12,10 @@ outcome and the crashed one deselected, until the file finishes or ``MAX_RUNS`` 
 made. Nothing here needs pytest-xdist, which a GPU machine may lack.
 
 Outputs in ``DIR``: ``<file>.log`` (all runs of a file, in order), the JUnit XML of every
-run (the tests' temporary files go to a scratch folder removed at the end), and ``cuda-tests.xml``, their merge plus one ``crashes`` suite holding a failing
-test case per crash, which the stage's verification and the report count. Exit status 0
-when every test passed, 1 otherwise.
+run (the tests' temporary files go to a scratch folder removed at the end), and
+``cuda-tests.xml``, their merge plus one ``crashes`` suite holding a failing test case per
+crash, which the stage's verification and the report count. Exit status 0 when every test
+passed, 1 otherwise.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ catches a CPU path that is wrong in the same way as the device path. Cases:
 (1 and 4 stages, INT4 and INT8 first hop, with and without the Hadamard rotation), bf16
 and fp32, sync and async; then 3 steps of zero_runtime's ZeRO++ (stage 3 with qwZ + hpZ over
 pairs of ranks + qgZ) on a small GPT on ``--device`` and on the CPU, whose global-batch
-losses must agree within ``ZEROPP_RTOL`` (see ``tests/runtime/test_zero_cuda.py``'s
-[Note: CPU/CUDA bounds] for why 1e-3).
+losses must agree within ``ZEROPP_RTOL`` (for why 1e-3, see [Note: CPU/CUDA bounds] in
+``tests/runtime/test_zero_cuda.py``).
 
 With ``--device cpu`` both sides are CPU tensors: the same launcher, ranks and checks, so a
 CPU machine proves the wiring (the CUDA variant differs only by the device). Exit status
@@ -216,7 +216,8 @@ def _runtime_check(device: torch.device, cpu_backend: str | None) -> dict:
             on_cpu = _train(torch.device("cpu"), topology)
         worst = max(abs(a - b) / abs(b) for a, b in zip(on_device, on_cpu))
         ok = worst <= ZEROPP_RTOL and all(map(math.isfinite, on_device))
-        detail = f"losses {['%.5f' % v for v in on_device]} vs CPU {['%.5f' % v for v in on_cpu]}; max rel. diff {worst:.2e} (bound {ZEROPP_RTOL})"
+        detail = (f"losses {['%.5f' % v for v in on_device]} vs CPU {['%.5f' % v for v in on_cpu]}; "
+                  f"max rel. diff {worst:.2e} (bound {ZEROPP_RTOL})")
     except Exception:
         ok, detail = False, traceback.format_exc(limit=4).strip().splitlines()[-1]
     return {"check": name, "ok": ok, "detail": detail}

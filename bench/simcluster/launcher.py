@@ -34,7 +34,8 @@ class _Stopped(Exception):
 def missing_prerequisite() -> str | None:
     """Why this machine cannot host a simulated cluster, or None if it can."""
     if os.geteuid() != 0:
-        return "bench.simcluster needs root (it creates network namespaces and tc qdiscs); run the suites under mpirun or torchrun on loopback instead"
+        return ("bench.simcluster needs root (it creates network namespaces and tc qdiscs); run the suites under "
+                "mpirun or torchrun on loopback instead")
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         return f"bench.simcluster needs iproute2 ({' and '.join(missing)} not found); install it, e.g. apt-get install -y iproute2"

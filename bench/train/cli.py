@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     listing = ", ".join(f"{c.name} ({c.summary})" for c in CONFIGS.values())
     choose.add_argument("--configs", nargs="+", metavar="NAME", help=f"default: {' '.join(DEFAULT_CONFIGS)}. {listing}")
     choose.add_argument(
-        "--impl", nargs="+", choices=("zero", "fsdp2", "deepspeed"), help="issue 5's spelling of --configs"
+        "--impl", nargs="+", choices=("zero", "fsdp2", "deepspeed"), help="the older spelling of --configs"
     )
     choose.add_argument("--stage", nargs="+", type=int, default=[3], help="ZeRO stages for --impl zero")
     choose.add_argument("--model", nargs="+", choices=MODELS, default=["tinygpt"])

@@ -12,9 +12,8 @@ node so backward gathers stay inside a node) and ``zero_quantized_gradients`` (q
 quantization scale per communicated tensor instead of per block, through the zcomm key
 ``zcomm_quant_group_size`` (``TENSOR_SCALE``), which DeepSpeed does not have.
 ``zeropp-g128`` is ZeRO++ with 128 elements per scale for both quantized collectives (zcomm's
-defaults are 256 for both since issue 13; 2048 for INT8 and 512 for INT4 before).
-Issue 13's ablation: ``*-packed`` packs parameters without gaps (``zcomm_align_quant_blocks``
-false, the layout before issue 13, where a quantization block may straddle two parameters);
+defaults are 256 for both). The alignment ablation: ``*-packed`` packs parameters without
+gaps (``zcomm_align_quant_blocks`` false, where a quantization block may straddle two parameters);
 ``*-gN`` sets N elements per scale for the quantized collective(s) the row turns on;
 ``*-loco`` turns on LoCo error feedback for qgZ (DeepSpeed's ``zeropp_loco_param`` with its
 defaults, :data:`LOCO_PARAM`); ``*-int8hop`` sends qgZ's intra-node hop in INT8
@@ -159,7 +158,7 @@ CONFIGS: dict[str, TrainConfig] = _configs(
     ),
     *(
         TrainConfig(name=f"{name}-packed", engine="zero", quantized_weights=qwz, hpz=hpz, quantized_gradients=qgz,
-                    align_quant_blocks=False, summary=f"{name} with parameters packed without gaps (before issue 13)")
+                    align_quant_blocks=False, summary=f"{name} with parameters packed without gaps")
         for name, qwz, hpz, qgz in (("zeropp", True, True, True), ("zero3+qwz", True, False, False),
                                     ("zero3+qgz", False, False, True))
     ),
@@ -217,7 +216,7 @@ def select_configs(names: list[str]) -> list[TrainConfig]:
 
 
 def configs_from_impl(impls: list[str], stages: list[int]) -> list[str]:
-    """Issue 5's spelling: ``--impl zero fsdp2 --stage 1 2 3`` is zero1, zero2, zero3, fsdp2."""
+    """The older spelling: ``--impl zero fsdp2 --stage 1 2 3`` is zero1, zero2, zero3, fsdp2."""
     names: list[str] = []
     for impl in impls:
         if impl == "zero":

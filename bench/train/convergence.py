@@ -1,4 +1,4 @@
-"""Convergence report over several ``python -m bench.train --json`` runs (issue 13).
+"""Convergence report over several ``python -m bench.train --json`` runs.
 
 Reads the JSON of any number of runs (one per seed, or per batch of configurations), and
 writes into ``--out-dir``:

@@ -67,7 +67,7 @@ def _guarded(action: str, call: Callable[[], T]) -> T:
     with _quiet():
         try:
             return call()
-        except Exception as error:  # noqa: BLE001: whatever DeepSpeed raises is reported in its row
+        except Exception as error:  # noqa: BLE001 - whatever DeepSpeed raises is reported in its row
             raise EngineFailed(describe_failure(action, error)) from error
 
 

@@ -48,7 +48,8 @@ def _two_hop(slices, local_size, chunks):
     for start in range(0, len(slices), local_size):
         pieces = []
         for part in range(chunks):
-            rows = torch.stack([quantize(s.chunk(chunks)[part].contiguous(), 4, GS, backend=REF) for s in slices[start : start + local_size]])
+            rows = torch.stack([quantize(s.chunk(chunks)[part].contiguous(), 4, GS, backend=REF)
+                                for s in slices[start : start + local_size]])
             pieces.append(dequant_reduce(rows, slices[0].numel() // chunks, 4, GS, backend=REF))
         node_payloads.append(quantize(torch.cat(pieces), 4, GS, backend=REF))
     return dequant_reduce(torch.stack(node_payloads), slices[0].numel(), 4, GS, dtype=slices[0].dtype, backend=REF)

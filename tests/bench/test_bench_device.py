@@ -94,7 +94,8 @@ def test_a_cpu_case_checks_its_output_against_the_oracle():
     assert case.check() == 0
 
 
-@pytest.mark.parametrize(("device", "clock"), [("cuda", timing.CudaEventClock), ("cuda:3", timing.CudaEventClock), ("cpu", timing.HostClock)])
+@pytest.mark.parametrize(("device", "clock"),
+                         [("cuda", timing.CudaEventClock), ("cuda:3", timing.CudaEventClock), ("cpu", timing.HostClock)])
 def test_timing_uses_cuda_events_on_a_gpu_and_the_host_clock_on_the_cpu(device, clock):
     chosen = timing.clock_for(torch.device(device))  # creates no CUDA event: works on a CPU-only build
     assert type(chosen) is clock

@@ -6,7 +6,8 @@ from bench.harness.dist_env import detect
 
 
 def test_torchrun_style_variables_win():
-    env = detect({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "x", "PMI_RANK": "0", "PMI_SIZE": "4"})
+    env = detect({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "x",
+                  "PMI_RANK": "0", "PMI_SIZE": "4"})
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.launcher) == (3, 4, 1, 2, "env")
     assert env.num_nodes == 2
 

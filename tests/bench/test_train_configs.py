@@ -93,7 +93,7 @@ def test_invalid_configurations_are_rejected() -> None:
         LoopSettings(steps=3, warmup=3)
 
 
-def test_cli_selects_issue5_and_issue6_spellings() -> None:
+def test_cli_selects_both_spellings_of_the_configs() -> None:
     parser = build_parser()
     names = lambda argv: [c.name for c in chosen_configs(parser.parse_args(argv))]  # noqa: E731
     assert names(["--impl", "zero", "fsdp2", "--stage", "1", "2", "3"]) == ["zero1", "zero2", "zero3", "fsdp2"]

@@ -78,7 +78,7 @@ def test_hpz_blocks_and_node_groups_on_the_fake_backend(fake_world):
     for kind_hops in hops.values():
         assert dist.get_process_group_ranks(kind_hops.intra) == [0, 1]
         assert dist.get_process_group_ranks(kind_hops.inter) == [1, 3]
-    # [Note: kinds] gathers and reductions never share a group
+    # gathers and reductions never share a group (see [Note: kinds])
     assert hops["gather"].intra is not hops["reduce"].intra and hops["gather"].inter is not hops["reduce"].inter
     assert node_groups(dist.group.WORLD, fake_world, "reduce") == hops["reduce"]
     with FakeTensorMode(), _DeviceAudit() as audit:

@@ -1,4 +1,4 @@
-"""Parameter-aligned quantization blocks (issue 13; [Note: parameter-aligned blocks]).
+"""Parameter-aligned quantization blocks (see [Note: parameter-aligned blocks]).
 
 Single process, no process group: the flat layout is checked against the group frames the
 quantized collectives use (groups of ``G`` from the start of each shard, shards end to end
@@ -57,7 +57,7 @@ def test_aligned_blocks_never_mix_parameters(world, group_sizes):
 
 
 def test_packed_layout_mixes_parameters():
-    """The check above can fail: the packed layout (before issue 13) does mix."""
+    """The check above can fail: the packed layout (``align_quant_blocks=False``) does mix."""
     assert _mixed_groups(FlatLayout(SHAPES, world_size=4), 512) > 0
 
 

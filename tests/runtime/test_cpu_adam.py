@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from zero_runtime.cpu_adam import _BLOCK, SQRT_MATCHES_TORCH, AdamHyper, adam_step
+from zero_runtime.offload.cpu_adam import _BLOCK, SQRT_MATCHES_TORCH, AdamHyper, adam_step
 
 
 def _run_both(numel: int, cls, *, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, steps=6,
@@ -29,7 +29,7 @@ def _run_both(numel: int, cls, *, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_
 
 
 def test_torch_sqrt_is_reproduced():
-    # [Note: torch's CPU sqrt]: without it no bit-identity below can hold.
+    # See [Note: torch's CPU sqrt]: without it no bit-identity below can hold.
     assert SQRT_MATCHES_TORCH
 
 

@@ -40,7 +40,7 @@ DOCS_FULL = {
                           "reduce_bucket_size": 1e7, "allgather_partitions": True, "allgather_bucket_size": 5e8,
                           "reduce_scatter": True, "stage3_gather_16bit_weights_on_model_save": True},
 }
-ISSUE_EXAMPLE = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8,
+DEEPSPEED_EXAMPLE = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8,
                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
                  "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
                  "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True},
@@ -68,8 +68,8 @@ def test_documented_configs_parse_and_name_the_ignored_hints():
     assert "overlap_comm" not in messages[0]  # it has a meaning here
     legacy, messages = _parse(DOCS_GETTING_STARTED)
     assert (legacy.stage, legacy.precision, legacy.train_batch_size) == (1, "fp16", 8) and messages == []
-    issue, messages = _parse(ISSUE_EXAMPLE)
-    assert (issue.stage, issue.precision) == (3, "bf16") and "zero_optimization.contiguous_gradients" in messages[0]
+    parsed, messages = _parse(DEEPSPEED_EXAMPLE)
+    assert (parsed.stage, parsed.precision) == (3, "bf16") and "zero_optimization.contiguous_gradients" in messages[0]
 
 
 @pytest.mark.parametrize("batch, micro, accum, world, expected", [
@@ -161,7 +161,7 @@ def test_keys_of_other_features_are_parsed_not_ignored():
 
 
 def test_optimizer_types_build_deepspeeds_classes_and_defaults():
-    from zero_runtime._optim_spec import build_optimizer
+    from zero_runtime.config._optim_spec import build_optimizer
 
     params = [torch.nn.Parameter(torch.zeros(3))]
     adam = build_optimizer({"type": "Adam", "params": {"lr": 0.1}}, params)

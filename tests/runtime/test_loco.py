@@ -1,4 +1,4 @@
-"""LoCo error feedback in the runtime (``zero_optimization.zeropp_loco_param``, issue 13).
+"""LoCo error feedback in the runtime (``zero_optimization.zeropp_loco_param``).
 
 Config parsing is single-process. On 4 gloo ranks as 2 nodes x 2 (one spawn for every case):
 

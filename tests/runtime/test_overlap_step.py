@@ -116,7 +116,7 @@ def test_gradient_copies_are_waited_for_once_before_their_units_update(tmp_path,
     copy event is synchronized exactly once, before its first update; with ``device: cpu``
     no update happens in the add that brought its unit (with NVMe, only the read-ahead's
     sub-groups wait; see [Note: gradient copies to the host])."""
-    from zero_runtime import _offload
+    from zero_runtime.offload import _optimizer as _offload
 
     log = []
 

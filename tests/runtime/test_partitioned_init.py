@@ -1,4 +1,4 @@
-"""``zero_runtime.Init`` (issue 15, deliverable 1): models built partitioned on 4 gloo ranks.
+"""``zero_runtime.Init``: models built partitioned on 4 gloo ranks.
 
 Oracle: the same model built plainly with the same seed on each rank. Weights after
 ``initialize`` (``full_state_dict()``, every key) and the losses of training steps must be

@@ -1,4 +1,4 @@
-"""Checkpoints that move (issue 15, deliverable 3): an HF GPT-2 trained at stage 3 on 4 gloo
+"""Checkpoints that move: an HF GPT-2 trained at stage 3 on 4 gloo
 ranks and saved, loaded at stage 2 on 2 ranks and at stage 1 on 1 rank (other buckets, other
 padding). Oracles: the per-parameter fp32 masters and Adam states that the saving ranks held,
 assembled here from their shards and slot offsets (not by the runtime's consolidation); and the

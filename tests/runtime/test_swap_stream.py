@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zero_runtime._swap_stream import SwapStream
+from zero_runtime.offload._swap_stream import SwapStream
 
 
 class _Log:

@@ -1,4 +1,4 @@
-"""The plan of ``zero_runtime`` itself: its public surface, its import graph, its notes.
+"""The plan of ``zero_runtime`` itself: its sub-packages, public surface and import graph.
 
 Read from the source with ``ast`` (nothing is imported but ``zcomm``, for its public names),
 so a ``TYPE_CHECKING`` import or one inside a function counts like any other: such an
@@ -8,7 +8,6 @@ import hides a cycle in the design even when it cannot fail at run time.
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
 
 import zcomm
@@ -16,33 +15,62 @@ import zcomm.quant
 import zcomm.quant.cpu_kernels
 
 PACKAGE = Path(__file__).resolve().parents[2] / "zero_runtime"
-PUBLIC_MODULES = {"__init__", "config", "optimizer", "estimate", "lr_schedules", "export", "checkpointing", "cpu_adam",
-                  "swap_file", "tiled_linear"}
+# Public modules, by dotted name under zero_runtime ("__init__" is the package itself).
+PUBLIC_MODULES = {"__init__", "config", "optimizer", "estimate", "lr_schedules", "activation_checkpointing",
+                  "tiled_linear", "offload", "offload.cpu_adam", "offload.swap_file", "checkpoint", "checkpoint.export",
+                  "comm", "checkpointing", "cpu_adam", "swap_file", "export"}
+# The public paths kept where the modules used to be: each only re-exports its new home.
+COMPAT_PATHS = {"checkpointing": "activation_checkpointing", "cpu_adam": "offload.cpu_adam",
+                "swap_file": "offload.swap_file", "export": "checkpoint.export"}
+# The sub-packages named for a concern; their __init__ imports nothing (see test below).
+CONCERNS = ("offload", "checkpoint", "comm")
 # Public modules of zcomm the runtime may import names from, with the names they export.
 ZCOMM_API = {"zcomm": set(zcomm.__all__), "zcomm.quant": set(zcomm.quant.__all__),
              "zcomm.quant.cpu_kernels": set(zcomm.quant.cpu_kernels.__all__)}
-NOTE = re.compile(r"\[Note: ([^\]]+)\]")
+
+
+def _name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts.pop()
+    return ".".join(parts)
 
 
 def _modules() -> dict[str, ast.Module]:
-    return {path.stem: ast.parse(path.read_text(), filename=str(path)) for path in sorted(PACKAGE.glob("*.py"))}
+    return {_name(path): ast.parse(path.read_text(), filename=str(path)) for path in sorted(PACKAGE.rglob("*.py"))}
 
 
-def _runtime_imports(name: str, tree: ast.Module) -> set[str]:
+def _package_parts(name: str) -> list[str]:
+    """The package a module's relative imports start from."""
+    if name == "__init__":
+        return []
+    is_package = (PACKAGE / name.replace(".", "/") / "__init__.py").exists()
+    return name.split(".") if is_package else name.split(".")[:-1]
+
+
+def _runtime_imports(name: str, tree: ast.Module, known: set[str]) -> set[str]:
     """The runtime modules ``name`` imports, wherever the import statement is."""
     found = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            if node.level == 1 and node.module is None:  # from . import _x
-                found.update(alias.name for alias in node.names)
-            elif node.level == 1:
-                found.add(node.module.split(".")[0])
-            elif node.module and node.module.split(".")[0] == "zero_runtime":
-                assert False, f"{name}: absolute import of its own package ({node.module}); use a relative one"
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = _package_parts(name)
+            anchor = base[: len(base) - node.level + 1]
+            target = ".".join(anchor + ([node.module] if node.module else []))
+            for alias in node.names:
+                candidate = f"{target}.{alias.name}" if target else alias.name
+                found.add(candidate if candidate in known else (target or "__init__"))
+        elif isinstance(node, ast.ImportFrom):
+            assert not (node.module and node.module.split(".")[0] == "zero_runtime"), \
+                f"{name}: absolute import of its own package ({node.module}); use a relative one"
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 assert alias.name.split(".")[0] != "zero_runtime", f"{name} imports {alias.name}"
     return found - {name}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _runtime_imports(name, tree, set(modules)) for name, tree in modules.items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -73,20 +101,42 @@ def test_cycle_finder_finds_cycles():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
 
 
+def test_import_resolution_finds_sub_packages():
+    graph = _graph()
+    assert "offload._params" in graph["optimizer"] and "comm._plan" in graph["checkpoint._sharded"]
+    assert graph["offload._optimizer"] >= {"offload._params", "offload.swap_file", "config", "_partition"}
+
+
 def test_no_import_cycles_even_for_type_checking():
-    modules = _modules()
-    graph = {name: _runtime_imports(name, tree) for name, tree in modules.items()}
-    assert all(target in modules for targets in graph.values() for target in targets), graph
+    """A package's ``__init__`` runs before any of its modules: an edge into ``config`` is an
+    edge into ``config/__init__.py`` and counts like any other."""
+    graph = _graph()
+    assert all(target in graph for targets in graph.values() for target in targets), graph
     assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph))}"
 
 
 def test_contracts_import_no_implementation():
-    assert _runtime_imports("_api", _modules()["_api"]) == set()
+    assert _graph()["_contract"] == set()
 
 
 def test_only_the_documented_modules_are_public():
-    names = set(_modules())
-    assert {name for name in names if not name.startswith("_")} | {"__init__"} == PUBLIC_MODULES
+    public = {name for name in _modules() if not any(part.startswith("_") for part in name.split("."))}
+    assert public | {"__init__"} == PUBLIC_MODULES
+
+
+def test_concern_packages_import_nothing():
+    """So that reading one module of a sub-package (the configuration reads ``offload._config``)
+    never loads the rest of it."""
+    modules = _modules()
+    for package in CONCERNS:
+        body = modules[package].body
+        assert len(body) == 1 and isinstance(body[0], ast.Expr), f"{package}/__init__.py is more than a docstring"
+
+
+def test_compat_paths_only_re_export_their_new_home():
+    graph = _graph()
+    for old, new in COMPAT_PATHS.items():
+        assert graph[old] == {new}, (old, graph[old])
 
 
 def test_init_only_re_exports():
@@ -119,21 +169,22 @@ def test_zcomm_is_used_through_its_public_names_only():
     assert misuses == []
 
 
-def test_note_names_are_unique_and_references_resolve():
-    """A reference says "see [Note: name]"; any other [Note: name] is the note itself, and
-    opens its line (of a docstring or a comment)."""
-    defined: dict[str, str] = {}
-    referenced: set[tuple[str, str]] = set()
-    for path in sorted(PACKAGE.glob("*.py")):
-        text = path.read_text()
-        for match in NOTE.finditer(text):
-            note, before = " ".join(match.group(1).split()), text[:match.start()]
-            if before.rstrip().lower().endswith("see"):
-                referenced.add((note, path.name))
-                continue
-            assert before[before.rfind("\n") + 1:].strip(" #") == "", f"{path.name}: [Note: {note}] is mid-line"
-            assert note not in defined, f"[Note: {note}] is defined in {defined[note]} and {path.name}"
-            defined[note] = path.name
-    assert len(defined) > 10, "too few notes found: the pattern is broken"
-    dangling = sorted(f"{where}: [Note: {note}]" for note, where in referenced if note not in defined)
-    assert dangling == []
+def test_every_config_field_has_its_docstring():
+    """``ZeroConfig`` documents each field right below it (a string after the annotation)."""
+    tree = _modules()["config._zero_config"]
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ZeroConfig")
+    body = cls.body
+    fields = [i for i, node in enumerate(body) if isinstance(node, ast.AnnAssign)]
+    assert len(fields) > 25
+    bare = [body[i].target.id for i in fields
+            if not (i + 1 < len(body) and isinstance(body[i + 1], ast.Expr) and isinstance(body[i + 1].value, ast.Constant)
+                    and isinstance(body[i + 1].value.value, str))]
+    assert bare == []
+
+
+def test_the_config_reader_does_not_build_configs():
+    """The DeepSpeed JSON reader maps keys and refuses what DeepSpeed would not run; the typed
+    config imports it, never the other way."""
+    graph = _graph()
+    assert "config._zero_config" not in graph["config._deepspeed_json"]
+    assert "config._deepspeed_json" in graph["config._zero_config"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from zero_harness import run
-from zero_runtime._grad_reduce import MAX_IN_FLIGHT
+from zero_runtime.comm._grad_reduce import MAX_IN_FLIGHT
 from zero_workloads import global_batch, local_slice, loss_of, make_model, make_optimizer, zero_steps
 
 CHECKPOINTED = {  # name -> (model, config); resumed in fresh processes

@@ -211,7 +211,7 @@ def _numerics(rank: int) -> dict:
 
 def _group_size_bytes(rank: int) -> dict:
     """zcomm_quant_group_size reaches the collectives: bytes of one step per group size."""
-    from zero_runtime._api import Phase
+    from zero_runtime._contract import Phase
 
     out = {}
     for size in (64, "tensor"):

@@ -185,7 +185,7 @@ def offload_cpu(overlap: bool = False) -> dict[str, Any]:
     tensors' data, which fake tensors do not have, so a stand-in with its signature records
     the devices it is given and writes ``out`` (``test_offload`` checks the kernel's numbers).
     ``overlap``: with ``zcomm_overlap_step``, the copies and updates happen during backward."""
-    from zero_runtime import _offload
+    from zero_runtime.offload import _optimizer as _offload
 
     calls = []
 

@@ -37,11 +37,12 @@ from typing import Any
 
 import torch
 
-from . import _host_sync, _reshard
-from ._checkpoint_error import CheckpointError
-from ._comm_plan import CommPlan
-from ._param_offload import resident
-from ._state import TrainingState
+from .. import _host_sync
+from . import _reshard
+from ._error import CheckpointError
+from ..comm._plan import CommPlan
+from ..offload._params import resident
+from .._state import TrainingState
 
 FORMAT = "zero_runtime.sharded/1"
 META = "meta.json"
@@ -115,8 +116,8 @@ def validate_rank_state(state: TrainingState, plan: CommPlan, saved: Any) -> dic
 
 def apply_rank_state(state: TrainingState, plan: CommPlan, saved: dict[str, Any]) -> None:
     """Load a validated ``saved`` into ``state``: masters, optimizer (offloaded or not),
-    scaler, counters and the reduce-scatter's state (LoCo's error buffers; absent from
-    checkpoints written before issue 13). The caller then writes the masters into the parameters."""
+    scaler, counters and the reduce-scatter's state (LoCo's error buffers; checkpoints of a
+    runtime without LoCo have none). The caller then writes the masters into the parameters."""
     plan.reduce_scatter.load_state_dict(saved.get("reduce_scatter", {}))
     if state.offload is not None:
         state.offload.load_state_dict(saved["masters"], saved["optimizer"])

@@ -18,7 +18,7 @@ the spec turns ``"tensor"`` into the concrete group size of each payload
 [Note: quantized scale handling] qgZ asks for ``op`` AVG: zcomm divides the fp32 sum of the
 last hop by the world size before the one rounding to the gradients' dtype, so averaging
 costs no extra pass and no extra bf16 rounding (the plain path divides after its SUM, see
-[Note: gloo and SUM] in ``_comm_plan``); it divides by the number of ranks, never the
+[Note: gloo and SUM] in ``comm._plan``); it divides by the number of ranks, never the
 number of nodes. Quantization scales are fp32 and travel inside each payload; with
 ``zcomm_quant_group_size: "tensor"`` a payload (one rank's shard for qwZ, one all-to-all row
 of a bucket for qgZ) has a single scale.
@@ -41,7 +41,7 @@ import torch.distributed as dist
 import zcomm
 from zcomm.quant import QuantSpec
 
-from ._api import AllGather, Handle, Phase, ReduceScatter
+from .._contract import AllGather, Handle, Phase, ReduceScatter
 
 
 class QuantizedAllGather(AllGather):

@@ -1,6 +1,6 @@
 """The runtime's communication contracts: the objects every parameter and gradient byte goes through.
 
-The runtime never calls a collective directly. It holds one ``CommPlan`` (``_comm_plan``)
+The runtime never calls a collective directly. It holds one ``CommPlan`` (``comm._plan``)
 with three objects that implement the contracts below, modelled on FSDP2's ``AllGather``
 and ``ReduceScatter`` (``torch/distributed/fsdp/_fully_shard/_fsdp_api.py``): ``allocate``
 makes the buffers the runtime hands an object per call, and calling the object starts the
@@ -15,8 +15,8 @@ is told which unit and phase a gather serves, so that it may keep per-unit state
   ``torch.distributed.reduce_scatter_tensor_coalesced``), so an implementation that can read
   them where they are (qgZ's reordering kernel) never builds the bucket.
 
-This module imports nothing of the runtime: the implementations (``_plain_comm``,
-``_quantized_comm``, ``_hpz_gather``) and their users (``_stage3``, ``_grad_reduce``,
+This module imports nothing of the runtime: the implementations (``comm._plain``,
+``comm._quantized``, ``comm._hpz_gather``) and their users (``_stage3``, ``comm._grad_reduce``,
 ``optimizer``) import it, never the other way.
 
 [Note: comm buffers] Buffers made per call go through the object's ``allocate``: the
@@ -98,7 +98,7 @@ class ReduceScatter(Comm, abc.ABC):
         """Start averaging each of ``inputs`` over the ranks into ``outputs[i]``, this rank's
         ``1 / world_size`` slice of ``inputs[i]``. After the handle's ``wait()`` the outputs
         hold the mean over the ranks (the gradient of the global-batch mean); how and in which
-        precision it divides is the implementation's (see [Note: gloo and SUM] in ``_comm_plan``).
+        precision it divides is the implementation's (see [Note: gloo and SUM] in ``comm._plan``).
         ``inputs`` stay alive and unmodified until then. ``bucket`` names the gradient bucket,
         stable across steps."""
 

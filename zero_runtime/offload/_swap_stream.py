@@ -2,7 +2,7 @@
 
 [Note: swap pipeline] Sub-groups are numbered in the order they are added (all at once in
 ``step()``, or unit by unit as gradients become final during backward; see [Note: step
-during backward] in ``_offload``). Sub-group ``j`` is read into buffer ``j % count``. Before
+during backward] in ``offload._optimizer``). Sub-group ``j`` is read into buffer ``j % count``. Before
 sub-group ``i`` is updated, the reads of ``i + 1 .. i + ahead`` are started, with
 ``ahead = count - 2``: together with ``i`` they fill ``count - 1`` buffers, and the last
 one holds the write of ``i - 1``, still in flight (``buffer_count`` is at least 3; fewer
@@ -16,10 +16,10 @@ been added): during backward the last ``ahead`` sub-groups wait, with their read
 for the next gradients, and ``drain`` updates them at the end. So when a bucket's units
 bring at most ``ahead`` sub-groups, every read started during backward is waited for in a
 later ``add``, after a bucket's worth of backward compute; a larger bucket waits for some
-reads it started itself (more buffers, or a smaller ``sub_group_size``, avoid that). Every action happens at a fixed point of the sequence of
-``add`` calls, never depending on whether a transfer has finished, which keeps the parameter
-offload's decisions (the update writes stage-3 shards) the same on every rank (see [Note:
-matched decisions] in ``_param_offload``). ``drain`` returns once every write is done, so a
+reads it started itself (more buffers, or a smaller ``sub_group_size``, avoid that). Every
+action happens at a fixed point of the sequence of ``add`` calls, never depending on whether
+a transfer has finished, which keeps the parameter offload's decisions (the update writes stage-3 shards) the same on every rank (see [Note:
+matched decisions] in ``offload._params``). ``drain`` returns once every write is done, so a
 checkpoint or an exception after it finds the file complete.
 """
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from zero_runtime.checkpointing import ActivationCheckpointingConfig, Checkpointer, checkpoint
+from zero_runtime.activation_checkpointing import ActivationCheckpointingConfig, Checkpointer, checkpoint
 
 DEPTH, WIDTH, BATCH = 8, 64, 16
 OPTIONS = {

@@ -5,7 +5,7 @@ The states of this rank are cut into *sub-groups* of at most ``sub_group_size`` 
 elements (never spanning two units). Each holds three fp32 arrays: master, ``exp_avg``,
 ``exp_avg_sq``. With ``device: cpu`` they are tensors in host memory; with ``device: nvme``
 they are regions of the rank's swap file (``swap_file``), and the step streams them through
-``buffer_count`` host buffers (see [Note: swap pipeline] in ``_swap_stream``).
+``buffer_count`` host buffers (see [Note: swap pipeline] in ``offload._swap_stream``).
 
 [Note: step during backward] Adam is elementwise, so a unit can be updated as soon as its
 own reduced gradient is final, in any order. With ``zcomm_overlap_step`` the optimizer calls
@@ -17,7 +17,7 @@ depends on later gradients: no clipping by the global norm, no overflow skip (``
 refuses both), and the hyper-parameters taken when ``begin_step`` is called (``step()``
 raises if the param groups changed since). A unit's parameters are written while backward
 still runs; no autograd node reads them any more (see [Note: last gradient hook of a unit]
-in ``_grad_reduce``). If backward fails after the first update, the step stays in progress
+in ``comm._grad_reduce``). If backward fails after the first update, the step stays in progress
 and the state refuses to be read or stepped until a checkpoint is loaded (``abort_step``).
 
 [Note: gradient copies to the host] On a CUDA run each unit's gradient shard is copied
@@ -44,11 +44,11 @@ from typing import Any
 
 import torch
 
-from ._param_offload import ParamOffload, resident
-from ._partition import FlatUnit, optimizer_indices
+from ._params import ParamOffload, resident
+from .._partition import FlatUnit, optimizer_indices
 from ._swap_stream import SwapStream
 from .swap_file import SwapFile, aligned_buffer, round_up
-from .config import ZeroConfig
+from ..config import ZeroConfig
 from .cpu_adam import AdamHyper, adam_step
 
 _STATES = ("exp_avg", "exp_avg_sq")

@@ -1,7 +1,7 @@
 """The runtime's communication seam: one ``CommPlan`` per run, built from the config.
 
 A plan holds the communication objects the runtime moves parameters and gradients
-through (contracts in ``_api``), chosen by ``build_comm_plan``:
+through (contracts in ``_contract``), chosen by ``build_comm_plan``:
 
 * ``forward_gather``: ``PlainAllGather``, or qwZ's ``QuantizedAllGather``
   (``zcomm.all_gather_q8``, one INT8 gather per unit). It also re-assembles the parameters
@@ -47,7 +47,7 @@ traffic) is a torch limitation, and zcomm's counters report the ring volume. The
 reduce-scatter is a SUM divided by the world size afterwards, in the gradients' dtype:
 gloo's AVG has been reported wrong, and a SUM keeps the fp32 path bit-reproducible against
 single-process training. qgZ asks zcomm for AVG, which divides inside its fp32 reduction
-(see [Note: quantized scale handling] in ``_quantized_comm``).
+(see [Note: quantized scale handling] in ``comm._quantized``).
 """
 
 from __future__ import annotations
@@ -61,11 +61,11 @@ import torch.distributed as dist
 import zcomm
 from zcomm.quant import QuantSpec
 
-from ._api import AllGather, ReduceScatter
+from .._contract import AllGather, ReduceScatter
 from ._hpz_gather import HpzGather
-from ._plain_comm import PlainAllGather, PlainReduceScatter
-from ._quantized_comm import QuantizedAllGather, QuantizedReduceScatter
-from .config import ZeroConfig
+from ._plain import PlainAllGather, PlainReduceScatter
+from ._quantized import QuantizedAllGather, QuantizedReduceScatter
+from ..config import ZeroConfig
 
 
 @dataclass(frozen=True, kw_only=True)

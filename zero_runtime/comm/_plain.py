@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import zcomm
 
-from ._api import AllGather, Handle, Phase, ReduceScatter
+from .._contract import AllGather, Handle, Phase, ReduceScatter
 
 
 class PlainAllGather(AllGather):
@@ -32,7 +32,7 @@ class PlainAllGather(AllGather):
 class PlainReduceScatter(ReduceScatter):
     """Unquantized reduce-scatter over one process group: SUM, then a division by the world
     size in the gradients' dtype once the collective is done (see [Note: gloo and SUM] in
-    ``_comm_plan``). A bucket of several inputs is one collective over their interleaving
+    ``comm._plan``). A bucket of several inputs is one collective over their interleaving
     (``[in0 slice 0, in1 slice 0, ..., in0 slice 1, ...]``), built in a staging buffer from
     ``allocate``, so that this rank's slice of it is the concatenation of the outputs."""
 

@@ -43,8 +43,8 @@ from typing import Iterable, Iterator
 
 import torch
 
-from ._partition import FlatUnit
-from .config import ZeroConfig
+from .._partition import FlatUnit
+from ..config import ZeroConfig
 from .swap_file import SwapFile, Transfer, aligned_buffer, round_up
 
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 import zcomm
 
-from ._api import AllGather, Handle, Phase
+from .._contract import AllGather, Handle, Phase
 
 
 def hpz_block_topology(topology: zcomm.Topology, rank: int, partition_size: int) -> zcomm.Topology:

@@ -41,7 +41,7 @@ until ``finish``, a 354M-parameter GPT-2 held all 1.4 GB of its fp32 gradients a
 of backward). When the network is slower than backward this makes backward wait for it,
 which it would do at ``finish`` anyway. Stage 1 keeps every ``full_grad`` and zeroes it
 after each reduction. All of them, and each bucket's output, come from the reduce-scatter's
-``allocate`` (see [Note: comm buffers] in ``_api``).
+``allocate`` (see [Note: comm buffers] in ``_contract``).
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from ._api import Handle
-from ._comm_plan import CommPlan
-from ._partition import FlatUnit
+from .._contract import Handle
+from ._plan import CommPlan
+from .._partition import FlatUnit
 
 
 MAX_IN_FLIGHT = 2  # buckets; see [Note: gradient buffer lifetimes]

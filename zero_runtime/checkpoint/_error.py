@@ -1,4 +1,4 @@
-"""``CheckpointError``, apart so that ``_checkpoint`` and ``_reshard`` both raise it without an import cycle."""
+"""``CheckpointError``, apart so that ``checkpoint._sharded`` and ``checkpoint._reshard`` both raise it without an import cycle."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 ``zero_optimization.offload_param``, ``sub_group_size`` and the top-level ``aio`` section, with
 DeepSpeed's keys, defaults and meanings.
 
-Parsed here and held by ``ZeroConfig`` (``config.py``); unknown sub-keys are rejected with
+Parsed here and held by ``ZeroConfig`` (``config._zero_config``); unknown sub-keys are rejected with
 the list of them, as everywhere in the config.
 """
 
@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
-from ._config_keys import unknown_keys_error
+from .._config_keys import unknown_keys_error
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's sub_group_size
@@ -34,7 +34,7 @@ class OffloadOptimizerConfig:
     ``zcomm_overlap_step`` (zcomm's key, default false): on an accumulation boundary, update
     each unit as soon as its reduced gradient is final, during backward, instead of all of
     them in ``step()``, so the swap traffic of the step overlaps backward's compute (see
-    [Note: step during backward] in ``_offload``). The result is bit-identical; it needs
+    [Note: step during backward] in ``offload._optimizer``). The result is bit-identical; it needs
     ``gradient_clipping`` 0 and no fp16 dynamic loss scaling (both need every gradient before
     the first update), and the hyper-parameters are read when ``backward()`` starts.
     """
@@ -95,7 +95,7 @@ class OffloadParamConfig:
     ``device``: ``"none"`` keeps each partitioned unit's compute-dtype shard on the training
     device; ``"cpu"`` keeps it in host memory and ``"nvme"`` in one file per rank under
     ``nvme_path`` between uses, and brings it to the device when stage 3 gathers the unit
-    (see [Note: shard residency] in ``_param_offload``). Stage 3's persistent parameters are
+    (see [Note: shard residency] in ``offload._params``). Stage 3's persistent parameters are
     not offloaded (they are never freed). ``pin_memory``: page-locked host memory for the
     copies to and from a GPU. With ``nvme``, ``buffer_count`` host buffers of ``buffer_size``
     elements (each at least the largest unit's shard) carry the reads and writes, so at most

@@ -1,12 +1,10 @@
-"""Configuration of the ZeRO runtime: a keyword-only dataclass and a DeepSpeed-style parser.
+"""The typed configuration of the ZeRO runtime: ``ZeroConfig`` and its sections.
 
-``ZeroConfig`` is the validated, typed form. ``ZeroConfig.from_dict`` accepts the subset of
-DeepSpeed's JSON schema this runtime implements, under DeepSpeed's own key names, and rejects
-every other key with an error that lists them (each with the nearest known key): a misspelt
-key must never silently fall back to a default and change training. For the same reason it
-never runs a config differently from how DeepSpeed would read it: Hugging Face's ``"auto"``
-anywhere is an error naming its key path, and a config without ``zero_optimization.stage``
-(DeepSpeed's stage 0) is an error rather than some other stage.
+A keyword-only frozen dataclass with one docstring per field, validated once in
+``__post_init__`` (ValueError / TypeError naming DeepSpeed's key); the nested sections are
+given as their configs or as DeepSpeed's dicts. Reading a DeepSpeed JSON file (key names,
+"auto", unknown keys, ignored hints) is ``_deepspeed_json``'s job: ``from_dict`` hands the
+dict to it and validates what it returns here.
 """
 
 from __future__ import annotations
@@ -21,11 +19,12 @@ from typing import Any, Literal, Mapping
 from zcomm import check_first_hop_bits, check_hadamard_block
 from zcomm.quant import QuantSpec
 
-from . import _optim_spec
-from ._config_keys import describe_unknown, unknown_keys_error
-from .checkpointing import ActivationCheckpointingConfig
-from ._offload_config import (DEFAULT_SUB_GROUP_SIZE, AioConfig, OffloadOptimizerConfig, OffloadParamConfig,
-                              aio_config, integral_count, offload_optimizer_config, offload_param_config)
+from . import _deepspeed_json, _optim_spec
+from ._deepspeed_json import STAGE_0
+from .._config_keys import unknown_keys_error
+from ..activation_checkpointing import ActivationCheckpointingConfig
+from ..offload._config import (DEFAULT_SUB_GROUP_SIZE, AioConfig, OffloadOptimizerConfig, OffloadParamConfig,
+                               aio_config, integral_count, offload_optimizer_config, offload_param_config)
 
 Precision = Literal["fp32", "bf16", "fp16"]
 # Elements per quantization scale, as ``zcomm.quant.QuantSpec.group_size`` takes it: an int
@@ -34,41 +33,6 @@ Precision = Literal["fp32", "bf16", "fp16"]
 QuantGroupSize = int | Literal["tensor"] | None
 # The widths ``zcomm_quant_group_size`` applies to: qwZ's INT8 weights, qgZ's INT4 gradients.
 _QUANT_BITS = (8, 4)
-
-# DeepSpeed key -> ZeroConfig/LossScaleConfig field, per section.
-_ZERO_KEYS = {
-    "stage": "stage",
-    "reduce_bucket_size": "reduce_bucket_size",
-    "overlap_comm": "overlap_comm",
-    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
-    "stage3_param_persistence_threshold": "param_persistence_threshold",
-    "stage3_max_live_parameters": "max_live_parameters",
-    "stage3_max_reuse_distance": "max_reuse_distance",
-    "zero_quantized_weights": "quantized_weights",
-    "zero_hpz_partition_size": "hpz_partition_size",
-    "zero_quantized_gradients": "quantized_gradients",
-    "zcomm_quant_group_size": "quant_group_size",
-    "zcomm_stage3_fuse_numel": "fuse_numel",
-    "zcomm_align_quant_blocks": "align_quant_blocks",
-    "zeropp_loco_param": "loco",
-    "zcomm_qgz_first_hop_bits": "qgz_first_hop_bits",
-    "zcomm_qgz_hadamard_block": "qgz_hadamard_block",
-    # offload (see _offload_config)
-    "offload_optimizer": "offload_optimizer",
-    "offload_param": "offload_param",
-    "sub_group_size": "sub_group_size",
-}
-_FP16_KEYS = {
-    "enabled": None,
-    "loss_scale": "loss_scale",
-    "initial_scale_power": "initial_scale_power",
-    "loss_scale_window": "loss_scale_window",
-    "hysteresis": "hysteresis",
-    "min_loss_scale": "min_loss_scale",
-}
-_TOP_KEYS = {"zero_optimization", "bf16", "fp16", "gradient_clipping", "gradient_accumulation_steps",
-             "train_batch_size", "train_micro_batch_size_per_gpu", "optimizer", "scheduler", "aio",
-             "activation_checkpointing"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,7 +85,7 @@ DEFAULT_FUSE_NUMEL = 1_000_000
 DEFAULT_REDUCE_BUCKET_SIZE = 1_000_000
 
 
-# -- zeropp_loco_param (issue 13): LoCo error feedback for qgZ --------------------------------
+
 @dataclass(frozen=True, kw_only=True)
 class LocoConfig:
     """DeepSpeed's ``zero_optimization.zeropp_loco_param``: LoCo error feedback on qgZ's INT4
@@ -151,7 +115,6 @@ class LocoConfig:
         if unknown:
             raise unknown_keys_error("zero_optimization.zeropp_loco_param", unknown, ("err_beta", "reset_T"))
         return cls(**value)
-# -----------------------------------------------------------------------------------------------
 
 
 # [Note: qgZ's first hop] The runtime's qgZ keeps the ZeRO++ paper's INT4 intra-node hop by
@@ -171,137 +134,159 @@ class LocoConfig:
 class ZeroConfig:
     """Everything that changes what the runtime computes or communicates.
 
-    ``stage`` (1, 2 or 3) has no default: DeepSpeed's default is stage 0, plain data
-    parallelism, which this runtime does not implement, so a config that leaves the stage
-    out is refused rather than run at another stage than DeepSpeed would.
-
-    Element counts are in parameter elements (DeepSpeed's unit); DeepSpeed's JSON accepts
-    them as integral floats (``1e9``), and so does this class. ``gradient_clipping == 0``
-    turns clipping off; clipping follows ``torch.nn.utils.clip_grad_norm_`` (a non-finite
-    norm is not detected: only fp16 with dynamic loss scaling skips such a step).
-
-    ``reduce_bucket_size`` (DeepSpeed's meaning): at most this many gradient elements are
-    reduce-scattered by one collective (a unit larger than that is a bucket alone). Stages
-    2 and 3 launch a bucket during backward as soon as the gradients of all its units are
-    final; buckets are fixed at start-up, in the order gradients become final, so every
-    rank issues them in the same order. Stages 1 and 2 also size their flat units by it.
-    ``overlap_comm`` (DeepSpeed's key and meaning, default true in every stage, where
-    DeepSpeed's is true for stage 3 only): false launches the buckets only once backward is
-    over, in the same order, so no reduce-scatter overlaps backward; no effect in stage 1.
-
-    Stage 3 keeps DeepSpeed's keys, defaults and meanings (DeepSpeed's ``stage3_*`` keys
-    are accepted, and have no effect, in stages 1 and 2, as in DeepSpeed; the zcomm key is
-    an error there); see [Note: stage-3 residency] in ``_stage3``:
-
-    * ``param_persistence_threshold`` (``stage3_param_persistence_threshold``): parameters
-      of at most this many elements are never freed. They are kept whole on every rank in
-      units of their own, their gradients are reduce-scattered in the buckets and their
-      optimizer states partitioned like everyone else's, and each optimizer step ends with
-      one all-gather of them (DeepSpeed's ``ds_persist``; with qwZ an INT8 one, where
-      DeepSpeed's is exact). 0 partitions every parameter.
-    * ``max_live_parameters`` (``stage3_max_live_parameters``): prefetching never makes
-      more than this many gathered elements live, and a unit finished with is freed rather
-      than kept once more than this many are live.
-    * ``max_reuse_distance`` (``stage3_max_reuse_distance``): a unit finished with is kept
-      gathered if the trace of the first step says it is used again before this many other
-      parameter elements are (typically: from forward into backward), or if the prefetcher
-      has already passed that next use. 0 frees after each use what lies beyond the
-      prefetch window.
-    * ``prefetch_bucket_size`` (``stage3_prefetch_bucket_size``): at most this many
-      elements are being gathered ahead of their use; 0 turns prefetching off.
-    * ``fuse_numel`` (zcomm key ``zcomm_stage3_fuse_numel``): a module whose subtree holds
-      at most this many partitioned elements is gathered as one unit (e.g. a whole
-      transformer block); 0 gives one unit per module; default ``DEFAULT_FUSE_NUMEL`` in
-      stage 3 (see [Note: default unit and bucket sizes]; on fusing, see [Note: fused units]
-      in ``_partition``).
-
-    DeepSpeed's top-level keys with a meaning here (see [Note: DeepSpeed keys] below):
-    ``train_batch_size``, ``train_micro_batch_size_per_gpu`` and
-    ``gradient_accumulation_steps`` follow DeepSpeed's batch arithmetic, checked against the
-    world size by ``for_world_size`` when ``initialize`` starts (the runtime uses only the
-    accumulation steps; the batch sizes are for the user's data loader). ``optimizer`` and
-    ``scheduler`` are DeepSpeed's ``{"type": ..., "params": {...}}`` sections, checked when
-    parsed and built by ``initialize`` (see ``_optim_spec`` and ``lr_schedules``).
-
-    ZeRO++ (stage 3 only; each can be on alone, all three together are ZeRO++):
-    ``quantized_weights`` (qwZ) gathers parameters for forward with zcomm's INT8
-    ``all_gather_q8``; ``hpz_partition_size > 1`` (hpZ) keeps a secondary copy of each
-    module's parameters partitioned over that many consecutive ranks after its forward and
-    gathers from it in backward (it must divide the world size and line up with nodes,
-    checked when the runtime starts); ``quantized_gradients`` (qgZ) reduce-scatters
-    gradient buckets with zcomm's INT4 ``reduce_scatter_q4``. ``quant_group_size`` sets the
-    elements per quantization scale of both quantized collectives (see ``QuantGroupSize``).
-    ``align_quant_blocks`` (zcomm key ``zcomm_align_quant_blocks``, default true): with qwZ
-    or qgZ on, pad each parameter in the flat units so that no quantization group ever holds
-    elements of two parameters (``quant_block_align``; see [Note: parameter-aligned blocks]
-    in ``_flat_buffer``); false packs parameters without gaps, as before issue 13.
-    ``loco`` (DeepSpeed's ``zeropp_loco_param``, see ``LocoConfig``): LoCo error feedback on
-    both hops of qgZ, one INT8 error state per gradient bucket, counted in
-    ``memory_report().error_feedback`` and saved in checkpoints. ``qgz_first_hop_bits``
-    (zcomm key ``zcomm_qgz_first_hop_bits``, 4 or 8): qgZ's intra-node hop in INT4 (the ZeRO++
-    paper's) or INT8 (SDP4Bit's two-level scheme; the inter-node bytes are the same; the
-    ``first_hop_bits`` Note of ``zcomm.reduce_scatter_q4``); 8 needs qgZ and excludes LoCo.
-    Default 4 (see [Note: qgZ's first hop]). ``qgz_hadamard_block`` (zcomm key
-    ``zcomm_qgz_hadamard_block``, a power of two or None): qgZ's gradients rotated in blocks of
-    that many elements by an orthonormal Hadamard matrix before quantization, and back after
-    (``hadamard_block`` of ``zcomm.reduce_scatter_q4``); needs qgZ and excludes LoCo. Default
-    None.
+    A keyword-only, frozen dataclass validated once in ``__post_init__``; each field's
+    docstring (below it) names its DeepSpeed key where it has one. Element counts are in
+    parameter elements (DeepSpeed's unit); DeepSpeed's JSON writes them as integral floats
+    (``1e9``), which are accepted and stored as ints. ``from_dict`` / ``from_json`` read a
+    DeepSpeed config (``_deepspeed_json``; see [Note: DeepSpeed keys] there).
     """
 
-    stage: int  # no default: DeepSpeed's is stage 0, which this runtime does not have
+    stage: int
+    """1, 2 or 3; no default: DeepSpeed's default is stage 0, plain data parallelism, which
+    this runtime does not implement, so a config that leaves the stage out is refused rather
+    than run at another stage than DeepSpeed would."""
     precision: Precision = "fp32"
+    """The training dtype: ``bf16.enabled`` / ``fp16.enabled`` in DeepSpeed's JSON."""
     reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE
+    """At most this many gradient elements are reduce-scattered by one collective (a unit
+    larger than that is a bucket alone; DeepSpeed's meaning). Stages 2 and 3 launch a bucket
+    during backward as soon as the gradients of all its units are final; buckets are fixed at
+    start-up, in the order gradients become final, so every rank issues them in the same
+    order. Stages 1 and 2 also size their flat units by it (see [Note: default unit and
+    bucket sizes])."""
     overlap_comm: bool = True
+    """False launches the buckets only once backward is over, in the same order, so no
+    reduce-scatter overlaps backward; no effect in stage 1. DeepSpeed's key and meaning, but
+    true by default in every stage, where DeepSpeed's is true for stage 3 only."""
     prefetch_bucket_size: int = DEFAULT_PREFETCH_BUCKET_SIZE
+    """``stage3_prefetch_bucket_size``: at most this many elements are being gathered ahead of
+    their use; 0 turns prefetching off. DeepSpeed's ``stage3_*`` keys are accepted, and have
+    no effect, in stages 1 and 2, as in DeepSpeed; see [Note: stage-3 residency] in
+    ``_stage3``."""
     param_persistence_threshold: int = DEFAULT_PARAM_PERSISTENCE_THRESHOLD
+    """``stage3_param_persistence_threshold``: parameters of at most this many elements are
+    never freed. They are kept whole on every rank in units of their own, their gradients are
+    reduce-scattered in the buckets and their optimizer states partitioned like everyone
+    else's, and each optimizer step ends with one all-gather of them (DeepSpeed's
+    ``ds_persist``; with qwZ an INT8 one, where DeepSpeed's is exact). 0 partitions every
+    parameter."""
     max_live_parameters: int = DEFAULT_MAX_LIVE_PARAMETERS
+    """``stage3_max_live_parameters``: prefetching never makes more than this many gathered
+    elements live, and a unit finished with is freed rather than kept once more than this
+    many are live."""
     max_reuse_distance: int = DEFAULT_MAX_REUSE_DISTANCE
+    """``stage3_max_reuse_distance``: a unit finished with is kept gathered if the trace of
+    the first step says it is used again before this many other parameter elements are
+    (typically: from forward into backward), or if the prefetcher has already passed that
+    next use. 0 frees after each use what lies beyond the prefetch window."""
     gradient_clipping: float = 0.0
-    gradient_accumulation_steps: int | None = None  # None: 1, or derived from the batch sizes
+    """Global gradient-norm clipping, as ``torch.nn.utils.clip_grad_norm_``; 0 turns it off. A
+    non-finite norm is not detected: only fp16 with dynamic loss scaling skips such a step."""
+    gradient_accumulation_steps: int | None = None
+    """Micro-batches per optimizer step; None: 1, or derived from the two batch sizes by
+    ``for_world_size`` (DeepSpeed's batch arithmetic, see [Note: DeepSpeed keys])."""
     train_batch_size: int | None = None
+    """DeepSpeed's global batch size, checked against the others by ``for_world_size`` when
+    ``initialize`` starts; for the user's data loader (the runtime never sees the batches)."""
     train_micro_batch_size_per_gpu: int | None = None
+    """DeepSpeed's per-rank micro-batch size; checked and derived like ``train_batch_size``."""
     optimizer: Mapping[str, Any] | None = None
+    """DeepSpeed's ``{"type": ..., "params": {...}}`` optimizer section, checked here and
+    built by ``initialize`` (see ``config._optim_spec``)."""
     scheduler: Mapping[str, Any] | None = None
+    """DeepSpeed's scheduler section, checked here and built by ``initialize`` (see
+    ``lr_schedules``)."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """fp16 loss scaling: DeepSpeed's ``fp16`` section but ``enabled``."""
     quantized_weights: bool = False
+    """``zero_quantized_weights`` (qwZ; stage 3 only): parameters are gathered for forward
+    with zcomm's INT8 ``all_gather_q8``. With hpZ and qgZ on as well it is ZeRO++."""
     hpz_partition_size: int = 1
+    """``zero_hpz_partition_size`` (hpZ; stage 3 only): above 1, a secondary copy of each
+    module's parameters is kept partitioned over that many consecutive ranks after its
+    forward and backward gathers from it. It must divide the world size and line up with
+    nodes, checked when the runtime starts."""
     quantized_gradients: bool = False
+    """``zero_quantized_gradients`` (qgZ; stage 3 only): gradient buckets are reduce-scattered
+    with zcomm's INT4 ``reduce_scatter_q4``."""
     quant_group_size: QuantGroupSize = None
-    fuse_numel: int | None = None  # None: DEFAULT_FUSE_NUMEL in stage 3, 0 otherwise
+    """``zcomm_quant_group_size``: elements per quantization scale of both quantized
+    collectives (see ``QuantGroupSize``); valid for both widths, and set only with one of
+    them on."""
+    fuse_numel: int | None = None
+    """``zcomm_stage3_fuse_numel``: a module whose subtree holds at most this many partitioned
+    elements is gathered as one unit (e.g. a whole transformer block); 0 gives one unit per
+    module. None: ``DEFAULT_FUSE_NUMEL`` in stage 3 (see [Note: default unit and bucket
+    sizes]; on fusing, [Note: fused units] in ``_partition``), 0 otherwise; set in stages 1
+    and 2 it is an error."""
     align_quant_blocks: bool = True
-    loco: LocoConfig | None = None  # zeropp_loco_param; needs quantized_gradients
+    """``zcomm_align_quant_blocks``: with qwZ or qgZ on, each parameter is padded in the flat
+    units so that no quantization group ever holds elements of two parameters
+    (``quant_block_align``; see [Note: parameter-aligned blocks] in ``_flat_buffer``); false
+    packs parameters without gaps."""
+    loco: LocoConfig | None = None
+    """DeepSpeed's ``zeropp_loco_param`` (see ``LocoConfig``; needs qgZ): LoCo error feedback
+    on both hops of qgZ, one INT8 error state per gradient bucket, counted in
+    ``memory_report().error_feedback`` and saved in checkpoints."""
     qgz_first_hop_bits: int = 4
+    """``zcomm_qgz_first_hop_bits``, 4 or 8: qgZ's intra-node hop in INT4 (the ZeRO++ paper's)
+    or INT8 (SDP4Bit's two-level scheme; the inter-node bytes are the same; the
+    ``first_hop_bits`` Note of ``zcomm.reduce_scatter_q4``); 8 needs qgZ and excludes LoCo.
+    See [Note: qgZ's first hop] for the default."""
     qgz_hadamard_block: int | None = None
-    # Offload (stages 1-3; see OffloadOptimizerConfig and AioConfig in _offload_config):
-    # sub_group_size (DeepSpeed's key) is the most master elements the offloaded step
-    # updates at once, one sub-group per NVMe transfer.
+    """``zcomm_qgz_hadamard_block``, a power of two or None: qgZ's gradients rotated in blocks
+    of that many elements by an orthonormal Hadamard matrix before quantization, and back
+    after (``hadamard_block`` of ``zcomm.reduce_scatter_q4``); needs qgZ and excludes LoCo."""
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
+    """``zero_optimization.offload_optimizer`` (stages 1-3): masters and optimizer states on
+    the CPU or NVMe (see ``zero_runtime.offload``)."""
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
+    """``zero_optimization.offload_param`` (stage 3 only): parameter shards at home on the
+    host or NVMe between uses."""
     sub_group_size: int = DEFAULT_SUB_GROUP_SIZE
+    """DeepSpeed's key: the most master elements the offloaded step updates at once, one
+    sub-group per NVMe transfer."""
     aio: AioConfig = field(default_factory=AioConfig)
-    # DeepSpeed's activation_checkpointing section: the options of ZeroOptimizer.checkpointer
+    """DeepSpeed's ``aio`` section: how the NVMe swap files are read and written."""
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
+    """DeepSpeed's ``activation_checkpointing`` section: the options of
+    ``ZeroOptimizer.checkpointer``."""
 
     def __post_init__(self) -> None:
+        self._parse_sections()
+        self._check_basics()
+        self._check_counts()
+        self._check_batch_sizes()
+        if self.optimizer is not None:
+            _optim_spec.check_optimizer(self.optimizer)
+        if self.scheduler is not None:
+            _optim_spec.check_scheduler(self.scheduler)
+        self._check_zeropp()
+        if self.offload_param.enabled and self.stage != 3:
+            raise ValueError(f"zero_optimization.offload_param (device {self.offload_param.device!r}) needs "
+                             f"zero_optimization.stage 3, got stage {self.stage}: only stage 3 frees parameters")
+        if self.offload_optimizer.zcomm_overlap_step:
+            self._check_overlap_step()
+
+    def _parse_sections(self) -> None:
+        """The nested sections may be given as DeepSpeed's dicts: stored as their configs."""
         object.__setattr__(self, "offload_optimizer", offload_optimizer_config(self.offload_optimizer))
         object.__setattr__(self, "offload_param", offload_param_config(self.offload_param))
         object.__setattr__(self, "aio", aio_config(self.aio))
         if not isinstance(self.activation_checkpointing, ActivationCheckpointingConfig):
             object.__setattr__(self, "activation_checkpointing",
                                ActivationCheckpointingConfig.from_dict(self.activation_checkpointing))
+        if self.loco is not None:
+            object.__setattr__(self, "loco", LocoConfig.parse(self.loco))
+
+    def _check_basics(self) -> None:
         if self.stage not in (1, 2, 3):
             raise ValueError(f"zero_optimization.stage must be 1, 2 or 3, got {self.stage!r}"
-                             + (f": {_STAGE_0} is not implemented by zero_runtime" if self.stage == 0 else ""))
+                             + (f": {STAGE_0} is not implemented by zero_runtime" if self.stage == 0 else ""))
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {self.precision!r}")
-        self._check_counts()
         if self.gradient_clipping < 0:
             raise ValueError(f"gradient_clipping must be >= 0 (0 = off), got {self.gradient_clipping}")
-        self._check_batch_sizes()
-        if self.optimizer is not None:
-            _optim_spec.check_optimizer(self.optimizer)
-        if self.scheduler is not None:
-            _optim_spec.check_scheduler(self.scheduler)
         if not isinstance(self.loss_scale, LossScaleConfig):
             raise TypeError(f"loss_scale must be a LossScaleConfig, got {type(self.loss_scale).__name__}")
         for name, key in (("quantized_weights", "zero_quantized_weights"),
@@ -309,6 +294,9 @@ class ZeroConfig:
                           ("align_quant_blocks", "zcomm_align_quant_blocks")):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{key} must be true or false, got {getattr(self, name)!r}")
+
+    def _check_zeropp(self) -> None:
+        """The ZeRO++ options: stage 3 only, and the combinations of qgZ's variants."""
         if isinstance(self.hpz_partition_size, bool) or not isinstance(self.hpz_partition_size, int):
             raise TypeError(f"zero_hpz_partition_size must be an int, got {self.hpz_partition_size!r}")
         if self.hpz_partition_size < 1:
@@ -316,16 +304,9 @@ class ZeroConfig:
         zeropp = self.zeropp_options()
         if zeropp and self.stage != 3:
             raise ValueError(f"{', '.join(zeropp)} need zero_optimization.stage 3, got stage {self.stage}")
-        if self.offload_param.enabled and self.stage != 3:
-            raise ValueError(f"zero_optimization.offload_param (device {self.offload_param.device!r}) needs "
-                             f"zero_optimization.stage 3, got stage {self.stage}: only stage 3 frees parameters")
-        if self.offload_optimizer.zcomm_overlap_step:
-            self._check_overlap_step()
         self._check_quant_group_size()
-        if self.loco is not None:
-            object.__setattr__(self, "loco", LocoConfig.parse(self.loco))
-            if not self.quantized_gradients:
-                raise ValueError("zeropp_loco_param (LoCo error feedback) needs zero_quantized_gradients")
+        if self.loco is not None and not self.quantized_gradients:
+            raise ValueError("zeropp_loco_param (LoCo error feedback) needs zero_quantized_gradients")
         check_first_hop_bits(self.qgz_first_hop_bits, "zcomm_qgz_first_hop_bits")
         if self.qgz_first_hop_bits == 8 and not self.quantized_gradients:
             raise ValueError("zcomm_qgz_first_hop_bits 8 needs zero_quantized_gradients (qgZ)")
@@ -352,7 +333,6 @@ class ZeroConfig:
         if self.loco is not None:
             raise ValueError("zcomm_qgz_hadamard_block cannot be combined with zeropp_loco_param")
 
-    # ----- DeepSpeed's batch sizes (issue 15) -----
     def _check_batch_sizes(self) -> None:
         """Positive ints where given; with neither batch size given, accumulation defaults to 1
         (without a world size nothing more can be checked; ``for_world_size`` does the rest)."""
@@ -446,34 +426,14 @@ class ZeroConfig:
             on.append("zero_quantized_gradients")
         return on
 
+
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> "ZeroConfig":
-        """Parse a DeepSpeed-style dict. Hugging Face's ``"auto"`` anywhere is an error naming
-        its key path; unknown keys raise one ValueError naming all of them (with the closest
-        known key of their section); a config without ``zero_optimization.stage`` is an error
-        saying what DeepSpeed would run. DeepSpeed's performance hints are accepted and
-        reported once as ignored (one warning naming them; see ``_deepspeed_extras``)."""
-        if not isinstance(config, Mapping):
-            raise TypeError(f"config must be a mapping, got {type(config).__name__}")
-        _reject_hf_auto(config)
-        config = _legacy_zero_flag(config)
-        ignored = _deepspeed_extras(config)
-        zero = _section(config, "zero_optimization")
-        bf16, fp16 = _section(config, "bf16"), _section(config, "fp16")
-        _reject_unknown(config, zero, bf16, fp16, ignored)
-        if "stage" not in zero:
-            raise ValueError(f"zero_optimization.stage is not set: DeepSpeed would run {_STAGE_0}, which "
-                             f"zero_runtime does not implement; {_SET_STAGE}")
-        if bf16.get("enabled") and fp16.get("enabled"):
-            raise ValueError("bf16.enabled and fp16.enabled are both true; pick one")
-        precision = "bf16" if bf16.get("enabled") else "fp16" if fp16.get("enabled") else "fp32"
-        kwargs: dict[str, Any] = {_ZERO_KEYS[k]: v for k, v in zero.items() if k in _ZERO_KEYS}
-        scale = {_FP16_KEYS[k]: v for k, v in fp16.items() if k in _FP16_KEYS and k != "enabled"}
-        for key in ("gradient_clipping", "gradient_accumulation_steps", "train_batch_size",
-                    "train_micro_batch_size_per_gpu", "optimizer", "scheduler", "aio", "activation_checkpointing"):
-            if key in config:
-                kwargs[key] = config[key]
-        parsed = cls(precision=precision, loss_scale=LossScaleConfig(**scale), **kwargs)
+        """Parse a DeepSpeed-style dict (see ``_deepspeed_json.read``: "auto", unknown keys and a
+        missing stage are errors). DeepSpeed's performance hints are accepted and reported once
+        as ignored, in one warning naming them, once the config is valid."""
+        kwargs, ignored = _deepspeed_json.read(config)
+        parsed = cls(**{**kwargs, "loss_scale": LossScaleConfig(**kwargs["loss_scale"])})
         if ignored:
             warnings.warn("zero_runtime ignores these DeepSpeed settings (performance hints with no effect "
                           f"here): {', '.join(sorted(ignored))}", UserWarning, stacklevel=2)
@@ -481,6 +441,7 @@ class ZeroConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "ZeroConfig":
+        """``from_dict`` of a DeepSpeed JSON file."""
         with open(path) as f:
             return cls.from_dict(json.load(f))
 
@@ -496,118 +457,6 @@ _COUNTS = (
     ("sub_group_size", "sub_group_size", 1),
 )
 
-
-# ----- DeepSpeed keys that are not ZeroConfig fields (issue 15) -----
-# [Note: DeepSpeed keys] A DeepSpeed config is taken as written: keys with a meaning here act
-# as in DeepSpeed, the hints below are accepted and named in one warning, and any other key
-# (a misspelling, or a DeepSpeed feature not implemented here) is an error listing them all.
-# Accepted and ignored, reported once by name: DeepSpeed's logging and profiling, and choices
-# of its own kernels and buffers that change nothing this runtime computes (it always
-# reduce-scatters and all-gathers, into contiguous buffers, and ignores unused parameters).
-_IGNORED_TOP_KEYS = frozenset({
-    "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown", "flops_profiler",
-    "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "zero_allow_untested_optimizer",
-    "zero_force_ds_cpu_optimizer",
-})
-_IGNORED_ZERO_KEYS = frozenset({
-    "contiguous_gradients", "allgather_partitions", "allgather_bucket_size", "reduce_scatter",
-    "round_robin_gradients", "elastic_checkpoint", "ignore_unused_parameters", "log_trace_cache_warnings",
-    "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
-    "use_multi_rank_bucket_allreduce", "memory_efficient_linear",
-})
-# Accepted at DeepSpeed's default only (reported as ignored): any other value changes what
-# DeepSpeed computes or communicates, which this runtime does not implement.
-_DEFAULT_ONLY = {
-    "prescale_gradients": False, "gradient_predivide_factor": 1.0, "sparse_gradients": False,
-    "communication_data_type": None, "fp16.auto_cast": False, "fp16.consecutive_hysteresis": False,
-    "zero_optimization.mics_shard_size": -1, "zero_optimization.zero_quantized_nontrainable_weights": False,
-}
-
-
-# DeepSpeed's stage 0, and what to write instead, for the errors that refuse it.
-_STAGE_0 = ("stage 0 (plain data parallelism: every rank keeps the whole model, its gradients and optimizer "
-            "states, and gradients are all-reduced)")
-_SET_STAGE = "set zero_optimization.stage to 1, 2 or 3 (stage 1 partitions only the optimizer states)"
-
-
-def _legacy_zero_flag(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """DeepSpeed's old ``"zero_optimization": true`` (its getting-started example) is stage 1;
-    false is its stage 0 (plain data parallelism), which this runtime does not have."""
-    flag = config.get("zero_optimization")
-    if not isinstance(flag, bool):
-        return config
-    if not flag:
-        raise ValueError(f"zero_optimization false is DeepSpeed's {_STAGE_0}, which zero_runtime does not "
-                         f"implement; {_SET_STAGE}")
-    return {**config, "zero_optimization": {"stage": 1}}
-
-
-def _deepspeed_extras(config: Mapping[str, Any]) -> set[str]:
-    """The dotted names of the DeepSpeed keys in ``config`` that are accepted and ignored.
-    Raises for a hint at a value other than DeepSpeed's default."""
-    sections = {"": config}
-    for name in ("zero_optimization", "fp16"):
-        sections[f"{name}."] = _section(config, name)
-    ignored = {k for k in config if k in _IGNORED_TOP_KEYS}
-    ignored |= {f"zero_optimization.{k}" for k in sections["zero_optimization."] if k in _IGNORED_ZERO_KEYS}
-    for key, default in _DEFAULT_ONLY.items():
-        prefix, _, name = key.rpartition(".")
-        section = sections[f"{prefix}." if prefix else ""]
-        if name in section:
-            if section[name] != default:
-                raise ValueError(f"{key} = {section[name]!r} is not supported by zero_runtime (only DeepSpeed's "
-                                 f"default, {default!r})")
-            ignored.add(key)
-    return ignored
-
-
-# [Note: Hugging Face "auto"] Hugging Face's Trainer replaces every "auto" in a DeepSpeed
-# config (at any depth: bf16.enabled, optimizer.params.lr, zero_optimization.*, ...) before
-# DeepSpeed reads it; DeepSpeed itself has no such value. A truthy "auto" read as a value
-# would silently turn options on (bf16.enabled "auto" would mean bf16), so every one is an
-# error naming its key path. The only "auto" that is a value here is zcomm's own
-# aio.zcomm_direct_io, which Hugging Face does not know.
-_AUTO_IS_A_VALUE = frozenset({"aio.zcomm_direct_io"})
-
-
-def _auto_paths(value: Any, path: str) -> list[str]:
-    if isinstance(value, Mapping):
-        return [p for k, v in value.items() for p in _auto_paths(v, f"{path}.{k}" if path else str(k))]
-    if isinstance(value, (list, tuple)):
-        return [p for i, v in enumerate(value) for p in _auto_paths(v, f"{path}[{i}]")]
-    return [path] if isinstance(value, str) and value == "auto" and path not in _AUTO_IS_A_VALUE else []
-
-
-def _reject_hf_auto(config: Mapping[str, Any]) -> None:
-    auto = _auto_paths(config, "")
-    if auto:
-        raise ValueError(f"'auto' is a Hugging Face Trainer placeholder, not a DeepSpeed value; give values for: "
-                         f"{', '.join(sorted(auto))}")
-
-
-def _reject_unknown(config: Mapping[str, Any], zero: Mapping[str, Any], bf16: Mapping[str, Any],
-                    fp16: Mapping[str, Any], ignored: set[str]) -> None:
-    """One error naming every unknown key of the top level, ``zero_optimization``, ``bf16``
-    and ``fp16``, each with the closest key its section knows (or ignores)."""
-    known = {"": _TOP_KEYS | _IGNORED_TOP_KEYS | {k for k in _DEFAULT_ONLY if "." not in k},
-             "zero_optimization": set(_ZERO_KEYS) | _IGNORED_ZERO_KEYS
-             | {k.partition(".")[2] for k in _DEFAULT_ONLY if k.startswith("zero_optimization.")},
-             "bf16": {"enabled"},
-             "fp16": set(_FP16_KEYS) | {k.partition(".")[2] for k in _DEFAULT_ONLY if k.startswith("fp16.")}}
-    unknown = []
-    for name, section in (("", config), ("zero_optimization", zero), ("bf16", bf16), ("fp16", fp16)):
-        path = f"{name}." if name else ""
-        unknown += [(f"{path}{k}", describe_unknown(name, k, known[name])) for k in section
-                    if k not in known[name] and f"{path}{k}" not in ignored]
-    if unknown:
-        raise ValueError(f"unknown config keys: {', '.join(text for _, text in sorted(unknown))}")
-
-
-def _section(config: Mapping[str, Any], name: str) -> Mapping[str, Any]:
-    value = config.get(name, {})
-    if not isinstance(value, Mapping):
-        raise TypeError(f"config section {name!r} must be a mapping, got {type(value).__name__}")
-    return value
 
 
 def resolve_config(config: "ZeroConfig | Mapping[str, Any] | str | os.PathLike") -> ZeroConfig:
