@@ -130,13 +130,13 @@ template <int BITS> struct PayloadSum {
     i64 count;
     float divisor;
     bool word_aligned;
-    bool by_reciprocal;  // divisor is a power of two: multiply by its exact reciprocal
-    float reciprocal;
+    bool by_reciprocal;  // the divisor is a power of two: `divisor` holds its exact reciprocal
 
     ZC_HD PayloadSum(const PayloadRows<BITS>& rows_, i64 first_row_, i64 count_, float divisor_)
-        : rows(rows_), first_row(first_row_), count(count_), divisor(divisor_), word_aligned(rows_.words_aligned()),
-          reciprocal(1.0f) {
+        : rows(rows_), first_row(first_row_), count(count_), divisor(divisor_), word_aligned(rows_.words_aligned()) {
+        float reciprocal = 1.0f;
         by_reciprocal = exact_reciprocal(divisor_, reciprocal);
+        if (by_reciprocal) divisor = reciprocal;
     }
 
     ZC_HD bool can_vectorize() const { return rows.can_vectorize(); }
@@ -145,7 +145,7 @@ template <int BITS> struct PayloadSum {
     // multiplication by its exact reciprocal, byte for byte the same ([Note: exact
     // reciprocal]); any other divisor keeps the IEEE division per element.
     ZC_HD float finish(float acc) const {
-        return canonicalize(by_reciprocal ? mul_rn(acc, reciprocal) : div_rn(acc, divisor));
+        return canonicalize(by_reciprocal ? mul_rn(acc, divisor) : div_rn(acc, divisor));
     }
 
     ZC_HD float load1(i64 j) const {
