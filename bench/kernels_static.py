@@ -183,9 +183,11 @@ def _loops(listing: list, owners: dict) -> list[Loop]:
 # Elements one iteration of a main loop handles on one thread, by the kernels' design: a run
 # of 8 per iteration, except the register encoder's round loop (kRunsPerLane = 4 runs per
 # lane and group, team_walk.cuh).
-# Elements per lane in one round of the team encoder for 256-element groups: before, teams
-# of 32 lanes (8 each); after, teams of 8 lanes (32 each).
-_ROUND_ELEMENTS = {"before": 8, "after": 32}
+# Elements per lane in one round of the team encoder for 256-element groups, by the kind of
+# round loop found: the streamed teams of 32 lanes (8 each), the register teams of 8 lanes
+# (32 each). Keyed by the loop, not by before/after, so that two trees that both hold
+# groups in registers compare like with like.
+_ROUND_ELEMENTS = {"streamed": 8, "registers": 32}
 _ELEMENTS = {"RegisterLane": 32, "lane_absmax": 8, "encode_group_lane": 8, "decode_group_lane": 8, "decode_run": 8}
 
 
@@ -198,7 +200,7 @@ def _pick(loops: list[Loop], name: str, innermost_only: bool) -> Loop | None:
     return min(candidates, key=lambda l: l.instructions) if candidates else None
 
 
-def _round_per_element(kernel: str, loops: list[Loop], version: str) -> float | None:
+def _round_per_element(kernel: str, loops: list[Loop]) -> float | None:
     """Static instructions of the team encoder's round loop (shuffles, per-group work, loads,
     codes, stores, and any branch not taken for this group size) per element one lane
     handles in a round of a 256-element group: the whole per-round cost, for both versions."""
@@ -211,7 +213,7 @@ def _round_per_element(kernel: str, loops: list[Loop], version: str) -> float | 
         return None
     registers = [l for l in rounds if "RegisterLane" in l.functions]
     loop = min(registers or rounds, key=lambda l: l.instructions)
-    return loop.instructions / _ROUND_ELEMENTS[version]
+    return loop.instructions / _ROUND_ELEMENTS["registers" if registers else "streamed"]
 
 
 def _per_element(kernel: str, loops: list[Loop]) -> tuple[float | None, float | None, str]:
@@ -255,7 +257,7 @@ def analyse(kernel_dir: Path, arch: str, tools: Path, work: Path, sources: list[
             loops = _loops(lined_sass[kernel], owners)
             per_element, divisions, which = _per_element(kernel, loops)
             report[kernel] = dict(usage, sass=count, same_code=same, per_element=per_element, divisions=divisions,
-                                  loops=which, round=_round_per_element(kernel, loops, version))
+                                  loops=which, round=_round_per_element(kernel, loops))
     return report
 
 

@@ -235,7 +235,9 @@ REQUANT_CASES = REDUCE_CASES + [(8, 2048, 6 * 2048), (8, 8200, 6 * 8200), (4, 90
 
 
 @pytest.mark.parametrize("misalign", (0, 1))
-@pytest.mark.parametrize("divide_by", (1.0, 3.0, 0.1))
+# 4.0 and the powers of two near the ends of the range take the exact-reciprocal product
+# (2**-126: sums overflowing to Inf; 2**126: sums rounded into the subnormals).
+@pytest.mark.parametrize("divide_by", (1.0, 3.0, 0.1, 4.0, 2.0**-126, 2.0**126))
 @pytest.mark.parametrize("k", (1, 4))
 @pytest.mark.parametrize("bits,group_size,numel", REDUCE_CASES)
 def test_dequant_reduce_store(host_check, tmp_path, bits, group_size, numel, k, divide_by, misalign):
@@ -250,7 +252,7 @@ def test_dequant_reduce_store(host_check, tmp_path, bits, group_size, numel, k, 
 
 
 @pytest.mark.parametrize("misalign", (0, 1))
-@pytest.mark.parametrize("divide_by", (1.0, 3.0))
+@pytest.mark.parametrize("divide_by", (1.0, 3.0, 4.0, 0.25))
 @pytest.mark.parametrize("k", (1, 4))
 @pytest.mark.parametrize("bits,group_size,numel", REQUANT_CASES)
 def test_dequant_reduce_requantize(host_check, tmp_path, bits, group_size, numel, k, divide_by, misalign):

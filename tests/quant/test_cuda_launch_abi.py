@@ -50,7 +50,7 @@ def launches(monkeypatch) -> list[tuple[str, str, tuple]]:
         recorded.append((source, name, tuple(args)))
 
     monkeypatch.setattr(loader, "launch", record)
-    monkeypatch.setattr(cuda_launch, "_max_blocks", lambda device: 1056)
+    monkeypatch.setattr(cuda_launch, "_max_blocks", lambda device, source, name: 1056)
     monkeypatch.setattr(cuda_launch, "_device_perm", lambda perm, device: torch.tensor(perm, dtype=torch.int64))
 
     def table(xs, parts):

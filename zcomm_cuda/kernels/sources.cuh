@@ -130,16 +130,22 @@ template <int BITS> struct PayloadSum {
     i64 count;
     float divisor;
     bool word_aligned;
+    bool by_reciprocal;  // the divisor is a power of two: `divisor` holds its exact reciprocal
 
     ZC_HD PayloadSum(const PayloadRows<BITS>& rows_, i64 first_row_, i64 count_, float divisor_)
-        : rows(rows_), first_row(first_row_), count(count_), divisor(divisor_), word_aligned(rows_.words_aligned()) {}
+        : rows(rows_), first_row(first_row_), count(count_), divisor(divisor_), word_aligned(rows_.words_aligned()) {
+        float reciprocal = 1.0f;
+        by_reciprocal = exact_reciprocal(divisor_, reciprocal);
+        if (by_reciprocal) divisor = reciprocal;
+    }
 
     ZC_HD bool can_vectorize() const { return rows.can_vectorize(); }
 
-    // x / 1 == x exactly, so skipping the division when divisor is 1 changes no byte (the
-    // test is on the bits: see [Note: explicit rounding]).
+    // The division by a power of two (the mean over 2^n ranks, or 1 for a plain sum) is a
+    // multiplication by its exact reciprocal, byte for byte the same ([Note: exact
+    // reciprocal]); any other divisor keeps the IEEE division per element.
     ZC_HD float finish(float acc) const {
-        return canonicalize(float_bits(divisor) != kF32One ? div_rn(acc, divisor) : acc);
+        return canonicalize(by_reciprocal ? mul_rn(acc, divisor) : div_rn(acc, divisor));
     }
 
     ZC_HD float load1(i64 j) const {

@@ -87,6 +87,19 @@ ZC_HD float div_rn(float a, float b) {
 #endif
 }
 
+// [Note: exact reciprocal] When d is a power of two whose reciprocal r = 1/d is a normal
+// float (d = 2^n, -126 <= n <= 126), a * r is the same real number as a / d, so the one
+// rounding of mul.rn and of div.rn gives the same float for every a (zero and Inf signs,
+// subnormal results and NaN included): a multiplication replaces an IEEE division
+// sequence without changing a byte. Returns whether d is such a power of two, and r.
+ZC_HD bool exact_reciprocal(float d, float& r) {
+    const u32 b = float_bits(d);
+    const u32 exponent = (b >> 23) & 0xFFu;
+    if ((b & 0x7FFFFFu) != 0 || exponent == 0 || exponent > 253) return false;
+    r = bits_float((b & 0x80000000u) | ((254u - exponent) << 23));
+    return true;
+}
+
 ZC_HD float mul_rn(float a, float b) {
 #ifdef __CUDA_ARCH__
     float r;

@@ -9,14 +9,15 @@ compiles), so the launch arithmetic is tested anywhere; :mod:`zcomm.quant.backen
 registers these functions once the backend can run.
 
 Grid sizing: the kernels walk their work grid-stride, so the grid is the work size capped
-at a few resident blocks per multiprocessor (enough to keep every SM's memory pipeline
-busy without launching blocks that would only find no work). The encoder kernels run one
-of two schemes chosen from the group size (:func:`encoder_passes`; [Note: large groups]
-in kernels/group_encoder.cuh).
+at one full wave: as many blocks as every multiprocessor holds resident at once, from the
+occupancy the kernel's registers allow (:func:`_max_blocks`; [Note: one wave]). The
+encoder kernels run one of two schemes chosen from the group size
+(:func:`encoder_passes`; [Note: large groups] in kernels/group_encoder.cuh).
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Sequence
 
 import numpy as np
@@ -28,7 +29,6 @@ from ..wire_format import num_groups
 
 THREADS = 256
 WARPS_PER_BLOCK = THREADS // 32
-BLOCKS_PER_SM = 8
 RUN = 8  # elements per vector run in the kernels (vector_io.cuh)
 
 # Mirrors of team_walk.cuh and group_encoder.cuh (tests/quant/test_cuda_host_math.py checks that they agree).
@@ -65,8 +65,31 @@ def _i64(value: int) -> np.int64:
     return np.int64(value)
 
 
-def _max_blocks(device: torch.device) -> int:
-    return BLOCKS_PER_SM * loader.multiprocessor_count(loader.device_index(device))
+def _max_blocks(device: torch.device, source: str, name: str) -> int:
+    """The grid cap of kernel ``name``: one wave of resident blocks on every multiprocessor.
+
+    [Note: one wave] A grid-stride kernel does the same work per block, so a grid of a few
+    blocks per SM more than are resident runs in waves, the last one partly empty: with 8
+    blocks per SM launched and 3 resident (72 registers per thread), the third wave holds 2
+    blocks per SM; with 6 resident (40 registers), the second holds 2, a third of the SM.
+    Capping the grid at the resident count runs it in one full wave.
+    """
+    index = loader.device_index(device)
+    return _resident_blocks(source, name, index) * loader.multiprocessor_count(index)
+
+
+@lru_cache(maxsize=None)
+def _resident_blocks(source: str, name: str, index: int) -> int:
+    """Blocks of :data:`THREADS` threads of kernel ``name`` resident on one SM (CUDA occupancy, cached)."""
+    import cupy
+    from cupy_backends.cuda.api import driver
+
+    function = loader.kernel(source, name, index)
+    with cupy.cuda.Device(index):
+        blocks = driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, THREADS, 0)
+    if blocks < 1:
+        raise RuntimeError(f"{name} cannot run {THREADS} threads per block on device {index}")
+    return blocks
 
 
 def _cap(work_blocks: int, max_blocks: int) -> int:
@@ -93,15 +116,15 @@ def _encode(source: str, name: str, device: torch.device, jobs: int, group_exten
     The tile scheme's per-group absmax lives in a zeroed temporary allocated on the current
     stream, which both passes use in stream order (see [Note: large groups]).
     """
-    passes = encoder_passes(jobs, group_extent, _max_blocks(device))
+    passes = encoder_passes(jobs, group_extent, _max_blocks(device, source, name))
     absmax = torch.zeros(jobs, dtype=torch.int32, device=device) if passes[0][0] != TEAMS else None
     absmax_ptr = np.uint64(0) if absmax is None else _ptr(absmax)
     for encoder_pass, blocks in passes:
         loader.launch(source, name, device, blocks, THREADS, (*args, absmax_ptr, np.int32(encoder_pass)))
 
 
-def _decoder_blocks(device: torch.device, runs: int) -> int:
-    return _cap(-(-runs // THREADS), _max_blocks(device))
+def _decoder_blocks(device: torch.device, source: str, name: str, runs: int) -> int:
+    return _cap(-(-runs // THREADS), _max_blocks(device, source, name))
 
 
 def _pinned_perm(key: tuple[int, ...]) -> torch.Tensor:
@@ -164,11 +187,12 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> 
 
 def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, out: torch.Tensor) -> None:
     rows = payloads.shape[0]
+    name = f"zc_dequantize_{_DTYPE_TAG[out.dtype]}_int{bits}"
     loader.launch(
         "dequantize.cu",
-        f"zc_dequantize_{_DTYPE_TAG[out.dtype]}_int{bits}",
+        name,
         payloads.device,
-        _decoder_blocks(payloads.device, rows * -(-numel // RUN)),
+        _decoder_blocks(payloads.device, "dequantize.cu", name, rows * -(-numel // RUN)),
         THREADS,
         (_ptr(payloads), _i64(payloads.shape[1]), _i64(numel), _i64(group_size), _i64(rows), _ptr(out)),
     )
@@ -240,8 +264,8 @@ def dequant_reduce(
     payloads: torch.Tensor, numel: int, bits: int, group_size: int, divide_by: float, out: torch.Tensor
 ) -> None:
     """Sum (and divide) ``k`` payload rows and store the floats, in one kernel."""
-    blocks = _decoder_blocks(payloads.device, -(-numel // RUN))
     name = f"zc_dequant_reduce_{_DTYPE_TAG[out.dtype]}_int{bits}"
+    blocks = _decoder_blocks(payloads.device, "dequant_reduce.cu", name, -(-numel // RUN))
     args = (*_reduction_args(payloads, numel, group_size, divide_by), _ptr(out))
     loader.launch("dequant_reduce.cu", name, payloads.device, blocks, THREADS, args)
 
