@@ -140,7 +140,8 @@ def all_gather_q8(
             :func:`default_pipeline_stages`); chunks are whole quantization groups, so at most
             one stage per group is used (``"tensor"``, or a group of one rank: one stage). The
             output is the same for every value.
-        topology: which ranks share a node (default: :meth:`Topology.detect`).
+        topology: which ranks share a node (default: :meth:`Topology.detect`, run once per group
+            and call shape: [Note: prologue once] in :mod:`zcomm._prologue`).
     """
     info = prologue_once(output, input, group, topology, gather=True)
     numel, device = input.numel(), input.device

@@ -38,6 +38,7 @@ spawned, not forked, once a kernel has run.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numba
@@ -373,6 +374,7 @@ def _quantize_into(
     _reorder_quantize_kernel(_like(xs[0].dtype), sources, part_numel, numel, perm_array, bits, group_size, payloads)
 
 
+@functools.lru_cache(maxsize=64)
 def _fp32(divide_by: float) -> np.float32:
     """``divide_by`` rounded to fp32, as the reference's fp32 divisor tensor rounds it."""
     return np.float32(torch.tensor(divide_by, dtype=torch.float32).item())
