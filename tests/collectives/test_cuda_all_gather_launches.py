@@ -26,13 +26,17 @@ def _count_dequantize_calls(rank: int, world: int) -> list[int]:
 
     calls = []
     original = zcomm.quant.dequantize
-    kernel = cpu._dequantize_kernel
+    def counting(kernel):  # noqa: ANN001, ANN202
+        def launch(*args):
+            calls.append(1)
+            return kernel(*args)
 
-    def counting(*args):
-        calls.append(1)
-        return kernel(*args)
+        return launch
 
-    cpu._dequantize_kernel = counting  # the collective calls the backend's dequantize directly
+    # the collective calls the backend's dequantize directly; it launches the parallel or the
+    # serial build of its kernel by size
+    cpu._dequantize_kernel = counting(cpu._dequantize_kernel)
+    cpu._dequantize_serial = counting(cpu._dequantize_serial)
     per_call = []
     for local_size in (4, 2, 1):
         topology = zcomm.Topology(world_size=world, local_size=local_size)

@@ -283,9 +283,6 @@ def _reorder_quantize_kernel(like, sources, part_numel, numel, perm, bits, group
         _encode_group(buf, n, bits, values, start, scales, g)
 
 
-_reorder_quantize_serial = njit(cache=True, nogil=True, error_model="numpy")(_reorder_quantize_kernel.py_func)
-
-
 @njit(**_KERNEL)
 def _dequantize_kernel(payloads, bits, group_size, out):
     """``out[r * numel : (r + 1) * numel]`` = payload row ``r`` dequantized."""
@@ -322,6 +319,17 @@ def _reduce_requant_kernel(payloads, numel, bits, out_bits, group_size, divisor,
         _encode_group(buf, n, out_bits, values, start, scales, g)
 
 
+def _serial(kernel):  # noqa: ANN001, ANN202 (numba dispatchers)
+    """numba's serial build of the parallel ``kernel`` (its ``prange`` a plain loop): the same arithmetic."""
+    return njit(cache=True, nogil=True, error_model="numpy")(kernel.py_func)
+
+
+_reorder_quantize_serial = _serial(_reorder_quantize_kernel)
+_dequantize_serial = _serial(_dequantize_kernel)
+_reduce_serial = _serial(_reduce_kernel)
+_reduce_requant_serial = _serial(_reduce_requant_kernel)
+
+
 def _zero_padding(payloads: torch.Tensor, numel: int, bits: int) -> np.ndarray:
     """The ``(rows, nbytes)`` payloads as numpy, with the padding before the scales zeroed."""
     rows = shared_array(payloads)
@@ -335,9 +343,9 @@ def _zero_padding(payloads: torch.Tensor, numel: int, bits: int) -> np.ndarray:
 # a float dtype -> an empty array of its kernel dtype (``like`` of the reordering kernel)
 _LIKE: dict[torch.dtype, np.ndarray] = {}
 _NO_PERM = np.zeros(1, np.int64)  # the identity permutation of one slice
-# [Note: small serial launches] Below this many elements a quantize runs numba's serial build
-# of the same kernel: waking the parallel pool costs more than a few groups' work (on a
-# loaded 2-core machine, a thousand times more), and the bytes are the same either way.
+# [Note: small serial launches] Below this many elements (written, or read for a reduction) a
+# kernel runs numba's serial build of itself: waking the parallel pool costs more than a few
+# groups' work (on a loaded 2-core machine, milliseconds), and the bytes are the same either way.
 _SERIAL_NUMEL = 1 << 14
 
 
@@ -401,6 +409,9 @@ def reorder_quantize(
 
 @implements("dequantize", "cpu")
 def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, out: torch.Tensor) -> None:
+    if out.numel() < _SERIAL_NUMEL:
+        _dequantize_serial(shared_array(payloads), bits, group_size, kernel_view(out.detach()))
+        return
     _use_thread_share()
     _dequantize_kernel(shared_array(payloads), bits, group_size, kernel_view(out.detach()))
 
@@ -409,6 +420,9 @@ def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, o
 def dequant_reduce(
     payloads: torch.Tensor, numel: int, bits: int, group_size: int, divide_by: float, out: torch.Tensor
 ) -> None:
+    if numel * payloads.shape[0] < _SERIAL_NUMEL:
+        _reduce_serial(shared_array(payloads), bits, group_size, _fp32(divide_by), kernel_view(out.detach()))
+        return
     _use_thread_share()
     _reduce_kernel(shared_array(payloads), bits, group_size, _fp32(divide_by), kernel_view(out.detach()))
 
@@ -418,5 +432,8 @@ def dequant_reduce_requant(
     payloads: torch.Tensor, numel: int, bits: int, out_bits: int, group_size: int, divide_by: float, out: torch.Tensor
 ) -> None:
     requant = _zero_padding(out, numel // out.shape[0], out_bits)
+    if numel * payloads.shape[0] < _SERIAL_NUMEL:
+        _reduce_requant_serial(shared_array(payloads), numel, bits, out_bits, group_size, _fp32(divide_by), requant)
+        return
     _use_thread_share()
     _reduce_requant_kernel(shared_array(payloads), numel, bits, out_bits, group_size, _fp32(divide_by), requant)
