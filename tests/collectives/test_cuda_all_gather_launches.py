@@ -33,10 +33,7 @@ def _count_dequantize_calls(rank: int, world: int) -> list[int]:
 
         return launch
 
-    # the collective calls the backend's dequantize directly; it launches the parallel or the
-    # serial build of its kernel by size
-    cpu._dequantize_kernel = counting(cpu._dequantize_kernel)
-    cpu._dequantize_serial = counting(cpu._dequantize_serial)
+    cpu._dequantize_kernel = counting(cpu._dequantize_kernel)  # the collective calls the backend directly
     per_call = []
     for local_size in (4, 2, 1):
         topology = zcomm.Topology(world_size=world, local_size=local_size)

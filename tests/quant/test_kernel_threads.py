@@ -25,7 +25,7 @@ from zcomm.quant._threads import NUM_THREADS_VARIABLE, kernel_threads
 POOL = 4
 KERNELS = ("_reorder_quantize_kernel", "_dequantize_kernel", "_reduce_kernel", "_reduce_requant_kernel")
 # the serial builds, which small jobs run ([Note: small serial launches]), by parallel kernel
-SERIAL = {name: name.replace("_kernel", "_serial") for name in KERNELS}
+SERIAL = {name: name.replace("_kernel", "_serial") for name in KERNELS if name != "_dequantize_kernel"}
 
 
 def _record_launches(seen: list) -> None:
