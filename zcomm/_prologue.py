@@ -11,7 +11,8 @@ collectives build from their ``group_size``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Hashable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,56 @@ def prologue(
     """
     info = _resolve_group(group, topology)
     _check_tensors(output, input, world_size=info.world_size, gather=gather, quantized=quantized)
+    return info
+
+
+# resolved group -> (call shape, options) -> the GroupInfo a full prologue returned for it;
+# weak in the group like the plan cache ([Note: plan cache lifetime] in zcomm._plan_cache)
+_CHECKED: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[Hashable, GroupInfo]] = weakref.WeakKeyDictionary()
+_MAX_CHECKED = 256
+
+
+def prologue_once(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    topology: Topology | None,
+    *,
+    gather: bool,
+) -> GroupInfo:
+    """:func:`prologue` of a quantized collective, run in full once per call shape.
+
+    [Note: prologue once] A training step calls a collective with the same group, topology
+    argument, sizes, dtypes and devices over and over; the group's rank, size and topology
+    cannot change for a live group object, and the tensor checks depend only on those
+    properties. So the first call of such a shape runs :func:`prologue` and remembers its
+    result; a later call whose tensors are plain contiguous ``torch.Tensor`` objects with
+    the same sizes, dtypes and devices gets it back after a dictionary lookup (anything
+    else, e.g. a tensor subclass, runs the full prologue again). With ``topology=None`` the
+    topology is thus detected once per group and shape: the local-size variables
+    (:data:`zcomm.topology.LOCAL_SIZE_VARIABLES`) are read then, not on every call; set
+    them before the first collective on a group (a new group reads them again).
+    """
+    world = group if group is not None else dist.group.WORLD
+    checked = _CHECKED.get(world) if world is not None else None
+    if (
+        checked is not None
+        and type(output) is torch.Tensor
+        and type(input) is torch.Tensor
+        and output.is_contiguous()
+        and input.is_contiguous()
+    ):
+        key = (gather, topology, output.numel(), input.numel(), output.dtype, input.dtype, output.device, input.device)
+        info = checked.get(key)
+        if info is not None:
+            return info
+    info = prologue(output, input, group, topology, gather=gather, quantized=True)
+    if type(output) is torch.Tensor and type(input) is torch.Tensor:
+        checked = _CHECKED.setdefault(info.group, {})
+        if len(checked) >= _MAX_CHECKED:
+            del checked[next(iter(checked))]
+        key = (gather, topology, output.numel(), input.numel(), output.dtype, input.dtype, output.device, input.device)
+        checked[key] = info
     return info
 
 

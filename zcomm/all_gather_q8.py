@@ -50,6 +50,16 @@ hop); chunk ``c``'s intra-node hop starts as soon as its inter-node hop delivere
 chunk ``c``'s dequantization waits until chunk ``c + 1``'s intra-node hop is started. Each
 hop's send buffer stays referenced with its receive buffer until the hop's ``wait()``.
 
+[Note: qwZ direct kernels] The chain calls the backend's ``quantize`` and ``dequantize``
+kernels (the functions behind ``torch.ops.zcomm``, :func:`zcomm.quant._contract.kernel`)
+directly, not the public ops: the plan already resolved what the public ops check on every
+call (the spec and its int group size, the payload sizes, the backend: ``backend=`` is not
+an option here, so ``$ZCOMM_BACKEND``, then the device), and the prologue checked the
+tensors ([Note: prologue once]). Each call then skips the ops' checks, the backend choice
+and the dispatcher, and the kernels get exactly the contract's arguments: contiguous 1-D
+inputs, payloads of the planned size, non-empty (a call of empty inputs writes nothing and
+sends nothing, on every rank alike). ``$ZCOMM_BACKEND`` is read when a plan is made: a plan keeps its backend.
+
 [Note: hop order] Steps 1-4 run as one chain (:mod:`zcomm._chain_runner`) of the
 ``"gather"`` kind: on its own private groups and, on CPU, on the FIFO worker of the
 group's gathers, so every rank issues the hops of all its qwZ calls in one order, inter
@@ -60,7 +70,7 @@ the chain, async calls return its handle.
 from __future__ import annotations
 
 from functools import partial
-from typing import Literal, NamedTuple
+from typing import Callable, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -71,9 +81,10 @@ from ._chain_runner import run_chain
 from ._groups import node_groups
 from ._pipeline import GATHER_STAGE_BYTES, check_stages, default_stages
 from ._plan_cache import cached_plan, typed
-from ._prologue import prologue
+from ._prologue import prologue_once
 from ._torch_compat import all_gather_single
 from .comm_stats import record
+from .quant import _contract, _registry
 from .topology import Topology
 
 __all__ = ["GATHER_STAGE_BYTES", "all_gather_q8", "default_pipeline_stages"]
@@ -92,6 +103,10 @@ class _Plan(NamedTuple):
     group_size: int  # concrete: "tensor" resolved for this payload
     bounds: tuple[int, ...]  # chunk c is input elements [bounds[c], bounds[c + 1])
     bytes_sent: tuple[int, int]  # (intra, inter) per call, for comm_stats
+    chunk_nbytes: tuple[int, ...]  # the payload bytes of each chunk
+    # the backend's quantize and dequantize kernels, called directly ([Note: qwZ direct kernels])
+    quantize: Callable[..., None]
+    dequantize: Callable[..., None]
 
 
 def default_pipeline_stages(output_nbytes: int, num_groups: int, topology: Topology) -> int:
@@ -125,22 +140,25 @@ def all_gather_q8(
             :func:`default_pipeline_stages`); chunks are whole quantization groups, so at most
             one stage per group is used (``"tensor"``, or a group of one rank: one stage). The
             output is the same for every value.
-        topology: which ranks share a node (default: :meth:`Topology.detect`).
+        topology: which ranks share a node (default: :meth:`Topology.detect`, run once per group
+            and call shape: [Note: prologue once] in :mod:`zcomm._prologue`).
     """
-    info = prologue(output, input, group, topology, gather=True, quantized=True)
-    check_stages(pipeline_stages)
-    numel, output_nbytes = input.numel(), output.numel() * output.element_size()
-    key = ("all_gather_q8", info.topology, numel, output_nbytes, typed(group_size), pipeline_stages)
-    plan = cached_plan(info.group, key, partial(_make_plan, info, numel, output_nbytes, group_size, pipeline_stages))
+    info = prologue_once(output, input, group, topology, gather=True)
+    numel, device = input.numel(), input.device
+    key = ("all_gather_q8", info.topology, numel, output.dtype, device, typed(group_size), typed(pipeline_stages))
+    plan = cached_plan(info.group, key, partial(_make_plan, info, numel, output, group_size, pipeline_stages))
     record("all_gather_q8", *plan.bytes_sent)
     return run_chain(partial(_chain, plan, output, input), info, "gather", (output, input), async_op)
 
 
 def _make_plan(
-    info: GroupInfo, numel: int, output_nbytes: int, group_size: int | Literal["tensor"] | None,
+    info: GroupInfo, numel: int, output: torch.Tensor, group_size: int | Literal["tensor"] | None,
     pipeline_stages: int | None,
 ) -> _Plan:
     """The plan of a call with these sizes and options ([Note: plan cache lifetime] in :mod:`zcomm._plan_cache`)."""
+    check_stages(pipeline_stages)
+    output_nbytes = output.numel() * output.element_size()
+    backend = _registry.select(None, output.device)
     concrete_group_size = quant.QuantSpec(bits=_BITS, group_size=group_size).group_size_for(numel)
     groups = node_groups(info.group, info.topology, "gather")
     hops = tuple(hop for hop in (groups.inter, groups.intra) if hop is not None)
@@ -150,7 +168,11 @@ def _make_plan(
     # whole groups per chunk; with no hop at all (one rank) there is nothing to overlap
     stages = min(pipeline_stages, max(1, num_groups)) if hops else 1
     bounds = _chunk_bounds(numel, concrete_group_size, stages)
-    plan = _Plan(hops, info.topology, concrete_group_size, bounds, (0, 0))
+    chunk_nbytes = tuple(quant.payload_nbytes(hi - lo, _BITS, concrete_group_size) for lo, hi in zip(bounds, bounds[1:]))
+    plan = _Plan(
+        hops, info.topology, concrete_group_size, bounds, (0, 0), chunk_nbytes,
+        _contract.kernel("quantize", backend), _contract.kernel("dequantize", backend),
+    )
     return plan._replace(bytes_sent=_bytes_sent(plan))
 
 
@@ -163,26 +185,28 @@ def _chunk_bounds(numel: int, group_size: int, stages: int) -> tuple[int, ...]:
 def _bytes_sent(plan: _Plan) -> tuple[int, int]:
     """(intra, inter) bytes this rank sends (comm_stats model): each chunk's payload to the ``N - 1``
     other nodes, then the ``N`` payloads of its inter-node hop to the node's ``L - 1`` other ranks."""
-    payload_bytes = sum(
-        quant.payload_nbytes(hi - lo, _BITS, plan.group_size) for lo, hi in zip(plan.bounds, plan.bounds[1:])
-    )
+    payload_bytes = sum(plan.chunk_nbytes)
     num_nodes, local_size = plan.topology.num_nodes, plan.topology.local_size
     return (local_size - 1) * num_nodes * payload_bytes, (num_nodes - 1) * payload_bytes
 
 
 def _chain(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:
     """Steps 1-4 of the module docstring, on this thread (or enqueued on the current CUDA stream)."""
+    if input.requires_grad:  # parameters: read detached, as the public ops do
+        input = input.detach()
+    if not plan.bounds[-1]:
+        return  # every rank's input is empty (the prologue checked the sizes): nothing to send or write
     if len(plan.bounds) == 2:
-        _gather_whole(plan, output, input)
+        _gather_whole(plan, output.view(-1), input.view(-1))
     else:
-        _gather_pipelined(plan, output.view(-1), input.reshape(-1))
+        _gather_pipelined(plan, output.view(-1), input.view(-1))
 
 
 def _gather_whole(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:
     """Unpipelined: one payload through both hops, then one dequantize of all ``W`` rows in rank order."""
     num_nodes, local_size, numel = plan.topology.num_nodes, plan.topology.local_size, input.numel()
     # ``wait()`` returns only after its hop has read ``gathered`` (see [Note: qwZ buffer lifetime])
-    gathered = quant.quantize(input.reshape(-1), _BITS, plan.group_size)
+    gathered = _quantize(plan, input, plan.chunk_nbytes[0])
     for hop in plan.hops:
         _, gathered, work = _start_gather(gathered, hop)
         work.wait()
@@ -191,13 +215,23 @@ def _gather_whole(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> Non
     # the rows arrive [local rank][node], the ranks are [node][local rank]: one dequantize of
     # all W rows in rank order (reshape copies the payload bytes only when both are > 1)
     in_rank_order = gathered.view(local_size, num_nodes, row_bytes).transpose(0, 1).reshape(world_size, row_bytes)
-    quant.dequantize(in_rank_order, numel, _BITS, plan.group_size, output.dtype, out=output)
+    plan.dequantize(in_rank_order, numel, _BITS, plan.group_size, output)
+
+
+def _quantize(plan: _Plan, chunk: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """The payload of the non-empty 1-D ``chunk`` ([Note: qwZ direct kernels])."""
+    payload = torch.empty(nbytes, dtype=torch.uint8, device=chunk.device)
+    plan.quantize(chunk, _BITS, plan.group_size, payload)
+    return payload
 
 
 def _gather_pipelined(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:
     """The chunks' hops overlapped as [Note: qwZ pipeline] says; ``output`` and ``input`` flat."""
     chunks = list(zip(plan.bounds, plan.bounds[1:]))
-    first = [_start_gather(quant.quantize(input[lo:hi], _BITS, plan.group_size), plan.hops[0]) for lo, hi in chunks]
+    first = [
+        _start_gather(_quantize(plan, input[lo:hi], nbytes), plan.hops[0])
+        for (lo, hi), nbytes in zip(chunks, plan.chunk_nbytes)
+    ]
     in_flight: list[tuple[tuple[int, int], _Hop]] = []
     for chunk, (_, received, work) in zip(chunks, first):
         work.wait()
@@ -224,7 +258,8 @@ def _finish_chunk(plan: _Plan, chunk: tuple[int, int], hop: _Hop, output: torch.
     world_size = topology.world_size
     # arrival order [local rank][node] -> rank order [node][local rank] (a copy of the payload bytes)
     rows = gathered.view(topology.local_size, topology.num_nodes, -1).transpose(0, 1).reshape(world_size, -1)
-    values = quant.dequantize(rows, hi - lo, _BITS, plan.group_size, output.dtype)
+    values = torch.empty(world_size * (hi - lo), dtype=output.dtype, device=output.device)
+    plan.dequantize(rows, hi - lo, _BITS, plan.group_size, values)
     output.view(world_size, numel)[:, lo:hi].copy_(values.view(world_size, hi - lo))
 
 

@@ -46,6 +46,14 @@ elements: step 1 reads the zeros from nowhere ([Note: interleaved input] in
 stage's part goes through a ``q``-element buffer on its way into ``output``. Any ``numel``
 works and the collective is never swapped for an unquantized one.
 
+[Note: qgZ direct kernels] Without error feedback, the chain calls the backend's
+``reorder_quantize``, ``dequant_reduce`` and ``dequant_reduce_requant`` kernels (the
+functions behind ``torch.ops.zcomm``, :func:`zcomm.quant._contract.kernel`) directly, into
+buffers of the sizes the plan computed: the plan resolved the spec, the permutation, the row
+sizes and the backend (``$ZCOMM_BACKEND`` when the plan was made, then the device) once, and
+the prologue checked the tensors, so the public ops' checks, backend choice and dispatch are
+not repeated per call and per stage. The kernels get the contract's arguments exactly.
+
 [Note: an INT8 first hop] ``first_hop_bits=8`` (after SDP4Bit's two-level scheme, arXiv
 2410.15526: 8 bits inside the node, 4 across) quantizes step 1 to INT8 and makes step 3 read
 INT8 rows, sum them in fp32 and re-quantize the node's sum to INT4 as before, in the same
@@ -77,7 +85,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
-from typing import Literal, NamedTuple
+from typing import Callable, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -90,9 +98,10 @@ from ._hadamard import check_hadamard_block, rotate_back_, rotated_input
 from ._groups import NodeGroups, node_groups
 from ._pipeline import MAX_DEFAULT_STAGES, STAGE_BYTES, check_stages, default_stages
 from ._plan_cache import cached_plan, typed
-from ._prologue import prologue, prologue_coalesced
+from ._prologue import prologue_coalesced, prologue_once
 from ._slice_reorder import first_hop_rows, reorder_permutation
 from .comm_stats import record
+from .quant import _contract, _registry
 from .topology import Topology
 
 __all__ = [
@@ -101,6 +110,14 @@ __all__ = [
 ]
 
 _BITS = 4
+
+
+class _Kernels(NamedTuple):
+    """The backend's kernels of the chain's ops ([Note: qgZ direct kernels])."""
+
+    reorder_quantize: Callable[..., None]
+    dequant_reduce: Callable[..., None]
+    dequant_reduce_requant: Callable[..., None]
 
 
 class _Shape(NamedTuple):
@@ -115,6 +132,8 @@ class _Shape(NamedTuple):
     perm: tuple[int, ...]  # step 1's slice order (zcomm._slice_reorder)
     num_rows: int  # step 1's payload rows
     bytes_sent: tuple[int, int]  # (intra, inter) per call, for comm_stats
+    kernels: _Kernels  # the backend's, called directly ([Note: qgZ direct kernels])
+    row_nbytes: int  # bytes of one of step 1's payload rows
 
 
 class _Plan(NamedTuple):
@@ -129,6 +148,8 @@ class _Plan(NamedTuple):
     perm: tuple[int, ...]
     num_rows: int
     bytes_sent: tuple[int, int]
+    kernels: _Kernels
+    row_nbytes: int
     divide_by: float
     feedback: ErrorFeedback | None
     hadamard_block: int | None  # see [Note: Hadamard smoothing] in zcomm._hadamard
@@ -170,7 +191,8 @@ def reduce_scatter_q4(
             ``zcomm.quant.DEFAULT_GROUP_SIZE[4]``); see :class:`zcomm.quant.QuantSpec`.
         pipeline_stages: chunks overlapping intra- and inter-node hops (default
             :func:`default_pipeline_stages`).
-        topology: which ranks share a node (default: :meth:`Topology.detect`).
+        topology: which ranks share a node (default: :meth:`Topology.detect`, run once per group
+            and call shape: [Note: prologue once] in :mod:`zcomm._prologue`).
         error_feedback: LoCo state of the stream of reductions this call belongs to (None:
             stateless); see :class:`zcomm.ErrorFeedback`.
         first_hop_bits: 4 (ZeRO++) or 8: the intra-node hop in INT8, the inter-node hop
@@ -181,7 +203,7 @@ def reduce_scatter_q4(
             Hadamard smoothing] in ``zcomm._hadamard``). Same bytes on the wire; costs an fp32
             copy of the input and ``log2(block)`` passes over it. Not with ``error_feedback``.
     """
-    info = prologue(output, input, group, topology, gather=False, quantized=True)
+    info = prologue_once(output, input, group, topology, gather=False)
     return _start(info, [output], [input], op, async_op, group_size, pipeline_stages, error_feedback,
                   first_hop_bits, hadamard_block)
 
@@ -247,10 +269,11 @@ def _start(
     check_stages(pipeline_stages)
     slice_numel = sum(output.numel() for output in outputs)
     input_nbytes = slice_numel * info.world_size * inputs[0].element_size()
+    device = inputs[0].device
     key = ("reduce_scatter_q4", info.topology, slice_numel, input_nbytes, typed(group_size), pipeline_stages,
-           first_bits)
+           first_bits, device)
     shape = cached_plan(info.group, key, partial(_make_shape, info, slice_numel, input_nbytes, group_size,
-                                                 pipeline_stages, first_bits))
+                                                 pipeline_stages, first_bits, device))
     plan = _Plan(info, *shape, divide_by=divide_by, feedback=feedback, hadamard_block=hadamard_block)
     if feedback is not None:
         feedback.bind((shape.stages * shape.part, info.world_size, info.topology.num_nodes, shape.stages,
@@ -292,9 +315,11 @@ def _first_bits(first_hop_bits: int, topology: Topology, feedback: ErrorFeedback
 
 def _make_shape(
     info: GroupInfo, slice_numel: int, input_nbytes: int, group_size: int | Literal["tensor"] | None,
-    pipeline_stages: int | None, first_bits: int,
+    pipeline_stages: int | None, first_bits: int, device: torch.device,
 ) -> _Shape:
     spec = quant.QuantSpec(bits=_BITS, group_size=group_size)
+    backend = _registry.select(None, device)
+    kernels = _Kernels(*(_contract.kernel(op, backend) for op in _Kernels._fields))
     topology = info.topology
     stages = pipeline_stages if pipeline_stages is not None else (
         default_pipeline_stages(input_nbytes, slice_numel, topology))
@@ -304,8 +329,9 @@ def _make_shape(
     perm = reorder_permutation(topology.num_nodes, topology.local_size, stages)
     num_rows = first_hop_rows(topology.num_nodes, topology.local_size, stages)
     bytes_sent = _bytes_sent(topology, stages, part, concrete_group_size, first_bits)
+    row_nbytes = quant.payload_nbytes(topology.world_size * stages * part // num_rows, first_bits, concrete_group_size)
     return _Shape(node_groups(info.group, topology, "reduce"), stages, part, concrete_group_size, first_bits, perm,
-                  num_rows, bytes_sent)
+                  num_rows, bytes_sent, kernels, row_nbytes)
 
 
 def _bytes_sent(topology: Topology, k: int, q: int, group_size: int, first_bits: int) -> tuple[int, int]:
@@ -327,8 +353,9 @@ def _chain(plan: _Plan, outputs: list[torch.Tensor], inputs: list[torch.Tensor])
     # slices zero-filled to k * q elements when q does not divide them: read, never staged
     errors = None
     if plan.feedback is None:
-        rows = quant.reorder_quantize(
-            inputs, perm, num_rows, plan.first_bits, plan.group_size, parts=topology.world_size, part_numel=k * q
+        rows = torch.empty((num_rows, plan.row_nbytes), dtype=torch.uint8, device=inputs[0].device)
+        plan.kernels.reorder_quantize(
+            inputs, topology.world_size, k * q, perm, num_rows, plan.first_bits, plan.group_size, rows
         )
     else:
         errors = _feedback_errors(plan, inputs[0].device)
@@ -430,9 +457,12 @@ def _inter_rows(plan: _Plan, rows: torch.Tensor, intra: list, stage: int,
     work.wait()
     numel = num_nodes * plan.part
     if errors is None:  # INT4 (or INT8) rows in, the node's sum re-quantized to INT4 rows
-        return quant.dequant_reduce(
-            received, numel, plan.first_bits, plan.group_size, requant_chunks=num_nodes, requant_bits=_BITS
+        requant = torch.empty(
+            (num_nodes, quant.payload_nbytes(plan.part, _BITS, plan.group_size)), dtype=torch.uint8,
+            device=received.device,
         )
+        plan.kernels.dequant_reduce_requant(received, numel, plan.first_bits, _BITS, plan.group_size, 1.0, requant)
+        return requant
     node_sum = quant.dequant_reduce(received, numel, _BITS, plan.group_size, dtype=torch.float32)
     error = errors[1][stage * numel : (stage + 1) * numel]
     return plan.feedback.compensate_quantize(node_sum, error, num_nodes, plan.group_size)
@@ -450,6 +480,4 @@ def _finish(plan: _Plan, received: torch.Tensor, work: dist.Work | None, out: to
     if work is not None:
         work.wait()
     bits = plan.first_bits if plan.info.topology.num_nodes == 1 else _BITS
-    quant.dequant_reduce(
-        received, plan.part, bits, plan.group_size, dtype=out.dtype, divide_by=plan.divide_by, out=out
-    )
+    plan.kernels.dequant_reduce(received, plan.part, bits, plan.group_size, plan.divide_by, out)

@@ -81,23 +81,26 @@ def _coalesced_cases(seed: int):
 
 
 class _ReorderSpy:
-    """Records what ``zcomm.quant.reorder_quantize`` is handed: the tensors' addresses and the fill."""
+    """Records what the ``cpu`` backend's quantizer (behind its ``reorder_quantize`` kernel, which
+    the collective calls directly) is handed: the tensors' addresses and the fill."""
 
     def __init__(self) -> None:
-        self.original = zcomm.quant.reorder_quantize
+        from zcomm.quant.backends import cpu
+
+        self.module = cpu
+        self.original = cpu._quantize_into
         self.calls: list[tuple[list[int], int, int]] = []
 
     def __enter__(self) -> _ReorderSpy:
-        def spy(x, *args, parts=1, part_numel=None, **kwargs):
-            tensors = [x] if isinstance(x, torch.Tensor) else list(x)
-            self.calls.append(([t.data_ptr() for t in tensors], parts, part_numel))
-            return self.original(x, *args, parts=parts, part_numel=part_numel, **kwargs)
+        def spy(xs, parts, part_numel, *args):
+            self.calls.append(([t.data_ptr() for t in xs], parts, part_numel))
+            return self.original(xs, parts, part_numel, *args)
 
-        zcomm.quant.reorder_quantize = spy
+        self.module._quantize_into = spy
         return self
 
     def __exit__(self, *exc: object) -> None:
-        zcomm.quant.reorder_quantize = self.original
+        self.module._quantize_into = self.original
 
 
 def _check_padding_reads_in_place(rank: int, world: int, topology: zcomm.Topology) -> None:

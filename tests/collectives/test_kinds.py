@@ -5,7 +5,7 @@
 * The calls of one kind complete in program order.
 
 One rank is made deliberately slow: on rank 3 the first kernel of the blocked kind's chain
-(``reorder_quantize`` for qgZ, ``quantize`` for qwZ) waits on an event that the test sets
+(``reorder_quantize`` for qgZ, ``quantize`` for qwZ, both the ``cpu`` backend's) waits on an event that the test sets
 only after the other kind's call returned. Every other rank's chain of that kind then
 waits for rank 3 inside its hops, so the blocked call is in flight everywhere. If the two
 kinds shared one worker (or one private group), the other kind's sync call would queue
@@ -35,21 +35,29 @@ NUMEL = 4 * 1000
 
 
 class _Blocker:
-    """Makes ``zcomm.quant.<op>`` wait for :meth:`release` (on the slow rank), the first time it runs."""
+    """Makes the first quantization of ``op``'s chain wait for :meth:`release` (on the slow rank).
+
+    The collectives call the ``cpu`` backend's kernels directly, and both ``quantize`` (qwZ)
+    and ``reorder_quantize`` (qgZ) run its ``_quantize_into``: that is wrapped, and only a call
+    on the worker of ``op``'s kind is held.
+    """
 
     def __init__(self, op: str, rank: int) -> None:
-        self.op, self.original = op, getattr(zcomm.quant, op)
+        from zcomm.quant.backends import cpu
+
+        self.module, self.original = cpu, cpu._quantize_into
+        self.worker = "zcomm-worker-" + ("reduce" if op == "reorder_quantize" else "gather")
         self.released = threading.Event()
         self.armed = rank == SLOW_RANK
 
     def __enter__(self) -> _Blocker:
-        def blocked(*args, **kwargs):
-            if self.armed:
+        def blocked(*args):
+            if self.armed and threading.current_thread().name.startswith(self.worker):
                 self.armed = False
                 self.released.wait(RELEASE_TIMEOUT_S)
-            return self.original(*args, **kwargs)
+            return self.original(*args)
 
-        setattr(zcomm.quant, self.op, blocked)
+        self.module._quantize_into = blocked
         return self
 
     def release(self) -> None:
@@ -57,7 +65,7 @@ class _Blocker:
 
     def __exit__(self, *exc: object) -> None:
         self.released.set()
-        setattr(zcomm.quant, self.op, self.original)
+        self.module._quantize_into = self.original
 
 
 def _inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor]:

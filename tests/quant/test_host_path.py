@@ -67,3 +67,24 @@ def test_reference_backend_is_its_own_namespace() -> None:
     assert "reference.py:quantize" in entered and "cpu.py:quantize" not in entered
     entered = _frames(lambda: q.quantize(x, 8, 256))
     assert "cpu.py:quantize" in entered and "reference.py:quantize" not in entered
+
+
+def test_all_gather_q8_frames(tmp_path) -> None:
+    """One ``all_gather_q8`` call on a world of one (gloo), on the calling thread: the prologue
+    and the plan come from their caches (no topology detection, no environment read, no
+    checks run again), then the chain is handed to the gather worker (whose frames run on
+    its thread and are not counted here)."""
+    import torch.distributed as dist
+
+    import zcomm
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        x = torch.randn(NUMEL)
+        out = torch.empty(NUMEL)
+        entered = _frames(lambda: zcomm.all_gather_q8(out, x))
+        assert len(entered) <= 40, "\n".join(entered)
+        assert not [name for name in entered if name.endswith((":detect", ":prologue", ":_make_plan", ":get"))
+                    and not name.startswith("weakref.py")], entered
+    finally:
+        dist.destroy_process_group()

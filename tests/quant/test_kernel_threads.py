@@ -24,6 +24,8 @@ from zcomm.quant._threads import NUM_THREADS_VARIABLE, kernel_threads
 
 POOL = 4
 KERNELS = ("_reorder_quantize_kernel", "_dequantize_kernel", "_reduce_kernel", "_reduce_requant_kernel")
+# the serial builds, which small jobs run ([Note: small serial launches]), by parallel kernel
+SERIAL = {name: name.replace("_kernel", "_serial") for name in KERNELS if name != "_dequantize_kernel"}
 
 
 def _record_launches(seen: list) -> None:
@@ -50,7 +52,7 @@ def _record_launches(seen: list) -> None:
 
         return launch
 
-    for name in KERNELS:
+    for name in (*KERNELS, *SERIAL.values()):
         setattr(cpu, name, recording(name, getattr(cpu, name)))
 
 
@@ -77,7 +79,7 @@ def _threads_main(rank: int, world: int) -> dict:
     seen.clear()
     os.environ[NUM_THREADS_VARIABLE] = "2"
     _run_collectives(world)
-    zcomm.quant.quantize(torch.randn(100), 8, 32)  # a direct call, on this (main) thread
+    zcomm.quant.quantize(torch.randn(1 << 15), 8, 32)  # a direct call, on this (main) thread, large enough to run parallel
     return {"default": by_default, "explicit": list(seen)}
 
 
@@ -87,14 +89,18 @@ def test_kernels_use_the_ranks_share_of_threads_on_the_worker():
     for rank, result in enumerate(results):
         share = 1 + rank % 3
         launched = {name for name, *_ in result["default"]}
-        assert launched == set(KERNELS), (rank, launched)
-        for name, thread, threads, max_id in result["default"]:
+        # every kernel ran, serially or in parallel (by size), and every parallel launch used the share
+        assert {name.replace("_serial", "_kernel") for name in launched} == set(KERNELS), (rank, launched)
+        parallel = [launch for launch in result["default"] if launch[0] in KERNELS]
+        for name, thread, threads, max_id in parallel:
             assert thread.startswith("zcomm-worker"), (rank, name, thread)
             assert threads == share and max_id < share, (rank, name, threads, max_id)
         *collective, direct = result["explicit"]
-        assert {name for name, *_ in collective} == set(KERNELS)
-        assert all(threads == 2 and max_id < 2 for _, _, threads, max_id in result["explicit"]), (rank, result)
-        assert direct[1] == "MainThread", direct
+        assert {name.replace("_serial", "_kernel") for name, *_ in collective} == set(KERNELS)
+        explicit = [launch for launch in result["explicit"] if launch[0] in KERNELS]
+        assert explicit, (rank, result)
+        assert all(threads == 2 and max_id < 2 for _, _, threads, max_id in explicit), (rank, result)
+        assert direct[:2] == ("_reorder_quantize_kernel", "MainThread"), direct
 
 
 _FIRST_KERNEL_ON_MAIN = """
@@ -102,7 +108,7 @@ import torch, zcomm.quant as q
 torch.set_num_threads(1)
 torch.randn(1 << 20).sum()  # torch's own parallel work first, as in any training step
 before = torch.get_num_threads()
-q.quantize(torch.randn(1000), 8, 32)
+q.quantize(torch.randn(1 << 15), 8, 32)  # parallel (a small one runs serially)
 print(before, torch.get_num_threads())
 """
 

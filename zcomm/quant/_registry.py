@@ -9,7 +9,8 @@ needs neither numba nor cupy nor a GPU. A backend that cannot be loaded raises
 another backend.
 
 Selection (:func:`select`), in order: the op's ``backend=`` argument, the ``ZCOMM_BACKEND``
-environment variable (read at every call), then the tensor's device (``cpu`` -> ``"cpu"``,
+environment variable (read at every call of a public op; the quantized collectives read it
+once per plan, when a group first sees a call shape), then the tensor's device (``cpu`` -> ``"cpu"``,
 ``cuda`` -> ``"cuda"``). The device's own backend runs behind ``torch.ops.zcomm``, the
 ``reference`` backend behind ``torch.ops.zcomm_reference`` ([Note: backend dispatch] in
 :mod:`zcomm.quant._contract`), so choosing a backend is choosing an operator namespace.

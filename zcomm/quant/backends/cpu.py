@@ -38,6 +38,7 @@ spawned, not forked, once a kernel has run.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numba
@@ -48,7 +49,7 @@ from numba.extending import intrinsic
 
 from .._threads import use_thread_share as _use_thread_share
 from .._contract import implements
-from ..wire_format import QMAX, SMALLEST_NORMAL_F32, SUBNORMAL_PRESCALE, scales_offset, values_nbytes
+from ..wire_format import ALIGN, QMAX, SMALLEST_NORMAL_F32, SUBNORMAL_PRESCALE
 from ._cpu_float_bits import (
     F32_CANONICAL_NAN_BITS,
     F32_INF_BITS,
@@ -318,31 +319,69 @@ def _reduce_requant_kernel(payloads, numel, bits, out_bits, group_size, divisor,
         _encode_group(buf, n, out_bits, values, start, scales, g)
 
 
+def _serial(kernel):  # noqa: ANN001, ANN202 (numba dispatchers)
+    """numba's serial build of the parallel ``kernel`` (its ``prange`` a plain loop): the same arithmetic."""
+    return njit(cache=True, nogil=True, error_model="numpy")(kernel.py_func)
+
+
+_reorder_quantize_serial = _serial(_reorder_quantize_kernel)
+_reduce_serial = _serial(_reduce_kernel)
+_reduce_requant_serial = _serial(_reduce_requant_kernel)
+
+
 def _zero_padding(payloads: torch.Tensor, numel: int, bits: int) -> np.ndarray:
     """The ``(rows, nbytes)`` payloads as numpy, with the padding before the scales zeroed."""
     rows = shared_array(payloads)
-    rows[:, values_nbytes(numel, bits) : scales_offset(numel, bits)] = 0
+    values_end = numel if bits == 8 else (numel + 1) // 2  # values_nbytes and scales_offset, inline
+    scales_start = (values_end + ALIGN - 1) // ALIGN * ALIGN
+    if scales_start != values_end:
+        rows[:, values_end:scales_start] = 0
     return rows
 
 
+# a float dtype -> an empty array of its kernel dtype (``like`` of the reordering kernel)
+_LIKE: dict[torch.dtype, np.ndarray] = {}
+_NO_PERM = np.zeros(1, np.int64)  # the identity permutation of one slice
+# [Note: small serial launches] Below this many elements (written, or read for a reduction) a
+# kernel runs numba's serial build of itself: waking the parallel pool costs more than a few
+# groups' work (on a loaded 2-core machine, milliseconds), and the bytes are the same either way.
+_SERIAL_NUMEL = 1 << 14
+
+
+def _like(dtype: torch.dtype) -> np.ndarray:
+    like = _LIKE.get(dtype)
+    if like is None:
+        like = _LIKE[dtype] = kernel_view(torch.empty(0, dtype=dtype))
+    return like
+
+
 def _quantize_into(
-    xs: Sequence[torch.Tensor], parts: int, part_numel: int, perm: Sequence[int], bits: int, group_size: int,
+    xs: Sequence[torch.Tensor], parts: int, part_numel: int, perm: Sequence[int] | None, bits: int, group_size: int,
     out2d: torch.Tensor,
 ) -> None:
-    """``reorder_quantize`` of the interleaved input of ``xs`` (which the caller keeps alive)."""
+    """``reorder_quantize`` of the interleaved input of ``xs`` (which the caller keeps alive);
+    ``perm`` None is the identity of one slice."""
     numel = parts * part_numel
     payloads = _zero_padding(out2d, numel // out2d.shape[0], bits)
-    sources = np.empty((3, len(xs)), np.int64)
-    end = 0
-    for index, x in enumerate(xs):
-        width = x.numel() // parts
-        end += width
-        sources[:, index] = (x.data_ptr(), width, end)
-    like = kernel_view(xs[0][:0].detach())
+    if len(xs) == 1:
+        width = xs[0].numel() // parts
+        sources = np.array(((xs[0].data_ptr(),), (width,), (width,)), np.int64)
+    else:
+        sources = np.empty((3, len(xs)), np.int64)
+        end = 0
+        for index, x in enumerate(xs):
+            width = x.numel() // parts
+            end += width
+            sources[:, index] = (x.data_ptr(), width, end)
+    perm_array = _NO_PERM if perm is None else np.asarray(perm, np.int64)
+    if numel < _SERIAL_NUMEL:
+        _reorder_quantize_serial(_like(xs[0].dtype), sources, part_numel, numel, perm_array, bits, group_size, payloads)
+        return
     _use_thread_share()
-    _reorder_quantize_kernel(like, sources, part_numel, numel, np.asarray(perm, np.int64), bits, group_size, payloads)
+    _reorder_quantize_kernel(_like(xs[0].dtype), sources, part_numel, numel, perm_array, bits, group_size, payloads)
 
 
+@functools.lru_cache(maxsize=64)
 def _fp32(divide_by: float) -> np.float32:
     """``divide_by`` rounded to fp32, as the reference's fp32 divisor tensor rounds it."""
     return np.float32(torch.tensor(divide_by, dtype=torch.float32).item())
@@ -350,7 +389,7 @@ def _fp32(divide_by: float) -> np.float32:
 
 @implements("quantize", "cpu")
 def quantize(x: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> None:
-    _quantize_into([x], 1, x.numel(), (0,), bits, group_size, out.view(1, -1))
+    _quantize_into((x,), 1, x.numel(), None, bits, group_size, out.view(1, -1))
 
 
 @implements("reorder_quantize", "cpu")
@@ -369,6 +408,8 @@ def reorder_quantize(
 
 @implements("dequantize", "cpu")
 def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, out: torch.Tensor) -> None:
+    # always parallel: its serial build measured ~7 ms per call at 1K-4K elements on the shared
+    # 2-core machine (the parallel one too at 1K; unexplained), so it is not used
     _use_thread_share()
     _dequantize_kernel(shared_array(payloads), bits, group_size, kernel_view(out.detach()))
 
@@ -377,6 +418,9 @@ def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, o
 def dequant_reduce(
     payloads: torch.Tensor, numel: int, bits: int, group_size: int, divide_by: float, out: torch.Tensor
 ) -> None:
+    if numel * payloads.shape[0] < _SERIAL_NUMEL:
+        _reduce_serial(shared_array(payloads), bits, group_size, _fp32(divide_by), kernel_view(out.detach()))
+        return
     _use_thread_share()
     _reduce_kernel(shared_array(payloads), bits, group_size, _fp32(divide_by), kernel_view(out.detach()))
 
@@ -386,5 +430,8 @@ def dequant_reduce_requant(
     payloads: torch.Tensor, numel: int, bits: int, out_bits: int, group_size: int, divide_by: float, out: torch.Tensor
 ) -> None:
     requant = _zero_padding(out, numel // out.shape[0], out_bits)
+    if numel * payloads.shape[0] < _SERIAL_NUMEL:
+        _reduce_requant_serial(shared_array(payloads), numel, bits, out_bits, group_size, _fp32(divide_by), requant)
+        return
     _use_thread_share()
     _reduce_requant_kernel(shared_array(payloads), numel, bits, out_bits, group_size, _fp32(divide_by), requant)
