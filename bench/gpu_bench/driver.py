@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from bench.gpu_check import environment
-from bench.gpu_check.driver import default_out_dir, gpu_problem
+from bench.gpu_check.driver import default_out_dir, gpu_problem, select_stages
 from bench.gpu_check.stages import REPO, run_stage
 
 from . import plan, report
@@ -53,11 +53,7 @@ def main(argv: list[str] | None = None, **tools: str) -> int:
     machine = torch.cuda.get_device_name(0) if gpu else "cpu"
     out_dir = args.out or default_out_dir(machine, prefix="gpu-bench")
     stages, absent = plan.plan(out_dir, gpu=gpu, **tools)
-    if args.only:
-        unknown = sorted(set(args.only) - {stage.name for stage in stages})
-        if unknown:
-            parser.error(f"unknown part(s) {unknown}; choose from {[stage.name for stage in stages]}")
-        stages = [stage for stage in stages if stage.name in args.only]
+    stages = select_stages(parser, stages, args.only, "part")
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"gpu-bench: results in {out_dir}", flush=True)
     for line in absent:

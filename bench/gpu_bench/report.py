@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from bench.gpu_check.report import tail
+from bench.gpu_check.report import environment_table, tail
 from bench.gpu_check.stages import StageResult
 
 from . import plan
@@ -124,9 +124,7 @@ def render(*, title: str, results: Sequence[StageResult], absent: Sequence[str],
         "",
         "## Environment",
         "",
-        "| | |",
-        "|---|---|",
-        *[f"| {key} | {value} |" for key, value in (environment or {}).items()],
+        *environment_table(environment),
         "",
         "## Host cost per call (world size 1)",
         "",

@@ -56,6 +56,18 @@ def _cleared_notes() -> list[str]:
             for key in stages.CLEARED_ENV if key in os.environ]  # fmt: skip
 
 
+def select_stages(
+    parser: argparse.ArgumentParser, plan: list[stages.Stage], only: list[str] | None, noun: str
+) -> list[stages.Stage]:
+    """The stages of ``plan`` named by ``--only`` (all without it); a usage error names unknown ones."""
+    if not only:
+        return plan
+    unknown = sorted(set(only) - {stage.name for stage in plan})
+    if unknown:
+        parser.error(f"unknown {noun}(s) {unknown}; choose from {[stage.name for stage in plan]}")
+    return [stage for stage in plan if stage.name in only]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -71,11 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu_name = torch.cuda.get_device_name(0)
     out_dir = args.out or default_out_dir(gpu_name)
     plan = stages.plan(out_dir, gpus=gpus)
-    if args.only:
-        unknown = sorted(set(args.only) - {stage.name for stage in plan})
-        if unknown:
-            parser.error(f"unknown stage(s) {unknown}; choose from {[stage.name for stage in plan]}")
-        plan = [stage for stage in plan if stage.name in args.only]
+    plan = select_stages(parser, plan, args.only, "stage")
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"gpu-check: {gpus} GPU(s), results in {out_dir}", flush=True)
     env = environment.collect(stages.REPO)

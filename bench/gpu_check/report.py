@@ -29,6 +29,11 @@ def tail(path: Path, lines: int = TAIL_LINES) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
+def environment_table(environment: Mapping[str, str] | None) -> list[str]:
+    """The machine and software as a two-column markdown table."""
+    return ["| | |", "|---|---|", *[f"| {key} | {value} |" for key, value in (environment or {}).items()]]
+
+
 def coverage(gpus: int) -> list[str]:
     """What a check on ``gpus`` GPUs of one machine covers, in words."""
     if gpus <= 1:
@@ -138,9 +143,7 @@ def render(
         "",
         "## Environment",
         "",
-        "| | |",
-        "|---|---|",
-        *[f"| {key} | {value} |" for key, value in environment.items()],
+        *environment_table(environment),
         "",
         "## W = 4 on one GPU (gloo; zcomm's kernels and choreography, not NCCL)",
         "",
