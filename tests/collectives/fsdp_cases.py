@@ -265,16 +265,21 @@ class _Mixed(nn.Module):
         return self.lin(x + self.frozen.float())
 
 
+def _sharded(model: nn.Module, mesh, topology: zcomm.Topology, zeropp: bool) -> nn.Module:
+    """``model`` under fully_shard, with zcomm's comms installed when ``zeropp``, counters reset."""
+    fully_shard(model, mesh=mesh)
+    if zeropp:
+        zcomm.fsdp.enable_zeropp(model, topology=topology)
+    zcomm.reset_comm_stats()
+    return model
+
+
 def check_uint8_fallback(rank: int, mesh, topology: zcomm.Topology) -> None:
     """The mixed-dtype gather runs unquantized (exact), counted, with one warning for the module."""
     results = []
     for zeropp in (False, True):
         torch.manual_seed(0)
-        model = _Mixed()
-        fully_shard(model, mesh=mesh)
-        if zeropp:
-            zcomm.fsdp.enable_zeropp(model, topology=topology)
-        zcomm.reset_comm_stats()
+        model = _sharded(_Mixed(), mesh, topology, zeropp)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             outputs = []
@@ -294,11 +299,7 @@ def check_fp64_fallback(rank: int, mesh, topology: zcomm.Topology) -> None:
     results = []
     for zeropp in (False, True):
         torch.manual_seed(0)
-        model = nn.Linear(6, 3).double()
-        fully_shard(model, mesh=mesh)
-        if zeropp:
-            zcomm.fsdp.enable_zeropp(model, topology=topology)
-        zcomm.reset_comm_stats()
+        model = _sharded(nn.Linear(6, 3).double(), mesh, topology, zeropp)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for step in range(2):
