@@ -9,6 +9,9 @@ each final loss's gap to plain FSDP2:
   ``reshard_after_forward=<ranks per node>``), zcomm's default group sizes;
 * ``zeropp``: our runtime's ZeRO++ (``zero_runtime``, stage 3 with qwZ, hpZ and qgZ).
 
+qgZ's intra-node hop is INT8 by default in ``enable_zeropp`` and INT4 (the ZeRO++ paper's) in
+the runtime, so both run both ways: ``first hop INT4`` / ``INT8`` rows compare like with like.
+
 The model is a pre-LayerNorm MLP stack (an input Linear, ``BLOCKS`` residual blocks of
 ``x + fc2(gelu(fc1(LayerNorm(x))))`` at hidden size ``--hidden``, a final LayerNorm and an output
 Linear), trained with AdamW at ``LR`` to classify a fixed random batch: every rank holds its
@@ -20,11 +23,14 @@ Run with 4 ranks as 2 nodes x 2 (from the repository root)::
     ZCOMM_LOCAL_SIZE=2 PYTHONPATH=$PWD python -m torch.distributed.run --standalone \
         --nproc-per-node 4 -m bench.fsdp_sharp_task
 
-``fsdp2-zeropp`` runs twice: with ``align_blocks=False`` (every unit packed, the layout before
-aligned blocks) and with the default (each unit aligned where that adds at most 1/32 of its
-elements; the row says how many units were). ``--hidden`` and ``--width`` change the shape
-(at the default 64 / 256 aligning a block would add 11%, so it stays packed; at 96 / 1024 it
-adds 1.4%); ``--group-size N`` adds fsdp2-zeropp and the runtime with ``N`` elements per scale.
+``fsdp2-zeropp`` with an INT4 first hop runs twice more: with ``align_blocks=False`` (every unit
+packed, the layout before aligned blocks) and with the default (each unit aligned where that
+adds at most 1/32 of its elements; the row says how many units were). ``--hidden`` and
+``--width`` change the shape (at the default 64 / 256 aligning every piece of a block would add
+11%, so its small pieces are packed together; at 96 / 1024 full alignment adds 1.4%);
+``--group-size N`` adds fsdp2-zeropp and the runtime with ``N`` elements per scale, and
+``--hadamard-block B`` both with qgZ's Hadamard smoothing in blocks of ``B`` (each at its
+default first hop and at INT8).
 """
 
 from __future__ import annotations
@@ -111,11 +117,10 @@ def _train_fsdp2(model: nn.Module, opt: torch.optim.Optimizer, batch) -> list[fl
     return losses
 
 
-def _train_runtime(args, topology: zcomm.Topology, batch, group_size: int | None = None) -> list[float]:
+def _train_runtime(args, topology: zcomm.Topology, batch, **settings) -> list[float]:
+    """The runtime's ZeRO++; ``settings``: extra ``zero_optimization`` keys."""
     section = {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
-               "zero_hpz_partition_size": topology.local_size}
-    if group_size is not None:
-        section["zcomm_quant_group_size"] = group_size
+               "zero_hpz_partition_size": topology.local_size, **settings}
     model, opt = zero_runtime.initialize(_model(args), functools.partial(torch.optim.AdamW, lr=LR),
                                          {"zero_optimization": section}, topology=topology)
     losses = []
@@ -140,6 +145,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64, help="residual width (LayerNorm size)")
     parser.add_argument("--width", type=int, default=256, help="MLP inner width")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch")
+    parser.add_argument("--hadamard-block", type=int, default=None,
+                        help="also run fsdp2-zeropp and the runtime with qgZ's Hadamard smoothing in blocks of this size")
     parser.add_argument("--group-size", type=int, default=None,
                         help="also run fsdp2-zeropp and the runtime with this many elements per scale")
     args = parser.parse_args()
@@ -148,23 +155,44 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     topology = zcomm.Topology(world_size=world, local_size=int(os.environ.get("ZCOMM_LOCAL_SIZE", "2")))
     batch = _batch(args.seed, rank, world)
-    model, opt, _ = _fsdp2(args, topology, zeropp=False)
-    rows = {"fsdp2": _train_fsdp2(model, opt, batch)}
-    model, opt, _ = _fsdp2(args, topology, zeropp=True, align_blocks=False)
-    rows["fsdp2-zeropp, align_blocks=False"] = _train_fsdp2(model, opt, batch)
-    model, opt, aligned = _fsdp2(args, topology, zeropp=True)
-    rows[f"fsdp2-zeropp (units aligned: {aligned})"] = _train_fsdp2(model, opt, batch)
-    rows["zeropp (our runtime)"] = _train_runtime(args, topology, batch)
-    if args.group_size is not None:
-        model, opt, aligned = _fsdp2(args, topology, zeropp=True, group_size=args.group_size)
-        rows[f"fsdp2-zeropp group_size={args.group_size} (units aligned: {aligned})"] = _train_fsdp2(model, opt, batch)
-        rows[f"zeropp (our runtime) group_size={args.group_size}"] = _train_runtime(
-            args, topology, batch, args.group_size
-        )
+    rows = _rows(args, topology, batch)
     if rank == 0:
         _report(args, rows, topology)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _rows(args, topology: zcomm.Topology, batch) -> dict[str, list[float]]:
+    """Every configuration's losses per step, by row name."""
+    rows = {}
+
+    def fsdp2(name: str, zeropp: bool, **settings) -> None:
+        model, opt, aligned = _fsdp2(args, topology, zeropp, **settings)
+        rows[name + (f" (units aligned: {aligned})" if zeropp else "")] = _train_fsdp2(model, opt, batch)
+
+    int8_hop = {"zcomm_qgz_first_hop_bits": 8}
+    fsdp2("fsdp2", zeropp=False)
+    fsdp2("fsdp2-zeropp (default: first hop INT8)", zeropp=True)
+    fsdp2("fsdp2-zeropp, first hop INT4", zeropp=True, first_hop_bits=4)
+    fsdp2("fsdp2-zeropp, first hop INT4, align_blocks=False", zeropp=True, first_hop_bits=4, align_blocks=False)
+    rows["zeropp (our runtime; default: first hop INT4)"] = _train_runtime(args, topology, batch)
+    rows["zeropp (our runtime), first hop INT8"] = _train_runtime(args, topology, batch, **int8_hop)
+    if args.group_size is not None:
+        size = {"zcomm_quant_group_size": args.group_size}
+        fsdp2(f"fsdp2-zeropp group_size={args.group_size}", zeropp=True, group_size=args.group_size)
+        fsdp2(f"fsdp2-zeropp group_size={args.group_size}, first hop INT4", zeropp=True,
+              group_size=args.group_size, first_hop_bits=4)  # fmt: skip
+        rows[f"zeropp (our runtime) group_size={args.group_size}"] = _train_runtime(args, topology, batch, **size)
+        rows[f"zeropp (our runtime) group_size={args.group_size}, first hop INT8"] = _train_runtime(
+            args, topology, batch, **size, **int8_hop
+        )
+    if args.hadamard_block is not None:
+        block = args.hadamard_block
+        fsdp2(f"fsdp2-zeropp hadamard_block={block}", zeropp=True, hadamard_block=block)
+        rows[f"zeropp (our runtime) hadamard_block={block}, first hop INT8"] = _train_runtime(
+            args, topology, batch, zcomm_qgz_hadamard_block=block, **int8_hop
+        )
+    return rows
 
 
 def _report(args, rows: dict[str, list[float]], topology: zcomm.Topology) -> None:

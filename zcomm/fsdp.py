@@ -8,9 +8,16 @@ recursive). :func:`enable_zeropp` gives every ``FSDPModule`` in a tree its own p
 * :class:`ZeroppAllGather`: qwZ, :func:`zcomm.all_gather_q8` (blocked INT8, two hops) for
   the gathers on the unit's shard group; the unquantized, counted
   :func:`zcomm.all_gather_into_tensor` for the rest (see below);
-* :class:`ZeroppReduceScatter`: qgZ, :func:`zcomm.reduce_scatter_q4` (INT4, two hops, fp32
-  reduction) for ``AVG``, ``SUM`` and ``PREMUL_SUM`` (FSDP2's three ops); the counted
-  :func:`zcomm.reduce_scatter_tensor` when gradients are not quantized.
+* :class:`ZeroppReduceScatter`: qgZ, :func:`zcomm.reduce_scatter_q4` (two hops, fp32
+  reduction, INT4 across nodes) for ``AVG``, ``SUM`` and ``PREMUL_SUM`` (FSDP2's three ops);
+  the counted :func:`zcomm.reduce_scatter_tensor` when gradients are not quantized.
+
+qgZ's intra-node hop is INT8 by default here (``first_hop_bits=8``, SDP4Bit's two-level
+scheme; ``first_hop_bits=4`` is the ZeRO++ paper's INT4): the bytes that cross nodes are the
+same, only the hop on the fast links doubles, and the gradient error of the first hop shrinks
+18x. On small, sharp tasks, where INT4 rounding of both hops shows in the loss, that is what
+keeps FSDP2 + ZeRO++ within a few percent of plain FSDP2 (``bench/fsdp_sharp_task.py``).
+zero_runtime keeps the paper's INT4 default, which its DeepSpeed-style config names.
 
 hpZ is FSDP2's own: ``fully_shard(..., reshard_after_forward=<ranks per node>)`` keeps each
 unit's weights sharded inside the node after forward, so the backward all-gather runs on a
@@ -60,7 +67,7 @@ from ._fsdp_compat import AllGather, FSDPModule, ReduceScatter, as_work, shard_n
 from .all_gather_q8 import all_gather_q8
 from .plain_collectives import all_gather_into_tensor, reduce_scatter_tensor
 from .quant import SUPPORTED_DTYPES, QuantSpec
-from .reduce_scatter_q4 import default_pipeline_stages, reduce_scatter_q4
+from .reduce_scatter_q4 import check_first_hop_bits, check_hadamard_block, default_pipeline_stages, reduce_scatter_q4
 from .topology import Topology
 
 __all__ = ["ZeroppAllGather", "ZeroppReduceScatter", "enable_zeropp"]
@@ -179,7 +186,17 @@ class ZeroppAllGather(_ZeroppComm, AllGather):
 
 
 class ZeroppReduceScatter(_ZeroppComm, ReduceScatter):
-    """FSDP2's gradient reduce-scatter of one unit: qgZ, or the unquantized (counted) collective."""
+    """FSDP2's gradient reduce-scatter of one unit: qgZ, or the unquantized (counted) collective.
+
+    ``first_hop_bits`` and ``hadamard_block`` are :func:`zcomm.reduce_scatter_q4`'s, checked by
+    :func:`enable_zeropp`; the other arguments are the shared comm's.
+    """
+
+    def __init__(
+        self, topologies: _GroupTopologies, *, first_hop_bits: int = 8, hadamard_block: int | None = None, **common
+    ) -> None:
+        super().__init__(topologies, **common)
+        self._qgz = dict(first_hop_bits=first_hop_bits, hadamard_block=hadamard_block)
 
     def __call__(
         self,
@@ -195,8 +212,9 @@ class ZeroppReduceScatter(_ZeroppComm, ReduceScatter):
                 layout = self._layout_for(output_tensor.numel(), "gradient reduce-scatter")
                 if layout is None:
                     result = reduce_scatter_q4(
-                        output_tensor, input_tensor, op, group, async_op, group_size=self._group_size, topology=topology
-                    )
+                        output_tensor, input_tensor, op, group, async_op,
+                        group_size=self._group_size, topology=topology, **self._qgz,
+                    )  # fmt: skip
                     return as_work(result)
                 return as_work(self._reduce_aligned(layout, output_tensor, input_tensor, op, group, async_op, topology))
             self._warn("gradient reduce-scatter", f"no quantized form: {input_tensor.dtype}")
@@ -215,7 +233,7 @@ class ZeroppReduceScatter(_ZeroppComm, ReduceScatter):
         staged_out = torch.empty(staged_in.numel() // world, dtype=output.dtype, device=output.device)
         result = reduce_scatter_q4(
             staged_out, staged_in, op, group, async_op,
-            group_size=self._group_size, pipeline_stages=stages, topology=topology,
+            group_size=self._group_size, pipeline_stages=stages, topology=topology, **self._qgz,
         )  # fmt: skip
         return _then_unpad(result, layout, staged_out, output, rows=1)
 
@@ -255,6 +273,8 @@ def enable_zeropp(
     group_size: GroupSize = None,
     topology: Topology | None = None,
     align_blocks: bool = True,
+    first_hop_bits: int = 8,
+    hadamard_block: int | None = None,
 ) -> dict[str, bool]:
     """Install zcomm's collectives on ``module`` and every ``FSDPModule`` below it (after ``fully_shard``).
 
@@ -280,9 +300,10 @@ def enable_zeropp(
         its small parameters packed together).
 
     Raises:
-        ValueError: the installed torch has no supported FSDP2 comm API; ``module`` holds no
-            ``FSDPModule``; a module is sharded on a 2-D mesh (HSDP), whose replicate
-            all-reduce FSDP2 does not let anyone replace.
+        ValueError: ``first_hop_bits`` is not 4 or 8; ``hadamard_block`` is not None or a power
+            of two, or is given without ``quantized_gradients``; the installed torch has no
+            supported FSDP2 comm API; ``module`` holds no ``FSDPModule``; a module is sharded on
+            a 2-D mesh (HSDP), whose replicate all-reduce FSDP2 does not let anyone replace.
     """
     problem = torch_problem()
     if problem is not None:
@@ -294,11 +315,15 @@ def enable_zeropp(
     for name, flag in flags:
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
+    check_first_hop_bits(first_hop_bits)
+    check_hadamard_block(hadamard_block)
+    if hadamard_block is not None and not quantized_gradients:
+        raise ValueError("hadamard_block rotates qgZ's gradients: it needs quantized_gradients=True")
     units = [(name, sub) for name, sub in module.named_modules() if isinstance(sub, FSDPModule)]
     if not units:
         raise ValueError(f"{type(module).__name__} holds no FSDPModule: apply fully_shard before enable_zeropp")
     groups = [(name, sub, _shard_group(name, sub)) for name, sub in units]
-    align = _block_align(quantized_weights, quantized_gradients, group_size) if align_blocks else 1
+    align = _block_align(quantized_weights, quantized_gradients, group_size, hadamard_block) if align_blocks else 1
     topologies: dict[dist.ProcessGroup, _GroupTopologies] = {}
     aligned: dict[str, bool] = {}
     for name, sub, group in groups:
@@ -311,17 +336,23 @@ def enable_zeropp(
         aligned[label] = layout is not None
         common = dict(group_size=group_size, module_name=label, layout=layout)
         sub.set_custom_all_gather(ZeroppAllGather(topologies[group], quantized=quantized_weights, **common))
-        sub.set_custom_reduce_scatter(ZeroppReduceScatter(topologies[group], quantized=quantized_gradients, **common))
+        sub.set_custom_reduce_scatter(ZeroppReduceScatter(topologies[group], quantized=quantized_gradients,
+                                                          first_hop_bits=first_hop_bits, hadamard_block=hadamard_block,
+                                                          **common))  # fmt: skip
     return aligned
 
 
-def _block_align(quantized_weights: bool, quantized_gradients: bool, group_size: GroupSize) -> int:
-    """The alignment that keeps the quantized collectives' blocks inside parameters (1: none
-    quantized, or one scale per payload, which no padding could confine to a parameter)."""
+def _block_align(
+    quantized_weights: bool, quantized_gradients: bool, group_size: GroupSize, hadamard_block: int | None
+) -> int:
+    """The alignment that keeps the quantized collectives' blocks (quantization groups and
+    Hadamard blocks) inside parameters (1: none quantized, or one scale per payload, which no
+    padding could confine to a parameter)."""
     if group_size == "tensor":
         return 1
     widths = [bits for bits, on in ((8, quantized_weights), (4, quantized_gradients)) if on]
-    return block_align([QuantSpec(bits=bits, group_size=group_size).group_size for bits in widths])
+    sizes = [QuantSpec(bits=bits, group_size=group_size).group_size for bits in widths]
+    return block_align(sizes + ([hadamard_block] if hadamard_block is not None else []))
 
 
 def _shard_group(name: str, unit: nn.Module) -> dist.ProcessGroup | None:

@@ -20,7 +20,9 @@ defaults, :data:`LOCO_PARAM`); ``*-int8hop`` sends qgZ's intra-node hop in INT8
 (``zcomm_qgz_first_hop_bits: 8``, after SDP4Bit; the runtime's default is the paper's INT4).
 ``deepspeed-zeropp`` hands DeepSpeed its own ZeRO++ keys, to show what DeepSpeed does with them.
 ``fsdp2-qwz``, ``fsdp2-qgz`` and ``fsdp2-zeropp`` are FSDP2 with zcomm's collectives installed by
-``zcomm.fsdp.enable_zeropp`` (hpZ being FSDP2's ``reshard_after_forward=<ranks per node>``).
+``zcomm.fsdp.enable_zeropp`` (hpZ being FSDP2's ``reshard_after_forward=<ranks per node>``;
+qgZ's intra-node hop INT8, the adapter's default); ``fsdp2-zeropp-int4hop`` is the same with
+the ZeRO++ paper's INT4 intra-node hop.
 
 [Note: same math] Every engine trains with the same optimizer (torch AdamW, same ``lr``),
 the same precision and batch, and the same gradient clipping, written out explicitly in
@@ -73,8 +75,9 @@ class TrainConfig:
         align_quant_blocks: zero_runtime's parameter-aligned quantization blocks (its
             default); False packs parameters without gaps.
         loco: LoCo error feedback on qgZ (``zeropp_loco_param``, zero_runtime only).
-        first_hop_bits: width of qgZ's intra-node hop, 4 or 8 (``zcomm_qgz_first_hop_bits``,
-            zero_runtime only), or None for the runtime's default.
+        first_hop_bits: width of qgZ's intra-node hop, 4 or 8 (zero_runtime's
+            ``zcomm_qgz_first_hop_bits``, ``first_hop_bits`` of ``enable_zeropp``), or None for
+            the engine's default (the runtime's INT4, ``enable_zeropp``'s INT8).
         hadamard_block: qgZ's Hadamard rotation block (``zcomm_qgz_hadamard_block``,
             zero_runtime only), or None for none.
         summary: one line for ``--help`` and TRAINING.md.
@@ -111,8 +114,8 @@ class TrainConfig:
             raise ValueError(f"{self.name}: packed blocks are a zero_runtime layout for qwZ or qgZ")
         if self.loco and (self.engine != "zero" or not self.quantized_gradients):
             raise ValueError(f"{self.name}: LoCo is zero_runtime's error feedback for qgZ")
-        if self.first_hop_bits is not None and (self.engine != "zero" or not self.quantized_gradients):
-            raise ValueError(f"{self.name}: the first hop's width is an option of zero_runtime's qgZ")
+        if self.first_hop_bits is not None and (self.engine == "deepspeed" or not self.quantized_gradients):
+            raise ValueError(f"{self.name}: the first hop's width is an option of zcomm's qgZ")
         if self.hadamard_block is not None and (self.engine != "zero" or not self.quantized_gradients):
             raise ValueError(f"{self.name}: the Hadamard rotation is an option of zero_runtime's qgZ")
         if self.engine == "fsdp2" and self.stage != 3:
@@ -190,6 +193,9 @@ CONFIGS: dict[str, TrainConfig] = _configs(
         quantized_gradients=True,
         summary="ZeRO++ inside FSDP2: zcomm.fsdp.enable_zeropp + reshard_after_forward=ranks/node",
     ),
+    TrainConfig(name="fsdp2-zeropp-int4hop", engine="fsdp2", quantized_weights=True, hpz=True,
+                quantized_gradients=True, first_hop_bits=4,
+                summary="fsdp2-zeropp with qgZ's intra-node hop in INT4 (the ZeRO++ paper's)"),
     TrainConfig(name="deepspeed-z3", engine="deepspeed", summary="DeepSpeed ZeRO-3 (needs deepspeed)"),
     TrainConfig(name="deepspeed-z3-hpz", engine="deepspeed", hpz=True, summary="DeepSpeed ZeRO-3 + hpZ"),
     TrainConfig(
@@ -290,5 +296,6 @@ def engine_config(
             "quantized_weights": config.quantized_weights,
             "quantized_gradients": config.quantized_gradients,
             "group_size": config.quant_group_size,
+            "first_hop_bits": config.first_hop_bits,  # None: enable_zeropp's default
         }
     return {**settings, "gradient_clipping": gradient_clipping}

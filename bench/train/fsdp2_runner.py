@@ -72,6 +72,7 @@ class FSDP2Runner:
                 quantized_gradients=config.quantized_gradients,
                 group_size=config.quant_group_size,
                 topology=zcomm.Topology(world_size=world_size, local_size=local_size),
+                **({} if config.first_hop_bits is None else {"first_hop_bits": config.first_hop_bits}),
             )
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
         self.peak_bytes = 0

@@ -75,7 +75,10 @@ def test_deepspeed_config_has_its_batch_and_optimizer_keys() -> None:
     assert fsdp2 == {"param_dtype": "fp32", "hpz": False, "gradient_clipping": 0.0}
     zeropp = engine_config(CONFIGS["fsdp2-zeropp"], local_size=2, bf16=True, gradient_clipping=1.0, micro_batch=2)
     assert zeropp == {"param_dtype": "bf16", "hpz": True, "gradient_clipping": 1.0, "enable_zeropp": {
-        "quantized_weights": True, "quantized_gradients": True, "group_size": None}}
+        "quantized_weights": True, "quantized_gradients": True, "group_size": None, "first_hop_bits": None}}
+    int4hop = engine_config(CONFIGS["fsdp2-zeropp-int4hop"], local_size=2, bf16=True, gradient_clipping=1.0,
+                            micro_batch=2)  # fmt: skip
+    assert int4hop["enable_zeropp"]["first_hop_bits"] == 4
 
 
 def test_invalid_configurations_are_rejected() -> None:
