@@ -28,7 +28,7 @@ from zero_runtime import _flat_buffer
 
 ALL_CHECKS = (
     "exact", "gradients", "weights", "async_unshard", "tracking", "uint8_fallback", "fp64_fallback", "hsdp",
-    "aligned_layout", "aligned_error",
+    "aligned_layout", "aligned_error", "qgz_options",
 )  # fmt: skip
 
 
@@ -246,6 +246,21 @@ def test_bad_arguments(gloo_world):
         zcomm.fsdp.enable_zeropp(object())
     with pytest.raises(TypeError, match="quantized_weights must be a bool"):
         zcomm.fsdp.enable_zeropp(nn.Linear(2, 2), quantized_weights=1)
+    with pytest.raises(ValueError, match="first_hop_bits must be 4 or 8, got 2"):
+        zcomm.fsdp.enable_zeropp(nn.Linear(2, 2), first_hop_bits=2)
+    with pytest.raises(ValueError, match="hadamard_block must be a power of two >= 2 or None, got 96"):
+        zcomm.fsdp.enable_zeropp(nn.Linear(2, 2), hadamard_block=96)
+    with pytest.raises(ValueError, match="hadamard_block rotates qgZ's gradients: it needs quantized_gradients"):
+        zcomm.fsdp.enable_zeropp(nn.Linear(2, 2), quantized_gradients=False, hadamard_block=64)
+
+
+def test_hadamard_blocks_join_the_alignment():
+    """A Hadamard block larger than the quantization groups sets the alignment, so where alignment
+    is chosen no rotation mixes two parameters; without qgZ there is nothing to rotate."""
+    assert zcomm.fsdp._block_align(True, True, None, None) == 256
+    assert zcomm.fsdp._block_align(True, True, 64, 512) == 512
+    assert zcomm.fsdp._block_align(False, True, 128, 64) == 128
+    assert zcomm.fsdp._block_align(True, True, "tensor", 512) == 1
 
 
 def test_handle_work_waits_for_the_chain_once():
