@@ -22,6 +22,7 @@ time tells a communication-bound step (near 1) from a compute-bound one (near 0)
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -230,14 +231,21 @@ def run_config(
     ``link_bytes_per_s`` is the measured throughput of one node's link (None: no wire time).
     ``on_step(step)`` is called after each step (1-based), e.g. to print progress.
     """
+    # The engine of the run before is held by reference cycles (module and gradient hooks):
+    # free it now, before this one allocates, or R rounds x N configurations of engines could
+    # pile up in device memory (see also [Note: zero engine release]).
+    gc.collect()
     if ctx.device.type == "cuda":
         # Each run's CUDA peak is its own, not the largest of the configurations before it.
         torch.cuda.reset_peak_memory_stats(ctx.device)
     torch.manual_seed(settings.seed)
     runner = make_runner()
-    meter = WireMeter(ctx)
-    log = _train(runner, meter, corpus, ctx, settings, on_step)
-    row = _summarize(name, model, log, runner.memory(), meter.totals(), ctx, settings)
+    try:
+        meter = WireMeter(ctx)
+        log = _train(runner, meter, corpus, ctx, settings, on_step)
+        row = _summarize(name, model, log, runner.memory(), meter.totals(), ctx, settings)
+    finally:
+        runner.close()
     if row.wire_busiest_bytes_per_step is not None and link_bytes_per_s:
         row.wire_time_s = row.wire_busiest_bytes_per_step / link_bytes_per_s
         row.wire_fraction = row.wire_time_s / row.median_step_s
