@@ -144,8 +144,8 @@ def run_rounds(
     args: argparse.Namespace,
     facts: RunFacts,
 ) -> tuple[list[ConfigResult], dict[str, int | None]]:
-    """Every configuration on every model, ``plan.rounds`` times in the order of
-    [Note: round order]; returns one row per (model, configuration), in the order asked
+    """Every configuration on every model, ``plan.rounds`` times in alternating order (see
+    [Note: round order]); returns one row per (model, configuration), in the order asked
     for, and each model's parameter count.
 
     A configuration that does not finish a round ("skipped", "failed", "expected failure")
