@@ -4,7 +4,10 @@ Everything printed or plotted comes from the ``ConfigResult`` rows measured in t
 launch; a skipped or failed configuration appears as a row with its note and no numbers.
 Above the table, :class:`RunFacts` says what the numbers were measured on: the CPU model,
 the device, the compute precision and why, the measured link throughput that turns wire
-bytes into wire time, and the DeepSpeed version (or that it is missing).
+bytes into wire time, and the DeepSpeed version (or that it is missing). With
+``--rounds`` above 1 a second table follows the first (:func:`format_rounds`): each
+configuration's step time over rounds, its ratio to the baseline paired per round, and
+whether its rounds trained the same losses.
 """
 
 from __future__ import annotations
