@@ -3,9 +3,10 @@
 [Note: gpu-bench time budget] gpu-bench shares an 8-minute lease with gpu-check (which
 takes up to ``bench.gpu_check.stages.TOTAL_BUDGET_S``), so its limits add up to 215 s of
 ``TOTAL_BUDGET_S`` = 225 s, in order of value: host cost (40 s; it took 5 s on an H200),
-the training runs (100 s: six configurations of a 160M GPT in 4 interleaved rounds of 7
-steps, 2 of them warm-up; on an H200 a configuration's run took about 2-3 s, 1.4 s of it
-building the engine and the first step, so 24 runs take about 60 s), then the kernel sweep,
+the training runs (100 s: six configurations of a 160M GPT in 4 interleaved rounds of 9
+steps, 3 of them warm-up, as the second step after a build still ran up to 1.5x slow on an
+H200; there a configuration's run took about 2-3 s, 1.4 s of it building the engine and the
+first step, so 24 runs take about 60 s), then the kernel sweep,
 one ``bench.kernels --sweep`` process (75 s: every op at 16M, 64M and 256M elements, group
 sizes 256 and 512, bf16 and fp32, timed by CUDA-graph replay; 8 s on an H200 after
 gpu-check had compiled the kernels). A part that overruns is killed and reported as timed
@@ -14,8 +15,8 @@ out; the parts after it still get their time.
 The training runs in rounds because one run per configuration could not resolve a 10%
 target: the same command read fsdp2/zero3 0.98x in one call and 1.35x in another. Four
 rounds (even, so that the forward/backward order of ``bench.train.rounds`` cancels a linear
-drift) give each configuration 20 timed steps and every ratio four paired samples, for
-about 2.5x the old single run's 20 s.
+drift) give each configuration 24 timed steps and every ratio four paired samples, for
+about three times the old single run's 20 s.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ TRAIN = "bench.train"
 HOST_COST_SIZES = {"cuda": "1M,16M", "cpu": "1M"}
 TRAIN_CONFIGS = ("zero3", "zeropp", "zero3+qwz", "zero3+qgz", "fsdp2", "fsdp2-zeropp")
 GPT_160M = ("--d-model", "1024", "--n-layers", "12", "--n-heads", "16", "--seq-len", "512", "--batch", "8")
-TRAIN_STEPS, TRAIN_WARMUP, TRAIN_ROUNDS = 7, 2, 4
+TRAIN_STEPS, TRAIN_WARMUP, TRAIN_ROUNDS = 9, 3, 4
 # The paired step-time ratios the training table prints: (configuration, the one it is compared with).
 TRAIN_PAIRS = (("zero3+qwz", "zero3"), ("zeropp", "zero3"), ("fsdp2-zeropp", "fsdp2"), ("fsdp2", "zero3"))
 
