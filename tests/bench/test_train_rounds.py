@@ -108,3 +108,39 @@ def test_one_round_prints_the_table_of_before() -> None:
     rows = [_row("zero3", [_record(1, 1.0)])]
     text = format_report(rows, _facts("cpu"))
     assert "ratios paired" not in text and "loss diff" not in text and "ratio range" not in text
+
+
+def test_suite_runs_rounds_in_alternating_order_and_stops_a_failed_configuration(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from bench.train import suite
+    from bench.train.configs import select_configs
+    from bench.train.models import GPTConfig
+
+    ran = []
+
+    def fake_run_once(config, model, spec, label, settings, corpus, ctx, args, facts):
+        ran.append((config.name, label))
+        index = sum(name == config.name for name, _ in ran)  # this configuration's round
+        if config.name == "fsdp2" and index == 2:
+            return ConfigResult(config=config.name, model=model, status="failed", note="boom")
+        step = {"zero3": 1.0, "fsdp2": 1.5}[config.name] * index
+        return ConfigResult(config=config.name, model=model, median_step_s=step, step_times_s=[step],
+                            train_losses=[3.0], val_curve=[(1, 2.0)])  # fmt: skip
+
+    monkeypatch.setattr(suite, "run_once", fake_run_once)
+    configs = select_configs(["zero3", "fsdp2"])
+    plan = RoundPlan(rounds=3, baseline="zero3", configs=("zero3", "fsdp2"))
+    shape = GPTConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=2, n_layers=1)
+    settings = SimpleNamespace(batch=2, seq_len=8)
+    facts = SimpleNamespace(link_bytes_per_s=None)
+    rows, params = suite.run_rounds(["tinygpt"], shape, configs, plan, settings, None, None, None, facts)
+    assert ran == [("zero3", "tinygpt: zero3 (round 1 of 3)"), ("fsdp2", "tinygpt: fsdp2 (round 1 of 3)"),
+                   ("fsdp2", "tinygpt: fsdp2 (round 2 of 3)"), ("zero3", "tinygpt: zero3 (round 2 of 3)"),
+                   ("zero3", "tinygpt: zero3 (round 3 of 3)")]  # fmt: skip
+    zero3, fsdp2 = rows
+    assert [(r.round, r.position) for r in zero3.rounds] == [(1, 0), (2, 1), (3, 0)]
+    assert zero3.median_step_s == 2.0 and zero3.ratio_to_baseline == 1.0
+    assert fsdp2.status == "failed" and fsdp2.note == "round 2 of 3: boom"
+    assert [r.round for r in fsdp2.rounds] == [1] and fsdp2.ratio_to_baseline is None
+    assert params["tinygpt"] > 0
