@@ -12,7 +12,9 @@ folder under ``bench/results/`` (``report.md`` with three tables, the tools' JSO
    64M and 256M elements, group sizes 256 and 512, bf16 and fp32 (``python -m bench.kernels``);
 3. **training** a GPT of ~160M parameters (d_model 1024, 12 layers, 16 heads, sequence
    512, batch 8, bf16) on the one GPU: zero3, zeropp, zero3+qwz, zero3+qgz, fsdp2 and
-   fsdp2-zeropp, median step time after warm-up and validation loss (``python -m bench.train``).
+   fsdp2-zeropp in 4 interleaved rounds (``python -m bench.train --rounds 4``), median step
+   time over rounds, step-time ratios paired per round (zero3+qwz / zero3, zeropp / zero3,
+   fsdp2-zeropp / fsdp2, fsdp2 / zero3) with their range, validation loss.
 
 Each part is a subprocess under its own time limit within a total deadline
 (:mod:`bench.gpu_bench.plan`), run by gpu-check's stage runner; a tool that this checkout

@@ -9,19 +9,23 @@ Layout of ``report.md`` (the tools' JSON and logs sit beside it):
 3. host cost per call: the rows of ``bench.host_cost``'s JSON as they come (its columns
    are its own), one table per device;
 4. kernel GB/s: the rows of ``bench.kernels --sweep``'s JSON (its markdown when there is no JSON);
-5. training: per configuration, median step time, its ratio to zero3's from the same run,
-   validation loss, last training loss;
+5. training: per configuration, the rounds it ran, median step time over rounds and the
+   rounds' range, its ratio to zero3's paired per round (median), the largest loss
+   difference between its rounds, validation loss, last training loss; then the paired
+   ratios of ``plan.TRAIN_PAIRS`` (median, range, each round's);
 6. the tails of the logs of parts that did not pass.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from bench.gpu_check.report import environment_table, tail
 from bench.gpu_check.stages import StageResult
+from bench.train.rounds import paired_ratios
 
 from . import plan
 
@@ -80,6 +84,25 @@ def _kernels(out_dir: Path) -> list[str]:
     return ["(the kernel sweep wrote no report)", ""]
 
 
+def _round_steps(row: Mapping[str, Any]) -> dict[int, float]:
+    """The row's median step time per round; a JSON written before rounds is one round."""
+    if row.get("rounds"):
+        return {r["round"]: r["median_step_s"] for r in row["rounds"]}
+    return {1: row["median_step_s"]} if row.get("median_step_s") else {}
+
+
+def _paired(rows: Mapping[str, Mapping[str, Any]], config: str, base: str) -> str:
+    """``config`` over ``base``: the median of the per-round ratios, their range and the rounds' values."""
+    missing = [name for name in (config, base) if rows.get(name, {}).get("status") != "ok"]
+    ratios = [] if missing else paired_ratios(_round_steps(rows[config]), _round_steps(rows[base]))
+    if not ratios:
+        why = f"{' and '.join(missing)}: no result" if missing else "no round measured both"
+        return f"| {config} / {base} | - | - | 0 | {why} |"
+    spread = f"{min(ratios):.3f}-{max(ratios):.3f}x"
+    each = ", ".join(f"{r:.3f}" for r in ratios)
+    return f"| {config} / {base} | {statistics.median(ratios):.3f}x | {spread} | {len(ratios)} | {each} |"
+
+
 def _training(out_dir: Path) -> list[str]:
     path = out_dir / "train.json"
     if not path.exists():
@@ -88,15 +111,25 @@ def _training(out_dir: Path) -> list[str]:
         rows = json.loads(path.read_text())["results"]
     except (OSError, ValueError, KeyError) as exc:
         return [f"(could not read train.json: {type(exc).__name__}: {exc})"]
-    base = next((r.get("median_step_s") for r in rows if r["config"] == "zero3" and r["status"] == "ok"), None)
-    lines = ["| config | status | median step (ms) | vs zero3 | val loss | last train loss | note |",
-             "|---|---|---:|---:|---:|---:|---|"]  # fmt: skip
+    by_name = {row["config"]: row for row in rows}
+    base = by_name.get("zero3", {})
+    lines = ["| config | status | rounds | median step (ms) | rounds' min-max (ms) | vs zero3 (paired) | loss diff "
+             "between rounds | val loss | last train loss | note |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     for row in rows:
+        steps = _round_steps(row) if row["status"] == "ok" else {}
+        ratios = paired_ratios(steps, _round_steps(base)) if base.get("status") == "ok" else []
+        spread = f"{min(steps.values()) * 1e3:.4g}-{max(steps.values()) * 1e3:.4g}" if steps else "-"
+        ratio = f"{statistics.median(ratios):.3f}x" if ratios else "-"
         step = row.get("median_step_s")
-        ratio = f"{step / base:.2f}x" if step and base else "-"
         losses = row.get("train_losses") or [None]
-        lines.append(f"| {row['config']} | {row['status']} | {_cell(step * 1e3 if step else None)} | {ratio} | "
-                     f"{_cell(row.get('val_loss'))} | {_cell(losses[-1])} | {row.get('note', '')} |")  # fmt: skip
+        lines.append(f"| {row['config']} | {row['status']} | {len(steps) or '-'} | {_cell(step * 1e3 if step else None)} | "
+                     f"{spread} | {ratio} | {_cell(row.get('loss_max_diff'))} | {_cell(row.get('val_loss'))} | "
+                     f"{_cell(losses[-1])} | {row.get('note', '')} |")  # fmt: skip
+    lines += ["", "Paired step-time ratios: each round's ratio of the two configurations' median steps, both "
+              "measured in that round (rounds alternate forward and backward order); median, range and every "
+              "round's value:", "", "| ratio | median | range | rounds | per round |", "|---|---:|---:|---:|---|",
+              *(_paired(by_name, config, other) for config, other in plan.TRAIN_PAIRS)]  # fmt: skip
     return lines
 
 
@@ -132,7 +165,7 @@ def render(*, title: str, results: Sequence[StageResult], absent: Sequence[str],
         "## Kernel GB/s against a device copy of the same bytes",
         "",
         *(_kernels(out_dir) if gpu else ["(no GPU: not measured)", ""]),
-        "## Training a ~160M-parameter GPT on one GPU (bf16)",
+        f"## Training a ~160M-parameter GPT on one GPU (bf16, {plan.TRAIN_ROUNDS} interleaved rounds)",
         "",
         *(_training(out_dir) if gpu else ["(no GPU: not measured)"]),
     ]

@@ -9,6 +9,7 @@ from bench.harness.precision import DTYPE_CHOICES
 from .configs import CONFIGS, TrainConfig, configs_from_impl, select_configs
 from .data import VOCAB_SIZE
 from .loop import LoopSettings
+from .rounds import RoundPlan
 from .models import MODELS, GPTConfig
 
 DEFAULT_CONFIGS = ("zero3", "zeropp", "fsdp2")
@@ -46,6 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--grad-clip", type=float, default=0.0, help="max global gradient norm, given to every engine alike (0: off)"
     )
     loop.add_argument("--seed", type=int, default=0)
+    loop.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="train every configuration this many times in one launch, alternating forward and backward order "
+        "(A B C, C B A, ...), each from the same seed; step times are medians over rounds, ratios to --baseline "
+        "are paired per round (default 1)",
+    )
+    loop.add_argument(
+        "--baseline", metavar="NAME", help="the configuration the paired step-time ratios divide by (default: the first)"
+    )
     loop.add_argument("--eval-every", type=int, default=0, help="validate every N steps (0: only at the end)")
     loop.add_argument("--eval-batches", type=int, default=4, help="global batches of the validation set")
     out = parser.add_argument_group("output")
@@ -76,6 +88,12 @@ def loop_settings(args: argparse.Namespace) -> LoopSettings:
         eval_every=args.eval_every,
         eval_batches=args.eval_batches,
     )
+
+
+def round_plan(args: argparse.Namespace, configs: list[TrainConfig]) -> RoundPlan:
+    """``--rounds`` and ``--baseline`` (default: the first configuration) over the chosen configurations."""
+    names = tuple(config.name for config in configs)
+    return RoundPlan(rounds=args.rounds, baseline=args.baseline or names[0], configs=names)
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:

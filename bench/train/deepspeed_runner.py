@@ -105,3 +105,6 @@ class DeepSpeedRunner:
             return cuda_peak(self.device)
         # Its ZeRO-3 optimizer keeps flat partitions of its own; no torch counter sees them on CPU.
         return MemoryReading(None, "n/a on CPU")
+
+    def close(self) -> None:
+        """DeepSpeed's engine is left to the garbage collector (not checked for cycles through torch's hooks)."""

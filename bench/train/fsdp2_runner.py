@@ -96,3 +96,6 @@ class FSDP2Runner:
         if self.device.type == "cuda":
             return cuda_peak(self.device)
         return MemoryReading(self.peak_bytes, "model states held (params+grads+AdamW, local shards)")
+
+    def close(self) -> None:
+        """Nothing to release: FSDP2's hooks are module hooks, collected with the model."""

@@ -22,6 +22,7 @@ time tells a communication-bound step (near 1) from a compute-bound one (near 0)
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -70,6 +71,35 @@ class LoopSettings:
 
 
 @dataclass(kw_only=True)
+class RoundRecord:
+    """What one round of a configuration measured (see :mod:`.rounds`): ``round`` is 1-based,
+    ``position`` the configuration's 0-based place in that round's order."""
+
+    round: int
+    position: int
+    median_step_s: float
+    step_times_s: list[float]
+    wire_tx_bytes_per_step: float | None
+    wire_rx_bytes_per_step: float | None
+    wire_busiest_bytes_per_step: float | None
+    memory_bytes: int | None
+    train_losses: list[float]
+    val_curve: list[tuple[int, float]]
+
+    @classmethod
+    def of(cls, row: "ConfigResult", *, round: int, position: int) -> "RoundRecord":
+        assert row.status == "ok" and row.median_step_s is not None, row.status
+        return cls(round=round, position=position, median_step_s=row.median_step_s, step_times_s=row.step_times_s,
+                   wire_tx_bytes_per_step=row.wire_tx_bytes_per_step, wire_rx_bytes_per_step=row.wire_rx_bytes_per_step,
+                   wire_busiest_bytes_per_step=row.wire_busiest_bytes_per_step, memory_bytes=row.memory_bytes,
+                   train_losses=row.train_losses, val_curve=row.val_curve)  # fmt: skip
+
+    def losses(self) -> list[float]:
+        """Every loss of the round, train then validation, in a fixed order (to compare rounds)."""
+        return [*self.train_losses, *(loss for _, loss in self.val_curve)]
+
+
+@dataclass(kw_only=True)
 class ConfigResult:
     """What one configuration measured.
 
@@ -78,6 +108,14 @@ class ConfigResult:
     ZeRO++ on a CPU); ``note`` then says why. ``wire_busiest_bytes_per_step`` is the busiest
     node's larger direction; ``wire_time_s`` and ``wire_fraction`` (of the median step) are
     None without wire counters or a measured link throughput.
+
+    Over several rounds (:mod:`.rounds`) ``median_step_s`` and the wire columns are medians
+    over the rounds, ``min_step_s``/``max_step_s`` the rounds' extremes, losses and
+    ``step_times_s`` the first round's, ``rounds`` every round's record, ``loss_max_diff``
+    the largest loss difference between a round and the first (None: one round), and
+    ``paired_ratios`` the per-round ratios to ``baseline``'s row of the same model with their
+    median ``ratio_to_baseline`` and range ``ratio_min``/``ratio_max``. With one round these
+    are the same run's figures (the ratio is the plain ratio of medians).
     """
 
     config: str
@@ -99,6 +137,15 @@ class ConfigResult:
     train_losses: list[float] = field(default_factory=list)
     val_curve: list[tuple[int, float]] = field(default_factory=list)
     step_times_s: list[float] = field(default_factory=list)
+    min_step_s: float | None = None
+    max_step_s: float | None = None
+    loss_max_diff: float | None = None
+    baseline: str | None = None
+    ratio_to_baseline: float | None = None
+    ratio_min: float | None = None
+    ratio_max: float | None = None
+    paired_ratios: list[float] = field(default_factory=list)
+    rounds: list[RoundRecord] = field(default_factory=list)
 
 
 class WireTotals(NamedTuple):
@@ -184,11 +231,21 @@ def run_config(
     ``link_bytes_per_s`` is the measured throughput of one node's link (None: no wire time).
     ``on_step(step)`` is called after each step (1-based), e.g. to print progress.
     """
+    # The engine of the run before is held by reference cycles (module and gradient hooks):
+    # free it now, before this one allocates, or R rounds x N configurations of engines could
+    # pile up in device memory (see also [Note: zero engine release]).
+    gc.collect()
+    if ctx.device.type == "cuda":
+        # Each run's CUDA peak is its own, not the largest of the configurations before it.
+        torch.cuda.reset_peak_memory_stats(ctx.device)
     torch.manual_seed(settings.seed)
     runner = make_runner()
-    meter = WireMeter(ctx)
-    log = _train(runner, meter, corpus, ctx, settings, on_step)
-    row = _summarize(name, model, log, runner.memory(), meter.totals(), ctx, settings)
+    try:
+        meter = WireMeter(ctx)
+        log = _train(runner, meter, corpus, ctx, settings, on_step)
+        row = _summarize(name, model, log, runner.memory(), meter.totals(), ctx, settings)
+    finally:
+        runner.close()
     if row.wire_busiest_bytes_per_step is not None and link_bytes_per_s:
         row.wire_time_s = row.wire_busiest_bytes_per_step / link_bytes_per_s
         row.wire_fraction = row.wire_time_s / row.median_step_s

@@ -4,7 +4,10 @@ Everything printed or plotted comes from the ``ConfigResult`` rows measured in t
 launch; a skipped or failed configuration appears as a row with its note and no numbers.
 Above the table, :class:`RunFacts` says what the numbers were measured on: the CPU model,
 the device, the compute precision and why, the measured link throughput that turns wire
-bytes into wire time, and the DeepSpeed version (or that it is missing).
+bytes into wire time, and the DeepSpeed version (or that it is missing). With
+``--rounds`` above 1 a second table follows the first (:func:`format_rounds`): each
+configuration's step time over rounds, its ratio to the baseline paired per round, and
+whether its rounds trained the same losses.
 """
 
 from __future__ import annotations
@@ -83,10 +86,10 @@ def _number(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value * scale:.{digits}f}"
 
 
-def _pad(cells: list[str]) -> str:
+def _pad(cells: list[str], columns: tuple[tuple[str, int], ...] = COLUMNS) -> str:
     return "  ".join(
         cell.ljust(width) if index == 0 else cell.rjust(width)
-        for index, (cell, (_, width)) in enumerate(zip(cells, COLUMNS))
+        for index, (cell, (_, width)) in enumerate(zip(cells, columns))
     )
 
 
@@ -113,7 +116,8 @@ def _line(row: ConfigResult) -> str:
 # One line per column, printed under the table and written under the demo's markdown table.
 COLUMN_LEGEND = (
     "config: the configuration (bench/TRAINING.md); model: the model trained",
-    "step ms: median over the measured steps (after the warm-up) of the slowest rank's step time",
+    "step ms: median over the measured steps (after the warm-up) of the slowest rank's step time "
+    "(over several rounds: the median of the rounds' medians)",
     "tokens/s: global (all ranks together): global batch x sequence length / median step time",
     "wire MB/step: inter-node bytes sent per measured step, summed over the nodes (10^6 bytes)",
     "wire ms: the busiest node's inter-node bytes per step (larger direction) / the measured link throughput",
@@ -130,9 +134,71 @@ def format_table(rows: list[ConfigResult]) -> str:
     return "\n".join([_pad([title for title, _ in COLUMNS]), *(_line(row) for row in rows)])
 
 
-def format_report(rows: list[ConfigResult], facts: RunFacts) -> str:
-    """The run's facts, the table and one line explaining each column."""
-    return "\n".join([*facts.header(), format_table(rows), *COLUMN_LEGEND])
+ROUND_COLUMNS = (
+    ("config", 18),
+    ("model", 8),
+    ("rounds", 6),
+    ("step ms", 9),
+    ("min", 9),
+    ("max", 9),
+    ("ratio", 8),
+    ("ratio range", 13),
+    ("loss diff", 10),
+)
+
+
+def _ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}x"
+
+
+def _round_line(row: ConfigResult) -> str:
+    cells = [row.config, row.model]
+    if row.status != "ok":
+        return _pad(cells, ROUND_COLUMNS) + f"  {row.status}"
+    spread = "n/a" if row.ratio_min is None else f"{row.ratio_min:.3f}-{row.ratio_max:.3f}x"
+    agree = "n/a" if row.loss_max_diff is None else ("0" if row.loss_max_diff == 0 else f"{row.loss_max_diff:.2g} !")
+    cells += [str(len(row.rounds)), _number(row.median_step_s, 1e3, 1), _number(row.min_step_s, 1e3, 1),
+              _number(row.max_step_s, 1e3, 1), _ratio(row.ratio_to_baseline), spread, agree]  # fmt: skip
+    return _pad(cells, ROUND_COLUMNS)
+
+
+def _disagreements(rows: list[ConfigResult], device: str) -> list[str]:
+    why = ("on a GPU, nondeterministic kernels (atomic adds in reductions) can explain a small difference"
+           if device.startswith("cuda") else
+           "on a CPU the same seed and data must train the same losses: something in this run is not "
+           "deterministic, so its rounds did not all measure the same work")  # fmt: skip
+    return [f"! {row.config} ({row.model}): its rounds trained different losses (largest difference "
+            f"{row.loss_max_diff:.3g}); {why}" for row in rows if row.loss_max_diff]  # fmt: skip
+
+
+def format_rounds(rows: list[ConfigResult], *, rounds: int, baseline: str, device: str) -> str:
+    """The rounds table: per configuration the spread of its step time over rounds, its paired
+    ratio to ``baseline`` and whether its rounds trained the same losses; a line for each row
+    whose rounds disagree."""
+    header = (f"over {rounds} rounds (forward, backward, ... order; every round from the same seed), "
+              f"ratios paired per round against {baseline}:")  # fmt: skip
+    lines = [header, _pad([title for title, _ in ROUND_COLUMNS], ROUND_COLUMNS), *(_round_line(r) for r in rows)]
+    return "\n".join([*lines, *_disagreements(rows, device), *ROUND_LEGEND])
+
+
+ROUND_LEGEND = (
+    "rounds: rounds the configuration finished; step ms: median over rounds of each round's median step time "
+    "(the main table's step ms); min / max: the fastest and slowest round's",
+    "ratio: median over rounds r of step(config, r) / step(baseline, r); ratio range: the smallest and largest "
+    "of those paired ratios",
+    "loss diff: largest |difference| of any train or validation loss between a round and the first (0: identical; "
+    "! marks a row whose rounds disagree)",
+)
+
+
+def format_report(rows: list[ConfigResult], facts: RunFacts, *, rounds: int = 1, baseline: str | None = None) -> str:
+    """The run's facts, the table and one line explaining each column; with several rounds
+    also the rounds table (:func:`format_rounds`)."""
+    text = [*facts.header(), format_table(rows), *COLUMN_LEGEND]
+    if rounds > 1:
+        assert baseline is not None, "several rounds are compared against a baseline"
+        text.append(format_rounds(rows, rounds=rounds, baseline=baseline, device=facts.device))
+    return "\n".join(text)
 
 
 def write_json(path: str | Path, rows: list[ConfigResult], meta: dict[str, Any]) -> None:

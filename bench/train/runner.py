@@ -3,7 +3,8 @@
 A runner owns one model and its optimizer under one engine (zero_runtime, FSDP2,
 DeepSpeed). The training loop only calls ``train_step`` (forward, backward, optimizer
 step, zero grad; returns this rank's loss), ``eval_loss`` (forward without gradients) and
-``memory`` (what this rank holds, and where that figure comes from), so the loop, the
+``memory`` (what this rank holds, and where that figure comes from) and, after the run,
+``close`` (release what would keep the engine alive past its last reference), so the loop, the
 timing and the wire-byte accounting are the same code for every configuration.
 """
 
@@ -41,6 +42,8 @@ class Runner(Protocol):
     def eval_loss(self, tokens: torch.Tensor) -> float: ...
 
     def memory(self) -> MemoryReading: ...
+
+    def close(self) -> None: ...
 
 
 def local_nbytes(tensor: torch.Tensor) -> int:

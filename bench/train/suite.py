@@ -5,7 +5,9 @@ optimizer under the configuration's engine, trains ``--steps`` steps on the same
 batches of byte-level standard-library source (:mod:`.data`), validates on the fixed
 held-out files, and measures step time, inter-node wire bytes and memory (:mod:`.loop`).
 Rank 0 prints one table row per configuration and optionally writes JSON and PNGs
-(:mod:`.report`).
+(:mod:`.report`). ``--rounds R`` trains every configuration R times, interleaved, and adds
+per configuration the spread over rounds, the ratio to ``--baseline`` paired per round and
+a check that the rounds trained the same losses (:mod:`.rounds`).
 
 Launch under the simulated cluster, torchrun or anything that sets torchrun's variables::
 
@@ -30,15 +32,16 @@ from bench.harness.dist_env import DistContext
 from bench.harness.link import measure_link_throughput
 from bench.harness.precision import Precision, choose_precision, cpu_model, read_cpuinfo
 
-from .cli import build_parser, check_grad_clip, chosen_configs, loop_settings, model_config
+from .cli import build_parser, check_grad_clip, chosen_configs, loop_settings, model_config, round_plan
 from .configs import TrainConfig, engine_config
 from .data import ByteCorpus, TextDataConfig
 from .deepspeed_runner import DeepSpeedRunner
 from .fsdp2_runner import FSDP2Runner
-from .loop import ConfigResult, LoopSettings, run_config
+from .loop import ConfigResult, LoopSettings, RoundRecord, run_config
 from .progress import StepProgress
 from .models import GPTConfig, ModelSpec, model_spec
 from .report import RunFacts, format_report, write_json, write_plots
+from .rounds import RoundPlan, attach_ratios, combine
 from .runner import EngineFailed, Runner, Unavailable
 from .zero_runner import ZeroRunner
 
@@ -94,35 +97,95 @@ def runner_factory(
     return make
 
 
-def run_model(
+def _specs(models: list[str], shape: GPTConfig) -> dict[str, ModelSpec | Unavailable]:
+    """Each ``--model``'s spec, or why it cannot be built here."""
+    specs: dict[str, ModelSpec | Unavailable] = {}
+    for model in models:
+        try:
+            specs[model] = model_spec(model, shape)
+        except Unavailable as note:
+            specs[model] = note
+    return specs
+
+
+def run_once(
+    config: TrainConfig,
     model: str,
-    shape: GPTConfig,
-    configs: list[TrainConfig],
+    spec: ModelSpec,
+    label: str,
     settings: LoopSettings,
     corpus: ByteCorpus,
     ctx: DistContext,
     args: argparse.Namespace,
     facts: RunFacts,
-) -> tuple[list[ConfigResult], int | None]:
-    """All configurations on one model; returns the rows and the model's parameter count."""
+) -> ConfigResult:
+    """One configuration trained once from the seed: its row, "ok" or why not (collective)."""
+    make = runner_factory(config, spec, facts.engine_configs[config.name], ctx, args, facts.precision)
+    progress = StepProgress(label, settings.steps) if ctx.env.rank == 0 else None
     try:
-        spec = model_spec(model, shape)
+        row = run_config(config.name, model, make, corpus, ctx, settings, facts.link_bytes_per_s, on_step=progress)
     except Unavailable as note:
-        return [ConfigResult(config=c.name, model=model, status="skipped", note=str(note)) for c in configs], None
-    rows = []
-    for config in configs:
-        make = runner_factory(config, spec, facts.engine_configs[config.name], ctx, args, facts.precision)
-        progress = StepProgress(f"{model}: {config.name}", settings.steps) if ctx.env.rank == 0 else None
-        try:
-            rows.append(run_config(config.name, model, make, corpus, ctx, settings, facts.link_bytes_per_s,
-                                   on_step=progress))
-        except Unavailable as note:
-            rows.append(ConfigResult(config=config.name, model=model, status="skipped", note=str(note)))
-        except EngineFailed as note:
-            rows.append(failed_row(config, model, note, ctx.device))
-        if progress is not None and rows[-1].status != "ok":
-            _progress(ctx, f"{model}: {config.name}: {rows[-1].status} (see the table)")
-    return rows, sum(p.numel() for p in spec.build().parameters())
+        row = ConfigResult(config=config.name, model=model, status="skipped", note=str(note))
+    except EngineFailed as note:
+        row = failed_row(config, model, note, ctx.device)
+    if progress is not None and row.status != "ok":
+        _progress(ctx, f"{label}: {row.status} (see the table)")
+    return row
+
+
+def run_rounds(
+    models: list[str],
+    shape: GPTConfig,
+    configs: list[TrainConfig],
+    plan: RoundPlan,
+    settings: LoopSettings,
+    corpus: ByteCorpus,
+    ctx: DistContext,
+    args: argparse.Namespace,
+    facts: RunFacts,
+) -> tuple[list[ConfigResult], dict[str, int | None]]:
+    """Every configuration on every model, ``plan.rounds`` times in alternating order (see
+    [Note: round order]); returns one row per (model, configuration), in the order asked
+    for, and each model's parameter count.
+
+    A configuration that does not finish a round ("skipped", "failed", "expected failure")
+    is not run again: its row is that round's, its note naming the round when it was not the first.
+    """
+    specs = _specs(models, shape)
+    units = [(model, config) for model in models if not isinstance(specs[model], Unavailable) for config in configs]
+    records: dict[tuple[str, str], list[RoundRecord]] = {(m, c.name): [] for m, c in units}
+    rows: dict[tuple[str, str], ConfigResult] = {}  # round 1's row, or the row of the round that did not finish
+    for index in range(plan.rounds):
+        running = [(m, c) for m, c in plan.order(units, index) if rows.get((m, c.name), _NOT_RUN).status == "ok"]
+        for position, (model, config) in enumerate(running):
+            label = f"{model}: {config.name}" + (f" (round {index + 1} of {plan.rounds})" if plan.rounds > 1 else "")
+            row = run_once(config, model, specs[model], label, settings, corpus, ctx, args, facts)
+            key = (model, config.name)
+            if row.status == "ok":
+                rows.setdefault(key, row)
+                records[key].append(RoundRecord.of(row, round=index + 1, position=position))
+            else:
+                row.note = f"round {index + 1} of {plan.rounds}: {row.note}" if index else row.note
+                row.rounds = records[key]  # the rounds it finished stay in the JSON
+                rows[key] = row
+    table = []
+    for model in models:
+        spec = specs[model]
+        if isinstance(spec, Unavailable):
+            table += [ConfigResult(config=c.name, model=model, status="skipped", note=str(spec)) for c in configs]
+            continue
+        for config in configs:
+            row, done = rows[(model, config.name)], records[(model, config.name)]
+            table.append(row if row.status != "ok" else combine(
+                row, done, tokens_per_step=settings.batch * settings.seq_len, link_bytes_per_s=facts.link_bytes_per_s))  # fmt: skip
+    attach_ratios(table, plan.baseline)
+    params = {m: None if isinstance(s, Unavailable) else sum(p.numel() for p in s.build().parameters())
+              for m, s in specs.items()}  # fmt: skip
+    return table, params
+
+
+# Stands for "not run yet" when choosing what a round runs.
+_NOT_RUN = ConfigResult(config="", model="")
 
 
 def failed_row(config: TrainConfig, model: str, failure: EngineFailed, device: torch.device) -> ConfigResult:
@@ -155,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configs = chosen_configs(args)
         settings, shape = loop_settings(args), model_config(args)
+        plan = round_plan(args, configs)
         check_grad_clip(args)
     except (TypeError, ValueError) as error:
         parser.error(str(error))
@@ -172,13 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         engine_configs=engine_configs(configs, ctx, args, precision),
     )
     corpus = ByteCorpus(TextDataConfig(seq_len=args.seq_len))
-    rows: list[ConfigResult] = []
-    params: dict[str, int | None] = {}
-    for model in args.model:
-        model_rows, params[model] = run_model(model, shape, configs, settings, corpus, ctx, args, facts)
-        rows.extend(model_rows)
+    rows, params = run_rounds(args.model, shape, configs, plan, settings, corpus, ctx, args, facts)
     if ctx.env.rank == 0:
-        report(rows, params, corpus, ctx, args, facts)
+        report(rows, params, corpus, ctx, args, facts, plan)
     dist.destroy_process_group()
     return 0
 
@@ -190,6 +250,7 @@ def report(
     ctx: DistContext,
     args: argparse.Namespace,
     facts: RunFacts,
+    plan: RoundPlan,
 ) -> None:
     env = ctx.env
     title = (f"{env.num_nodes} node(s) x {env.local_size} rank(s), {facts.precision.dtype}, "
@@ -200,7 +261,7 @@ def report(
         f"data: stdlib sources, {len(corpus.train_files)} train files ({corpus.train.size:,} bytes), "
         f"{len(corpus.val_files)} validation files ({corpus.val.size:,} bytes)"
     )
-    print(format_report(rows, facts))
+    print(format_report(rows, facts, rounds=plan.rounds, baseline=plan.baseline))
     meta = {
         "world_size": env.world_size,
         "local_size": env.local_size,
@@ -211,6 +272,9 @@ def report(
         "train_bytes": int(corpus.train.size),
         "val_bytes": int(corpus.val.size),
         "args": vars(args),
+        "rounds": plan.rounds,
+        "baseline": plan.baseline,
+        "round_order": "forward in odd rounds, backward in even ones (bench/train/rounds.py)",
     }
     if args.json:
         write_json(args.json, rows, meta)

@@ -78,6 +78,9 @@ def test_the_gpu_plan_fits_its_budget_and_its_commands_parse(tmp_path, fake_tool
     assert host[:4] == ["--device", "cuda", "--sizes", "1M,16M"] and host[4] == "--json"
     train = train_cli.build_parser().parse_args(_args(stages[1], "bench.train"))
     assert [c.name for c in train_cli.chosen_configs(train)] == list(plan.TRAIN_CONFIGS)
+    rounds = train_cli.round_plan(train, train_cli.chosen_configs(train))
+    assert rounds.rounds == plan.TRAIN_ROUNDS >= 2 and rounds.baseline == "zero3"
+    assert {name for pair in plan.TRAIN_PAIRS for name in pair} <= set(plan.TRAIN_CONFIGS)
     shape = train_cli.model_config(train)
     assert (shape.d_model, shape.n_layers, shape.n_heads, shape.seq_len, train.batch, train.dtype) == (1024, 12, 16, 512, 8, "bf16")
     with torch.device("meta"):
@@ -93,6 +96,7 @@ def test_report_tables_from_rows_and_training():
 
 
 def test_training_table_gives_ratios_to_zero3(tmp_path):
+    # A train.json written before rounds: one round, ratios of the medians.
     import json
 
     rows = [{"config": "zero3", "status": "ok", "median_step_s": 0.04, "val_loss": 2.5, "train_losses": [3.0, 2.6], "note": ""},
@@ -100,6 +104,27 @@ def test_training_table_gives_ratios_to_zero3(tmp_path):
             {"config": "fsdp2", "status": "failed", "median_step_s": None, "val_loss": None, "train_losses": [], "note": "boom"}]
     (tmp_path / "train.json").write_text(json.dumps({"meta": {}, "results": rows}))
     table = report._training(tmp_path)
-    assert "| zero3 | ok | 40 | 1.00x | 2.5 | 2.6 |  |" in table
-    assert "| zeropp | ok | 90 | 2.25x | 2.51 | 2.61 |  |" in table
-    assert "| fsdp2 | failed | - | - | - | - | boom |" in table
+    assert "| zero3 | ok | 1 | 40 | 40-40 | 1.000x | - | 2.5 | 2.6 |  |" in table
+    assert "| zeropp | ok | 1 | 90 | 90-90 | 2.250x | - | 2.51 | 2.61 |  |" in table
+    assert "| fsdp2 | failed | - | - | - | - | - | - | - | boom |" in table
+    assert "| zeropp / zero3 | 2.250x | 2.250-2.250x | 1 | 2.250 |" in table
+    assert "| fsdp2 / zero3 | - | - | 0 | fsdp2: no result |" in table
+
+
+def test_training_table_pairs_ratios_by_round(tmp_path):
+    # Round 2 ran everything slower; each ratio divides numbers of one round.
+    import json
+
+    def row(config, steps, diff=0.0):
+        rounds = [{"round": r, "median_step_s": s} for r, s in enumerate(steps, 1)]
+        return {"config": config, "status": "ok", "median_step_s": sorted(steps)[len(steps) // 2], "val_loss": 2.5,
+                "train_losses": [3.0], "note": "", "rounds": rounds, "loss_max_diff": diff}
+
+    rows = [row("zero3", [0.040, 0.080, 0.041]), row("fsdp2", [0.044, 0.084, 0.041], 2e-3),
+            row("fsdp2-zeropp", [0.066, 0.126, 0.0615])]
+    (tmp_path / "train.json").write_text(json.dumps({"meta": {}, "results": rows}))
+    table = report._training(tmp_path)
+    assert "| fsdp2 | ok | 3 | 44 | 41-84 | 1.050x | 0.002 | 2.5 | 3 |  |" in table
+    assert "| fsdp2 / zero3 | 1.050x | 1.000-1.100x | 3 | 1.100, 1.050, 1.000 |" in table
+    assert "| fsdp2-zeropp / fsdp2 | 1.500x | 1.500-1.500x | 3 | 1.500, 1.500, 1.500 |" in table
+    assert "| zeropp / zero3 | - | - | 0 | zeropp: no result |" in table

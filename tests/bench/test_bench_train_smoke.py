@@ -12,6 +12,7 @@ import importlib.util
 import json
 import math
 import socket
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -187,3 +188,42 @@ def test_deepspeed_is_the_same_math_as_ours(tmp_path: Path, checkout_env: dict[s
     assert zeropp["status"] == "ok" or (zeropp["status"] == "expected failure" and "CUDA-only" in zeropp["note"]
                                         and " raised " in zeropp["note"])
     assert f"DeepSpeed: {result['meta']['deepspeed']}" in stdout
+
+
+def test_rounds_pair_each_round_and_repeat_the_same_losses(tmp_path: Path, checkout_env: dict[str, str]) -> None:
+    """--rounds 2: both configurations twice, forward then backward; every figure of the
+    rows is recomputed here from the rounds' own numbers in the JSON."""
+    args = ["--configs", "zero3", "fsdp2", "--rounds", "2", *TINY]
+    result, stdout = _launch(args, tmp_path, checkout_env)
+    assert result["meta"]["rounds"] == 2 and result["meta"]["baseline"] == "zero3"
+    rows = {row["config"]: row for row in result["results"]}
+    for position, config in enumerate(("zero3", "fsdp2")):
+        row = rows[config]
+        _check_trained(row, steps=4)
+        rounds = row["rounds"]
+        # Round 1 runs zero3 then fsdp2, round 2 the other way round.
+        assert [(r["round"], r["position"]) for r in rounds] == [(1, position), (2, 1 - position)]
+        for r in rounds:
+            assert r["median_step_s"] == statistics.median(r["step_times_s"][1:])  # after the 1 warm-up step
+            # Same seed, same batches, deterministic CPU kernels: the same losses in every round.
+            assert r["train_losses"] == row["train_losses"] and r["val_curve"] == row["val_curve"]
+        assert row["step_times_s"] == rounds[0]["step_times_s"] and row["loss_max_diff"] == 0.0
+        steps = [r["median_step_s"] for r in rounds]
+        assert row["median_step_s"] == statistics.median(steps)
+        assert (row["min_step_s"], row["max_step_s"]) == (min(steps), max(steps))
+    zero3, fsdp2 = rows["zero3"]["rounds"], rows["fsdp2"]["rounds"]
+    paired = [f["median_step_s"] / z["median_step_s"] for f, z in zip(fsdp2, zero3)]
+    assert rows["fsdp2"]["paired_ratios"] == pytest.approx(paired, rel=1e-12)
+    assert rows["fsdp2"]["ratio_to_baseline"] == pytest.approx(statistics.median(paired), rel=1e-12)
+    assert (rows["fsdp2"]["ratio_min"], rows["fsdp2"]["ratio_max"]) == pytest.approx((min(paired), max(paired)))
+    assert rows["zero3"]["paired_ratios"] == [1.0, 1.0] and rows["zero3"]["baseline"] == "zero3"
+    # The rounds table shows the same numbers; no row is flagged.
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("over 2 rounds"))
+    assert "against zero3" in lines[start] and lines[start + 1].split()[:4] == ["config", "model", "rounds", "step"]
+    cells = {line.split()[0]: line.split() for line in lines[start + 2 : start + 4]}
+    ratio = rows["fsdp2"]["ratio_to_baseline"]
+    assert cells["fsdp2"][:3] == ["fsdp2", "tinygpt", "2"] and cells["fsdp2"][6] == f"{ratio:.3f}x"
+    assert float(cells["fsdp2"][3]) == pytest.approx(rows["fsdp2"]["median_step_s"] * 1e3, abs=0.051)
+    assert cells["fsdp2"][7] == f"{min(paired):.3f}-{max(paired):.3f}x" and cells["fsdp2"][8] == "0"
+    assert not any(line.startswith("! ") for line in lines)
