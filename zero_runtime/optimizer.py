@@ -67,6 +67,7 @@ class ZeroOptimizer:
                                             max_reuse_distance=config.max_reuse_distance, offload=param_offload)
             self.hooks = ModuleHooks(model=model, units=partitioned, scheduler=self.scheduler)
             on_ready = self._unit_grads_ready
+        self.closed = False  # close() ran: the gradient hooks are gone
         self.reducer = GradReducer(units=units, plan=plan, stage=config.stage, bucket_numel=config.reduce_bucket_size,
                                    overlap=config.overlap_comm, on_unit_ready=on_ready,
                                    on_shards_final=self._shards_final if offload is not None else None)
@@ -140,6 +141,8 @@ class ZeroOptimizer:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (scaled for fp16 and divided for accumulation), then the
         gradient reduce-scatter of this micro-step."""
+        if self.closed:
+            raise RuntimeError("backward() on a closed engine: close() removed its gradient hooks")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError("backward() expects a scalar loss tensor")
         if not loss.requires_grad:
@@ -340,7 +343,11 @@ class ZeroOptimizer:
 
     def close(self) -> None:
         """Release what outlives the process otherwise: the NVMe swap files (also removed at
-        exit and when this object is collected; see [Note: swap file lifetime])."""
+        exit and when this object is collected; see [Note: swap file lifetime]), and the
+        gradient hooks on the parameters, which would keep the engine alive ([Note: gradient
+        hook handles]). The engine cannot train after it (``backward`` raises)."""
+        self.closed = True
+        self.reducer.remove_hooks()
         try:
             if self.offload is not None:
                 self.offload.close()

@@ -233,7 +233,7 @@ def run_config(
     """
     # The engine of the run before is held by reference cycles (module and gradient hooks):
     # free it now, before this one allocates, or R rounds x N configurations of engines could
-    # pile up in device memory (see also [Note: zero engine release]).
+    # pile up in device memory (see also [Note: gradient hook handles] in zero_runtime.comm._grad_reduce).
     gc.collect()
     if ctx.device.type == "cuda":
         # Each run's CUDA peak is its own, not the largest of the configurations before it.

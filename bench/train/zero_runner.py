@@ -5,17 +5,9 @@ AdamW and the DeepSpeed-style dict of :func:`bench.train.configs.zero_runtime_co
 loop then drives ``opt.backward``, ``opt.step`` and ``opt.zero_grad``. Peak memory is the
 runtime's own ``memory_report()`` (parameters, gradients, optimizer states on this rank).
 
-[Note: zero engine release] The runtime hooks every parameter with
-``register_post_accumulate_grad_hook`` and keeps no handle; the hook's closure holds the
-parameter's unit, which holds the parameter. torch keeps those hooks from C++, out of the
-garbage collector's sight, so the cycle is never collected: every engine built in a process
-stays alive with its flat buffers and optimizer states (seen with 2 rounds of 4
-configurations: one more model alive per zero_runtime run). One launch of ``bench.train``
-builds many engines (configurations x ``--rounds``; gpu-bench builds 16 of a 160M GPT, some
-2.3 GB each), so :meth:`ZeroRunner.close` empties those hook tables after the run, which
-breaks the cycle. This reads torch's private ``Tensor._post_accumulate_grad_hooks`` (the
-only reference to a hook whose handle was dropped), here and nowhere else; a test checks
-that a closed engine is collected.
+``close()`` releases the engine (``ZeroOptimizer.close``, which also removes its gradient
+hooks), so the many engines one launch builds (configurations x ``--rounds``) do not stack
+up in memory.
 """
 
 from __future__ import annotations
@@ -55,13 +47,5 @@ class ZeroRunner:
         return MemoryReading(self.peak_bytes, "zero_runtime memory_report()")
 
     def close(self) -> None:
-        """Let the engine be collected: see [Note: zero engine release]."""
+        """Let the engine be collected (its gradient hooks go with ``close``)."""
         self.opt.close()
-        _drop_post_accumulate_grad_hooks(self.model)
-
-
-def _drop_post_accumulate_grad_hooks(model: torch.nn.Module) -> None:
-    for param in model.parameters():
-        hooks = getattr(param, "_post_accumulate_grad_hooks", None)
-        if hooks:
-            hooks.clear()

@@ -1,4 +1,4 @@
-"""A bench.train run leaves no engine behind: [Note: zero engine release].
+"""A bench.train run leaves no engine behind: [Note: gradient hook handles] in zero_runtime.comm._grad_reduce.
 
 One launch builds an engine per configuration and round; each must be collectable after
 its run, or their buffers stack up in device memory. Checked on a 1-rank gloo group in

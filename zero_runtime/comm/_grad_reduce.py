@@ -84,12 +84,22 @@ class GradReducer:
         self._pending = [len(bucket) for bucket in self.buckets]  # units whose gradients are not final
         self.launched = 0  # buckets 0..launched-1 were launched in this backward (also for tests)
         self._in_flight: list[_InFlight] = []
+        # [Note: gradient hook handles] torch holds a post-accumulate hook from C++, where the
+        # garbage collector cannot see it, and the hook's closure holds the unit, which holds
+        # the parameter: without remove_hooks() an engine nobody references is never freed.
+        self._hook_handles = []
         for unit in self.units:
             if self.keep_full_grads:
                 unit.full_grad = self._zeroed_full_grad(unit)
             for slot_index, param in enumerate(unit.params):
                 if param.requires_grad:
-                    param.register_post_accumulate_grad_hook(self._hook(unit, slot_index))
+                    self._hook_handles.append(param.register_post_accumulate_grad_hook(self._hook(unit, slot_index)))
+
+    def remove_hooks(self) -> None:
+        """Detach this reducer from the parameters: their gradients no longer reach it."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
 
     def _hook(self, unit: FlatUnit, slot_index: int) -> Callable[[torch.Tensor], None]:
         slot = unit.layout.slots[slot_index]
