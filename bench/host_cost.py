@@ -20,7 +20,9 @@ filling). Rows, each next to its yardstick measured in the same run:
   ``x.clone()`` of the op's float input;
 * ``all_gather_q8`` next to ``dist.all_gather_into_tensor``;
 * ``reduce_scatter_q4`` with 1 and 4 pipeline stages next to ``dist.reduce_scatter_tensor``,
-  and the 4-stage row against the 1-stage row.
+  and the 4-stage row against the 1-stage row;
+* ``reduce_scatter_q4_coalesced`` of a bucket of :data:`BUCKET` tensors (the runtime's qgZ
+  call) and ``reduce_scatter_q4`` with error feedback (LoCo), next to the 1-stage row.
 
 The run ends with the targets of the thin host path, each marked PASS or MISS from the host
 ratios of this run (on CUDA: every op <= 2x clone, all_gather_q8 <= 1.5x and
@@ -28,7 +30,8 @@ reduce_scatter_q4 <= 2x torch's call, 4 stages <= 1.3x one stage; on CPU: quanti
 fp32 elements <= 25 us). These are measurements: nothing here asserts.
 
 ``--profile PATH`` then profiles the host side of the collectives (``cProfile``, 100 calls
-each of ``all_gather_q8`` and ``reduce_scatter_q4`` with 1 and 4 stages on the first size)
+each of ``all_gather_q8``, ``reduce_scatter_q4`` with 1 and 4 stages, the coalesced form and
+the form with error feedback, on the first size)
 and writes the functions that cost the most own time to PATH: where the next microseconds
 of host time are.
 """
@@ -64,6 +67,7 @@ ROWS = 4  # payload rows of dequantize / dequant_reduce, chunks of reorder_quant
 DEFAULT_SIZES = "1M,16M"
 CPU_QUANTIZE_NUMEL = 1024
 CPU_QUANTIZE_TARGET_US = 25.0
+BUCKET = 4  # tensors of the coalesced reduce-scatter's bucket
 ROUNDS = 5  # host time: the median of this many rounds' means (one descheduled call skews a mean)
 
 
@@ -171,7 +175,26 @@ def _collective_rows(timer: Timer, numel: int, dtype: torch.dtype) -> list[Row]:
         stages[k] = timer.measure(lambda k=k: zcomm.reduce_scatter_q4(out, grads, pipeline_stages=k))
         rows.append(Row(f"reduce_scatter_q4 {k} stage{'s' if k > 1 else ''}", numel, *stages[k], *reduced))
     rows.append(Row("reduce_scatter_q4 4 stages", numel, *stages[4], "reduce_scatter_q4 1 stage", *stages[1]))
+    for name, call in _bucket_calls(grads, out).items():
+        rows.append(Row(name, numel, *timer.measure(call), "reduce_scatter_q4 1 stage", *stages[1]))
     return rows
+
+
+def _bucket_calls(grads: torch.Tensor, out: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The runtime's qgZ calls on ``grads``' elements: one coalesced call over a bucket of
+    :data:`BUCKET` tensors (``grads`` cut rank-major, outputs pieces of ``out``), and one call
+    with error feedback."""
+    world, numel = dist.get_world_size(), out.numel()
+    sizes = [numel // BUCKET] * (BUCKET - 1) + [numel - numel // BUCKET * (BUCKET - 1)]
+    inputs = [piece.contiguous() for piece in grads.view(world, numel).split(sizes, dim=1)]
+    outputs = list(out.split(sizes))
+    feedback = zcomm.ErrorFeedback()
+    return {
+        f"reduce_scatter_q4_coalesced x{BUCKET}": lambda: zcomm.reduce_scatter_q4_coalesced(
+            outputs, inputs, op=dist.ReduceOp.AVG),
+        "reduce_scatter_q4 error feedback": lambda: zcomm.reduce_scatter_q4(
+            out, grads, op=dist.ReduceOp.AVG, pipeline_stages=1, error_feedback=feedback),
+    }
 
 
 PROFILED_CALLS = 100
@@ -186,6 +209,7 @@ def _profile(device: torch.device, numel: int, dtype: torch.dtype, path: str) ->
         "all_gather_q8": lambda: zcomm.all_gather_q8(full, shard),
         "reduce_scatter_q4 1 stage": lambda: zcomm.reduce_scatter_q4(out, full, pipeline_stages=1),
         "reduce_scatter_q4 4 stages": lambda: zcomm.reduce_scatter_q4(out, full, pipeline_stages=4),
+        **_bucket_calls(full, out),
     }
     text = io.StringIO()
     for name, call in calls.items():
