@@ -110,7 +110,7 @@ class ErrorFeedback:
         errors = []
         for i, n in enumerate(hop_numels):
             stored = self._stored[f"hop{i}"]
-            nbytes = quant.payload_nbytes(n, _STORE_BITS, group_size)
+            nbytes = _nbytes(n, _STORE_BITS, group_size)
             if stored.device != device or stored.dtype != torch.uint8 or stored.numel() != nbytes:
                 raise ValueError(f"stored error hop{i} is {stored.numel()} {stored.dtype} bytes on {stored.device}; this "
                                  f"call needs {nbytes} uint8 bytes on {device} (load the state onto the collective's "
@@ -124,7 +124,7 @@ class ErrorFeedback:
         """Store this call's updated errors in INT8 ([Note: error buffers in INT8])."""
         stored = {}
         for i, error in enumerate(errors):
-            payload = torch.empty(quant.payload_nbytes(error.numel(), _STORE_BITS, group_size), dtype=torch.uint8,
+            payload = torch.empty(_nbytes(error.numel(), _STORE_BITS, group_size), dtype=torch.uint8,
                                   device=error.device)
             kernels.quantize(error, _STORE_BITS, group_size, payload)
             stored[f"hop{i}"] = payload
@@ -136,7 +136,7 @@ class ErrorFeedback:
         compensated = values.add_(error)
         numel = compensated.numel()
         row = numel // num_rows
-        rows = torch.empty((num_rows, quant.payload_nbytes(row, _BITS, group_size)), dtype=torch.uint8,
+        rows = torch.empty((num_rows, _nbytes(row, _BITS, group_size)), dtype=torch.uint8,
                            device=compensated.device)
         kernels.reorder_quantize([compensated], 1, numel, _identity(num_rows), num_rows, _BITS, group_size, rows)
         restored = torch.empty(numel, dtype=torch.float32, device=compensated.device)
@@ -145,7 +145,13 @@ class ErrorFeedback:
         return rows
 
 
-@lru_cache(maxsize=None)
+@lru_cache(maxsize=256)
+def _nbytes(numel: int, bits: int, group_size: int) -> int:
+    """``quant.payload_nbytes``, looked up: a stream of reductions asks for the same few sizes."""
+    return quant.payload_nbytes(numel, bits, group_size)
+
+
+@lru_cache(maxsize=256)
 def _identity(num_rows: int) -> tuple[int, ...]:
     """The identity order of ``num_rows`` slices: rows quantized where they are."""
     return tuple(range(num_rows))

@@ -69,6 +69,92 @@ def test_reference_backend_is_its_own_namespace() -> None:
     assert "cpu.py:quantize" in entered and "reference.py:quantize" not in entered
 
 
+@pytest.fixture
+def world_of_one(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _chain_frames(call: Callable[[], object]) -> tuple[list[str], list[str]]:
+    """(the caller's frames, zcomm's frames on the reduce worker) of one sync qgZ ``call()``.
+
+    The chain runs on the group's FIFO worker of reductions ([Note: worker ordering] in
+    zcomm._chain_runner): the profile is installed on that thread by a task queued on it, and
+    only frames of zcomm's own files are kept there (the executor's bookkeeping around the
+    chain is not zcomm's path).
+    """
+    import threading
+
+    import torch.distributed as dist
+
+    from zcomm import _chain_runner
+    from zcomm.topology import Topology
+
+    call()  # warm: plans, kernels, the worker thread
+    worker = _chain_runner._ordered_worker(dist.group.WORLD, Topology(world_size=1, local_size=1), "reduce")
+    assert worker.submit(threading.get_ident).result() != threading.get_ident()
+    entered: list[str] = []
+    on_worker: list[str] = []
+
+    def recorder(into: list[str], zcomm_only: bool):  # noqa: ANN202
+        def profile(frame, event, arg) -> None:
+            if event == "call" and (not zcomm_only or "/zcomm/" in frame.f_code.co_filename):
+                into.append(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}")
+        return profile
+
+    worker.submit(sys.setprofile, recorder(on_worker, True)).result()
+    sys.setprofile(recorder(entered, False))
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+        worker.submit(sys.setprofile, None).result()
+    assert entered[0].endswith("<lambda>"), entered
+    return entered[1:], on_worker
+
+
+def _no_public_ops(entered: list[str]) -> list[str]:
+    """The frames that mean a public op, a spec or the registry ran per call."""
+    return [name for name in entered if name.startswith(("ops.py", "spec.py", "_registry.py", "custom_ops.py"))
+            or name.endswith((":prologue", ":prologue_coalesced", ":detect", ":_make_shape"))]
+
+
+def test_reduce_scatter_q4_coalesced_frames(world_of_one) -> None:
+    """A coalesced call of a bucket of 4 tensors: the prologue comes from its cache (one pass
+    over the tensors to build the key, no checks), the plan from its cache, and the chain
+    calls the backend's kernels directly."""
+    import zcomm
+
+    inputs = [torch.randn(n) for n in (100, 200, 300, 424)]
+    flat = torch.empty(NUMEL)
+    outputs = list(flat.split([100, 200, 300, 424]))
+    entered, chain = _chain_frames(lambda: zcomm.reduce_scatter_q4_coalesced(outputs, inputs))
+    assert len(entered) <= 45, "\n".join(entered)  # 100 with the full prologue per call
+    assert not _no_public_ops(entered + chain), entered + chain
+    assert len(chain) <= 25, "\n".join(chain)
+
+
+def test_reduce_scatter_q4_error_feedback_frames(world_of_one) -> None:
+    """With error feedback the chain still calls the plan's kernels directly: restoring the
+    stored errors, compensating, quantizing and storing them run no public op, spec or check."""
+    import zcomm
+
+    x, out = torch.randn(NUMEL), torch.empty(NUMEL)
+    feedback = zcomm.ErrorFeedback()
+    entered, chain = _chain_frames(lambda: zcomm.reduce_scatter_q4(out, x, error_feedback=feedback))
+    assert feedback.calls == 2
+    assert len(entered) <= 45, "\n".join(entered)
+    assert not _no_public_ops(entered + chain), entered + chain
+    assert "cpu.py:reorder_quantize" in chain and "cpu.py:dequantize" in chain and "cpu.py:quantize" in chain, chain
+    # 47 zcomm frames; through the public ops (their checks, specs, dispatch) it took 87
+    assert len(chain) <= 55, "\n".join(chain)
+
+
 def test_all_gather_q8_frames(tmp_path) -> None:
     """One ``all_gather_q8`` call on a world of one (gloo), on the calling thread: the prologue
     and the plan come from their caches (no topology detection, no environment read, no
