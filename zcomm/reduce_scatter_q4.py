@@ -46,13 +46,17 @@ elements: step 1 reads the zeros from nowhere ([Note: interleaved input] in
 stage's part goes through a ``q``-element buffer on its way into ``output``. Any ``numel``
 works and the collective is never swapped for an unquantized one.
 
-[Note: qgZ direct kernels] Without error feedback, the chain calls the backend's
-``reorder_quantize``, ``dequant_reduce`` and ``dequant_reduce_requant`` kernels (the
-functions behind ``torch.ops.zcomm``, :func:`zcomm.quant._contract.kernel`) directly, into
-buffers of the sizes the plan computed: the plan resolved the spec, the permutation, the row
-sizes and the backend (``$ZCOMM_BACKEND`` when the plan was made, then the device) once, and
-the prologue checked the tensors, so the public ops' checks, backend choice and dispatch are
-not repeated per call and per stage. The kernels get the contract's arguments exactly.
+[Note: qgZ direct kernels] The chain calls the backend's ``reorder_quantize``,
+``dequant_reduce`` and ``dequant_reduce_requant`` kernels (the functions behind
+``torch.ops.zcomm``, :func:`zcomm.quant._contract.kernel`) directly, into buffers of the
+sizes the plan computed: the plan resolved the spec, the permutation, the row sizes, the
+backend (``$ZCOMM_BACKEND`` when the plan was made, then the device) and checked the options
+once, and the prologue checked the tensors (once per call shape, for the coalesced form too:
+[Note: prologue once] in :mod:`zcomm._prologue`), so the public ops' checks, backend choice
+and dispatch are not repeated per call and per stage. Error feedback's steps use the same
+kernels (and the plan's ``quantize`` and ``dequantize`` for its stored errors: [Note:
+feedback kernels] in :mod:`zcomm._error_feedback`). The kernels get the contract's
+arguments exactly.
 
 [Note: an INT8 first hop] ``first_hop_bits=8`` (after SDP4Bit's two-level scheme, arXiv
 2410.15526: 8 bits inside the node, 4 across) quantizes step 1 to INT8 and makes step 3 read
