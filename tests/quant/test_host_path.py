@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -174,3 +175,26 @@ def test_all_gather_q8_frames(tmp_path) -> None:
                     and not name.startswith("weakref.py")], entered
     finally:
         dist.destroy_process_group()
+
+
+def test_cuda_launch_resolves_per_kernel_and_device_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cuda backend's grid cap is resolved once per (kernel, device index) and its size
+    arguments once per sizes; ``cuda`` without an index (whichever device is current) is never cached."""
+    from zcomm.quant.backends import _cuda_launch as cuda_launch
+    from zcomm_cuda import loader
+
+    resolved = []
+    monkeypatch.setattr(cuda_launch, "_MAX_BLOCKS", {})
+    monkeypatch.setattr(cuda_launch, "_resident_blocks", lambda source, name, index: resolved.append(index) or 3)
+    monkeypatch.setattr(loader, "multiprocessor_count", lambda index: 132)
+    monkeypatch.setattr(loader, "device_index", lambda device: 1 if device.index is None else device.index)
+    for _ in range(3):
+        assert cuda_launch._max_blocks(torch.device("cuda", 0), "dequantize.cu", "k") == 396
+    assert resolved == [0]
+    cuda_launch._max_blocks(torch.device("cuda", 1), "dequantize.cu", "k")
+    cuda_launch._max_blocks(torch.device("cuda"), "dequantize.cu", "k")
+    cuda_launch._max_blocks(torch.device("cuda"), "dequantize.cu", "k")
+    assert resolved == [0, 1, 1, 1]
+    sizes = cuda_launch._sizes(1024, 256, 4)
+    assert sizes is cuda_launch._sizes(1024, 256, 4) and [type(v) for v in sizes] == [np.int64] * 3
+    assert cuda_launch._name("zc_dequantize_{}_int{}", torch.bfloat16, 4) == "zc_dequantize_bf16_int4"
