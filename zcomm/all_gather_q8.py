@@ -99,6 +99,7 @@ class _Plan(NamedTuple):
     """Everything the chain needs, resolved once per group, sizes and options (``_make_plan``)."""
 
     hops: tuple[dist.ProcessGroup, ...]  # the inter-node group, then the intra-node group, where they have peers
+    hop_sizes: tuple[int, ...]  # each hop's group size
     topology: Topology
     group_size: int  # concrete: "tensor" resolved for this payload
     bounds: tuple[int, ...]  # chunk c is input elements [bounds[c], bounds[c + 1])
@@ -170,7 +171,7 @@ def _make_plan(
     bounds = _chunk_bounds(numel, concrete_group_size, stages)
     chunk_nbytes = tuple(quant.payload_nbytes(hi - lo, _BITS, concrete_group_size) for lo, hi in zip(bounds, bounds[1:]))
     plan = _Plan(
-        hops, info.topology, concrete_group_size, bounds, (0, 0), chunk_nbytes,
+        hops, tuple(dist.get_world_size(hop) for hop in hops), info.topology, concrete_group_size, bounds, (0, 0), chunk_nbytes,
         _contract.kernel("quantize", backend), _contract.kernel("dequantize", backend),
     )
     return plan._replace(bytes_sent=_bytes_sent(plan))
@@ -207,8 +208,8 @@ def _gather_whole(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> Non
     num_nodes, local_size, numel = plan.topology.num_nodes, plan.topology.local_size, input.numel()
     # ``wait()`` returns only after its hop has read ``gathered`` (see [Note: qwZ buffer lifetime])
     gathered = _quantize(plan, input, plan.chunk_nbytes[0])
-    for hop in plan.hops:
-        _, gathered, work = _start_gather(gathered, hop)
+    for hop, size in zip(plan.hops, plan.hop_sizes):
+        _, gathered, work = _start_gather(gathered, hop, size)
         work.wait()
     world_size = plan.topology.world_size
     row_bytes = gathered.numel() // world_size
@@ -228,14 +229,16 @@ def _quantize(plan: _Plan, chunk: torch.Tensor, nbytes: int) -> torch.Tensor:
 def _gather_pipelined(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:
     """The chunks' hops overlapped as [Note: qwZ pipeline] says; ``output`` and ``input`` flat."""
     chunks = list(zip(plan.bounds, plan.bounds[1:]))
+    first_hop, first_size = plan.hops[0], plan.hop_sizes[0]
     first = [
-        _start_gather(_quantize(plan, input[lo:hi], nbytes), plan.hops[0])
+        _start_gather(_quantize(plan, input[lo:hi], nbytes), first_hop, first_size)
         for (lo, hi), nbytes in zip(chunks, plan.chunk_nbytes)
     ]
     in_flight: list[tuple[tuple[int, int], _Hop]] = []
     for chunk, (_, received, work) in zip(chunks, first):
         work.wait()
-        second = _start_gather(received, plan.hops[1]) if len(plan.hops) > 1 else (None, received, None)
+        second = (_start_gather(received, plan.hops[1], plan.hop_sizes[1]) if len(plan.hops) > 1
+                  else (None, received, None))
         in_flight.append((chunk, second))
         if len(in_flight) == 2:
             _finish_chunk(plan, *in_flight.pop(0), output)
@@ -263,7 +266,8 @@ def _finish_chunk(plan: _Plan, chunk: tuple[int, int], hop: _Hop, output: torch.
     output.view(world_size, numel)[:, lo:hi].copy_(values.view(world_size, hi - lo))
 
 
-def _start_gather(send: torch.Tensor, group: dist.ProcessGroup) -> _Hop:
-    """Start gathering ``group``'s members' ``send`` buffers in group-rank order: (send, receive buffer, work)."""
-    received = torch.empty(dist.get_world_size(group) * send.numel(), dtype=send.dtype, device=send.device)
+def _start_gather(send: torch.Tensor, group: dist.ProcessGroup, size: int) -> _Hop:
+    """Start gathering the ``size`` members' ``send`` buffers of ``group`` in group-rank order: (send,
+    receive buffer, work)."""
+    received = torch.empty(size * send.numel(), dtype=send.dtype, device=send.device)
     return send, received, all_gather_single(received, send, group=group, async_op=True)

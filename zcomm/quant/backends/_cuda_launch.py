@@ -217,17 +217,44 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> 
     )
 
 
+# [Note: decoder launch memo] The decoders run once per pipeline stage or chunk with the same
+# sizes every call, so what their launch needs besides the two addresses (kernel name, grid,
+# size arguments, fp32 divisor) is resolved once per (op, sizes, dtype, bits, device index) and
+# looked up after: one dictionary lookup instead of the name, grid and argument helpers per
+# launch. Only devices with an index are remembered (``cuda`` alone follows the current device),
+# and the memo is emptied when it reaches _MAX_MEMO entries (a caller sweeping sizes).
+_DECODER_MEMO: dict[tuple, tuple[str, int, tuple]] = {}
+_MAX_MEMO = 4096
+
+
+def _memo(key: tuple, device: torch.device, resolve: Any) -> tuple[str, int, tuple]:
+    resolved = _DECODER_MEMO.get(key)
+    if resolved is None:
+        resolved = resolve()
+        if device.index is not None:
+            if len(_DECODER_MEMO) >= _MAX_MEMO:
+                _DECODER_MEMO.clear()
+            _DECODER_MEMO[key] = resolved
+    return resolved
+
+
 def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, out: torch.Tensor) -> None:
     rows, row_nbytes = payloads.shape
-    name = _name("zc_dequantize_{}_int{}", out.dtype, bits)
-    loader.launch(
-        "dequantize.cu",
-        name,
-        payloads.device,
-        _decoder_blocks(payloads.device, "dequantize.cu", name, rows * -(-numel // RUN)),
-        THREADS,
-        (_ptr(payloads), *_sizes(row_nbytes, numel, group_size, rows), _ptr(out)),
-    )
+    device = payloads.device
+    key = ("dequantize", device.index, out.dtype, bits, rows, row_nbytes, numel, group_size)
+    resolved = _DECODER_MEMO.get(key)
+    if resolved is None:
+        resolved = _memo(key, device, lambda: _resolve_dequantize(device, rows, row_nbytes, numel, bits, group_size,
+                                                                  out.dtype))
+    name, blocks, sizes = resolved
+    loader.launch("dequantize.cu", name, device, blocks, THREADS, (_ptr(payloads), *sizes, _ptr(out)))
+
+
+def _resolve_dequantize(device: torch.device, rows: int, row_nbytes: int, numel: int, bits: int, group_size: int,
+                        dtype: torch.dtype) -> tuple[str, int, tuple]:
+    name = _name("zc_dequantize_{}_int{}", dtype, bits)
+    blocks = _decoder_blocks(device, "dequantize.cu", name, rows * -(-numel // RUN))
+    return name, blocks, _sizes(row_nbytes, numel, group_size, rows)
 
 
 def reorder_quantize(
@@ -302,10 +329,23 @@ def dequant_reduce(
     payloads: torch.Tensor, numel: int, bits: int, group_size: int, divide_by: float, out: torch.Tensor
 ) -> None:
     """Sum (and divide) ``k`` payload rows and store the floats, in one kernel."""
-    name = _name("zc_dequant_reduce_{}_int{}", out.dtype, bits)
-    blocks = _decoder_blocks(payloads.device, "dequant_reduce.cu", name, -(-numel // RUN))
-    args = (*_reduction_args(payloads, numel, group_size, divide_by), _ptr(out))
-    loader.launch("dequant_reduce.cu", name, payloads.device, blocks, THREADS, args)
+    rows, row_nbytes = payloads.shape
+    device = payloads.device
+    key = ("dequant_reduce", device.index, out.dtype, bits, rows, row_nbytes, numel, group_size, divide_by)
+    resolved = _DECODER_MEMO.get(key)
+    if resolved is None:
+        resolved = _memo(key, device, lambda: _resolve_dequant_reduce(device, rows, row_nbytes, numel, bits,
+                                                                      group_size, divide_by, out.dtype))
+    name, blocks, sizes = resolved
+    loader.launch("dequant_reduce.cu", name, device, blocks, THREADS, (_ptr(payloads), *sizes, _ptr(out)))
+
+
+def _resolve_dequant_reduce(device: torch.device, rows: int, row_nbytes: int, numel: int, bits: int,
+                            group_size: int, divide_by: float, dtype: torch.dtype) -> tuple[str, int, tuple]:
+    """``dequant_reduce``'s kernel name, grid and the arguments between its two addresses."""
+    name = _name("zc_dequant_reduce_{}_int{}", dtype, bits)
+    blocks = _decoder_blocks(device, "dequant_reduce.cu", name, -(-numel // RUN))
+    return name, blocks, (*_sizes(row_nbytes, numel, group_size, rows), _fp32(divide_by))
 
 
 def dequant_reduce_requant(
