@@ -112,12 +112,12 @@ def prologue_coalesced_once(
     world = group if group is not None else dist.group.WORLD
     checked = _CHECKED.get(world) if world is not None else None
     if checked is not None:
-        key = _coalesced_key(outputs, inputs, gather, topology)
+        key = coalesced_key(outputs, inputs, gather, topology)
         info = checked.get(key) if key is not None else None
         if info is not None:
             return info
     info = prologue_coalesced(outputs, inputs, group, topology, gather=gather)
-    key = _coalesced_key(outputs, inputs, gather, topology)
+    key = coalesced_key(outputs, inputs, gather, topology)
     if key is not None:
         checked = _CHECKED.setdefault(info.group, {})
         if len(checked) >= _MAX_CHECKED:
@@ -126,7 +126,7 @@ def prologue_coalesced_once(
     return info
 
 
-def _coalesced_key(
+def coalesced_key(
     outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], gather: bool, topology: Topology | None
 ) -> tuple | None:
     """The cache key of a coalesced call's tensors, or None where they are not all plain

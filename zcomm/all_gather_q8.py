@@ -81,13 +81,14 @@ from ._chain_runner import run_chain
 from ._groups import node_groups
 from ._pipeline import GATHER_STAGE_BYTES, check_stages, default_stages
 from ._plan_cache import cached_plan, typed
-from ._prologue import prologue_once
+from ._prologue import prologue, prologue_once
 from ._torch_compat import all_gather_single
 from .comm_stats import record
 from .quant import _contract, _registry
 from .topology import Topology
 
-__all__ = ["GATHER_STAGE_BYTES", "all_gather_q8", "default_pipeline_stages"]
+__all__ = ["GATHER_STAGE_BYTES", "PreparedAllGatherQ8", "all_gather_q8", "default_pipeline_stages",
+           "prepare_all_gather_q8"]
 
 _BITS = 8
 # a hop in flight: (send buffer, receive buffer, work), kept together until its wait(); the
@@ -150,6 +151,59 @@ def all_gather_q8(
     plan = cached_plan(info.group, key, partial(_make_plan, info, numel, output, group_size, pipeline_stages))
     record("all_gather_q8", *plan.bytes_sent)
     return run_chain(partial(_chain, plan, output, input), info, "gather", (output, input), async_op)
+
+
+class PreparedAllGatherQ8:
+    """:func:`all_gather_q8` resolved once for one (output, input) shape
+    (:func:`prepare_all_gather_q8`), called with tensors of that shape each time.
+
+    The contract and what each call revalidates are those of [Note: prepared calls] in
+    :mod:`zcomm.reduce_scatter_q4`: the group, topology and options are held; each call checks
+    that both tensors are plain contiguous tensors of the prepared sizes, dtypes and device
+    (``ValueError`` otherwise) and runs the chain on their current addresses.
+    """
+
+    __slots__ = ("_plan", "_info", "_signature")
+
+    def __init__(self, plan: _Plan, info: GroupInfo, signature: tuple) -> None:
+        self._plan, self._info, self._signature = plan, info, signature
+
+    def __call__(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Handle | None:
+        """:func:`all_gather_q8` of ``output`` and ``input`` as prepared."""
+        if (
+            type(output) is not torch.Tensor
+            or type(input) is not torch.Tensor
+            or not output.is_contiguous()
+            or not input.is_contiguous()
+            or (output.numel(), input.numel(), output.dtype, input.dtype, output.device, input.device)
+            != self._signature
+        ):
+            raise ValueError("a prepared all_gather_q8 got tensors of other sizes, dtypes or devices (or not plain "
+                             "contiguous tensors) than it was prepared for: prepare another one")
+        record("all_gather_q8", *self._plan.bytes_sent)
+        return run_chain(partial(_chain, self._plan, output, input), self._info, "gather", (output, input), async_op)
+
+
+def prepare_all_gather_q8(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    group_size: int | Literal["tensor"] | None = None,
+    pipeline_stages: int | None = None,
+    topology: Topology | None = None,
+) -> PreparedAllGatherQ8:
+    """A :class:`PreparedAllGatherQ8` for calls on tensors like ``output`` and ``input`` (same sizes,
+    dtypes and device), with the arguments of :func:`all_gather_q8`. Raises what the collective
+    would raise for them; sends nothing."""
+    info = prologue(output, input, group, topology, gather=True, quantized=True)
+    if type(output) is not torch.Tensor or type(input) is not torch.Tensor:
+        raise ValueError("a prepared all_gather_q8 needs plain torch.Tensor objects")
+    numel, device = input.numel(), input.device
+    key = ("all_gather_q8", info.topology, numel, output.dtype, device, typed(group_size), typed(pipeline_stages))
+    plan = cached_plan(info.group, key, partial(_make_plan, info, numel, output, group_size, pipeline_stages))
+    signature = (output.numel(), numel, output.dtype, input.dtype, output.device, device)
+    return PreparedAllGatherQ8(plan, info, signature)
 
 
 def _make_plan(

@@ -102,7 +102,7 @@ from ._hadamard import check_hadamard_block, rotate_back_, rotated_input
 from ._groups import NodeGroups, node_groups
 from ._pipeline import MAX_DEFAULT_STAGES, STAGE_BYTES, check_stages, default_stages
 from ._plan_cache import cached_plan, typed
-from ._prologue import prologue_coalesced_once, prologue_once
+from ._prologue import coalesced_key, prologue_coalesced, prologue_coalesced_once, prologue_once
 from ._slice_reorder import first_hop_rows, reorder_permutation
 from .comm_stats import record
 from .quant import _contract, _registry
@@ -110,7 +110,7 @@ from .topology import Topology
 
 __all__ = [
     "MAX_DEFAULT_STAGES", "STAGE_BYTES", "check_first_hop_bits", "check_hadamard_block", "default_pipeline_stages",
-    "reduce_scatter_q4", "reduce_scatter_q4_coalesced",
+    "PreparedReduceScatterQ4", "prepare_reduce_scatter_q4_coalesced", "reduce_scatter_q4", "reduce_scatter_q4_coalesced",
 ]
 
 _BITS = 4
@@ -256,26 +256,115 @@ def _start(
     and reaches the check ([Note: plan cache lifetime]).
     """
     divide_by = _divisor(op, info.world_size)
+    _check_feedback(feedback)
+    shape = _resolve(info, outputs, inputs, group_size, pipeline_stages, first_hop_bits, hadamard_block,
+                     feedback is not None)
+    return _run(shape, divide_by, feedback, outputs, inputs, async_op)
+
+
+def _check_feedback(feedback: ErrorFeedback | None) -> None:
     if feedback is not None and type(feedback) is not ErrorFeedback and not isinstance(feedback, ErrorFeedback):
         raise TypeError(f"error_feedback must be a zcomm.ErrorFeedback or None, got {type(feedback).__name__}")
+
+
+def _resolve(
+    info: GroupInfo, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+    group_size: int | Literal["tensor"] | None, pipeline_stages: int | None, first_hop_bits: int,
+    hadamard_block: int | None, with_feedback: bool,
+) -> _Shape:
+    """The plan of the checked pairs with these options, from the cache or made (and checked) now."""
     slice_numel = 0
     for output in outputs:
         slice_numel += output.numel()
     element_size = inputs[0].element_size()
     device = inputs[0].device
     key = ("reduce_scatter_q4", info.topology, slice_numel, element_size, device, typed(group_size),
-           typed(pipeline_stages), typed(first_hop_bits), typed(hadamard_block), feedback is not None)
-    shape = cached_plan(info.group, key, partial(
+           typed(pipeline_stages), typed(first_hop_bits), typed(hadamard_block), with_feedback)
+    return cached_plan(info.group, key, partial(
         _make_shape, info, slice_numel, slice_numel * info.world_size * element_size, group_size, pipeline_stages,
-        first_hop_bits, hadamard_block, feedback is not None, device))
+        first_hop_bits, hadamard_block, with_feedback, device))
+
+
+def _run(shape: _Shape, divide_by: float, feedback: ErrorFeedback | None, outputs: Sequence[torch.Tensor],
+         inputs: Sequence[torch.Tensor], async_op: bool) -> Handle | None:
+    """Run the planned collective on checked tensors: count it, then hand its chain to the runner."""
     if feedback is not None:
         feedback.bind(shape.feedback_geometry)
     record("reduce_scatter_q4", *shape.bytes_sent)
-    if slice_numel == 0:
+    if shape.stages * shape.part == 0:
         return Handle(finish=lambda: None, ready=lambda: True) if async_op else None
     flat = [input if input.dim() == 1 else input.view(-1) for input in inputs]
     chain = partial(_chain, shape, divide_by, feedback, outputs, flat)
-    return run_chain(chain, info, "reduce", (*outputs, *inputs), async_op)
+    return run_chain(chain, shape.info, "reduce", (*outputs, *inputs), async_op)
+
+
+class PreparedReduceScatterQ4:
+    """:func:`reduce_scatter_q4_coalesced` resolved once for one bucket's tensors
+    (:func:`prepare_reduce_scatter_q4_coalesced`), called with that bucket's tensors each time.
+
+    [Note: prepared calls] A caller that reduces the same bucket over and over (the ZeRO
+    runtime: one per gradient bucket) holds this object instead of calling the collective.
+    Preparing runs everything the collective does before its chain once: the prologue's
+    group resolution and tensor checks, the op's divisor, the options' checks and the plan.
+    What that depends on is fixed by the contract: the same group (held here, so it is not
+    destroyed under the object), topology, op and options, and tensors of the same count,
+    sizes, dtype and device, plain and contiguous. Each call revalidates only the tensors,
+    cheaply: one pass building the key the prologue cache would build
+    (:func:`zcomm._prologue.coalesced_key`), compared with the prepared one, ``ValueError``
+    when it differs (never a silent re-plan: the contract was broken), and the error feedback's
+    presence and geometry (the state object may be replaced, e.g. by a checkpoint load). The
+    tensors' addresses are read by the chain of each call, so new buffers of the same shapes
+    are fine. What is not rechecked: the group, topology, op and options, which the object
+    holds and the caller cannot change.
+    """
+
+    __slots__ = ("_shape", "_divide_by", "_key", "_with_feedback")
+
+    def __init__(self, shape: _Shape, divide_by: float, key: tuple, with_feedback: bool) -> None:
+        self._shape, self._divide_by, self._key, self._with_feedback = shape, divide_by, key, with_feedback
+
+    def __call__(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], *, async_op: bool = False,
+                 error_feedback: ErrorFeedback | None = None) -> Handle | None:
+        """:func:`reduce_scatter_q4_coalesced` of ``outputs`` and ``inputs`` as prepared."""
+        if coalesced_key(outputs, inputs, False, self._key[2]) != self._key:
+            raise ValueError("a prepared reduce_scatter_q4 got tensors of other sizes, dtypes or devices (or not "
+                             "plain contiguous tensors) than it was prepared for: prepare another one")
+        if (error_feedback is not None) != self._with_feedback:
+            raise ValueError(f"this prepared reduce_scatter_q4 was prepared {'with' if self._with_feedback else 'without'}"
+                             " error feedback")
+        _check_feedback(error_feedback)
+        return _run(self._shape, self._divide_by, error_feedback, outputs, inputs, async_op)
+
+
+def prepare_reduce_scatter_q4_coalesced(
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    *,
+    group_size: int | Literal["tensor"] | None = None,
+    pipeline_stages: int | None = None,
+    topology: Topology | None = None,
+    with_error_feedback: bool = False,
+    first_hop_bits: int = 4,
+    hadamard_block: int | None = None,
+) -> PreparedReduceScatterQ4:
+    """A :class:`PreparedReduceScatterQ4` for calls on tensors like ``outputs`` and ``inputs`` (same
+    count, sizes, dtype and device; [Note: prepared calls]), with the arguments of
+    :func:`reduce_scatter_q4_coalesced`; ``with_error_feedback`` says whether every call passes an
+    :class:`ErrorFeedback`. Raises what the collective would raise for these arguments. Nothing is
+    sent: every rank may prepare at its own time, and calls the result in the same order.
+    """
+    info = prologue_coalesced(outputs, inputs, group, topology, gather=False)
+    key = coalesced_key(outputs, inputs, False, topology)
+    if key is None:
+        raise ValueError("a prepared reduce_scatter_q4 needs lists or tuples of plain torch.Tensor objects")
+    divide_by = _divisor(op, info.world_size)
+    if not isinstance(with_error_feedback, bool):
+        raise TypeError(f"with_error_feedback must be a bool, got {with_error_feedback!r}")
+    shape = _resolve(info, list(outputs), list(inputs), group_size, pipeline_stages, first_hop_bits, hadamard_block,
+                     with_error_feedback)
+    return PreparedReduceScatterQ4(shape, divide_by, key, with_error_feedback)
 
 
 def _divisor(op: dist.ReduceOp, world_size: int) -> float:
