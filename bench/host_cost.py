@@ -22,7 +22,9 @@ filling). Rows, each next to its yardstick measured in the same run:
 * ``reduce_scatter_q4`` with 1 and 4 pipeline stages next to ``dist.reduce_scatter_tensor``,
   and the 4-stage row against the 1-stage row;
 * ``reduce_scatter_q4_coalesced`` of a bucket of :data:`BUCKET` tensors (the runtime's qgZ
-  call) and ``reduce_scatter_q4`` with error feedback (LoCo), next to the 1-stage row.
+  call) and ``reduce_scatter_q4`` with error feedback (LoCo), next to the 1-stage row;
+* the prepared forms the runtime holds per bucket and unit
+  (``prepare_reduce_scatter_q4_coalesced``, ``prepare_all_gather_q8``) next to the calls they prepare.
 
 The run ends with the targets of the thin host path, each marked PASS or MISS from the host
 ratios of this run (on CUDA: every op <= 2x clone, all_gather_q8 <= 1.5x and
@@ -175,9 +177,32 @@ def _collective_rows(timer: Timer, numel: int, dtype: torch.dtype) -> list[Row]:
         stages[k] = timer.measure(lambda k=k: zcomm.reduce_scatter_q4(out, grads, pipeline_stages=k))
         rows.append(Row(f"reduce_scatter_q4 {k} stage{'s' if k > 1 else ''}", numel, *stages[k], *reduced))
     rows.append(Row("reduce_scatter_q4 4 stages", numel, *stages[4], "reduce_scatter_q4 1 stage", *stages[1]))
+    bucket = {}
     for name, call in _bucket_calls(grads, out).items():
-        rows.append(Row(name, numel, *timer.measure(call), "reduce_scatter_q4 1 stage", *stages[1]))
+        bucket[name] = timer.measure(call)
+        rows.append(Row(name, numel, *bucket[name], "reduce_scatter_q4 1 stage", *stages[1]))
+    rows += _prepared_rows(timer, numel, full, shard, grads, out, rows[0], bucket[f"reduce_scatter_q4_coalesced x{BUCKET}"])
     return rows
+
+
+def _prepared_rows(timer: Timer, numel: int, full: torch.Tensor, shard: torch.Tensor, grads: torch.Tensor,
+                   out: torch.Tensor, gather_row: Row, coalesced: tuple[float, float]) -> list[Row]:
+    """The prepared calls next to the collective calls they prepare (measured above in this run)."""
+    from zcomm.all_gather_q8 import prepare_all_gather_q8
+    from zcomm.reduce_scatter_q4 import prepare_reduce_scatter_q4_coalesced
+
+    gather = prepare_all_gather_q8(full, shard)
+    world = dist.get_world_size()
+    sizes = [numel // BUCKET] * (BUCKET - 1) + [numel - numel // BUCKET * (BUCKET - 1)]
+    inputs = [piece.contiguous() for piece in grads.view(world, numel).split(sizes, dim=1)]
+    outputs = list(out.split(sizes))
+    reduce = prepare_reduce_scatter_q4_coalesced(outputs, inputs, op=dist.ReduceOp.AVG)
+    return [
+        Row("all_gather_q8 prepared", numel, *timer.measure(lambda: gather(full, shard)), "all_gather_q8",
+            gather_row.host_us, gather_row.synced_us),
+        Row(f"reduce_scatter_q4_coalesced x{BUCKET} prepared", numel, *timer.measure(lambda: reduce(outputs, inputs)),
+            f"reduce_scatter_q4_coalesced x{BUCKET}", *coalesced),
+    ]
 
 
 def _bucket_calls(grads: torch.Tensor, out: torch.Tensor) -> dict[str, Callable[[], object]]:
@@ -235,7 +260,7 @@ def _targets(device: torch.device, rows: list[Row]) -> list[tuple[str, float, fl
     for row in rows:
         if device.type == "cuda":
             limit = 2.0 if row.base == "x.clone()" else 1.5 if row.name == "all_gather_q8" else None
-            if row.name.startswith("reduce_scatter_q4"):
+            if row.name in ("reduce_scatter_q4 1 stage", "reduce_scatter_q4 4 stages"):  # bucket rows: no target
                 limit = 1.3 if row.base == "reduce_scatter_q4 1 stage" else 2.0
             if limit is not None:
                 label = f"{row.name} {_size(row.numel)}: host {row.host_ratio:.2f}x {row.base} (<= {limit}x)"
