@@ -195,7 +195,9 @@ def prepare_all_gather_q8(
 ) -> PreparedAllGatherQ8:
     """A :class:`PreparedAllGatherQ8` for calls on tensors like ``output`` and ``input`` (same sizes,
     dtypes and device), with the arguments of :func:`all_gather_q8`. Raises what the collective
-    would raise for them; sends nothing."""
+    would raise for them. Like the collective's first call on a group, preparing may create
+    zcomm's private subgroups (a collective step), so every rank prepares at the same point of
+    its sequence of collectives."""
     info = prologue(output, input, group, topology, gather=True, quantized=True)
     if type(output) is not torch.Tensor or type(input) is not torch.Tensor:
         raise ValueError("a prepared all_gather_q8 needs plain torch.Tensor objects")

@@ -352,8 +352,9 @@ def prepare_reduce_scatter_q4_coalesced(
     """A :class:`PreparedReduceScatterQ4` for calls on tensors like ``outputs`` and ``inputs`` (same
     count, sizes, dtype and device; [Note: prepared calls]), with the arguments of
     :func:`reduce_scatter_q4_coalesced`; ``with_error_feedback`` says whether every call passes an
-    :class:`ErrorFeedback`. Raises what the collective would raise for these arguments. Nothing is
-    sent: every rank may prepare at its own time, and calls the result in the same order.
+    :class:`ErrorFeedback`. Raises what the collective would raise for these arguments. Like the
+    collective's first call on a group, preparing may create zcomm's private subgroups (a
+    collective step), so every rank prepares at the same point of its sequence of collectives.
     """
     info = prologue_coalesced(outputs, inputs, group, topology, gather=False)
     key = coalesced_key(outputs, inputs, False, topology)

@@ -34,7 +34,9 @@ for the whole run, so each object prepares its collective once per unit or bucke
 first call (``zcomm``'s prepared calls: [Note: prepared calls] in ``zcomm.reduce_scatter_q4``),
 and later calls skip the collective's prologue, cache keys and option checks; each call still
 checks the tensors against the prepared shapes (``ValueError`` if a unit's tensors changed,
-which the runtime never does). Preparing sends nothing, so ranks need not prepare in step.
+which the runtime never does). A unit or bucket is prepared at its first call, which every rank
+makes at the same point (preparing may create zcomm's private subgroups, as the first call of
+the collective itself would).
 """
 
 from __future__ import annotations
