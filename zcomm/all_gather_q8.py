@@ -80,7 +80,7 @@ from ._contract import GroupInfo, Handle
 from ._chain_runner import run_chain
 from ._groups import node_groups
 from ._pipeline import GATHER_STAGE_BYTES, check_stages, default_stages
-from ._plan_cache import cached_plan, typed
+from ._plan_cache import cached_plan
 from ._prologue import prologue, prologue_once
 from ._torch_compat import all_gather_single
 from .comm_stats import record
@@ -147,7 +147,9 @@ def all_gather_q8(
     """
     info = prologue_once(output, input, group, topology, gather=True)
     numel, device = input.numel(), input.device
-    key = ("all_gather_q8", info.topology, numel, output.dtype, device, typed(group_size), typed(pipeline_stages))
+    # each option with its type, as _plan_cache.typed makes them (inline: no call per option)
+    key = ("all_gather_q8", info.topology, numel, output.dtype, device, type(group_size), group_size,
+           type(pipeline_stages), pipeline_stages)
     plan = cached_plan(info.group, key, partial(_make_plan, info, numel, output, group_size, pipeline_stages))
     record("all_gather_q8", *plan.bytes_sent)
     return run_chain(partial(_chain, plan, output, input), info, "gather", (output, input), async_op)
@@ -202,7 +204,8 @@ def prepare_all_gather_q8(
     if type(output) is not torch.Tensor or type(input) is not torch.Tensor:
         raise ValueError("a prepared all_gather_q8 needs plain torch.Tensor objects")
     numel, device = input.numel(), input.device
-    key = ("all_gather_q8", info.topology, numel, output.dtype, device, typed(group_size), typed(pipeline_stages))
+    key = ("all_gather_q8", info.topology, numel, output.dtype, device, type(group_size), group_size,
+           type(pipeline_stages), pipeline_stages)
     plan = cached_plan(info.group, key, partial(_make_plan, info, numel, output, group_size, pipeline_stages))
     signature = (output.numel(), numel, output.dtype, input.dtype, output.device, device)
     return PreparedAllGatherQ8(plan, info, signature)

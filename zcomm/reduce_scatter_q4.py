@@ -101,7 +101,7 @@ from ._error_feedback import ErrorFeedback, reordered_input
 from ._hadamard import check_hadamard_block, rotate_back_, rotated_input
 from ._groups import NodeGroups, node_groups
 from ._pipeline import MAX_DEFAULT_STAGES, STAGE_BYTES, check_stages, default_stages
-from ._plan_cache import cached_plan, typed
+from ._plan_cache import cached_plan
 from ._prologue import coalesced_key, prologue_coalesced, prologue_coalesced_once, prologue_once
 from ._slice_reorder import first_hop_rows, reorder_permutation
 from .comm_stats import record
@@ -256,7 +256,8 @@ def _start(
     and reaches the check ([Note: plan cache lifetime]).
     """
     divide_by = _divisor(op, info.world_size)
-    _check_feedback(feedback)
+    if feedback is not None:
+        _check_feedback(feedback)
     shape = _resolve(info, outputs, inputs, group_size, pipeline_stages, first_hop_bits, hadamard_block,
                      feedback is not None)
     return _run(shape, divide_by, feedback, outputs, inputs, async_op)
@@ -278,8 +279,10 @@ def _resolve(
         slice_numel += output.numel()
     element_size = inputs[0].element_size()
     device = inputs[0].device
-    key = ("reduce_scatter_q4", info.topology, slice_numel, element_size, device, typed(group_size),
-           typed(pipeline_stages), typed(first_hop_bits), typed(hadamard_block), with_feedback)
+    # each option with its type, as _plan_cache.typed makes them (inline: no call per option)
+    key = ("reduce_scatter_q4", info.topology, slice_numel, element_size, device, type(group_size), group_size,
+           type(pipeline_stages), pipeline_stages, type(first_hop_bits), first_hop_bits, type(hadamard_block),
+           hadamard_block, with_feedback)
     return cached_plan(info.group, key, partial(
         _make_shape, info, slice_numel, slice_numel * info.world_size * element_size, group_size, pipeline_stages,
         first_hop_bits, hadamard_block, with_feedback, device))

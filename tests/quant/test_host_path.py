@@ -198,3 +198,26 @@ def test_cuda_launch_resolves_per_kernel_and_device_once(monkeypatch: pytest.Mon
     sizes = cuda_launch._sizes(1024, 256, 4)
     assert sizes is cuda_launch._sizes(1024, 256, 4) and [type(v) for v in sizes] == [np.int64] * 3
     assert cuda_launch._name("zc_dequantize_{}_int{}", torch.bfloat16, 4) == "zc_dequantize_bf16_int4"
+
+
+def test_cuda_launch_memos_resolve_once_per_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An encoder's launches and a decoder's name, grid and size arguments are resolved once per
+    sizes and device index, then looked up; the memos never remember ``cuda`` without an index."""
+    from zcomm.quant.backends import _cuda_launch as cuda_launch
+    from zcomm_cuda import loader
+
+    planned, launched = [], []
+    monkeypatch.setattr(cuda_launch, "_ENCODER_PASSES", {})
+    monkeypatch.setattr(cuda_launch, "_DECODER_MEMO", {})
+    monkeypatch.setattr(cuda_launch, "encoder_passes", lambda jobs, extent, cap: planned.append(jobs) or [(0, 4)])
+    monkeypatch.setattr(cuda_launch, "_max_blocks", lambda device, source, name: 10)
+    monkeypatch.setattr(loader, "launch", lambda *args: launched.append(args))
+    for device in (torch.device("cuda", 0),) * 3 + (torch.device("cuda"),) * 2:
+        cuda_launch._encode("quantize.cu", "k", device, 8, 256, (np.uint64(1),))
+    assert planned == [8, 8, 8] and len(launched) == 5
+    assert launched[0][5][-1] is cuda_launch._PASSES[0] and launched[0][5][-2] is cuda_launch._U64_ZERO
+    resolved = []
+    for device in (torch.device("cuda", 0),) * 3 + (torch.device("cuda"),) * 2:
+        key = ("dequantize", device.index, torch.float32, 8, 4, 1040, 1024, 256)
+        cuda_launch._memo(key, device, lambda: resolved.append(1) or ("name", 1, ()))
+    assert resolved == [1, 1, 1] and len(cuda_launch._DECODER_MEMO) == 1

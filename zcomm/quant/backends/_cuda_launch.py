@@ -140,13 +140,26 @@ def encoder_passes(jobs: int, group_extent: int, max_blocks: int) -> list[tuple[
     return [(TILE_ABSMAX, blocks), (TILE_ENCODE, blocks)]
 
 
+_MAX_MEMO = 4096  # entries of each launch memo before it is emptied (a caller sweeping sizes)
+# (kernel name, device index, jobs, group extent) -> its launches (encoder_passes), resolved once
+# per sizes as the decoders' are ([Note: decoder launch memo])
+_ENCODER_PASSES: dict[tuple[str, int, int, int], list[tuple[int, int]]] = {}
+
+
 def _encode(source: str, name: str, device: torch.device, jobs: int, group_extent: int, args: Sequence[Any]) -> None:
     """Run encoder kernel ``name`` with ``args`` (all but its last two, group_absmax and pass).
 
     The tile scheme's per-group absmax lives in a zeroed temporary allocated on the current
     stream, which both passes use in stream order (see [Note: large groups]).
     """
-    passes = encoder_passes(jobs, group_extent, _max_blocks(device, source, name))
+    key = (name, device.index, jobs, group_extent)
+    passes = _ENCODER_PASSES.get(key)
+    if passes is None:
+        passes = encoder_passes(jobs, group_extent, _max_blocks(device, source, name))
+        if device.index is not None:  # as _MAX_BLOCKS: "cuda" alone follows the current device
+            if len(_ENCODER_PASSES) >= _MAX_MEMO:
+                _ENCODER_PASSES.clear()
+            _ENCODER_PASSES[key] = passes
     absmax = torch.zeros(jobs, dtype=torch.int32, device=device) if passes[0][0] != TEAMS else None
     absmax_ptr = _U64_ZERO if absmax is None else _ptr(absmax)
     for encoder_pass, blocks in passes:
@@ -224,7 +237,6 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> 
 # launch. Only devices with an index are remembered (``cuda`` alone follows the current device),
 # and the memo is emptied when it reaches _MAX_MEMO entries (a caller sweeping sizes).
 _DECODER_MEMO: dict[tuple, tuple[str, int, tuple]] = {}
-_MAX_MEMO = 4096
 
 
 def _memo(key: tuple, device: torch.device, resolve: Any) -> tuple[str, int, tuple]:
