@@ -20,7 +20,11 @@ filling). Rows, each next to its yardstick measured in the same run:
   ``x.clone()`` of the op's float input;
 * ``all_gather_q8`` next to ``dist.all_gather_into_tensor``;
 * ``reduce_scatter_q4`` with 1 and 4 pipeline stages next to ``dist.reduce_scatter_tensor``,
-  and the 4-stage row against the 1-stage row.
+  and the 4-stage row against the 1-stage row;
+* ``reduce_scatter_q4_coalesced`` of a bucket of :data:`BUCKET` tensors (the runtime's qgZ
+  call) and ``reduce_scatter_q4`` with error feedback (LoCo), next to the 1-stage row;
+* the prepared forms the runtime holds per bucket and unit
+  (``prepare_reduce_scatter_q4_coalesced``, ``prepare_all_gather_q8``) next to the calls they prepare.
 
 The run ends with the targets of the thin host path, each marked PASS or MISS from the host
 ratios of this run (on CUDA: every op <= 2x clone, all_gather_q8 <= 1.5x and
@@ -28,7 +32,8 @@ reduce_scatter_q4 <= 2x torch's call, 4 stages <= 1.3x one stage; on CPU: quanti
 fp32 elements <= 25 us). These are measurements: nothing here asserts.
 
 ``--profile PATH`` then profiles the host side of the collectives (``cProfile``, 100 calls
-each of ``all_gather_q8`` and ``reduce_scatter_q4`` with 1 and 4 stages on the first size)
+each of ``all_gather_q8``, ``reduce_scatter_q4`` with 1 and 4 stages, the coalesced form and
+the form with error feedback, on the first size)
 and writes the functions that cost the most own time to PATH: where the next microseconds
 of host time are.
 """
@@ -64,6 +69,7 @@ ROWS = 4  # payload rows of dequantize / dequant_reduce, chunks of reorder_quant
 DEFAULT_SIZES = "1M,16M"
 CPU_QUANTIZE_NUMEL = 1024
 CPU_QUANTIZE_TARGET_US = 25.0
+BUCKET = 4  # tensors of the coalesced reduce-scatter's bucket
 ROUNDS = 5  # host time: the median of this many rounds' means (one descheduled call skews a mean)
 
 
@@ -171,7 +177,49 @@ def _collective_rows(timer: Timer, numel: int, dtype: torch.dtype) -> list[Row]:
         stages[k] = timer.measure(lambda k=k: zcomm.reduce_scatter_q4(out, grads, pipeline_stages=k))
         rows.append(Row(f"reduce_scatter_q4 {k} stage{'s' if k > 1 else ''}", numel, *stages[k], *reduced))
     rows.append(Row("reduce_scatter_q4 4 stages", numel, *stages[4], "reduce_scatter_q4 1 stage", *stages[1]))
+    bucket = {}
+    for name, call in _bucket_calls(grads, out).items():
+        bucket[name] = timer.measure(call)
+        rows.append(Row(name, numel, *bucket[name], "reduce_scatter_q4 1 stage", *stages[1]))
+    rows += _prepared_rows(timer, numel, full, shard, grads, out, rows[0], bucket[f"reduce_scatter_q4_coalesced x{BUCKET}"])
     return rows
+
+
+def _prepared_rows(timer: Timer, numel: int, full: torch.Tensor, shard: torch.Tensor, grads: torch.Tensor,
+                   out: torch.Tensor, gather_row: Row, coalesced: tuple[float, float]) -> list[Row]:
+    """The prepared calls next to the collective calls they prepare (measured above in this run)."""
+    from zcomm.all_gather_q8 import prepare_all_gather_q8
+    from zcomm.reduce_scatter_q4 import prepare_reduce_scatter_q4_coalesced
+
+    gather = prepare_all_gather_q8(full, shard)
+    world = dist.get_world_size()
+    sizes = [numel // BUCKET] * (BUCKET - 1) + [numel - numel // BUCKET * (BUCKET - 1)]
+    inputs = [piece.contiguous() for piece in grads.view(world, numel).split(sizes, dim=1)]
+    outputs = list(out.split(sizes))
+    reduce = prepare_reduce_scatter_q4_coalesced(outputs, inputs, op=dist.ReduceOp.AVG)
+    return [
+        Row("all_gather_q8 prepared", numel, *timer.measure(lambda: gather(full, shard)), "all_gather_q8",
+            gather_row.host_us, gather_row.synced_us),
+        Row(f"reduce_scatter_q4_coalesced x{BUCKET} prepared", numel, *timer.measure(lambda: reduce(outputs, inputs)),
+            f"reduce_scatter_q4_coalesced x{BUCKET}", *coalesced),
+    ]
+
+
+def _bucket_calls(grads: torch.Tensor, out: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The runtime's qgZ calls on ``grads``' elements: one coalesced call over a bucket of
+    :data:`BUCKET` tensors (``grads`` cut rank-major, outputs pieces of ``out``), and one call
+    with error feedback."""
+    world, numel = dist.get_world_size(), out.numel()
+    sizes = [numel // BUCKET] * (BUCKET - 1) + [numel - numel // BUCKET * (BUCKET - 1)]
+    inputs = [piece.contiguous() for piece in grads.view(world, numel).split(sizes, dim=1)]
+    outputs = list(out.split(sizes))
+    feedback = zcomm.ErrorFeedback()
+    return {
+        f"reduce_scatter_q4_coalesced x{BUCKET}": lambda: zcomm.reduce_scatter_q4_coalesced(
+            outputs, inputs, op=dist.ReduceOp.AVG),
+        "reduce_scatter_q4 error feedback": lambda: zcomm.reduce_scatter_q4(
+            out, grads, op=dist.ReduceOp.AVG, pipeline_stages=1, error_feedback=feedback),
+    }
 
 
 PROFILED_CALLS = 100
@@ -186,6 +234,7 @@ def _profile(device: torch.device, numel: int, dtype: torch.dtype, path: str) ->
         "all_gather_q8": lambda: zcomm.all_gather_q8(full, shard),
         "reduce_scatter_q4 1 stage": lambda: zcomm.reduce_scatter_q4(out, full, pipeline_stages=1),
         "reduce_scatter_q4 4 stages": lambda: zcomm.reduce_scatter_q4(out, full, pipeline_stages=4),
+        **_bucket_calls(full, out),
     }
     text = io.StringIO()
     for name, call in calls.items():
@@ -211,7 +260,7 @@ def _targets(device: torch.device, rows: list[Row]) -> list[tuple[str, float, fl
     for row in rows:
         if device.type == "cuda":
             limit = 2.0 if row.base == "x.clone()" else 1.5 if row.name == "all_gather_q8" else None
-            if row.name.startswith("reduce_scatter_q4"):
+            if row.name in ("reduce_scatter_q4 1 stage", "reduce_scatter_q4 4 stages"):  # bucket rows: no target
                 limit = 1.3 if row.base == "reduce_scatter_q4 1 stage" else 2.0
             if limit is not None:
                 label = f"{row.name} {_size(row.numel)}: host {row.host_ratio:.2f}x {row.base} (<= {limit}x)"

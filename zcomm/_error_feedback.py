@@ -29,6 +29,7 @@ this behaviour, and one object must follow one stream of reductions of the same 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -82,6 +83,13 @@ class ErrorFeedback:
         self._stored = {name: buffer.clone() for name, buffer in state["buffers"].items()}
 
     # -- used by reduce_scatter_q4's chain -------------------------------------------------
+    # [Note: feedback kernels] These run inside the collective's chain, on its plan's backend
+    # kernels (``kernels``: the plan's ``quantize``, ``dequantize``, ``reorder_quantize``), as the
+    # chain's own steps do ([Note: qgZ direct kernels] in zcomm.reduce_scatter_q4): the plan
+    # fixed the sizes and the group size, the collective's prologue checked the tensors, and
+    # ``bind`` the geometry, so the public ops' checks are not run again on every call. The
+    # stored buffers are the one input that did not come through those checks (a loaded
+    # state): ``begin`` checks their size and device, once per call and hop.
 
     def bind(self, geometry: tuple[int, ...]) -> None:
         """Checked on the caller's thread when a call starts: the first call's geometry is this state's."""
@@ -92,39 +100,87 @@ class ErrorFeedback:
                              f"(elements per slice, world, nodes, stages, group size), got {geometry}: use "
                              "one ErrorFeedback per stream of same-shaped reductions")
 
-    def begin(self, hop_numels: Sequence[int], group_size: int, device: torch.device) -> list[torch.Tensor]:
+    def begin(self, hop_numels: Sequence[int], group_size: int, device: torch.device,
+              kernels: Any) -> list[torch.Tensor]:
         """The fp32 errors of this call, one per hop (zeros on the first call and after a reset)."""
         fresh = self.calls % self.reset_T == 0 or not self._stored
         self.calls += 1
         if fresh:
             return [torch.zeros(n, dtype=torch.float32, device=device) for n in hop_numels]
-        return [quant.dequantize(self._stored[f"hop{i}"], n, _STORE_BITS, group_size, torch.float32)
-                for i, n in enumerate(hop_numels)]
+        errors = []
+        for i, n in enumerate(hop_numels):
+            stored = self._stored[f"hop{i}"]
+            nbytes = _nbytes(n, _STORE_BITS, group_size)
+            if stored.device != device or stored.dtype != torch.uint8 or stored.numel() != nbytes:
+                raise ValueError(f"stored error hop{i} is {stored.numel()} {stored.dtype} bytes on {stored.device}; this "
+                                 f"call needs {nbytes} uint8 bytes on {device} (load the state onto the collective's "
+                                 "device)")
+            error = torch.empty(n, dtype=torch.float32, device=device)
+            kernels.dequantize(stored.view(1, nbytes), n, _STORE_BITS, group_size, error)
+            errors.append(error)
+        return errors
 
-    def end(self, errors: Sequence[torch.Tensor], group_size: int) -> None:
+    def end(self, errors: Sequence[torch.Tensor], group_size: int, kernels: Any) -> None:
         """Store this call's updated errors in INT8 ([Note: error buffers in INT8])."""
-        self._stored = {f"hop{i}": quant.quantize(e, _STORE_BITS, group_size) for i, e in enumerate(errors)}
+        stored = {}
+        for i, error in enumerate(errors):
+            payload = torch.empty(_nbytes(error.numel(), _STORE_BITS, group_size), dtype=torch.uint8,
+                                  device=error.device)
+            kernels.quantize(error, _STORE_BITS, group_size, payload)
+            stored[f"hop{i}"] = payload
+        self._stored = stored
 
     def compensate_quantize(self, values: torch.Tensor, error: torch.Tensor, num_rows: int,
-                            group_size: int) -> torch.Tensor:
-        """Quantize ``values + error`` into ``num_rows`` INT4 payloads and update ``error`` in place."""
+                            group_size: int, kernels: Any) -> torch.Tensor:
+        """Quantize ``values + error`` (fp32, 1-D) into ``num_rows`` INT4 payloads and update ``error`` in place."""
         compensated = values.add_(error)
-        rows = quant.reorder_quantize(compensated, tuple(range(num_rows)), num_rows, _BITS, group_size)
-        restored = quant.dequantize(rows, compensated.numel() // num_rows, _BITS, group_size, torch.float32)
+        numel = compensated.numel()
+        row = numel // num_rows
+        rows = torch.empty((num_rows, _nbytes(row, _BITS, group_size)), dtype=torch.uint8,
+                           device=compensated.device)
+        kernels.reorder_quantize([compensated], 1, numel, _identity(num_rows), num_rows, _BITS, group_size, rows)
+        restored = torch.empty(numel, dtype=torch.float32, device=compensated.device)
+        kernels.dequantize(rows, row, _BITS, group_size, restored)
         error.mul_(self.err_beta).add_(compensated.sub_(restored), alpha=1.0 - self.err_beta)
         return rows
 
 
-def reordered_input(inputs: Sequence[torch.Tensor], perm: Sequence[int], world_size: int,
+@lru_cache(maxsize=256)
+def _nbytes(numel: int, bits: int, group_size: int) -> int:
+    """``quant.payload_nbytes``, looked up: a stream of reductions asks for the same few sizes."""
+    return quant.payload_nbytes(numel, bits, group_size)
+
+
+@lru_cache(maxsize=256)
+def _identity(num_rows: int) -> tuple[int, ...]:
+    """The identity order of ``num_rows`` slices: rows quantized where they are."""
+    return tuple(range(num_rows))
+
+
+def reordered_input(inputs: Sequence[torch.Tensor], num_nodes: int, local_size: int, stages: int,
                     slice_numel: int) -> torch.Tensor:
     """The fp32 input hop 1 quantizes, built explicitly: every input's slice ``r`` end to end,
-    zero-filled to ``slice_numel``, cut into ``len(perm)`` sub-slices reordered by ``perm``
-    (what ``quant.reorder_quantize`` reads in place on the path without feedback)."""
-    virtual = torch.zeros(world_size, slice_numel, dtype=torch.float32, device=inputs[0].device)
-    offset = 0
-    for tensor in inputs:
-        piece = tensor.view(world_size, -1)
-        virtual[:, offset : offset + piece.shape[1]] = piece
-        offset += piece.shape[1]
-    index = torch.tensor(perm, device=virtual.device)
-    return virtual.view(len(perm), -1).index_select(0, index).view(-1)
+    zero-filled to ``slice_numel``, cut into ``stages`` parts and reordered as
+    :func:`zcomm._slice_reorder.reorder_permutation` orders them (what the reorder kernel reads in
+    place on the path without feedback).
+
+    That order, stage-major, then destination local rank, then destination node, is a transpose
+    of the ``(node, local rank, stage, part)`` view of the input, so the reordering is one
+    strided copy (which also converts to fp32), with no index tensor to upload.
+    """
+    world_size = num_nodes * local_size
+    first = inputs[0]
+    if len(inputs) == 1 and first.numel() == world_size * slice_numel:
+        virtual = first
+    else:
+        virtual = torch.zeros(world_size, slice_numel, dtype=torch.float32, device=first.device)
+        offset = 0
+        for tensor in inputs:
+            piece = tensor.view(world_size, -1)
+            virtual[:, offset : offset + piece.shape[1]] = piece
+            offset += piece.shape[1]
+    part = slice_numel // stages
+    values = torch.empty(world_size * slice_numel, dtype=torch.float32, device=first.device)
+    values.view(stages, local_size, num_nodes, part).copy_(
+        virtual.view(num_nodes, local_size, stages, part).permute(2, 1, 0, 3))
+    return values

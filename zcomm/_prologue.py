@@ -92,6 +92,60 @@ def prologue_once(
     return info
 
 
+def prologue_coalesced_once(
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    topology: Topology | None,
+    *,
+    gather: bool,
+) -> GroupInfo:
+    """:func:`prologue_coalesced`, run in full once per call shape ([Note: prologue once]).
+
+    The shape of a coalesced call is every pair's sizes, in order, with the one dtype and
+    device they share. A later call whose lists are lists or tuples of plain contiguous
+    ``torch.Tensor`` objects of one dtype and device, with the same sizes, gets the first
+    call's result back after building that key (one pass over the tensors, no checks raised
+    from it: any tensor that does not fit the key sends the call through the full prologue,
+    which raises for the exact reason).
+    """
+    world = group if group is not None else dist.group.WORLD
+    checked = _CHECKED.get(world) if world is not None else None
+    if checked is not None:
+        key = coalesced_key(outputs, inputs, gather, topology)
+        info = checked.get(key) if key is not None else None
+        if info is not None:
+            return info
+    info = prologue_coalesced(outputs, inputs, group, topology, gather=gather)
+    key = coalesced_key(outputs, inputs, gather, topology)
+    if key is not None:
+        checked = _CHECKED.setdefault(info.group, {})
+        if len(checked) >= _MAX_CHECKED:
+            del checked[next(iter(checked))]
+        checked[key] = info
+    return info
+
+
+def coalesced_key(
+    outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], gather: bool, topology: Topology | None
+) -> tuple | None:
+    """The cache key of a coalesced call's tensors, or None where they are not all plain
+    contiguous tensors of one dtype and device in lists or tuples of one non-zero length."""
+    if type(outputs) not in (list, tuple) or type(inputs) not in (list, tuple):
+        return None
+    if not inputs or len(outputs) != len(inputs) or type(inputs[0]) is not torch.Tensor:
+        return None
+    dtype, device = inputs[0].dtype, inputs[0].device
+    numels = []
+    for tensor in (*outputs, *inputs):
+        if type(tensor) is not torch.Tensor or tensor.dtype != dtype or tensor.device != device:
+            return None
+        if not tensor.is_contiguous():
+            return None
+        numels.append(tensor.numel())
+    return ("coalesced", gather, topology, dtype, device, *numels)
+
+
 def prologue_coalesced(
     outputs: Sequence[torch.Tensor],
     inputs: Sequence[torch.Tensor],

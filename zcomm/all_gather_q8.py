@@ -80,14 +80,15 @@ from ._contract import GroupInfo, Handle
 from ._chain_runner import run_chain
 from ._groups import node_groups
 from ._pipeline import GATHER_STAGE_BYTES, check_stages, default_stages
-from ._plan_cache import cached_plan, typed
-from ._prologue import prologue_once
+from ._plan_cache import cached_plan
+from ._prologue import prologue, prologue_once
 from ._torch_compat import all_gather_single
 from .comm_stats import record
 from .quant import _contract, _registry
 from .topology import Topology
 
-__all__ = ["GATHER_STAGE_BYTES", "all_gather_q8", "default_pipeline_stages"]
+__all__ = ["GATHER_STAGE_BYTES", "PreparedAllGatherQ8", "all_gather_q8", "default_pipeline_stages",
+           "prepare_all_gather_q8"]
 
 _BITS = 8
 # a hop in flight: (send buffer, receive buffer, work), kept together until its wait(); the
@@ -99,6 +100,7 @@ class _Plan(NamedTuple):
     """Everything the chain needs, resolved once per group, sizes and options (``_make_plan``)."""
 
     hops: tuple[dist.ProcessGroup, ...]  # the inter-node group, then the intra-node group, where they have peers
+    hop_sizes: tuple[int, ...]  # each hop's group size
     topology: Topology
     group_size: int  # concrete: "tensor" resolved for this payload
     bounds: tuple[int, ...]  # chunk c is input elements [bounds[c], bounds[c + 1])
@@ -145,10 +147,68 @@ def all_gather_q8(
     """
     info = prologue_once(output, input, group, topology, gather=True)
     numel, device = input.numel(), input.device
-    key = ("all_gather_q8", info.topology, numel, output.dtype, device, typed(group_size), typed(pipeline_stages))
+    # each option with its type, as _plan_cache.typed makes them (inline: no call per option)
+    key = ("all_gather_q8", info.topology, numel, output.dtype, device, type(group_size), group_size,
+           type(pipeline_stages), pipeline_stages)
     plan = cached_plan(info.group, key, partial(_make_plan, info, numel, output, group_size, pipeline_stages))
     record("all_gather_q8", *plan.bytes_sent)
     return run_chain(partial(_chain, plan, output, input), info, "gather", (output, input), async_op)
+
+
+class PreparedAllGatherQ8:
+    """:func:`all_gather_q8` resolved once for one (output, input) shape
+    (:func:`prepare_all_gather_q8`), called with tensors of that shape each time.
+
+    The contract and what each call revalidates are those of [Note: prepared calls] in
+    :mod:`zcomm.reduce_scatter_q4`: the group, topology and options are held; each call checks
+    that both tensors are plain contiguous tensors of the prepared sizes, dtypes and device
+    (``ValueError`` otherwise) and runs the chain on their current addresses.
+    """
+
+    __slots__ = ("_plan", "_info", "_signature")
+
+    def __init__(self, plan: _Plan, info: GroupInfo, signature: tuple) -> None:
+        self._plan, self._info, self._signature = plan, info, signature
+
+    def __call__(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Handle | None:
+        """:func:`all_gather_q8` of ``output`` and ``input`` as prepared."""
+        if (
+            type(output) is not torch.Tensor
+            or type(input) is not torch.Tensor
+            or not output.is_contiguous()
+            or not input.is_contiguous()
+            or (output.numel(), input.numel(), output.dtype, input.dtype, output.device, input.device)
+            != self._signature
+        ):
+            raise ValueError("a prepared all_gather_q8 got tensors of other sizes, dtypes or devices (or not plain "
+                             "contiguous tensors) than it was prepared for: prepare another one")
+        record("all_gather_q8", *self._plan.bytes_sent)
+        return run_chain(partial(_chain, self._plan, output, input), self._info, "gather", (output, input), async_op)
+
+
+def prepare_all_gather_q8(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    group_size: int | Literal["tensor"] | None = None,
+    pipeline_stages: int | None = None,
+    topology: Topology | None = None,
+) -> PreparedAllGatherQ8:
+    """A :class:`PreparedAllGatherQ8` for calls on tensors like ``output`` and ``input`` (same sizes,
+    dtypes and device), with the arguments of :func:`all_gather_q8`. Raises what the collective
+    would raise for them. Like the collective's first call on a group, preparing may create
+    zcomm's private subgroups (a collective step), so every rank prepares at the same point of
+    its sequence of collectives."""
+    info = prologue(output, input, group, topology, gather=True, quantized=True)
+    if type(output) is not torch.Tensor or type(input) is not torch.Tensor:
+        raise ValueError("a prepared all_gather_q8 needs plain torch.Tensor objects")
+    numel, device = input.numel(), input.device
+    key = ("all_gather_q8", info.topology, numel, output.dtype, device, type(group_size), group_size,
+           type(pipeline_stages), pipeline_stages)
+    plan = cached_plan(info.group, key, partial(_make_plan, info, numel, output, group_size, pipeline_stages))
+    signature = (output.numel(), numel, output.dtype, input.dtype, output.device, device)
+    return PreparedAllGatherQ8(plan, info, signature)
 
 
 def _make_plan(
@@ -170,7 +230,7 @@ def _make_plan(
     bounds = _chunk_bounds(numel, concrete_group_size, stages)
     chunk_nbytes = tuple(quant.payload_nbytes(hi - lo, _BITS, concrete_group_size) for lo, hi in zip(bounds, bounds[1:]))
     plan = _Plan(
-        hops, info.topology, concrete_group_size, bounds, (0, 0), chunk_nbytes,
+        hops, tuple(dist.get_world_size(hop) for hop in hops), info.topology, concrete_group_size, bounds, (0, 0), chunk_nbytes,
         _contract.kernel("quantize", backend), _contract.kernel("dequantize", backend),
     )
     return plan._replace(bytes_sent=_bytes_sent(plan))
@@ -207,8 +267,8 @@ def _gather_whole(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> Non
     num_nodes, local_size, numel = plan.topology.num_nodes, plan.topology.local_size, input.numel()
     # ``wait()`` returns only after its hop has read ``gathered`` (see [Note: qwZ buffer lifetime])
     gathered = _quantize(plan, input, plan.chunk_nbytes[0])
-    for hop in plan.hops:
-        _, gathered, work = _start_gather(gathered, hop)
+    for hop, size in zip(plan.hops, plan.hop_sizes):
+        _, gathered, work = _start_gather(gathered, hop, size)
         work.wait()
     world_size = plan.topology.world_size
     row_bytes = gathered.numel() // world_size
@@ -228,14 +288,16 @@ def _quantize(plan: _Plan, chunk: torch.Tensor, nbytes: int) -> torch.Tensor:
 def _gather_pipelined(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:
     """The chunks' hops overlapped as [Note: qwZ pipeline] says; ``output`` and ``input`` flat."""
     chunks = list(zip(plan.bounds, plan.bounds[1:]))
+    first_hop, first_size = plan.hops[0], plan.hop_sizes[0]
     first = [
-        _start_gather(_quantize(plan, input[lo:hi], nbytes), plan.hops[0])
+        _start_gather(_quantize(plan, input[lo:hi], nbytes), first_hop, first_size)
         for (lo, hi), nbytes in zip(chunks, plan.chunk_nbytes)
     ]
     in_flight: list[tuple[tuple[int, int], _Hop]] = []
     for chunk, (_, received, work) in zip(chunks, first):
         work.wait()
-        second = _start_gather(received, plan.hops[1]) if len(plan.hops) > 1 else (None, received, None)
+        second = (_start_gather(received, plan.hops[1], plan.hop_sizes[1]) if len(plan.hops) > 1
+                  else (None, received, None))
         in_flight.append((chunk, second))
         if len(in_flight) == 2:
             _finish_chunk(plan, *in_flight.pop(0), output)
@@ -263,7 +325,8 @@ def _finish_chunk(plan: _Plan, chunk: tuple[int, int], hop: _Hop, output: torch.
     output.view(world_size, numel)[:, lo:hi].copy_(values.view(world_size, hi - lo))
 
 
-def _start_gather(send: torch.Tensor, group: dist.ProcessGroup) -> _Hop:
-    """Start gathering ``group``'s members' ``send`` buffers in group-rank order: (send, receive buffer, work)."""
-    received = torch.empty(dist.get_world_size(group) * send.numel(), dtype=send.dtype, device=send.device)
+def _start_gather(send: torch.Tensor, group: dist.ProcessGroup, size: int) -> _Hop:
+    """Start gathering the ``size`` members' ``send`` buffers of ``group`` in group-rank order: (send,
+    receive buffer, work)."""
+    received = torch.empty(size * send.numel(), dtype=send.dtype, device=send.device)
     return send, received, all_gather_single(received, send, group=group, async_op=True)

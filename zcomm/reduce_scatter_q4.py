@@ -46,13 +46,17 @@ elements: step 1 reads the zeros from nowhere ([Note: interleaved input] in
 stage's part goes through a ``q``-element buffer on its way into ``output``. Any ``numel``
 works and the collective is never swapped for an unquantized one.
 
-[Note: qgZ direct kernels] Without error feedback, the chain calls the backend's
-``reorder_quantize``, ``dequant_reduce`` and ``dequant_reduce_requant`` kernels (the
-functions behind ``torch.ops.zcomm``, :func:`zcomm.quant._contract.kernel`) directly, into
-buffers of the sizes the plan computed: the plan resolved the spec, the permutation, the row
-sizes and the backend (``$ZCOMM_BACKEND`` when the plan was made, then the device) once, and
-the prologue checked the tensors, so the public ops' checks, backend choice and dispatch are
-not repeated per call and per stage. The kernels get the contract's arguments exactly.
+[Note: qgZ direct kernels] The chain calls the backend's ``reorder_quantize``,
+``dequant_reduce`` and ``dequant_reduce_requant`` kernels (the functions behind
+``torch.ops.zcomm``, :func:`zcomm.quant._contract.kernel`) directly, into buffers of the
+sizes the plan computed: the plan resolved the spec, the permutation, the row sizes, the
+backend (``$ZCOMM_BACKEND`` when the plan was made, then the device) and checked the options
+once, and the prologue checked the tensors (once per call shape, for the coalesced form too:
+[Note: prologue once] in :mod:`zcomm._prologue`), so the public ops' checks, backend choice
+and dispatch are not repeated per call and per stage. Error feedback's steps use the same
+kernels (and the plan's ``quantize`` and ``dequantize`` for its stored errors: [Note:
+feedback kernels] in :mod:`zcomm._error_feedback`). The kernels get the contract's
+arguments exactly.
 
 [Note: an INT8 first hop] ``first_hop_bits=8`` (after SDP4Bit's two-level scheme, arXiv
 2410.15526: 8 bits inside the node, 4 across) quantizes step 1 to INT8 and makes step 3 read
@@ -97,8 +101,8 @@ from ._error_feedback import ErrorFeedback, reordered_input
 from ._hadamard import check_hadamard_block, rotate_back_, rotated_input
 from ._groups import NodeGroups, node_groups
 from ._pipeline import MAX_DEFAULT_STAGES, STAGE_BYTES, check_stages, default_stages
-from ._plan_cache import cached_plan, typed
-from ._prologue import prologue_coalesced, prologue_once
+from ._plan_cache import cached_plan
+from ._prologue import coalesced_key, prologue_coalesced, prologue_coalesced_once, prologue_once
 from ._slice_reorder import first_hop_rows, reorder_permutation
 from .comm_stats import record
 from .quant import _contract, _registry
@@ -106,24 +110,28 @@ from .topology import Topology
 
 __all__ = [
     "MAX_DEFAULT_STAGES", "STAGE_BYTES", "check_first_hop_bits", "check_hadamard_block", "default_pipeline_stages",
-    "reduce_scatter_q4", "reduce_scatter_q4_coalesced",
+    "PreparedReduceScatterQ4", "prepare_reduce_scatter_q4_coalesced", "reduce_scatter_q4", "reduce_scatter_q4_coalesced",
 ]
 
 _BITS = 4
 
 
 class _Kernels(NamedTuple):
-    """The backend's kernels of the chain's ops ([Note: qgZ direct kernels])."""
+    """The backend's kernels the chain calls ([Note: qgZ direct kernels]); the first three
+    serve every call, ``quantize`` and ``dequantize`` also error feedback's buffers."""
 
     reorder_quantize: Callable[..., None]
     dequant_reduce: Callable[..., None]
     dequant_reduce_requant: Callable[..., None]
+    quantize: Callable[..., None]
+    dequantize: Callable[..., None]
 
 
 class _Shape(NamedTuple):
-    """What a call's group, sizes and options fix, resolved once (``_make_shape``; [Note: plan
-    cache lifetime] in :mod:`zcomm._plan_cache`)."""
+    """What a call's group, sizes and options fix, resolved and checked once (``_make_shape``;
+    [Note: plan cache lifetime] in :mod:`zcomm._plan_cache`)."""
 
+    info: GroupInfo
     groups: NodeGroups
     stages: int
     part: int  # q: elements of each stage's part of one slice
@@ -134,25 +142,9 @@ class _Shape(NamedTuple):
     bytes_sent: tuple[int, int]  # (intra, inter) per call, for comm_stats
     kernels: _Kernels  # the backend's, called directly ([Note: qgZ direct kernels])
     row_nbytes: int  # bytes of one of step 1's payload rows
-
-
-class _Plan(NamedTuple):
-    """Everything the chain needs: the cached shape and this call's reduction and options."""
-
-    info: GroupInfo
-    groups: NodeGroups
-    stages: int
-    part: int
-    group_size: int
-    first_bits: int
-    perm: tuple[int, ...]
-    num_rows: int
-    bytes_sent: tuple[int, int]
-    kernels: _Kernels
-    row_nbytes: int
-    divide_by: float
-    feedback: ErrorFeedback | None
+    requant_nbytes: int  # bytes of one of step 3's re-quantized rows
     hadamard_block: int | None  # see [Note: Hadamard smoothing] in zcomm._hadamard
+    feedback_geometry: tuple[int, ...]  # what an ErrorFeedback is bound to
 
 
 def default_pipeline_stages(input_nbytes: int, slice_numel: int, topology: Topology) -> int:
@@ -240,7 +232,7 @@ def reduce_scatter_q4_coalesced(
             as for :func:`reduce_scatter_q4`, for the whole bucket (``pipeline_stages`` and the
             default stage count apply to the interleaved input, ``"tensor"`` to its rows).
     """
-    info = prologue_coalesced(outputs, inputs, group, topology, gather=False)
+    info = prologue_coalesced_once(outputs, inputs, group, topology, gather=False)
     return _start(info, list(outputs), list(inputs), op, async_op, group_size, pipeline_stages, error_feedback,
                   first_hop_bits, hadamard_block)
 
@@ -257,32 +249,126 @@ def _start(
     first_hop_bits: int,
     hadamard_block: int | None,
 ) -> Handle | None:
-    """Plan the collective of the checked pairs (the flat form's slice: every output in turn) and run it."""
+    """Plan the collective of the checked pairs (the flat form's slice: every output in turn) and run it.
+
+    The options are checked when their plan is made: the key holds each option with its type
+    (and whether there is error feedback), so a call with an invalid option never finds a plan
+    and reaches the check ([Note: plan cache lifetime]).
+    """
     divide_by = _divisor(op, info.world_size)
-    if feedback is not None and not isinstance(feedback, ErrorFeedback):
-        raise TypeError(f"error_feedback must be a zcomm.ErrorFeedback or None, got {type(feedback).__name__}")
-    first_bits = _first_bits(first_hop_bits, info.topology, feedback)
-    check_hadamard_block(hadamard_block)
-    if hadamard_block is not None and feedback is not None:
-        raise ValueError("hadamard_block cannot be combined with error_feedback (its errors would mix rotated and "
-                         "unrotated values if the block changed between calls)")
-    check_stages(pipeline_stages)
-    slice_numel = sum(output.numel() for output in outputs)
-    input_nbytes = slice_numel * info.world_size * inputs[0].element_size()
-    device = inputs[0].device
-    key = ("reduce_scatter_q4", info.topology, slice_numel, input_nbytes, typed(group_size), pipeline_stages,
-           first_bits, device)
-    shape = cached_plan(info.group, key, partial(_make_shape, info, slice_numel, input_nbytes, group_size,
-                                                 pipeline_stages, first_bits, device))
-    plan = _Plan(info, *shape, divide_by=divide_by, feedback=feedback, hadamard_block=hadamard_block)
     if feedback is not None:
-        feedback.bind((shape.stages * shape.part, info.world_size, info.topology.num_nodes, shape.stages,
-                       shape.group_size))
+        _check_feedback(feedback)
+    shape = _resolve(info, outputs, inputs, group_size, pipeline_stages, first_hop_bits, hadamard_block,
+                     feedback is not None)
+    return _run(shape, divide_by, feedback, outputs, inputs, async_op)
+
+
+def _check_feedback(feedback: ErrorFeedback | None) -> None:
+    if feedback is not None and type(feedback) is not ErrorFeedback and not isinstance(feedback, ErrorFeedback):
+        raise TypeError(f"error_feedback must be a zcomm.ErrorFeedback or None, got {type(feedback).__name__}")
+
+
+def _resolve(
+    info: GroupInfo, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+    group_size: int | Literal["tensor"] | None, pipeline_stages: int | None, first_hop_bits: int,
+    hadamard_block: int | None, with_feedback: bool,
+) -> _Shape:
+    """The plan of the checked pairs with these options, from the cache or made (and checked) now."""
+    slice_numel = 0
+    for output in outputs:
+        slice_numel += output.numel()
+    element_size = inputs[0].element_size()
+    device = inputs[0].device
+    # each option with its type, as _plan_cache.typed makes them (inline: no call per option)
+    key = ("reduce_scatter_q4", info.topology, slice_numel, element_size, device, type(group_size), group_size,
+           type(pipeline_stages), pipeline_stages, type(first_hop_bits), first_hop_bits, type(hadamard_block),
+           hadamard_block, with_feedback)
+    return cached_plan(info.group, key, partial(
+        _make_shape, info, slice_numel, slice_numel * info.world_size * element_size, group_size, pipeline_stages,
+        first_hop_bits, hadamard_block, with_feedback, device))
+
+
+def _run(shape: _Shape, divide_by: float, feedback: ErrorFeedback | None, outputs: Sequence[torch.Tensor],
+         inputs: Sequence[torch.Tensor], async_op: bool) -> Handle | None:
+    """Run the planned collective on checked tensors: count it, then hand its chain to the runner."""
+    if feedback is not None:
+        feedback.bind(shape.feedback_geometry)
     record("reduce_scatter_q4", *shape.bytes_sent)
-    if slice_numel == 0:
+    if shape.stages * shape.part == 0:
         return Handle(finish=lambda: None, ready=lambda: True) if async_op else None
-    chain = partial(_chain, plan, outputs, [input.view(-1) for input in inputs])
-    return run_chain(chain, info, "reduce", (*outputs, *inputs), async_op)
+    flat = [input if input.dim() == 1 else input.view(-1) for input in inputs]
+    chain = partial(_chain, shape, divide_by, feedback, outputs, flat)
+    return run_chain(chain, shape.info, "reduce", (*outputs, *inputs), async_op)
+
+
+class PreparedReduceScatterQ4:
+    """:func:`reduce_scatter_q4_coalesced` resolved once for one bucket's tensors
+    (:func:`prepare_reduce_scatter_q4_coalesced`), called with that bucket's tensors each time.
+
+    [Note: prepared calls] A caller that reduces the same bucket over and over (the ZeRO
+    runtime: one per gradient bucket) holds this object instead of calling the collective.
+    Preparing runs everything the collective does before its chain once: the prologue's
+    group resolution and tensor checks, the op's divisor, the options' checks and the plan.
+    What that depends on is fixed by the contract: the same group (held here, so it is not
+    destroyed under the object), topology, op and options, and tensors of the same count,
+    sizes, dtype and device, plain and contiguous. Each call revalidates only the tensors,
+    cheaply: one pass building the key the prologue cache would build
+    (:func:`zcomm._prologue.coalesced_key`), compared with the prepared one, ``ValueError``
+    when it differs (never a silent re-plan: the contract was broken), and the error feedback's
+    presence and geometry (the state object may be replaced, e.g. by a checkpoint load). The
+    tensors' addresses are read by the chain of each call, so new buffers of the same shapes
+    are fine. What is not rechecked: the group, topology, op and options, which the object
+    holds and the caller cannot change.
+    """
+
+    __slots__ = ("_shape", "_divide_by", "_key", "_with_feedback")
+
+    def __init__(self, shape: _Shape, divide_by: float, key: tuple, with_feedback: bool) -> None:
+        self._shape, self._divide_by, self._key, self._with_feedback = shape, divide_by, key, with_feedback
+
+    def __call__(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], *, async_op: bool = False,
+                 error_feedback: ErrorFeedback | None = None) -> Handle | None:
+        """:func:`reduce_scatter_q4_coalesced` of ``outputs`` and ``inputs`` as prepared."""
+        if coalesced_key(outputs, inputs, False, self._key[2]) != self._key:
+            raise ValueError("a prepared reduce_scatter_q4 got tensors of other sizes, dtypes or devices (or not "
+                             "plain contiguous tensors) than it was prepared for: prepare another one")
+        if (error_feedback is not None) != self._with_feedback:
+            raise ValueError(f"this prepared reduce_scatter_q4 was prepared {'with' if self._with_feedback else 'without'}"
+                             " error feedback")
+        _check_feedback(error_feedback)
+        return _run(self._shape, self._divide_by, error_feedback, outputs, inputs, async_op)
+
+
+def prepare_reduce_scatter_q4_coalesced(
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    *,
+    group_size: int | Literal["tensor"] | None = None,
+    pipeline_stages: int | None = None,
+    topology: Topology | None = None,
+    with_error_feedback: bool = False,
+    first_hop_bits: int = 4,
+    hadamard_block: int | None = None,
+) -> PreparedReduceScatterQ4:
+    """A :class:`PreparedReduceScatterQ4` for calls on tensors like ``outputs`` and ``inputs`` (same
+    count, sizes, dtype and device; [Note: prepared calls]), with the arguments of
+    :func:`reduce_scatter_q4_coalesced`; ``with_error_feedback`` says whether every call passes an
+    :class:`ErrorFeedback`. Raises what the collective would raise for these arguments. Like the
+    collective's first call on a group, preparing may create zcomm's private subgroups (a
+    collective step), so every rank prepares at the same point of its sequence of collectives.
+    """
+    info = prologue_coalesced(outputs, inputs, group, topology, gather=False)
+    key = coalesced_key(outputs, inputs, False, topology)
+    if key is None:
+        raise ValueError("a prepared reduce_scatter_q4 needs lists or tuples of plain torch.Tensor objects")
+    divide_by = _divisor(op, info.world_size)
+    if not isinstance(with_error_feedback, bool):
+        raise TypeError(f"with_error_feedback must be a bool, got {with_error_feedback!r}")
+    shape = _resolve(info, list(outputs), list(inputs), group_size, pipeline_stages, first_hop_bits, hadamard_block,
+                     with_error_feedback)
+    return PreparedReduceScatterQ4(shape, divide_by, key, with_error_feedback)
 
 
 def _divisor(op: dist.ReduceOp, world_size: int) -> float:
@@ -305,22 +391,25 @@ def check_first_hop_bits(bits: int, name: str = "first_hop_bits") -> None:
         raise ValueError(f"{name} must be 4 or 8, got {bits!r}")
 
 
-def _first_bits(first_hop_bits: int, topology: Topology, feedback: ErrorFeedback | None) -> int:
-    """The bits of step 1's rows: ``first_hop_bits`` unless they cross nodes (one rank per node)."""
-    check_first_hop_bits(first_hop_bits)
-    if first_hop_bits == 8 and feedback is not None:
-        raise ValueError("first_hop_bits=8 cannot be combined with error_feedback (its errors model INT4 hops)")
-    return _BITS if topology.local_size == 1 else first_hop_bits
-
-
 def _make_shape(
     info: GroupInfo, slice_numel: int, input_nbytes: int, group_size: int | Literal["tensor"] | None,
-    pipeline_stages: int | None, first_bits: int, device: torch.device,
+    pipeline_stages: int | None, first_hop_bits: int, hadamard_block: int | None, with_feedback: bool,
+    device: torch.device,
 ) -> _Shape:
+    check_stages(pipeline_stages)
+    check_first_hop_bits(first_hop_bits)
+    if first_hop_bits == 8 and with_feedback:
+        raise ValueError("first_hop_bits=8 cannot be combined with error_feedback (its errors model INT4 hops)")
+    check_hadamard_block(hadamard_block)
+    if hadamard_block is not None and with_feedback:
+        raise ValueError("hadamard_block cannot be combined with error_feedback (its errors would mix rotated and "
+                         "unrotated values if the block changed between calls)")
     spec = quant.QuantSpec(bits=_BITS, group_size=group_size)
     backend = _registry.select(None, device)
     kernels = _Kernels(*(_contract.kernel(op, backend) for op in _Kernels._fields))
     topology = info.topology
+    # step 1's rows cross nodes when there is one rank per node: INT4 then
+    first_bits = _BITS if topology.local_size == 1 else first_hop_bits
     stages = pipeline_stages if pipeline_stages is not None else (
         default_pipeline_stages(input_nbytes, slice_numel, topology))
     part = -(-slice_numel // stages)
@@ -330,8 +419,10 @@ def _make_shape(
     num_rows = first_hop_rows(topology.num_nodes, topology.local_size, stages)
     bytes_sent = _bytes_sent(topology, stages, part, concrete_group_size, first_bits)
     row_nbytes = quant.payload_nbytes(topology.world_size * stages * part // num_rows, first_bits, concrete_group_size)
-    return _Shape(node_groups(info.group, topology, "reduce"), stages, part, concrete_group_size, first_bits, perm,
-                  num_rows, bytes_sent, kernels, row_nbytes)
+    requant_nbytes = quant.payload_nbytes(part, _BITS, concrete_group_size)
+    geometry = (stages * part, info.world_size, topology.num_nodes, stages, concrete_group_size)
+    return _Shape(info, node_groups(info.group, topology, "reduce"), stages, part, concrete_group_size, first_bits,
+                  perm, num_rows, bytes_sent, kernels, row_nbytes, requant_nbytes, hadamard_block, geometry)
 
 
 def _bytes_sent(topology: Topology, k: int, q: int, group_size: int, first_bits: int) -> tuple[int, int]:
@@ -343,24 +434,24 @@ def _bytes_sent(topology: Topology, k: int, q: int, group_size: int, first_bits:
     return intra, inter
 
 
-def _chain(plan: _Plan, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+def _chain(plan: _Shape, divide_by: float, feedback: ErrorFeedback | None, outputs: list[torch.Tensor],
+           inputs: list[torch.Tensor]) -> None:
     """Steps 1-5 of the module docstring, on this thread (or enqueued on the current CUDA stream)."""
     topology, k, q = plan.info.topology, plan.stages, plan.part
-    perm, num_rows = plan.perm, plan.num_rows
     block = plan.hadamard_block
     if block is not None:
         inputs = rotated_input(inputs, topology.world_size, block)
     # slices zero-filled to k * q elements when q does not divide them: read, never staged
     errors = None
-    if plan.feedback is None:
-        rows = torch.empty((num_rows, plan.row_nbytes), dtype=torch.uint8, device=inputs[0].device)
+    if feedback is None:
+        rows = torch.empty((plan.num_rows, plan.row_nbytes), dtype=torch.uint8, device=inputs[0].device)
         plan.kernels.reorder_quantize(
-            inputs, topology.world_size, k * q, perm, num_rows, plan.first_bits, plan.group_size, rows
+            inputs, topology.world_size, k * q, plan.perm, plan.num_rows, plan.first_bits, plan.group_size, rows
         )
     else:
-        errors = _feedback_errors(plan, inputs[0].device)
-        values = reordered_input(inputs, perm, topology.world_size, k * q)
-        rows = plan.feedback.compensate_quantize(values, errors[0], num_rows, plan.group_size)
+        errors = _feedback_errors(plan, feedback, inputs[0].device)
+        values = reordered_input(inputs, topology.num_nodes, topology.local_size, k, k * q)
+        rows = feedback.compensate_quantize(values, errors[0], plan.num_rows, plan.group_size, plan.kernels)
     sizes = [output.numel() for output in outputs]
     result = None if block is not None else _flat_view(outputs, sum(sizes))
     staged = result is None
@@ -368,9 +459,9 @@ def _chain(plan: _Plan, outputs: list[torch.Tensor], inputs: list[torch.Tensor])
         dtype = torch.float32 if block is not None else outputs[0].dtype
         result = torch.empty(sum(sizes), dtype=dtype, device=outputs[0].device)
     out_parts, short = _stage_parts(result, k, q)
-    _pipeline(plan, rows, out_parts, errors)
+    _pipeline(plan, divide_by, feedback, rows, out_parts, errors)
     if errors is not None:
-        plan.feedback.end(errors, plan.group_size)
+        feedback.end(errors, plan.group_size, plan.kernels)
     for piece, computed in short:
         piece.copy_(computed[: piece.numel()])
     if block is not None:
@@ -380,26 +471,31 @@ def _chain(plan: _Plan, outputs: list[torch.Tensor], inputs: list[torch.Tensor])
             output.view(-1).copy_(piece)
 
 
-def _feedback_errors(plan: _Plan, device: torch.device) -> list[torch.Tensor]:
+def _feedback_errors(plan: _Shape, feedback: ErrorFeedback, device: torch.device) -> list[torch.Tensor]:
     """This call's fp32 errors: hop 1's over the whole reordered input, hop 2's over the
     node sums this rank re-quantizes (none with one node or one rank per node)."""
     topology, k, q = plan.info.topology, plan.stages, plan.part
     hops = [topology.world_size * k * q]
     if topology.num_nodes > 1 and topology.local_size > 1:
         hops.append(topology.num_nodes * k * q)
-    return plan.feedback.begin(hops, plan.group_size, device)
+    return feedback.begin(hops, plan.group_size, device, plan.kernels)
 
 
-def _stage_parts(result: torch.Tensor, stages: int, part: int) -> tuple[list[torch.Tensor], list[tuple]]:
+def _stage_parts(result: torch.Tensor, stages: int, part: int) -> tuple[Sequence[torch.Tensor], list[tuple]]:
     """Where each stage writes its ``part`` elements: ``result[s*q : (s+1)*q]``, or, for a part that
-    reaches into the zero fill, a buffer of its own, listed in ``short`` with the real piece to copy to."""
-    out_parts, short = [], []
-    for start in range(0, stages * part, part):
-        piece = result[start : start + part]
-        if piece.numel() < part:
-            short.append((piece, torch.empty(part, dtype=result.dtype, device=result.device)))
-            piece = short[-1][1]
-        out_parts.append(piece)
+    reaches into the zero fill, a buffer of its own, listed in ``short`` with the real piece to copy to.
+
+    The whole parts are one ``unbind`` of ``result`` viewed as rows (one call, not one slice per stage).
+    """
+    numel = result.numel()
+    if numel == stages * part:
+        return result.view(stages, part).unbind(0), []
+    whole = numel // part
+    out_parts = list(result[: whole * part].view(whole, part).unbind(0))
+    short = []
+    for start in range(whole * part, stages * part, part):
+        short.append((result[start : start + part], torch.empty(part, dtype=result.dtype, device=result.device)))
+        out_parts.append(short[-1][1])
     return out_parts, short
 
 
@@ -416,8 +512,8 @@ def _flat_view(outputs: list[torch.Tensor], numel: int) -> torch.Tensor | None:
     return first.as_strided((numel,), (1,))
 
 
-def _pipeline(plan: _Plan, rows: torch.Tensor, out_parts: list[torch.Tensor],
-              errors: list[torch.Tensor] | None) -> None:
+def _pipeline(plan: _Shape, divide_by: float, feedback: ErrorFeedback | None, rows: torch.Tensor,
+              out_parts: Sequence[torch.Tensor], errors: list[torch.Tensor] | None) -> None:
     """Run the ``k`` stages' hops on ``rows`` (from step 1), writing stage ``s`` to ``out_parts[s]``.
 
     [Note: hop overlap] All intra hops are issued first (their group runs them in order);
@@ -427,57 +523,55 @@ def _pipeline(plan: _Plan, rows: torch.Tensor, out_parts: list[torch.Tensor],
     buffer stays referenced (``intra``, ``in_flight``) until its reduction has consumed it.
     """
     k, num_nodes, local_size = plan.stages, plan.info.topology.num_nodes, plan.info.topology.local_size
+    # each stage's rows: one view per stage from one unbind
+    stage_rows = rows.view(k, -1, rows.shape[1]).unbind(0)
+    # the rows every stage reduces last are step 1's width when the node is the whole group, else INT4
+    reduce, last_bits = plan.kernels.dequant_reduce, plan.first_bits if num_nodes == 1 else _BITS
+    part, group_size = plan.part, plan.group_size
     intra: list[tuple[torch.Tensor, dist.Work]] = []
     if local_size > 1:
-        intra = [_all_to_all(rows[s * local_size : (s + 1) * local_size], plan.groups.intra) for s in range(k)]
+        intra = [_all_to_all(stage_rows[s], plan.groups.intra) for s in range(k)]
     if num_nodes == 1:
         for s in range(k):
-            received, work = intra[s] if intra else (rows[s : s + 1], None)
-            _finish(plan, received, work, out_parts[s])
+            if intra:
+                received, work = intra[s]
+                work.wait()
+            else:
+                received = stage_rows[s]
+            reduce(received, part, last_bits, group_size, divide_by, out_parts[s])
         return
     in_flight: list[tuple[int, torch.Tensor, dist.Work]] = []
     for s in range(k):
-        in_flight.append((s, *_all_to_all(_inter_rows(plan, rows, intra, s, errors), plan.groups.inter)))
+        sent = stage_rows[s] if not intra else _node_sum_rows(plan, feedback, intra[s], s, errors)
+        in_flight.append((s, *_all_to_all(sent, plan.groups.inter)))
         if len(in_flight) == 2:
             done, received, work = in_flight.pop(0)
-            _finish(plan, received, work, out_parts[done])
+            work.wait()
+            reduce(received, part, last_bits, group_size, divide_by, out_parts[done])
     for done, received, work in in_flight:
-        _finish(plan, received, work, out_parts[done])
+        work.wait()
+        reduce(received, part, last_bits, group_size, divide_by, out_parts[done])
 
 
-def _inter_rows(plan: _Plan, rows: torch.Tensor, intra: list, stage: int,
-                errors: list[torch.Tensor] | None) -> torch.Tensor:
-    """Stage ``stage``'s ``N`` rows for the inter-node hop: the node's re-quantized sum (step 3,
-    compensated by hop 2's error with feedback), or the quantized input itself when there is
-    one rank per node."""
-    num_nodes = plan.info.topology.num_nodes
-    if not intra:
-        return rows[stage * num_nodes : (stage + 1) * num_nodes]
-    received, work = intra[stage]
+def _node_sum_rows(plan: _Shape, feedback: ErrorFeedback | None, hop: tuple[torch.Tensor, dist.Work], stage: int,
+                   errors: list[torch.Tensor] | None) -> torch.Tensor:
+    """Stage ``stage``'s ``N`` rows for the inter-node hop once its intra hop delivered: the
+    node's sum re-quantized to INT4 (step 3), compensated by hop 2's error with feedback."""
+    received, work = hop
     work.wait()
+    num_nodes = plan.info.topology.num_nodes
     numel = num_nodes * plan.part
-    if errors is None:  # INT4 (or INT8) rows in, the node's sum re-quantized to INT4 rows
-        requant = torch.empty(
-            (num_nodes, quant.payload_nbytes(plan.part, _BITS, plan.group_size)), dtype=torch.uint8,
-            device=received.device,
-        )
+    if feedback is None:  # INT4 (or INT8) rows in, the node's sum re-quantized to INT4 rows
+        requant = torch.empty((num_nodes, plan.requant_nbytes), dtype=torch.uint8, device=received.device)
         plan.kernels.dequant_reduce_requant(received, numel, plan.first_bits, _BITS, plan.group_size, 1.0, requant)
         return requant
-    node_sum = quant.dequant_reduce(received, numel, _BITS, plan.group_size, dtype=torch.float32)
+    node_sum = torch.empty(numel, dtype=torch.float32, device=received.device)
+    plan.kernels.dequant_reduce(received, numel, _BITS, plan.group_size, 1.0, node_sum)
     error = errors[1][stage * numel : (stage + 1) * numel]
-    return plan.feedback.compensate_quantize(node_sum, error, num_nodes, plan.group_size)
+    return feedback.compensate_quantize(node_sum, error, num_nodes, plan.group_size, plan.kernels)
 
 
 def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
     """Start row ``i`` of ``send`` to rank ``i`` of ``group``; returns (receive buffer, work)."""
     received = torch.empty_like(send)
     return received, dist.all_to_all_single(received, send, group=group, async_op=True)
-
-
-def _finish(plan: _Plan, received: torch.Tensor, work: dist.Work | None, out: torch.Tensor) -> None:
-    """Wait for the last hop of a stage and reduce its rows into this rank's output part (the
-    rows are INT4 after an inter-node hop, step 1's width when the node is the whole group)."""
-    if work is not None:
-        work.wait()
-    bits = plan.first_bits if plan.info.topology.num_nodes == 1 else _BITS
-    plan.kernels.dequant_reduce(received, plan.part, bits, plan.group_size, plan.divide_by, out)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -130,17 +130,21 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def current_raw_stream(index: int) -> int:
-    """The handle (``cudaStream_t`` as an int) of torch's current stream on device ``index``.
+def _no_cuda_stream(index: int) -> int:
+    raise RuntimeError(f"torch {torch.__version__} is not built with CUDA: there is no stream on device {index}")
 
-    [Note: the raw stream] ``torch.cuda.current_stream(index).cuda_stream`` builds a
-    ``torch.cuda.Stream`` object per call; the private ``torch._C._cuda_getCurrentRawStream``
-    (what bitsandbytes uses) returns the handle alone. zcomm_cuda is the bottom layer and may
-    import nothing of zcomm, so this one function is where it touches that private API;
-    ``tests/quant/test_cuda_launch_abi.py`` pins that it exists in CUDA builds of torch and
-    agrees with the public form.
-    """
-    return torch._C._cuda_getCurrentRawStream(index)
+
+# current_raw_stream(index): the handle (``cudaStream_t`` as an int) of torch's current stream on
+# device ``index``.
+#
+# [Note: the raw stream] ``torch.cuda.current_stream(index).cuda_stream`` builds a
+# ``torch.cuda.Stream`` object per call; the private ``torch._C._cuda_getCurrentRawStream``
+# (what bitsandbytes uses) returns the handle alone. zcomm_cuda is the bottom layer and may
+# import nothing of zcomm, so this one name is where it touches that private API: it *is*
+# torch's function (a launch enters no Python frame for it), or, in a torch without CUDA, one
+# that raises. ``tests/quant/test_cuda_launch_host.py`` pins that it agrees with the public
+# form on a GPU.
+current_raw_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream", _no_cuda_stream)
 
 
 # (raw stream handle, device index) -> the cupy ExternalStream wrapping it; see [Note: stream objects]
@@ -176,9 +180,14 @@ def launch(source: str, name: str, device: torch.device, blocks: int, threads: i
     Python object per call beyond the argument tuple: the kernel, the stream wrapper and the
     device switch (only when cupy's current device differs) are looked up, not built.
     """
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device.index
+    if index is None:
+        index = torch.cuda.current_device()
     function = kernel(source, name, index)
-    stream = _external_stream(current_raw_stream(index), index)
+    handle = current_raw_stream(index)
+    stream = _STREAMS.get((handle, index))
+    if stream is None:
+        stream = _external_stream(handle, index)
     args = args if type(args) is tuple else tuple(args)
     if _current_device() == index:
         function((blocks,), (threads,), args, 0, stream)  # (grid, block, args, shared_mem, stream)
@@ -190,8 +199,15 @@ def launch(source: str, name: str, device: torch.device, blocks: int, threads: i
 
 
 def _current_device() -> int:
-    """The CUDA runtime's current device of this thread (torch and cupy share it)."""
-    return _cupy_runtime().getDevice()
+    """The CUDA runtime's current device of this thread (torch and cupy share it).
+
+    The first call rebinds this module's name to cupy's ``getDevice`` itself, so later launches
+    call it with no Python frame in between.
+    """
+    global _current_device
+    get_device = _cupy_runtime().getDevice
+    _current_device = get_device
+    return get_device()
 
 
 @lru_cache(maxsize=None)

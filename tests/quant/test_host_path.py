@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -69,6 +70,92 @@ def test_reference_backend_is_its_own_namespace() -> None:
     assert "cpu.py:quantize" in entered and "reference.py:quantize" not in entered
 
 
+@pytest.fixture
+def world_of_one(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _chain_frames(call: Callable[[], object]) -> tuple[list[str], list[str]]:
+    """(the caller's frames, zcomm's frames on the reduce worker) of one sync qgZ ``call()``.
+
+    The chain runs on the group's FIFO worker of reductions ([Note: worker ordering] in
+    zcomm._chain_runner): the profile is installed on that thread by a task queued on it, and
+    only frames of zcomm's own files are kept there (the executor's bookkeeping around the
+    chain is not zcomm's path).
+    """
+    import threading
+
+    import torch.distributed as dist
+
+    from zcomm import _chain_runner
+    from zcomm.topology import Topology
+
+    call()  # warm: plans, kernels, the worker thread
+    worker = _chain_runner._ordered_worker(dist.group.WORLD, Topology(world_size=1, local_size=1), "reduce")
+    assert worker.submit(threading.get_ident).result() != threading.get_ident()
+    entered: list[str] = []
+    on_worker: list[str] = []
+
+    def recorder(into: list[str], zcomm_only: bool):  # noqa: ANN202
+        def profile(frame, event, arg) -> None:
+            if event == "call" and (not zcomm_only or "/zcomm/" in frame.f_code.co_filename):
+                into.append(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}")
+        return profile
+
+    worker.submit(sys.setprofile, recorder(on_worker, True)).result()
+    sys.setprofile(recorder(entered, False))
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+        worker.submit(sys.setprofile, None).result()
+    assert entered[0].endswith("<lambda>"), entered
+    return entered[1:], on_worker
+
+
+def _no_public_ops(entered: list[str]) -> list[str]:
+    """The frames that mean a public op, a spec or the registry ran per call."""
+    return [name for name in entered if name.startswith(("ops.py", "spec.py", "_registry.py", "custom_ops.py"))
+            or name.endswith((":prologue", ":prologue_coalesced", ":detect", ":_make_shape"))]
+
+
+def test_reduce_scatter_q4_coalesced_frames(world_of_one) -> None:
+    """A coalesced call of a bucket of 4 tensors: the prologue comes from its cache (one pass
+    over the tensors to build the key, no checks), the plan from its cache, and the chain
+    calls the backend's kernels directly."""
+    import zcomm
+
+    inputs = [torch.randn(n) for n in (100, 200, 300, 424)]
+    flat = torch.empty(NUMEL)
+    outputs = list(flat.split([100, 200, 300, 424]))
+    entered, chain = _chain_frames(lambda: zcomm.reduce_scatter_q4_coalesced(outputs, inputs))
+    assert len(entered) <= 45, "\n".join(entered)  # 100 with the full prologue per call
+    assert not _no_public_ops(entered + chain), entered + chain
+    assert len(chain) <= 25, "\n".join(chain)
+
+
+def test_reduce_scatter_q4_error_feedback_frames(world_of_one) -> None:
+    """With error feedback the chain still calls the plan's kernels directly: restoring the
+    stored errors, compensating, quantizing and storing them run no public op, spec or check."""
+    import zcomm
+
+    x, out = torch.randn(NUMEL), torch.empty(NUMEL)
+    feedback = zcomm.ErrorFeedback()
+    entered, chain = _chain_frames(lambda: zcomm.reduce_scatter_q4(out, x, error_feedback=feedback))
+    assert feedback.calls == 2
+    assert len(entered) <= 45, "\n".join(entered)
+    assert not _no_public_ops(entered + chain), entered + chain
+    assert "cpu.py:reorder_quantize" in chain and "cpu.py:dequantize" in chain and "cpu.py:quantize" in chain, chain
+    # 47 zcomm frames; through the public ops (their checks, specs, dispatch) it took 87
+    assert len(chain) <= 55, "\n".join(chain)
+
+
 def test_all_gather_q8_frames(tmp_path) -> None:
     """One ``all_gather_q8`` call on a world of one (gloo), on the calling thread: the prologue
     and the plan come from their caches (no topology detection, no environment read, no
@@ -88,3 +175,49 @@ def test_all_gather_q8_frames(tmp_path) -> None:
                     and not name.startswith("weakref.py")], entered
     finally:
         dist.destroy_process_group()
+
+
+def test_cuda_launch_resolves_per_kernel_and_device_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cuda backend's grid cap is resolved once per (kernel, device index) and its size
+    arguments once per sizes; ``cuda`` without an index (whichever device is current) is never cached."""
+    from zcomm.quant.backends import _cuda_launch as cuda_launch
+    from zcomm_cuda import loader
+
+    resolved = []
+    monkeypatch.setattr(cuda_launch, "_MAX_BLOCKS", {})
+    monkeypatch.setattr(cuda_launch, "_resident_blocks", lambda source, name, index: resolved.append(index) or 3)
+    monkeypatch.setattr(loader, "multiprocessor_count", lambda index: 132)
+    monkeypatch.setattr(loader, "device_index", lambda device: 1 if device.index is None else device.index)
+    for _ in range(3):
+        assert cuda_launch._max_blocks(torch.device("cuda", 0), "dequantize.cu", "k") == 396
+    assert resolved == [0]
+    cuda_launch._max_blocks(torch.device("cuda", 1), "dequantize.cu", "k")
+    cuda_launch._max_blocks(torch.device("cuda"), "dequantize.cu", "k")
+    cuda_launch._max_blocks(torch.device("cuda"), "dequantize.cu", "k")
+    assert resolved == [0, 1, 1, 1]
+    sizes = cuda_launch._sizes(1024, 256, 4)
+    assert sizes is cuda_launch._sizes(1024, 256, 4) and [type(v) for v in sizes] == [np.int64] * 3
+    assert cuda_launch._name("zc_dequantize_{}_int{}", torch.bfloat16, 4) == "zc_dequantize_bf16_int4"
+
+
+def test_cuda_launch_memos_resolve_once_per_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An encoder's launches and a decoder's name, grid and size arguments are resolved once per
+    sizes and device index, then looked up; the memos never remember ``cuda`` without an index."""
+    from zcomm.quant.backends import _cuda_launch as cuda_launch
+    from zcomm_cuda import loader
+
+    planned, launched = [], []
+    monkeypatch.setattr(cuda_launch, "_ENCODER_PASSES", {})
+    monkeypatch.setattr(cuda_launch, "_DECODER_MEMO", {})
+    monkeypatch.setattr(cuda_launch, "encoder_passes", lambda jobs, extent, cap: planned.append(jobs) or [(0, 4)])
+    monkeypatch.setattr(cuda_launch, "_max_blocks", lambda device, source, name: 10)
+    monkeypatch.setattr(loader, "launch", lambda *args: launched.append(args))
+    for device in (torch.device("cuda", 0),) * 3 + (torch.device("cuda"),) * 2:
+        cuda_launch._encode("quantize.cu", "k", device, 8, 256, (np.uint64(1),))
+    assert planned == [8, 8, 8] and len(launched) == 5
+    assert launched[0][5][-1] is cuda_launch._PASSES[0] and launched[0][5][-2] is cuda_launch._U64_ZERO
+    resolved = []
+    for device in (torch.device("cuda", 0),) * 3 + (torch.device("cuda"),) * 2:
+        key = ("dequantize", device.index, torch.float32, 8, 4, 1040, 1024, 256)
+        cuda_launch._memo(key, device, lambda: resolved.append(1) or ("name", 1, ()))
+    assert resolved == [1, 1, 1] and len(cuda_launch._DECODER_MEMO) == 1

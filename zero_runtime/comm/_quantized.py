@@ -28,6 +28,15 @@ shard needs padding to whole groups; the layout pads only to keep each group ins
 parameter, and only where that is cheap (see [Note: parameter-aligned blocks] in
 ``_flat_buffer``): padding every small module (a LayerNorm's 2 x d values) up to whole groups
 per rank would send more bytes than it saves.
+
+[Note: runtime-held plans] A unit's (or bucket's) tensors keep their sizes, dtype and device
+for the whole run, so each object prepares its collective once per unit or bucket, on the
+first call (``zcomm``'s prepared calls: [Note: prepared calls] in ``zcomm.reduce_scatter_q4``),
+and later calls skip the collective's prologue, cache keys and option checks; each call still
+checks the tensors against the prepared shapes (``ValueError`` if a unit's tensors changed,
+which the runtime never does). A unit or bucket is prepared at its first call, which every rank
+makes at the same point (preparing may create zcomm's private subgroups, as the first call of
+the collective itself would).
 """
 
 from __future__ import annotations
@@ -39,7 +48,9 @@ import torch
 import torch.distributed as dist
 
 import zcomm
+from zcomm.all_gather_q8 import PreparedAllGatherQ8, prepare_all_gather_q8
 from zcomm.quant import QuantSpec
+from zcomm.reduce_scatter_q4 import PreparedReduceScatterQ4, prepare_reduce_scatter_q4_coalesced
 
 from .._contract import AllGather, Handle, Phase, ReduceScatter
 
@@ -52,6 +63,7 @@ class QuantizedAllGather(AllGather):
         self.group = group
         self.topology = topology
         self.spec = spec
+        self._prepared: dict[Hashable, PreparedAllGatherQ8] = {}  # see [Note: runtime-held plans]
 
     def __call__(self, output: torch.Tensor, input: torch.Tensor, *, unit: Hashable, phase: Phase) -> Handle:
         # [Note: quantize early] all_gather_q8 returns as soon as its chain (quantize, inter- and
@@ -60,8 +72,11 @@ class QuantizedAllGather(AllGather):
         # for the current one, so their quantization runs while this thread computes and, on
         # CUDA, while the current unit's bytes are on the wire. ``output`` is written only by the
         # chain, and read or freed only after the handle's wait().
-        return zcomm.all_gather_q8(output, input, group=self.group, async_op=True, topology=self.topology,
-                                   group_size=self.spec.group_size_for(input.numel()))
+        prepared = self._prepared.get(unit)
+        if prepared is None:
+            prepared = self._prepared[unit] = prepare_all_gather_q8(
+                output, input, group=self.group, topology=self.topology, group_size=self.spec.group_size_for(input.numel()))
+        return prepared(output, input, async_op=True)
 
 
 class QuantizedReduceScatter(ReduceScatter):
@@ -85,6 +100,7 @@ class QuantizedReduceScatter(ReduceScatter):
         self.first_hop_bits = first_hop_bits
         self.hadamard_block = hadamard_block
         self.feedback: dict[int, zcomm.ErrorFeedback] = {}
+        self._prepared: dict[int, PreparedReduceScatterQ4] = {}  # see [Note: runtime-held plans]
 
     def __call__(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], *, bucket: int) -> Handle:
         feedback = None
@@ -92,11 +108,13 @@ class QuantizedReduceScatter(ReduceScatter):
             if bucket not in self.feedback:
                 self.feedback[bucket] = zcomm.ErrorFeedback(*self.loco)
             feedback = self.feedback[bucket]
-        return zcomm.reduce_scatter_q4_coalesced(outputs, inputs, op=dist.ReduceOp.AVG, group=self.group,
-                                                 async_op=True, topology=self.topology,
-                                                 group_size=self.spec.group_size, error_feedback=feedback,
-                                                 first_hop_bits=self.first_hop_bits,
-                                                 hadamard_block=self.hadamard_block)
+        prepared = self._prepared.get(bucket)
+        if prepared is None:
+            prepared = self._prepared[bucket] = prepare_reduce_scatter_q4_coalesced(
+                outputs, inputs, op=dist.ReduceOp.AVG, group=self.group, topology=self.topology,
+                group_size=self.spec.group_size, with_error_feedback=feedback is not None,
+                first_hop_bits=self.first_hop_bits, hadamard_block=self.hadamard_block)
+        return prepared(outputs, inputs, async_op=True, error_feedback=feedback)
 
     def held_bytes(self) -> int:
         return sum(feedback.nbytes for feedback in self.feedback.values())

@@ -25,7 +25,6 @@ import torch
 
 from zcomm_cuda import loader
 
-from ..wire_format import num_groups
 
 THREADS = 256
 WARPS_PER_BLOCK = THREADS // 32
@@ -61,8 +60,34 @@ def _ptr(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
 
 
-def _i64(value: int) -> np.int64:
-    return np.int64(value)
+# [Note: launch arguments] cupy passes numpy scalars by value at their own width (a Python int
+# would go as 64 bits whatever the kernel declares). The integer arguments that depend only on
+# the call's sizes are made by ``_i64`` (numpy's constructor itself: no Python frame) or, for
+# the tuples every launch of one size repeats, looked up from ``_sizes`` (made once per sizes);
+# only the tensors' addresses are new per launch.
+_i64 = np.int64
+_U64_ZERO = np.uint64(0)
+_PASSES = (np.int32(TEAMS), np.int32(TILE_ABSMAX), np.int32(TILE_ENCODE))
+
+
+@lru_cache(maxsize=1024)
+def _sizes(*values: int) -> tuple[np.int64, ...]:
+    """``values`` as the kernels' int64 arguments, made once per distinct tuple ([Note: launch arguments])."""
+    return tuple(np.int64(value) for value in values)
+
+
+# (source, kernel name, device index) -> the kernel's grid cap; see [Note: one wave]
+_MAX_BLOCKS: dict[tuple[str, str, int], int] = {}
+# (op, float dtype, bits...) -> the kernel's name, built once
+_NAMES: dict[tuple, str] = {}
+
+
+def _name(template: str, *key: object) -> str:
+    """``template`` formatted with ``key`` (a dtype becomes its tag), made once per key."""
+    name = _NAMES.get((template, *key))
+    if name is None:
+        name = _NAMES[(template, *key)] = template.format(*(_DTYPE_TAG.get(k, k) for k in key))
+    return name
 
 
 def _max_blocks(device: torch.device, source: str, name: str) -> int:
@@ -74,8 +99,13 @@ def _max_blocks(device: torch.device, source: str, name: str) -> int:
     blocks per SM; with 6 resident (40 registers), the second holds 2, a third of the SM.
     Capping the grid at the resident count runs it in one full wave.
     """
-    index = loader.device_index(device)
-    return _resident_blocks(source, name, index) * loader.multiprocessor_count(index)
+    blocks = _MAX_BLOCKS.get((source, name, device.index))
+    if blocks is None:
+        index = loader.device_index(device)
+        blocks = _resident_blocks(source, name, index) * loader.multiprocessor_count(index)
+        if device.index is not None:  # "cuda" alone means whichever device is current: not cached
+            _MAX_BLOCKS[(source, name, index)] = blocks
+    return blocks
 
 
 @lru_cache(maxsize=None)
@@ -110,17 +140,30 @@ def encoder_passes(jobs: int, group_extent: int, max_blocks: int) -> list[tuple[
     return [(TILE_ABSMAX, blocks), (TILE_ENCODE, blocks)]
 
 
+_MAX_MEMO = 4096  # entries of each launch memo before it is emptied (a caller sweeping sizes)
+# (kernel name, device index, jobs, group extent) -> its launches (encoder_passes), resolved once
+# per sizes as the decoders' are ([Note: decoder launch memo])
+_ENCODER_PASSES: dict[tuple[str, int, int, int], list[tuple[int, int]]] = {}
+
+
 def _encode(source: str, name: str, device: torch.device, jobs: int, group_extent: int, args: Sequence[Any]) -> None:
     """Run encoder kernel ``name`` with ``args`` (all but its last two, group_absmax and pass).
 
     The tile scheme's per-group absmax lives in a zeroed temporary allocated on the current
     stream, which both passes use in stream order (see [Note: large groups]).
     """
-    passes = encoder_passes(jobs, group_extent, _max_blocks(device, source, name))
+    key = (name, device.index, jobs, group_extent)
+    passes = _ENCODER_PASSES.get(key)
+    if passes is None:
+        passes = encoder_passes(jobs, group_extent, _max_blocks(device, source, name))
+        if device.index is not None:  # as _MAX_BLOCKS: "cuda" alone follows the current device
+            if len(_ENCODER_PASSES) >= _MAX_MEMO:
+                _ENCODER_PASSES.clear()
+            _ENCODER_PASSES[key] = passes
     absmax = torch.zeros(jobs, dtype=torch.int32, device=device) if passes[0][0] != TEAMS else None
-    absmax_ptr = np.uint64(0) if absmax is None else _ptr(absmax)
+    absmax_ptr = _U64_ZERO if absmax is None else _ptr(absmax)
     for encoder_pass, blocks in passes:
-        loader.launch(source, name, device, blocks, THREADS, (*args, absmax_ptr, np.int32(encoder_pass)))
+        loader.launch(source, name, device, blocks, THREADS, (*args, absmax_ptr, _PASSES[encoder_pass]))
 
 
 def _decoder_blocks(device: torch.device, source: str, name: str, runs: int) -> int:
@@ -151,9 +194,11 @@ def _device_perm(perm: Sequence[int], device: torch.device) -> torch.Tensor:
     graph, reading pinned memory that stays valid for every replay, and the temporary belongs
     to the graph's memory pool. A copy seen complete is read by the captured kernels directly.
     """
-    index = loader.device_index(device)
-    key = tuple(perm)
+    index = device.index if device.index is not None else loader.device_index(device)
+    key = perm if type(perm) is tuple else tuple(perm)
     cached = _DEVICE_PERMS.get((key, index))
+    if cached is not None and cached.done:  # the common case: uploaded, and seen complete
+        return cached.tensor
     capturing = torch.cuda.is_current_stream_capturing()
     if cached is None:
         if capturing:
@@ -177,25 +222,51 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> 
     numel = x.numel()
     _encode(
         "quantize.cu",
-        f"zc_quantize_{_DTYPE_TAG[x.dtype]}_int{bits}",
+        _name("zc_quantize_{}_int{}", x.dtype, bits),
         x.device,
-        num_groups(numel, group_size),
+        -(-numel // group_size),  # num_groups
         min(group_size, numel),
-        (_ptr(x), _i64(numel), _i64(group_size), _ptr(out)),
+        (_ptr(x), *_sizes(numel, group_size), _ptr(out)),
     )
+
+
+# [Note: decoder launch memo] The decoders run once per pipeline stage or chunk with the same
+# sizes every call, so what their launch needs besides the two addresses (kernel name, grid,
+# size arguments, fp32 divisor) is resolved once per (op, sizes, dtype, bits, device index) and
+# looked up after: one dictionary lookup instead of the name, grid and argument helpers per
+# launch. Only devices with an index are remembered (``cuda`` alone follows the current device),
+# and the memo is emptied when it reaches _MAX_MEMO entries (a caller sweeping sizes).
+_DECODER_MEMO: dict[tuple, tuple[str, int, tuple]] = {}
+
+
+def _memo(key: tuple, device: torch.device, resolve: Any) -> tuple[str, int, tuple]:
+    resolved = _DECODER_MEMO.get(key)
+    if resolved is None:
+        resolved = resolve()
+        if device.index is not None:
+            if len(_DECODER_MEMO) >= _MAX_MEMO:
+                _DECODER_MEMO.clear()
+            _DECODER_MEMO[key] = resolved
+    return resolved
 
 
 def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, out: torch.Tensor) -> None:
-    rows = payloads.shape[0]
-    name = f"zc_dequantize_{_DTYPE_TAG[out.dtype]}_int{bits}"
-    loader.launch(
-        "dequantize.cu",
-        name,
-        payloads.device,
-        _decoder_blocks(payloads.device, "dequantize.cu", name, rows * -(-numel // RUN)),
-        THREADS,
-        (_ptr(payloads), _i64(payloads.shape[1]), _i64(numel), _i64(group_size), _i64(rows), _ptr(out)),
-    )
+    rows, row_nbytes = payloads.shape
+    device = payloads.device
+    key = ("dequantize", device.index, out.dtype, bits, rows, row_nbytes, numel, group_size)
+    resolved = _DECODER_MEMO.get(key)
+    if resolved is None:
+        resolved = _memo(key, device, lambda: _resolve_dequantize(device, rows, row_nbytes, numel, bits, group_size,
+                                                                  out.dtype))
+    name, blocks, sizes = resolved
+    loader.launch("dequantize.cu", name, device, blocks, THREADS, (_ptr(payloads), *sizes, _ptr(out)))
+
+
+def _resolve_dequantize(device: torch.device, rows: int, row_nbytes: int, numel: int, bits: int, group_size: int,
+                        dtype: torch.dtype) -> tuple[str, int, tuple]:
+    name = _name("zc_dequantize_{}_int{}", dtype, bits)
+    blocks = _decoder_blocks(device, "dequantize.cu", name, rows * -(-numel // RUN))
+    return name, blocks, _sizes(row_nbytes, numel, group_size, rows)
 
 
 def reorder_quantize(
@@ -214,14 +285,14 @@ def reorder_quantize(
     chunk = numel // num_chunks
     x = xs[0]
     device_perm = _device_perm(perm, x.device)
-    layout = (_i64(numel // len(perm)), _i64(chunk), _i64(num_chunks), _i64(group_size), _i64(out.shape[1]), _ptr(out))
+    layout = (*_sizes(numel // len(perm), chunk, num_chunks, group_size, out.shape[1]), _ptr(out))
     if len(xs) == 1 and x.numel() == numel:
-        name, source = f"zc_reorder_quantize_{_DTYPE_TAG[x.dtype]}_int{bits}", (_ptr(x), _ptr(device_perm))
+        name, source = _name("zc_reorder_quantize_{}_int{}", x.dtype, bits), (_ptr(x), _ptr(device_perm))
     else:
         table = _device_table(xs, parts)
-        name = f"zc_reorder_interleaved_{_DTYPE_TAG[x.dtype]}_int{bits}"
-        source = (_ptr(table), _i64(len(xs)), _i64(part_numel), _ptr(device_perm))
-    _encode("reorder_quantize.cu", name, x.device, num_groups(chunk, group_size) * num_chunks,
+        name = _name("zc_reorder_interleaved_{}_int{}", x.dtype, bits)
+        source = (_ptr(table), *_sizes(len(xs), part_numel), _ptr(device_perm))
+    _encode("reorder_quantize.cu", name, x.device, -(-chunk // group_size) * num_chunks,
             min(group_size, chunk), (*source, *layout))
 
 
@@ -256,31 +327,50 @@ def _reduction_args(payloads: torch.Tensor, numel: int, group_size: int, divide_
     The divisor is rounded to fp32 here (round to nearest even, as the wire format says:
     ``acc / float32(divide_by)``); a Python float would reach the kernel as a double.
     """
-    rows = payloads.shape[0]
-    return (_ptr(payloads), _i64(payloads.shape[1]), _i64(numel), _i64(group_size), _i64(rows), np.float32(divide_by))
+    rows, row_nbytes = payloads.shape
+    return (_ptr(payloads), *_sizes(row_nbytes, numel, group_size, rows), _fp32(divide_by))
+
+
+@lru_cache(maxsize=256)
+def _fp32(divide_by: float) -> np.float32:
+    """``divide_by`` as the kernels' fp32 argument, made once per value ([Note: launch arguments])."""
+    return np.float32(divide_by)
 
 
 def dequant_reduce(
     payloads: torch.Tensor, numel: int, bits: int, group_size: int, divide_by: float, out: torch.Tensor
 ) -> None:
     """Sum (and divide) ``k`` payload rows and store the floats, in one kernel."""
-    name = f"zc_dequant_reduce_{_DTYPE_TAG[out.dtype]}_int{bits}"
-    blocks = _decoder_blocks(payloads.device, "dequant_reduce.cu", name, -(-numel // RUN))
-    args = (*_reduction_args(payloads, numel, group_size, divide_by), _ptr(out))
-    loader.launch("dequant_reduce.cu", name, payloads.device, blocks, THREADS, args)
+    rows, row_nbytes = payloads.shape
+    device = payloads.device
+    key = ("dequant_reduce", device.index, out.dtype, bits, rows, row_nbytes, numel, group_size, divide_by)
+    resolved = _DECODER_MEMO.get(key)
+    if resolved is None:
+        resolved = _memo(key, device, lambda: _resolve_dequant_reduce(device, rows, row_nbytes, numel, bits,
+                                                                      group_size, divide_by, out.dtype))
+    name, blocks, sizes = resolved
+    loader.launch("dequant_reduce.cu", name, device, blocks, THREADS, (_ptr(payloads), *sizes, _ptr(out)))
+
+
+def _resolve_dequant_reduce(device: torch.device, rows: int, row_nbytes: int, numel: int, bits: int,
+                            group_size: int, divide_by: float, dtype: torch.dtype) -> tuple[str, int, tuple]:
+    """``dequant_reduce``'s kernel name, grid and the arguments between its two addresses."""
+    name = _name("zc_dequant_reduce_{}_int{}", dtype, bits)
+    blocks = _decoder_blocks(device, "dequant_reduce.cu", name, -(-numel // RUN))
+    return name, blocks, (*_sizes(row_nbytes, numel, group_size, rows), _fp32(divide_by))
 
 
 def dequant_reduce_requant(
     payloads: torch.Tensor, numel: int, bits: int, out_bits: int, group_size: int, divide_by: float, out: torch.Tensor
 ) -> None:
     """Sum (and divide) ``k`` payload rows and re-quantize the sum into ``out``'s rows, in one pass."""
-    chunks = out.shape[0]
+    chunks, chunk_nbytes = out.shape
     chunk = numel // chunks
     _encode(
         "dequant_reduce.cu",
-        f"zc_dequant_reduce_requant_int{bits}_int{out_bits}",
+        _name("zc_dequant_reduce_requant_int{}_int{}", bits, out_bits),
         payloads.device,
-        num_groups(chunk, group_size) * chunks,
+        -(-chunk // group_size) * chunks,  # num_groups of every chunk
         min(group_size, chunk),
-        (*_reduction_args(payloads, numel, group_size, divide_by), _i64(chunks), _i64(out.shape[1]), _ptr(out)),
+        (*_reduction_args(payloads, numel, group_size, divide_by), *_sizes(chunks, chunk_nbytes), _ptr(out)),
     )
