@@ -84,12 +84,17 @@ def prologue_once(
             return info
     info = prologue(output, input, group, topology, gather=gather, quantized=True)
     if type(output) is torch.Tensor and type(input) is torch.Tensor:
-        checked = _CHECKED.setdefault(info.group, {})
-        if len(checked) >= _MAX_CHECKED:
-            del checked[next(iter(checked))]
         key = (gather, topology, output.numel(), input.numel(), output.dtype, input.dtype, output.device, input.device)
-        checked[key] = info
+        _remember(info, key)
     return info
+
+
+def _remember(info: GroupInfo, key: tuple) -> None:
+    """Keep ``info`` for calls of ``key`` on its group, dropping the oldest beyond ``_MAX_CHECKED``."""
+    checked = _CHECKED.setdefault(info.group, {})
+    if len(checked) >= _MAX_CHECKED:
+        del checked[next(iter(checked))]
+    checked[key] = info
 
 
 def prologue_coalesced_once(
@@ -119,10 +124,7 @@ def prologue_coalesced_once(
     info = prologue_coalesced(outputs, inputs, group, topology, gather=gather)
     key = coalesced_key(outputs, inputs, gather, topology)
     if key is not None:
-        checked = _CHECKED.setdefault(info.group, {})
-        if len(checked) >= _MAX_CHECKED:
-            del checked[next(iter(checked))]
-        checked[key] = info
+        _remember(info, key)
     return info
 
 

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import gc
 import importlib
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zcomm
 from zcomm import _plan_cache
@@ -62,17 +60,8 @@ def test_oldest_plan_dropped_and_group_forgotten(monkeypatch: pytest.MonkeyPatch
     assert len(_plan_cache._PLANS) == size - 1
 
 
-@pytest.fixture
-def world_of_one():
-    with tempfile.TemporaryDirectory() as root:
-        dist.init_process_group("gloo", store=dist.FileStore(f"{root}/store", 1), rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
-
-def test_collectives_resolve_their_plan_once(world_of_one, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_collectives_resolve_their_plan_once(gloo_world, monkeypatch: pytest.MonkeyPatch) -> None:
     counts = {"gather": 0, "reduce": 0}
 
     def counting(kind, make):

@@ -4,7 +4,6 @@ collective they prepare, the contract's checks on every call, and a thinner host
 from __future__ import annotations
 
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -17,15 +16,6 @@ from zcomm.reduce_scatter_q4 import prepare_reduce_scatter_q4_coalesced
 SIZES = [100, 200, 300, 424]
 
 
-@pytest.fixture
-def world_of_one():
-    with tempfile.TemporaryDirectory() as root:
-        dist.init_process_group("gloo", store=dist.FileStore(f"{root}/store", 1), rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
-
 
 def _bucket(seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
@@ -34,7 +24,7 @@ def _bucket(seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
 
 
 @pytest.mark.parametrize("stages", (1, 3))
-def test_prepared_reduce_scatter_equals_the_collective(world_of_one, stages: int) -> None:
+def test_prepared_reduce_scatter_equals_the_collective(gloo_world, stages: int) -> None:
     inputs, flat = _bucket(0)
     prepared = prepare_reduce_scatter_q4_coalesced(list(flat.split(SIZES)), inputs, op=dist.ReduceOp.AVG,
                                                    group_size=64, pipeline_stages=stages)
@@ -47,7 +37,7 @@ def test_prepared_reduce_scatter_equals_the_collective(world_of_one, stages: int
         assert torch.equal(flat, expected), seed
 
 
-def test_prepared_reduce_scatter_with_error_feedback(world_of_one) -> None:
+def test_prepared_reduce_scatter_with_error_feedback(gloo_world) -> None:
     inputs, flat = _bucket(0)
     outputs = list(flat.split(SIZES))
     prepared = prepare_reduce_scatter_q4_coalesced(outputs, inputs, group_size=64, with_error_feedback=True)
@@ -61,7 +51,7 @@ def test_prepared_reduce_scatter_with_error_feedback(world_of_one) -> None:
         prepared(outputs, inputs)
 
 
-def test_prepared_calls_check_the_tensors(world_of_one) -> None:
+def test_prepared_calls_check_the_tensors(gloo_world) -> None:
     inputs, flat = _bucket(0)
     prepared = prepare_reduce_scatter_q4_coalesced(list(flat.split(SIZES)), inputs)
     with pytest.raises(ValueError, match="other sizes"):
@@ -78,7 +68,7 @@ def test_prepared_calls_check_the_tensors(world_of_one) -> None:
         gather(torch.empty(2000)[::2], x)
 
 
-def test_prepared_all_gather_equals_the_collective(world_of_one) -> None:
+def test_prepared_all_gather_equals_the_collective(gloo_world) -> None:
     x, full, expected = torch.randn(1000), torch.empty(1000), torch.empty(1000)
     gather = prepare_all_gather_q8(full, x, group_size=64)
     gather(full, x, async_op=True).wait()
@@ -97,7 +87,7 @@ def _count(call) -> int:  # noqa: ANN001
     return len(entered)
 
 
-def test_prepared_calls_enter_fewer_frames(world_of_one) -> None:
+def test_prepared_calls_enter_fewer_frames(gloo_world) -> None:
     """A prepared call skips the prologue cache, the plan's key and the option checks: on the
     caller's thread it enters fewer Python frames than the cached collective."""
     inputs, flat = _bucket(0)
