@@ -16,15 +16,24 @@
 
 namespace zc {
 
+// [Note: raw runs] Sources of bf16/fp16 elements straight from a tensor (kRaw16) also give
+// a run of 8 as its 4 raw words (load_raw8, same conditions as load8): the encoder holds
+// those (half the registers of 8 floats), takes the absmax on the 16-bit halves
+// (max_u16x2) and widens each element only when it quantizes it.
 template <class T> struct FlatSource {
+    using Element = T;
+    static constexpr bool kRaw16 = sizeof(T) == 2;
     const T* x;
 
     ZC_HD bool can_vectorize() const { return aligned(x, 16); }
     ZC_HD float load1(i64 j) const { return to_float(x[j]); }
     ZC_HD void load8(i64 j, float (&v)[8]) const { zc::load8(x + j, v); }
+    ZC_HD void load_raw8(i64 j, u32 (&w)[4]) const { load_words(w, x + j); }
 };
 
 template <class T> struct PermutedSource {
+    using Element = T;
+    static constexpr bool kRaw16 = sizeof(T) == 2;  // [Note: raw runs]
     const T* x;
     const i64* perm;  // output slice p is input slice perm[p]
     i64 slice_numel;
@@ -34,6 +43,7 @@ template <class T> struct PermutedSource {
     ZC_HD bool can_vectorize() const { return aligned(x, 16) && slice_numel % 8 == 0; }
     ZC_HD float load1(i64 j) const { return to_float(x[source_index(j)]); }
     ZC_HD void load8(i64 j, float (&v)[8]) const { zc::load8(x + source_index(j), v); }
+    ZC_HD void load_raw8(i64 j, u32 (&w)[4]) const { load_words(w, x + source_index(j)); }
 };
 
 // reorder_quantize's interleaved input v ([Note: interleaved input] in zcomm/quant/_contract.py)
@@ -43,6 +53,7 @@ template <class T> struct PermutedSource {
 // whose piece [begin_k, end_k) of the part holds t (a binary search over the ends), or the
 // zero fill past the last piece. The table is 3 i64 per tensor: its address, width, end.
 template <class T> struct InterleavedSource {
+    static constexpr bool kRaw16 = false;  // runs are checked one by one in load8
     const i64* table;
     i64 tensors;
     i64 part_numel;
@@ -125,6 +136,7 @@ template <int BITS> struct PayloadRows {
 // Rows [first_row, first_row + count) summed in row order, starting from the first row's
 // value (no leading 0 +, which would turn -0 into +0), then divided once by `divisor`.
 template <int BITS> struct PayloadSum {
+    static constexpr bool kRaw16 = false;
     PayloadRows<BITS> rows;
     i64 first_row;
     i64 count;

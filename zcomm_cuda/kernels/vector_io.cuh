@@ -84,6 +84,36 @@ template <class H> ZC_HD void store8(H* p, const float (&v)[8]) {
     store_words(p, w);
 }
 
+// ---- raw 16-bit runs: 8 bf16/fp16 elements as 4 words, never widened in memory ----
+
+// The per-half unsigned max of two pairs of 16-bit values (one VIMNMX.U16x2 on sm_90).
+ZC_HD u32 max_u16x2(u32 a, u32 b) {
+#ifdef __CUDA_ARCH__
+    return __vmaxu2(a, b);
+#else
+    const u32 lo = max_u32(a & 0xFFFFu, b & 0xFFFFu);
+    const u32 hi = max_u32(a >> 16, b >> 16);
+    return lo | (hi << 16);
+#endif
+}
+
+// |x| of both halves of a word of 16-bit floats (the sign bits cleared). For bf16 and fp16
+// alike the unsigned order of these bits is the order of |x|, +Inf above every finite value
+// and every NaN above +Inf, as for abs_bits; the max of a run is max_u16x2 over its words.
+constexpr u32 kAbs16x2Mask = 0x7FFF7FFFu;
+
+// abs_bits of the larger half of a max_u16x2 result, as an fp32 value's (widening keeps
+// the order: it is exact, and NaN stays NaN).
+template <class H> ZC_HD u32 abs_bits_of_max16x2(u32 m) {
+    const u32 lo = m & 0xFFFFu;
+    const u32 hi = m >> 16;
+    return abs_bits(to_float(H{static_cast<u16>(lo > hi ? lo : hi)}));
+}
+
+// Element 2k (low half) and 2k + 1 (high half) of a raw word, widened to fp32.
+template <class H> ZC_HD float raw_low(u32 w) { return to_float(H{static_cast<u16>(w & 0xFFFFu)}); }
+template <class H> ZC_HD float raw_high(u32 w) { return to_float(H{static_cast<u16>(w >> 16)}); }
+
 // ---- codes: 8 quantized values <-> packed bytes ----
 // INT8: element k is byte k (two's complement). INT4: element k is nibble k of one word,
 // i.e. element 2i in the low nibble of byte i (the wire format's rule).

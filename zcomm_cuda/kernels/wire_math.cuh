@@ -253,6 +253,36 @@ struct Quantizer {
     }
 };
 
+// [Note: plain scales] Most groups have a plain scale: +0, or a normal finite float. For
+// them the per-element rule above shrinks to two fp32 operations with the same result:
+//   * p = 1, so (x * p) * r is x * r;
+//   * no clamp is needed: scale = RN(a / qmax) and r = RN(1 / scale) are normal, each
+//     within a relative 2^-24 of the exact quotient, so for |x| <= a (the absmax)
+//     |x * r| <= a * r <= qmax * (1 + 2^-24) / (1 - 2^-24) < qmax + 2^-16, and rounding
+//     the product (monotonic) and then to an integer gives at most qmax. A zero scale
+//     has r = 0 and finite x, so x * r is +-0 and the code 0;
+//   * rint(y) for |y| < 2^22 is read off y + 1.5 * 2^23 (kRoundingMagic): the sum lies in
+//     [2^23, 2^24), where fp32's spacing is 1, so add.rn rounds it to the nearest integer,
+//     ties to even (the magic is even, so the sum's parity is the integer's); its bits are
+//     0x4B400000 + rint(y), whose low byte is the INT8 code and low nibble the INT4 code
+//     (two's complement), with no float-to-int conversion (a quarter-rate instruction).
+// Subnormal scales (p = 2^64, and rint can pass qmax) and NaN or Inf scales keep the
+// Quantizer. The host check runs both paths against the reference backend.
+constexpr u32 kF32RoundingMagic = 0x4B400000u;  // 1.5 * 2^23
+
+ZC_HD bool plain_scale(float scale) {
+    const u32 bits = float_bits(scale);  // scales are >= +0 or the canonical NaN
+    return bits == 0 || (bits >= kF32SmallestNormal && bits < kF32Inf);
+}
+
+// r of a plain scale (see [Note: plain scales]).
+ZC_HD float plain_reciprocal(float scale) { return is_zero(scale) ? 0.0f : div_rn(1.0f, scale); }
+
+// The bits whose low byte (INT8) or nibble (INT4) is x's code, under a plain scale's r.
+ZC_HD u32 plain_code_bits(float x, float reciprocal) {
+    return float_bits(add_rn(mul_rn(x, reciprocal), bits_float(kF32RoundingMagic)));
+}
+
 // One element's fp32 value: q * scale, or the canonical NaN when the scale is NaN or Inf
 // (a non-finite group never dequantizes to finite numbers).
 ZC_HD float dequantize_value(int q, float scale) {
