@@ -32,9 +32,13 @@ template <int N> ZC_HD void load_words(u32 (&w)[N], const void* p) {
 template <int N> ZC_HD void store_words(void* p, const u32 (&w)[N]) {
 #ifdef __CUDA_ARCH__
     if constexpr (N == 4) {
-        uint4 v;
-        v.x = w[0]; v.y = w[1]; v.z = w[2]; v.w = w[3];
-        *reinterpret_cast<uint4*>(p) = v;
+        // One 16-byte store, stated in PTX: written as a uint4 store to a bf16/fp16 address,
+        // the compiler splits it into four 4-byte stores (it cannot prove the alignment the
+        // callers guarantee). Every buffer is global memory, whose generic addresses are its
+        // global addresses. No "memory" clobber: no kernel reads back what it stores in the
+        // same launch, so later loads may still move above the store.
+        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]),
+                     "r"(w[3]));
     } else if constexpr (N == 2) {
         uint2 v;
         v.x = w[0]; v.y = w[1];

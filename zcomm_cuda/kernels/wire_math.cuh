@@ -283,11 +283,19 @@ ZC_HD u32 plain_code_bits(float x, float reciprocal) {
     return float_bits(add_rn(mul_rn(x, reciprocal), bits_float(kF32RoundingMagic)));
 }
 
-// One element's fp32 value: q * scale, or the canonical NaN when the scale is NaN or Inf
-// (a non-finite group never dequantizes to finite numbers).
+// One element's fp32 value: q * scale, or NaN when the scale is NaN or Inf (a non-finite
+// group never dequantizes to finite numbers). [Note: decoded NaN] The NaN's payload is
+// left open: every decoder output goes through from_float, which writes the canonical NaN
+// of its type, and the re-quantizing encoder sees a NaN only through abs_bits.
 ZC_HD float dequantize_value(int q, float scale) {
     return is_finite(scale) ? mul_rn(static_cast<float>(q), scale) : canonical_nan();
 }
+
+// The scale a group's elements are multiplied by: the scale, or NaN for a NaN or Inf scale,
+// so that q * dequantize_scale(scale) is dequantize_value(q, scale) for every q up to the
+// NaN's payload ([Note: decoded NaN]) with one multiplication per element and the test
+// once per group.
+ZC_HD float dequantize_scale(float scale) { return is_finite(scale) ? scale : canonical_nan(); }
 
 template <int BITS> struct Bits;
 template <> struct Bits<8> {

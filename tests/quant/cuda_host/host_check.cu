@@ -162,7 +162,13 @@ template <class T, int BITS> bool decode_all(const SegmentLayout<T, BITS>& layou
     const int lanes = team_lanes(layout.group_extent());
     walk_jobs(layout.groups_per_segment() * layout.segments, layout.groups_per_segment(), layout.segments, lanes,
               [&](i64 segment, i64 group) {
-                  for (int lane = 0; lane < lanes; ++lane) decode_group_lane(layout, segment, group, lane, lanes);
+                  for (int lane = 0; lane < lanes; ++lane) {
+                      if (team_divisor_mode(layout) == kByReciprocal) {
+                          decode_group_lane<kByReciprocal>(layout, segment, group, lane, lanes);
+                      } else {
+                          decode_group_lane<kByDivision>(layout, segment, group, lane, lanes);
+                      }
+                  }
               });
     return vec;
 }
