@@ -40,6 +40,7 @@ template <class T, int BITS> struct SegmentLayout {
 // loop holds either the multiplication by a power of two's reciprocal or the division.
 template <class T, int BITS> ZC_HD int team_divisor_mode(const SegmentLayout<T, BITS>& layout) {
     float reciprocal;
+    if (float_bits(layout.divisor) == kF32One) return kByOne;  // dequantize, and sums
     return exact_reciprocal(layout.divisor, reciprocal) ? kByReciprocal : kByDivision;
 }
 
@@ -102,7 +103,10 @@ template <int MODE, class T, int BITS> __device__ void decode_teams(const Segmen
 template <class T, int BITS> __device__ void decode_segments(const SegmentLayout<T, BITS>& layout) {
     const bool vec = layout.can_vectorize();
     if (layout.teams(vec)) {
-        if (team_divisor_mode(layout) == kByReciprocal) {
+        const int mode = team_divisor_mode(layout);
+        if (mode == kByOne) {
+            decode_teams<kByOne>(layout);
+        } else if (mode == kByReciprocal) {
             decode_teams<kByReciprocal>(layout);
         } else {
             decode_teams<kByDivision>(layout);

@@ -144,8 +144,9 @@ template <int BITS> struct PayloadRows {
 
 // How PayloadSum divides: decided per element at run time (kAnyDivisor), or fixed by the
 // caller who has checked the divisor once (kByReciprocal: a power of two, [Note: exact
-// reciprocal]; kByDivision: any other), so that the main loop holds one of the two only.
-enum DivisorMode : int { kAnyDivisor = 0, kByReciprocal = 1, kByDivision = 2 };
+// reciprocal]; kByDivision: any other; kByOne: 1, where x * 1 is x for every x, so there
+// is nothing to do), so that the main loop holds one of them only.
+enum DivisorMode : int { kAnyDivisor = 0, kByReciprocal = 1, kByDivision = 2, kByOne = 3 };
 
 // Rows [first_row, first_row + count) summed in row order, starting from the first row's
 // value (no leading 0 +, which would turn -0 into +0), then divided once by `divisor`.
@@ -172,6 +173,7 @@ template <int BITS, int MODE = kAnyDivisor> struct PayloadSum {
     // reciprocal]); any other divisor keeps the IEEE division per element. A NaN keeps
     // whatever payload it has: [Note: decoded NaN].
     ZC_HD float finish(float acc) const {
+        if constexpr (MODE == kByOne) return acc;  // NaN payloads may differ: [Note: decoded NaN]
         if constexpr (MODE == kByReciprocal) return mul_rn(acc, divisor);
         if constexpr (MODE == kByDivision) return div_rn(acc, divisor);
         return by_reciprocal ? mul_rn(acc, divisor) : div_rn(acc, divisor);

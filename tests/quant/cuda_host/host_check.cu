@@ -163,7 +163,10 @@ template <class T, int BITS> bool decode_all(const SegmentLayout<T, BITS>& layou
     walk_jobs(layout.groups_per_segment() * layout.segments, layout.groups_per_segment(), layout.segments, lanes,
               [&](i64 segment, i64 group) {
                   for (int lane = 0; lane < lanes; ++lane) {
-                      if (team_divisor_mode(layout) == kByReciprocal) {
+                      const int mode = team_divisor_mode(layout);
+                      if (mode == kByOne) {
+                          decode_group_lane<kByOne>(layout, segment, group, lane, lanes);
+                      } else if (mode == kByReciprocal) {
                           decode_group_lane<kByReciprocal>(layout, segment, group, lane, lanes);
                       } else {
                           decode_group_lane<kByDivision>(layout, segment, group, lane, lanes);
