@@ -10,7 +10,8 @@
 // the absmax with warp shuffles only, every lane derives the same scale and reciprocal and
 // writes its codes from the registers, two fp32 operations per element for a plain scale
 // ([Note: plain scales] in wire_math.cuh): one read of memory. Groups whose scale is not
-// plain (NaN, Inf, subnormal: rare) are encoded again, streamed, out of line. Otherwise
+// plain (NaN, Inf, subnormal: rare) turn held floats into their codes in registers, or,
+// held as raw words, are encoded again, streamed, out of line (see RegisterLane). Otherwise
 // (larger groups, misaligned buffers, groups with a scalar tail) each lane streams its
 // elements twice, once for the absmax and once to quantize (lane_absmax,
 // encode_group_lane); the second read hits L1/L2, since a team's footprint is a single
@@ -180,7 +181,20 @@ ZC_HD void encode_group_lane(const Source& src, const GroupSpan& s, int lane, in
 // folded into `m`, in the held form's own order; lane_absmax_bits() turns that into
 // abs_bits of an fp32 value; values() gives the run as fp32.
 template <class Source, bool RAW = Source::kRaw16> struct HeldRuns {
+    static constexpr bool kRewritable = true;  // see rewrite_as_codes
     float v[kRunsPerLane][8];
+
+    // The cold path of RegisterLane::store for held floats: each live run's values become
+    // their codes under the general rule (small integers, exact in fp32), so that the
+    // plain path with a reciprocal of 1 writes them. A call would cost ~20 registers.
+    ZC_HD void rewrite_as_codes(const Quantizer& quantize, int lane, int lanes, int len) {
+#pragma unroll  // [Note: held runs]
+        for (int i = 0; i < kRunsPerLane; ++i) {
+            if (8 * (lane + lanes * i) < len) {
+                for (int k = 0; k < 8; ++k) v[i][k] = static_cast<float>(quantize(v[i][k]));
+            }
+        }
+    }
 
     ZC_HD u32 load(const Source& src, i64 j, int i, u32 m) {
         src.load8(j, v[i]);
@@ -195,6 +209,7 @@ template <class Source, bool RAW = Source::kRaw16> struct HeldRuns {
 
 template <class Source> struct HeldRuns<Source, true> {
     using H = typename Source::Element;
+    static constexpr bool kRewritable = false;  // cold groups are encoded again from memory
     u32 w[kRunsPerLane][4];
 
     ZC_HD u32 load(const Source& src, i64 j, int i, u32 m) {
@@ -231,8 +246,11 @@ ZC_COLD void encode_group_again(const Source src, const GroupSpan s, int lane, i
 // the codes (and, on lane 0, the scale and padding), with no second read of the source,
 // when the group's scale is plain ([Note: plain scales] in wire_math.cuh): a multiplication
 // and an addition per element. The rare other groups (a NaN or Inf element, or a scale
-// below the normal range) are encoded again from memory by encode_group_lane, with the
-// general rule; their second read hits L1/L2.
+// below the normal range) take the general rule: held floats are rewritten as their codes
+// (HeldRuns::rewrite_as_codes, a branch the plain groups jump over), held raw words are
+// encoded again from memory by encode_group_again (out of line; the second read hits
+// L1/L2). A call costs registers (~20 for held floats, which have no raw form to spare
+// them), a rewritten raw word would need a second conversion.
 template <int BITS, class Source> struct RegisterLane {
     HeldRuns<Source> held;
 
@@ -251,14 +269,19 @@ template <int BITS, class Source> struct RegisterLane {
     }
 
     ZC_HD void store(const Source& src, const GroupSpan& s, int lane, int lanes, bool words_aligned,
-                     u32 absmax_bits) const {
+                     u32 absmax_bits) {
         const float scale = scale_from_absmax_bits(absmax_bits, Bits<BITS>::kQmax);
-        if (!plain_scale(scale)) {
+        const int len = static_cast<int>(s.len);
+        float reciprocal;
+        if (plain_scale(scale)) {
+            reciprocal = plain_reciprocal(scale);
+        } else if constexpr (HeldRuns<Source>::kRewritable) {
+            held.rewrite_as_codes(Quantizer(scale, Bits<BITS>::kQmax), lane, lanes, len);
+            reciprocal = 1.0f;
+        } else {
             encode_group_again<BITS>(src, s, lane, lanes, words_aligned, absmax_bits);
             return;
         }
-        const float reciprocal = plain_reciprocal(scale);
-        const int len = static_cast<int>(s.len);
 #pragma unroll  // [Note: held runs]
         for (int i = 0; i < kRunsPerLane; ++i) {
             const int e = 8 * (lane + lanes * i);
