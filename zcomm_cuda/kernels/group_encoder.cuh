@@ -187,7 +187,8 @@ template <class Source, bool RAW = Source::kRaw16> struct HeldRuns {
     // The cold path of RegisterLane::store for held floats: each live run's values become
     // their codes under the general rule (small integers, exact in fp32), so that the
     // plain path with a reciprocal of 1 writes them. A call would cost ~20 registers.
-    ZC_HD void rewrite_as_codes(const Quantizer& quantize, int lane, int lanes, int len) {
+    ZC_HD void rewrite_as_codes(float scale, int qmax, int lane, int lanes, int len) {
+        const Quantizer quantize(scale, qmax);
 #pragma unroll  // [Note: held runs]
         for (int i = 0; i < kRunsPerLane; ++i) {
             if (8 * (lane + lanes * i) < len) {
@@ -276,7 +277,7 @@ template <int BITS, class Source> struct RegisterLane {
         if (plain_scale(scale)) {
             reciprocal = plain_reciprocal(scale);
         } else if constexpr (HeldRuns<Source>::kRewritable) {
-            held.rewrite_as_codes(Quantizer(scale, Bits<BITS>::kQmax), lane, lanes, len);
+            held.rewrite_as_codes(scale, Bits<BITS>::kQmax, lane, lanes, len);
             reciprocal = 1.0f;
         } else {
             encode_group_again<BITS>(src, s, lane, lanes, words_aligned, absmax_bits);
