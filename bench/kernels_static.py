@@ -35,6 +35,14 @@ Columns, per kernel:
   which leaves out their per-group work, this compares like with like, but counts code
   that does not run.
 * ``div/elem``: fp32 division sequences (one ``FCHK`` each) inside the main loops, per element.
+* cold code: instructions inside a main loop whose inlining chain (``nvdisasm -gi``) passes
+  through a :data:`COLD` function run only for rare groups (the register encoder's general
+  rule for a group with a NaN/Inf element or a subnormal scale, behind a branch the other
+  groups jump over). ``loop/elem``, ``round/elem`` and ``div/elem`` leave them out (they
+  count the path of the common groups); ``main loops`` shows them as ``cold N``.
+Where a decoder has one loop per divisor kind (``DivisorMode``), the smallest is taken:
+the divisor-1 loop (dequantize, sums); a power-of-two divisor's loop has one more
+multiplication per element, any other divisor's an IEEE division per element.
 """
 
 from __future__ import annotations
@@ -63,6 +71,10 @@ HOT = {  # source functions (by the text of their lines) whose loops are a kerne
     "encoder_old": ("lane_absmax", "encode_group_lane"),
     "decoder": ("decode_group_lane", "decode_run"),
 }
+# Source functions whose code inside a main loop runs only for rare groups (the register
+# encoder's general rule for a NaN/Inf element or a subnormal scale): an instruction is
+# cold when any function of its inlining chain is one of these. Counted apart.
+COLD = ("rewrite_as_codes",)
 
 
 @dataclass
@@ -76,6 +88,7 @@ class Loop:
     divisions: int  # fp32 division sequences (each has one FCHK range check)
     shuffles: int
     innermost: bool
+    cold: int  # instructions of COLD functions (their branch is not taken for plain groups)
 
 
 def _tool(tools: Path, name: str) -> str:
@@ -110,7 +123,7 @@ def _function_lines(unit: Path) -> dict[tuple[str, int], str]:
     """(file name, line) -> the hot function whose body holds that line of the translation
     unit ``unit`` (by brace depth; the line info of its cubin names this file)."""
     owners = {}
-    names = {name for group in HOT.values() for name in group}
+    names = {name for group in HOT.values() for name in group} | set(COLD)
     for path in (unit,):
         current, depth = None, 0
         for number, line in enumerate(path.read_text().splitlines(), 1):
@@ -126,12 +139,16 @@ def _function_lines(unit: Path) -> dict[tuple[str, int], str]:
     return owners
 
 
-def _sass(nvdisasm: str, cubin: Path, line_info: bool) -> dict[str, list[tuple[int, str, str | None]]]:
-    """Per kernel, its instructions as (offset, text, 'file:line' or None)."""
-    args = [nvdisasm, "-c", *(["-g"] if line_info else []), str(cubin)]
+def _sass(nvdisasm: str, cubin: Path, line_info: bool) -> dict[str, list[tuple]]:
+    """Per kernel, its instructions as (offset, text, (file, line) or None, inlining chain).
+
+    With line info (``-gi``), each instruction's location is a chain of ``//##`` lines, the
+    innermost source line first, then the lines it is inlined at; ``where`` is the innermost
+    (what ``-g`` alone gives) and the chain is the set of all of them."""
+    args = [nvdisasm, "-c", *(["-gi"] if line_info else []), str(cubin)]
     text = subprocess.run(args, check=True, capture_output=True, text=True).stdout
     kernels: dict[str, list] = {}
-    current, where = None, None
+    current, where, chain, in_chain = None, None, frozenset(), False
     for line in text.splitlines():
         func = _FUNC.match(line)
         if func:
@@ -140,15 +157,19 @@ def _sass(nvdisasm: str, cubin: Path, line_info: bool) -> dict[str, list[tuple[i
             continue
         where_match = _LINE.search(line)
         if where_match:
-            where = (Path(where_match.group(1)).name, int(where_match.group(2)))
+            location = (Path(where_match.group(1)).name, int(where_match.group(2)))
+            if not in_chain:  # the first line of a chain: the innermost location
+                where, chain, in_chain = location, frozenset(), True
+            chain = chain | {location}
             continue
+        in_chain = False
         label = _LABEL.match(line)
         if label and current:
-            kernels[current].append((-1, label.group(1), None))
+            kernels[current].append((-1, label.group(1), None, frozenset()))
             continue
         instr = _INSTR.search(line)
         if instr and current:
-            kernels[current].append((int(instr.group(1), 16), instr.group(2).strip(), where))
+            kernels[current].append((int(instr.group(1), 16), instr.group(2).strip(), where, chain))
     return kernels
 
 
@@ -156,12 +177,12 @@ def _loops(listing: list, owners: dict) -> list[Loop]:
     """Every loop: a branch back to an earlier label, its body the instructions in between."""
     label_at, spans = {}, []
     flat = []
-    for offset, text, where in listing:
+    for offset, text, where, chain in listing:
         if offset < 0:
             label_at[text] = len(flat)
             continue
-        flat.append((text, where))
-    for index, (text, _) in enumerate(flat):
+        flat.append((text, where, any(owners.get(w) in COLD for w in chain)))
+    for index, (text, _, _) in enumerate(flat):
         target = _BRA.search(text)
         if target and label_at.get(target.group(1), index + 1) <= index:
             spans.append((label_at[target.group(1)], index))
@@ -170,12 +191,13 @@ def _loops(listing: list, owners: dict) -> list[Loop]:
         body = flat[start : end + 1]
         loops.append(Loop(
             start, end, end - start + 1,
-            wide_loads=sum(1 for text, _ in body if re.search(r"\bLDG\.E\.(ENL2\.)?128\b", text)),
-            wide_stores=sum(1 for text, _ in body if re.search(r"\bSTG\.E\.(ENL2\.)?128\b", text)),
-            functions=frozenset(owners[w] for _, w in body if w in owners),
-            divisions=sum(1 for text, _ in body if re.search(r"\bFCHK\b", text)),
-            shuffles=sum(1 for text, _ in body if re.search(r"\bSHFL\.", text)),
+            wide_loads=sum(1 for text, _, _ in body if re.search(r"\bLDG\.E\.(ENL2\.)?128\b", text)),
+            wide_stores=sum(1 for text, _, _ in body if re.search(r"\bSTG\.E\.(ENL2\.)?128\b", text)),
+            functions=frozenset(owners[w] for _, w, _ in body if w in owners and owners[w] not in COLD),
+            divisions=sum(1 for text, _, cold in body if not cold and re.search(r"\bFCHK\b", text)),
+            shuffles=sum(1 for text, _, _ in body if re.search(r"\bSHFL\.", text)),
             innermost=not any(o != (start, end) and start <= o[0] and o[1] <= end for o in spans),
+            cold=sum(1 for _, _, cold in body if cold),
         ))
     return loops
 
@@ -213,7 +235,7 @@ def _round_per_element(kernel: str, loops: list[Loop]) -> float | None:
         return None
     registers = [l for l in rounds if "RegisterLane" in l.functions]
     loop = min(registers or rounds, key=lambda l: l.instructions)
-    return loop.instructions / _ROUND_ELEMENTS["registers" if registers else "streamed"]
+    return (loop.instructions - loop.cold) / _ROUND_ELEMENTS["registers" if registers else "streamed"]
 
 
 def _per_element(kernel: str, loops: list[Loop]) -> tuple[float | None, float | None, str]:
@@ -232,9 +254,10 @@ def _per_element(kernel: str, loops: list[Loop]) -> tuple[float | None, float | 
                 chosen[name] = loop
     if not chosen:
         return None, None, "-"
-    instructions = sum(loop.instructions / _ELEMENTS[name] for name, loop in chosen.items())
+    instructions = sum((loop.instructions - loop.cold) / _ELEMENTS[name] for name, loop in chosen.items())
     divisions = sum(loop.divisions / _ELEMENTS[name] for name, loop in chosen.items())
-    return instructions, divisions, "+".join(f"{n}({l.instructions})" for n, l in chosen.items())
+    return instructions, divisions, "+".join(
+        f"{n}({l.instructions}{f', cold {l.cold}' if l.cold else ''})" for n, l in chosen.items())
 
 
 def analyse(kernel_dir: Path, arch: str, tools: Path, work: Path, sources: list[str], version: str) -> dict[str, dict]:
@@ -252,8 +275,8 @@ def analyse(kernel_dir: Path, arch: str, tools: Path, work: Path, sources: list[
             resources_plain = _resources(cuobjdump, plain)
             assert resources_plain == resources, (source, resources_plain, resources)
         for kernel, usage in sorted(resources.items()):
-            count = sum(1 for offset, _, _ in plain_sass[kernel] if offset >= 0)
-            same = count == sum(1 for offset, _, _ in lined_sass[kernel] if offset >= 0)
+            count = sum(1 for offset, *_ in plain_sass[kernel] if offset >= 0)
+            same = count == sum(1 for offset, *_ in lined_sass[kernel] if offset >= 0)
             loops = _loops(lined_sass[kernel], owners)
             per_element, divisions, which = _per_element(kernel, loops)
             report[kernel] = dict(usage, sass=count, same_code=same, per_element=per_element, divisions=divisions,

@@ -6,12 +6,16 @@
 // Teams (extent <= kTeamMaxGroup), one launch: team_walk.cuh's teams of lanes walk the
 // jobs. When the buffers allow vector access and the group fits in the team's registers
 // (extent <= kRegisterMaxGroup; e.g. 8 lanes of 4 runs for 256 elements), each lane loads
-// its runs once into registers (RegisterLane), the team reduces the absmax with warp
-// shuffles only, every lane derives the same scale and reciprocal and writes its codes
-// from the registers: one read of memory. Otherwise (larger groups, misaligned buffers,
-// groups with a scalar tail) each lane streams its elements twice, once for the absmax and
-// once to quantize (lane_absmax, encode_group_lane); the second read hits L1/L2, since a
-// team's footprint is a single group. Lane 0 writes the scale (plus the zero padding after
+// its runs once into registers (RegisterLane; bf16/fp16 as raw words), the team reduces
+// the absmax with warp shuffles only, every lane derives the same scale and reciprocal and
+// writes its codes from the registers, two fp32 operations per element for a plain scale
+// ([Note: plain scales] in wire_math.cuh): one read of memory. Groups whose scale is not
+// plain (NaN, Inf, subnormal: rare) turn held floats into their codes in registers, or,
+// held as raw words, are encoded again, streamed, out of line (see RegisterLane). Otherwise
+// (larger groups, misaligned buffers, groups with a scalar tail) each lane streams its
+// elements twice, once for the absmax and once to quantize (lane_absmax,
+// encode_group_lane); the second read hits L1/L2, since a team's footprint is a single
+// group. Lane 0 writes the scale (plus the zero padding after
 // the last group of a chunk).
 //
 // Tiles (larger groups, e.g. one group per tensor), two launches: see [Note: large groups].
@@ -54,7 +58,16 @@ struct GroupSpan {
     u8* values;       // the group's first value byte
     u8* scale_slot;   // the group's fp32 scale (nullptr: written by another tile)
     u8* pad_begin;    // zero padding to write (only for the last group of a chunk)
-    int pad_len;
+    int pad_len;      // 0..3: the values are padded to a multiple of 4 bytes
+
+    // The scale, then the padding: three predicated byte stores at most, not a loop (a
+    // loop of unknown length unrolls into a hundred instructions of the round loop).
+    ZC_HD void write_scale(float scale, bool words_aligned) const {
+        store_u32(scale_slot, float_bits(scale), words_aligned);
+        if (pad_len > 0) pad_begin[0] = 0;
+        if (pad_len > 1) pad_begin[1] = 0;
+        if (pad_len > 2) pad_begin[2] = 0;
+    }
 };
 
 // `num_chunks` payloads of `chunk_numel` elements each, as rows of `row_stride` bytes.
@@ -159,51 +172,132 @@ ZC_HD void encode_group_lane(const Source& src, const GroupSpan& s, int lane, in
         s.values[e / per_byte] = encode_byte<BITS>(src, s.first + e, s.len - e > 1, quantize);
     }
     if (lane == 0 && s.scale_slot != nullptr) {
-        store_u32(s.scale_slot, float_bits(scale), words_aligned);
-        for (int k = 0; k < s.pad_len; ++k) s.pad_begin[k] = 0;
+        s.write_scale(scale, words_aligned);
     }
+}
+
+// A lane's runs between load and store: 8 floats per run, or, for sources of raw 16-bit
+// runs, their 4 words ([Note: raw runs] in sources.cuh). load() returns the run's absmax
+// folded into `m`, in the held form's own order; lane_absmax_bits() turns that into
+// abs_bits of an fp32 value; values() gives the run as fp32.
+template <class Source, bool RAW = Source::kRaw16> struct HeldRuns {
+    static constexpr bool kRewritable = true;  // see rewrite_as_codes
+    float v[kRunsPerLane][8];
+
+    // The cold path of RegisterLane::store for held floats: each live run's values become
+    // their codes under the general rule (small integers, exact in fp32), so that the
+    // plain path with a reciprocal of 1 writes them. A call would cost ~20 registers.
+    ZC_HD void rewrite_as_codes(float scale, int qmax, int lane, int lanes, int len) {
+        const Quantizer quantize(scale, qmax);
+#pragma unroll  // [Note: held runs]
+        for (int i = 0; i < kRunsPerLane; ++i) {
+            if (8 * (lane + lanes * i) < len) {
+                for (int k = 0; k < 8; ++k) v[i][k] = static_cast<float>(quantize(v[i][k]));
+            }
+        }
+    }
+
+    ZC_HD u32 load(const Source& src, i64 j, int i, u32 m) {
+        src.load8(j, v[i]);
+        for (int k = 0; k < 8; ++k) m = max_u32(m, abs_bits(v[i][k]));
+        return m;
+    }
+    ZC_HD static u32 lane_absmax_bits(u32 m) { return m; }
+    ZC_HD void values(int i, float (&out)[8]) const {
+        for (int k = 0; k < 8; ++k) out[k] = v[i][k];
+    }
+};
+
+template <class Source> struct HeldRuns<Source, true> {
+    using H = typename Source::Element;
+    static constexpr bool kRewritable = false;  // cold groups are encoded again from memory
+    u32 w[kRunsPerLane][4];
+
+    ZC_HD u32 load(const Source& src, i64 j, int i, u32 m) {
+        src.load_raw8(j, w[i]);
+        for (int k = 0; k < 4; ++k) m = max_u16x2(m, w[i][k] & kAbs16x2Mask);
+        return m;
+    }
+    ZC_HD static u32 lane_absmax_bits(u32 m) { return abs_bits_of_max16x2<H>(m); }
+    ZC_HD void values(int i, float (&out)[8]) const {
+        for (int k = 0; k < 4; ++k) {
+            out[2 * k] = raw_low<H>(w[i][k]);
+            out[2 * k + 1] = raw_high<H>(w[i][k]);
+        }
+    }
+};
+
+// The general encoding of a team's group, out of line on the device: the register encoder's
+// cold path (see RegisterLane), kept out of its round loop so that the loop stays small.
+#if defined(__CUDACC__)
+#define ZC_COLD __host__ __device__ __noinline__
+#else
+#define ZC_COLD inline
+#endif
+template <int BITS, class Source>
+ZC_COLD void encode_group_again(const Source src, const GroupSpan s, int lane, int lanes, bool words_aligned,
+                                u32 absmax_bits) {  // by value: a reference would put them on the stack every round
+    encode_group_lane<BITS>(src, s, lane, lanes, true, words_aligned, absmax_bits);
 }
 
 // One lane of a team that holds its group in registers: the runs of 8 at elements
 // 8 * (lane + lanes * i), i < kRunsPerLane, of a group whose length is a multiple of 8
 // (the vector condition) and at most 8 * kRunsPerLane * lanes. load() reads them once and
 // returns the lane's absmax bits; store() quantizes them with the team's absmax and writes
-// the codes (and, on lane 0, the scale and padding), with no second read of the source.
-template <int BITS> struct RegisterLane {
-    float v[kRunsPerLane][8];
+// the codes (and, on lane 0, the scale and padding), with no second read of the source,
+// when the group's scale is plain ([Note: plain scales] in wire_math.cuh): a multiplication
+// and an addition per element. The rare other groups (a NaN or Inf element, or a scale
+// below the normal range) take the general rule: held floats are rewritten as their codes
+// (HeldRuns::rewrite_as_codes, a branch the plain groups jump over), held raw words are
+// encoded again from memory by encode_group_again (out of line; the second read hits
+// L1/L2). A call costs registers (~20 for held floats, which have no raw form to spare
+// them), a rewritten raw word would need a second conversion.
+template <int BITS, class Source> struct RegisterLane {
+    HeldRuns<Source> held;
 
-    template <class Source> ZC_HD u32 load(const Source& src, const GroupSpan& s, int lane, int lanes) {
+    ZC_HD u32 load(const Source& src, const GroupSpan& s, int lane, int lanes) {
         u32 m = 0;
-        // [Note: held runs] Unrolled, so that v is indexed by constants only and stays in
-        // registers: a loop the compiler kept would index v at run time and put it on the stack.
+        const int len = static_cast<int>(s.len);  // <= kRegisterMaxGroup: int offsets suffice
+        // [Note: held runs] Unrolled, so that the held runs are indexed by constants only
+        // and stay in registers: a loop the compiler kept would index them at run time and
+        // put them on the stack.
 #pragma unroll
         for (int i = 0; i < kRunsPerLane; ++i) {
-            const i64 e = 8 * (lane + static_cast<i64>(lanes) * i);
-            if (e < s.len) {
-                src.load8(s.first + e, v[i]);
-                for (int k = 0; k < 8; ++k) m = max_u32(m, abs_bits(v[i][k]));
-            }
+            const int e = 8 * (lane + lanes * i);
+            if (e < len) m = held.load(src, s.first + e, i, m);
         }
-        return m;
+        return held.lane_absmax_bits(m);
     }
 
-    ZC_HD void store(const GroupSpan& s, int lane, int lanes, bool words_aligned, u32 absmax_bits) const {
+    ZC_HD void store(const Source& src, const GroupSpan& s, int lane, int lanes, bool words_aligned,
+                     u32 absmax_bits) {
         const float scale = scale_from_absmax_bits(absmax_bits, Bits<BITS>::kQmax);
-        const Quantizer quantize(scale, Bits<BITS>::kQmax);
+        const int len = static_cast<int>(s.len);
+        float reciprocal;
+        if (plain_scale(scale)) {
+            reciprocal = plain_reciprocal(scale);
+        } else if constexpr (HeldRuns<Source>::kRewritable) {
+            held.rewrite_as_codes(scale, Bits<BITS>::kQmax, lane, lanes, len);
+            reciprocal = 1.0f;
+        } else {
+            encode_group_again<BITS>(src, s, lane, lanes, words_aligned, absmax_bits);
+            return;
+        }
 #pragma unroll  // [Note: held runs]
         for (int i = 0; i < kRunsPerLane; ++i) {
-            const i64 e = 8 * (lane + static_cast<i64>(lanes) * i);
-            if (e < s.len) {
-                int q[8];
-                for (int k = 0; k < 8; ++k) q[k] = quantize(v[i][k]);
+            const int e = 8 * (lane + lanes * i);
+            if (e < len) {
+                float v[8];
+                held.values(i, v);
+                int q[8];  // the low byte / nibble of each is the code (Codes8::pack keeps only that)
+                for (int k = 0; k < 8; ++k) q[k] = static_cast<int>(plain_code_bits(v[k], reciprocal));
                 u32 w[Codes8<BITS>::kWords];
                 Codes8<BITS>::pack(q, w);
                 store_words(s.values + e / Bits<BITS>::kElementsPerByte, w);
             }
         }
         if (lane == 0 && s.scale_slot != nullptr) {
-            store_u32(s.scale_slot, float_bits(scale), words_aligned);
-            for (int k = 0; k < s.pad_len; ++k) s.pad_begin[k] = 0;
+            s.write_scale(scale, words_aligned);
         }
     }
 };
@@ -226,10 +320,10 @@ __device__ __forceinline__ void encode_rounds(const Source& src, const ChunkLayo
         const bool live = job.row < layout.num_chunks;
         const GroupSpan s = layout.span(live ? job.row : 0, live ? job.group : 0);
         if constexpr (REGISTERS) {
-            RegisterLane<BITS> held;
+            RegisterLane<BITS, Source> held;
             const u32 partial = live ? held.load(src, s, lane, lanes) : 0u;
             const u32 absmax_bits = team_max(partial, lanes);
-            if (live) held.store(s, lane, lanes, words_aligned, absmax_bits);
+            if (live) held.store(src, s, lane, lanes, words_aligned, absmax_bits);
         } else {
             const u32 partial = live ? lane_absmax<BITS>(src, s, lane, lanes, vec) : 0u;
             const u32 absmax_bits = team_max(partial, lanes);

@@ -36,14 +36,23 @@ template <class T, int BITS> struct SegmentLayout {
     ZC_HD bool teams(bool vec) const { return vec && group_extent() <= kTeamMaxGroup; }
 };
 
+// The divisor mode of the team layout's main loop: checked once per launch, so that the
+// loop holds either the multiplication by a power of two's reciprocal or the division.
+template <class T, int BITS> ZC_HD int team_divisor_mode(const SegmentLayout<T, BITS>& layout) {
+    float reciprocal;
+    if (float_bits(layout.divisor) == kF32One) return kByOne;  // dequantize, and sums
+    return exact_reciprocal(layout.divisor, reciprocal) ? kByReciprocal : kByDivision;
+}
+
 // One lane's runs of group `group` of segment `segment` (vector paths only: the group's
-// length is a multiple of 8 and every run is aligned).
-template <class T, int BITS>
+// length is a multiple of 8 and every run is aligned), MODE as team_divisor_mode says.
+template <int MODE, class T, int BITS>
 ZC_HD void decode_group_lane(const SegmentLayout<T, BITS>& layout, i64 segment, i64 group, int lane, int lanes) {
     const i64 first = group * layout.rows.group_size;
     const i64 rest = layout.rows.numel - first;
     const i64 len = rest < layout.rows.group_size ? rest : layout.rows.group_size;
-    const PayloadSum<BITS> src(layout.rows, segment * layout.rows_per_segment, layout.rows_per_segment, layout.divisor);
+    const PayloadSum<BITS, MODE> src(layout.rows, segment * layout.rows_per_segment, layout.rows_per_segment,
+                                     layout.divisor);
     T* dst = layout.out + segment * layout.rows.numel + first;
     for (i64 e = 8 * static_cast<i64>(lane); e < len; e += 8 * static_cast<i64>(lanes)) {
         float v[8];
@@ -77,7 +86,7 @@ template <class T, int BITS> __device__ void decode_runs(const SegmentLayout<T, 
     }
 }
 
-template <class T, int BITS> __device__ void decode_teams(const SegmentLayout<T, BITS>& layout) {
+template <int MODE, class T, int BITS> __device__ void decode_teams(const SegmentLayout<T, BITS>& layout) {
     const int lanes = team_lanes(layout.group_extent());
     const int warp_lane = static_cast<int>(threadIdx.x & 31u);
     const i64 warp = (static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -85,14 +94,23 @@ template <class T, int BITS> __device__ void decode_teams(const SegmentLayout<T,
     const TeamWalk walk(groups * layout.segments, lanes, static_cast<i64>(gridDim.x) * blockDim.x / 32);
     JobCursor job = walk.cursor(warp, warp_lane / lanes, groups);
     for (i64 round = warp; round < walk.rounds; round += walk.num_warps, job.advance()) {
-        if (job.row < layout.segments) decode_group_lane(layout, job.row, job.group, warp_lane & (lanes - 1), lanes);
+        if (job.row < layout.segments) {
+            decode_group_lane<MODE>(layout, job.row, job.group, warp_lane & (lanes - 1), lanes);
+        }
     }
 }
 
 template <class T, int BITS> __device__ void decode_segments(const SegmentLayout<T, BITS>& layout) {
     const bool vec = layout.can_vectorize();
     if (layout.teams(vec)) {
-        decode_teams(layout);
+        const int mode = team_divisor_mode(layout);
+        if (mode == kByOne) {
+            decode_teams<kByOne>(layout);
+        } else if (mode == kByReciprocal) {
+            decode_teams<kByReciprocal>(layout);
+        } else {
+            decode_teams<kByDivision>(layout);
+        }
     } else {
         decode_runs(layout, vec);
     }

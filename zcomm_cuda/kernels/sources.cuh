@@ -16,15 +16,24 @@
 
 namespace zc {
 
+// [Note: raw runs] Sources of bf16/fp16 elements straight from a tensor (kRaw16) also give
+// a run of 8 as its 4 raw words (load_raw8, same conditions as load8): the encoder holds
+// those (half the registers of 8 floats), takes the absmax on the 16-bit halves
+// (max_u16x2) and widens each element only when it quantizes it.
 template <class T> struct FlatSource {
+    using Element = T;
+    static constexpr bool kRaw16 = sizeof(T) == 2;
     const T* x;
 
     ZC_HD bool can_vectorize() const { return aligned(x, 16); }
     ZC_HD float load1(i64 j) const { return to_float(x[j]); }
     ZC_HD void load8(i64 j, float (&v)[8]) const { zc::load8(x + j, v); }
+    ZC_HD void load_raw8(i64 j, u32 (&w)[4]) const { load_words(w, x + j); }
 };
 
 template <class T> struct PermutedSource {
+    using Element = T;
+    static constexpr bool kRaw16 = sizeof(T) == 2;  // [Note: raw runs]
     const T* x;
     const i64* perm;  // output slice p is input slice perm[p]
     i64 slice_numel;
@@ -34,6 +43,7 @@ template <class T> struct PermutedSource {
     ZC_HD bool can_vectorize() const { return aligned(x, 16) && slice_numel % 8 == 0; }
     ZC_HD float load1(i64 j) const { return to_float(x[source_index(j)]); }
     ZC_HD void load8(i64 j, float (&v)[8]) const { zc::load8(x + source_index(j), v); }
+    ZC_HD void load_raw8(i64 j, u32 (&w)[4]) const { load_words(w, x + source_index(j)); }
 };
 
 // reorder_quantize's interleaved input v ([Note: interleaved input] in zcomm/quant/_contract.py)
@@ -43,6 +53,7 @@ template <class T> struct PermutedSource {
 // whose piece [begin_k, end_k) of the part holds t (a binary search over the ends), or the
 // zero fill past the last piece. The table is 3 i64 per tensor: its address, width, end.
 template <class T> struct InterleavedSource {
+    static constexpr bool kRaw16 = false;  // runs are checked one by one in load8
     const i64* table;
     i64 tensors;
     i64 part_numel;
@@ -111,20 +122,36 @@ template <int BITS> struct PayloadRows {
     ZC_HD float value1(const u8* row_bytes, i64 j, bool word_aligned) const {
         return dequantize_value(load_code<BITS>(row_bytes, j), scale(row_bytes, j / group_size, word_aligned));
     }
-    // Elements [j, j + 8), all in group `group`.
+    // Elements [j, j + 8), all in group `group`. HOISTED tests the scale once
+    // (dequantize_scale) instead of per element (dequantize_value): fewer instructions, but
+    // in the re-quantizing kernels it lets the compiler keep more loads in flight, at 158
+    // registers instead of 127 (one block per SM instead of two), so they keep the select.
+    template <bool HOISTED>
     ZC_HD void value8(const u8* row_bytes, i64 j, i64 group, bool word_aligned, float (&v)[8]) const {
         u32 w[Codes8<BITS>::kWords];
         load_words(w, row_bytes + j / Bits<BITS>::kElementsPerByte);
         int q[8];
         Codes8<BITS>::unpack(w, q);
         const float s = scale(row_bytes, group, word_aligned);
-        for (int k = 0; k < 8; ++k) v[k] = dequantize_value(q[k], s);
+        if constexpr (HOISTED) {
+            const float finite_or_nan = dequantize_scale(s);
+            for (int k = 0; k < 8; ++k) v[k] = mul_rn(static_cast<float>(q[k]), finite_or_nan);
+        } else {
+            for (int k = 0; k < 8; ++k) v[k] = dequantize_value(q[k], s);
+        }
     }
 };
 
+// How PayloadSum divides: decided per element at run time (kAnyDivisor), or fixed by the
+// caller who has checked the divisor once (kByReciprocal: a power of two, [Note: exact
+// reciprocal]; kByDivision: any other; kByOne: 1, where x * 1 is x for every x, so there
+// is nothing to do), so that the main loop holds one of them only.
+enum DivisorMode : int { kAnyDivisor = 0, kByReciprocal = 1, kByDivision = 2, kByOne = 3 };
+
 // Rows [first_row, first_row + count) summed in row order, starting from the first row's
 // value (no leading 0 +, which would turn -0 into +0), then divided once by `divisor`.
-template <int BITS> struct PayloadSum {
+template <int BITS, int MODE = kAnyDivisor> struct PayloadSum {
+    static constexpr bool kRaw16 = false;
     PayloadRows<BITS> rows;
     i64 first_row;
     i64 count;
@@ -143,9 +170,13 @@ template <int BITS> struct PayloadSum {
 
     // The division by a power of two (the mean over 2^n ranks, or 1 for a plain sum) is a
     // multiplication by its exact reciprocal, byte for byte the same ([Note: exact
-    // reciprocal]); any other divisor keeps the IEEE division per element.
+    // reciprocal]); any other divisor keeps the IEEE division per element. A NaN keeps
+    // whatever payload it has: [Note: decoded NaN].
     ZC_HD float finish(float acc) const {
-        return canonicalize(by_reciprocal ? mul_rn(acc, divisor) : div_rn(acc, divisor));
+        if constexpr (MODE == kByOne) return acc;  // NaN payloads may differ: [Note: decoded NaN]
+        if constexpr (MODE == kByReciprocal) return mul_rn(acc, divisor);
+        if constexpr (MODE == kByDivision) return div_rn(acc, divisor);
+        return by_reciprocal ? mul_rn(acc, divisor) : div_rn(acc, divisor);
     }
 
     ZC_HD float load1(i64 j) const {
@@ -160,10 +191,11 @@ template <int BITS> struct PayloadSum {
 
     // load8 of a run the caller knows to lie in input group `group`.
     ZC_HD void load8_in_group(i64 j, i64 group, float (&v)[8]) const {
-        rows.value8(rows.row(first_row), j, group, word_aligned, v);
+        constexpr bool hoisted = MODE != kAnyDivisor;  // the decoders' loops; see value8
+        rows.template value8<hoisted>(rows.row(first_row), j, group, word_aligned, v);
         for (i64 r = 1; r < count; ++r) {
             float d[8];
-            rows.value8(rows.row(first_row + r), j, group, word_aligned, d);
+            rows.template value8<hoisted>(rows.row(first_row + r), j, group, word_aligned, d);
             for (int k = 0; k < 8; ++k) v[k] = add_rn(v[k], d[k]);
         }
         for (int k = 0; k < 8; ++k) v[k] = finish(v[k]);

@@ -32,9 +32,13 @@ template <int N> ZC_HD void load_words(u32 (&w)[N], const void* p) {
 template <int N> ZC_HD void store_words(void* p, const u32 (&w)[N]) {
 #ifdef __CUDA_ARCH__
     if constexpr (N == 4) {
-        uint4 v;
-        v.x = w[0]; v.y = w[1]; v.z = w[2]; v.w = w[3];
-        *reinterpret_cast<uint4*>(p) = v;
+        // One 16-byte store, stated in PTX: written as a uint4 store to a bf16/fp16 address,
+        // the compiler splits it into four 4-byte stores (it cannot prove the alignment the
+        // callers guarantee). Every buffer is global memory, whose generic addresses are its
+        // global addresses. No "memory" clobber: no kernel reads back what it stores in the
+        // same launch, so later loads may still move above the store.
+        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]),
+                     "r"(w[3]));
     } else if constexpr (N == 2) {
         uint2 v;
         v.x = w[0]; v.y = w[1];
@@ -83,6 +87,36 @@ template <class H> ZC_HD void store8(H* p, const float (&v)[8]) {
     }
     store_words(p, w);
 }
+
+// ---- raw 16-bit runs: 8 bf16/fp16 elements as 4 words, never widened in memory ----
+
+// The per-half unsigned max of two pairs of 16-bit values (one VIMNMX.U16x2 on sm_90).
+ZC_HD u32 max_u16x2(u32 a, u32 b) {
+#ifdef __CUDA_ARCH__
+    return __vmaxu2(a, b);
+#else
+    const u32 lo = max_u32(a & 0xFFFFu, b & 0xFFFFu);
+    const u32 hi = max_u32(a >> 16, b >> 16);
+    return lo | (hi << 16);
+#endif
+}
+
+// |x| of both halves of a word of 16-bit floats (the sign bits cleared). For bf16 and fp16
+// alike the unsigned order of these bits is the order of |x|, +Inf above every finite value
+// and every NaN above +Inf, as for abs_bits; the max of a run is max_u16x2 over its words.
+constexpr u32 kAbs16x2Mask = 0x7FFF7FFFu;
+
+// abs_bits of the larger half of a max_u16x2 result, as an fp32 value's (widening keeps
+// the order: it is exact, and NaN stays NaN).
+template <class H> ZC_HD u32 abs_bits_of_max16x2(u32 m) {
+    const u32 lo = m & 0xFFFFu;
+    const u32 hi = m >> 16;
+    return abs_bits(to_float(H{static_cast<u16>(lo > hi ? lo : hi)}));
+}
+
+// Element 2k (low half) and 2k + 1 (high half) of a raw word, widened to fp32.
+template <class H> ZC_HD float raw_low(u32 w) { return to_float(H{static_cast<u16>(w & 0xFFFFu)}); }
+template <class H> ZC_HD float raw_high(u32 w) { return to_float(H{static_cast<u16>(w >> 16)}); }
 
 // ---- codes: 8 quantized values <-> packed bytes ----
 // INT8: element k is byte k (two's complement). INT4: element k is nibble k of one word,

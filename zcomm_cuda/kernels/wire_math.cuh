@@ -25,7 +25,8 @@
 // through cuda_bf16.h / cuda_fp16.h: NVRTC then needs no headers, the code is identical
 // on host and device (so the host check covers it), and NaN is written as the canonical
 // pattern directly (hardware conversions produce other NaN payloads). The rounding is
-// round-to-nearest-even, exactly what __float2bfloat16_rn / __float2half_rn compute.
+// round-to-nearest-even, exactly what __float2bfloat16_rn / __float2half_rn compute. The
+// one exception is fp16 -> fp32 on the device, exact in hardware: [Note: hardware widening].
 #pragma once
 
 #ifndef __CUDACC_RTC__
@@ -153,7 +154,22 @@ ZC_HD u32 abs_bits(float x) { return float_bits(x) & kF32AbsMask; }
 ZC_HD float to_float(float v) { return v; }
 ZC_HD float to_float(bf16_t v) { return bits_float(static_cast<u32>(v.bits) << 16); }
 
+// [Note: hardware widening] On the device fp16 -> fp32 is the hardware conversion
+// cvt.f32.f16 (one instruction instead of about ten): widening is exact for every fp16
+// (normal and subnormal fp16 values are all normal fp32 values), has no rounding mode to
+// name, and flags cannot rewrite inline PTX (which names no .ftz; a widened fp16 is never
+// an fp32 subnormal anyway), so every finite value and Inf convert to the same bits as
+// the software path below. A NaN
+// may come out with another payload (the hardware writes its own NaN), which no caller can
+// see: to_float feeds only the encoder, where a NaN element counts through abs_bits (every
+// NaN is above +Inf there, whatever its payload) and its code is 0. The host runs the
+// software path, which the host check compares with the reference backend.
 ZC_HD float to_float(fp16_t v) {
+#ifdef __CUDA_ARCH__
+    float r;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(v.bits));
+    return r;
+#else
     const u32 sign = static_cast<u32>(v.bits & 0x8000u) << 16;
     const u32 exponent = (v.bits >> 10) & 0x1Fu;
     const u32 mantissa = v.bits & 0x3FFu;
@@ -164,6 +180,7 @@ ZC_HD float to_float(fp16_t v) {
         return bits_float(float_bits(magnitude) | sign);
     }
     return bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+#endif
 }
 
 // ---- fp32 -> element types (round to nearest even, canonical NaN) ----
@@ -236,11 +253,49 @@ struct Quantizer {
     }
 };
 
-// One element's fp32 value: q * scale, or the canonical NaN when the scale is NaN or Inf
-// (a non-finite group never dequantizes to finite numbers).
+// [Note: plain scales] Most groups have a plain scale: +0, or a normal finite float. For
+// them the per-element rule above shrinks to two fp32 operations with the same result:
+//   * p = 1, so (x * p) * r is x * r;
+//   * no clamp is needed: scale = RN(a / qmax) and r = RN(1 / scale) are normal, each
+//     within a relative 2^-24 of the exact quotient, so for |x| <= a (the absmax)
+//     |x * r| <= a * r <= qmax * (1 + 2^-24) / (1 - 2^-24) < qmax + 2^-16, and rounding
+//     the product (monotonic) and then to an integer gives at most qmax. A zero scale
+//     has r = 0 and finite x, so x * r is +-0 and the code 0;
+//   * rint(y) for |y| < 2^22 is read off y + 1.5 * 2^23 (kRoundingMagic): the sum lies in
+//     [2^23, 2^24), where fp32's spacing is 1, so add.rn rounds it to the nearest integer,
+//     ties to even (the magic is even, so the sum's parity is the integer's); its bits are
+//     0x4B400000 + rint(y), whose low byte is the INT8 code and low nibble the INT4 code
+//     (two's complement), with no float-to-int conversion (a quarter-rate instruction).
+// Subnormal scales (p = 2^64, and rint can pass qmax) and NaN or Inf scales keep the
+// Quantizer. The host check runs both paths against the reference backend.
+constexpr u32 kF32RoundingMagic = 0x4B400000u;  // 1.5 * 2^23
+
+ZC_HD bool plain_scale(float scale) {
+    const u32 bits = float_bits(scale);  // scales are >= +0 or the canonical NaN
+    return bits == 0 || (bits >= kF32SmallestNormal && bits < kF32Inf);
+}
+
+// r of a plain scale (see [Note: plain scales]).
+ZC_HD float plain_reciprocal(float scale) { return is_zero(scale) ? 0.0f : div_rn(1.0f, scale); }
+
+// The bits whose low byte (INT8) or nibble (INT4) is x's code, under a plain scale's r.
+ZC_HD u32 plain_code_bits(float x, float reciprocal) {
+    return float_bits(add_rn(mul_rn(x, reciprocal), bits_float(kF32RoundingMagic)));
+}
+
+// One element's fp32 value: q * scale, or NaN when the scale is NaN or Inf (a non-finite
+// group never dequantizes to finite numbers). [Note: decoded NaN] The NaN's payload is
+// left open: every decoder output goes through from_float, which writes the canonical NaN
+// of its type, and the re-quantizing encoder sees a NaN only through abs_bits.
 ZC_HD float dequantize_value(int q, float scale) {
     return is_finite(scale) ? mul_rn(static_cast<float>(q), scale) : canonical_nan();
 }
+
+// The scale a group's elements are multiplied by: the scale, or NaN for a NaN or Inf scale,
+// so that q * dequantize_scale(scale) is dequantize_value(q, scale) for every q up to the
+// NaN's payload ([Note: decoded NaN]) with one multiplication per element and the test
+// once per group.
+ZC_HD float dequantize_scale(float scale) { return is_finite(scale) ? scale : canonical_nan(); }
 
 template <int BITS> struct Bits;
 template <> struct Bits<8> {

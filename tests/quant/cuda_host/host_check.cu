@@ -105,9 +105,11 @@ template <int BITS, class Source> void encode_teams(const Source& src, const Chu
         const GroupSpan s = layout.span(chunk, group);
         u32 absmax_bits = 0;
         if (g_registers) {
-            std::vector<RegisterLane<BITS>> held(static_cast<size_t>(lanes));
+            std::vector<RegisterLane<BITS, Source>> held(static_cast<size_t>(lanes));
             for (int lane = 0; lane < lanes; ++lane) absmax_bits = max_u32(absmax_bits, held[lane].load(src, s, lane, lanes));
-            for (int lane = 0; lane < lanes; ++lane) held[lane].store(s, lane, lanes, layout.words_aligned(), absmax_bits);
+            for (int lane = 0; lane < lanes; ++lane) {
+                held[lane].store(src, s, lane, lanes, layout.words_aligned(), absmax_bits);
+            }
             return;
         }
         for (int lane = 0; lane < lanes; ++lane) absmax_bits = max_u32(absmax_bits, lane_absmax<BITS>(src, s, lane, lanes, vec));
@@ -160,7 +162,16 @@ template <class T, int BITS> bool decode_all(const SegmentLayout<T, BITS>& layou
     const int lanes = team_lanes(layout.group_extent());
     walk_jobs(layout.groups_per_segment() * layout.segments, layout.groups_per_segment(), layout.segments, lanes,
               [&](i64 segment, i64 group) {
-                  for (int lane = 0; lane < lanes; ++lane) decode_group_lane(layout, segment, group, lane, lanes);
+                  for (int lane = 0; lane < lanes; ++lane) {
+                      const int mode = team_divisor_mode(layout);
+                      if (mode == kByOne) {
+                          decode_group_lane<kByOne>(layout, segment, group, lane, lanes);
+                      } else if (mode == kByReciprocal) {
+                          decode_group_lane<kByReciprocal>(layout, segment, group, lane, lanes);
+                      } else {
+                          decode_group_lane<kByDivision>(layout, segment, group, lane, lanes);
+                      }
+                  }
               });
     return vec;
 }
