@@ -6,6 +6,10 @@
   (a gradient bucket) as one collective, like ``reduce_scatter_tensor_coalesced``;
   :func:`check_hadamard_block` and :func:`check_first_hop_bits` validate its ``hadamard_block`` and
   ``first_hop_bits`` (for a config that sets them).
+* :func:`prepare_all_gather_q8` / :func:`prepare_reduce_scatter_q4_coalesced`: the same
+  collectives resolved once for a caller whose shapes never change (a runtime's unit or
+  gradient bucket): :class:`PreparedAllGatherQ8` / :class:`PreparedReduceScatterQ4` recheck
+  only the tensors on each call.
 * :func:`all_gather_into_tensor`, :func:`reduce_scatter_tensor`: the unquantized ones, counted.
 * :class:`ErrorFeedback`: LoCo error feedback, an explicit state a caller may pass to
   :func:`reduce_scatter_q4` (the collectives are stateless without it).
@@ -24,17 +28,19 @@ from . import quant
 from ._contract import Handle
 from ._error_feedback import ErrorFeedback
 from ._groups import consecutive_group
-from .all_gather_q8 import all_gather_q8
+from .all_gather_q8 import PreparedAllGatherQ8, all_gather_q8, prepare_all_gather_q8
 from .comm_stats import OpStats, comm_stats, reset_comm_stats
 from .plain_collectives import all_gather_into_tensor, reduce_scatter_tensor
-from .reduce_scatter_q4 import (check_first_hop_bits, check_hadamard_block, reduce_scatter_q4,
-                                reduce_scatter_q4_coalesced)
+from .reduce_scatter_q4 import (PreparedReduceScatterQ4, check_first_hop_bits, check_hadamard_block,
+                                prepare_reduce_scatter_q4_coalesced, reduce_scatter_q4, reduce_scatter_q4_coalesced)
 from .topology import Topology
 
 __all__ = [
     "ErrorFeedback",
     "Handle",
     "OpStats",
+    "PreparedAllGatherQ8",
+    "PreparedReduceScatterQ4",
     "Topology",
     "all_gather_into_tensor",
     "all_gather_q8",
@@ -42,6 +48,8 @@ __all__ = [
     "check_hadamard_block",
     "comm_stats",
     "consecutive_group",
+    "prepare_all_gather_q8",
+    "prepare_reduce_scatter_q4_coalesced",
     "quant",
     "reduce_scatter_q4",
     "reduce_scatter_q4_coalesced",

@@ -48,9 +48,9 @@ import torch
 import torch.distributed as dist
 
 import zcomm
-from zcomm.all_gather_q8 import PreparedAllGatherQ8, prepare_all_gather_q8
+from zcomm import (PreparedAllGatherQ8, PreparedReduceScatterQ4, prepare_all_gather_q8,
+                   prepare_reduce_scatter_q4_coalesced)
 from zcomm.quant import QuantSpec
-from zcomm.reduce_scatter_q4 import PreparedReduceScatterQ4, prepare_reduce_scatter_q4_coalesced
 
 from .._contract import AllGather, Handle, Phase, ReduceScatter
 
