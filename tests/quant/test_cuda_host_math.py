@@ -229,9 +229,14 @@ def _fp32_hex(value: float) -> str:
 REDUCE_CASES = [(bits, gs, n) for bits in (8, 4) for gs in (8, 6) for n in (6, 24 * gs)] + [
     (8, 256, 12 * 256), (4, 512, 6 * 512)  # teams of 16 and 32 lanes, groups held in registers
 ]
-# re-quantized groups beyond the registers (streamed teams), and in the tile scheme: whole
-# and short tiles, vector and scalar paths
-REQUANT_CASES = REDUCE_CASES + [(8, 2048, 6 * 2048), (8, 8200, 6 * 8200), (4, 9000, 6 * 9001)]
+# groups held in registers whose chunks are not whole groups, so that an output group
+# crosses an input group's end ([Note: rows outer] in sources.cuh): a power-of-two group
+# size (the shift) and another (the division); then re-quantized groups beyond the
+# registers (streamed teams), and in the tile scheme: whole and short tiles, vector and
+# scalar paths
+REQUANT_CASES = REDUCE_CASES + [
+    (8, 256, 3 * 1088), (4, 96, 3840), (8, 2048, 6 * 2048), (8, 8200, 6 * 8200), (4, 9000, 6 * 9001)
+]
 
 
 @pytest.mark.parametrize("misalign", (0, 1))

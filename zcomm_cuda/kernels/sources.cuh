@@ -23,6 +23,7 @@ namespace zc {
 template <class T> struct FlatSource {
     using Element = T;
     static constexpr bool kRaw16 = sizeof(T) == 2;
+    static constexpr bool kLaneRuns = false;  // [Note: rows outer]
     const T* x;
 
     ZC_HD bool can_vectorize() const { return aligned(x, 16); }
@@ -34,6 +35,7 @@ template <class T> struct FlatSource {
 template <class T> struct PermutedSource {
     using Element = T;
     static constexpr bool kRaw16 = sizeof(T) == 2;  // [Note: raw runs]
+    static constexpr bool kLaneRuns = false;  // [Note: rows outer]
     const T* x;
     const i64* perm;  // output slice p is input slice perm[p]
     i64 slice_numel;
@@ -54,6 +56,7 @@ template <class T> struct PermutedSource {
 // zero fill past the last piece. The table is 3 i64 per tensor: its address, width, end.
 template <class T> struct InterleavedSource {
     static constexpr bool kRaw16 = false;  // runs are checked one by one in load8
+    static constexpr bool kLaneRuns = false;  // [Note: rows outer]
     const i64* table;
     i64 tensors;
     i64 part_numel;
@@ -152,6 +155,7 @@ enum DivisorMode : int { kAnyDivisor = 0, kByReciprocal = 1, kByDivision = 2, kB
 // value (no leading 0 +, which would turn -0 into +0), then divided once by `divisor`.
 template <int BITS, int MODE = kAnyDivisor> struct PayloadSum {
     static constexpr bool kRaw16 = false;
+    static constexpr bool kLaneRuns = true;  // [Note: rows outer]
     PayloadRows<BITS> rows;
     i64 first_row;
     i64 count;
@@ -159,11 +163,17 @@ template <int BITS, int MODE = kAnyDivisor> struct PayloadSum {
     bool word_aligned;
     bool by_reciprocal;  // the divisor is a power of two: `divisor` holds its exact reciprocal
 
+    int group_shift;     // log2(group_size) when it is a power of two, else -1
+
     ZC_HD PayloadSum(const PayloadRows<BITS>& rows_, i64 first_row_, i64 count_, float divisor_)
-        : rows(rows_), first_row(first_row_), count(count_), divisor(divisor_), word_aligned(rows_.words_aligned()) {
+        : rows(rows_), first_row(first_row_), count(count_), divisor(divisor_), word_aligned(rows_.words_aligned()),
+          group_shift(-1) {
         float reciprocal = 1.0f;
         by_reciprocal = exact_reciprocal(divisor_, reciprocal);
         if (by_reciprocal) divisor = reciprocal;
+        for (int shift = 0; shift < 63; ++shift) {
+            if ((i64{1} << shift) == rows_.group_size) group_shift = shift;
+        }
     }
 
     ZC_HD bool can_vectorize() const { return rows.can_vectorize(); }
@@ -183,6 +193,60 @@ template <int BITS, int MODE = kAnyDivisor> struct PayloadSum {
         float acc = rows.value1(rows.row(first_row), j, word_aligned);
         for (i64 r = 1; r < count; ++r) acc = add_rn(acc, rows.value1(rows.row(first_row + r), j, word_aligned));
         return finish(acc);
+    }
+
+    // [Note: rows outer] The re-quantizing encoder holds one lane's runs of a group at
+    // elements first + 8 * (lane + lanes * i), i < N (those below len), in registers. Run by
+    // run (load8), each run would cost a 64-bit division for its input group and one scale
+    // load per row. Instead the job's input group is found once (a shift when the group
+    // size is a power of two), and the rows are the outer loop: per row, one scale load per
+    // input group the job touches (at most two: the output group is no longer than an input
+    // group, and when chunks are not whole groups it may cross one boundary, at `split`),
+    // then every run's codes. Each element still sums its rows in row order from the first
+    // row's value, and finish() runs last, so the values are load8's bit for bit. The
+    // scale's NaN/Inf test is once per row and group (dequantize_scale): a NaN element's
+    // payload may then differ from dequantize_value's, which the encoder cannot see
+    // ([Note: decoded NaN]). Requires the vector conditions (runs whole and aligned).
+    template <int N>
+    ZC_HD void load_runs(i64 first, int lane, int lanes, int len, float (&v)[N][8]) const {
+        const i64 gs = rows.group_size;
+        const i64 group = group_shift >= 0 ? first >> group_shift : first / gs;
+        const i64 rest = gs - (first - group * gs);  // elements left in the input group
+        const int split = rest < len ? static_cast<int>(rest) : len;
+        const u8* row_bytes = rows.row(first_row);
+        add_row_runs<true>(row_bytes, first, group, split, lane, lanes, len, v);
+        for (i64 r = 1; r < count; ++r) {
+            row_bytes += rows.stride;
+            add_row_runs<false>(row_bytes, first, group, split, lane, lanes, len, v);
+        }
+#pragma unroll  // [Note: held runs] in group_encoder.cuh
+        for (int i = 0; i < N; ++i) {
+            for (int k = 0; k < 8; ++k) v[i][k] = finish(v[i][k]);
+        }
+    }
+
+    // One row's values of the lane's runs, stored (FIRST) or added to v (see [Note: rows outer]).
+    template <bool FIRST, int N>
+    ZC_HD void add_row_runs(const u8* row_bytes, i64 first, i64 group, int split, int lane, int lanes, int len,
+                            float (&v)[N][8]) const {
+        const float head = dequantize_scale(rows.scale(row_bytes, group, word_aligned));
+        const float tail = split < len ? dequantize_scale(rows.scale(row_bytes, group + 1, word_aligned)) : head;
+        const u8* values = row_bytes + first / Bits<BITS>::kElementsPerByte;
+#pragma unroll  // [Note: held runs] in group_encoder.cuh
+        for (int i = 0; i < N; ++i) {
+            const int e = 8 * (lane + lanes * i);
+            if (e < len) {
+                u32 w[Codes8<BITS>::kWords];
+                load_words(w, values + e / Bits<BITS>::kElementsPerByte);
+                int q[8];
+                Codes8<BITS>::unpack(w, q);
+                const float s = e < split ? head : tail;
+                for (int k = 0; k < 8; ++k) {
+                    const float d = mul_rn(static_cast<float>(q[k]), s);
+                    v[i][k] = FIRST ? d : add_rn(v[i][k], d);
+                }
+            }
+        }
     }
 
     // A run of 8 lies in one input group (can_vectorize: group_size % 8 == 0), whose index
