@@ -39,9 +39,7 @@ template <class T, int BITS> struct SegmentLayout {
 // The divisor mode of the team layout's main loop: checked once per launch, so that the
 // loop holds either the multiplication by a power of two's reciprocal or the division.
 template <class T, int BITS> ZC_HD int team_divisor_mode(const SegmentLayout<T, BITS>& layout) {
-    float reciprocal;
-    if (float_bits(layout.divisor) == kF32One) return kByOne;  // dequantize, and sums
-    return exact_reciprocal(layout.divisor, reciprocal) ? kByReciprocal : kByDivision;
+    return divisor_mode(layout.divisor);  // kByOne: dequantize, and sums
 }
 
 // One lane's runs of group `group` of segment `segment` (vector paths only: the group's

@@ -151,6 +151,13 @@ template <int BITS> struct PayloadRows {
 // is nothing to do), so that the main loop holds one of them only.
 enum DivisorMode : int { kAnyDivisor = 0, kByReciprocal = 1, kByDivision = 2, kByOne = 3 };
 
+// The mode a caller that checks the divisor once picks for it.
+ZC_HD int divisor_mode(float divisor) {
+    float reciprocal;
+    if (float_bits(divisor) == kF32One) return kByOne;
+    return exact_reciprocal(divisor, reciprocal) ? kByReciprocal : kByDivision;
+}
+
 // Rows [first_row, first_row + count) summed in row order, starting from the first row's
 // value (no leading 0 +, which would turn -0 into +0), then divided once by `divisor`.
 template <int BITS, int MODE = kAnyDivisor> struct PayloadSum {

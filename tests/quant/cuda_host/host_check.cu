@@ -221,7 +221,12 @@ bool run_requant(const PayloadRows<BITS>& rows, i64 k, float divisor, i64 m, siz
     const i64 row = payload_bytes(rows.numel / m, OUT_BITS, rows.group_size);
     Buffer out(row * m, byte_shift);
     const ChunkLayout<OUT_BITS> layout{out.data, rows.numel / m, m, rows.group_size, row};
-    const bool vec = encode_all<OUT_BITS>(PayloadSum<BITS>(rows, 0, k, divisor), layout);
+    // the kernel's dispatch (requantize_sum in dequant_reduce.cu): the divisor's mode, once
+    const int mode = divisor_mode(divisor);
+    const bool vec = mode == kByOne ? encode_all<OUT_BITS>(PayloadSum<BITS, kByOne>(rows, 0, k, divisor), layout)
+                     : mode == kByReciprocal
+                         ? encode_all<OUT_BITS>(PayloadSum<BITS, kByReciprocal>(rows, 0, k, divisor), layout)
+                         : encode_all<OUT_BITS>(PayloadSum<BITS, kByDivision>(rows, 0, k, divisor), layout);
     write_file(out_path, out.data, row * m);
     return vec;
 }
