@@ -133,14 +133,14 @@ template <int BITS> struct PayloadRows {
     ZC_HD void value8(const u8* row_bytes, i64 j, i64 group, bool word_aligned, float (&v)[8]) const {
         u32 w[Codes8<BITS>::kWords];
         load_words(w, row_bytes + j / Bits<BITS>::kElementsPerByte);
-        int q[8];
-        Codes8<BITS>::unpack(w, q);
+        float q[8];
+        Codes8<BITS>::to_floats(w, q);
         const float s = scale(row_bytes, group, word_aligned);
         if constexpr (HOISTED) {
             const float finite_or_nan = dequantize_scale(s);
-            for (int k = 0; k < 8; ++k) v[k] = mul_rn(static_cast<float>(q[k]), finite_or_nan);
+            for (int k = 0; k < 8; ++k) v[k] = mul_rn(q[k], finite_or_nan);
         } else {
-            for (int k = 0; k < 8; ++k) v[k] = dequantize_value(q[k], s);
+            for (int k = 0; k < 8; ++k) v[k] = is_finite(s) ? mul_rn(q[k], s) : canonical_nan();
         }
     }
 };
@@ -245,11 +245,11 @@ template <int BITS, int MODE = kAnyDivisor> struct PayloadSum {
             if (e < len) {
                 u32 w[Codes8<BITS>::kWords];
                 load_words(w, values + e / Bits<BITS>::kElementsPerByte);
-                int q[8];
-                Codes8<BITS>::unpack(w, q);
+                float q[8];
+                Codes8<BITS>::to_floats(w, q);
                 const float s = e < split ? head : tail;
                 for (int k = 0; k < 8; ++k) {
-                    const float d = mul_rn(static_cast<float>(q[k]), s);
+                    const float d = mul_rn(q[k], s);
                     v[i][k] = FIRST ? d : add_rn(v[i][k], d);
                 }
             }
