@@ -125,6 +125,14 @@ template <int BITS> struct PayloadRows {
     ZC_HD float value1(const u8* row_bytes, i64 j, bool word_aligned) const {
         return dequantize_value(load_code<BITS>(row_bytes, j), scale(row_bytes, j / group_size, word_aligned));
     }
+    // Elements [j, j + 8) of a row, times `s`, the dequantize_scale of their group.
+    ZC_HD void scaled8(const u8* row_bytes, i64 j, float s, float (&v)[8]) const {
+        u32 w[Codes8<BITS>::kWords];
+        load_words(w, row_bytes + j / Bits<BITS>::kElementsPerByte);
+        float q[8];
+        Codes8<BITS>::to_floats(w, q);
+        for (int k = 0; k < 8; ++k) v[k] = mul_rn(q[k], s);
+    }
     // Elements [j, j + 8), all in group `group`. HOISTED tests the scale once
     // (dequantize_scale) instead of per element (dequantize_value): fewer instructions, but
     // in the re-quantizing kernels it lets the compiler keep more loads in flight, at 158
