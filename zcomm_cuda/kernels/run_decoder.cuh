@@ -56,7 +56,7 @@ ZC_HD void decode_group_lane(const SegmentLayout<T, BITS>& layout, i64 segment, 
     T* dst = layout.out + segment * layout.rows.numel + first;
     if constexpr (ONE_ROW) {
         const u8* row = layout.rows.row(src.first_row);
-        const float s = dequantize_scale(layout.rows.scale(row, group, src.word_aligned));
+        const float s = dequantize_scale(layout.rows.scale(row, group, true));  // [Note: vector scales]
         for (i64 e = 8 * static_cast<i64>(lane); e < len; e += 8 * static_cast<i64>(lanes)) {
             float v[8];
             layout.rows.scaled8(row, first + e, s, v);

@@ -112,7 +112,9 @@ template <int BITS> struct PayloadRows {
 
     ZC_HD const u8* row(i64 r) const { return base + r * stride; }
     ZC_HD bool words_aligned() const { return aligned(base, 4) && stride % 4 == 0; }
-    // Runs of 8 codes are 8 (INT8) or 4 (INT4) bytes and share one scale.
+    // Runs of 8 codes are 8 (INT8) or 4 (INT4) bytes and share one scale. [Note: vector
+    // scales] It implies words_aligned() (base and stride multiples of 4), so the vector
+    // paths read scales as words with no run-time test of the alignment.
     ZC_HD bool can_vectorize() const {
         constexpr int run_bytes = 4 * Codes8<BITS>::kWords;
         return group_size % 8 == 0 && aligned(base, run_bytes) && stride % run_bytes == 0;
@@ -244,8 +246,8 @@ template <int BITS, int MODE = kAnyDivisor> struct PayloadSum {
     template <bool FIRST, int N>
     ZC_HD void add_row_runs(const u8* row_bytes, i64 first, i64 group, int split, int lane, int lanes, int len,
                             float (&v)[N][8]) const {
-        const float head = dequantize_scale(rows.scale(row_bytes, group, word_aligned));
-        const float tail = split < len ? dequantize_scale(rows.scale(row_bytes, group + 1, word_aligned)) : head;
+        const float head = dequantize_scale(rows.scale(row_bytes, group, true));  // [Note: vector scales]
+        const float tail = split < len ? dequantize_scale(rows.scale(row_bytes, group + 1, true)) : head;
         const u8* values = row_bytes + first / Bits<BITS>::kElementsPerByte;
 #pragma unroll  // [Note: held runs] in group_encoder.cuh
         for (int i = 0; i < N; ++i) {
@@ -271,10 +273,11 @@ template <int BITS, int MODE = kAnyDivisor> struct PayloadSum {
     // load8 of a run the caller knows to lie in input group `group`.
     ZC_HD void load8_in_group(i64 j, i64 group, float (&v)[8]) const {
         constexpr bool hoisted = MODE != kAnyDivisor;  // the decoders' loops; see value8
-        rows.template value8<hoisted>(rows.row(first_row), j, group, word_aligned, v);
+        // a vector path: [Note: vector scales]
+        rows.template value8<hoisted>(rows.row(first_row), j, group, true, v);
         for (i64 r = 1; r < count; ++r) {
             float d[8];
-            rows.template value8<hoisted>(rows.row(first_row + r), j, group, word_aligned, d);
+            rows.template value8<hoisted>(rows.row(first_row + r), j, group, true, d);
             for (int k = 0; k < 8; ++k) v[k] = add_rn(v[k], d[k]);
         }
         for (int k = 0; k < 8; ++k) v[k] = finish(v[k]);
