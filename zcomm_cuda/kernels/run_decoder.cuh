@@ -10,8 +10,9 @@
 // Groups of up to kTeamMaxGroup elements, when the buffers allow vector access, take the
 // team layout of team_walk.cuh instead: a team of lanes per group of one segment, each lane
 // decoding the group's runs lane, lane + lanes, ... The group index of every run is then
-// known without a division, each lane reads each row's scale once per group, and no index
-// arithmetic is repeated per run beyond an add. decode_group_lane is what the host check
+// known without a division, a lane reads its group's scale once (dequantize: one row per
+// segment) or each row's scale once per run (sums), and no index arithmetic is repeated
+// per run beyond an add. decode_group_lane is what the host check
 // drives, over the same cursor.
 #pragma once
 

@@ -135,10 +135,10 @@ template <int BITS> struct PayloadRows {
         Codes8<BITS>::to_floats(w, q);
         for (int k = 0; k < 8; ++k) v[k] = mul_rn(q[k], s);
     }
-    // Elements [j, j + 8), all in group `group`. HOISTED tests the scale once
-    // (dequantize_scale) instead of per element (dequantize_value): fewer instructions, but
-    // in the re-quantizing kernels it lets the compiler keep more loads in flight, at 158
-    // registers instead of 127 (one block per SM instead of two), so they keep the select.
+    // Elements [j, j + 8), all in group `group`. HOISTED tests the scale once per run
+    // (dequantize_scale) instead of per element: the loops whose divisor mode is fixed (the
+    // team decoders, the re-quantizing kernels' streamed and tile paths) take it; the run
+    // decoder (kAnyDivisor) keeps the per-element select.
     template <bool HOISTED>
     ZC_HD void value8(const u8* row_bytes, i64 j, i64 group, bool word_aligned, float (&v)[8]) const {
         u32 w[Codes8<BITS>::kWords];
@@ -272,7 +272,7 @@ template <int BITS, int MODE = kAnyDivisor> struct PayloadSum {
 
     // load8 of a run the caller knows to lie in input group `group`.
     ZC_HD void load8_in_group(i64 j, i64 group, float (&v)[8]) const {
-        constexpr bool hoisted = MODE != kAnyDivisor;  // the decoders' loops; see value8
+        constexpr bool hoisted = MODE != kAnyDivisor;  // see value8
         // a vector path: [Note: vector scales]
         rows.template value8<hoisted>(rows.row(first_row), j, group, true, v);
         for (i64 r = 1; r < count; ++r) {
