@@ -173,8 +173,8 @@ INTERLEAVE_CASES = [
     (2, (40, 17), 64, (3, 1, 0, 2), 2, 8),
     (4, (1001,), 1004, (0, 4, 1, 5, 2, 6, 3, 7), 4, 502),
     (3, (9000, 3001, 1), 12003, (2, 0, 1), 3, 20000),
-    # groups held in registers whose lanes' runs cross pieces and the fill ([Note: located
-    # once] in sources.cuh): aligned pieces, then pieces off run boundaries (scalar runs)
+    # groups held in registers whose lanes' runs cross pieces and the fill: aligned pieces,
+    # then pieces off run boundaries (scalar runs)
     (2, (64, 128, 16), 256, (3, 1, 2, 0), 2, 128),
     (4, (300, 8, 100), 512, (1, 0, 3, 2, 5, 4, 7, 6), 2, 256),
 ]

@@ -112,9 +112,9 @@ template <int BITS> struct PayloadRows {
 
     ZC_HD const u8* row(i64 r) const { return base + r * stride; }
     ZC_HD bool words_aligned() const { return aligned(base, 4) && stride % 4 == 0; }
-    // Runs of 8 codes are 8 (INT8) or 4 (INT4) bytes and share one scale. [Note: vector
-    // scales] It implies words_aligned() (base and stride multiples of 4), so the vector
-    // paths read scales as words with no run-time test of the alignment.
+    // Runs of 8 codes are 8 (INT8) or 4 (INT4) bytes and share one scale.
+    // [Note: vector scales] This implies words_aligned() (base and stride multiples of 4),
+    // so the vector paths read scales as words with no run-time test of the alignment.
     ZC_HD bool can_vectorize() const {
         constexpr int run_bytes = 4 * Codes8<BITS>::kWords;
         return group_size % 8 == 0 && aligned(base, run_bytes) && stride % run_bytes == 0;

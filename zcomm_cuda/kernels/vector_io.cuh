@@ -192,7 +192,7 @@ template <> struct Codes8<4> {
     ZC_HD static void unpack(const u32 (&w)[kWords], int (&q)[8]) {
         for (int k = 0; k < 8; ++k) q[k] = sign_extend_nibble((w[0] >> (4 * k)) & 0xFu);
     }
-    // [Note: magic decode]
+    // The codes as exact fp32 values: see [Note: magic decode].
     ZC_HD static void to_floats(const u32 (&w)[kWords], float (&f)[8]) {
         const u32 biased = w[0] ^ 0x88888888u;  // each nibble c + 8, in [0, 15]
         const u32 high = biased >> 16;
