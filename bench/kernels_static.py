@@ -40,9 +40,9 @@ Columns, per kernel:
   rule for a group with a NaN/Inf element or a subnormal scale, behind a branch the other
   groups jump over). ``loop/elem``, ``round/elem`` and ``div/elem`` leave them out (they
   count the path of the common groups); ``main loops`` shows them as ``cold N``.
-Where a decoder has one loop per divisor kind (``DivisorMode``), the smallest is taken:
-the divisor-1 loop (dequantize, sums); a power-of-two divisor's loop has one more
-multiplication per element, any other divisor's an IEEE division per element.
+Where a decoder or a re-quantizing encoder has one loop per divisor kind (``DivisorMode``),
+the smallest is taken: the divisor-1 loop (dequantize, sums); a power-of-two divisor's loop
+has one more multiplication per element, any other divisor's an IEEE division per element.
 """
 
 from __future__ import annotations

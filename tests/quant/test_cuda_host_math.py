@@ -173,6 +173,10 @@ INTERLEAVE_CASES = [
     (2, (40, 17), 64, (3, 1, 0, 2), 2, 8),
     (4, (1001,), 1004, (0, 4, 1, 5, 2, 6, 3, 7), 4, 502),
     (3, (9000, 3001, 1), 12003, (2, 0, 1), 3, 20000),
+    # groups held in registers whose lanes' runs cross pieces and the fill: aligned pieces,
+    # then pieces off run boundaries (scalar runs)
+    (2, (64, 128, 16), 256, (3, 1, 2, 0), 2, 128),
+    (4, (300, 8, 100), 512, (1, 0, 3, 2, 5, 4, 7, 6), 2, 256),
 ]
 
 
@@ -229,9 +233,14 @@ def _fp32_hex(value: float) -> str:
 REDUCE_CASES = [(bits, gs, n) for bits in (8, 4) for gs in (8, 6) for n in (6, 24 * gs)] + [
     (8, 256, 12 * 256), (4, 512, 6 * 512)  # teams of 16 and 32 lanes, groups held in registers
 ]
-# re-quantized groups beyond the registers (streamed teams), and in the tile scheme: whole
-# and short tiles, vector and scalar paths
-REQUANT_CASES = REDUCE_CASES + [(8, 2048, 6 * 2048), (8, 8200, 6 * 8200), (4, 9000, 6 * 9001)]
+# groups held in registers whose chunks are not whole groups, so that an output group
+# crosses an input group's end ([Note: rows outer] in sources.cuh): a power-of-two group
+# size (the shift) and another (the division); then re-quantized groups beyond the
+# registers (streamed teams), and in the tile scheme: whole and short tiles, vector and
+# scalar paths
+REQUANT_CASES = REDUCE_CASES + [
+    (8, 256, 3 * 1088), (4, 96, 3840), (8, 2048, 6 * 2048), (8, 8200, 6 * 8200), (4, 9000, 6 * 9001)
+]
 
 
 @pytest.mark.parametrize("misalign", (0, 1))

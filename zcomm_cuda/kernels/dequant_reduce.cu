@@ -6,6 +6,24 @@
 #include "instantiate.cuh"
 #include "run_decoder.cuh"
 
+namespace zc {
+// The re-quantizing kernels' body: the divisor's kind is checked once per launch, so that
+// the encoder's loops hold only its operation (divisor_mode in sources.cuh), as the
+// decoder's do.
+template <int OUT_BITS, int IN_BITS>
+__device__ void requantize_sum(const PayloadRows<IN_BITS>& rows, i64 k, float divisor, const ChunkLayout<OUT_BITS>& layout,
+                               int pass, u32* group_absmax) {
+    const int mode = divisor_mode(divisor);
+    if (mode == kByOne) {
+        run_encoder<OUT_BITS>(PayloadSum<IN_BITS, kByOne>(rows, 0, k, divisor), layout, pass, group_absmax);
+    } else if (mode == kByReciprocal) {
+        run_encoder<OUT_BITS>(PayloadSum<IN_BITS, kByReciprocal>(rows, 0, k, divisor), layout, pass, group_absmax);
+    } else {
+        run_encoder<OUT_BITS>(PayloadSum<IN_BITS, kByDivision>(rows, 0, k, divisor), layout, pass, group_absmax);
+    }
+}
+}  // namespace zc
+
 #define ZC_DEQUANT_REDUCE(TAG, T, BITS)                                                               \
     extern "C" __global__ void zc_dequant_reduce_##TAG##_int##BITS(                                   \
         const zc::u8* payloads, zc::i64 stride, zc::i64 numel, zc::i64 group_size, zc::i64 k, float divisor, \
@@ -20,7 +38,7 @@
         zc::i64 num_chunks, zc::i64 out_stride, zc::u8* out, zc::u32* group_absmax, int pass) {       \
         const zc::PayloadRows<IN_BITS> rows{payloads, stride, numel, group_size};                     \
         const zc::ChunkLayout<OUT_BITS> layout{out, numel / num_chunks, num_chunks, group_size, out_stride}; \
-        zc::run_encoder<OUT_BITS>(zc::PayloadSum<IN_BITS>(rows, 0, k, divisor), layout, pass, group_absmax); \
+        zc::requantize_sum<OUT_BITS>(rows, k, divisor, layout, pass, group_absmax);                    \
     }
 
 ZC_FOR_EACH_DTYPE_BITS(ZC_DEQUANT_REDUCE)

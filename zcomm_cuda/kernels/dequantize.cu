@@ -8,7 +8,7 @@
                                                                zc::i64 numel, zc::i64 group_size,    \
                                                                zc::i64 k, T* out) {                  \
         const zc::PayloadRows<BITS> rows{payloads, stride, numel, group_size};                       \
-        zc::decode_segments(zc::SegmentLayout<T, BITS>{rows, out, k, 1, 1.0f});                      \
+        zc::decode_segments<true>(zc::SegmentLayout<T, BITS>{rows, out, k, 1, 1.0f});                \
     }
 
 ZC_FOR_EACH_DTYPE_BITS(ZC_DEQUANTIZE)

@@ -202,6 +202,19 @@ template <class Source, bool RAW = Source::kRaw16> struct HeldRuns {
         for (int k = 0; k < 8; ++k) m = max_u32(m, abs_bits(v[i][k]));
         return m;
     }
+    // All of a lane's runs from a source that loads them together ([Note: rows outer] in
+    // sources.cuh); returns their absmax.
+    ZC_HD u32 load_lane(const Source& src, i64 first, int lane, int lanes, int len) {
+        src.load_runs(first, lane, lanes, len, v);
+        u32 m = 0;
+#pragma unroll  // [Note: held runs]
+        for (int i = 0; i < kRunsPerLane; ++i) {
+            if (8 * (lane + lanes * i) < len) {
+                for (int k = 0; k < 8; ++k) m = max_u32(m, abs_bits(v[i][k]));
+            }
+        }
+        return m;
+    }
     ZC_HD static u32 lane_absmax_bits(u32 m) { return m; }
     ZC_HD void values(int i, float (&out)[8]) const {
         for (int k = 0; k < 8; ++k) out[k] = v[i][k];
@@ -256,8 +269,11 @@ template <int BITS, class Source> struct RegisterLane {
     HeldRuns<Source> held;
 
     ZC_HD u32 load(const Source& src, const GroupSpan& s, int lane, int lanes) {
-        u32 m = 0;
         const int len = static_cast<int>(s.len);  // <= kRegisterMaxGroup: int offsets suffice
+        if constexpr (Source::kLaneRuns) {
+            return held.lane_absmax_bits(held.load_lane(src, s.first, lane, lanes, len));
+        }
+        u32 m = 0;
         // [Note: held runs] Unrolled, so that the held runs are indexed by constants only
         // and stay in registers: a loop the compiler kept would index them at run time and
         // put them on the stack.

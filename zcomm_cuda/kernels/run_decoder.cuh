@@ -10,8 +10,9 @@
 // Groups of up to kTeamMaxGroup elements, when the buffers allow vector access, take the
 // team layout of team_walk.cuh instead: a team of lanes per group of one segment, each lane
 // decoding the group's runs lane, lane + lanes, ... The group index of every run is then
-// known without a division, each lane reads each row's scale once per group, and no index
-// arithmetic is repeated per run beyond an add. decode_group_lane is what the host check
+// known without a division, a lane reads its group's scale once (dequantize: one row per
+// segment) or each row's scale once per run (sums), and no index arithmetic is repeated
+// per run beyond an add. decode_group_lane is what the host check
 // drives, over the same cursor.
 #pragma once
 
@@ -39,14 +40,14 @@ template <class T, int BITS> struct SegmentLayout {
 // The divisor mode of the team layout's main loop: checked once per launch, so that the
 // loop holds either the multiplication by a power of two's reciprocal or the division.
 template <class T, int BITS> ZC_HD int team_divisor_mode(const SegmentLayout<T, BITS>& layout) {
-    float reciprocal;
-    if (float_bits(layout.divisor) == kF32One) return kByOne;  // dequantize, and sums
-    return exact_reciprocal(layout.divisor, reciprocal) ? kByReciprocal : kByDivision;
+    return divisor_mode(layout.divisor);  // kByOne: dequantize, and sums
 }
 
 // One lane's runs of group `group` of segment `segment` (vector paths only: the group's
 // length is a multiple of 8 and every run is aligned), MODE as team_divisor_mode says.
-template <int MODE, class T, int BITS>
+// ONE_ROW: the caller guarantees one row per segment (dequantize), so that the lane reads
+// the group's scale and tests it for NaN/Inf once, not once per run.
+template <int MODE, bool ONE_ROW = false, class T, int BITS>
 ZC_HD void decode_group_lane(const SegmentLayout<T, BITS>& layout, i64 segment, i64 group, int lane, int lanes) {
     const i64 first = group * layout.rows.group_size;
     const i64 rest = layout.rows.numel - first;
@@ -54,10 +55,21 @@ ZC_HD void decode_group_lane(const SegmentLayout<T, BITS>& layout, i64 segment, 
     const PayloadSum<BITS, MODE> src(layout.rows, segment * layout.rows_per_segment, layout.rows_per_segment,
                                      layout.divisor);
     T* dst = layout.out + segment * layout.rows.numel + first;
-    for (i64 e = 8 * static_cast<i64>(lane); e < len; e += 8 * static_cast<i64>(lanes)) {
-        float v[8];
-        src.load8_in_group(first + e, group, v);
-        store8(dst + e, v);
+    if constexpr (ONE_ROW) {
+        const u8* row = layout.rows.row(src.first_row);
+        const float s = dequantize_scale(layout.rows.scale(row, group, true));  // [Note: vector scales]
+        for (i64 e = 8 * static_cast<i64>(lane); e < len; e += 8 * static_cast<i64>(lanes)) {
+            float v[8];
+            layout.rows.scaled8(row, first + e, s, v);
+            for (int k = 0; k < 8; ++k) v[k] = src.finish(v[k]);
+            store8(dst + e, v);
+        }
+    } else {
+        for (i64 e = 8 * static_cast<i64>(lane); e < len; e += 8 * static_cast<i64>(lanes)) {
+            float v[8];
+            src.load8_in_group(first + e, group, v);
+            store8(dst + e, v);
+        }
     }
 }
 
@@ -86,7 +98,7 @@ template <class T, int BITS> __device__ void decode_runs(const SegmentLayout<T, 
     }
 }
 
-template <int MODE, class T, int BITS> __device__ void decode_teams(const SegmentLayout<T, BITS>& layout) {
+template <int MODE, bool ONE_ROW, class T, int BITS> __device__ void decode_teams(const SegmentLayout<T, BITS>& layout) {
     const int lanes = team_lanes(layout.group_extent());
     const int warp_lane = static_cast<int>(threadIdx.x & 31u);
     const i64 warp = (static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -95,21 +107,22 @@ template <int MODE, class T, int BITS> __device__ void decode_teams(const Segmen
     JobCursor job = walk.cursor(warp, warp_lane / lanes, groups);
     for (i64 round = warp; round < walk.rounds; round += walk.num_warps, job.advance()) {
         if (job.row < layout.segments) {
-            decode_group_lane<MODE>(layout, job.row, job.group, warp_lane & (lanes - 1), lanes);
+            decode_group_lane<MODE, ONE_ROW>(layout, job.row, job.group, warp_lane & (lanes - 1), lanes);
         }
     }
 }
 
-template <class T, int BITS> __device__ void decode_segments(const SegmentLayout<T, BITS>& layout) {
+// ONE_ROW: every segment is one row (dequantize; see decode_group_lane).
+template <bool ONE_ROW = false, class T, int BITS> __device__ void decode_segments(const SegmentLayout<T, BITS>& layout) {
     const bool vec = layout.can_vectorize();
     if (layout.teams(vec)) {
         const int mode = team_divisor_mode(layout);
         if (mode == kByOne) {
-            decode_teams<kByOne>(layout);
+            decode_teams<kByOne, ONE_ROW>(layout);
         } else if (mode == kByReciprocal) {
-            decode_teams<kByReciprocal>(layout);
+            decode_teams<kByReciprocal, ONE_ROW>(layout);
         } else {
-            decode_teams<kByDivision>(layout);
+            decode_teams<kByDivision, ONE_ROW>(layout);
         }
     } else {
         decode_runs(layout, vec);

@@ -23,6 +23,7 @@ namespace zc {
 template <class T> struct FlatSource {
     using Element = T;
     static constexpr bool kRaw16 = sizeof(T) == 2;
+    static constexpr bool kLaneRuns = false;  // [Note: rows outer]
     const T* x;
 
     ZC_HD bool can_vectorize() const { return aligned(x, 16); }
@@ -34,6 +35,7 @@ template <class T> struct FlatSource {
 template <class T> struct PermutedSource {
     using Element = T;
     static constexpr bool kRaw16 = sizeof(T) == 2;  // [Note: raw runs]
+    static constexpr bool kLaneRuns = false;  // [Note: rows outer]
     const T* x;
     const i64* perm;  // output slice p is input slice perm[p]
     i64 slice_numel;
@@ -54,6 +56,7 @@ template <class T> struct PermutedSource {
 // zero fill past the last piece. The table is 3 i64 per tensor: its address, width, end.
 template <class T> struct InterleavedSource {
     static constexpr bool kRaw16 = false;  // runs are checked one by one in load8
+    static constexpr bool kLaneRuns = false;  // [Note: rows outer]
     const i64* table;
     i64 tensors;
     i64 part_numel;
@@ -110,6 +113,8 @@ template <int BITS> struct PayloadRows {
     ZC_HD const u8* row(i64 r) const { return base + r * stride; }
     ZC_HD bool words_aligned() const { return aligned(base, 4) && stride % 4 == 0; }
     // Runs of 8 codes are 8 (INT8) or 4 (INT4) bytes and share one scale.
+    // [Note: vector scales] This implies words_aligned() (base and stride multiples of 4),
+    // so the vector paths read scales as words with no run-time test of the alignment.
     ZC_HD bool can_vectorize() const {
         constexpr int run_bytes = 4 * Codes8<BITS>::kWords;
         return group_size % 8 == 0 && aligned(base, run_bytes) && stride % run_bytes == 0;
@@ -122,22 +127,30 @@ template <int BITS> struct PayloadRows {
     ZC_HD float value1(const u8* row_bytes, i64 j, bool word_aligned) const {
         return dequantize_value(load_code<BITS>(row_bytes, j), scale(row_bytes, j / group_size, word_aligned));
     }
-    // Elements [j, j + 8), all in group `group`. HOISTED tests the scale once
-    // (dequantize_scale) instead of per element (dequantize_value): fewer instructions, but
-    // in the re-quantizing kernels it lets the compiler keep more loads in flight, at 158
-    // registers instead of 127 (one block per SM instead of two), so they keep the select.
+    // Elements [j, j + 8) of a row, times `s`, the dequantize_scale of their group.
+    ZC_HD void scaled8(const u8* row_bytes, i64 j, float s, float (&v)[8]) const {
+        u32 w[Codes8<BITS>::kWords];
+        load_words(w, row_bytes + j / Bits<BITS>::kElementsPerByte);
+        float q[8];
+        Codes8<BITS>::to_floats(w, q);
+        for (int k = 0; k < 8; ++k) v[k] = mul_rn(q[k], s);
+    }
+    // Elements [j, j + 8), all in group `group`. HOISTED tests the scale once per run
+    // (dequantize_scale) instead of per element: the loops whose divisor mode is fixed (the
+    // team decoders, the re-quantizing kernels' streamed and tile paths) take it; the run
+    // decoder (kAnyDivisor) keeps the per-element select.
     template <bool HOISTED>
     ZC_HD void value8(const u8* row_bytes, i64 j, i64 group, bool word_aligned, float (&v)[8]) const {
         u32 w[Codes8<BITS>::kWords];
         load_words(w, row_bytes + j / Bits<BITS>::kElementsPerByte);
-        int q[8];
-        Codes8<BITS>::unpack(w, q);
+        float q[8];
+        Codes8<BITS>::to_floats(w, q);
         const float s = scale(row_bytes, group, word_aligned);
         if constexpr (HOISTED) {
             const float finite_or_nan = dequantize_scale(s);
-            for (int k = 0; k < 8; ++k) v[k] = mul_rn(static_cast<float>(q[k]), finite_or_nan);
+            for (int k = 0; k < 8; ++k) v[k] = mul_rn(q[k], finite_or_nan);
         } else {
-            for (int k = 0; k < 8; ++k) v[k] = dequantize_value(q[k], s);
+            for (int k = 0; k < 8; ++k) v[k] = is_finite(s) ? mul_rn(q[k], s) : canonical_nan();
         }
     }
 };
@@ -148,10 +161,18 @@ template <int BITS> struct PayloadRows {
 // is nothing to do), so that the main loop holds one of them only.
 enum DivisorMode : int { kAnyDivisor = 0, kByReciprocal = 1, kByDivision = 2, kByOne = 3 };
 
+// The mode a caller that checks the divisor once picks for it.
+ZC_HD int divisor_mode(float divisor) {
+    float reciprocal;
+    if (float_bits(divisor) == kF32One) return kByOne;
+    return exact_reciprocal(divisor, reciprocal) ? kByReciprocal : kByDivision;
+}
+
 // Rows [first_row, first_row + count) summed in row order, starting from the first row's
 // value (no leading 0 +, which would turn -0 into +0), then divided once by `divisor`.
 template <int BITS, int MODE = kAnyDivisor> struct PayloadSum {
     static constexpr bool kRaw16 = false;
+    static constexpr bool kLaneRuns = true;  // [Note: rows outer]
     PayloadRows<BITS> rows;
     i64 first_row;
     i64 count;
@@ -159,11 +180,17 @@ template <int BITS, int MODE = kAnyDivisor> struct PayloadSum {
     bool word_aligned;
     bool by_reciprocal;  // the divisor is a power of two: `divisor` holds its exact reciprocal
 
+    int group_shift;     // log2(group_size) when it is a power of two, else -1
+
     ZC_HD PayloadSum(const PayloadRows<BITS>& rows_, i64 first_row_, i64 count_, float divisor_)
-        : rows(rows_), first_row(first_row_), count(count_), divisor(divisor_), word_aligned(rows_.words_aligned()) {
+        : rows(rows_), first_row(first_row_), count(count_), divisor(divisor_), word_aligned(rows_.words_aligned()),
+          group_shift(-1) {
         float reciprocal = 1.0f;
         by_reciprocal = exact_reciprocal(divisor_, reciprocal);
         if (by_reciprocal) divisor = reciprocal;
+        for (int shift = 0; shift < 63; ++shift) {
+            if ((i64{1} << shift) == rows_.group_size) group_shift = shift;
+        }
     }
 
     ZC_HD bool can_vectorize() const { return rows.can_vectorize(); }
@@ -185,17 +212,72 @@ template <int BITS, int MODE = kAnyDivisor> struct PayloadSum {
         return finish(acc);
     }
 
+    // [Note: rows outer] The re-quantizing encoder holds one lane's runs of a group at
+    // elements first + 8 * (lane + lanes * i), i < N (those below len), in registers. Run by
+    // run (load8), each run would cost a 64-bit division for its input group and one scale
+    // load per row. Instead the job's input group is found once (a shift when the group
+    // size is a power of two), and the rows are the outer loop: per row, one scale load per
+    // input group the job touches (at most two: the output group is no longer than an input
+    // group, and when chunks are not whole groups it may cross one boundary, at `split`),
+    // then every run's codes. Each element still sums its rows in row order from the first
+    // row's value, and finish() runs last, so the values are load8's bit for bit. The
+    // scale's NaN/Inf test is once per row and group (dequantize_scale): a NaN element's
+    // payload may then differ from dequantize_value's, which the encoder cannot see
+    // ([Note: decoded NaN]). Requires the vector conditions (runs whole and aligned).
+    template <int N>
+    ZC_HD void load_runs(i64 first, int lane, int lanes, int len, float (&v)[N][8]) const {
+        const i64 gs = rows.group_size;
+        const i64 group = group_shift >= 0 ? first >> group_shift : first / gs;
+        const i64 rest = gs - (first - group * gs);  // elements left in the input group
+        const int split = rest < len ? static_cast<int>(rest) : len;
+        const u8* row_bytes = rows.row(first_row);
+        add_row_runs<true>(row_bytes, first, group, split, lane, lanes, len, v);
+        for (i64 r = 1; r < count; ++r) {
+            row_bytes += rows.stride;
+            add_row_runs<false>(row_bytes, first, group, split, lane, lanes, len, v);
+        }
+#pragma unroll  // [Note: held runs] in group_encoder.cuh
+        for (int i = 0; i < N; ++i) {
+            for (int k = 0; k < 8; ++k) v[i][k] = finish(v[i][k]);
+        }
+    }
+
+    // One row's values of the lane's runs, stored (FIRST) or added to v (see [Note: rows outer]).
+    template <bool FIRST, int N>
+    ZC_HD void add_row_runs(const u8* row_bytes, i64 first, i64 group, int split, int lane, int lanes, int len,
+                            float (&v)[N][8]) const {
+        const float head = dequantize_scale(rows.scale(row_bytes, group, true));  // [Note: vector scales]
+        const float tail = split < len ? dequantize_scale(rows.scale(row_bytes, group + 1, true)) : head;
+        const u8* values = row_bytes + first / Bits<BITS>::kElementsPerByte;
+#pragma unroll  // [Note: held runs] in group_encoder.cuh
+        for (int i = 0; i < N; ++i) {
+            const int e = 8 * (lane + lanes * i);
+            if (e < len) {
+                u32 w[Codes8<BITS>::kWords];
+                load_words(w, values + e / Bits<BITS>::kElementsPerByte);
+                float q[8];
+                Codes8<BITS>::to_floats(w, q);
+                const float s = e < split ? head : tail;
+                for (int k = 0; k < 8; ++k) {
+                    const float d = mul_rn(q[k], s);
+                    v[i][k] = FIRST ? d : add_rn(v[i][k], d);
+                }
+            }
+        }
+    }
+
     // A run of 8 lies in one input group (can_vectorize: group_size % 8 == 0), whose index
     // is computed once for all rows.
     ZC_HD void load8(i64 j, float (&v)[8]) const { load8_in_group(j, j / rows.group_size, v); }
 
     // load8 of a run the caller knows to lie in input group `group`.
     ZC_HD void load8_in_group(i64 j, i64 group, float (&v)[8]) const {
-        constexpr bool hoisted = MODE != kAnyDivisor;  // the decoders' loops; see value8
-        rows.template value8<hoisted>(rows.row(first_row), j, group, word_aligned, v);
+        constexpr bool hoisted = MODE != kAnyDivisor;  // see value8
+        // a vector path: [Note: vector scales]
+        rows.template value8<hoisted>(rows.row(first_row), j, group, true, v);
         for (i64 r = 1; r < count; ++r) {
             float d[8];
-            rows.template value8<hoisted>(rows.row(first_row + r), j, group, word_aligned, d);
+            rows.template value8<hoisted>(rows.row(first_row + r), j, group, true, d);
             for (int k = 0; k < 8; ++k) v[k] = add_rn(v[k], d[k]);
         }
         for (int k = 0; k < 8; ++k) v[k] = finish(v[k]);

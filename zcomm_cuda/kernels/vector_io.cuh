@@ -119,6 +119,42 @@ template <class H> ZC_HD float raw_low(u32 w) { return to_float(H{static_cast<u1
 template <class H> ZC_HD float raw_high(u32 w) { return to_float(H{static_cast<u16>(w >> 16)}); }
 
 // ---- codes: 8 quantized values <-> packed bytes ----
+
+// [Note: magic decode] The reverse of [Note: plain scales]' rounding magic, with no
+// integer-to-float conversion (I2F, quarter rate on sm_90). A code c of `width` bits is
+// stored biased, u = c + b in [0, 2b) (b = 2^(width - 1): the two's-complement bits with
+// the top bit flipped, one XOR per word). Put u at bits [pos, pos + width) of the float
+// M = 1.5 * 2^(23 - pos) (exponent 23 - pos, mantissa bit 22 set, zero below; pos + width
+// <= 16 here), whose unit is bit pos: the float is M + u exactly, and subtracting M + b
+// (exact in fp32) leaves c with no rounding (the difference of two floats of one binade,
+// a small integer), +0 for c = 0 as the conversion gives. INT8: a byte permute builds
+// [byte k, M's upper three bytes] (M = 1.5 * 2^23, pos 0); INT4: a mask-and-or puts
+// nibble k of the word (or of the word shifted down 16 bits, for k >= 4) at pos 4 * (k % 4).
+// Per code two instructions (PRMT or LOP3, then FADD) where the conversion took two or
+// three, one of them the quarter-rate I2F.
+ZC_HD float magic_minus(u32 bits, int pos, int width) {
+    const u32 magic = ((127u + 23u - static_cast<u32>(pos)) << 23) | 0x400000u;
+    return add_rn(bits_float(bits), -bits_float(magic + ((1u << (width - 1)) << pos)));
+}
+
+// The float bits M | (word & mask) of [Note: magic decode] (mask: the code's bits at pos).
+ZC_HD u32 magic_or(u32 word, u32 mask, int pos) {
+    const u32 magic = ((127u + 23u - static_cast<u32>(pos)) << 23) | 0x400000u;
+    return (word & mask) | magic;
+}
+
+// __byte_perm(x, y, selector): byte i of the result is byte (selector >> 4i) & 7 of the
+// 8-byte value y:x. The host emulates it, so the host check runs the same selectors.
+ZC_HD u32 byte_perm(u32 x, u32 y, u32 selector) {
+#ifdef __CUDA_ARCH__
+    return __byte_perm(x, y, selector);
+#else
+    const unsigned long long both = (static_cast<unsigned long long>(y) << 32) | x;
+    u32 r = 0;
+    for (int i = 0; i < 4; ++i) r |= static_cast<u32>((both >> (8 * ((selector >> (4 * i)) & 7u))) & 0xFFu) << (8 * i);
+    return r;
+#endif
+}
 // INT8: element k is byte k (two's complement). INT4: element k is nibble k of one word,
 // i.e. element 2i in the low nibble of byte i (the wire format's rule).
 
@@ -133,6 +169,16 @@ template <> struct Codes8<8> {
     ZC_HD static void unpack(const u32 (&w)[kWords], int (&q)[8]) {
         for (int k = 0; k < 8; ++k) q[k] = static_cast<signed char>((w[k / 4] >> (8 * (k % 4))) & 0xFFu);
     }
+    // The codes as exact fp32 values, without an integer-to-float conversion: [Note: magic decode].
+    ZC_HD static void to_floats(const u32 (&w)[kWords], float (&f)[8]) {
+        for (int i = 0; i < kWords; ++i) {
+            const u32 biased = w[i] ^ 0x80808080u;  // each byte c + 128, in [0, 255]
+            for (int k = 0; k < 4; ++k) {
+                // [byte k of biased, bytes 1..3 of M = 0x4B400000] (y's bytes are 4..7)
+                f[4 * i + k] = magic_minus(byte_perm(biased, kF32RoundingMagic, 0x7650u | static_cast<u32>(k)), 0, 8);
+            }
+        }
+    }
 };
 
 ZC_HD int sign_extend_nibble(u32 nibble) { return static_cast<int>(nibble ^ 8u) - 8; }
@@ -145,6 +191,15 @@ template <> struct Codes8<4> {
     }
     ZC_HD static void unpack(const u32 (&w)[kWords], int (&q)[8]) {
         for (int k = 0; k < 8; ++k) q[k] = sign_extend_nibble((w[0] >> (4 * k)) & 0xFu);
+    }
+    // The codes as exact fp32 values: see [Note: magic decode].
+    ZC_HD static void to_floats(const u32 (&w)[kWords], float (&f)[8]) {
+        const u32 biased = w[0] ^ 0x88888888u;  // each nibble c + 8, in [0, 15]
+        const u32 high = biased >> 16;
+        for (int k = 0; k < 8; ++k) {
+            const int pos = 4 * (k % 4);
+            f[k] = magic_minus(magic_or(k < 4 ? biased : high, 0xFu << pos, pos), pos, 4);
+        }
     }
 };
 

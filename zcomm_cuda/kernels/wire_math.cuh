@@ -286,8 +286,8 @@ ZC_HD u32 plain_code_bits(float x, float reciprocal) {
 // One element's fp32 value: q * scale, or NaN when the scale is NaN or Inf (a non-finite
 // group never dequantizes to finite numbers).
 // [Note: decoded NaN] The NaN's payload is left open: every decoder output goes through
-// from_float, which writes the canonical NaN of its type, and the re-quantizing encoder sees
-// a NaN only through abs_bits.
+// from_float, which writes the canonical NaN of its type, and the re-quantizing encoder
+// sees a NaN only through abs_bits.
 ZC_HD float dequantize_value(int q, float scale) {
     return is_finite(scale) ? mul_rn(static_cast<float>(q), scale) : canonical_nan();
 }

@@ -152,7 +152,8 @@ template <int BITS, class Source> bool encode_all(const Source& src, const Chunk
     return vec;
 }
 
-template <class T, int BITS> bool decode_all(const SegmentLayout<T, BITS>& layout) {
+// ONE_ROW as the kernel passes it (dequantize.cu: true; dequant_reduce.cu: false).
+template <bool ONE_ROW, class T, int BITS> bool decode_all(const SegmentLayout<T, BITS>& layout) {
     const bool vec = layout.can_vectorize();
     g_teams = layout.teams(vec);
     if (!g_teams) {
@@ -165,11 +166,11 @@ template <class T, int BITS> bool decode_all(const SegmentLayout<T, BITS>& layou
                   for (int lane = 0; lane < lanes; ++lane) {
                       const int mode = team_divisor_mode(layout);
                       if (mode == kByOne) {
-                          decode_group_lane<kByOne>(layout, segment, group, lane, lanes);
+                          decode_group_lane<kByOne, ONE_ROW>(layout, segment, group, lane, lanes);
                       } else if (mode == kByReciprocal) {
-                          decode_group_lane<kByReciprocal>(layout, segment, group, lane, lanes);
+                          decode_group_lane<kByReciprocal, ONE_ROW>(layout, segment, group, lane, lanes);
                       } else {
-                          decode_group_lane<kByDivision>(layout, segment, group, lane, lanes);
+                          decode_group_lane<kByDivision, ONE_ROW>(layout, segment, group, lane, lanes);
                       }
                   }
               });
@@ -221,7 +222,12 @@ bool run_requant(const PayloadRows<BITS>& rows, i64 k, float divisor, i64 m, siz
     const i64 row = payload_bytes(rows.numel / m, OUT_BITS, rows.group_size);
     Buffer out(row * m, byte_shift);
     const ChunkLayout<OUT_BITS> layout{out.data, rows.numel / m, m, rows.group_size, row};
-    const bool vec = encode_all<OUT_BITS>(PayloadSum<BITS>(rows, 0, k, divisor), layout);
+    // the kernel's dispatch (requantize_sum in dequant_reduce.cu): the divisor's mode, once
+    const int mode = divisor_mode(divisor);
+    const bool vec = mode == kByOne ? encode_all<OUT_BITS>(PayloadSum<BITS, kByOne>(rows, 0, k, divisor), layout)
+                     : mode == kByReciprocal
+                         ? encode_all<OUT_BITS>(PayloadSum<BITS, kByReciprocal>(rows, 0, k, divisor), layout)
+                         : encode_all<OUT_BITS>(PayloadSum<BITS, kByDivision>(rows, 0, k, divisor), layout);
     write_file(out_path, out.data, row * m);
     return vec;
 }
@@ -274,7 +280,8 @@ template <class T, int BITS> bool run_op(const std::string& op, char** argv, int
     }
     Buffer out(segments * numel * sizeof(T), elem_shift);
     T* dst = reinterpret_cast<T*>(out.data);
-    const bool vec = decode_all(SegmentLayout<T, BITS>{rows, dst, segments, op == "dequantize" ? 1 : k, divisor});
+    const SegmentLayout<T, BITS> layout{rows, dst, segments, op == "dequantize" ? 1 : k, divisor};
+    const bool vec = op == "dequantize" ? decode_all<true>(layout) : decode_all<false>(layout);
     write_file(out_path, out.data, segments * numel * sizeof(T));
     return vec;
 }
