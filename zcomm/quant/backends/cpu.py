@@ -410,7 +410,9 @@ _BYTES_LIKE = np.empty(0, np.uint8)  # ``like`` of a payload's bytes
 
 @implements("quantize", "cpu")
 def quantize(x: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> None:
-    """[Note: small quantize by address] A small payload (the collectives' chunks, single
+    """The payload of ``x`` in ``out``: by address below :data:`_SERIAL_NUMEL`, else through ``_quantize_into``.
+
+    [Note: small quantize by address] A small payload (the collectives' chunks, single
     parameters) is quantized by the serial kernel from the two tensors' addresses and sizes,
     plain integers: no numpy view of either tensor is built per call (each view and its
     unboxing into numba costs microseconds, as much as the kernel's work at 1K elements).
