@@ -60,7 +60,8 @@ def test_dequantize_frames() -> None:
     rows = q.quantize(torch.randn(NUMEL), 8, 256).view(1, -1).expand(4, -1).contiguous()
     out = torch.empty(4 * NUMEL, dtype=torch.float32)
     entered = _frames(lambda: q.dequantize(rows, NUMEL, 8, 256, torch.float32, out=out))
-    assert len(entered) <= 25, "\n".join(entered)
+    assert len(entered) <= 17, "\n".join(entered)  # 14; 22 while the backend built numpy views per call
+    assert not [name for name in entered if name.endswith((":shared_array", ":kernel_view"))], entered
 
 
 def test_reference_backend_is_its_own_namespace() -> None:
@@ -156,8 +157,8 @@ def test_reduce_scatter_q4_error_feedback_frames(world_of_one) -> None:
     assert len(entered) <= 37, "\n".join(entered)  # 33
     assert not _no_public_ops(entered + chain), entered + chain
     assert "cpu.py:reorder_quantize" in chain and "cpu.py:dequantize" in chain and "cpu.py:quantize" in chain, chain
-    # 47 zcomm frames; through the public ops (their checks, specs, dispatch) it took 87
-    assert len(chain) <= 55, "\n".join(chain)
+    # 34 zcomm frames (47 with numpy views of the small dequantize's tensors); 87 through the public ops
+    assert len(chain) <= 40, "\n".join(chain)
 
 
 def test_all_gather_q8_frames(tmp_path) -> None:

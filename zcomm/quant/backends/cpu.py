@@ -301,6 +301,22 @@ def _quantize_small_kernel(like, address, numel, bits, group_size, payload_like,
         _encode_group(buf, n, bits, values, start, scales, g)
 
 
+@njit(cache=True, nogil=True, error_model="numpy")
+def _dequantize_small_kernel(payload_like, payload_address, rows, nbytes, bits, group_size, like, address, numel):
+    """``dequantize`` of ``rows`` payloads of ``nbytes`` bytes at ``payload_address`` into the
+    ``rows * numel`` elements (of ``like``'s kernel dtype) at ``address``, serial ([Note: small
+    quantize by address])."""
+    payloads = numba.carray(_pointer(payload_address, payload_like), (rows, nbytes))
+    out = numba.carray(_pointer(address, like), rows * numel)
+    buf = np.empty(group_size, np.float32)
+    for r in range(rows):
+        for g in range((numel + group_size - 1) // group_size):
+            start = g * group_size
+            n = min(group_size, numel - start)
+            _sum_rows(payloads[r : r + 1], numel, bits, group_size, start, n, np.float32(1), buf)
+            _store(buf, n, out, r * numel + start)
+
+
 @njit(**_KERNEL)
 def _dequantize_kernel(payloads, bits, group_size, out):
     """``out[r * numel : (r + 1) * numel]`` = payload row ``r`` dequantized."""
@@ -442,8 +458,10 @@ def reorder_quantize(
 
 @implements("dequantize", "cpu")
 def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, out: torch.Tensor) -> None:
-    # always parallel: its serial build measured ~7 ms per call at 1K-4K elements on the shared
-    # 2-core machine (the parallel one too at 1K; unexplained), so it is not used
+    if numel * payloads.shape[0] < _SERIAL_NUMEL:  # by address ([Note: small quantize by address])
+        _dequantize_small_kernel(_BYTES_LIKE, payloads.data_ptr(), payloads.shape[0], payloads.shape[1], bits,
+                                 group_size, _like(out.dtype), out.data_ptr(), numel)
+        return
     _use_thread_share()
     _dequantize_kernel(shared_array(payloads), bits, group_size, kernel_view(out.detach()))
 
