@@ -47,6 +47,10 @@ Results: an ``async_op=True`` quantized gather returns a real ``torch.distribute
 whose ``wait()`` completes zcomm's chain (FSDP2 waits only on ``Work`` instances), and for
 an aligned unit then copies the result into FSDP2's buffer.
 
+Host cost: each comm resolves a quantized call once per group, sizes, dtypes, devices and
+(reduce-scatter) op value and keeps that prepared call for the next steps (see [Note: a
+comm's prepared calls]).
+
 HSDP (a 2-D mesh) is rejected: FSDP2's replicate all-reduce is not replaceable.
 """
 
