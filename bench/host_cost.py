@@ -24,7 +24,9 @@ filling). Rows, each next to its yardstick measured in the same run:
 * ``reduce_scatter_q4_coalesced`` of a bucket of :data:`BUCKET` tensors (the runtime's qgZ
   call) and ``reduce_scatter_q4`` with error feedback (LoCo), next to the 1-stage row;
 * the prepared forms the runtime holds per bucket and unit
-  (``prepare_reduce_scatter_q4_coalesced``, ``prepare_all_gather_q8``) next to the calls they prepare.
+  (``prepare_reduce_scatter_q4_coalesced``, ``prepare_all_gather_q8``) next to the calls they prepare;
+* :mod:`zcomm.fsdp`'s comms of one unit, called as FSDP2 calls them, next to the drop-in
+  collectives with the same options.
 
 The run ends with the targets of the thin host path, each marked PASS or MISS from the host
 ratios of this run (on CUDA: every op <= 2x clone, all_gather_q8 <= 1.5x and
@@ -182,7 +184,31 @@ def _collective_rows(timer: Timer, numel: int, dtype: torch.dtype) -> list[Row]:
         bucket[name] = timer.measure(call)
         rows.append(Row(name, numel, *bucket[name], "reduce_scatter_q4 1 stage", *stages[1]))
     rows += _prepared_rows(timer, numel, full, shard, grads, out, rows[0], bucket[f"reduce_scatter_q4_coalesced x{BUCKET}"])
+    rows += _fsdp_rows(timer, numel, full, shard, grads, out, rows[0])
     return rows
+
+
+def _fsdp_rows(timer: Timer, numel: int, full: torch.Tensor, shard: torch.Tensor, grads: torch.Tensor,
+               out: torch.Tensor, gather_row: Row) -> list[Row]:
+    """zcomm.fsdp's comms of one packed unit, called as FSDP2 calls them (the reduce-scatter with a
+    ``PREMUL_SUM`` op built anew per call), next to the drop-in collectives with the same options."""
+    import zcomm.fsdp
+
+    group = dist.group.WORLD
+    topologies = zcomm.fsdp._GroupTopologies(group, zcomm.Topology.detect(group))
+    common = dict(quantized=True, group_size=None, module_name="bench", layout=None)
+    gather = zcomm.fsdp.ZeroppAllGather(topologies, **common)
+    reduce = zcomm.fsdp.ZeroppReduceScatter(topologies, **common)  # first_hop_bits=8, as enable_zeropp's default
+    factor = 1.0 / dist.get_world_size()
+    drop_in = timer.measure(lambda: zcomm.reduce_scatter_q4(out, grads, dist._make_nccl_premul_sum(factor), group,
+                                                            first_hop_bits=8))
+    return [
+        Row("fsdp all-gather comm", numel, *timer.measure(lambda: gather(full, shard, group)), "all_gather_q8",
+            gather_row.host_us, gather_row.synced_us),
+        Row("fsdp reduce-scatter comm", numel,
+            *timer.measure(lambda: reduce(out, grads, group, dist._make_nccl_premul_sum(factor))),
+            "reduce_scatter_q4 premul", *drop_in),
+    ]
 
 
 def _prepared_rows(timer: Timer, numel: int, full: torch.Tensor, shard: torch.Tensor, grads: torch.Tensor,

@@ -51,22 +51,44 @@ _WORKERS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[Topology, Kind
 
 
 def run_chain(
-    chain: Chain, info: GroupInfo, kind: Kind, tensors: Sequence[torch.Tensor], async_op: bool
+    chain: Chain,
+    info: GroupInfo,
+    kind: Kind,
+    tensors: Sequence[torch.Tensor],
+    async_op: bool,
+    worker: ThreadPoolExecutor | None = None,
 ) -> Handle | None:
     """Run ``chain()`` for a collective of ``kind`` on ``info``'s group; a handle if ``async_op``, else wait.
 
     ``tensors`` are the call's inputs and outputs (all on one device): on CUDA they are kept
-    for the allocator until the chain has run ([Note: CUDA streams]).
+    for the allocator until the chain has run ([Note: CUDA streams]). ``worker`` is the one
+    :func:`chain_worker` gave for this group, topology and kind, where the caller holds it
+    (else it is looked up).
     """
     if tensors[0].is_cuda:
         return _run_on_stream(chain, tensors, async_op)
+    if worker is None:
+        worker = _ordered_worker(info.group, info.topology, kind)
     # Sync calls queue behind pending async ones of their kind (see [Note: worker ordering]).
-    future = _ordered_worker(info.group, info.topology, kind).submit(chain)
+    future = worker.submit(chain)
     handle = Handle(finish=future.result, ready=future.done)
     if async_op:
         return handle
     handle.wait()
     return None
+
+
+def chain_worker(info: GroupInfo, kind: Kind, device: torch.device) -> ThreadPoolExecutor | None:
+    """The worker that runs ``kind``'s chains on ``info``'s group for tensors on ``device`` (None on
+    CUDA, where chains are enqueued on streams), for a plan to hold and pass to :func:`run_chain`.
+
+    [Note: held workers] A plan resolves its worker once instead of per call. It is the very
+    executor of :data:`_WORKERS` for its (group, topology, kind), so every call of the kind
+    still goes through one FIFO queue ([Note: worker ordering]). Holding it keeps the executor
+    alive as long as the plan, which goes with its group ([Note: plan cache lifetime] in
+    :mod:`zcomm._plan_cache`) or with the prepared call that holds it.
+    """
+    return None if device.type == "cuda" else _ordered_worker(info.group, info.topology, kind)
 
 
 def _ordered_worker(group: dist.ProcessGroup, topology: Topology, kind: Kind) -> ThreadPoolExecutor:

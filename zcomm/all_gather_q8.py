@@ -69,6 +69,7 @@ the chain, async calls return its handle.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Callable, Literal, NamedTuple
 
@@ -77,13 +78,13 @@ import torch.distributed as dist
 
 from . import quant
 from ._contract import GroupInfo, Handle
-from ._chain_runner import run_chain
+from ._chain_runner import chain_worker, run_chain
 from ._groups import node_groups
 from ._pipeline import GATHER_STAGE_BYTES, check_stages, default_stages
 from ._plan_cache import cached_plan
 from ._prologue import prologue, prologue_once
 from ._torch_compat import all_gather_single
-from .comm_stats import record
+from .comm_stats import StatsRow, stats_row
 from .quant import _contract, _registry
 from .topology import Topology
 
@@ -109,6 +110,9 @@ class _Plan(NamedTuple):
     # the backend's quantize and dequantize kernels, called directly ([Note: qwZ direct kernels])
     quantize: Callable[..., None]
     dequantize: Callable[..., None]
+    # resolved once, used per call: [Note: held stats rows], [Note: held workers]
+    stats: StatsRow
+    worker: ThreadPoolExecutor | None
 
 
 def default_pipeline_stages(output_nbytes: int, num_groups: int, topology: Topology) -> int:
@@ -151,8 +155,8 @@ def all_gather_q8(
     key = ("all_gather_q8", info.topology, numel, output.dtype, device, type(group_size), group_size,
            type(pipeline_stages), pipeline_stages)
     plan = cached_plan(info.group, key, partial(_make_plan, info, numel, output, group_size, pipeline_stages))
-    record("all_gather_q8", *plan.bytes_sent)
-    return run_chain(partial(_chain, plan, output, input), info, "gather", (output, input), async_op)
+    plan.stats.add(*plan.bytes_sent)
+    return run_chain(partial(_chain, plan, output, input), info, "gather", (output, input), async_op, plan.worker)
 
 
 class PreparedAllGatherQ8:
@@ -182,8 +186,10 @@ class PreparedAllGatherQ8:
         ):
             raise ValueError("a prepared all_gather_q8 got tensors of other sizes, dtypes or devices (or not plain "
                              "contiguous tensors) than it was prepared for: prepare another one")
-        record("all_gather_q8", *self._plan.bytes_sent)
-        return run_chain(partial(_chain, self._plan, output, input), self._info, "gather", (output, input), async_op)
+        plan = self._plan
+        plan.stats.add(*plan.bytes_sent)
+        return run_chain(partial(_chain, plan, output, input), self._info, "gather", (output, input), async_op,
+                         plan.worker)
 
 
 def prepare_all_gather_q8(
@@ -231,7 +237,8 @@ def _make_plan(
     chunk_nbytes = tuple(quant.payload_nbytes(hi - lo, _BITS, concrete_group_size) for lo, hi in zip(bounds, bounds[1:]))
     plan = _Plan(
         hops, tuple(dist.get_world_size(hop) for hop in hops), info.topology, concrete_group_size, bounds, (0, 0), chunk_nbytes,
-        _contract.kernel("quantize", backend), _contract.kernel("dequantize", backend),
+        _contract.kernel("quantize", backend), _contract.kernel("dequantize", backend), stats_row("all_gather_q8"),
+        chain_worker(info, "gather", output.device),
     )
     return plan._replace(bytes_sent=_bytes_sent(plan))
 

@@ -47,24 +47,57 @@ class OpStats:
 
 
 _LOCK = threading.Lock()
-_STATS: dict[str, OpStats] = {}
+
+
+class StatsRow:
+    """The running totals of one op name, which a collective's plan holds and adds each call to.
+
+    [Note: held stats rows] A plan (or prepared call) resolves its op's row once and adds to it
+    per call, under the lock, with no lookup and no object built. Rows are never removed:
+    :func:`reset_comm_stats` zeroes every row in place, so a row a plan holds keeps counting
+    into the table that :func:`comm_stats` reads, and an op with no call since the reset is
+    absent from the snapshot, as before the first call.
+    """
+
+    __slots__ = ("calls", "intra_bytes", "inter_bytes")
+
+    def __init__(self) -> None:
+        self.calls = self.intra_bytes = self.inter_bytes = 0
+
+    def add(self, intra_bytes: int, inter_bytes: int) -> None:
+        """One call that sent these bytes (non-negative: the plan computed them)."""
+        with _LOCK:
+            self.calls += 1
+            self.intra_bytes += intra_bytes
+            self.inter_bytes += inter_bytes
+
+
+_ROWS: dict[str, StatsRow] = {}
+
+
+def stats_row(op: str) -> StatsRow:
+    """The row of ``op``, made on first use ([Note: held stats rows])."""
+    row = _ROWS.get(op)
+    if row is None:
+        with _LOCK:
+            row = _ROWS.setdefault(op, StatsRow())
+    return row
 
 
 def comm_stats() -> dict[str, OpStats]:
     """A snapshot: op name -> :class:`OpStats` of what this process sent."""
     with _LOCK:
-        return dict(_STATS)
+        return {op: OpStats(row.calls, row.intra_bytes, row.inter_bytes) for op, row in _ROWS.items() if row.calls}
 
 
 def reset_comm_stats() -> None:
     """Forget all counts of this process."""
     with _LOCK:
-        _STATS.clear()
+        for row in _ROWS.values():
+            row.calls = row.intra_bytes = row.inter_bytes = 0
 
 
 def record(op: str, intra_bytes: int, inter_bytes: int) -> None:
     """Add one call of ``op`` that sent the given bytes (for zcomm's collectives, from their byte model)."""
     assert intra_bytes >= 0 and inter_bytes >= 0
-    with _LOCK:
-        old = _STATS.get(op, OpStats())
-        _STATS[op] = OpStats(old.calls + 1, old.intra_bytes + intra_bytes, old.inter_bytes + inter_bytes)
+    stats_row(op).add(intra_bytes, inter_bytes)

@@ -47,6 +47,10 @@ Results: an ``async_op=True`` quantized gather returns a real ``torch.distribute
 whose ``wait()`` completes zcomm's chain (FSDP2 waits only on ``Work`` instances), and for
 an aligned unit then copies the result into FSDP2's buffer.
 
+Host cost: each comm resolves a quantized call once per group, sizes, dtypes, devices and
+(reduce-scatter) op value and keeps that prepared call for the next steps (see [Note: a
+comm's prepared calls]).
+
 HSDP (a 2-D mesh) is rejected: FSDP2's replicate all-reduce is not replaceable.
 """
 
@@ -54,8 +58,8 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Callable, Hashable, Sequence
+from typing import Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -64,15 +68,33 @@ from torch import nn
 from ._contract import Handle
 from ._fsdp_blocks import BlockLayout, aligned_layout, block_align
 from ._fsdp_compat import AllGather, FSDPModule, ReduceScatter, as_work, shard_numels, torch_problem
-from .all_gather_q8 import all_gather_q8
+from .all_gather_q8 import all_gather_q8, prepare_all_gather_q8
 from .plain_collectives import all_gather_into_tensor, reduce_scatter_tensor
 from .quant import SUPPORTED_DTYPES, QuantSpec
-from .reduce_scatter_q4 import check_first_hop_bits, check_hadamard_block, default_pipeline_stages, reduce_scatter_q4
+from .reduce_scatter_q4 import (
+    check_first_hop_bits, check_hadamard_block, default_pipeline_stages, prepare_reduce_scatter_q4_coalesced,
+    reduce_scatter_q4,
+)
 from .topology import Topology
 
 __all__ = ["ZeroppAllGather", "ZeroppReduceScatter", "enable_zeropp"]
 
 GroupSize = int | Literal["tensor"] | None
+Prepared = TypeVar("Prepared")
+
+# [Note: a comm's prepared calls] FSDP2 calls a unit's comm with the same few call shapes every
+# step: its all-gather on the shard group (and, under hpZ, unquantized on the node-local
+# group), its reduce-scatter on the shard group with one op, each with buffers of fixed sizes,
+# new or reused. So each comm keeps a prepared call (zcomm.prepare_all_gather_q8,
+# zcomm.prepare_reduce_scatter_q4_coalesced) per what can vary between its calls: the group,
+# the tensors' sizes, dtype and device and, for the reduce-scatter, the op, keyed by its
+# value (SUM, AVG, or PREMUL_SUM by its factor: FSDP2 may build that ReduceOp object anew per
+# call, so never by its identity). Its first call of a key resolves the prologue, the op and
+# the plan once; later calls only check the tensors against the prepared sizes. The comm's
+# other settings (group size, topology, qgZ options, the aligned layout) are fixed at its
+# construction. At most _MAX_PREPARED calls are kept per comm, the oldest dropped first; each
+# holds its group, which the comm's module keeps alive anyway through its mesh.
+_MAX_PREPARED = 8
 
 
 class _GroupTopologies:
@@ -137,6 +159,17 @@ class _ZeroppComm:
         self._warn = _WarnOnce(module_name)
         self.layout = layout  # the unit's aligned layout, None where its blocks stay packed
         self._stages: dict[tuple[dist.ProcessGroup, torch.dtype], int] = {}  # qgZ's, fixed per group and dtype
+        self._prepared: dict[Hashable, object] = {}  # [Note: a comm's prepared calls]
+
+    def _prepared_call(self, key: Hashable, prepare: Callable[[], Prepared]) -> Prepared:
+        """The prepared call of ``key``: ``prepare()`` on the first call of the key, then the same object."""
+        prepared = self._prepared.get(key)
+        if prepared is None:
+            prepared = prepare()
+            if len(self._prepared) >= _MAX_PREPARED:
+                del self._prepared[next(iter(self._prepared))]
+            self._prepared[key] = prepared
+        return prepared  # type: ignore[return-value]
 
     def _layout_for(self, row_numel: int, what: str) -> BlockLayout | None:
         """The aligned layout if a row of this call's buffer is the one it was derived for."""
@@ -159,29 +192,38 @@ class ZeroppAllGather(_ZeroppComm, AllGather):
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> dist.Work | None:
-        topology = self._topologies.of(group)
         if self._quantized and group is self._topologies.shard_group:
             if input_tensor.dtype in SUPPORTED_DTYPES:
                 layout = self._layout_for(input_tensor.numel(), "weight all-gather")
                 if layout is None:
-                    result = all_gather_q8(
-                        output_tensor, input_tensor, group, async_op, group_size=self._group_size, topology=topology
-                    )
-                    return as_work(result)
-                return as_work(self._gather_aligned(layout, output_tensor, input_tensor, group, async_op, topology))
+                    return as_work(self._gather(output_tensor, input_tensor, group, async_op))
+                return as_work(self._gather_aligned(layout, output_tensor, input_tensor, group, async_op))
             if input_tensor.dtype == torch.uint8:
                 self._warn("weight all-gather", "parameters of several dtypes, gathered as one uint8 buffer")
             else:
                 self._warn("weight all-gather", f"no quantized form: {input_tensor.dtype}")
-        return all_gather_into_tensor(output_tensor, input_tensor, group, async_op, topology=topology)
+        return all_gather_into_tensor(output_tensor, input_tensor, group, async_op, topology=self._topologies.of(group))
 
-    def _gather_aligned(self, layout, output, input, group, async_op, topology) -> Handle | None:
+    def _gather(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+                ) -> Handle | None:
+        """qwZ through this comm's prepared call for these tensors ([Note: a comm's prepared calls]);
+        tensors a prepared call does not take (not plain contiguous tensors) go through
+        :func:`zcomm.all_gather_q8`, which says what is wrong with them or gathers them."""
+        if not _plain(output, input):
+            return all_gather_q8(output, input, group, async_op, group_size=self._group_size,
+                                 topology=self._topologies.of(group))  # fmt: skip
+        key = (group, output.numel(), input.numel(), input.dtype, output.dtype, input.device, output.device)
+        prepared = self._prepared_call(key, lambda: prepare_all_gather_q8(
+            output, input, group, group_size=self._group_size, topology=self._topologies.of(group)))
+        return prepared(output, input, async_op=async_op)
+
+    def _gather_aligned(self, layout, output, input, group, async_op) -> Handle | None:
         """qwZ through the aligned staging copies ([Note: aligned staging]): FSDP2's in-place
         ``input`` is read into the staged input before ``output`` is written."""
-        world = topology.world_size
         staged_in = layout.pad(input, rows=1)
+        world = self._topologies.of(group).world_size
         staged_out = torch.empty(world * staged_in.numel(), dtype=output.dtype, device=output.device)
-        result = all_gather_q8(staged_out, staged_in, group, async_op, group_size=self._group_size, topology=topology)
+        result = self._gather(staged_out, staged_in, group, async_op)
         return _then_unpad(result, layout, staged_out, output, rows=world)
 
 
@@ -206,23 +248,36 @@ class ZeroppReduceScatter(_ZeroppComm, ReduceScatter):
         op: dist.ReduceOp,
         async_op: bool = False,
     ) -> dist.Work | None:
-        topology = self._topologies.of(group)
         if self._quantized:
             if input_tensor.dtype in SUPPORTED_DTYPES:
                 layout = self._layout_for(output_tensor.numel(), "gradient reduce-scatter")
                 if layout is None:
-                    result = reduce_scatter_q4(
-                        output_tensor, input_tensor, op, group, async_op,
-                        group_size=self._group_size, topology=topology, **self._qgz,
-                    )  # fmt: skip
-                    return as_work(result)
-                return as_work(self._reduce_aligned(layout, output_tensor, input_tensor, op, group, async_op, topology))
+                    return as_work(self._reduce(output_tensor, input_tensor, op, group, async_op, None))
+                return as_work(self._reduce_aligned(layout, output_tensor, input_tensor, op, group, async_op))
             self._warn("gradient reduce-scatter", f"no quantized form: {input_tensor.dtype}")
-        return reduce_scatter_tensor(output_tensor, input_tensor, op, group, async_op, topology=topology)
+        return reduce_scatter_tensor(output_tensor, input_tensor, op, group, async_op,
+                                     topology=self._topologies.of(group))  # fmt: skip
 
-    def _reduce_aligned(self, layout, output, input, op, group, async_op, topology) -> Handle | None:
+    def _reduce(self, output: torch.Tensor, input: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup,
+                async_op: bool, stages: int | None) -> Handle | None:
+        """qgZ through this comm's prepared call for these tensors and op ([Note: a comm's prepared
+        calls]); an op or tensors a prepared call cannot be keyed by go through
+        :func:`zcomm.reduce_scatter_q4`, which says what is wrong with them or reduces them."""
+        op_key = _op_key(op)
+        if op_key is None or not _plain(output, input):
+            return reduce_scatter_q4(output, input, op, group, async_op, group_size=self._group_size,
+                                     pipeline_stages=stages, topology=self._topologies.of(group), **self._qgz)
+        key = (group, output.numel(), input.numel(), input.dtype, output.dtype, input.device, output.device, op_key,
+               stages)
+        prepared = self._prepared_call(key, lambda: prepare_reduce_scatter_q4_coalesced(
+            [output], [input], op, group, group_size=self._group_size, pipeline_stages=stages,
+            topology=self._topologies.of(group), **self._qgz))
+        return prepared([output], [input], async_op=async_op)
+
+    def _reduce_aligned(self, layout, output, input, op, group, async_op) -> Handle | None:
         """qgZ through the aligned staging copies, with the pipeline stage count fixed before the
         rows are padded, so that every stage's part starts at a multiple of the alignment."""
+        topology = self._topologies.of(group)
         world = topology.world_size
         stages = self._stages.get((group, input.dtype))
         if stages is None:
@@ -231,11 +286,27 @@ class ZeroppReduceScatter(_ZeroppComm, ReduceScatter):
             self._stages[(group, input.dtype)] = stages
         staged_in = layout.pad(input, rows=world, stages=stages)
         staged_out = torch.empty(staged_in.numel() // world, dtype=output.dtype, device=output.device)
-        result = reduce_scatter_q4(
-            staged_out, staged_in, op, group, async_op,
-            group_size=self._group_size, pipeline_stages=stages, topology=topology, **self._qgz,
-        )  # fmt: skip
+        result = self._reduce(staged_out, staged_in, op, group, async_op, stages)
         return _then_unpad(result, layout, staged_out, output, rows=1)
+
+
+def _plain(output: torch.Tensor, input: torch.Tensor) -> bool:
+    """Whether both are plain contiguous tensors, as a prepared call takes them."""
+    return (type(output) is torch.Tensor and type(input) is torch.Tensor and output.is_contiguous()
+            and input.is_contiguous())  # fmt: skip
+
+
+def _op_key(op: dist.ReduceOp) -> Hashable | None:
+    """What a reduce-scatter's result depends on in ``op``: SUM or AVG (the enum value, whether
+    passed as such or wrapped in a ``ReduceOp``) or PREMUL_SUM with its Python float factor;
+    None for anything else (an op the collective rejects, a tensor factor)."""
+    inner = getattr(op, "op", op)
+    if inner == dist.ReduceOp.PREMUL_SUM:
+        factor = getattr(op, "factor", None)
+        return (dist.ReduceOp.PREMUL_SUM, factor) if type(factor) is float else None
+    if inner == dist.ReduceOp.SUM or inner == dist.ReduceOp.AVG:
+        return inner
+    return None
 
 
 def _then_unpad(

@@ -88,6 +88,7 @@ of ``flat.split(sizes)``) are written in place, others through one buffer of thi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Callable, Literal, NamedTuple
 
@@ -96,7 +97,7 @@ import torch.distributed as dist
 
 from . import quant
 from ._contract import GroupInfo, Handle
-from ._chain_runner import run_chain
+from ._chain_runner import chain_worker, run_chain
 from ._error_feedback import ErrorFeedback, reordered_input
 from ._hadamard import check_hadamard_block, rotate_back_, rotated_input
 from ._groups import NodeGroups, node_groups
@@ -104,7 +105,7 @@ from ._pipeline import MAX_DEFAULT_STAGES, STAGE_BYTES, check_stages, default_st
 from ._plan_cache import cached_plan
 from ._prologue import coalesced_key, prologue_coalesced, prologue_coalesced_once, prologue_once
 from ._slice_reorder import first_hop_rows, reorder_permutation
-from .comm_stats import record
+from .comm_stats import StatsRow, stats_row
 from .quant import _contract, _registry
 from .topology import Topology
 
@@ -145,6 +146,9 @@ class _Shape(NamedTuple):
     requant_nbytes: int  # bytes of one of step 3's re-quantized rows
     hadamard_block: int | None  # see [Note: Hadamard smoothing] in zcomm._hadamard
     feedback_geometry: tuple[int, ...]  # what an ErrorFeedback is bound to
+    # resolved once, used per call: [Note: held stats rows], [Note: held workers]
+    stats: StatsRow
+    worker: ThreadPoolExecutor | None
 
 
 def default_pipeline_stages(input_nbytes: int, slice_numel: int, topology: Topology) -> int:
@@ -293,12 +297,12 @@ def _run(shape: _Shape, divide_by: float, feedback: ErrorFeedback | None, output
     """Run the planned collective on checked tensors: count it, then hand its chain to the runner."""
     if feedback is not None:
         feedback.bind(shape.feedback_geometry)
-    record("reduce_scatter_q4", *shape.bytes_sent)
+    shape.stats.add(*shape.bytes_sent)
     if shape.stages * shape.part == 0:
         return Handle(finish=lambda: None, ready=lambda: True) if async_op else None
     flat = [input if input.dim() == 1 else input.view(-1) for input in inputs]
     chain = partial(_chain, shape, divide_by, feedback, outputs, flat)
-    return run_chain(chain, shape.info, "reduce", (*outputs, *inputs), async_op)
+    return run_chain(chain, shape.info, "reduce", (*outputs, *inputs), async_op, shape.worker)
 
 
 class PreparedReduceScatterQ4:
@@ -422,7 +426,8 @@ def _make_shape(
     requant_nbytes = quant.payload_nbytes(part, _BITS, concrete_group_size)
     geometry = (stages * part, info.world_size, topology.num_nodes, stages, concrete_group_size)
     return _Shape(info, node_groups(info.group, topology, "reduce"), stages, part, concrete_group_size, first_bits,
-                  perm, num_rows, bytes_sent, kernels, row_nbytes, requant_nbytes, hadamard_block, geometry)
+                  perm, num_rows, bytes_sent, kernels, row_nbytes, requant_nbytes, hadamard_block, geometry,
+                  stats_row("reduce_scatter_q4"), chain_worker(info, "reduce", device))
 
 
 def _bytes_sent(topology: Topology, k: int, q: int, group_size: int, first_bits: int) -> tuple[int, int]:

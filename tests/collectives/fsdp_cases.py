@@ -383,15 +383,25 @@ def check_aligned_layout(rank: int, mesh, topology: zcomm.Topology) -> None:
         owner[offset : offset + n] = index
     assert all(len(set(owner[s : s + group_size].tolist()) - {-1}) <= 1 for s in range(0, row, group_size))
     seen: dict[str, list[torch.Tensor]] = {"gather": [], "reduce": []}
-    real_gather, real_reduce = zcomm.fsdp.all_gather_q8, zcomm.fsdp.reduce_scatter_q4
+    real_gather, real_reduce = zcomm.fsdp.prepare_all_gather_q8, zcomm.fsdp.prepare_reduce_scatter_q4_coalesced
 
-    def gather(output, input, *args, **kwargs):
-        seen["gather"].append(input.detach().clone())
-        return real_gather(output, input, *args, **kwargs)
+    def gather(*args, **kwargs):  # the comm's prepared calls, recording what each call reads
+        prepared = real_gather(*args, **kwargs)
 
-    def reduce(output, input, *args, **kwargs):
-        seen["reduce"].append(input.detach().clone())
-        return real_reduce(output, input, *args, **kwargs)
+        def call(output, input, **call_kwargs):
+            seen["gather"].append(input.detach().clone())
+            return prepared(output, input, **call_kwargs)
+
+        return call
+
+    def reduce(*args, **kwargs):
+        prepared = real_reduce(*args, **kwargs)
+
+        def call(outputs, inputs, **call_kwargs):
+            seen["reduce"].append(inputs[0].detach().clone())
+            return prepared(outputs, inputs, **call_kwargs)
+
+        return call
 
     losses = []
     for zeropp in (False, True):
@@ -399,13 +409,13 @@ def check_aligned_layout(rank: int, mesh, topology: zcomm.Topology) -> None:
         shards = [p.to_local().detach().reshape(-1).clone() for p in model.parameters()]
         if zeropp:
             zcomm.fsdp.enable_zeropp(model, topology=topology)
-            zcomm.fsdp.all_gather_q8, zcomm.fsdp.reduce_scatter_q4 = gather, reduce
+            zcomm.fsdp.prepare_all_gather_q8, zcomm.fsdp.prepare_reduce_scatter_q4_coalesced = gather, reduce
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 losses.append(_train_wide(model, rank))
         finally:
-            zcomm.fsdp.all_gather_q8, zcomm.fsdp.reduce_scatter_q4 = real_gather, real_reduce
+            zcomm.fsdp.prepare_all_gather_q8, zcomm.fsdp.prepare_reduce_scatter_q4_coalesced = real_gather, real_reduce
     assert not [w for w in caught if "zcomm" in str(w.message)], [str(w.message) for w in caught]
     assert len(seen["gather"]) == 2 and len(seen["reduce"]) == 2, {k: len(v) for k, v in seen.items()}
     staged = seen["gather"][0]
@@ -468,15 +478,21 @@ def check_aligned_error(rank: int, mesh, topology: zcomm.Topology) -> None:
 
 def check_qgz_options(rank: int, mesh, topology: zcomm.Topology) -> None:
     """``enable_zeropp``'s qgZ options reach every unit's reduce-scatter in a real backward:
-    ``first_hop_bits`` (8 unless given) and ``hadamard_block``, recorded from the calls FSDP2
-    makes (through the real collective), on the packed and the aligned path."""
-    real, seen = zcomm.fsdp.reduce_scatter_q4, []
+    ``first_hop_bits`` (8 unless given) and ``hadamard_block``, given to the comm's prepared
+    call and recorded on every call FSDP2 makes through it (the real collective runs), on the
+    packed and the aligned path."""
+    real, seen = zcomm.fsdp.prepare_reduce_scatter_q4_coalesced, []
 
     def recording(*args, **kwargs):
-        seen.append((kwargs["first_hop_bits"], kwargs["hadamard_block"]))
-        return real(*args, **kwargs)
+        prepared, options = real(*args, **kwargs), (kwargs["first_hop_bits"], kwargs["hadamard_block"])
 
-    zcomm.fsdp.reduce_scatter_q4 = recording
+        def call(*call_args, **call_kwargs):
+            seen.append(options)
+            return prepared(*call_args, **call_kwargs)
+
+        return call
+
+    zcomm.fsdp.prepare_reduce_scatter_q4_coalesced = recording
     try:
         for options, expected in (({}, (8, None)), ({"first_hop_bits": 4}, (4, None)),
                                   ({"hadamard_block": 16, "align_blocks": False}, (8, 16))):  # fmt: skip
@@ -486,7 +502,7 @@ def check_qgz_options(rank: int, mesh, topology: zcomm.Topology) -> None:
             _loss(model, 0, rank).backward()
             assert seen == [expected] * len(_units(model)), (options, seen)
     finally:
-        zcomm.fsdp.reduce_scatter_q4 = real
+        zcomm.fsdp.prepare_reduce_scatter_q4_coalesced = real
 
 
 def check_hsdp_rejected(rank: int, topology: zcomm.Topology) -> None:

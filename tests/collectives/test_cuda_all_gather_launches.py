@@ -6,7 +6,7 @@ is one call per collective; pipelined in ``k`` chunks ([Note: qwZ pipeline]) one
 chunk (``k``, not one per rank and chunk), so a chunk is dequantized while the next one is
 on the wire. Runs on 4 gloo
 ranks (CPU: the call count is the same on every backend) with the topologies 1x4, 2x2 and
-4x1, counting the ``cpu`` backend's dequantize kernel launches and comparing the output, bit for bit, with
+4x1, counting the ``cpu`` backend's dequantize kernel launches (small or parallel) and comparing the output, bit for bit, with
 the payloads gathered by torch in rank order and dequantized by the reference backend.
 """
 
@@ -33,7 +33,9 @@ def _count_dequantize_calls(rank: int, world: int) -> list[int]:
 
         return launch
 
-    cpu._dequantize_kernel = counting(cpu._dequantize_kernel)  # the collective calls the backend directly
+    # the collective calls the backend directly, which runs a small dequantize by address, a large one parallel
+    cpu._dequantize_kernel = counting(cpu._dequantize_kernel)
+    cpu._dequantize_small_kernel = counting(cpu._dequantize_small_kernel)
     per_call = []
     for local_size in (4, 2, 1):
         topology = zcomm.Topology(world_size=world, local_size=local_size)

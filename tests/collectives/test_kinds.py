@@ -37,27 +37,34 @@ NUMEL = 4 * 1000
 class _Blocker:
     """Makes the first quantization of ``op``'s chain wait for :meth:`release` (on the slow rank).
 
-    The collectives call the ``cpu`` backend's kernels directly, and both ``quantize`` (qwZ)
-    and ``reorder_quantize`` (qgZ) run its ``_quantize_into``: that is wrapped, and only a call
-    on the worker of ``op``'s kind is held.
+    The collectives call the ``cpu`` backend's kernels directly: ``reorder_quantize`` (qgZ)
+    runs its ``_quantize_into``, ``quantize`` (qwZ) that or, for a small payload, its
+    ``_quantize_small_kernel``: both are wrapped, and only a call on the worker of ``op``'s
+    kind is held.
     """
+
+    _WRAPPED = ("_quantize_into", "_quantize_small_kernel")
 
     def __init__(self, op: str, rank: int) -> None:
         from zcomm.quant.backends import cpu
 
-        self.module, self.original = cpu, cpu._quantize_into
+        self.module, self.originals = cpu, {name: getattr(cpu, name) for name in self._WRAPPED}
         self.worker = "zcomm-worker-" + ("reduce" if op == "reorder_quantize" else "gather")
         self.released = threading.Event()
         self.armed = rank == SLOW_RANK
 
     def __enter__(self) -> _Blocker:
-        def blocked(*args):
-            if self.armed and threading.current_thread().name.startswith(self.worker):
-                self.armed = False
-                self.released.wait(RELEASE_TIMEOUT_S)
-            return self.original(*args)
+        def blocking(original):  # noqa: ANN001, ANN202
+            def blocked(*args):
+                if self.armed and threading.current_thread().name.startswith(self.worker):
+                    self.armed = False
+                    self.released.wait(RELEASE_TIMEOUT_S)
+                return original(*args)
 
-        self.module._quantize_into = blocked
+            return blocked
+
+        for name, original in self.originals.items():
+            setattr(self.module, name, blocking(original))
         return self
 
     def release(self) -> None:
@@ -65,7 +72,8 @@ class _Blocker:
 
     def __exit__(self, *exc: object) -> None:
         self.released.set()
-        self.module._quantize_into = self.original
+        for name, original in self.originals.items():
+            setattr(self.module, name, original)
 
 
 def _inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor]:

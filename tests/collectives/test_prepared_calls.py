@@ -99,3 +99,31 @@ def test_prepared_calls_enter_fewer_frames(gloo_world) -> None:
     x, full = torch.randn(1000), torch.empty(1000)
     gather = prepare_all_gather_q8(full, x)
     assert _count(lambda: gather(full, x)) <= _count(lambda: zcomm.all_gather_q8(full, x)) - 5
+
+
+def test_plans_hold_their_worker_and_stats_row(gloo_world) -> None:
+    """A plan resolves its CPU worker and its stats row once ([Note: held workers], [Note: held
+    stats rows]): the worker is the group's FIFO executor of the kind, and reset_comm_stats()
+    zeroes the held rows in place, so calls after a reset are counted from zero."""
+    from zcomm import _chain_runner
+    from zcomm.topology import Topology
+
+    x, out = torch.randn(1024), torch.empty(1024)
+    gather = prepare_all_gather_q8(out, x)
+    inputs, flat = _bucket(0)
+    reduce = prepare_reduce_scatter_q4_coalesced(list(flat.split(SIZES)), inputs)
+    one = Topology(world_size=1, local_size=1)
+    assert gather._plan.worker is _chain_runner._ordered_worker(dist.group.WORLD, one, "gather")
+    assert reduce._shape.worker is _chain_runner._ordered_worker(dist.group.WORLD, one, "reduce")
+    zcomm.reset_comm_stats()
+    gather(out, x)
+    zcomm.all_gather_q8(out, x)
+    reduce(list(flat.split(SIZES)), inputs)
+    assert zcomm.comm_stats()["all_gather_q8"].calls == 2 and zcomm.comm_stats()["reduce_scatter_q4"].calls == 1
+    zcomm.reset_comm_stats()
+    assert "all_gather_q8" not in zcomm.comm_stats() and "reduce_scatter_q4" not in zcomm.comm_stats()
+    gather(out, x)
+    reduce(list(flat.split(SIZES)), inputs)
+    zcomm.reduce_scatter_q4_coalesced(list(flat.split(SIZES)), inputs)
+    stats = zcomm.comm_stats()
+    assert stats["all_gather_q8"] == zcomm.OpStats(1, 0, 0) and stats["reduce_scatter_q4"].calls == 2, stats

@@ -283,6 +283,40 @@ def _reorder_quantize_kernel(like, sources, part_numel, numel, perm, bits, group
         _encode_group(buf, n, bits, values, start, scales, g)
 
 
+@njit(cache=True, nogil=True, error_model="numpy")
+def _quantize_small_kernel(like, address, numel, bits, group_size, payload_like, payload_address, nbytes):
+    """The payload of ``numel`` elements at ``address`` (of ``like``'s kernel dtype), written to the
+    ``nbytes`` bytes at ``payload_address``, padding zeroed: ``quantize`` below
+    :data:`_SERIAL_NUMEL`, serial ([Note: small quantize by address])."""
+    x = numba.carray(_pointer(address, like), numel)
+    payload = numba.carray(_pointer(payload_address, payload_like), nbytes)
+    values, scales = _payload_parts(payload, numel, bits)
+    payload[values.size : nbytes - 4 * scales.size] = 0
+    buf = np.empty(group_size, np.float32)
+    for g in range((numel + group_size - 1) // group_size):
+        start = g * group_size
+        n = min(group_size, numel - start)
+        for j in range(n):
+            buf[j] = load_f32(x, start + j)
+        _encode_group(buf, n, bits, values, start, scales, g)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _dequantize_small_kernel(payload_like, payload_address, rows, nbytes, bits, group_size, like, address, numel):
+    """``dequantize`` of ``rows`` payloads of ``nbytes`` bytes at ``payload_address`` into the
+    ``rows * numel`` elements (of ``like``'s kernel dtype) at ``address``, serial ([Note: small
+    quantize by address])."""
+    payloads = numba.carray(_pointer(payload_address, payload_like), (rows, nbytes))
+    out = numba.carray(_pointer(address, like), rows * numel)
+    buf = np.empty(group_size, np.float32)
+    for r in range(rows):
+        for g in range((numel + group_size - 1) // group_size):
+            start = g * group_size
+            n = min(group_size, numel - start)
+            _sum_rows(payloads[r : r + 1], numel, bits, group_size, start, n, np.float32(1), buf)
+            _store(buf, n, out, r * numel + start)
+
+
 @njit(**_KERNEL)
 def _dequantize_kernel(payloads, bits, group_size, out):
     """``out[r * numel : (r + 1) * numel]`` = payload row ``r`` dequantized."""
@@ -387,9 +421,25 @@ def _fp32(divide_by: float) -> np.float32:
     return np.float32(torch.tensor(divide_by, dtype=torch.float32).item())
 
 
+_BYTES_LIKE = np.empty(0, np.uint8)  # ``like`` of a payload's bytes
+
+
 @implements("quantize", "cpu")
 def quantize(x: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> None:
-    _quantize_into((x,), 1, x.numel(), None, bits, group_size, out.view(1, -1))
+    """The payload of ``x`` in ``out``: by address below :data:`_SERIAL_NUMEL`, else through ``_quantize_into``.
+
+    [Note: small quantize by address] A small payload (the collectives' chunks, single
+    parameters) is quantized by the serial kernel from the two tensors' addresses and sizes,
+    plain integers: no numpy view of either tensor is built per call (each view and its
+    unboxing into numba costs microseconds, as much as the kernel's work at 1K elements).
+    The contract guarantees what the views would have checked (contiguous tensors of the
+    payload's size, on the CPU), and the caller holds both tensors for the call."""
+    numel = x.numel()
+    if numel < _SERIAL_NUMEL:
+        _quantize_small_kernel(_like(x.dtype), x.data_ptr(), numel, bits, group_size, _BYTES_LIKE, out.data_ptr(),
+                               out.numel())
+        return
+    _quantize_into((x,), 1, numel, None, bits, group_size, out.view(1, -1))
 
 
 @implements("reorder_quantize", "cpu")
@@ -408,8 +458,10 @@ def reorder_quantize(
 
 @implements("dequantize", "cpu")
 def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, out: torch.Tensor) -> None:
-    # always parallel: its serial build measured ~7 ms per call at 1K-4K elements on the shared
-    # 2-core machine (the parallel one too at 1K; unexplained), so it is not used
+    if numel * payloads.shape[0] < _SERIAL_NUMEL:  # by address ([Note: small quantize by address])
+        _dequantize_small_kernel(_BYTES_LIKE, payloads.data_ptr(), payloads.shape[0], payloads.shape[1], bits,
+                                 group_size, _like(out.dtype), out.data_ptr(), numel)
+        return
     _use_thread_share()
     _dequantize_kernel(shared_array(payloads), bits, group_size, kernel_view(out.detach()))
 
