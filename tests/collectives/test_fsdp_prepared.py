@@ -4,12 +4,12 @@ run neither the prologue nor a plan lookup, and give the bytes of the collective
 
 from __future__ import annotations
 
-import sys
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from frame_count import entered_functions
 import zcomm
 import zcomm.fsdp
 from zcomm import _fsdp_blocks
@@ -23,18 +23,7 @@ _RESOLVING = (":prologue", ":prologue_once", ":prologue_coalesced", ":prologue_c
 
 def _frames(call: Callable[[], object]) -> list[str]:
     """The Python functions one ``call()`` enters on this thread."""
-    entered: list[str] = []
-
-    def profile(frame, event, arg) -> None:
-        if event == "call":
-            entered.append(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}")
-
-    sys.setprofile(profile)
-    try:
-        call()
-    finally:
-        sys.setprofile(None)
-    return entered
+    return entered_functions(call)
 
 
 def _resolving(entered: list[str]) -> list[str]:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import zcomm.quant as q
+from frame_count import entered_functions
 
 NUMEL = 1024
 
@@ -25,17 +26,7 @@ NUMEL = 1024
 def _frames(call: Callable[[], object]) -> list[str]:
     """The Python functions one ``call()`` enters (C functions are not counted)."""
     call()  # warm: numba compiled, backend loaded, caches filled
-    entered: list[str] = []
-
-    def profile(frame, event, arg) -> None:
-        if event == "call":
-            entered.append(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}")
-
-    sys.setprofile(profile)
-    try:
-        call()
-    finally:
-        sys.setprofile(None)
+    entered = entered_functions(call)
     assert entered[0].endswith("<lambda>"), entered
     return entered[1:]  # the frames of the call itself, without this test's lambda
 
