@@ -19,10 +19,15 @@ def _run_both(numel: int, cls, *, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_
     out = torch.empty(numel, dtype=out_dtype) if out_dtype is not None else None
     hyper = AdamHyper(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay,
                       decoupled=cls is torch.optim.AdamW)
+    threads = torch.get_num_threads()
     for step in range(1, steps + 1):
         grad = torch.randn(numel, generator=gen) * 10 ** float(torch.randint(-4, 1, (1,), generator=gen))
         reference.grad = grad.clone()
-        opt.step()
+        torch.set_num_threads(1)  # torch's sqrt on one thread, as the kernel's ([Note: torch's CPU sqrt])
+        try:
+            opt.step()
+        finally:
+            torch.set_num_threads(threads)
         adam_step(param, grad, exp_avg, exp_avg_sq, hyper=hyper, step=float(step), out=out)
     state = opt.state[reference]
     return (param, exp_avg, exp_avg_sq, out), (reference.detach(), state["exp_avg"], state["exp_avg_sq"])

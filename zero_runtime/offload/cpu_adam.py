@@ -172,10 +172,19 @@ def _update(p, m, root, decoupled, decay, bc2_sqrt, eps, neg_step):
 # libtorch_cpu exports. Which routine reproduces ``torch.sqrt`` is checked once per process
 # on a probe vector; a torch without MKL (whose sqrt is then the vectorized, correctly
 # rounded one) gets numba's ``np.sqrt``. If neither reproduces torch, the step is still
-# correct Adam but not bit-identical: ``SQRT_MATCHES_TORCH`` says which case holds.
+# correct Adam but not bit-identical: ``SQRT_MATCHES_TORCH`` says which case holds. The probe
+# takes torch's result on one thread, as the kernel calls the routine on one: with more, torch
+# splits the vector into chunks for its OpenMP threads, and in a few percent of the processes
+# on a 2-vCPU VM one chunk came out different (4096 of 8195 elements, several ulps; the cause
+# is inside torch/MKL), which made the probe reject the routine for the whole process.
 def _probe_sqrt() -> tuple[int, bool]:
     values = torch.rand(4 * _BLOCK + 3, generator=torch.Generator().manual_seed(0)) * 1e-3
-    want = values.sqrt()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = values.sqrt()
+    finally:
+        torch.set_num_threads(threads)
     address = _mkl_vssqrt_address()
     if address:
         got = values.clone()
