@@ -148,13 +148,23 @@ REORDER_CASES = [
 ]
 
 
+def _divisors(wide: bool, slice_numel: int, part_numel: int | None = None) -> str:
+    """The reordering kernels' divisor arguments as the launcher computes them, for host_check."""
+    values = [int(wide), *cuda_launch.magic_divisor(slice_numel, wide)]
+    if part_numel is not None:
+        values += cuda_launch.magic_divisor(part_numel, wide)
+    return ",".join(map(str, values))
+
+
+@pytest.mark.parametrize("wide", (0, 1), ids=("idx32", "idx64"))
 @pytest.mark.parametrize("misalign", (0, 1))
 @pytest.mark.parametrize("bits", (8, 4))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("numel,perm,num_chunks,group_size", REORDER_CASES)
-def test_reorder_quantize(host_check, tmp_path, dtype, bits, numel, perm, num_chunks, group_size, misalign):
+def test_reorder_quantize(host_check, tmp_path, dtype, bits, numel, perm, num_chunks, group_size, misalign, wide):
     x = make_hard_input(numel, group_size, dtype, bits, seed=numel)
-    args = ["reorder", DTYPE_TAG[dtype], bits, group_size, misalign, num_chunks, ",".join(map(str, perm))]
+    args = ["reorder", DTYPE_TAG[dtype], bits, group_size, misalign, num_chunks, ",".join(map(str, perm)),
+            _divisors(wide, numel // len(perm))]
     ran = _run(host_check, tmp_path, args, x)
     assert ran.out == _bytes(zq.reorder_quantize(x, perm, num_chunks, bits, group_size, backend="reference"))
     chunk, row = numel // num_chunks, zq.payload_nbytes(numel // num_chunks, bits, group_size)
@@ -188,11 +198,18 @@ def test_reorder_quantize_interleaved(
     host_check, tmp_path, dtype, bits, parts, widths, part_numel, perm, num_chunks, group_size, misalign
 ):
     """The interleaved form ([Note: interleaved input]): tensors in separate buffers, read through the table."""
+    _check_interleaved(host_check, tmp_path, dtype, bits, parts, widths, part_numel, perm, num_chunks, group_size,
+                       misalign, wide=False)
+
+
+def _check_interleaved(host_check, tmp_path, dtype, bits, parts, widths, part_numel, perm, num_chunks, group_size,
+                       misalign, wide):
     if bits == 4 and group_size % 2:
         pytest.skip("INT4 needs an even group size")
     xs = [make_hard_input(parts * w, group_size, dtype, bits, seed=k + w) for k, w in enumerate(widths)]
+    numel = parts * part_numel
     args = ["interleave", DTYPE_TAG[dtype], bits, group_size, misalign, num_chunks, ",".join(map(str, perm)), parts,
-            part_numel, ",".join(map(str, widths))]  # fmt: skip
+            part_numel, ",".join(map(str, widths)), _divisors(wide, numel // len(perm), part_numel)]  # fmt: skip
     ran = _run(host_check, tmp_path, args, torch.cat(xs))
     expected = zq.reorder_quantize(
         xs, perm, num_chunks, bits, group_size, parts=parts, part_numel=part_numel, backend="reference"
@@ -200,9 +217,98 @@ def test_reorder_quantize_interleaved(
     assert ran.out == _bytes(expected)
     chunk = parts * part_numel // num_chunks
     row = zq.payload_nbytes(chunk, bits, group_size)
-    assert ran.vec == (not misalign and group_size % 8 == 0 and chunk % 8 == 0 and row % _run_bytes(bits) == 0)
+    # misalign 2 shifts the tensors only: the output keeps the encoder's vector layout
+    assert ran.vec == (misalign != 1 and group_size % 8 == 0 and chunk % 8 == 0 and row % _run_bytes(bits) == 0)
     assert ran.tiles == _tiles(min(group_size, chunk))
     assert ran.regs == _regs(ran.vec, min(group_size, chunk))
+
+
+# [Note: stretches] in sources.cuh: cases whose runs of 8 cross every kind of boundary of the
+# reordering sources' index arithmetic, on both index paths ([Note: magic division]):
+# (parts, widths, part_numel, perm, num_chunks, group_size)
+STRETCH_CASES = [
+    # slices of 12 (runs cross slice ends), 5 tensors of uneven widths, one empty, a fill of 7
+    (3, (5, 13, 0, 40, 7), 72, (17, 3, 0, 9, 12, 1, 16, 5, 8, 2, 15, 4, 11, 6, 14, 7, 10, 13), 3, 24),
+    # one tensor and a fill (reduce_scatter_q4's padded slices): pieces end off run boundaries
+    (4, (37,), 48, (5, 2, 0, 4, 1, 3), 2, 32),
+    # a vector-aligned piece of 15 in a part of 16: a run of 8 that would overrun it by one element
+    (4, (15,), 16, (0, 2, 1, 3), 2, 32),
+    # widths that are whole runs: every run one vector load; a fill of one run; slices of 88
+    (2, (64, 8, 0, 24, 160), 264, (4, 1, 5, 0, 3, 2), 2, 88),
+    # a bucket with large and small tensors, groups of 256 held in registers (8-lane teams)
+    (4, (1000, 24, 3, 512, 77), 1632, (3, 0, 2, 1), 4, 256),
+    # streamed teams (groups past the registers) and the tile scheme, across pieces and the fill
+    (2, (3000, 1000, 91), 4096, (1, 0, 3, 2), 2, 2048),
+    (2, (5000, 3, 4100), 9112, (1, 0), 2, 9112),
+]
+
+
+@pytest.mark.parametrize("wide", (0, 1), ids=("idx32", "idx64"))
+@pytest.mark.parametrize("misalign", (0, 1, 2))
+@pytest.mark.parametrize("bits", (8, 4))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("parts,widths,part_numel,perm,num_chunks,group_size", STRETCH_CASES)
+def test_reorder_stretches(
+    host_check, tmp_path, dtype, bits, parts, widths, part_numel, perm, num_chunks, group_size, misalign, wide
+):
+    """Byte identity of InterleavedSource's stretches at slice, part and piece ends and in the fill, with
+    tensors at differing alignments (misalign 2), on the 32- and the 64-bit index path."""
+    _check_interleaved(host_check, tmp_path, dtype, bits, parts, widths, part_numel, perm, num_chunks, group_size,
+                       misalign, wide=bool(wide))
+
+
+def _numerators(divisor: int, bound: int) -> list[int]:
+    """Numerators below 2^bound at the edges of [Note: magic division]'s range and the divisor's multiples."""
+    top = 2**bound
+    near = [0, 1, divisor - 1, divisor, divisor + 1, 2 * divisor - 1, top - 1, top - 2, top - divisor,
+            (top - 1) // divisor * divisor, (top - 1) // divisor * divisor - 1]  # fmt: skip
+    rng = torch.Generator().manual_seed(divisor % 2**63)
+    spread = [int(torch.randint(0, 2**62, (), generator=rng)) % top for _ in range(8)]
+    return sorted({n for n in near + spread if 0 <= n < top})
+
+
+MAGIC_DIVISORS = [1, 2, 3, 5, 7, 8, 12, 24, 88, 641, 1632, 2**16 + 1, 6700417, 2**31 - 1, 2**31]
+WIDE_DIVISORS = MAGIC_DIVISORS + [2**31 + 1, 3 * 2**40 + 7, 2**62 + 1, 2**63 - 1, 2**63]
+
+
+@pytest.mark.parametrize("wide", (False, True), ids=("idx32", "idx64"))
+def test_magic_divisor_is_exact(host_check, wide):
+    """[Note: magic division]: the launcher's multiplier and shift, applied by MagicDivisor (the kernels'
+    header, compiled for the host), give Python's n // d at the ends of the range of each index path."""
+    bound = 63 if wide else 31
+    for divisor in WIDE_DIVISORS if wide else MAGIC_DIVISORS:
+        magic, shift = cuda_launch.magic_divisor(divisor, wide)
+        assert 0 < magic < 2 ** (bound + 1) and 0 <= shift <= bound, divisor
+        ns = _numerators(divisor, bound)
+        # the formula itself, in Python's integers: mul_high(2n, m) >> l on words of bound + 1 bits
+        assert [((2 * n * magic) >> (bound + 1)) >> shift for n in ns] == [n // divisor for n in ns], divisor
+        done = subprocess.run([str(host_check), "divide", str(int(wide)), str(divisor), str(magic), str(shift),
+                               ",".join(map(str, ns))], check=True, capture_output=True, text=True)  # fmt: skip
+        assert list(map(int, done.stdout.split())) == [n // divisor for n in ns], divisor
+
+
+def test_magic_divisor_rejects_divisors_past_its_range():
+    with pytest.raises(AssertionError):
+        cuda_launch.magic_divisor(2**31 + 1, wide=False)
+    with pytest.raises(AssertionError):
+        cuda_launch.magic_divisor(0, wide=True)
+
+
+@pytest.mark.parametrize("flat", (True, False), ids=("perm", "interleaved"))
+def test_reorder_index_path_is_chosen_by_size(flat):
+    """Inputs of up to 2^31 elements take the 32-bit kernels, larger ones the 64-bit (``_wide``) ones,
+    with the multipliers of their path ([Note: magic division]); sizes only, nothing allocated."""
+    for parts, part_numel, wide in ((2, 2**30, False), (4, 2**30, True), (3, 2**31 + 8, True), (1, 96, False)):
+        slices, chunks, group = 2, 2, 256
+        key = (torch.bfloat16, 8, 0, flat, 1 if flat else 3, parts, part_numel, slices, chunks, group, 0)
+        name, jobs, extent, slice_args, part_args, layout = cuda_launch._resolve_reorder(key)
+        kind = "quantize" if flat else "interleaved"
+        assert name == f"zc_reorder_{kind}{'_wide' if wide else ''}_bf16_int8", (parts, part_numel)
+        numel = parts * part_numel
+        assert [int(a) for a in slice_args] == [numel // slices, *cuda_launch.magic_divisor(numel // slices, wide)]
+        assert [int(a) for a in part_args] == [3 if not flat else 1, part_numel,
+                                               *cuda_launch.magic_divisor(part_numel, wide)]  # fmt: skip
+        assert (jobs, extent) == (-(-numel // chunks // group) * chunks, min(group, numel // chunks))
 
 
 # 8 / 256 / 512: the team layout (one lane per group, 16 and 32 lanes); 6: runs (scalar);

@@ -84,9 +84,13 @@ def _run_every_op(bits: int, dtype: torch.dtype, group_size: int) -> None:
         cuda_launch.dequant_reduce_requant(payloads, numel, bits, out_bits, group_size, 2.0, requant_rows)
 
 
+@pytest.mark.parametrize("wide", (False, True), ids=("idx32", "idx64"))
 @pytest.mark.parametrize("group_size", (64, 10_000), ids=("teams", "tiles"))
 @pytest.mark.parametrize("bits", (8, 4))
-def test_launch_arguments_match_kernel_parameters(kernel_params, launches, bits, group_size):
+def test_launch_arguments_match_kernel_parameters(kernel_params, launches, monkeypatch, bits, group_size, wide):
+    if wide:  # the reordering kernels' 64-bit index path, which real sizes take above 2^31 elements
+        monkeypatch.setattr(cuda_launch, "WIDE_NUMEL", 0)
+        monkeypatch.setattr(cuda_launch, "_REORDER_MEMO", {})
     for dtype in DTYPES:
         _run_every_op(bits, dtype, group_size)
     encoder_launches = sum(name.startswith(ENCODERS) for _, name, _ in launches)
@@ -95,3 +99,4 @@ def test_launch_arguments_match_kernel_parameters(kernel_params, launches, bits,
         assert source in loader.KERNEL_SOURCES and name in kernel_params, name
         declared = [(PARAM_BYTES[t], t == "f32") for t in kernel_params[name]]
         assert [_kind(a) for a in args] == declared, name
+    assert sum("_wide_" in name for _, name, _ in launches) == (2 * 3 * (1 if group_size <= 4096 else 2) if wide else 0)

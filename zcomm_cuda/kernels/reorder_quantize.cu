@@ -1,26 +1,41 @@
 // reorder_quantize: slices of x read through a permutation, quantized into num_chunks
 // payloads; the reordered tensor is never written (see sources.cuh). The interleaved form
 // reads several tensors, or one with a zero fill, through a table (InterleavedSource).
+// Divisions by the slice and part sizes are multiplications by the launcher's multipliers
+// ([Note: magic division]). Each kernel comes twice: on 32-bit indices, and (`_wide`) on
+// 64-bit ones for inputs of more than 2^31 elements; the launcher picks one per launch, and
+// each has its own register count (the 32-bit path's is what the common sizes run with).
 #include "group_encoder.cuh"
 #include "instantiate.cuh"
 
-#define ZC_REORDER_QUANTIZE(TAG, T, BITS)                                                            \
-    extern "C" __global__ void zc_reorder_quantize_##TAG##_int##BITS(                                \
-        const T* x, const zc::i64* perm, zc::i64 slice_numel, zc::i64 chunk_numel, zc::i64 num_chunks, \
-        zc::i64 group_size, zc::i64 row_stride, zc::u8* out, zc::u32* group_absmax, int pass) {      \
+#define ZC_REORDER_QUANTIZE_AS(NAME, T, BITS, WIDE)                                                  \
+    extern "C" __global__ void NAME(const T* x, const zc::i64* perm, zc::i64 slice_numel, zc::u64 slice_magic, \
+                                    int slice_shift, zc::i64 chunk_numel, zc::i64 num_chunks, zc::i64 group_size, \
+                                    zc::i64 row_stride, zc::u8* out, zc::u32* group_absmax, int pass) { \
         const zc::ChunkLayout<BITS> layout{out, chunk_numel, num_chunks, group_size, row_stride};    \
-        zc::run_encoder<BITS>(zc::PermutedSource<T>{x, perm, slice_numel}, layout, pass, group_absmax); \
+        const zc::MagicDivisor<WIDE> slice(slice_numel, slice_magic, slice_shift);                   \
+        zc::run_encoder<BITS>(zc::PermutedSource<T, WIDE>{x, perm, slice}, layout, pass, group_absmax); \
     }
 
-#define ZC_REORDER_INTERLEAVED(TAG, T, BITS)                                                         \
-    extern "C" __global__ void zc_reorder_interleaved_##TAG##_int##BITS(                             \
-        const zc::i64* table, zc::i64 tensors, zc::i64 part_numel, const zc::i64* perm,              \
-        zc::i64 slice_numel, zc::i64 chunk_numel, zc::i64 num_chunks, zc::i64 group_size,            \
-        zc::i64 row_stride, zc::u8* out, zc::u32* group_absmax, int pass) {                          \
+#define ZC_REORDER_INTERLEAVED_AS(NAME, T, BITS, WIDE)                                               \
+    extern "C" __global__ void NAME(const zc::i64* table, zc::i64 tensors, zc::i64 part_numel, zc::u64 part_magic, \
+                                    int part_shift, const zc::i64* perm, zc::i64 slice_numel, zc::u64 slice_magic, \
+                                    int slice_shift, zc::i64 chunk_numel, zc::i64 num_chunks, zc::i64 group_size, \
+                                    zc::i64 row_stride, zc::u8* out, zc::u32* group_absmax, int pass) { \
         const zc::ChunkLayout<BITS> layout{out, chunk_numel, num_chunks, group_size, row_stride};    \
-        const zc::InterleavedSource<T> source{table, tensors, part_numel, perm, slice_numel};        \
-        zc::run_encoder<BITS>(source, layout, pass, group_absmax);                                    \
+        const zc::MagicDivisor<WIDE> part(part_numel, part_magic, part_shift);                       \
+        const zc::MagicDivisor<WIDE> slice(slice_numel, slice_magic, slice_shift);                   \
+        const zc::InterleavedSource<T, WIDE> source(table, tensors, part, perm, slice);              \
+        zc::run_encoder<BITS>(source, layout, pass, group_absmax);                                   \
     }
+
+#define ZC_REORDER_QUANTIZE(TAG, T, BITS)                                          \
+    ZC_REORDER_QUANTIZE_AS(zc_reorder_quantize_##TAG##_int##BITS, T, BITS, false) \
+    ZC_REORDER_QUANTIZE_AS(zc_reorder_quantize_wide_##TAG##_int##BITS, T, BITS, true)
+
+#define ZC_REORDER_INTERLEAVED(TAG, T, BITS)                                          \
+    ZC_REORDER_INTERLEAVED_AS(zc_reorder_interleaved_##TAG##_int##BITS, T, BITS, false) \
+    ZC_REORDER_INTERLEAVED_AS(zc_reorder_interleaved_wide_##TAG##_int##BITS, T, BITS, true)
 
 ZC_FOR_EACH_DTYPE_BITS(ZC_REORDER_QUANTIZE)
 ZC_FOR_EACH_DTYPE_BITS(ZC_REORDER_INTERLEAVED)

@@ -12,6 +12,7 @@
 //                   divisor (dequantize with k = 1, dequant_reduce)
 #pragma once
 
+#include "magic_divide.cuh"
 #include "vector_io.cuh"
 
 namespace zc {
@@ -32,20 +33,34 @@ template <class T> struct FlatSource {
     ZC_HD void load_raw8(i64 j, u32 (&w)[4]) const { load_words(w, x + j); }
 };
 
-template <class T> struct PermutedSource {
+// [Note: reordering sources] PermutedSource and InterleavedSource take their index word
+// (32 or 64 bits) and divide by the slice and part sizes through [Note: magic division]; the
+// kernel picks the word once per launch. Neither divides per run.
+template <class T, bool WIDE = false> struct PermutedSource {
     using Element = T;
+    using U = typename IndexWord<WIDE>::type;
     static constexpr bool kRaw16 = sizeof(T) == 2;  // [Note: raw runs]
     static constexpr bool kLaneRuns = false;  // [Note: rows outer]
     const T* x;
     const i64* perm;  // output slice p is input slice perm[p]
-    i64 slice_numel;
+    MagicDivisor<WIDE> slice;
 
-    ZC_HD i64 source_index(i64 j) const { return perm[j / slice_numel] * slice_numel + j % slice_numel; }
+    ZC_HD U source_index(i64 j) const {
+        const U n = static_cast<U>(j);
+        const U q = slice.quotient(n);
+        return permuted(perm, q) * slice.divisor + (n - q * slice.divisor);
+    }
     // A run of 8 stays inside one slice when slices are whole runs.
-    ZC_HD bool can_vectorize() const { return aligned(x, 16) && slice_numel % 8 == 0; }
+    ZC_HD bool can_vectorize() const { return aligned(x, 16) && slice.divisor % 8 == 0; }
     ZC_HD float load1(i64 j) const { return to_float(x[source_index(j)]); }
     ZC_HD void load8(i64 j, float (&v)[8]) const { zc::load8(x + source_index(j), v); }
     ZC_HD void load_raw8(i64 j, u32 (&w)[4]) const { load_words(w, x + source_index(j)); }
+
+    // perm[q]: a slice index, below len(perm) <= numel, so on the 32-bit path its low word.
+    ZC_HD static U permuted(const i64* perm, U q) {
+        if constexpr (WIDE) return static_cast<U>(perm[q]);
+        return reinterpret_cast<const u32*>(perm)[2 * q];  // little-endian
+    }
 };
 
 // reorder_quantize's interleaved input v ([Note: interleaved input] in zcomm/quant/_contract.py)
@@ -53,52 +68,139 @@ template <class T> struct PermutedSource {
 // e = perm[j / slice] * slice + j % slice of v; e lies in part r = e / part_numel at position
 // t = e % part_numel, which is tensor k's element r * width_k + t - begin_k for the tensor
 // whose piece [begin_k, end_k) of the part holds t (a binary search over the ends), or the
-// zero fill past the last piece. The table is 3 i64 per tensor: its address, width, end.
-template <class T> struct InterleavedSource {
-    static constexpr bool kRaw16 = false;  // runs are checked one by one in load8
-    static constexpr bool kLaneRuns = false;  // [Note: rows outer]
+// zero fill past the last piece. The table ([Note: interleaved table] in
+// zcomm/quant/backends/_cuda_launch.py) is 3 i64 per tensor, its address, width and end,
+// then, at the next 16-byte boundary, 32 zero bytes: the fill's run of 8.
+//
+// [Note: stretches] Each thread remembers the stretch it located last: the elements from
+// `first_` on that lie contiguous in one piece (the rest of j's slice, part and piece), or in
+// the fill, at the address base_ + j * stride_ (stride_ 0 in the fill, which reads the zero
+// run; the base may lie below the buffer: it is only ever offset back into the stretch).
+// A run of 8 inside it (one unsigned compare of j - first_, which wraps for j < first_)
+// whose base is 16-byte aligned (then so is every run's address: j * size is a multiple of
+// 16) is one vector load, with no division, search or table read. A lane's runs of a group
+// usually share a stretch. Any other run (load_run) is located anew if it starts outside the
+// stretch (two multiplications for the divisions, one perm read and a binary search over the
+// table), then loaded as one vector if the new stretch serves it, else element by element,
+// locating each stretch it enters: runs crossing a slice, part or piece end, or off the
+// vector alignment. The register encoder's lane loads its runs through load_runs, which
+// defers such runs past its unrolled loop to one rolled copy of load_run. The runs a lane
+// loads are its own, so the stretch is per thread (mutable: the encoders hold the source as
+// const).
+template <class T, bool WIDE = false> struct InterleavedSource {
+    using Element = T;
+    using U = typename IndexWord<WIDE>::type;
+    static constexpr bool kRaw16 = false;  // runs are checked one by one
+    static constexpr bool kLaneRuns = true;  // load_runs
     const i64* table;
-    i64 tensors;
-    i64 part_numel;
+    U tensors;
+    MagicDivisor<WIDE> part;
     const i64* perm;  // output slice p is v's slice perm[p]
-    i64 slice_numel;
+    MagicDivisor<WIDE> slice;
+    mutable U first_ = 0;   // the stretch: [first_, first_ + len_) at base_ + j * stride_
+    mutable U len_ = 0;
+    mutable U vlen_ = 0;    // len_ - 7 when base_ is 16-byte aligned and len_ >= 8, else 0
+    mutable u64 base_ = 0;
+    mutable U stride_ = 0;
 
-    // The address of element j (nullptr in the fill), and in `run` how many elements from j
-    // on are contiguous there (the rest of j's slice, part and piece).
-    ZC_HD const T* locate(i64 j, i64& run) const {
-        const i64 offset = j % slice_numel;
-        const i64 e = perm[j / slice_numel] * slice_numel + offset;
-        const i64 part = e / part_numel;
-        const i64 t = e % part_numel;
-        run = slice_numel - offset < part_numel - t ? slice_numel - offset : part_numel - t;
-        i64 lo = 0, hi = tensors;  // the first tensor whose piece ends after t
+    ZC_HD InterleavedSource(const i64* table_, i64 tensors_, MagicDivisor<WIDE> part_, const i64* perm_,
+                            MagicDivisor<WIDE> slice_)
+        : table(table_), tensors(static_cast<U>(tensors_)), part(part_), perm(perm_), slice(slice_) {}
+
+    // Locates element n's stretch (see [Note: stretches]).
+    ZC_HD void locate(U n) const {
+        const U q = slice.quotient(n);
+        const U offset = n - q * slice.divisor;
+        const U e = PermutedSource<T, WIDE>::permuted(perm, q) * slice.divisor + offset;
+        const U r = part.quotient(e);
+        const U t = e - r * part.divisor;
+        U len = slice.divisor - offset < part.divisor - t ? slice.divisor - offset : part.divisor - t;
+        U lo = 0, hi = tensors;  // the first tensor whose piece ends after t
         while (lo < hi) {
-            const i64 mid = (lo + hi) / 2;
-            if (table[3 * mid + 2] > t) hi = mid; else lo = mid + 1;
+            const U mid = (lo + hi) / 2;
+            if (static_cast<U>(table[3 * mid + 2]) > t) hi = mid; else lo = mid + 1;
         }
-        if (lo == tensors) return nullptr;
-        const i64 width = table[3 * lo + 1];
-        const i64 end = table[3 * lo + 2];
-        if (end - t < run) run = end - t;
-        const T* x = reinterpret_cast<const T*>(static_cast<unsigned long long>(table[3 * lo]));
-        return x + part * width + (t - (end - width));
+        u64 address = (reinterpret_cast<u64>(table) + 24 * static_cast<u64>(tensors) + 15) & ~u64{15};  // zeros
+        U stride = 0;
+        if (lo < tensors) {
+            const U width = static_cast<U>(table[3 * lo + 1]);
+            const U end = static_cast<U>(table[3 * lo + 2]);
+            if (end - t < len) len = end - t;
+            address = static_cast<u64>(table[3 * lo]) + sizeof(T) * static_cast<u64>(r * width + t - (end - width));
+            stride = sizeof(T);
+        }
+        first_ = n;
+        len_ = len;
+        stride_ = stride;
+        base_ = address - static_cast<u64>(n) * stride;
+        vlen_ = base_ % 16 == 0 && len >= 8 ? len - 7 : 0;
     }
-    // Each run of 8 is checked in load8: whole in one piece (or the fill) and aligned, or scalar.
-    ZC_HD bool can_vectorize() const { return true; }
+    ZC_HD const T* at(U n) const { return reinterpret_cast<const T*>(base_ + static_cast<u64>(n) * stride_); }
+
+    ZC_HD bool can_vectorize() const { return true; }  // each run is checked where it is loaded
     ZC_HD float load1(i64 j) const {
-        i64 run;
-        const T* p = locate(j, run);
-        return p != nullptr ? to_float(*p) : 0.0f;
+        const U n = static_cast<U>(j);
+        if (n - first_ >= len_) locate(n);
+        return to_float(*at(n));
     }
     ZC_HD void load8(i64 j, float (&v)[8]) const {
-        i64 run;
-        const T* p = locate(j, run);
-        if (run >= 8 && p != nullptr && aligned(p, 16)) {
-            zc::load8(p, v);
-        } else if (run >= 8 && p == nullptr) {
-            for (int k = 0; k < 8; ++k) v[k] = 0.0f;
+        const U n = static_cast<U>(j);
+        if (n - first_ < vlen_) {
+            zc::load8(at(n), v);
         } else {
-            for (int k = 0; k < 8; ++k) v[k] = load1(j + k);
+            load_run(n, v);
+        }
+    }
+    // The register encoder's runs of a lane (see [Note: rows outer] for the layout): each run
+    // its stretch serves is one vector load; the others are marked and loaded after the loop,
+    // by one copy of the general path (load_marked), so that the unrolled loop holds no locate.
+    template <int N>
+    ZC_HD void load_runs(i64 first, int lane, int lanes, int len, float (&v)[N][8]) const {
+        const U n0 = static_cast<U>(first) + 8 * static_cast<U>(lane);
+        const U step = 8 * static_cast<U>(lanes);
+        u32 marked = 0;
+#pragma unroll  // [Note: held runs] in group_encoder.cuh
+        for (int i = 0; i < N; ++i) {
+            if (8 * (lane + lanes * i) < len) {
+                const U n = n0 + step * i;
+                if (n - first_ < vlen_) {
+                    zc::load8(at(n), v[i]);
+                } else {
+                    marked |= 1u << i;
+                }
+            }
+        }
+        if (marked != 0) load_marked(n0, step, marked, v);
+    }
+    // The marked runs, one at a time: the runs rotate through v[N - 1] (N rotations bring
+    // each back to its place), so that the loop stays rolled and v is indexed by constants.
+    template <int N> ZC_HD void load_marked(U n0, U step, u32 marked, float (&v)[N][8]) const {
+#pragma unroll 1
+        for (int i = 0; i < N; ++i) {
+            for (int k = 0; k < 8; ++k) {
+                const float front = v[0][k];
+                for (int m = 0; m < N - 1; ++m) v[m][k] = v[m + 1][k];
+                v[N - 1][k] = front;
+            }
+            // v[N - 1] now holds run i
+            if ((marked >> i) & 1u) load_run(n0 + step * i, v[N - 1]);
+        }
+    }
+    // A run that its stretch does not serve as one vector load: located anew if it starts
+    // outside the stretch, then one vector load if the new stretch serves it, else element by
+    // element (locating each stretch the run enters). Each value is shifted in at the end, so
+    // that the loop stays rolled (one locate in it) and v is indexed by constants.
+    ZC_HD void load_run(U n, float (&v)[8]) const {
+#pragma unroll 1
+        for (U k = 0; k < 8; ++k) {
+            if (n + k - first_ >= len_) locate(n + k);
+            if (k == 0 && n - first_ < vlen_) {
+                zc::load8(at(n), v);
+                return;
+            }
+            const float value = to_float(*at(n + k));
+            for (int m = 0; m < 7; ++m) v[m] = v[m + 1];
+            v[7] = value;
         }
     }
 };

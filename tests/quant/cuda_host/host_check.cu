@@ -15,13 +15,20 @@
 // Usage (raw little-endian bytes in and out; MISALIGN=1 shifts every buffer off its
 // vector alignment, forcing the scalar paths):
 //   host_check quantize   DTYPE BITS GS MISALIGN IN OUT
-//   host_check reorder    DTYPE BITS GS MISALIGN NUM_CHUNKS PERM(comma-separated) IN OUT
-//   host_check interleave DTYPE BITS GS MISALIGN NUM_CHUNKS PERM PARTS PART_NUMEL WIDTHS IN OUT
+//   host_check reorder    DTYPE BITS GS MISALIGN NUM_CHUNKS PERM(comma-separated) DIVISORS IN OUT
+//   host_check interleave DTYPE BITS GS MISALIGN NUM_CHUNKS PERM PARTS PART_NUMEL WIDTHS DIVISORS IN OUT
 //     (interleave: IN holds the tensors one after another, tensor k being PARTS x WIDTHS[k]
-//     elements; each is copied into a buffer of its own, as separate allocations)
+//     elements; each is copied into a buffer of its own, as separate allocations; MISALIGN=2
+//     shifts tensor k by k % 8 elements and leaves the output aligned, so that tensors differ
+//     in their alignment while the encoder keeps its vector layout; DIVISORS = WIDE,SLICE_MAGIC,SLICE_SHIFT[,PART_MAGIC,PART_SHIFT], the
+//     launcher's kernel arguments: WIDE=1 runs the 64-bit index path)
+//   host_check divide     WIDE DIVISOR MAGIC SHIFT N1,N2,...
+//     (prints MagicDivisor's quotient of each N, one a line)
 //   host_check dequantize DTYPE BITS GS MISALIGN NUMEL K IN OUT
 //   host_check reduce     DTYPE BITS GS MISALIGN NUMEL K DIVISOR_BITS(hex fp32) M OUT_BITS IN OUT
 //     (reduce: M = 0 stores DTYPE values, M > 0 re-quantizes into M payloads of OUT_BITS)
+// Each simulated thread has its own copy of the source, kept across its rounds and tiles as
+// on the device (the reordering sources remember a stretch per thread: [Note: stretches]).
 // Prints "vec=V tiles=T regs=R teams=D": whether the vector paths were taken (V); for the
 // encoder, whether the tile scheme ran (T; see [Note: large groups] in group_encoder.cuh)
 // and whether teams held their groups in registers (R); for the decoder, whether the team
@@ -79,7 +86,7 @@ bool g_registers = false;  // whether the last encode held its groups in registe
 bool g_teams = false;      // whether the last decode ran the team layout
 
 // Every (warp, team, round) of the grid in the kernels' order, with the kernels' cursor;
-// `job(row, group)` runs one live job. Aborts if the cursor ever disagrees with the division.
+// `job(row, group, thread)` runs one live job, `thread` the index of the team's lane 0 in the grid. Aborts if the cursor ever disagrees with the division.
 template <class Job> void walk_jobs(i64 jobs, i64 groups_per_row, i64 rows, int lanes, Job job_fn) {
     const TeamWalk walk(jobs, lanes, kHostWarps);
     i64 visited = 0;
@@ -90,7 +97,7 @@ template <class Job> void walk_jobs(i64 jobs, i64 groups_per_row, i64 rows, int 
                 const i64 index = round * walk.teams_per_warp + team;
                 if (job.row * groups_per_row + job.group != index || job.group >= groups_per_row) std::abort();
                 if (job.row >= rows) continue;
-                job_fn(job.row, job.group);
+                job_fn(job.row, job.group, warp * 32 + team * lanes);
                 ++visited;
             }
         }
@@ -101,38 +108,45 @@ template <class Job> void walk_jobs(i64 jobs, i64 groups_per_row, i64 rows, int 
 template <int BITS, class Source> void encode_teams(const Source& src, const ChunkLayout<BITS>& layout, bool vec) {
     const int lanes = team_lanes(layout.group_extent());
     g_registers = in_registers(vec, layout.group_extent());
-    walk_jobs(layout.jobs(), layout.groups_per_chunk(), layout.num_chunks, lanes, [&](i64 chunk, i64 group) {
+    std::vector<Source> threads(static_cast<size_t>(32 * kHostWarps), src);
+    walk_jobs(layout.jobs(), layout.groups_per_chunk(), layout.num_chunks, lanes, [&](i64 chunk, i64 group, i64 thread) {
         const GroupSpan s = layout.span(chunk, group);
+        const Source* lane_src = &threads[static_cast<size_t>(thread)];
         u32 absmax_bits = 0;
         if (g_registers) {
             std::vector<RegisterLane<BITS, Source>> held(static_cast<size_t>(lanes));
-            for (int lane = 0; lane < lanes; ++lane) absmax_bits = max_u32(absmax_bits, held[lane].load(src, s, lane, lanes));
             for (int lane = 0; lane < lanes; ++lane) {
-                held[lane].store(src, s, lane, lanes, layout.words_aligned(), absmax_bits);
+                absmax_bits = max_u32(absmax_bits, held[lane].load(lane_src[lane], s, lane, lanes));
+            }
+            for (int lane = 0; lane < lanes; ++lane) {
+                held[lane].store(lane_src[lane], s, lane, lanes, layout.words_aligned(), absmax_bits);
             }
             return;
         }
-        for (int lane = 0; lane < lanes; ++lane) absmax_bits = max_u32(absmax_bits, lane_absmax<BITS>(src, s, lane, lanes, vec));
         for (int lane = 0; lane < lanes; ++lane) {
-            encode_group_lane<BITS>(src, s, lane, lanes, vec, layout.words_aligned(), absmax_bits);
+            absmax_bits = max_u32(absmax_bits, lane_absmax<BITS>(lane_src[lane], s, lane, lanes, vec));
+        }
+        for (int lane = 0; lane < lanes; ++lane) {
+            encode_group_lane<BITS>(lane_src[lane], s, lane, lanes, vec, layout.words_aligned(), absmax_bits);
         }
     });
 }
 
 template <int BITS, class Source> void encode_tiles(const Source& src, const ChunkLayout<BITS>& layout, bool vec) {
     std::vector<u32> group_absmax(static_cast<size_t>(layout.jobs()), 0);
+    std::vector<Source> threads(static_cast<size_t>(kTileThreads), src);  // one block's threads, pass after pass
     for (i64 tile = 0; tile < layout.tiles(); ++tile) {  // pass kTileAbsmax
         const GroupSpan s = layout.tile_span(tile);
         u32& m = group_absmax[static_cast<size_t>(tile / layout.tiles_per_group())];
         for (int lane = 0; lane < kTileThreads; ++lane) {
-            m = max_u32(m, lane_absmax<BITS>(src, s, lane, kTileThreads, vec));
+            m = max_u32(m, lane_absmax<BITS>(threads[lane], s, lane, kTileThreads, vec));
         }
     }
     for (i64 tile = layout.tiles() - 1; tile >= 0; --tile) {  // pass kTileEncode
         const GroupSpan s = layout.tile_span(tile);
         const u32 absmax_bits = group_absmax[static_cast<size_t>(tile / layout.tiles_per_group())];
         for (int lane = 0; lane < kTileThreads; ++lane) {
-            encode_group_lane<BITS>(src, s, lane, kTileThreads, vec, layout.words_aligned(), absmax_bits);
+            encode_group_lane<BITS>(threads[lane], s, lane, kTileThreads, vec, layout.words_aligned(), absmax_bits);
         }
     }
 }
@@ -162,7 +176,7 @@ template <bool ONE_ROW, class T, int BITS> bool decode_all(const SegmentLayout<T
     }
     const int lanes = team_lanes(layout.group_extent());
     walk_jobs(layout.groups_per_segment() * layout.segments, layout.groups_per_segment(), layout.segments, lanes,
-              [&](i64 segment, i64 group) {
+              [&](i64 segment, i64 group, i64) {
                   for (int lane = 0; lane < lanes; ++lane) {
                       const int mode = team_divisor_mode(layout);
                       if (mode == kByOne) {
@@ -184,36 +198,70 @@ std::vector<i64> parse_list(const std::string& text) {
     return values;
 }
 
-// reorder_quantize's interleaved form: InterleavedSource over tensors in separate buffers.
-template <class T, int BITS> bool run_interleave(char** argv, size_t elem_shift, size_t byte_shift) {
+// The launcher's divisor arguments: WIDE,SLICE_MAGIC,SLICE_SHIFT[,PART_MAGIC,PART_SHIFT].
+struct Divisors {
+    bool wide;
+    u64 slice_magic;
+    int slice_shift;
+    u64 part_magic;
+    int part_shift;
+};
+
+Divisors parse_divisors(const char* text) {
+    std::vector<u64> values;
+    std::stringstream ss(text);
+    for (std::string item; std::getline(ss, item, ',');) values.push_back(std::strtoull(item.c_str(), nullptr, 10));
+    values.resize(5, 0);
+    return Divisors{values[0] != 0, values[1], static_cast<int>(values[2]), values[3], static_cast<int>(values[4])};
+}
+
+// reorder_quantize's interleaved form: InterleavedSource over tensors in separate buffers,
+// on the index path the launcher picked (WIDE).
+template <class T, int BITS, bool WIDE>
+bool run_interleave_as(char** argv, const std::vector<Buffer>& tensors, const std::vector<i64>& table_entries,
+                       const Divisors& d, size_t byte_shift) {
     const i64 gs = std::atoll(argv[4]);
     const i64 chunks = std::atoll(argv[6]);
     const std::vector<i64> perm = parse_list(argv[7]);
-    const i64 parts = std::atoll(argv[8]);
     const i64 part_numel = std::atoll(argv[9]);
+    const i64 numel = std::atoll(argv[8]) * part_numel;
+    // the table as the launcher uploads it: the entries, then zeros (the fill's run), 16-byte aligned
+    Buffer table((table_entries.size() + 5) * sizeof(i64), 0);
+    std::memset(table.data, 0, (table_entries.size() + 5) * sizeof(i64));
+    std::memcpy(table.data, table_entries.data(), table_entries.size() * sizeof(i64));
+    const i64 row = payload_bytes(numel / chunks, BITS, gs);
+    Buffer out(row * chunks, byte_shift);
+    const ChunkLayout<BITS> layout{out.data, numel / chunks, chunks, gs, row};
+    const MagicDivisor<WIDE> part(part_numel, d.part_magic, d.part_shift);
+    const MagicDivisor<WIDE> slice(numel / static_cast<i64>(perm.size()), d.slice_magic, d.slice_shift);
+    const InterleavedSource<T, WIDE> source(reinterpret_cast<const i64*>(table.data),
+                                            static_cast<i64>(tensors.size()), part, perm.data(), slice);
+    const bool vec = encode_all<BITS>(source, layout);
+    write_file(argv[13], out.data, row * chunks);
+    return vec;
+}
+
+template <class T, int BITS> bool run_interleave(char** argv, int misalign, size_t byte_shift) {
+    const i64 parts = std::atoll(argv[8]);
     const std::vector<i64> widths = parse_list(argv[10]);
-    const std::vector<u8> bytes = read_file(argv[11]);
+    const Divisors d = parse_divisors(argv[11]);
+    const std::vector<u8> bytes = read_file(argv[12]);
     std::vector<Buffer> tensors;
     std::vector<i64> table;
     size_t offset = 0;
     i64 end = 0;
-    for (const i64 width : widths) {
-        const size_t nbytes = static_cast<size_t>(parts * width) * sizeof(T);
-        tensors.emplace_back(nbytes, elem_shift);
+    for (size_t k = 0; k < widths.size(); ++k) {
+        const size_t nbytes = static_cast<size_t>(parts * widths[k]) * sizeof(T);
+        const size_t shift = misalign == 2 ? (k % 8) * sizeof(T) : (misalign ? sizeof(T) : 0);
+        tensors.emplace_back(nbytes, shift);
         std::memcpy(tensors.back().data, bytes.data() + offset, nbytes);
         offset += nbytes;
-        end += width;
-        table.insert(table.end(), {static_cast<i64>(reinterpret_cast<unsigned long long>(tensors.back().data)), width, end});
+        end += widths[k];
+        table.insert(table.end(),
+                     {static_cast<i64>(reinterpret_cast<unsigned long long>(tensors.back().data)), widths[k], end});
     }
-    const i64 numel = parts * part_numel;
-    const i64 row = payload_bytes(numel / chunks, BITS, gs);
-    Buffer out(row * chunks, byte_shift);
-    const ChunkLayout<BITS> layout{out.data, numel / chunks, chunks, gs, row};
-    const InterleavedSource<T> source{table.data(), static_cast<i64>(widths.size()), part_numel, perm.data(),
-                                      numel / static_cast<i64>(perm.size())};
-    const bool vec = encode_all<BITS>(source, layout);
-    write_file(argv[12], out.data, row * chunks);
-    return vec;
+    return d.wide ? run_interleave_as<T, BITS, true>(argv, tensors, table, d, byte_shift)
+                  : run_interleave_as<T, BITS, false>(argv, tensors, table, d, byte_shift);
 }
 
 // dequant_reduce_requant: the k rows of BITS summed into m payloads of OUT_BITS.
@@ -235,11 +283,12 @@ bool run_requant(const PayloadRows<BITS>& rows, i64 k, float divisor, i64 m, siz
 // Runs one op for element type T and BITS; returns whether vector paths ran.
 template <class T, int BITS> bool run_op(const std::string& op, char** argv, int argc) {
     const i64 gs = std::atoll(argv[4]);
-    const size_t elem_shift = std::atoi(argv[5]) ? sizeof(T) : 0;
-    const size_t byte_shift = std::atoi(argv[5]) ? 1 : 0;
+    const int misalign = std::atoi(argv[5]);
+    const size_t elem_shift = misalign ? sizeof(T) : 0;
+    const size_t byte_shift = misalign ? 1 : 0;
     const char* in_path = argv[argc - 2];
     const char* out_path = argv[argc - 1];
-    if (op == "interleave") return run_interleave<T, BITS>(argv, elem_shift, byte_shift);
+    if (op == "interleave") return run_interleave<T, BITS>(argv, misalign, misalign == 1 ? 1 : 0);
     if (op == "quantize" || op == "reorder") {
         Buffer in = load_input(in_path, elem_shift);
         const i64 numel = static_cast<i64>(read_file(in_path).size() / sizeof(T));
@@ -254,7 +303,15 @@ template <class T, int BITS> bool run_op(const std::string& op, char** argv, int
             vec = encode_all<BITS>(FlatSource<T>{x}, layout);
         } else {
             const std::vector<i64> perm = parse_list(argv[7]);
-            vec = encode_all<BITS>(PermutedSource<T>{x, perm.data(), numel / static_cast<i64>(perm.size())}, layout);
+            const Divisors d = parse_divisors(argv[8]);
+            const i64 slice_numel = numel / static_cast<i64>(perm.size());
+            if (d.wide) {
+                const MagicDivisor<true> slice(slice_numel, d.slice_magic, d.slice_shift);
+                vec = encode_all<BITS>(PermutedSource<T, true>{x, perm.data(), slice}, layout);
+            } else {
+                const MagicDivisor<false> slice(slice_numel, d.slice_magic, d.slice_shift);
+                vec = encode_all<BITS>(PermutedSource<T, false>{x, perm.data(), slice}, layout);
+            }
         }
         write_file(out_path, out.data, row * chunks);
         return vec;
@@ -292,7 +349,22 @@ template <class T> bool dispatch_bits(const std::string& op, int bits, char** ar
 
 }  // namespace
 
+// MagicDivisor's quotients of a list of numerators ([Note: magic division]), one a line.
+template <bool WIDE> int run_divide(char** argv) {
+    const MagicDivisor<WIDE> d(static_cast<i64>(std::strtoull(argv[3], nullptr, 10)), std::strtoull(argv[4], nullptr, 10),
+                               std::atoi(argv[5]));
+    std::stringstream ss(argv[6]);
+    for (std::string item; std::getline(ss, item, ',');) {
+        const auto n = static_cast<typename MagicDivisor<WIDE>::U>(std::strtoull(item.c_str(), nullptr, 10));
+        std::printf("%llu\n", static_cast<unsigned long long>(d.quotient(n)));
+    }
+    return 0;
+}
+
 int main(int argc, char** argv) {
+    if (argc == 7 && std::string(argv[1]) == "divide") {
+        return std::atoi(argv[2]) ? run_divide<true>(argv) : run_divide<false>(argv);
+    }
     if (argc < 8) {
         std::fprintf(stderr, "usage: see the header of host_check.cu\n");
         return 2;

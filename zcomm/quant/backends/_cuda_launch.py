@@ -280,30 +280,77 @@ def reorder_quantize(
     out: torch.Tensor,
 ) -> None:
     """One tensor that fills its parts is read through the permutation alone; otherwise
-    the interleaved kernel reads the tensors through a table ([Note: interleaved table])."""
+    the interleaved kernel reads the tensors through a table ([Note: interleaved table]).
+    Everything but the addresses is resolved once per sizes (:func:`_resolve_reorder`)."""
+    x = xs[0]
+    flat = len(xs) == 1 and x.numel() == parts * part_numel
+    key = (x.dtype, bits, x.device.index, flat, len(xs), parts, part_numel, len(perm), num_chunks, group_size,
+           out.shape[1])
+    resolved = _REORDER_MEMO.get(key)
+    if resolved is None:
+        resolved = _resolve_reorder(key)
+        if x.device.index is not None:
+            if len(_REORDER_MEMO) >= _MAX_MEMO:
+                _REORDER_MEMO.clear()
+            _REORDER_MEMO[key] = resolved
+    name, jobs, extent, slice_args, part_args, layout = resolved
+    device_perm = _device_perm(perm, x.device)
+    if flat:
+        source = (_ptr(x), _ptr(device_perm), *slice_args)
+    else:
+        source = (_ptr(_device_table(xs, parts)), *part_args, _ptr(device_perm), *slice_args)
+    _encode("reorder_quantize.cu", name, x.device, jobs, extent, (*source, *layout, _ptr(out)))
+
+
+# (dtype, bits, device index, flat, tensors, parts, part_numel, len(perm), num_chunks, group_size,
+# row bytes) -> reorder_quantize's kernel name, jobs, group extent and size arguments
+_REORDER_MEMO: dict[tuple, tuple] = {}
+WIDE_NUMEL = 2**31  # above this many elements the reordering kernels index with 64 bits ([Note: magic division])
+
+
+def _resolve_reorder(key: tuple) -> tuple:
+    dtype, bits, _, flat, tensors, parts, part_numel, slices, num_chunks, group_size, row_nbytes = key
     numel = parts * part_numel
     chunk = numel // num_chunks
-    x = xs[0]
-    device_perm = _device_perm(perm, x.device)
-    layout = (*_sizes(numel // len(perm), chunk, num_chunks, group_size, out.shape[1]), _ptr(out))
-    if len(xs) == 1 and x.numel() == numel:
-        name, source = _name("zc_reorder_quantize_{}_int{}", x.dtype, bits), (_ptr(x), _ptr(device_perm))
-    else:
-        table = _device_table(xs, parts)
-        name = _name("zc_reorder_interleaved_{}_int{}", x.dtype, bits)
-        source = (_ptr(table), *_sizes(len(xs), part_numel), _ptr(device_perm))
-    _encode("reorder_quantize.cu", name, x.device, -(-chunk // group_size) * num_chunks,
-            min(group_size, chunk), (*source, *layout))
+    wide = numel > WIDE_NUMEL
+    kind = ("quantize" if flat else "interleaved") + ("_wide" if wide else "")
+    name = _name("zc_reorder_{}_{}_int{}", kind, dtype, bits)
+    slice_args = (np.int64(numel // slices), *_magic_args(numel // slices, wide))
+    part_args = (np.int64(tensors), np.int64(part_numel), *_magic_args(part_numel, wide))
+    layout = _sizes(chunk, num_chunks, group_size, row_nbytes)
+    return name, -(-chunk // group_size) * num_chunks, min(group_size, chunk), slice_args, part_args, layout
+
+
+def magic_divisor(divisor: int, wide: bool) -> tuple[int, int]:
+    """``(m, l)`` that divide by ``divisor`` as ``mul_high(2n, m) >> l`` for every ``0 <= n < 2^N``.
+
+    N = 63 on the 64-bit path (``wide``), else 31; ``l = ceil(log2(divisor))`` and
+    ``m = ceil(2^(N + l) / divisor)``, below ``2^(N + 1)``: [Note: magic division] in
+    kernels/magic_divide.cuh proves the quotient exact.
+    """
+    bound = 63 if wide else 31
+    assert 1 <= divisor <= 2**bound, (divisor, wide)
+    shift = (divisor - 1).bit_length()
+    magic = -(-(1 << (bound + shift)) // divisor)
+    assert magic < 2 ** (bound + 1), (divisor, wide)
+    return magic, shift
+
+
+def _magic_args(divisor: int, wide: bool) -> tuple[np.uint64, np.int32]:
+    magic, shift = magic_divisor(divisor, wide)
+    return np.uint64(magic), np.int32(shift)
 
 
 def interleaved_table(xs: Sequence[torch.Tensor], parts: int) -> list[int]:
-    """InterleavedSource's table (sources.cuh): per tensor its address, its piece of a part, where that piece ends."""
+    """InterleavedSource's table (sources.cuh): per tensor its address, its piece of a part, where that
+    piece ends; then zeros, which hold the fill's 16-byte-aligned run of 8 (32 bytes) when the table
+    starts on a 16-byte boundary, as device allocations do."""
     table, end = [], 0
     for x in xs:
         width = x.numel() // parts
         end += width
         table += [x.data_ptr(), width, end]
-    return table
+    return table + [0] * 5
 
 
 def _device_table(xs: Sequence[torch.Tensor], parts: int) -> torch.Tensor:
@@ -316,6 +363,8 @@ def _device_table(xs: Sequence[torch.Tensor], parts: int) -> torch.Tensor:
     dropping the host tensor here is safe. Unlike the permutation's pinned copy, which is
     kept ([Note: perm lifetime]), a per-call host buffer cannot be replayed by a CUDA graph: the
     interleaved form is not graph-capturable; one tensor that fills its parts never needs it.
+    The device copy is a fresh allocation of the caching allocator, so it starts on a 16-byte
+    boundary (the zero run after the entries relies on that, see InterleavedSource).
     """
     host = torch.tensor(interleaved_table(xs, parts), dtype=torch.int64).pin_memory()
     return host.to(xs[0].device, non_blocking=True)
