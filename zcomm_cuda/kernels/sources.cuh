@@ -57,10 +57,7 @@ template <class T, bool WIDE = false> struct PermutedSource {
     ZC_HD void load_raw8(i64 j, u32 (&w)[4]) const { load_words(w, x + source_index(j)); }
 
     // perm[q]: a slice index, below len(perm) <= numel, so on the 32-bit path its low word.
-    ZC_HD static U permuted(const i64* perm, U q) {
-        if constexpr (WIDE) return static_cast<U>(perm[q]);
-        return reinterpret_cast<const u32*>(perm)[2 * q];  // little-endian
-    }
+    ZC_HD static U permuted(const i64* perm, U q) { return static_cast<U>(perm[q]); }
 };
 
 // reorder_quantize's interleaved input v ([Note: interleaved input] in zcomm/quant/_contract.py)
@@ -73,9 +70,10 @@ template <class T, bool WIDE = false> struct PermutedSource {
 // then, at the next 16-byte boundary, 32 zero bytes: the fill's run of 8.
 //
 // [Note: stretches] Each thread remembers the stretch it located last: the elements from
-// `first_` on that lie contiguous in one piece (the rest of j's slice, part and piece), or in
-// the fill, at the address base_ + j * stride_ (stride_ 0 in the fill, which reads the zero
-// run; the base may lie below the buffer: it is only ever offset back into the stretch).
+// `first_` on that lie contiguous in one piece (the rest of j's slice, part and piece), at
+// the address base_ + j * sizeof(T) (the base may lie below the buffer: it is only ever
+// offset back into the stretch). In the fill a stretch is at most 8 elements, read from the
+// zero run after the table's entries.
 // A run of 8 inside it (one unsigned compare of j - first_, which wraps for j < first_)
 // whose base is 16-byte aligned (then so is every run's address: j * size is a multiple of
 // 16) is one vector load, with no division, search or table read. A lane's runs of a group
@@ -97,11 +95,10 @@ template <class T, bool WIDE = false> struct InterleavedSource {
     MagicDivisor<WIDE> part;
     const i64* perm;  // output slice p is v's slice perm[p]
     MagicDivisor<WIDE> slice;
-    mutable U first_ = 0;   // the stretch: [first_, first_ + len_) at base_ + j * stride_
+    mutable U first_ = 0;   // the stretch: [first_, first_ + len_) at base_ + j * sizeof(T)
     mutable U len_ = 0;
     mutable U vlen_ = 0;    // len_ - 7 when base_ is 16-byte aligned and len_ >= 8, else 0
     mutable u64 base_ = 0;
-    mutable U stride_ = 0;
 
     ZC_HD InterleavedSource(const i64* table_, i64 tensors_, MagicDivisor<WIDE> part_, const i64* perm_,
                             MagicDivisor<WIDE> slice_)
@@ -120,22 +117,22 @@ template <class T, bool WIDE = false> struct InterleavedSource {
             const U mid = (lo + hi) / 2;
             if (static_cast<U>(table[3 * mid + 2]) > t) hi = mid; else lo = mid + 1;
         }
-        u64 address = (reinterpret_cast<u64>(table) + 24 * static_cast<u64>(tensors) + 15) & ~u64{15};  // zeros
-        U stride = 0;
+        u64 address;
         if (lo < tensors) {
             const U width = static_cast<U>(table[3 * lo + 1]);
             const U end = static_cast<U>(table[3 * lo + 2]);
             if (end - t < len) len = end - t;
             address = static_cast<u64>(table[3 * lo]) + sizeof(T) * static_cast<u64>(r * width + t - (end - width));
-            stride = sizeof(T);
+        } else {  // the fill: the zero run after the table's entries, at most 8 elements at a time
+            address = (reinterpret_cast<u64>(table) + 24 * static_cast<u64>(tensors) + 15) & ~u64{15};
+            if (len > 8) len = 8;
         }
         first_ = n;
         len_ = len;
-        stride_ = stride;
-        base_ = address - static_cast<u64>(n) * stride;
+        base_ = address - sizeof(T) * static_cast<u64>(n);
         vlen_ = base_ % 16 == 0 && len >= 8 ? len - 7 : 0;
     }
-    ZC_HD const T* at(U n) const { return reinterpret_cast<const T*>(base_ + static_cast<u64>(n) * stride_); }
+    ZC_HD const T* at(U n) const { return reinterpret_cast<const T*>(base_ + sizeof(T) * static_cast<u64>(n)); }
 
     ZC_HD bool can_vectorize() const { return true; }  // each run is checked where it is loaded
     ZC_HD float load1(i64 j) const {

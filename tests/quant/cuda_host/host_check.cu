@@ -225,9 +225,12 @@ bool run_interleave_as(char** argv, const std::vector<Buffer>& tensors, const st
     const std::vector<i64> perm = parse_list(argv[7]);
     const i64 part_numel = std::atoll(argv[9]);
     const i64 numel = std::atoll(argv[8]) * part_numel;
-    // the table as the launcher uploads it: the entries, then zeros (the fill's run), 16-byte aligned
-    Buffer table((table_entries.size() + 5) * sizeof(i64), 0);
-    std::memset(table.data, 0, (table_entries.size() + 5) * sizeof(i64));
+    // the table as the launcher uploads it, followed by nonzero bytes, so that a read past
+    // its zero run shows in the output
+    const size_t table_bytes = (table_entries.size() + 5) * sizeof(i64);
+    Buffer table(table_bytes + 64, 0);
+    std::memset(table.data, 0x5A, table_bytes + 64);
+    std::memset(table.data, 0, table_bytes);
     std::memcpy(table.data, table_entries.data(), table_entries.size() * sizeof(i64));
     const i64 row = payload_bytes(numel / chunks, BITS, gs);
     Buffer out(row * chunks, byte_shift);
