@@ -231,18 +231,6 @@ template <class Source> struct HeldRuns<Source, true> {
         for (int k = 0; k < 4; ++k) m = max_u16x2(m, w[i][k] & kAbs16x2Mask);
         return m;
     }
-    // All of a lane's runs from a source that loads them together (kLaneRuns); their absmax.
-    ZC_HD u32 load_lane(const Source& src, i64 first, int lane, int lanes, int len) {
-        src.load_runs(first, lane, lanes, len, w);
-        u32 m = 0;
-#pragma unroll  // [Note: held runs]
-        for (int i = 0; i < kRunsPerLane; ++i) {
-            if (8 * (lane + lanes * i) < len) {
-                for (int k = 0; k < 4; ++k) m = max_u16x2(m, w[i][k] & kAbs16x2Mask);
-            }
-        }
-        return m;
-    }
     ZC_HD static u32 lane_absmax_bits(u32 m) { return abs_bits_of_max16x2<H>(m); }
     ZC_HD void values(int i, float (&out)[8]) const {
         for (int k = 0; k < 4; ++k) {

@@ -88,7 +88,7 @@ template <class T, bool WIDE = false> struct PermutedSource {
 template <class T, bool WIDE = false> struct InterleavedSource {
     using Element = T;
     using U = typename IndexWord<WIDE>::type;
-    static constexpr bool kRaw16 = sizeof(T) == 2;  // [Note: raw runs]
+    static constexpr bool kRaw16 = false;  // runs are checked one by one
     static constexpr bool kLaneRuns = true;  // load_runs
     const i64* table;
     U tensors;
@@ -148,20 +148,11 @@ template <class T, bool WIDE = false> struct InterleavedSource {
             load_run(n, v);
         }
     }
-    ZC_HD void load_raw8(i64 j, u32 (&w)[4]) const {
-        const U n = static_cast<U>(j);
-        if (n - first_ < vlen_) {
-            load_words(w, at(n));
-        } else {
-            load_run(n, w);
-        }
-    }
-    // The register encoder's runs of a lane (see [Note: rows outer] for the layout), as 8
-    // floats or, for 16-bit elements, 4 raw words each ([Note: raw runs]): each run its
-    // stretch serves is one vector load; the others are marked and loaded after the loop, by
-    // one copy of the general path (load_marked), so that the unrolled loop holds no locate.
-    template <int N, class V, int W>
-    ZC_HD void load_runs(i64 first, int lane, int lanes, int len, V (&v)[N][W]) const {
+    // The register encoder's runs of a lane (see [Note: rows outer] for the layout): each run
+    // its stretch serves is one vector load; the others are marked and loaded after the loop,
+    // by one copy of the general path (load_marked), so that the unrolled loop holds no locate.
+    template <int N>
+    ZC_HD void load_runs(i64 first, int lane, int lanes, int len, float (&v)[N][8]) const {
         const U n0 = static_cast<U>(first) + 8 * static_cast<U>(lane);
         const U step = 8 * static_cast<U>(lanes);
         u32 marked = 0;
@@ -170,7 +161,7 @@ template <class T, bool WIDE = false> struct InterleavedSource {
             if (8 * (lane + lanes * i) < len) {
                 const U n = n0 + step * i;
                 if (n - first_ < vlen_) {
-                    load_vector(n, v[i]);
+                    zc::load8(at(n), v[i]);
                 } else {
                     marked |= 1u << i;
                 }
@@ -180,11 +171,11 @@ template <class T, bool WIDE = false> struct InterleavedSource {
     }
     // The marked runs, one at a time: the runs rotate through v[N - 1] (N rotations bring
     // each back to its place), so that the loop stays rolled and v is indexed by constants.
-    template <int N, class V, int W> ZC_HD void load_marked(U n0, U step, u32 marked, V (&v)[N][W]) const {
+    template <int N> ZC_HD void load_marked(U n0, U step, u32 marked, float (&v)[N][8]) const {
 #pragma unroll 1
         for (int i = 0; i < N; ++i) {
-            for (int k = 0; k < W; ++k) {
-                const V front = v[0][k];
+            for (int k = 0; k < 8; ++k) {
+                const float front = v[0][k];
                 for (int m = 0; m < N - 1; ++m) v[m][k] = v[m + 1][k];
                 v[N - 1][k] = front;
             }
@@ -192,31 +183,22 @@ template <class T, bool WIDE = false> struct InterleavedSource {
             if ((marked >> i) & 1u) load_run(n0 + step * i, v[N - 1]);
         }
     }
-    ZC_HD void load_vector(U n, float (&v)[8]) const { zc::load8(at(n), v); }
-    ZC_HD void load_vector(U n, u32 (&w)[4]) const { load_words(w, at(n)); }
     // A run that its stretch does not serve as one vector load: located anew if it starts
     // outside the stretch, then one vector load if the new stretch serves it, else element by
-    // element (locating each stretch the run enters). Each value (a float, or a 16-bit half
-    // of the raw words) is shifted in at the end, so that the loop stays rolled (one locate in
-    // it) and the run is indexed by constants.
-    template <class V, int W> ZC_HD void load_run(U n, V (&v)[W]) const {
+    // element (locating each stretch the run enters). Each value is shifted in at the end, so
+    // that the loop stays rolled (one locate in it) and v is indexed by constants.
+    ZC_HD void load_run(U n, float (&v)[8]) const {
 #pragma unroll 1
         for (U k = 0; k < 8; ++k) {
             if (n + k - first_ >= len_) locate(n + k);
             if (k == 0 && n - first_ < vlen_) {
-                load_vector(n, v);
+                zc::load8(at(n), v);
                 return;
             }
-            shift_in(v, *at(n + k));
+            const float value = to_float(*at(n + k));
+            for (int m = 0; m < 7; ++m) v[m] = v[m + 1];
+            v[7] = value;
         }
-    }
-    ZC_HD static void shift_in(float (&v)[8], T value) {
-        for (int m = 0; m < 7; ++m) v[m] = v[m + 1];
-        v[7] = to_float(value);
-    }
-    ZC_HD static void shift_in(u32 (&w)[4], T value) {
-        for (int m = 0; m < 3; ++m) w[m] = (w[m] >> 16) | (w[m + 1] << 16);
-        w[3] = (w[3] >> 16) | (static_cast<u32>(value.bits) << 16);
     }
 };
 
