@@ -32,8 +32,8 @@ HOSTILE_FLAGS = {"as-is": (), "ftz": ("-ftz=true",), "ftz+fast-math": ("-ftz=tru
 TAGS = ("f32", "bf16", "f16")
 EXPECTED_KERNELS = {
     "quantize.cu": [f"zc_quantize_{t}_int{b}" for t in TAGS for b in (8, 4)],
-    "reorder_quantize.cu": [f"zc_reorder_{kind}{wide}_{t}_int{b}" for kind in ("quantize", "interleaved")
-                            for wide in ("", "_wide") for t in TAGS for b in (8, 4)],
+    "reorder_quantize.cu": [f"zc_reorder_{kind}_{t}_int{b}" for kind in ("quantize", "interleaved", "quantize_wide",
+                            "interleaved_wide", "interleaved_regs") for t in TAGS for b in (8, 4)],
     "dequantize.cu": [f"zc_dequantize_{t}_int{b}" for t in TAGS for b in (8, 4)],
     "dequant_reduce.cu": [f"zc_dequant_reduce_{t}_int{b}" for t in TAGS for b in (8, 4)]
     + [f"zc_dequant_reduce_requant_int{a}_int{b}" for a in (8, 4) for b in (8, 4)],

@@ -221,6 +221,9 @@ def _check_interleaved(host_check, tmp_path, dtype, bits, parts, widths, part_nu
     assert ran.vec == (misalign != 1 and group_size % 8 == 0 and chunk % 8 == 0 and row % _run_bytes(bits) == 0)
     assert ran.tiles == _tiles(min(group_size, chunk))
     assert ran.regs == _regs(ran.vec, min(group_size, chunk))
+    # the launcher runs the register scheme's own kernel exactly when the encoder would take that scheme
+    # ([Note: register kernel]; misalign 1 shifts the output by a byte)
+    assert cuda_launch.in_registers(chunk, group_size, bits, row, out_ptr=int(misalign == 1)) == ran.regs
 
 
 # [Note: stretches] in sources.cuh: cases whose runs of 8 cross every kind of boundary of the
@@ -287,6 +290,10 @@ def test_magic_divisor_is_exact(host_check, wide):
         assert list(map(int, done.stdout.split())) == [n // divisor for n in ns], divisor
 
 
+def test_launcher_mirrors_the_register_limit():
+    assert cuda_launch.REGISTER_MAX_GROUP == REGISTER_MAX_GROUP
+
+
 def test_magic_divisor_rejects_divisors_past_its_range():
     with pytest.raises(AssertionError):
         cuda_launch.magic_divisor(2**31 + 1, wide=False)
@@ -301,9 +308,11 @@ def test_reorder_index_path_is_chosen_by_size(flat):
     for parts, part_numel, wide in ((2, 2**30, False), (4, 2**30, True), (3, 2**31 + 8, True), (1, 96, False)):
         slices, chunks, group = 2, 2, 256
         key = (torch.bfloat16, 8, 0, flat, 1 if flat else 3, parts, part_numel, slices, chunks, group, 0)
-        name, jobs, extent, slice_args, part_args, layout = cuda_launch._resolve_reorder(key)
+        name, registers_name, jobs, extent, slice_args, part_args, layout = cuda_launch._resolve_reorder(key)
         kind = "quantize" if flat else "interleaved"
         assert name == f"zc_reorder_{kind}{'_wide' if wide else ''}_bf16_int8", (parts, part_numel)
+        # the register scheme's own kernel: interleaved, 32-bit indices (row bytes 0: any multiple of a run)
+        assert registers_name == (None if flat or wide else "zc_reorder_interleaved_regs_bf16_int8")
         numel = parts * part_numel
         assert [int(a) for a in slice_args] == [numel // slices, *cuda_launch.magic_divisor(numel // slices, wide)]
         assert [int(a) for a in part_args] == [3 if not flat else 1, part_numel,

@@ -100,3 +100,5 @@ def test_launch_arguments_match_kernel_parameters(kernel_params, launches, monke
         declared = [(PARAM_BYTES[t], t == "f32") for t in kernel_params[name]]
         assert [_kind(a) for a in args] == declared, name
     assert sum("_wide_" in name for _, name, _ in launches) == (2 * 3 * (1 if group_size <= 4096 else 2) if wide else 0)
+    # the interleaved form's register kernel ([Note: register kernel]) for groups held in registers
+    assert sum("_regs_" in name for _, name, _ in launches) == (3 if group_size <= 1024 and not wide else 0)

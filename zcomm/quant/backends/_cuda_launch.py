@@ -293,12 +293,14 @@ def reorder_quantize(
             if len(_REORDER_MEMO) >= _MAX_MEMO:
                 _REORDER_MEMO.clear()
             _REORDER_MEMO[key] = resolved
-    name, jobs, extent, slice_args, part_args, layout = resolved
+    name, registers_name, jobs, extent, slice_args, part_args, layout = resolved
     device_perm = _device_perm(perm, x.device)
     if flat:
         source = (_ptr(x), _ptr(device_perm), *slice_args)
     else:
         source = (_ptr(_device_table(xs, parts)), *part_args, _ptr(device_perm), *slice_args)
+        if registers_name is not None and out.data_ptr() % _RUN_BYTES[bits] == 0:  # [Note: register kernel]
+            name = registers_name
     _encode("reorder_quantize.cu", name, x.device, jobs, extent, (*source, *layout, _ptr(out)))
 
 
@@ -315,10 +317,28 @@ def _resolve_reorder(key: tuple) -> tuple:
     wide = numel > WIDE_NUMEL
     kind = ("quantize" if flat else "interleaved") + ("_wide" if wide else "")
     name = _name("zc_reorder_{}_{}_int{}", kind, dtype, bits)
+    registers_name = None
+    if not flat and not wide and in_registers(chunk, group_size, bits, row_nbytes, out_ptr=0):
+        registers_name = _name("zc_reorder_interleaved_regs_{}_int{}", dtype, bits)
     slice_args = (np.int64(numel // slices), *_magic_args(numel // slices, wide))
     part_args = (np.int64(tensors), np.int64(part_numel), *_magic_args(part_numel, wide))
     layout = _sizes(chunk, num_chunks, group_size, row_nbytes)
-    return name, -(-chunk // group_size) * num_chunks, min(group_size, chunk), slice_args, part_args, layout
+    jobs = -(-chunk // group_size) * num_chunks
+    return name, registers_name, jobs, min(group_size, chunk), slice_args, part_args, layout
+
+
+REGISTER_MAX_GROUP = 32 * 8 * 4  # kRegisterMaxGroup (team_walk.cuh): 32 lanes of kRunsPerLane runs of 8
+_RUN_BYTES = {8: 8, 4: 4}  # bytes of 8 codes (Codes8<BITS>::kWords words)
+
+
+def in_registers(chunk: int, group_size: int, bits: int, row_nbytes: int, out_ptr: int) -> bool:
+    """Whether the encoder's teams hold a source's groups in registers (group_encoder.cuh's
+    in_registers for a source whose can_vectorize() holds, as InterleavedSource's always does):
+    the output's vector layout (ChunkLayout::can_vectorize) and groups of at most
+    :data:`REGISTER_MAX_GROUP` elements."""
+    run_bytes = _RUN_BYTES[bits]
+    vec = group_size % RUN == 0 and chunk % RUN == 0 and out_ptr % run_bytes == 0 and row_nbytes % run_bytes == 0
+    return vec and min(group_size, chunk) <= REGISTER_MAX_GROUP
 
 
 def magic_divisor(divisor: int, wide: bool) -> tuple[int, int]:
