@@ -7,7 +7,7 @@ the 64-bit path for real, so here the launcher's threshold is lowered to 0 to ru
 slice, part and piece ends and the zero fill, with tensors at differing alignments
 ([Note: stretches] in sources.cuh). The host check (test_cuda_host_math.py) proves the same
 arithmetic on the CPU; this runs what only the device runs (``__umulhi``, ``__umul64hi``, the
-vector loads of the stretches and of the fill's zero run).
+vector loads of the stretches and of the fill's zero run, the register scheme's own kernel).
 """
 
 from __future__ import annotations
@@ -76,6 +76,10 @@ def test_interleaved_on_both_index_paths(
                              backend="cuda")  # fmt: skip
     assert_same_bytes(got.cpu(), expected, f"interleaved {dtype} INT{bits} wide={wide}")
     assert names and all(("_wide_" in name) == wide for name in names), names
+    # the register scheme's own kernel ([Note: register kernel]) where the encoder holds groups in registers
+    chunk = parts * part_numel // num_chunks
+    registers = not wide and cuda_launch.in_registers(chunk, group_size, bits, got.shape[1], got.data_ptr())
+    assert all(("_regs_" in name) == registers for name in names), names
 
 
 @pytest.mark.parametrize("bits", (8, 4))
