@@ -280,8 +280,11 @@ def reorder_quantize(
     out: torch.Tensor,
 ) -> None:
     """One tensor that fills its parts is read through the permutation alone; otherwise
-    the interleaved kernel reads the tensors through a table ([Note: interleaved table]).
-    Everything but the addresses is resolved once per sizes (:func:`_resolve_reorder`)."""
+    the interleaved kernel reads the tensors through a table ([Note: interleaved table]), or,
+    when the encoder holds its groups in registers, that scheme's own kernel ([Note: register
+    kernel] in kernels/reorder_quantize.cu). Inputs of more than :data:`WIDE_NUMEL` elements
+    take the kernels' 64-bit index path. Everything but the addresses and the output's
+    alignment is resolved once per sizes (:func:`_resolve_reorder`)."""
     x = xs[0]
     flat = len(xs) == 1 and x.numel() == parts * part_numel
     key = (x.dtype, bits, x.device.index, flat, len(xs), parts, part_numel, len(perm), num_chunks, group_size,
