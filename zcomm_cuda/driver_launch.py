@@ -226,13 +226,14 @@ class DriverKernel:
     parameter types ([Note: parameter layout]).
     """
 
-    __slots__ = ("name", "function", "params", "device", "driver", "owner", "_threads")
+    __slots__ = ("name", "function", "params", "device", "driver", "owner", "_threads", "_launch_ex")
 
     def __init__(self, *, name: str, function: int, params: Sequence[str], device: int, driver: Driver,
                  owner: Any = None) -> None:  # fmt: skip
         self.name, self.function, self.params, self.device = name, function, tuple(params), device
         self.driver, self.owner = driver, owner
         self._threads = threading.local()
+        self._launch_ex = driver.launch_kernel_ex
 
     def launch(self, blocks: int, threads: int, stream: int, args: Sequence[Any]) -> None:
         """Enqueue ``blocks`` blocks of ``threads`` threads on ``stream`` with ``args`` (this thread's block)."""
@@ -241,10 +242,10 @@ class DriverKernel:
         except AttributeError:
             block = self._new_block(args)
         try:
-            block.write(blocks, threads, stream, args)
+            block.pack(blocks, 1, 1, threads, 1, 1, 0, stream, 0, 0, *args)  # ParamBlock.write, without its frame
         except struct.error as exc:
             raise self._mismatch(block, blocks, threads, stream, args, exc) from exc
-        result = self.driver.launch_kernel_ex(block.config, self.function, block.params, None)
+        result = self._launch_ex(block.config, self.function, block.params, None)
         if result:
             raise RuntimeError(f"cuLaunchKernelEx of {self.name} on device {self.device} failed: "
                                f"{self.driver.describe(result)}")  # fmt: skip
