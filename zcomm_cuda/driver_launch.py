@@ -58,7 +58,7 @@ import numpy as np
 
 # CUlaunchConfig (cuda.h): gridDim x/y/z, blockDim x/y/z, sharedMemBytes, (pad), hStream,
 # attrs, numAttrs, (pad); 56 bytes. tests/quant/test_cuda_driver_launch.py checks the
-# offsets against cuda.h.
+# offsets against a C compiler's layout of the toolkit's cuda.h.
 CONFIG_FORMAT = "IIIIIII4xQQI4x"
 CONFIG_BYTES = struct.calcsize("<" + CONFIG_FORMAT)
 SLOT_BYTES = 8

@@ -14,6 +14,7 @@ a fresh worker thread and a CUDA graph replay, and a launch the driver refuses r
 from __future__ import annotations
 
 import ctypes
+import subprocess
 import sys
 import threading
 import types
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from cuda_support import requires_gpu, requires_nvrtc
+from cuda_support import NVCC, requires_gpu, requires_nvcc, requires_nvrtc
 from test_cuda_launch_abi import DTYPES, _run_every_op
 from zcomm.quant.backends import _cuda_launch as cuda_launch
 from zcomm_cuda import driver_launch, loader
@@ -48,13 +49,40 @@ def slot_values(block: driver_launch.ParamBlock, params: tuple[str, ...]) -> lis
 
 
 def test_config_layout_is_cuda_hs() -> None:
-    """The struct format's configuration fields sit where C puts CUlaunchConfig's."""
+    """The struct format's configuration fields sit where C puts CUlaunchConfig's (``LaunchConfig``, checked
+    against the toolkit's cuda.h below)."""
     assert ctypes.sizeof(LaunchConfig) == driver_launch.CONFIG_BYTES
     block = driver_launch.ParamBlock("", 0)
     block.write(7, 96, 0xABCDEF12345, ())
     config = LaunchConfig.from_address(block.config)
     got = [getattr(config, name) for name, _ in LaunchConfig._fields_]
     assert got == [7, 1, 1, 96, 1, 1, 0, 0xABCDEF12345, None, 0]
+
+
+CONFIG_PROBE = r"""
+#include <stddef.h>
+#include <stdio.h>
+#include <cuda.h>
+#define AT(field) printf("%s %zu\n", #field, offsetof(CUlaunchConfig, field));
+int main(void) {
+    AT(gridDimX) AT(gridDimY) AT(gridDimZ) AT(blockDimX) AT(blockDimY) AT(blockDimZ) AT(sharedMemBytes)
+    AT(hStream) AT(attrs) AT(numAttrs)
+    printf("size %zu\n", sizeof(CUlaunchConfig));
+    return 0;
+}
+"""
+
+
+@requires_nvcc
+def test_config_layout_is_the_compilers_reading_of_cuda_h(tmp_path) -> None:
+    """CUlaunchConfig's field offsets and size as the host compiler lays out the toolkit's cuda.h (nvcc adds its
+    include path)."""
+    (tmp_path / "probe.c").write_text(CONFIG_PROBE)
+    subprocess.run([NVCC, "-o", str(tmp_path / "probe"), str(tmp_path / "probe.c")], check=True)
+    printed = dict(line.split() for line in subprocess.run([str(tmp_path / "probe")], check=True, capture_output=True,
+                                                           text=True).stdout.splitlines())  # fmt: skip
+    offsets = {name: str(getattr(LaunchConfig, name).offset) for name, _ in LaunchConfig._fields_}
+    assert printed == {**offsets, "size": str(driver_launch.CONFIG_BYTES)}
 
 
 def test_ptx_params_reads_every_declaration_form() -> None:
@@ -441,5 +469,6 @@ def test_a_launch_the_driver_refuses_raises(restore_launcher) -> None:
     x = torch.zeros(1 << 10, device="cuda")
     args = (np.uint64(x.data_ptr()), np.int64(x.numel()), np.int64(256), np.uint64(out.data_ptr()), np.uint64(0),
             np.int32(cuda_launch.TEAMS))  # fmt: skip
-    with pytest.raises(RuntimeError, match=r"cuLaunchKernelEx of zc_quantize_f32_int8 .* CUDA_ERROR_INVALID_VALUE"):
+    with pytest.raises(RuntimeError, match=r"cuLaunchKernelEx of zc_quantize_f32_int8 on device \d+ failed: "
+                                           r"CUDA_ERROR_[A-Z_]+ \(\d+\): \w"):
         loader.launch("quantize.cu", "zc_quantize_f32_int8", x.device, 1, 4096, args)  # 4096 threads: too many
