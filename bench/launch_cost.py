@@ -19,7 +19,8 @@ both rows, so the two rows differ only by the launchers' own work. Each figure i
 of 9 rounds of ``--calls`` calls, the rounds of all columns of a row alternating; ``pack``
 (the block's one ``struct.pack_into``), ``ctypes call`` (the no-op through ``ctypes``) and
 ``empty call`` (a Python lambda, the timing loop's own cost, in every figure) are parts of
-the driver row. The figures say what the Python side costs on this
+the driver row; ``11-arg call`` is the same no-op called with ``cuLaunchKernel``'s 11
+arguments, what [Note: launch entry point] in :mod:`zcomm_cuda.driver_launch` weighs. The figures say what the Python side costs on this
 machine; the launch's time on a GPU machine is measured by ``bench.host_cost --launcher``.
 """
 
@@ -58,7 +59,11 @@ CASES: dict[str, tuple[str, tuple[str, ...], tuple[Any, ...]]] = {
                                          (_P, np.int64(4), _I, _P, _I, _I, np.int64(4), np.int64(256), _I, _P,
                                           np.uint64(0), np.int32(0))),
 }  # fmt: skip
-NOOP_C = "int zc_noop_launch(void *config, void *function, void **params, void **extra) { return 0; }\n"
+NOOP_C = (
+    "int zc_noop_launch(void *config, void *function, void **params, void **extra) { return 0; }\n"
+    "int zc_noop_launch11(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,\n"
+    "                     unsigned shared, void *stream, void **params, void **extra) { return 0; }\n"
+)
 
 
 def _noop_library(workdir: str) -> ctypes.CDLL:
@@ -140,21 +145,37 @@ def _launch_with(launcher: str, source: str, name: str, args: tuple) -> Callable
 
 
 def measure(calls: int) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as workdir:
+        noop_library = _noop_library(workdir)
+        with _stand_ins(noop_library):
+            return _measure(calls, noop_library)
+
+
+def _eleven_argument_call(library: ctypes.CDLL) -> Callable[[], None]:
+    """A no-op called as ``cuLaunchKernel`` would be (function, 6 dimensions, shared bytes, stream, params, extra)."""
+    function = library["zc_noop_launch11"]
+    function.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    function.restype = ctypes.c_int
+    return lambda: function(0, 1056, 1, 1, 256, 1, 1, 0, 0, 1, None)
+
+
+def _measure(calls: int, noop_library: ctypes.CDLL) -> list[dict[str, Any]]:
     rows = []
-    with tempfile.TemporaryDirectory() as workdir, _stand_ins(_noop_library(workdir)):
-        noop = loader._DRIVER_KERNELS[next(iter(loader._DRIVER_KERNELS))].driver.launch_kernel_ex
-        for name, (source, _, args) in CASES.items():
-            target = loader._DRIVER_KERNELS[(source, name, 0)]
-            target.launch(1056, 256, 0, args)  # this thread's block
-            block = target.block()
-            timed = _compare({
-                "cupy us": _launch_with("cupy", source, name, args),
-                "driver us": _launch_with("driver", source, name, args),
-                "pack us": lambda: block.write(1056, 256, 0, args),
-                "ctypes call us": lambda: noop(1, 0, 1, None),
-                "empty call us": lambda: None,
-            }, calls)  # fmt: skip
-            rows.append({"kernel": name, "arguments": len(args), **timed})
+    noop = loader._DRIVER_KERNELS[next(iter(loader._DRIVER_KERNELS))].driver.launch_kernel_ex
+    eleven = _eleven_argument_call(noop_library)
+    for name, (source, _, args) in CASES.items():
+        target = loader._DRIVER_KERNELS[(source, name, 0)]
+        target.launch(1056, 256, 0, args)  # this thread's block
+        block = target.block()
+        timed = _compare({
+            "cupy us": _launch_with("cupy", source, name, args),
+            "driver us": _launch_with("driver", source, name, args),
+            "pack us": lambda: block.write(1056, 256, 0, args),
+            "ctypes call us": lambda: noop(1, 0, 1, None),
+            "11-argument call us": eleven,
+            "empty call us": lambda: None,
+        }, calls)  # fmt: skip
+        rows.append({"kernel": name, "arguments": len(args), **timed})
     return rows
 
 
@@ -167,11 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}"
     print(f"# launch cost, Python side, no GPU ({machine}); us per launch, median of {ROUNDS} x {args.calls}")
     print(f"{'kernel':34s} {'args':>4s} {'cupy* us':>9s} {'driver us':>10s} {'driver/cupy*':>12s} {'pack us':>8s} "
-          f"{'ctypes call us':>14s} {'empty call us':>13s}")  # fmt: skip
+          f"{'ctypes call us':>14s} {'11-arg call us':>14s} {'empty call us':>13s}")  # fmt: skip
     for row in rows:
         print(f"{row['kernel']:34s} {row['arguments']:4d} {row['cupy us']:9.2f} {row['driver us']:10.2f} "
               f"{row['driver us'] / row['cupy us']:12.2f} {row['pack us']:8.2f} {row['ctypes call us']:14.2f} "
-              f"{row['empty call us']:13.2f}")
+              f"{row['11-argument call us']:14.2f} {row['empty call us']:13.2f}")
     print("# cupy*: zcomm's side only, up to a no-op in place of cupy's Function call (cupy's own work, 5.4 us on an "
           "H200, is not in it); driver: all of the launcher but the driver's work inside libcuda")  # fmt: skip
     print(f"# {time.perf_counter() - started:.1f} s")
