@@ -413,7 +413,7 @@ def _launcher_rows(rows: list[Row], launchers: list[str]) -> list[dict]:
     for row in rows:
         if row.launcher != launchers[0]:
             continue
-        entry = {"name": row.name, "numel": row.numel}
+        entry = {"name": row.name, "numel": row.numel, "base": row.base}
         for name in launchers:
             other = by_key[(row.name, row.numel, row.base, name)]
             entry[f"{name} host_us"], entry[f"{name} synced_us"] = other.host_us, other.synced_us
@@ -457,10 +457,10 @@ def _print_launchers(compared: list[dict]) -> None:
     launchers = [key[: -len(" host_us")] for key in compared[0] if key.endswith(" host_us")]
     first = launchers[0]
     print(f"# launchers (host us, then each launcher's host and synced time over {first}'s, this run)")
-    print(f"{'call':36s} {'size':>5s} " + " ".join(f"{name + ' us':>10s}" for name in launchers)
+    print(f"{'call':36s} {'size':>5s} {'(its yardstick)':28s} " + " ".join(f"{name + ' us':>10s}" for name in launchers)
           + "".join(f" {name + '/' + first:>14s} {'synced':>7s}" for name in launchers[1:]))  # fmt: skip
     for entry in compared:
-        print(f"{entry['name']:36s} {_size(entry['numel']):>5s} "
+        print(f"{entry['name']:36s} {_size(entry['numel']):>5s} {entry['base']:28s} "
               + " ".join(f"{entry[name + ' host_us']:10.1f}" for name in launchers)
               + "".join(f" {entry[f'{name}/{first} host']:14.2f} {entry[f'{name}/{first} synced']:7.2f}"
                         for name in launchers[1:]))  # fmt: skip

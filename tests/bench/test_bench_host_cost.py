@@ -62,8 +62,8 @@ def test_launchers_side_by_side_with_ratios_to_the_first(capsys) -> None:
     rows = [_row("quantize int8", "cupy", 20.0, 40.0), _row("all_gather_q8", "cupy", 80.0, 100.0),
             _row("quantize int8", "driver", 10.0, 30.0), _row("all_gather_q8", "driver", 60.0, 90.0)]
     compared = host_cost._launcher_rows(rows, ["cupy", "driver"])
-    assert [(c["name"], c["cupy host_us"], c["driver host_us"]) for c in compared] == [
-        ("quantize int8", 20.0, 10.0), ("all_gather_q8", 80.0, 60.0)]
+    assert [(c["name"], c["base"], c["cupy host_us"], c["driver host_us"]) for c in compared] == [
+        ("quantize int8", "x.clone()", 20.0, 10.0), ("all_gather_q8", "x.clone()", 80.0, 60.0)]
     assert [c["driver/cupy host"] for c in compared] == [0.5, 0.75]
     assert [c["driver/cupy synced"] for c in compared] == [0.75, 0.9]
     assert host_cost._launcher_rows(rows[:2], ["cupy"]) == []
