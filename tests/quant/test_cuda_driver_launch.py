@@ -412,18 +412,27 @@ def test_loader_launches_through_the_driver_kernel(unread, monkeypatch: pytest.M
 # -- on a GPU -----------------------------------------------------------------------------------------------------
 
 
-def _every_op(x: torch.Tensor) -> list[torch.Tensor]:
+def _every_op(x: torch.Tensor, interleaved: bool = True) -> list[torch.Tensor]:
+    """Every kernel of ``x``'s dtype: each op at both widths, both encoder schemes, both reorder forms (the
+    interleaved one, which uploads a table per call, only with ``interleaved``: a graph cannot capture it), and
+    the re-quantizing reduction into both widths."""
     import zcomm.quant as zq
 
-    payload = zq.quantize(x, 8, 256)
-    rows4 = torch.stack([zq.quantize(x, 4, 256), zq.quantize(x.flip(0), 4, 256)])
-    return [
-        payload, zq.quantize(x, 4, 8192),
-        zq.dequantize(payload, x.numel(), 8, 256, x.dtype),
-        zq.reorder_quantize(x, (3, 1, 0, 2), 4, 4, 256),
-        zq.dequant_reduce(rows4, x.numel(), 4, 256, dtype=x.dtype, divide_by=2.0),
-        zq.dequant_reduce(rows4, x.numel(), 4, 256, requant_chunks=4),
-    ]  # fmt: skip
+    g, numel, outs = 256, x.numel(), []
+    pieces = [x[: 6 * g], x[6 * g : 18 * g]]  # 6 parts of 4 * g: each tensor's piece, then a zero fill
+    for bits in (8, 4):
+        payload = zq.quantize(x, bits, g)
+        rows = torch.stack([payload, zq.quantize(x.flip(0), bits, g)])
+        outs += [
+            payload, zq.quantize(x, bits, 8192),
+            zq.dequantize(rows, numel, bits, g, x.dtype),
+            zq.reorder_quantize(x, (3, 1, 0, 2), 4, bits, g),
+            *([zq.reorder_quantize(pieces, (2, 0, 1, 5, 4, 3), 3, bits, g, parts=6, part_numel=4 * g)]
+              if interleaved else []),
+            zq.dequant_reduce(rows, numel, bits, g, dtype=x.dtype, divide_by=2.0),
+            *(zq.dequant_reduce(rows, numel, bits, g, requant_chunks=4, requant_bits=out) for out in (8, 4)),
+        ]  # fmt: skip
+    return outs
 
 
 @pytest.fixture()
@@ -435,8 +444,14 @@ def restore_launcher():
 
 @requires_gpu
 def test_both_launchers_write_the_same_bytes(restore_launcher) -> None:
-    """Every op under cupy, then under the driver: from this thread, from a fresh worker thread (no context current
-    yet) and replayed from a CUDA graph captured with the driver launcher."""
+    """Every kernel under cupy, then under the driver (each dtype); bf16 also from a fresh worker thread (no
+    context current yet) and replayed from a CUDA graph captured with the driver launcher."""
+    for dtype in (torch.float32, torch.float16):  # bf16 below
+        x = torch.randn(1 << 16, device="cuda").to(dtype)
+        loader.set_launcher("cupy")
+        expected = _every_op(x)
+        loader.set_launcher("driver")
+        assert [torch.equal(a, b) for a, b in zip(_every_op(x), expected)] == [True] * len(expected), dtype
     x = torch.randn(1 << 16, device="cuda").to(torch.bfloat16)
     loader.set_launcher("cupy")
     expected = _every_op(x)
@@ -449,16 +464,16 @@ def test_both_launchers_write_the_same_bytes(restore_launcher) -> None:
     torch.cuda.synchronize()
     assert [torch.equal(a, b) for a, b in zip(from_worker, expected)] == [True] * len(expected)
     static = x.clone()
-    _every_op(static)  # warm: plans, permutation upload
+    _every_op(static, interleaved=False)  # warm: plans, permutation upload
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = _every_op(static)
+        captured = _every_op(static, interleaved=False)
     static.copy_(x.flip(0))
     graph.replay()
     torch.cuda.synchronize()
     loader.set_launcher("cupy")
-    again = _every_op(x.flip(0))
+    again = _every_op(x.flip(0), interleaved=False)
     assert [torch.equal(a, b) for a, b in zip(captured, again)] == [True] * len(again)
 
 
