@@ -336,7 +336,7 @@ def plan(out_dir: Path, *, gpus: int, python: str = sys.executable) -> list[Stag
             name="driver-launcher",
             title=f"{LAUNCHER_ENV}=driver (cuLaunchKernelEx through ctypes): the CUDA kernel tests in one pytest, "
                   f"{GPU_CHECK_ENV}=1, -k '{DRIVER_TESTS_SELECT}': {', '.join(Path(n).name for n in DRIVER_TESTS)}",
-            argv=(python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-x", "-k", DRIVER_TESTS_SELECT,
+            argv=(python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE", "-k", DRIVER_TESTS_SELECT,
                   f"--junitxml={out_dir / DRIVER_TESTS_XML}", *driver_present),  # fmt: skip
             limit_s=55,
             needs=("pytest", "cupy"),
