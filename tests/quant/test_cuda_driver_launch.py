@@ -1,14 +1,17 @@
 """The ``driver`` launcher (:mod:`zcomm_cuda.driver_launch`): parameter blocks, the switch, the call.
 
-On any machine (no GPU, no libcuda): the parameter block of every launch the cuda backend
-makes, built from the kernel's own PTX parameters (NVRTC, as the loader compiles them), holds
-each value at its parameter's width, read back from memory; rewriting the addresses changes
-exactly the address slots; a wrong-typed argument raises; ``$ZCOMM_CUDA_LAUNCHER`` is
+On any machine (no GPU, no libcuda): the configuration's layout is cuda.h's; the parameter
+block of every launch the cuda backend makes holds each value at its parameter's width, read
+back from memory (the parameter types are those of the launch's arguments, which
+test_cuda_launch_abi.py holds to the kernels' PTX; ``ptx_params`` of NVRTC's PTX, as the
+loader compiles it, is checked to agree); rewriting the addresses changes exactly the
+address slots; a wrong-typed argument raises; ``$ZCOMM_CUDA_LAUNCHER`` is
 validated; the launcher calls ``cuLaunchKernelEx`` (a ctypes callback standing in for the
 driver) with the configuration and parameters it was given, raises with the driver's error
 text on a failed launch, makes a context current on a thread that has none and gives each
-thread its own block. On a GPU: both launchers write the same bytes, from the main thread,
-a fresh worker thread and a CUDA graph replay, and a launch the driver refuses raises.
+thread its own block. On a GPU: both launchers write the same bytes for every kernel, from
+the main thread, a fresh worker thread and a CUDA graph replay, and a launch the driver
+refuses raises.
 """
 
 from __future__ import annotations
