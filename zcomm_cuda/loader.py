@@ -104,8 +104,8 @@ def target_arch(capability: tuple[int, int], supported: Sequence[int]) -> str:
     return f"compute_{max(older)}"
 
 
-# (source, device index) -> kernel name -> its PTX parameter types, for the driver launcher
-_PTX_PARAMS: dict[tuple[str, int], dict[str, tuple[str, ...]]] = {}
+# (source, device index) -> the PTX that was loaded; the driver launcher reads its kernels' parameters
+_PTX: dict[tuple[str, int], str] = {}
 
 
 @lru_cache(maxsize=None)
@@ -118,8 +118,16 @@ def _module(source: str, device_index: int) -> Any:
     module = cupy.cuda.function.Module()
     with cupy.cuda.Device(device_index):
         module.load(compiled.cubin if compiled.cubin is not None else compiled.ptx.encode())
-    _PTX_PARAMS[(source, device_index)] = driver_launch.ptx_params(compiled.ptx)
+    _PTX[(source, device_index)] = compiled.ptx
     return module
+
+
+@lru_cache(maxsize=None)
+def _ptx_params(source: str, device_index: int) -> dict[str, tuple[str, ...]]:
+    """Kernel name -> PTX parameter types of the module loaded for ``source`` (read on the driver launcher's
+    first use of the source, so that the cupy launcher never depends on it)."""
+    _module(source, device_index)
+    return driver_launch.ptx_params(_PTX[(source, device_index)])
 
 
 @lru_cache(maxsize=None)
@@ -268,7 +276,7 @@ def _driver_kernel(source: str, name: str, index: int) -> driver_launch.DriverKe
     ``CUfunction`` with the parameter types of the PTX that was loaded.
     """
     function = kernel(source, name, index)
-    params = _PTX_PARAMS[(source, index)].get(name)
+    params = _ptx_params(source, index).get(name)
     if params is None:
         raise RuntimeError(f"{name} is not an entry of the PTX compiled from {source}")
     target = driver_launch.DriverKernel(name=name, function=function.ptr, params=params, device=index,

@@ -412,6 +412,34 @@ def test_loader_launches_through_the_driver_kernel(unread, monkeypatch: pytest.M
         ((12, 1, 1), 0x77, values_of(GOOD))] * 2  # fmt: skip
 
 
+def test_the_driver_kernel_is_made_once_from_the_loaded_function_and_its_ptx(unread, monkeypatch) -> None:
+    """The loader's glue: the CUfunction of the function cupy loaded, the parameters of the PTX that was
+    loaded, the process's driver; made on the first launch, looked up after; an unknown name raises."""
+    ptx = ".visible .entry k(\n" + ",\n".join(f"\t.param .{t} k_param_{i}" for i, t in enumerate(DEQUANT_REDUCE)) + "\n)"
+    lib = FakeDriverLibrary(DEQUANT_REDUCE)
+    looked_up = []
+    monkeypatch.setenv(loader.LAUNCHER_ENV, "driver")
+    monkeypatch.setattr(loader, "_DRIVER_KERNELS", {})
+    monkeypatch.setattr(loader, "_module", lambda source, index: None)
+    monkeypatch.setitem(loader._PTX, ("dequant_reduce.cu", 0), ptx)
+    monkeypatch.setattr(loader, "kernel", lambda *key: looked_up.append(key) or types.SimpleNamespace(ptr=0xF00))
+    monkeypatch.setattr(driver_launch, "driver", lambda: driver_launch.Driver(lib))
+    monkeypatch.setattr(loader, "current_raw_stream", lambda index: 0x77)
+    monkeypatch.setattr(loader, "_current_device", lambda: 0)
+    loader._ptx_params.cache_clear()
+    try:
+        for _ in range(2):
+            loader.launch("dequant_reduce.cu", "k", torch.device("cuda", 0), 12, 256, GOOD)
+        with pytest.raises(RuntimeError, match="nope is not an entry of the PTX compiled from dequant_reduce.cu"):
+            loader.launch("dequant_reduce.cu", "nope", torch.device("cuda", 0), 12, 256, GOOD)
+    finally:
+        loader._ptx_params.cache_clear()
+    assert looked_up == [("dequant_reduce.cu", "k", 0), ("dequant_reduce.cu", "nope", 0)]
+    assert [(launch["function"], launch["values"]) for launch in lib.launches] == [(0xF00, values_of(GOOD))] * 2
+    made = loader._DRIVER_KERNELS[("dequant_reduce.cu", "k", 0)]
+    assert made.params == DEQUANT_REDUCE and made.owner.ptr == 0xF00
+
+
 # -- on a GPU -----------------------------------------------------------------------------------------------------
 
 
