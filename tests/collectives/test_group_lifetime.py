@@ -11,7 +11,9 @@ subgroup nobody destroys would hold its sockets and threads for the rest of the 
 * a group used with every quantized collective (sync, async, coalesced, error feedback,
   prepared calls, the counted plain collectives, an hpZ block) is collected, and so are its
   workers and subgroups;
+* the world, destroyed with everything by ``destroy_process_group()``, is collected too;
 * a prepared call holds its group: the group and its subgroups live as long as the call;
+* zero_runtime's ZeRO++ engine, closed and dropped, lets its group go;
 * a live group keeps its plans: a second call finds the very plan of the first.
 
 A world of one gloo rank, in this process; the hops' subgroups (which need peers) in one
@@ -174,6 +176,39 @@ def test_a_live_group_keeps_its_plans(gloo_world) -> None:
     assert len(plans) == 2 and all(_plan_cache._PLANS[group][key] is plan for key, plan in plans.items())
     assert len(checked) == 2 and all(_prologue._CHECKED[group][key] is info for key, info in checked.items())
     assert _worker_threads(group) == threads and all(thread.is_alive() for thread in threads)
+
+
+def test_a_closed_engine_lets_its_group_go(gloo_world) -> None:
+    """zero_runtime's ZeRO++ engine holds its prepared calls (and so its group): once closed and
+    dropped, its group, the gradient group zcomm made from it and their workers go."""
+    import zero_runtime
+
+    config = {"train_micro_batch_size_per_gpu": 1,
+              "zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True}}
+
+    def train(group: dist.ProcessGroup) -> None:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+        model, opt = zero_runtime.initialize(model, lambda params: torch.optim.AdamW(params, lr=1e-3), config,
+                                             group=group)
+        for _ in range(2):
+            opt.backward(model(torch.randn(4, 8)).square().mean())
+            opt.step()
+            opt.zero_grad()
+        engine.extend([weakref.ref(opt), *map(weakref.ref, _groups._GROUPS[group].values())])
+        threads.extend(thread for subgroup in _groups._GROUPS[group].values() for thread in _worker_threads(subgroup))
+        opt.close()
+
+    engine: list[weakref.ref] = []
+    threads: list[threading.Thread] = []
+    dead, own_threads, subgroups = _destroy_and_drop(lambda: dist.new_group([0]), train)
+    del subgroups
+    gc.collect()
+    assert dead() is None and all(ref() is None for ref in engine)
+    assert own_threads and threads  # qwZ's worker on the group, qgZ's on the gradient group
+    for thread in own_threads + threads:
+        thread.join(timeout=30)
+        assert not thread.is_alive(), thread.name
 
 
 def _hops_destroyed_with_their_group(rank: int, world_size: int) -> tuple[int, int]:
