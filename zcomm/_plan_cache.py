@@ -47,6 +47,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Hashable
+from functools import partial
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -105,15 +106,19 @@ class GroupCache:
     """One :class:`BoundedCache` of ``limit`` entries per live process group, keyed weakly.
 
     A group's cache is dropped when the group object is collected ([Note: plan cache
-    lifetime]), so a value must never refer to its group. Lookups build one weak reference
-    (no Python frame) and do two dict lookups, with no lock.
+    lifetime]), so a value must never refer to its group. A group's entry is keyed by its
+    plain weak reference, the one ``weakref.ref(group)`` returns while any exists: kept alive
+    as the key, it makes a lookup one C call that allocates nothing and two dict lookups that
+    match by identity, with no Python frame and no lock. A second reference, with a callback,
+    drops the entry when the group goes.
     """
 
-    __slots__ = ("limit", "_caches", "__weakref__")
+    __slots__ = ("limit", "_caches", "_watches")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._caches: dict[weakref.ref, BoundedCache] = {}
+        self._watches: dict[weakref.ref, weakref.ref] = {}  # the same keys -> the reference that drops them
 
     def __len__(self) -> int:
         """How many groups have a cache."""
@@ -148,17 +153,22 @@ class GroupCache:
         """Keep ``value`` for ``key`` in ``group``'s cache and return it; not kept where ``key``
         cannot be hashed or ``group`` cannot be weakly referenced."""
         try:
-            cache = self._caches.get(weakref.ref(group))
+            ref = weakref.ref(group)
+            cache = self._caches.get(ref)
             if cache is None:
-                # the key's callback drops the cache when the group is collected (setdefault keeps
-                # the first cache where two threads race here; the losing reference never fires)
-                cache = self._caches.setdefault(weakref.ref(group, self._drop), BoundedCache(self.limit))
+                with _LOCK:
+                    cache = self._caches.get(ref)
+                    if cache is None:
+                        self._watches[ref] = weakref.ref(group, partial(self._drop, ref))
+                        cache = self._caches[ref] = BoundedCache(self.limit)
             return cache.remember(key, value)
         except TypeError:
             return value
 
-    def _drop(self, dead: weakref.ref) -> None:
-        self._caches.pop(dead, None)
+    def _drop(self, ref: weakref.ref, _: weakref.ref) -> None:
+        """The callback of a group's second reference: its group is gone."""
+        self._caches.pop(ref, None)
+        self._watches.pop(ref, None)
 
 
 _PLANS = GroupCache(MAX_PLANS)
