@@ -25,12 +25,16 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
+import traceback
 from collections.abc import Callable
 
+import pytest
 import torch
+import torch.multiprocessing as mp
 import torch.distributed as dist
 
 import zcomm
+from cuda_support import requires_gpu
 from spawn_harness import run_distributed
 from zcomm import _chain_runner, _groups, _plan_cache, _prologue, _torch_compat, topology as topology_module
 from zcomm.all_gather_q8 import prepare_all_gather_q8
@@ -51,15 +55,18 @@ def _worker_threads(group: dist.ProcessGroup) -> list[threading.Thread]:
     return [thread for executor in _chain_runner._WORKERS.get(group, {}).values() for thread in executor._threads]
 
 
-def _use_everything(group: dist.ProcessGroup, passed: dist.ProcessGroup | None | str = "group") -> None:
-    """Every quantized collective of zcomm on ``group``, with the caches' and workers' first entries
-    made; the collectives are given ``passed`` (``"group"``: ``group``; None: the world by default)."""
+def _use_everything(group: dist.ProcessGroup, passed: dist.ProcessGroup | None | str = "group",
+                    device: str = "cpu") -> None:
+    """Every quantized collective of zcomm on ``group``, on tensors on ``device``, with the caches'
+    and workers' first entries made; the collectives are given ``passed`` (``"group"``: ``group``;
+    None: the world by default)."""
     if passed == "group":
         passed = group
     world = dist.get_world_size(group)
-    x, full, out = torch.randn(NUMEL), torch.empty(world * NUMEL), torch.empty(NUMEL)
-    inputs = [torch.randn(world * n) for n in SIZES]
-    outputs = list(torch.empty(NUMEL).split(list(SIZES)))
+    x, full, out = (torch.randn(NUMEL, device=device), torch.empty(world * NUMEL, device=device),
+                    torch.empty(NUMEL, device=device))
+    inputs = [torch.randn(world * n, device=device) for n in SIZES]
+    outputs = list(torch.empty(NUMEL, device=device).split(list(SIZES)))
     zcomm.all_gather_q8(full, x, passed)  # topology detected by host names: the group's first call
     zcomm.all_gather_q8(full, x, group, async_op=True).wait()  # the group itself: the same caches
     zcomm.reduce_scatter_q4(out, full, group=passed, group_size=64)
@@ -229,3 +236,44 @@ def test_hops_subgroups_are_destroyed_with_their_group() -> None:
     results = run_distributed(_hops_destroyed_with_their_group, 2, env={"ZCOMM_LOCAL_SIZE": "1"})
     # a gather and a reduce inter-node group and the hpZ block; a gather and a reduce worker
     assert results == [(3, 2), (3, 2)]
+
+
+def _nccl_group_goes(results, bound: bool) -> None:
+    """In a process of its own: a one-rank NCCL world (bound to the GPU: zcomm splits its
+    subgroups from their parent; or not), a group of it used by every collective on CUDA
+    tensors, destroyed and dropped. Reports (collected, subgroups, subgroups still registered)."""
+    try:
+        device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                                **({"device_id": device} if bound else {}))
+        try:
+            dead, _, subgroups = _destroy_and_drop(lambda: dist.new_group([0]),
+                                                   lambda group: _use_everything(group, device="cuda"))
+            torch.cuda.synchronize()
+            results.put((True, (dead() is None, len(subgroups), sum(map(_torch_compat.is_registered, subgroups)))))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # reported to the test, which fails with the traceback
+        results.put((False, traceback.format_exc()))
+
+
+@requires_gpu
+@pytest.mark.parametrize("bound", [True, False], ids=["bound", "unbound"])
+def test_an_nccl_group_goes_with_its_subgroups(bound: bool) -> None:
+    """On NCCL: the group is collected, and its hpZ block (split from it when the world is bound)
+    is destroyed, without a hang. A process per case: a bound world once per process
+    ([Note: one bound world per process] in test_collectives_cuda)."""
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    child = context.Process(target=_nccl_group_goes, args=(results, bound), daemon=True)
+    child.start()
+    child.join(300)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail("the NCCL case did not finish in 300 s (a hang destroying a group?)")
+    assert not results.empty(), f"the NCCL case died with exit code {child.exitcode}"
+    ok, value = results.get()
+    assert ok, value
+    assert value == (True, 1, 0)  # collected; its one subgroup (the hpZ block) destroyed
