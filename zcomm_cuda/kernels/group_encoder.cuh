@@ -68,6 +68,15 @@ struct GroupSpan {
         if (pad_len > 1) pad_begin[1] = 0;
         if (pad_len > 2) pad_begin[2] = 0;
     }
+
+    // The scale alone, as one word: for the register encoder, whose vector conditions
+    // (ChunkLayout::can_vectorize) make rows and slots word-aligned and the value bytes of a
+    // chunk a multiple of 4, so that no padding follows them (pad_len == 0, asserted by the
+    // host check).
+    ZC_HD void write_scale_word(float scale) const {
+        const u32 w[1] = {float_bits(scale)};
+        store_words(scale_slot, w);
+    }
 };
 
 // `num_chunks` payloads of `chunk_numel` elements each, as rows of `row_stride` bytes.
@@ -124,6 +133,113 @@ template <int BITS> struct ChunkLayout {
             s.pad_len = 0;
         }
         return s;
+    }
+};
+
+// [Note: span cursor] A team's jobs are job0, job0 + step, job0 + 2 * step, ... (see
+// TeamWalk), and span(row, group) of each would cost 64-bit multiplications and JobCursor's
+// carry every round. The span's three positions (its first element, its value bytes and its
+// scale slot) are linear in (row, group), so the cursor splits the step once, as JobCursor
+// does, into `step_groups` groups plus whole rows, and every round adds that step's fixed
+// offset to each position, and a second fixed offset when the group passes its row's last
+// group (the carry: one row more, groups_per_chunk groups fewer). With one chunk
+// (ONE_CHUNK: quantize's single payload) there is no carry: job j's group starts at element
+// j * group_size, its values at that element's byte and its scale at slot j. A job is live
+// while its first element lies before the end of the last chunk (jobs past the end have
+// row >= num_chunks, or j >= groups_per_chunk, so their first element is at or past it).
+// The value bytes and the scale slot are kept as byte offsets into the output, so that
+// those dead jobs' positions (never used) are no out-of-range pointers. The host check
+// drives this cursor over the kernels' rounds and compares every live span with
+// span(row, group).
+template <int BITS, bool ONE_CHUNK> struct SpanCursor {
+    static constexpr int kPerByte = Bits<BITS>::kElementsPerByte;
+    // fixed per launch
+    u8* out;
+    i64 group_size;
+    i64 end;                  // elements in all chunks: the first element of the first dead job
+    i64 step_first, step_scale;  // added every round
+    i64 pad_offset;           // the padding after a chunk's last group: from its value bytes
+    int pad_len;              // (ONE_CHUNK: from the output), 0..3 bytes
+    // fixed per launch, several chunks only
+    i64 groups_per_chunk;
+    i64 step_groups;          // the step's group part, < groups_per_chunk
+    i64 last_len;             // the length of a chunk's last group
+    i64 step_values;
+    i64 wrap_first, wrap_values, wrap_scale;  // added on a carry into the next row
+    // the job
+    i64 group;                // the group's index in its chunk (several chunks only)
+    i64 first;                // the group's first element
+    i64 values, scale;        // offsets in `out` of its first value byte (several chunks only) and scale
+
+    ZC_HD SpanCursor(const ChunkLayout<BITS>& layout, i64 first_job, i64 step) {
+        out = layout.out;
+        group_size = layout.group_size;
+        end = layout.num_chunks * layout.chunk_numel;
+        const i64 values_end = values_nbytes(layout.chunk_numel, BITS);
+        const i64 scales = scales_offset(layout.chunk_numel, BITS);
+        pad_len = static_cast<int>(scales - values_end);
+        if constexpr (ONE_CHUNK) {
+            pad_offset = values_end;
+            step_first = step * group_size;
+            step_scale = 4 * step;
+            first = first_job * group_size;
+            scale = scales + 4 * first_job;
+            return;
+        }
+        groups_per_chunk = layout.groups_per_chunk();
+        last_len = layout.chunk_numel - (groups_per_chunk - 1) * group_size;
+        pad_offset = values_end - (groups_per_chunk - 1) * group_size / kPerByte;
+        const i64 step_rows = step / groups_per_chunk;
+        step_groups = step % groups_per_chunk;
+        step_first = step_rows * layout.chunk_numel + step_groups * group_size;
+        step_values = step_rows * layout.row_stride + step_groups * group_size / kPerByte;
+        step_scale = step_rows * layout.row_stride + 4 * step_groups;
+        wrap_first = layout.chunk_numel - groups_per_chunk * group_size;
+        wrap_values = layout.row_stride - groups_per_chunk * group_size / kPerByte;
+        wrap_scale = layout.row_stride - 4 * groups_per_chunk;
+        const i64 row = first_job / groups_per_chunk;
+        group = first_job % groups_per_chunk;
+        const i64 base = row * layout.row_stride;
+        first = row * layout.chunk_numel + group * group_size;
+        values = base + group * group_size / kPerByte;
+        scale = base + scales + 4 * group;
+    }
+
+    ZC_HD bool live() const { return first < end; }
+
+    ZC_HD GroupSpan span() const {
+        GroupSpan s;
+        s.first = first;
+        s.scale_slot = out + scale;
+        bool last;
+        if constexpr (ONE_CHUNK) {
+            last = end - first <= group_size;
+            s.len = last ? end - first : group_size;
+            s.values = out + first / kPerByte;
+            s.pad_begin = out + pad_offset;
+        } else {
+            last = group == groups_per_chunk - 1;
+            s.len = last ? last_len : group_size;
+            s.values = out + values;
+            s.pad_begin = out + (values + pad_offset);
+        }
+        s.pad_len = last ? pad_len : 0;
+        return s;
+    }
+
+    ZC_HD void advance() {
+        first += step_first;
+        scale += step_scale;
+        if constexpr (!ONE_CHUNK) {
+            group += step_groups;
+            values += step_values;
+            if (group >= groups_per_chunk) {
+                group -= groups_per_chunk;
+                first += wrap_first;
+                values += wrap_values;
+                scale += wrap_scale;
+            }
+        }
     }
 };
 
@@ -187,7 +303,9 @@ template <class Source, bool RAW = Source::kRaw16> struct HeldRuns {
     // The cold path of RegisterLane::store for held floats: each live run's values become
     // their codes under the general rule (small integers, exact in fp32), so that the
     // plain path with a reciprocal of 1 writes them. A call would cost ~20 registers.
-    ZC_HD void rewrite_as_codes(float scale, int qmax, int lane, int lanes, int len) {
+    // Returns the group's scale.
+    ZC_HD float rewrite_as_codes(u32 absmax_bits, int qmax, int lane, int lanes, int len) {
+        const float scale = scale_from_absmax_bits(absmax_bits, qmax);
         const Quantizer quantize(scale, qmax);
 #pragma unroll  // [Note: held runs]
         for (int i = 0; i < kRunsPerLane; ++i) {
@@ -195,6 +313,7 @@ template <class Source, bool RAW = Source::kRaw16> struct HeldRuns {
                 for (int k = 0; k < 8; ++k) v[i][k] = static_cast<float>(quantize(v[i][k]));
             }
         }
+        return scale;
     }
 
     ZC_HD u32 load(const Source& src, i64 j, int i, u32 m) {
@@ -247,10 +366,19 @@ template <class Source> struct HeldRuns<Source, true> {
 #else
 #define ZC_COLD inline
 #endif
+// Its arguments are what a team's group in registers needs (no padding, words aligned: see
+// GroupSpan::write_scale_word), by value: a reference would put them on the stack every round.
 template <int BITS, class Source>
-ZC_COLD void encode_group_again(const Source src, const GroupSpan s, int lane, int lanes, bool words_aligned,
-                                u32 absmax_bits) {  // by value: a reference would put them on the stack every round
-    encode_group_lane<BITS>(src, s, lane, lanes, true, words_aligned, absmax_bits);
+ZC_COLD void encode_group_again(const Source src, i64 first, int len, u8* values, u8* scale_slot, int lane,
+                                int lanes, u32 absmax_bits) {
+    GroupSpan s;
+    s.first = first;
+    s.len = len;
+    s.values = values;
+    s.scale_slot = scale_slot;
+    s.pad_begin = nullptr;
+    s.pad_len = 0;
+    encode_group_lane<BITS>(src, s, lane, lanes, true, true, absmax_bits);
 }
 
 // One lane of a team that holds its group in registers: the runs of 8 at elements
@@ -274,34 +402,36 @@ template <int BITS, class Source> struct RegisterLane {
             return held.lane_absmax_bits(held.load_lane(src, s.first, lane, lanes, len));
         }
         u32 m = 0;
+        i64 j = s.first + 8 * lane;  // run i's first element: s.first + e
         // [Note: held runs] Unrolled, so that the held runs are indexed by constants only
         // and stay in registers: a loop the compiler kept would index them at run time and
         // put them on the stack.
 #pragma unroll
-        for (int i = 0; i < kRunsPerLane; ++i) {
-            const int e = 8 * (lane + lanes * i);
-            if (e < len) m = held.load(src, s.first + e, i, m);
+        for (int i = 0, e = 8 * lane; i < kRunsPerLane; ++i, e += 8 * lanes, j += 8 * lanes) {
+            if (e < len) m = held.load(src, j, i, m);
         }
         return held.lane_absmax_bits(m);
     }
 
-    ZC_HD void store(const Source& src, const GroupSpan& s, int lane, int lanes, bool words_aligned,
-                     u32 absmax_bits) {
-        const float scale = scale_from_absmax_bits(absmax_bits, Bits<BITS>::kQmax);
+    ZC_HD void store(const Source& src, const GroupSpan& s, int lane, int lanes, u32 absmax_bits) {
         const int len = static_cast<int>(s.len);
+        // The scale when it is plain, with no test for a NaN or Inf absmax: those give a NaN or
+        // Inf quotient, which is not plain, and the cold paths derive the group's scale again.
+        float scale = div_rn(bits_float(absmax_bits), static_cast<float>(Bits<BITS>::kQmax));
         float reciprocal;
         if (plain_scale(scale)) {
             reciprocal = plain_reciprocal(scale);
         } else if constexpr (HeldRuns<Source>::kRewritable) {
-            held.rewrite_as_codes(scale, Bits<BITS>::kQmax, lane, lanes, len);
+            scale = held.rewrite_as_codes(absmax_bits, Bits<BITS>::kQmax, lane, lanes, len);
             reciprocal = 1.0f;
         } else {
-            encode_group_again<BITS>(src, s, lane, lanes, words_aligned, absmax_bits);
+            encode_group_again<BITS>(src, s.first, len, s.values, s.scale_slot, lane, lanes, absmax_bits);
             return;
         }
+        constexpr int per_byte = Bits<BITS>::kElementsPerByte;
+        u8* values = s.values + 8 / per_byte * lane;  // run i's codes: s.values + e / per_byte
 #pragma unroll  // [Note: held runs]
-        for (int i = 0; i < kRunsPerLane; ++i) {
-            const int e = 8 * (lane + lanes * i);
+        for (int i = 0, e = 8 * lane; i < kRunsPerLane; ++i, e += 8 * lanes, values += 8 / per_byte * lanes) {
             if (e < len) {
                 float v[8];
                 held.values(i, v);
@@ -309,12 +439,10 @@ template <int BITS, class Source> struct RegisterLane {
                 for (int k = 0; k < 8; ++k) q[k] = static_cast<int>(plain_code_bits(v[k], reciprocal));
                 u32 w[Codes8<BITS>::kWords];
                 Codes8<BITS>::pack(q, w);
-                store_words(s.values + e / Bits<BITS>::kElementsPerByte, w);
+                store_words(values, w);
             }
         }
-        if (lane == 0 && s.scale_slot != nullptr) {
-            s.write_scale(scale, words_aligned);
-        }
+        if (lane == 0) s.write_scale_word(scale);
     }
 };
 
@@ -322,27 +450,51 @@ template <int BITS, class Source> struct RegisterLane {
 ZC_HD bool in_registers(bool vec, i64 group_extent) { return vec && group_extent <= kRegisterMaxGroup; }
 
 #ifdef __CUDACC__
+// Max over the `lanes` aligned lanes of a team; every lane of the warp must call it, with
+// the offsets team_offsets() gives. Five shuffles whatever the team's width, with no branch:
+// an offset the team does not use is 0, a lane's own value, and max(v, v) is v.
+struct TeamOffsets {
+    int xor_mask[5];
+};
+
+__device__ __forceinline__ TeamOffsets team_offsets(int lanes) {
+    TeamOffsets t;
+#pragma unroll
+    for (int k = 0; k < 5; ++k) t.xor_mask[k] = (16 >> k) & (lanes - 1);  // lanes: a power of two
+    return t;
+}
+
+__device__ __forceinline__ u32 team_max(u32 v, const TeamOffsets& t) {
+#pragma unroll
+    for (int k = 0; k < 5; ++k) v = max_u32(v, __shfl_xor_sync(0xFFFFFFFFu, v, t.xor_mask[k]));
+    return v;
+}
+
 // The rounds of the team scheme, with the group in registers (REGISTERS) or streamed.
-template <bool REGISTERS, int BITS, class Source>
+template <bool REGISTERS, int BITS, bool ONE_CHUNK, class Source>
 __device__ __forceinline__ void encode_rounds(const Source& src, const ChunkLayout<BITS>& layout, bool vec) {
     const bool words_aligned = layout.words_aligned();
     const int lanes = team_lanes(layout.group_extent());
+    const TeamOffsets offsets = team_offsets(lanes);
     const int warp_lane = static_cast<int>(threadIdx.x & 31u);
     const int lane = warp_lane & (lanes - 1);
     const i64 warp = (static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
     const TeamWalk walk(layout.jobs(), lanes, static_cast<i64>(gridDim.x) * blockDim.x / 32);
-    JobCursor job = walk.cursor(warp, warp_lane / lanes, layout.groups_per_chunk());
-    for (i64 round = warp; round < walk.rounds; round += walk.num_warps, job.advance()) {
-        const bool live = job.row < layout.num_chunks;
-        const GroupSpan s = layout.span(live ? job.row : 0, live ? job.group : 0);
+    SpanCursor<BITS, ONE_CHUNK> job(layout, warp * walk.teams_per_warp + warp_lane / lanes,
+                                    walk.num_warps * walk.teams_per_warp);
+    // the warp's rounds warp, warp + num_warps, ... < walk.rounds, counted down
+    for (i64 rounds = walk.rounds > warp ? (walk.rounds - warp - 1) / walk.num_warps + 1 : 0; rounds > 0;
+         --rounds, job.advance()) {
+        const bool live = job.live();
+        const GroupSpan s = job.span();
         if constexpr (REGISTERS) {
             RegisterLane<BITS, Source> held;
             const u32 partial = live ? held.load(src, s, lane, lanes) : 0u;
-            const u32 absmax_bits = team_max(partial, lanes);
-            if (live) held.store(src, s, lane, lanes, words_aligned, absmax_bits);
+            const u32 absmax_bits = team_max(partial, offsets);
+            if (live) held.store(src, s, lane, lanes, absmax_bits);
         } else {
             const u32 partial = live ? lane_absmax<BITS>(src, s, lane, lanes, vec) : 0u;
-            const u32 absmax_bits = team_max(partial, lanes);
+            const u32 absmax_bits = team_max(partial, offsets);
             if (live) encode_group_lane<BITS>(src, s, lane, lanes, vec, words_aligned, absmax_bits);
         }
     }
@@ -350,13 +502,13 @@ __device__ __forceinline__ void encode_rounds(const Source& src, const ChunkLayo
 
 // The team scheme. Requires blockDim.x to be a multiple of 32, so that the round loop is
 // uniform per warp and the shuffles in team_max see all 32 lanes.
-template <int BITS, class Source>
+template <int BITS, bool ONE_CHUNK, class Source>
 __device__ void encode_groups(const Source& src, const ChunkLayout<BITS>& layout) {
     const bool vec = src.can_vectorize() && layout.can_vectorize();
     if (in_registers(vec, layout.group_extent())) {
-        encode_rounds<true, BITS>(src, layout, vec);
+        encode_rounds<true, BITS, ONE_CHUNK>(src, layout, vec);
     } else {
-        encode_rounds<false, BITS>(src, layout, vec);
+        encode_rounds<false, BITS, ONE_CHUNK>(src, layout, vec);
     }
 }
 
@@ -399,11 +551,12 @@ __device__ void encode_tiles(const Source& src, const ChunkLayout<BITS>& layout,
 }
 
 // The body of every encoder kernel: one launch of the team scheme, or one pass of the
-// tile scheme (group_absmax is unused by kTeams).
-template <int BITS, class Source>
+// tile scheme (group_absmax is unused by kTeams). ONE_CHUNK: the layout has one chunk
+// (num_chunks == 1), which spares the team scheme's cursor its carry ([Note: span cursor]).
+template <int BITS, bool ONE_CHUNK = false, class Source>
 __device__ void run_encoder(const Source& src, const ChunkLayout<BITS>& layout, int pass, u32* group_absmax) {
     if (pass == kTeams) {
-        encode_groups<BITS>(src, layout);
+        encode_groups<BITS, ONE_CHUNK>(src, layout);
     } else if (pass == kTileAbsmax) {
         absmax_tiles<BITS>(src, layout, group_absmax);
     } else {
