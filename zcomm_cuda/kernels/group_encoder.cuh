@@ -292,13 +292,52 @@ ZC_HD void encode_group_lane(const Source& src, const GroupSpan& s, int lane, in
     }
 }
 
+// [Note: two-sided max] The absmax of a lane's elements, without clearing every element's
+// sign bit first (abs_bits: one instruction per element or word). Two maxima of the raw
+// bits are taken instead, three inputs per instruction: the signed one, S, is the largest
+// non-negative element when there is one (as signed integers non-negative floats rank above
+// negative ones, and among themselves in float order), and the unsigned one, U, is the
+// negative element of the largest magnitude when there is one (as unsigned integers negative
+// floats rank above non-negative ones, and among themselves by magnitude). Both are elements,
+// so the max of their abs_bits is the max of every element's abs_bits: the same NaN-aware
+// absmax (see abs_bits). Raw 16-bit words do the same per half (VIMNMX.S16x2 / .U16x2).
+// The starting values are the identity of each max: 0 unsigned, INT_MIN signed (-0, whose
+// abs_bits are 0, should no element come).
+ZC_HD u32 max_s32_bits(u32 a, u32 b) { return static_cast<int>(a) > static_cast<int>(b) ? a : b; }
+
+// The per-half signed max of two pairs of 16-bit values (one VIMNMX.S16x2 on sm_90).
+ZC_HD u32 max_s16x2(u32 a, u32 b) {
+#ifdef __CUDA_ARCH__
+    return __vmaxs2(a, b);
+#else
+    const auto half = [](u32 x, u32 y) { return static_cast<short>(x) > static_cast<short>(y) ? x : y; };
+    return (half(a & 0xFFFFu, b & 0xFFFFu) & 0xFFFFu) | (half(a >> 16, b >> 16) << 16);
+#endif
+}
+
+struct TwoSidedMax {
+    u32 above;  // the unsigned max of the raw bits (per half for 16-bit words)
+    u32 below;  // the signed max
+};
+
 // A lane's runs between load and store: 8 floats per run, or, for sources of raw 16-bit
-// runs, their 4 words ([Note: raw runs] in sources.cuh). load() returns the run's absmax
-// folded into `m`, in the held form's own order; lane_absmax_bits() turns that into
+// runs, their 4 words ([Note: raw runs] in sources.cuh). load() folds the run into the
+// lane's maxima ([Note: two-sided max]), from start(); lane_absmax_bits() turns them into
 // abs_bits of an fp32 value; values() gives the run as fp32.
 template <class Source, bool RAW = Source::kRaw16> struct HeldRuns {
     static constexpr bool kRewritable = true;  // see rewrite_as_codes
     float v[kRunsPerLane][8];
+
+    ZC_HD static TwoSidedMax start() { return TwoSidedMax{0u, 0x80000000u}; }
+    ZC_HD static void fold(TwoSidedMax& m, const float (&run)[8]) {
+        for (int k = 0; k < 8; ++k) {
+            m.above = max_u32(m.above, float_bits(run[k]));
+            m.below = max_s32_bits(m.below, float_bits(run[k]));
+        }
+    }
+    ZC_HD static u32 lane_absmax_bits(const TwoSidedMax& m) {
+        return max_u32(m.above & kF32AbsMask, m.below & kF32AbsMask);
+    }
 
     // The cold path of RegisterLane::store for held floats: each live run's values become
     // their codes under the general rule (small integers, exact in fp32), so that the
@@ -316,25 +355,21 @@ template <class Source, bool RAW = Source::kRaw16> struct HeldRuns {
         return scale;
     }
 
-    ZC_HD u32 load(const Source& src, i64 j, int i, u32 m) {
+    ZC_HD void load(const Source& src, i64 j, int i, TwoSidedMax& m) {
         src.load8(j, v[i]);
-        for (int k = 0; k < 8; ++k) m = max_u32(m, abs_bits(v[i][k]));
-        return m;
+        fold(m, v[i]);
     }
     // All of a lane's runs from a source that loads them together ([Note: rows outer] in
-    // sources.cuh); returns their absmax.
+    // sources.cuh); returns their absmax bits.
     ZC_HD u32 load_lane(const Source& src, i64 first, int lane, int lanes, int len) {
         src.load_runs(first, lane, lanes, len, v);
-        u32 m = 0;
+        TwoSidedMax m = start();
 #pragma unroll  // [Note: held runs]
         for (int i = 0; i < kRunsPerLane; ++i) {
-            if (8 * (lane + lanes * i) < len) {
-                for (int k = 0; k < 8; ++k) m = max_u32(m, abs_bits(v[i][k]));
-            }
+            if (8 * (lane + lanes * i) < len) fold(m, v[i]);
         }
-        return m;
+        return lane_absmax_bits(m);
     }
-    ZC_HD static u32 lane_absmax_bits(u32 m) { return m; }
     ZC_HD void values(int i, float (&out)[8]) const {
         for (int k = 0; k < 8; ++k) out[k] = v[i][k];
     }
@@ -345,12 +380,17 @@ template <class Source> struct HeldRuns<Source, true> {
     static constexpr bool kRewritable = false;  // cold groups are encoded again from memory
     u32 w[kRunsPerLane][4];
 
-    ZC_HD u32 load(const Source& src, i64 j, int i, u32 m) {
+    ZC_HD static TwoSidedMax start() { return TwoSidedMax{0u, 0x80008000u}; }
+    ZC_HD void load(const Source& src, i64 j, int i, TwoSidedMax& m) {
         src.load_raw8(j, w[i]);
-        for (int k = 0; k < 4; ++k) m = max_u16x2(m, w[i][k] & kAbs16x2Mask);
-        return m;
+        for (int k = 0; k < 4; ++k) {
+            m.above = max_u16x2(m.above, w[i][k]);
+            m.below = max_s16x2(m.below, w[i][k]);
+        }
     }
-    ZC_HD static u32 lane_absmax_bits(u32 m) { return abs_bits_of_max16x2<H>(m); }
+    ZC_HD static u32 lane_absmax_bits(const TwoSidedMax& m) {
+        return abs_bits_of_max16x2<H>(max_u16x2(m.above & kAbs16x2Mask, m.below & kAbs16x2Mask));
+    }
     ZC_HD void values(int i, float (&out)[8]) const {
         for (int k = 0; k < 4; ++k) {
             out[2 * k] = raw_low<H>(w[i][k]);
@@ -358,6 +398,27 @@ template <class Source> struct HeldRuns<Source, true> {
         }
     }
 };
+
+// A run's codes, packed as Codes8<BITS>::pack packs them, from words whose low byte holds
+// each code (two's complement; for INT4 its low nibble is the code): byte permutes gather
+// the low bytes, four per word (three PRMT per word). INT4 gathers the even elements' bytes
+// and the odd ones' and merges them as nibbles with one shift and one select (eight
+// instructions per run, where Codes8<4>::pack's shifts and ors of each nibble take about
+// twenty).
+template <int BITS> ZC_HD void pack_code_bytes(const u32 (&q)[8], u32 (&w)[Codes8<BITS>::kWords]) {
+    // [x.byte0, y.byte0, -, -], then [a.byte0, a.byte1, b.byte0, b.byte1]
+    const auto low_bytes = [](u32 a, u32 b, u32 c, u32 d) {
+        return byte_perm(byte_perm(a, b, 0x0040u), byte_perm(c, d, 0x0040u), 0x5410u);
+    };
+    if constexpr (BITS == 8) {
+        w[0] = low_bytes(q[0], q[1], q[2], q[3]);
+        w[1] = low_bytes(q[4], q[5], q[6], q[7]);
+    } else {
+        const u32 even = low_bytes(q[0], q[2], q[4], q[6]);  // element 2i: the low nibble of byte i
+        const u32 odd = low_bytes(q[1], q[3], q[5], q[7]);
+        w[0] = (even & 0x0F0F0F0Fu) | ((odd << 4) & 0xF0F0F0F0u);
+    }
+}
 
 // The general encoding of a team's group, out of line on the device: the register encoder's
 // cold path (see RegisterLane), kept out of its round loop so that the loop stays small.
@@ -399,16 +460,16 @@ template <int BITS, class Source> struct RegisterLane {
     ZC_HD u32 load(const Source& src, const GroupSpan& s, int lane, int lanes) {
         const int len = static_cast<int>(s.len);  // <= kRegisterMaxGroup: int offsets suffice
         if constexpr (Source::kLaneRuns) {
-            return held.lane_absmax_bits(held.load_lane(src, s.first, lane, lanes, len));
+            return held.load_lane(src, s.first, lane, lanes, len);
         }
-        u32 m = 0;
+        TwoSidedMax m = held.start();
         i64 j = s.first + 8 * lane;  // run i's first element: s.first + e
         // [Note: held runs] Unrolled, so that the held runs are indexed by constants only
         // and stay in registers: a loop the compiler kept would index them at run time and
         // put them on the stack.
 #pragma unroll
         for (int i = 0, e = 8 * lane; i < kRunsPerLane; ++i, e += 8 * lanes, j += 8 * lanes) {
-            if (e < len) m = held.load(src, j, i, m);
+            if (e < len) held.load(src, j, i, m);
         }
         return held.lane_absmax_bits(m);
     }
@@ -435,10 +496,10 @@ template <int BITS, class Source> struct RegisterLane {
             if (e < len) {
                 float v[8];
                 held.values(i, v);
-                int q[8];  // the low byte / nibble of each is the code (Codes8::pack keeps only that)
-                for (int k = 0; k < 8; ++k) q[k] = static_cast<int>(plain_code_bits(v[k], reciprocal));
+                u32 q[8];  // the low byte / nibble of each is the code
+                for (int k = 0; k < 8; ++k) q[k] = plain_code_bits(v[k], reciprocal);
                 u32 w[Codes8<BITS>::kWords];
-                Codes8<BITS>::pack(q, w);
+                pack_code_bytes<BITS>(q, w);
                 store_words(values, w);
             }
         }
