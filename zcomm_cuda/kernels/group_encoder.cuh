@@ -320,6 +320,16 @@ struct TwoSidedMax {
     u32 below;  // the signed max
 };
 
+// Whether a source is a plain array (FlatSource): a lane then reads its runs through a
+// pointer that advances by the lane's run stride, one 64-bit add per run, where the source's
+// index needs an add and a scaling (two 64-bit LEAs) per run.
+template <class S> struct PlainArray {
+    static constexpr bool kValue = false;
+};
+template <class T> struct PlainArray<FlatSource<T>> {
+    static constexpr bool kValue = true;
+};
+
 // A lane's runs between load and store: 8 floats per run, or, for sources of raw 16-bit
 // runs, their 4 words ([Note: raw runs] in sources.cuh). load() folds the run into the
 // lane's maxima ([Note: two-sided max]), from start(); lane_absmax_bits() turns them into
@@ -359,6 +369,10 @@ template <class Source, bool RAW = Source::kRaw16> struct HeldRuns {
         src.load8(j, v[i]);
         fold(m, v[i]);
     }
+    template <class T> ZC_HD void load_at(const T* p, int i, TwoSidedMax& m) {
+        zc::load8(p, v[i]);
+        fold(m, v[i]);
+    }
     // All of a lane's runs from a source that loads them together ([Note: rows outer] in
     // sources.cuh); returns their absmax bits.
     ZC_HD u32 load_lane(const Source& src, i64 first, int lane, int lanes, int len) {
@@ -383,9 +397,16 @@ template <class Source> struct HeldRuns<Source, true> {
     ZC_HD static TwoSidedMax start() { return TwoSidedMax{0u, 0x80008000u}; }
     ZC_HD void load(const Source& src, i64 j, int i, TwoSidedMax& m) {
         src.load_raw8(j, w[i]);
+        fold(m, w[i]);
+    }
+    ZC_HD void load_at(const H* p, int i, TwoSidedMax& m) {
+        load_words(w[i], p);
+        fold(m, w[i]);
+    }
+    ZC_HD static void fold(TwoSidedMax& m, const u32 (&run)[4]) {
         for (int k = 0; k < 4; ++k) {
-            m.above = max_u16x2(m.above, w[i][k]);
-            m.below = max_s16x2(m.below, w[i][k]);
+            m.above = max_u16x2(m.above, run[k]);
+            m.below = max_s16x2(m.below, run[k]);
         }
     }
     ZC_HD static u32 lane_absmax_bits(const TwoSidedMax& m) {
@@ -467,9 +488,17 @@ template <int BITS, class Source> struct RegisterLane {
         // [Note: held runs] Unrolled, so that the held runs are indexed by constants only
         // and stay in registers: a loop the compiler kept would index them at run time and
         // put them on the stack.
+        if constexpr (PlainArray<Source>::kValue) {
+            const auto* p = src.x + j;
 #pragma unroll
-        for (int i = 0, e = 8 * lane; i < kRunsPerLane; ++i, e += 8 * lanes, j += 8 * lanes) {
-            if (e < len) held.load(src, j, i, m);
+            for (int i = 0, e = 8 * lane; i < kRunsPerLane; ++i, e += 8 * lanes, p += 8 * lanes) {
+                if (e < len) held.load_at(p, i, m);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0, e = 8 * lane; i < kRunsPerLane; ++i, e += 8 * lanes, j += 8 * lanes) {
+                if (e < len) held.load(src, j, i, m);
+            }
         }
         return held.lane_absmax_bits(m);
     }
