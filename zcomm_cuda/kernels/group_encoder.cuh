@@ -4,10 +4,12 @@
 // (zcomm/quant/backends/_cuda_launch.py) from the group's extent, min(group_size, chunk_numel):
 //
 // Teams (extent <= kTeamMaxGroup), one launch: team_walk.cuh's teams of lanes walk the
-// jobs. When the buffers allow vector access and the group fits in the team's registers
-// (extent <= kRegisterMaxGroup; e.g. 8 lanes of 4 runs for 256 elements), each lane loads
-// its runs once into registers (RegisterLane; bf16/fp16 as raw words), the team reduces
-// the absmax with warp shuffles only, every lane derives the same scale and reciprocal and
+// jobs, each team's jobs (its spans in the source and the payload) stepped by a cursor
+// ([Note: span cursor]). When the buffers allow vector access and the group fits in the
+// team's registers (extent <= kRegisterMaxGroup; e.g. 8 lanes of 4 runs for 256 elements),
+// each lane loads its runs once into registers (RegisterLane; bf16/fp16 as raw words) and
+// takes their absmax from two raw maxima ([Note: two-sided max]), the team reduces it with
+// warp shuffles only (team_max), every lane derives the same scale and reciprocal and
 // writes its codes from the registers, two fp32 operations per element for a plain scale
 // ([Note: plain scales] in wire_math.cuh): one read of memory. Groups whose scale is not
 // plain (NaN, Inf, subnormal: rare) turn held floats into their codes in registers, or,
@@ -15,14 +17,15 @@
 // (larger groups, misaligned buffers, groups with a scalar tail) each lane streams its
 // elements twice, once for the absmax and once to quantize (lane_absmax,
 // encode_group_lane); the second read hits L1/L2, since a team's footprint is a single
-// group. Lane 0 writes the scale (plus the zero padding after
-// the last group of a chunk).
+// group. Lane 0 writes the scale (plus the zero padding after the last group of a chunk,
+// which the register path never has: see GroupSpan::write_scale_word).
 //
 // Tiles (larger groups, e.g. one group per tensor), two launches: see [Note: large groups].
 //
-// RegisterLane, lane_absmax, encode_group_lane and the walk are __host__ __device__: the
-// host check drives them lane by lane, warp by warp (team and block maxima as plain loops)
-// to run every scheme on the CPU with the kernels' own index arithmetic.
+// RegisterLane, lane_absmax, encode_group_lane, the span cursor and the walk are
+// __host__ __device__: the host check drives them lane by lane, warp by warp (team and
+// block maxima as plain loops) to run every scheme on the CPU with the kernels' own index
+// arithmetic.
 // Element indices are 64-bit throughout, so no group or tensor size overflows them.
 #pragma once
 
@@ -467,10 +470,11 @@ ZC_COLD void encode_group_again(const Source src, i64 first, int len, u8* values
 // 8 * (lane + lanes * i), i < kRunsPerLane, of a group whose length is a multiple of 8
 // (the vector condition) and at most 8 * kRunsPerLane * lanes. load() reads them once and
 // returns the lane's absmax bits; store() quantizes them with the team's absmax and writes
-// the codes (and, on lane 0, the scale and padding), with no second read of the source,
-// when the group's scale is plain ([Note: plain scales] in wire_math.cuh): a multiplication
-// and an addition per element. The rare other groups (a NaN or Inf element, or a scale
-// below the normal range) take the general rule: held floats are rewritten as their codes
+// the codes (and, on lane 0, the scale), with no second read of the source, when the
+// group's scale is plain ([Note: plain scales] in wire_math.cuh): a multiplication and an
+// addition per element, and one division each for the scale and its reciprocal per lane and
+// group. The rare other groups (a NaN or Inf element, or a scale below the normal range)
+// take the general rule: held floats are rewritten as their codes
 // (HeldRuns::rewrite_as_codes, a branch the plain groups jump over), held raw words are
 // encoded again from memory by encode_group_again (out of line; the second read hits
 // L1/L2). A call costs registers (~20 for held floats, which have no raw form to spare
@@ -542,7 +546,9 @@ ZC_HD bool in_registers(bool vec, i64 group_extent) { return vec && group_extent
 #ifdef __CUDACC__
 // Max over the `lanes` aligned lanes of a team; every lane of the warp must call it, with
 // the offsets team_offsets() gives. Five shuffles whatever the team's width, with no branch:
-// an offset the team does not use is 0, a lane's own value, and max(v, v) is v.
+// an offset the team does not use is 0, a lane's own value, and max(v, v) is v. (Testing
+// each offset against the width costs a compare, a branch and the shuffle's own divergence
+// check per offset in the round loop; a narrow team's extra shuffles cost less.)
 struct TeamOffsets {
     int xor_mask[5];
 };
