@@ -387,8 +387,8 @@ def test_register_cases_cover_every_team_width():
 
 # several chunks, most with a short last group; an even number of groups per chunk keeps
 # INT8 rows whole runs (the vector path). The host grid's step (3 warps of 4 teams for 256,
-# 8 teams for 96) is no multiple of 8 or 10 groups per chunk, so the span cursor carries
-# into the next row in live rounds.
+# 8 teams for 96) is no multiple of 8 or 10 groups per chunk, so the job cursor carries
+# into the next row in live rounds ([Note: span cursor] in group_encoder.cuh).
 REGISTER_REORDER_CASES = [
     # (numel, perm, num_chunks, group_size)
     (3 * (7 * 256 + 64), (2, 0, 1), 3, 256),

@@ -140,92 +140,56 @@ template <int BITS> struct ChunkLayout {
 };
 
 // [Note: span cursor] A team's jobs are job0, job0 + step, job0 + 2 * step, ... (see
-// TeamWalk), and span(row, group) of each would cost 64-bit multiplications and JobCursor's
-// carry every round. The span's three positions (its first element, its value bytes and its
-// scale slot) are linear in (row, group), so the cursor splits the step once, as JobCursor
-// does, into `step_groups` groups plus whole rows, and every round adds that step's fixed
-// offset to each position, and a second fixed offset when the group passes its row's last
-// group (the carry: one row more, groups_per_chunk groups fewer). With one chunk
-// (ONE_CHUNK: quantize's single payload) there is no carry: job j's group starts at element
-// j * group_size, its values at that element's byte and its scale at slot j. A job is live
-// while its first element lies before the end of the last chunk (jobs past the end have
-// row >= num_chunks, or j >= groups_per_chunk, so their first element is at or past it).
-// The value bytes and the scale slot are kept as byte offsets into the output, so that
-// those dead jobs' positions (never used) are no out-of-range pointers. The host check
+// TeamWalk). With one chunk (ONE_CHUNK: quantize's single payload), job j's group starts at
+// element j * group_size, its values at that element's byte (INT4: half of it) and its
+// scale at slot j: every position is linear in j, so the cursor keeps the group's first
+// element and its scale slot and adds the step's fixed offsets every round, where
+// span(row, group) would cost 64-bit multiplications and JobCursor's carry. A job is live
+// while its first element lies before the end of the chunk (jobs past the end have
+// j >= groups_per_chunk). The scale slot is kept as a byte offset into the output, so that
+// the positions of those dead jobs (never used) are no out-of-range pointers. With several
+// chunks, the cursor is JobCursor and span(row, group): carrying the three positions
+// across rows as well (fixed offsets per round and per carry) took ~20 registers of
+// per-launch offsets, which cost the re-quantizing kernels a block per SM. The host check
 // drives this cursor over the kernels' rounds and compares every live span with
 // span(row, group).
-template <int BITS, bool ONE_CHUNK> struct SpanCursor {
+template <int BITS, bool ONE_CHUNK> struct SpanCursor;
+
+template <int BITS> struct SpanCursor<BITS, true> {
     static constexpr int kPerByte = Bits<BITS>::kElementsPerByte;
     // fixed per launch
     u8* out;
     i64 group_size;
-    i64 end;                  // elements in all chunks: the first element of the first dead job
+    i64 end;                     // elements in the chunk: the first element of the first dead job
     i64 step_first, step_scale;  // added every round
-    i64 pad_offset;           // the padding after a chunk's last group: from its value bytes
-    int pad_len;              // (ONE_CHUNK: from the output), 0..3 bytes
-    // fixed per launch, several chunks only
-    i64 groups_per_chunk;
-    i64 step_groups;          // the step's group part, < groups_per_chunk
-    i64 last_len;             // the length of a chunk's last group
-    i64 step_values;
-    i64 wrap_first, wrap_values, wrap_scale;  // added on a carry into the next row
+    i64 pad_offset;              // the padding after the chunk's last group, from `out`
+    int pad_len;                 // 0..3 bytes
     // the job
-    i64 group;                // the group's index in its chunk (several chunks only)
-    i64 first;                // the group's first element
-    i64 values, scale;        // offsets in `out` of its first value byte (several chunks only) and scale
+    i64 first;                   // the group's first element
+    i64 scale;                   // the offset in `out` of its scale
 
     ZC_HD SpanCursor(const ChunkLayout<BITS>& layout, i64 first_job, i64 step) {
         out = layout.out;
         group_size = layout.group_size;
-        end = layout.num_chunks * layout.chunk_numel;
-        const i64 values_end = values_nbytes(layout.chunk_numel, BITS);
-        const i64 scales = scales_offset(layout.chunk_numel, BITS);
-        pad_len = static_cast<int>(scales - values_end);
-        if constexpr (ONE_CHUNK) {
-            pad_offset = values_end;
-            step_first = step * group_size;
-            step_scale = 4 * step;
-            first = first_job * group_size;
-            scale = scales + 4 * first_job;
-            return;
-        }
-        groups_per_chunk = layout.groups_per_chunk();
-        last_len = layout.chunk_numel - (groups_per_chunk - 1) * group_size;
-        pad_offset = values_end - (groups_per_chunk - 1) * group_size / kPerByte;
-        const i64 step_rows = step / groups_per_chunk;
-        step_groups = step % groups_per_chunk;
-        step_first = step_rows * layout.chunk_numel + step_groups * group_size;
-        step_values = step_rows * layout.row_stride + step_groups * group_size / kPerByte;
-        step_scale = step_rows * layout.row_stride + 4 * step_groups;
-        wrap_first = layout.chunk_numel - groups_per_chunk * group_size;
-        wrap_values = layout.row_stride - groups_per_chunk * group_size / kPerByte;
-        wrap_scale = layout.row_stride - 4 * groups_per_chunk;
-        const i64 row = first_job / groups_per_chunk;
-        group = first_job % groups_per_chunk;
-        const i64 base = row * layout.row_stride;
-        first = row * layout.chunk_numel + group * group_size;
-        values = base + group * group_size / kPerByte;
-        scale = base + scales + 4 * group;
+        end = layout.chunk_numel;
+        pad_offset = values_nbytes(layout.chunk_numel, BITS);
+        pad_len = static_cast<int>(scales_offset(layout.chunk_numel, BITS) - pad_offset);
+        step_first = step * group_size;
+        step_scale = 4 * step;
+        first = first_job * group_size;
+        scale = scales_offset(layout.chunk_numel, BITS) + 4 * first_job;
     }
 
     ZC_HD bool live() const { return first < end; }
 
     ZC_HD GroupSpan span() const {
+        const bool last = end - first <= group_size;
         GroupSpan s;
         s.first = first;
+        s.len = last ? end - first : group_size;
+        s.values = out + first / kPerByte;  // INT4: group_size, hence first, is even
         s.scale_slot = out + scale;
-        bool last;
-        if constexpr (ONE_CHUNK) {
-            last = end - first <= group_size;
-            s.len = last ? end - first : group_size;
-            s.values = out + first / kPerByte;
-            s.pad_begin = out + pad_offset;
-        } else {
-            last = group == groups_per_chunk - 1;
-            s.len = last ? last_len : group_size;
-            s.values = out + values;
-            s.pad_begin = out + (values + pad_offset);
-        }
+        s.pad_begin = out + pad_offset;
         s.pad_len = last ? pad_len : 0;
         return s;
     }
@@ -233,17 +197,19 @@ template <int BITS, bool ONE_CHUNK> struct SpanCursor {
     ZC_HD void advance() {
         first += step_first;
         scale += step_scale;
-        if constexpr (!ONE_CHUNK) {
-            group += step_groups;
-            values += step_values;
-            if (group >= groups_per_chunk) {
-                group -= groups_per_chunk;
-                first += wrap_first;
-                values += wrap_values;
-                scale += wrap_scale;
-            }
-        }
     }
+};
+
+template <int BITS> struct SpanCursor<BITS, false> {
+    ChunkLayout<BITS> layout;
+    JobCursor job;
+
+    ZC_HD SpanCursor(const ChunkLayout<BITS>& layout_, i64 first_job, i64 step)
+        : layout(layout_), job(first_job, step, layout_.groups_per_chunk()) {}
+
+    ZC_HD bool live() const { return job.row < layout.num_chunks; }
+    ZC_HD GroupSpan span() const { return layout.span(job.row, job.group); }
+    ZC_HD void advance() { job.advance(); }
 };
 
 template <int BITS, class Source>
