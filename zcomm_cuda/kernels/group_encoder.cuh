@@ -149,8 +149,8 @@ template <int BITS> struct ChunkLayout {
 // j >= groups_per_chunk). The scale slot is kept as a byte offset into the output, so that
 // the positions of those dead jobs (never used) are no out-of-range pointers. With several
 // chunks, the cursor is JobCursor and span(row, group): carrying the three positions
-// across rows as well (fixed offsets per round and per carry) took ~20 registers of
-// per-launch offsets, which cost the re-quantizing kernels a block per SM. The host check
+// across rows as well (fixed offsets per round and per carry) would hold ~20 registers of
+// per-launch offsets, a block per SM less for the re-quantizing kernels. The host check
 // drives this cursor over the kernels' rounds and compares every live span with
 // span(row, group).
 template <int BITS, bool ONE_CHUNK> struct SpanCursor;
