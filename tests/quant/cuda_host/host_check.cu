@@ -3,14 +3,16 @@
 // It runs the same __host__ __device__ functions the kernels run (the group encoder's
 // RegisterLane or lane_absmax / encode_group_lane in the team scheme, or the tile scheme,
 // chosen as the kernels and the launcher choose; the decoder's decode_group_lane or
-// decode_run; the job cursor and team walk; the sources, the packing and the wire-format
-// math), with the GPU parallelism replaced by loops: the team walk over a grid of
-// kHostWarps warps, team by team, round by round, with the kernels' cursor (checked against
-// a division at every step); a team's shuffle max and a tile's block max become maxima
-// over their lanes, the tile scheme's atomicMax a max per group (the tile encode pass walks
-// the tiles backwards, as blocks may run in any order). What the device alone contributes (__shfl_xor_sync,
-// shared memory, atomics, uint4 memory instructions, the inline PTX arithmetic) is not
-// exercised here; on the host that arithmetic is the plain IEEE operators.
+// decode_run; the job cursor, the encoder's span cursor and the team walk; the sources, the
+// packing and the wire-format math), with the GPU parallelism replaced by loops: the team
+// walk over a grid of kHostWarps warps, team by team, round by round, with the kernels'
+// cursors (checked against a division at every step); a team's shuffle max and a tile's
+// block max become maxima over their lanes, the tile scheme's atomicMax a max per group
+// (the tile encode pass walks the tiles backwards, as blocks may run in any order). What
+// the device alone contributes (__shfl_xor_sync, shared memory, atomics, uint4 memory
+// instructions, the inline PTX arithmetic, the SIMD intrinsics __vmaxu2 / __vmaxs2 /
+// __byte_perm, emulated here) is not exercised here; on the host that arithmetic is the
+// plain IEEE operators.
 //
 // Usage (raw little-endian bytes in and out; MISALIGN=1 shifts every buffer off its
 // vector alignment, forcing the scalar paths):
