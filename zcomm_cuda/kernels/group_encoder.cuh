@@ -147,7 +147,8 @@ template <int BITS> struct ChunkLayout {
 // span(row, group) would cost 64-bit multiplications and JobCursor's carry. A job is live
 // while its first element lies before the end of the chunk (jobs past the end have
 // j >= groups_per_chunk). The scale slot is kept as a byte offset into the output, so that
-// the positions of those dead jobs (never used) are no out-of-range pointers. With several
+// the cursor itself holds no pointer past the payload (the span of a dead job, which the
+// round loop forms but never uses, does point past it). With several
 // chunks, the cursor is JobCursor and span(row, group): carrying the three positions
 // across rows as well (fixed offsets per round and per carry) would hold ~20 registers of
 // per-launch offsets, a block per SM less for the re-quantizing kernels. The host check
