@@ -3,14 +3,16 @@
 // It runs the same __host__ __device__ functions the kernels run (the group encoder's
 // RegisterLane or lane_absmax / encode_group_lane in the team scheme, or the tile scheme,
 // chosen as the kernels and the launcher choose; the decoder's decode_group_lane or
-// decode_run; the job cursor and team walk; the sources, the packing and the wire-format
-// math), with the GPU parallelism replaced by loops: the team walk over a grid of
-// kHostWarps warps, team by team, round by round, with the kernels' cursor (checked against
-// a division at every step); a team's shuffle max and a tile's block max become maxima
-// over their lanes, the tile scheme's atomicMax a max per group (the tile encode pass walks
-// the tiles backwards, as blocks may run in any order). What the device alone contributes (__shfl_xor_sync,
-// shared memory, atomics, uint4 memory instructions, the inline PTX arithmetic) is not
-// exercised here; on the host that arithmetic is the plain IEEE operators.
+// decode_run; the job cursor, the encoder's span cursor and the team walk; the sources, the
+// packing and the wire-format math), with the GPU parallelism replaced by loops: the team
+// walk over a grid of kHostWarps warps, team by team, round by round, with the kernels'
+// cursors (checked against a division at every step); a team's shuffle max and a tile's
+// block max become maxima over their lanes, the tile scheme's atomicMax a max per group
+// (the tile encode pass walks the tiles backwards, as blocks may run in any order). What
+// the device alone contributes (__shfl_xor_sync, shared memory, atomics, uint4 memory
+// instructions, the inline PTX arithmetic, the SIMD intrinsics __vmaxu2 / __vmaxs2 /
+// __byte_perm, emulated here) is not exercised here; on the host that arithmetic is the
+// plain IEEE operators.
 //
 // Usage (raw little-endian bytes in and out; MISALIGN=1 shifts every buffer off its
 // vector alignment, forcing the scalar paths):
@@ -98,18 +100,51 @@ template <class Job> void walk_jobs(i64 jobs, i64 groups_per_row, i64 rows, int 
     if (visited != jobs) std::abort();
 }
 
-template <int BITS, class Source> void encode_teams(const Source& src, const ChunkLayout<BITS>& layout, bool vec) {
+bool same_span(const GroupSpan& a, const GroupSpan& b) {
+    return a.first == b.first && a.len == b.len && a.values == b.values && a.scale_slot == b.scale_slot &&
+           a.pad_len == b.pad_len && (a.pad_len == 0 || a.pad_begin == b.pad_begin);
+}
+
+// The encoder's rounds (encode_rounds in group_encoder.cuh) over the grid of kHostWarps warps,
+// team by team, with the kernels' span cursor: every span it yields is checked against
+// span(row, group) from a division, and its liveness against the job count (aborts if not).
+// `job_fn(span)` runs one live job.
+template <int BITS, bool ONE_CHUNK, class Job> void walk_encoder_jobs(const ChunkLayout<BITS>& layout, int lanes, Job job_fn) {
+    const TeamWalk walk(layout.jobs(), lanes, kHostWarps);
+    const i64 groups = layout.groups_per_chunk();
+    i64 visited = 0;
+    for (i64 warp = 0; warp < kHostWarps; ++warp) {
+        for (int team = 0; team < walk.teams_per_warp; ++team) {
+            SpanCursor<BITS, ONE_CHUNK> job(layout, warp * walk.teams_per_warp + team, walk.num_warps * walk.teams_per_warp);
+            i64 round = warp;
+            for (i64 rounds = walk.rounds > warp ? (walk.rounds - warp - 1) / walk.num_warps + 1 : 0; rounds > 0;
+                 --rounds, job.advance(), round += walk.num_warps) {
+                const i64 index = round * walk.teams_per_warp + team;
+                if (round >= walk.rounds || job.live() != (index < layout.jobs())) std::abort();
+                if (!job.live()) continue;
+                const GroupSpan s = job.span();
+                if (!same_span(s, layout.span(index / groups, index % groups))) std::abort();
+                job_fn(s);
+                ++visited;
+            }
+            if (round < walk.rounds) std::abort();
+        }
+    }
+    if (visited != layout.jobs()) std::abort();
+}
+
+template <int BITS, bool ONE_CHUNK, class Source>
+void encode_teams(const Source& src, const ChunkLayout<BITS>& layout, bool vec) {
     const int lanes = team_lanes(layout.group_extent());
     g_registers = in_registers(vec, layout.group_extent());
-    walk_jobs(layout.jobs(), layout.groups_per_chunk(), layout.num_chunks, lanes, [&](i64 chunk, i64 group) {
-        const GroupSpan s = layout.span(chunk, group);
+    walk_encoder_jobs<BITS, ONE_CHUNK>(layout, lanes, [&](const GroupSpan& s) {
         u32 absmax_bits = 0;
         if (g_registers) {
+            // what RegisterLane::store relies on: word-aligned scales and no padding
+            if (!layout.words_aligned() || s.pad_len != 0) std::abort();
             std::vector<RegisterLane<BITS, Source>> held(static_cast<size_t>(lanes));
             for (int lane = 0; lane < lanes; ++lane) absmax_bits = max_u32(absmax_bits, held[lane].load(src, s, lane, lanes));
-            for (int lane = 0; lane < lanes; ++lane) {
-                held[lane].store(src, s, lane, lanes, layout.words_aligned(), absmax_bits);
-            }
+            for (int lane = 0; lane < lanes; ++lane) held[lane].store(src, s, lane, lanes, absmax_bits);
             return;
         }
         for (int lane = 0; lane < lanes; ++lane) absmax_bits = max_u32(absmax_bits, lane_absmax<BITS>(src, s, lane, lanes, vec));
@@ -139,15 +174,17 @@ template <int BITS, class Source> void encode_tiles(const Source& src, const Chu
 
 bool g_tiles = false;  // whether the last encode ran the tile scheme (printed by main)
 
-// The scheme the launcher picks for this layout (zcomm/quant/backends/_cuda_launch.py, encoder_passes).
-template <int BITS, class Source> bool encode_all(const Source& src, const ChunkLayout<BITS>& layout) {
+// The scheme the launcher picks for this layout (zcomm/quant/backends/_cuda_launch.py, encoder_passes);
+// ONE_CHUNK as the kernel passes it to run_encoder (quantize.cu: true).
+template <int BITS, bool ONE_CHUNK = false, class Source>
+bool encode_all(const Source& src, const ChunkLayout<BITS>& layout) {
     const bool vec = src.can_vectorize() && layout.can_vectorize();
     g_tiles = layout.group_extent() > kTeamMaxGroup;
     g_registers = false;
     if (g_tiles) {
         encode_tiles<BITS>(src, layout, vec);
     } else {
-        encode_teams<BITS>(src, layout, vec);
+        encode_teams<BITS, ONE_CHUNK>(src, layout, vec);
     }
     return vec;
 }
@@ -251,7 +288,7 @@ template <class T, int BITS> bool run_op(const std::string& op, char** argv, int
         const ChunkLayout<BITS> layout{out.data, numel / chunks, chunks, gs, op == "quantize" ? 0 : row};
         bool vec;
         if (op == "quantize") {
-            vec = encode_all<BITS>(FlatSource<T>{x}, layout);
+            vec = encode_all<BITS, true>(FlatSource<T>{x}, layout);
         } else {
             const std::vector<i64> perm = parse_list(argv[7]);
             vec = encode_all<BITS>(PermutedSource<T>{x, perm.data(), numel / static_cast<i64>(perm.size())}, layout);
