@@ -5,7 +5,9 @@
 # checkout this script sits in, with the interpreter GPU_PYTHON (default python3). It then
 # packs each result folder into OUTDIR as a tarball and copies the two report.md files and
 # its own log beside them: 5 files, all a lease returns. Its exit status is gpu-check's if
-# that failed, else gpu-bench's. It installs nothing.
+# that failed, else gpu-bench's. It installs nothing. Both compare the two CUDA kernel
+# launchers inside their own limits: gpu-check's last stage reruns the CUDA kernel tests
+# with ZCOMM_CUDA_LAUNCHER=driver, gpu-bench's host cost times cupy and driver side by side.
 set -u
 if [ $# -ne 1 ]; then
   echo "usage: $0 OUTDIR" >&2

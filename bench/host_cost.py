@@ -1,6 +1,6 @@
 """Host cost benchmark: what one zcomm call costs the host, next to torch's call for the same data.
 
-Run as ``python -m bench.host_cost --device {cpu,cuda} [--sizes 1M,16M] [--json PATH]``. The
+Run as ``python -m bench.host_cost --device {cpu,cuda} [--sizes 1M,16M] [--launcher cupy,driver] [--json PATH]``. The
 process is a world of one rank with a process group it creates itself (gloo on CPU, NCCL on
 CUDA) and the collectives' input is bf16 on CUDA, fp32 on CPU. Each row is timed two ways,
 after one warm-up call (numba cache load, NVRTC compile, NCCL setup):
@@ -28,6 +28,13 @@ filling). Rows, each next to its yardstick measured in the same run:
 * :mod:`zcomm.fsdp`'s comms of one unit, called as FSDP2 calls them, next to the drop-in
   collectives with the same options.
 
+``--launcher cupy,driver`` (CUDA only) measures every row under each CUDA kernel launcher
+in turn (:mod:`zcomm_cuda.loader`, [Note: launcher choice]: switched between blocks of rows
+in this one process, the order alternating from one size to the next), prints a table per
+launcher and then the same calls side by side with each launcher's host and synced time
+over the first launcher's; without it the rows run under the launcher
+``$ZCOMM_CUDA_LAUNCHER`` picks, named in the JSON's rows.
+
 The run ends with the targets of the thin host path, each marked PASS or MISS from the host
 ratios of this run (on CUDA: every op <= 2x clone, all_gather_q8 <= 1.5x and
 reduce_scatter_q4 <= 2x torch's call, 4 stages <= 1.3x one stage; on CPU: quantize of 1K
@@ -53,7 +60,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import torch
@@ -86,6 +93,7 @@ class Row:
     base: str
     base_host_us: float
     base_synced_us: float
+    launcher: str = ""  # the CUDA kernel launcher the row ran with ("" on CPU)
 
     @property
     def host_ratio(self) -> float:
@@ -289,7 +297,8 @@ def _targets(device: torch.device, rows: list[Row]) -> list[tuple[str, float, fl
             if row.name in ("reduce_scatter_q4 1 stage", "reduce_scatter_q4 4 stages"):  # bucket rows: no target
                 limit = 1.3 if row.base == "reduce_scatter_q4 1 stage" else 2.0
             if limit is not None:
-                label = f"{row.name} {_size(row.numel)}: host {row.host_ratio:.2f}x {row.base} (<= {limit}x)"
+                launcher = f" [{row.launcher}]" if row.launcher else ""
+                label = f"{row.name} {_size(row.numel)}{launcher}: host {row.host_ratio:.2f}x {row.base} (<= {limit}x)"
                 found.append((label, row.host_ratio, limit, row.host_ratio <= limit))
         elif row.name == "quantize int8" and row.numel == CPU_QUANTIZE_NUMEL:
             label = f"quantize {_size(row.numel)} fp32 on cpu: {row.host_us:.1f} us (<= {CPU_QUANTIZE_TARGET_US} us)"
@@ -323,9 +332,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-calls", type=int, default=200)
     parser.add_argument("--profile", default=None, metavar="PATH",
                         help="also write a cProfile of the collectives' host calls (first size) to PATH")
+    parser.add_argument("--launcher", default=None, metavar="NAMES",
+                        help="cuda: measure every row under each of these CUDA kernel launchers, comma separated "
+                             "(cupy, driver; default: the one $ZCOMM_CUDA_LAUNCHER picks), with the ratios to "
+                             "the first")  # fmt: skip
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA device")
+    if args.launcher is not None:
+        names = args.launcher.split(",")
+        if args.device != "cuda":
+            parser.error("--launcher: the launchers launch CUDA kernels; it needs --device cuda")
+        allowed = ("cupy", "driver")  # zcomm_cuda.loader.LAUNCHERS (imported only on a CUDA run)
+        if any(name not in allowed for name in names) or len(set(names)) != len(names):
+            parser.error(f"--launcher {args.launcher!r}: a comma-separated list of distinct names from {allowed}")
     return args
 
 
@@ -339,21 +359,69 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.budget if args.budget is not None else (0.3 if device.type == "cuda" else 0.5)
     timer = Timer(device, budget, args.min_calls, args.max_calls)
     started = time.perf_counter()
+    launchers = _launchers(args.launcher) if device.type == "cuda" else [""]
     with tempfile.TemporaryDirectory() as store_dir:
         _init_group(device, store_dir)
         try:
-            rows = [row for numel in sizes for row in (*_op_rows(timer, numel, dtype),
-                                                       *_collective_rows(timer, numel, dtype))]
+            rows = [row for numel in sizes for row in _rows_per_launcher(timer, numel, dtype, launchers, sizes)]
             if args.profile:
+                _use_launcher(launchers[0])
                 _profile(device, sizes[0], dtype, args.profile)
         finally:
             dist.destroy_process_group()
     targets = _targets(device, rows)
-    _print(device, dtype, rows, targets, time.perf_counter() - started)
+    compared = _launcher_rows(rows, launchers)
+    _print(device, dtype, rows, targets, time.perf_counter() - started, compared)
     if args.json:
         with open(args.json, "w") as stream:
-            json.dump(_report(device, dtype, rows, targets), stream, indent=1)
+            json.dump(_report(device, dtype, rows, targets, compared), stream, indent=1)
     return 0
+
+
+def _launchers(option: str | None) -> list[str]:
+    """The launchers to measure, in order: ``--launcher``'s list, else the one this process would use."""
+    from zcomm_cuda import loader
+
+    return option.split(",") if option else [loader.launcher()]
+
+
+def _use_launcher(name: str) -> None:
+    if name:
+        from zcomm_cuda import loader
+
+        loader.set_launcher(name)
+
+
+def _rows_per_launcher(timer: Timer, numel: int, dtype: torch.dtype, launchers: list[str], sizes: list[int]) -> list[Row]:
+    """Every row of one size under each launcher in turn; the order alternates from one size to the next, so
+    that a drift of the machine does not always favour the same launcher."""
+    order = launchers if sizes.index(numel) % 2 == 0 else launchers[::-1]
+    rows = []
+    for name in order:
+        _use_launcher(name)
+        measured = [*_op_rows(timer, numel, dtype), *_collective_rows(timer, numel, dtype)]
+        rows += [replace(row, launcher=name) for row in measured]
+    return rows
+
+
+def _launcher_rows(rows: list[Row], launchers: list[str]) -> list[dict]:
+    """Per call and size, its host and synced us under each launcher and their ratios to the first launcher's."""
+    if len(launchers) < 2:
+        return []
+    by_key = {(row.name, row.numel, row.base, row.launcher): row for row in rows}
+    compared = []
+    for row in rows:
+        if row.launcher != launchers[0]:
+            continue
+        entry = {"name": row.name, "numel": row.numel, "base": row.base}
+        for name in launchers:
+            other = by_key[(row.name, row.numel, row.base, name)]
+            entry[f"{name} host_us"], entry[f"{name} synced_us"] = other.host_us, other.synced_us
+            if name != launchers[0]:
+                entry[f"{name}/{launchers[0]} host"] = other.host_us / row.host_us
+                entry[f"{name}/{launchers[0]} synced"] = other.synced_us / row.synced_us
+        compared.append(entry)
+    return compared
 
 
 def _machine(device: torch.device) -> str:
@@ -362,14 +430,21 @@ def _machine(device: torch.device) -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch threads {torch.get_num_threads()}"
 
 
-def _print(device: torch.device, dtype: torch.dtype, rows: list[Row], targets: list, seconds: float) -> None:
+def _print(device: torch.device, dtype: torch.dtype, rows: list[Row], targets: list, seconds: float,
+           compared: list[dict]) -> None:  # fmt: skip
     print(f"# host cost, world size 1, {device} ({_machine(device)}), {dtype}, torch {torch.__version__}")
     header = f"{'call':36s} {'size':>5s} {'host us':>9s} {'synced us':>10s}   {'vs':28s} {'host us':>9s} " \
              f"{'synced us':>10s} {'host x':>7s} {'synced x':>8s}"
-    print(header)
-    for r in rows:
-        print(f"{r.name:36s} {_size(r.numel):>5s} {r.host_us:9.1f} {r.synced_us:10.1f}   {r.base:28s} "
-              f"{r.base_host_us:9.1f} {r.base_synced_us:10.1f} {r.host_ratio:7.2f} {r.synced_ratio:8.2f}")
+    for launcher in dict.fromkeys(row.launcher for row in rows):
+        if launcher:
+            print(f"## CUDA kernel launcher: {launcher}")
+        print(header)
+        for r in rows:
+            if r.launcher == launcher:
+                print(f"{r.name:36s} {_size(r.numel):>5s} {r.host_us:9.1f} {r.synced_us:10.1f}   {r.base:28s} "
+                      f"{r.base_host_us:9.1f} {r.base_synced_us:10.1f} {r.host_ratio:7.2f} {r.synced_ratio:8.2f}")
+    if compared:
+        _print_launchers(compared)
     print("# targets (host ratios of this run)")
     for label, _, _, met in targets:
         print(f"{'PASS' if met else 'MISS'}  {label}")
@@ -377,12 +452,27 @@ def _print(device: torch.device, dtype: torch.dtype, rows: list[Row], targets: l
     sys.stdout.flush()
 
 
-def _report(device: torch.device, dtype: torch.dtype, rows: list[Row], targets: list) -> dict:
+def _print_launchers(compared: list[dict]) -> None:
+    """The same calls under each launcher, side by side, with the ratios to the first (this run's numbers)."""
+    launchers = [key[: -len(" host_us")] for key in compared[0] if key.endswith(" host_us")]
+    first = launchers[0]
+    print(f"# launchers (host us, then each launcher's host and synced time over {first}'s, this run)")
+    print(f"{'call':36s} {'size':>5s} {'(its yardstick)':28s} " + " ".join(f"{name + ' us':>10s}" for name in launchers)
+          + "".join(f" {name + '/' + first:>14s} {'synced':>7s}" for name in launchers[1:]))  # fmt: skip
+    for entry in compared:
+        print(f"{entry['name']:36s} {_size(entry['numel']):>5s} {entry['base']:28s} "
+              + " ".join(f"{entry[name + ' host_us']:10.1f}" for name in launchers)
+              + "".join(f" {entry[f'{name}/{first} host']:14.2f} {entry[f'{name}/{first} synced']:7.2f}"
+                        for name in launchers[1:]))  # fmt: skip
+
+
+def _report(device: torch.device, dtype: torch.dtype, rows: list[Row], targets: list, compared: list[dict]) -> dict:
     return {
         "device": str(device), "machine": _machine(device), "dtype": str(dtype), "torch": torch.__version__,
         "rows": [{**asdict(r), "host_ratio": r.host_ratio, "synced_ratio": r.synced_ratio} for r in rows],
         "targets": [{"target": label, "measured": value, "limit": limit, "met": met}
                     for label, value, limit, met in targets],
+        "launchers": compared,
     }
 
 

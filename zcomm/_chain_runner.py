@@ -7,8 +7,8 @@ delivered, so the chain cannot be issued up front as one asynchronous collective
 every member must issue its hops on each private group in the same order.
 
 * CUDA: the chain is enqueued on a stream without blocking the host ([Note: CUDA streams]).
-* CPU: the chain runs on the ordered worker of the caller's (group, topology, kind)
-  ([Note: worker ordering]).
+* CPU: the chain runs on the ordered worker of the caller's (group, topology, kind), which
+  the collective's plan holds ([Note: worker ordering], [Note: held workers]).
 
 Each :data:`~zcomm._contract.Kind` of collective (``"gather"``: qwZ, ``"reduce"``: qgZ) has its
 own private subgroups ([Note: kinds]) and, on CPU, its own worker, so the two kinds are
@@ -40,35 +40,29 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from ._contract import Chain, GroupInfo, Handle, Kind
+from ._contract import Chain, Handle, Kind
 from .topology import Topology
 
-# caller's group -> (topology, kind) -> its single worker; weak in the group like zcomm._groups'
-# cache ([Note: cache lifetime]): a worker whose group is gone is dropped, and its thread exits
+# caller's group -> (topology, kind) -> its single worker; weak in the group. Only the plans
+# (and the prepared calls holding them) hold a worker strongly ([Note: held workers])
 _WORKERS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[Topology, Kind], ThreadPoolExecutor]] = (
     weakref.WeakKeyDictionary()
 )
 
 
 def run_chain(
-    chain: Chain,
-    info: GroupInfo,
-    kind: Kind,
-    tensors: Sequence[torch.Tensor],
-    async_op: bool,
-    worker: ThreadPoolExecutor | None = None,
+    chain: Chain, tensors: Sequence[torch.Tensor], async_op: bool, worker: ThreadPoolExecutor | None
 ) -> Handle | None:
-    """Run ``chain()`` for a collective of ``kind`` on ``info``'s group; a handle if ``async_op``, else wait.
+    """Run a collective's ``chain()``; a handle if ``async_op``, else wait.
 
     ``tensors`` are the call's inputs and outputs (all on one device): on CUDA they are kept
     for the allocator until the chain has run ([Note: CUDA streams]). ``worker`` is the one
-    :func:`chain_worker` gave for this group, topology and kind, where the caller holds it
-    (else it is looked up).
+    :func:`chain_worker` gave the collective's plan for its group, topology, kind and device
+    (None on CUDA).
     """
     if tensors[0].is_cuda:
         return _run_on_stream(chain, tensors, async_op)
-    if worker is None:
-        worker = _ordered_worker(info.group, info.topology, kind)
+    assert worker is not None, "a CPU chain runs on its plan's worker"
     # Sync calls queue behind pending async ones of their kind (see [Note: worker ordering]).
     future = worker.submit(chain)
     handle = Handle(finish=future.result, ready=future.done)
@@ -78,17 +72,24 @@ def run_chain(
     return None
 
 
-def chain_worker(info: GroupInfo, kind: Kind, device: torch.device) -> ThreadPoolExecutor | None:
-    """The worker that runs ``kind``'s chains on ``info``'s group for tensors on ``device`` (None on
-    CUDA, where chains are enqueued on streams), for a plan to hold and pass to :func:`run_chain`.
+def chain_worker(
+    group: dist.ProcessGroup, topology: Topology, kind: Kind, device: torch.device
+) -> ThreadPoolExecutor | None:
+    """The worker that runs ``kind``'s chains on ``group`` laid out as ``topology`` for tensors on
+    ``device`` (None on CUDA, where chains are enqueued on streams), for a plan to hold and pass
+    to :func:`run_chain`.
 
     [Note: held workers] A plan resolves its worker once instead of per call. It is the very
     executor of :data:`_WORKERS` for its (group, topology, kind), so every call of the kind
-    still goes through one FIFO queue ([Note: worker ordering]). Holding it keeps the executor
-    alive as long as the plan, which goes with its group ([Note: plan cache lifetime] in
-    :mod:`zcomm._plan_cache`) or with the prepared call that holds it.
+    still goes through one FIFO queue ([Note: worker ordering]). :data:`_WORKERS` holds its
+    group weakly and its executors only as long as the group lives; the plans hold them
+    strongly, and a plan goes with its group ([Note: plan cache lifetime] in
+    :mod:`zcomm._plan_cache`) or with the prepared call that holds it. An executor nothing
+    holds is collected, and its thread exits once the chains queued on it have run (a
+    ``ThreadPoolExecutor``'s thread watches its executor through a weak reference). So a
+    group's threads end with the group, and one group's plans share its threads.
     """
-    return None if device.type == "cuda" else _ordered_worker(info.group, info.topology, kind)
+    return None if device.type == "cuda" else _ordered_worker(group, topology, kind)
 
 
 def _ordered_worker(group: dist.ProcessGroup, topology: Topology, kind: Kind) -> ThreadPoolExecutor:

@@ -1,7 +1,7 @@
 """The contracts between zcomm's collectives and the code that runs them.
 
-* :class:`GroupInfo`: the caller's group as a collective sees it, resolved once per call
-  (:func:`zcomm._prologue.prologue`);
+* :class:`GroupInfo`: what a collective needs to know of the caller's group (this rank, the
+  size, the topology), resolved by :func:`zcomm._prologue.prologue`;
 * :data:`Chain`: a collective's work after its prologue, a call with its tensors bound,
   which :func:`zcomm._chain_runner.run_chain` runs in order on every rank;
 * :data:`Kind`: which of zcomm's independent streams of collectives a chain belongs to
@@ -17,8 +17,6 @@ import threading
 from collections.abc import Callable
 from typing import Literal, NamedTuple
 
-import torch.distributed as dist
-
 from .topology import Topology
 
 # chain(): runs every hop of one call and leaves the result in that call's output(s)
@@ -31,9 +29,14 @@ KINDS: tuple[Kind, ...] = ("gather", "reduce")
 
 
 class GroupInfo(NamedTuple):
-    """The caller's group as a collective sees it."""
+    """What a collective needs to know of the caller's group: this rank in it, its size, its topology.
 
-    group: dist.ProcessGroup
+    It does not hold the group: the collectives' caches keep GroupInfos (and the plans that
+    hold them) per group, and a cached value that held its group would keep it alive for good
+    ([Note: plan cache lifetime] in :mod:`zcomm._plan_cache`). The group itself is the caller's
+    argument, which each call passes on where it is needed.
+    """
+
     rank: int
     world_size: int
     topology: Topology

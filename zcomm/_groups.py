@@ -30,11 +30,24 @@ caller's own collectives.
 [Note: cache lifetime] The cache is keyed by the caller's ``ProcessGroup`` object, weakly:
 after ``destroy_process_group`` and a new ``init_process_group`` in the same process the
 new groups are new objects (even where torch reuses their names), so nothing made for the
-old ones is found again, and the entries go away with the old group objects.
+old ones is found again, and the entries go away with the old group objects. torch holds
+every group it created until that group is destroyed (``destroy_process_group(sub)``, or
+``destroy_process_group()`` for all of them), whoever else dropped it, and a live group
+keeps its connections and, for gloo, its threads. So once the caller's group is collected
+(destroyed by the caller, who then dropped it, and held by nothing of zcomm's: [Note: plan
+cache lifetime] in :mod:`zcomm._plan_cache`), zcomm destroys the subgroups it created for
+it, in the order they were created, skipping those torch destroyed already (all of them
+when the whole world was destroyed). That runs where the group's last reference goes: on the
+caller's thread at its ``del``, or inside the garbage collector where the group was part of
+a reference cycle; destroying a group is local, not collective. An hpZ block from
+:func:`consecutive_group` is one of these subgroups: it lives as long as its parent group
+(which is why a prepared call holds its group), so a caller that keeps using a block keeps
+the parent too.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -43,7 +56,7 @@ import torch.distributed as dist
 
 from ._contract import Kind
 from .topology import Topology
-from ._torch_compat import creates_by_split, new_named_group, split_subgroups
+from ._torch_compat import creates_by_split, is_registered, new_named_group, split_subgroups
 
 
 class NodeGroups(NamedTuple):
@@ -53,8 +66,9 @@ class NodeGroups(NamedTuple):
     inter: dist.ProcessGroup | None
 
 
-# caller's group -> (purpose, partition) -> this rank's block of it
+# caller's group -> (purpose, partition) -> this rank's block of it ([Note: cache lifetime])
 _GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, dist.ProcessGroup]] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
 
 
 def node_groups(group: dist.ProcessGroup, topology: Topology, kind: Kind) -> NodeGroups:
@@ -72,7 +86,9 @@ def consecutive_group(group: dist.ProcessGroup | None, size: int) -> dist.Proces
     """The group of the ``size`` consecutive ranks of ``group`` (default: world) holding this rank.
 
     Rank ``r`` of ``group`` belongs to block ``r // size``. ``size`` must divide the group
-    size. Collective over ``group`` the first time (see [Note: group creation order]).
+    size. Collective over ``group`` the first time (see [Note: group creation order]). The
+    block lives as long as ``group``: zcomm destroys it once ``group`` is destroyed and
+    collected ([Note: cache lifetime]), so keep ``group`` while using the block.
     """
     group = group if group is not None else dist.group.WORLD
     world_size = dist.get_world_size(group)
@@ -84,11 +100,39 @@ def consecutive_group(group: dist.ProcessGroup | None, size: int) -> dist.Proces
 def _subgroup(parent: dist.ProcessGroup, purpose: str, partition: Sequence[range]) -> dist.ProcessGroup:
     """This rank's block of ``partition`` (group ranks of ``parent``), created on first use."""
     blocks = tuple(tuple(block) for block in partition)
-    cached = _GROUPS.setdefault(parent, {})
+    cached = _GROUPS.get(parent)
+    if cached is None:
+        cached = _subgroups_of(parent)
     key = (purpose, blocks)
     if key not in cached:
         cached[key] = _create(parent, purpose, blocks)
     return cached[key]
+
+
+def _subgroups_of(parent: dist.ProcessGroup) -> dict[tuple, dist.ProcessGroup]:
+    """``parent``'s entry of the cache, made with the finalizer that destroys its subgroups once
+    ``parent`` is collected ([Note: cache lifetime])."""
+    with _LOCK:
+        cached = _GROUPS.get(parent)
+        if cached is None:
+            cached = _GROUPS[parent] = {}
+            # not at exit: torch tears its groups down itself, and a live parent's subgroups are in use
+            weakref.finalize(parent, _destroy, cached).atexit = False
+        return cached
+
+
+def _destroy(subgroups: dict[tuple, dist.ProcessGroup]) -> None:
+    """Destroy the subgroups torch still holds, oldest first; every one is tried, the first error raised."""
+    errors = []
+    for subgroup in subgroups.values():
+        if is_registered(subgroup):
+            try:
+                dist.destroy_process_group(subgroup)
+            except Exception as exc:  # noqa: BLE001 - the others are still destroyed, this one raised below
+                errors.append(exc)
+    subgroups.clear()
+    if errors:
+        raise errors[0]
 
 
 def _create(parent: dist.ProcessGroup, purpose: str, blocks: tuple[tuple[int, ...], ...]) -> dist.ProcessGroup:

@@ -11,13 +11,13 @@ collectives build from their ``group_size``.
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from ._contract import GroupInfo
+from ._plan_cache import GroupCache
 from .quant import SUPPORTED_DTYPES
 from .topology import Topology
 
@@ -31,8 +31,9 @@ def prologue(
     gather: bool,
     quantized: bool,
 ) -> GroupInfo:
-    """The caller's ``group`` (default: world) and its ``topology`` (default: detected), once
-    ``(output, input)`` are checked as the pair of an all-gather (``gather``) or reduce-scatter.
+    """This rank, the size and the ``topology`` (default: detected) of the caller's ``group``
+    (default: world), once ``(output, input)`` are checked as the pair of an all-gather
+    (``gather``) or reduce-scatter.
 
     All-gather: ``output.numel() == world_size * input.numel()``; reduce-scatter: the reverse.
     Quantized collectives also need contiguous fp32/bf16/fp16 tensors of one dtype and device.
@@ -42,10 +43,10 @@ def prologue(
     return info
 
 
-# resolved group -> (call shape, options) -> the GroupInfo a full prologue returned for it;
-# weak in the group like the plan cache ([Note: plan cache lifetime] in zcomm._plan_cache)
-_CHECKED: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[Hashable, GroupInfo]] = weakref.WeakKeyDictionary()
+# resolved group -> call shape -> the GroupInfo a full prologue returned for it; dropped with
+# the group ([Note: plan cache lifetime] in zcomm._plan_cache: a GroupInfo does not hold its group)
 _MAX_CHECKED = 256
+_CHECKED = GroupCache(_MAX_CHECKED)
 
 
 def prologue_once(
@@ -67,34 +68,18 @@ def prologue_once(
     else, e.g. a tensor subclass, runs the full prologue again). With ``topology=None`` the
     topology is thus detected once per group and shape: the local-size variables
     (:data:`zcomm.topology.LOCAL_SIZE_VARIABLES`) are read then, not on every call; set
-    them before the first collective on a group (a new group reads them again).
+    them before the first collective on a group (a new group reads them again). Arguments
+    that cannot be a cache key (an unhashable ``topology``, a ``group`` that is not a
+    process group) always go through the full prologue, which says what is wrong with them.
     """
     world = group if group is not None else dist.group.WORLD
-    checked = _CHECKED.get(world) if world is not None else None
-    if (
-        checked is not None
-        and type(output) is torch.Tensor
-        and type(input) is torch.Tensor
-        and output.is_contiguous()
-        and input.is_contiguous()
-    ):
+    if type(output) is torch.Tensor and type(input) is torch.Tensor and output.is_contiguous() and input.is_contiguous():
         key = (gather, topology, output.numel(), input.numel(), output.dtype, input.dtype, output.device, input.device)
-        info = checked.get(key)
-        if info is not None:
-            return info
-    info = prologue(output, input, group, topology, gather=gather, quantized=True)
-    if type(output) is torch.Tensor and type(input) is torch.Tensor:
-        key = (gather, topology, output.numel(), input.numel(), output.dtype, input.dtype, output.device, input.device)
-        _remember(info, key)
-    return info
-
-
-def _remember(info: GroupInfo, key: tuple) -> None:
-    """Keep ``info`` for calls of ``key`` on its group, dropping the oldest beyond ``_MAX_CHECKED``."""
-    checked = _CHECKED.setdefault(info.group, {})
-    if len(checked) >= _MAX_CHECKED:
-        del checked[next(iter(checked))]
-    checked[key] = info
+        info = _CHECKED.lookup(world, key)
+        if info is None:
+            info = _CHECKED.remember(world, key, prologue(output, input, group, topology, gather=gather, quantized=True))
+        return info
+    return prologue(output, input, group, topology, gather=gather, quantized=True)
 
 
 def prologue_coalesced_once(
@@ -115,16 +100,12 @@ def prologue_coalesced_once(
     which raises for the exact reason).
     """
     world = group if group is not None else dist.group.WORLD
-    checked = _CHECKED.get(world) if world is not None else None
-    if checked is not None:
-        key = coalesced_key(outputs, inputs, gather, topology)
-        info = checked.get(key) if key is not None else None
-        if info is not None:
-            return info
-    info = prologue_coalesced(outputs, inputs, group, topology, gather=gather)
     key = coalesced_key(outputs, inputs, gather, topology)
-    if key is not None:
-        _remember(info, key)
+    if key is None:
+        return prologue_coalesced(outputs, inputs, group, topology, gather=gather)
+    info = _CHECKED.lookup(world, key)
+    if info is None:
+        info = _CHECKED.remember(world, key, prologue_coalesced(outputs, inputs, group, topology, gather=gather))
     return info
 
 
@@ -190,7 +171,7 @@ def _resolve_group(group: dist.ProcessGroup | None, topology: Topology | None) -
         raise TypeError(f"topology must be a zcomm.Topology or None, got {type(topology).__name__}")
     if topology.world_size != world_size:
         raise ValueError(f"topology is for {topology.world_size} ranks but the group has {world_size}")
-    return GroupInfo(group, rank, world_size, topology)
+    return GroupInfo(rank, world_size, topology)
 
 
 def _check_tensors(

@@ -140,6 +140,12 @@ def split_crash_reason(parent: dist.ProcessGroup, version: str = torch.__version
     )
 
 
+def is_registered(group: dist.ProcessGroup) -> bool:
+    """Whether torch still holds ``group``: it does from its creation until it is destroyed
+    (alone, or with the world by ``destroy_process_group()``)."""
+    return group in c10d._world.pg_map
+
+
 def new_named_group(name: str, global_ranks: list[int], *, like: dist.ProcessGroup, desc: str) -> dist.ProcessGroup:
     """Create the group of ``global_ranks`` (this rank among them) named ``name``, with ``like``'s backend and timeout.
 

@@ -149,14 +149,17 @@ def all_gather_q8(
         topology: which ranks share a node (default: :meth:`Topology.detect`, run once per group
             and call shape: [Note: prologue once] in :mod:`zcomm._prologue`).
     """
+    group = group if group is not None else dist.group.WORLD
     info = prologue_once(output, input, group, topology, gather=True)
     numel, device = input.numel(), input.device
-    # each option with its type, as _plan_cache.typed makes them (inline: no call per option)
-    key = ("all_gather_q8", info.topology, numel, output.dtype, device, type(group_size), group_size,
+    # each option with its type, as _plan_cache.typed makes them (inline: no call per option); the
+    # topology by its local size, which with the group's size (the prologue checked the topology's
+    # against it) is all of it, and an int hashes without the Python call a Topology's hash is
+    key = ("all_gather_q8", info.topology.local_size, numel, output.dtype, device, type(group_size), group_size,
            type(pipeline_stages), pipeline_stages)
-    plan = cached_plan(info.group, key, partial(_make_plan, info, numel, output, group_size, pipeline_stages))
+    plan = cached_plan(group, key, partial(_make_plan, group, info, numel, output, group_size, pipeline_stages))
     plan.stats.add(*plan.bytes_sent)
-    return run_chain(partial(_chain, plan, output, input), info, "gather", (output, input), async_op, plan.worker)
+    return run_chain(partial(_chain, plan, output, input), (output, input), async_op, plan.worker)
 
 
 class PreparedAllGatherQ8:
@@ -164,15 +167,16 @@ class PreparedAllGatherQ8:
     (:func:`prepare_all_gather_q8`), called with tensors of that shape each time.
 
     The contract and what each call revalidates are those of [Note: prepared calls] in
-    :mod:`zcomm.reduce_scatter_q4`: the group, topology and options are held; each call checks
-    that both tensors are plain contiguous tensors of the prepared sizes, dtypes and device
-    (``ValueError`` otherwise) and runs the chain on their current addresses.
+    :mod:`zcomm.reduce_scatter_q4`: the group (held, with its subgroups and worker), topology
+    and options are fixed; each call checks that both tensors are plain contiguous tensors of
+    the prepared sizes, dtypes and device (``ValueError`` otherwise) and runs the chain on
+    their current addresses.
     """
 
-    __slots__ = ("_plan", "_info", "_signature")
+    __slots__ = ("_plan", "_group", "_signature")
 
-    def __init__(self, plan: _Plan, info: GroupInfo, signature: tuple) -> None:
-        self._plan, self._info, self._signature = plan, info, signature
+    def __init__(self, plan: _Plan, group: dist.ProcessGroup, signature: tuple) -> None:
+        self._plan, self._group, self._signature = plan, group, signature
 
     def __call__(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Handle | None:
         """:func:`all_gather_q8` of ``output`` and ``input`` as prepared."""
@@ -188,8 +192,7 @@ class PreparedAllGatherQ8:
                              "contiguous tensors) than it was prepared for: prepare another one")
         plan = self._plan
         plan.stats.add(*plan.bytes_sent)
-        return run_chain(partial(_chain, plan, output, input), self._info, "gather", (output, input), async_op,
-                         plan.worker)
+        return run_chain(partial(_chain, plan, output, input), (output, input), async_op, plan.worker)
 
 
 def prepare_all_gather_q8(
@@ -206,27 +209,29 @@ def prepare_all_gather_q8(
     would raise for them. Like the collective's first call on a group, preparing may create
     zcomm's private subgroups (a collective step), so every rank prepares at the same point of
     its sequence of collectives."""
+    group = group if group is not None else dist.group.WORLD
     info = prologue(output, input, group, topology, gather=True, quantized=True)
     if type(output) is not torch.Tensor or type(input) is not torch.Tensor:
         raise ValueError("a prepared all_gather_q8 needs plain torch.Tensor objects")
     numel, device = input.numel(), input.device
-    key = ("all_gather_q8", info.topology, numel, output.dtype, device, type(group_size), group_size,
+    key = ("all_gather_q8", info.topology.local_size, numel, output.dtype, device, type(group_size), group_size,
            type(pipeline_stages), pipeline_stages)
-    plan = cached_plan(info.group, key, partial(_make_plan, info, numel, output, group_size, pipeline_stages))
+    plan = cached_plan(group, key, partial(_make_plan, group, info, numel, output, group_size, pipeline_stages))
     signature = (output.numel(), numel, output.dtype, input.dtype, output.device, device)
-    return PreparedAllGatherQ8(plan, info, signature)
+    return PreparedAllGatherQ8(plan, group, signature)
 
 
 def _make_plan(
-    info: GroupInfo, numel: int, output: torch.Tensor, group_size: int | Literal["tensor"] | None,
-    pipeline_stages: int | None,
+    group: dist.ProcessGroup, info: GroupInfo, numel: int, output: torch.Tensor,
+    group_size: int | Literal["tensor"] | None, pipeline_stages: int | None,
 ) -> _Plan:
-    """The plan of a call with these sizes and options ([Note: plan cache lifetime] in :mod:`zcomm._plan_cache`)."""
+    """The plan of a call on ``group`` with these sizes and options; it does not hold ``group``
+    ([Note: plan cache lifetime] in :mod:`zcomm._plan_cache`)."""
     check_stages(pipeline_stages)
     output_nbytes = output.numel() * output.element_size()
     backend = _registry.select(None, output.device)
     concrete_group_size = quant.QuantSpec(bits=_BITS, group_size=group_size).group_size_for(numel)
-    groups = node_groups(info.group, info.topology, "gather")
+    groups = node_groups(group, info.topology, "gather")
     hops = tuple(hop for hop in (groups.inter, groups.intra) if hop is not None)
     num_groups = quant.num_groups(numel, concrete_group_size)
     if pipeline_stages is None:
@@ -238,7 +243,7 @@ def _make_plan(
     plan = _Plan(
         hops, tuple(dist.get_world_size(hop) for hop in hops), info.topology, concrete_group_size, bounds, (0, 0), chunk_nbytes,
         _contract.kernel("quantize", backend), _contract.kernel("dequantize", backend), stats_row("all_gather_q8"),
-        chain_worker(info, "gather", output.device),
+        chain_worker(group, info.topology, "gather", output.device),
     )
     return plan._replace(bytes_sent=_bytes_sent(plan))
 

@@ -58,8 +58,8 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Hashable, Sequence
-from typing import Literal, TypeVar
+from collections.abc import Hashable, Sequence
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -68,6 +68,7 @@ from torch import nn
 from ._contract import Handle
 from ._fsdp_blocks import BlockLayout, aligned_layout, block_align
 from ._fsdp_compat import AllGather, FSDPModule, ReduceScatter, as_work, shard_numels, torch_problem
+from ._plan_cache import BoundedCache
 from .all_gather_q8 import all_gather_q8, prepare_all_gather_q8
 from .plain_collectives import all_gather_into_tensor, reduce_scatter_tensor
 from .quant import SUPPORTED_DTYPES, QuantSpec
@@ -80,7 +81,6 @@ from .topology import Topology
 __all__ = ["ZeroppAllGather", "ZeroppReduceScatter", "enable_zeropp"]
 
 GroupSize = int | Literal["tensor"] | None
-Prepared = TypeVar("Prepared")
 
 # [Note: a comm's prepared calls] FSDP2 calls a unit's comm with the same few call shapes every
 # step: its all-gather on the shard group (and, under hpZ, unquantized on the node-local
@@ -92,8 +92,10 @@ Prepared = TypeVar("Prepared")
 # call, so never by its identity). Its first call of a key resolves the prologue, the op and
 # the plan once; later calls only check the tensors against the prepared sizes. The comm's
 # other settings (group size, topology, qgZ options, the aligned layout) are fixed at its
-# construction. At most _MAX_PREPARED calls are kept per comm, the oldest dropped first; each
-# holds its group, which the comm's module keeps alive anyway through its mesh.
+# construction. At most _MAX_PREPARED calls are kept per comm, in a zcomm._plan_cache.BoundedCache
+# (the oldest dropped first). Each holds its group: the cache is the comm's, not zcomm's, and the
+# comm lives as long as its module, which holds the group anyway through its mesh, so they go
+# together.
 _MAX_PREPARED = 8
 
 
@@ -159,17 +161,7 @@ class _ZeroppComm:
         self._warn = _WarnOnce(module_name)
         self.layout = layout  # the unit's aligned layout, None where its blocks stay packed
         self._stages: dict[tuple[dist.ProcessGroup, torch.dtype], int] = {}  # qgZ's, fixed per group and dtype
-        self._prepared: dict[Hashable, object] = {}  # [Note: a comm's prepared calls]
-
-    def _prepared_call(self, key: Hashable, prepare: Callable[[], Prepared]) -> Prepared:
-        """The prepared call of ``key``: ``prepare()`` on the first call of the key, then the same object."""
-        prepared = self._prepared.get(key)
-        if prepared is None:
-            prepared = prepare()
-            if len(self._prepared) >= _MAX_PREPARED:
-                del self._prepared[next(iter(self._prepared))]
-            self._prepared[key] = prepared
-        return prepared  # type: ignore[return-value]
+        self._prepared = BoundedCache(_MAX_PREPARED)  # [Note: a comm's prepared calls]
 
     def _layout_for(self, row_numel: int, what: str) -> BlockLayout | None:
         """The aligned layout if a row of this call's buffer is the one it was derived for."""
@@ -213,7 +205,7 @@ class ZeroppAllGather(_ZeroppComm, AllGather):
             return all_gather_q8(output, input, group, async_op, group_size=self._group_size,
                                  topology=self._topologies.of(group))  # fmt: skip
         key = (group, output.numel(), input.numel(), input.dtype, output.dtype, input.device, output.device)
-        prepared = self._prepared_call(key, lambda: prepare_all_gather_q8(
+        prepared = self._prepared.get_or_make(key, lambda: prepare_all_gather_q8(
             output, input, group, group_size=self._group_size, topology=self._topologies.of(group)))
         return prepared(output, input, async_op=async_op)
 
@@ -269,7 +261,7 @@ class ZeroppReduceScatter(_ZeroppComm, ReduceScatter):
                                      pipeline_stages=stages, topology=self._topologies.of(group), **self._qgz)
         key = (group, output.numel(), input.numel(), input.dtype, output.dtype, input.device, output.device, op_key,
                stages)
-        prepared = self._prepared_call(key, lambda: prepare_reduce_scatter_q4_coalesced(
+        prepared = self._prepared.get_or_make(key, lambda: prepare_reduce_scatter_q4_coalesced(
             [output], [input], op, group, group_size=self._group_size, pipeline_stages=stages,
             topology=self._topologies.of(group), **self._qgz))
         return prepared([output], [input], async_op=async_op)

@@ -30,7 +30,7 @@ def all_gather_into_tensor(
     """``torch.distributed.all_gather_into_tensor``, recorded as ``"all_gather_into_tensor"``."""
     info = prologue(output, input, group, topology, gather=True, quantized=False)
     record("all_gather_into_tensor", *_ring_bytes(input.numel() * input.element_size(), info.rank, info.topology))
-    return all_gather_single(output, input, group=info.group, async_op=async_op)
+    return all_gather_single(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(
@@ -45,7 +45,7 @@ def reduce_scatter_tensor(
     """``torch.distributed.reduce_scatter_tensor``, recorded as ``"reduce_scatter_tensor"``."""
     info = prologue(output, input, group, topology, gather=False, quantized=False)
     record("reduce_scatter_tensor", *_ring_bytes(output.numel() * output.element_size(), info.rank, info.topology))
-    return reduce_scatter_single(output, input, op=op, group=info.group, async_op=async_op)
+    return reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
 
 def _ring_bytes(chunk_bytes: int, rank: int, topology: Topology) -> tuple[int, int]:

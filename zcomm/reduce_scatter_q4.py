@@ -132,7 +132,7 @@ class _Shape(NamedTuple):
     """What a call's group, sizes and options fix, resolved and checked once (``_make_shape``;
     [Note: plan cache lifetime] in :mod:`zcomm._plan_cache`)."""
 
-    info: GroupInfo
+    info: GroupInfo  # what the group resolved to; never the group ([Note: plan cache lifetime])
     groups: NodeGroups
     stages: int
     part: int  # q: elements of each stage's part of one slice
@@ -199,8 +199,9 @@ def reduce_scatter_q4(
             Hadamard smoothing] in ``zcomm._hadamard``). Same bytes on the wire; costs an fp32
             copy of the input and ``log2(block)`` passes over it. Not with ``error_feedback``.
     """
+    group = group if group is not None else dist.group.WORLD
     info = prologue_once(output, input, group, topology, gather=False)
-    return _start(info, [output], [input], op, async_op, group_size, pipeline_stages, error_feedback,
+    return _start(group, info, [output], [input], op, async_op, group_size, pipeline_stages, error_feedback,
                   first_hop_bits, hadamard_block)
 
 
@@ -236,12 +237,14 @@ def reduce_scatter_q4_coalesced(
             as for :func:`reduce_scatter_q4`, for the whole bucket (``pipeline_stages`` and the
             default stage count apply to the interleaved input, ``"tensor"`` to its rows).
     """
+    group = group if group is not None else dist.group.WORLD
     info = prologue_coalesced_once(outputs, inputs, group, topology, gather=False)
-    return _start(info, list(outputs), list(inputs), op, async_op, group_size, pipeline_stages, error_feedback,
+    return _start(group, info, list(outputs), list(inputs), op, async_op, group_size, pipeline_stages, error_feedback,
                   first_hop_bits, hadamard_block)
 
 
 def _start(
+    group: dist.ProcessGroup,
     info: GroupInfo,
     outputs: list[torch.Tensor],
     inputs: list[torch.Tensor],
@@ -262,7 +265,7 @@ def _start(
     divide_by = _divisor(op, info.world_size)
     if feedback is not None:
         _check_feedback(feedback)
-    shape = _resolve(info, outputs, inputs, group_size, pipeline_stages, first_hop_bits, hadamard_block,
+    shape = _resolve(group, info, outputs, inputs, group_size, pipeline_stages, first_hop_bits, hadamard_block,
                      feedback is not None)
     return _run(shape, divide_by, feedback, outputs, inputs, async_op)
 
@@ -273,22 +276,23 @@ def _check_feedback(feedback: ErrorFeedback | None) -> None:
 
 
 def _resolve(
-    info: GroupInfo, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+    group: dist.ProcessGroup, info: GroupInfo, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
     group_size: int | Literal["tensor"] | None, pipeline_stages: int | None, first_hop_bits: int,
     hadamard_block: int | None, with_feedback: bool,
 ) -> _Shape:
-    """The plan of the checked pairs with these options, from the cache or made (and checked) now."""
+    """The plan of the checked pairs on ``group`` with these options, from the cache or made (and checked) now."""
     slice_numel = 0
     for output in outputs:
         slice_numel += output.numel()
     element_size = inputs[0].element_size()
     device = inputs[0].device
-    # each option with its type, as _plan_cache.typed makes them (inline: no call per option)
-    key = ("reduce_scatter_q4", info.topology, slice_numel, element_size, device, type(group_size), group_size,
+    # each option with its type, as _plan_cache.typed makes them (inline: no call per option); the
+    # topology by its local size, as all_gather_q8's key has it
+    key = ("reduce_scatter_q4", info.topology.local_size, slice_numel, element_size, device, type(group_size), group_size,
            type(pipeline_stages), pipeline_stages, type(first_hop_bits), first_hop_bits, type(hadamard_block),
            hadamard_block, with_feedback)
-    return cached_plan(info.group, key, partial(
-        _make_shape, info, slice_numel, slice_numel * info.world_size * element_size, group_size, pipeline_stages,
+    return cached_plan(group, key, partial(
+        _make_shape, group, info, slice_numel, slice_numel * info.world_size * element_size, group_size, pipeline_stages,
         first_hop_bits, hadamard_block, with_feedback, device))
 
 
@@ -302,7 +306,7 @@ def _run(shape: _Shape, divide_by: float, feedback: ErrorFeedback | None, output
         return Handle(finish=lambda: None, ready=lambda: True) if async_op else None
     flat = [input if input.dim() == 1 else input.view(-1) for input in inputs]
     chain = partial(_chain, shape, divide_by, feedback, outputs, flat)
-    return run_chain(chain, shape.info, "reduce", (*outputs, *inputs), async_op, shape.worker)
+    return run_chain(chain, (*outputs, *inputs), async_op, shape.worker)
 
 
 class PreparedReduceScatterQ4:
@@ -313,8 +317,10 @@ class PreparedReduceScatterQ4:
     runtime: one per gradient bucket) holds this object instead of calling the collective.
     Preparing runs everything the collective does before its chain once: the prologue's
     group resolution and tensor checks, the op's divisor, the options' checks and the plan.
-    What that depends on is fixed by the contract: the same group (held here, so it is not
-    destroyed under the object), topology, op and options, and tensors of the same count,
+    What that depends on is fixed by the contract: the same group (held here: the caller owns
+    the object and the object its group, so the group, its private subgroups and its worker
+    live as long as the object; [Note: plan cache lifetime] in :mod:`zcomm._plan_cache`),
+    topology, op and options, and tensors of the same count,
     sizes, dtype and device, plain and contiguous. Each call revalidates only the tensors,
     cheaply: one pass building the key the prologue cache would build
     (:func:`zcomm._prologue.coalesced_key`), compared with the prepared one, ``ValueError``
@@ -325,10 +331,12 @@ class PreparedReduceScatterQ4:
     holds and the caller cannot change.
     """
 
-    __slots__ = ("_shape", "_divide_by", "_key", "_with_feedback")
+    __slots__ = ("_shape", "_group", "_divide_by", "_key", "_with_feedback")
 
-    def __init__(self, shape: _Shape, divide_by: float, key: tuple, with_feedback: bool) -> None:
-        self._shape, self._divide_by, self._key, self._with_feedback = shape, divide_by, key, with_feedback
+    def __init__(self, shape: _Shape, group: dist.ProcessGroup, divide_by: float, key: tuple,
+                 with_feedback: bool) -> None:
+        self._shape, self._group, self._divide_by, self._key = shape, group, divide_by, key
+        self._with_feedback = with_feedback
 
     def __call__(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], *, async_op: bool = False,
                  error_feedback: ErrorFeedback | None = None) -> Handle | None:
@@ -363,6 +371,7 @@ def prepare_reduce_scatter_q4_coalesced(
     collective's first call on a group, preparing may create zcomm's private subgroups (a
     collective step), so every rank prepares at the same point of its sequence of collectives.
     """
+    group = group if group is not None else dist.group.WORLD
     info = prologue_coalesced(outputs, inputs, group, topology, gather=False)
     key = coalesced_key(outputs, inputs, False, topology)
     if key is None:
@@ -370,9 +379,9 @@ def prepare_reduce_scatter_q4_coalesced(
     divide_by = _divisor(op, info.world_size)
     if not isinstance(with_error_feedback, bool):
         raise TypeError(f"with_error_feedback must be a bool, got {with_error_feedback!r}")
-    shape = _resolve(info, list(outputs), list(inputs), group_size, pipeline_stages, first_hop_bits, hadamard_block,
-                     with_error_feedback)
-    return PreparedReduceScatterQ4(shape, divide_by, key, with_error_feedback)
+    shape = _resolve(group, info, list(outputs), list(inputs), group_size, pipeline_stages, first_hop_bits,
+                     hadamard_block, with_error_feedback)
+    return PreparedReduceScatterQ4(shape, group, divide_by, key, with_error_feedback)
 
 
 def _divisor(op: dist.ReduceOp, world_size: int) -> float:
@@ -396,7 +405,7 @@ def check_first_hop_bits(bits: int, name: str = "first_hop_bits") -> None:
 
 
 def _make_shape(
-    info: GroupInfo, slice_numel: int, input_nbytes: int, group_size: int | Literal["tensor"] | None,
+    group: dist.ProcessGroup, info: GroupInfo, slice_numel: int, input_nbytes: int, group_size: int | Literal["tensor"] | None,
     pipeline_stages: int | None, first_hop_bits: int, hadamard_block: int | None, with_feedback: bool,
     device: torch.device,
 ) -> _Shape:
@@ -425,9 +434,9 @@ def _make_shape(
     row_nbytes = quant.payload_nbytes(topology.world_size * stages * part // num_rows, first_bits, concrete_group_size)
     requant_nbytes = quant.payload_nbytes(part, _BITS, concrete_group_size)
     geometry = (stages * part, info.world_size, topology.num_nodes, stages, concrete_group_size)
-    return _Shape(info, node_groups(info.group, topology, "reduce"), stages, part, concrete_group_size, first_bits,
+    return _Shape(info, node_groups(group, topology, "reduce"), stages, part, concrete_group_size, first_bits,
                   perm, num_rows, bytes_sent, kernels, row_nbytes, requant_nbytes, hadamard_block, geometry,
-                  stats_row("reduce_scatter_q4"), chain_worker(info, "reduce", device))
+                  stats_row("reduce_scatter_q4"), chain_worker(group, topology, "reduce", device))
 
 
 def _bytes_sent(topology: Topology, k: int, q: int, group_size: int, first_bits: int) -> tuple[int, int]:

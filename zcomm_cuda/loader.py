@@ -19,12 +19,15 @@ source per process (a few seconds in all, spent on first use); there is no disk 
 
 from __future__ import annotations
 
+import os
 import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
+
+from . import driver_launch
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 KERNEL_SOURCES = ("quantize.cu", "reorder_quantize.cu", "dequantize.cu", "dequant_reduce.cu")
@@ -101,6 +104,10 @@ def target_arch(capability: tuple[int, int], supported: Sequence[int]) -> str:
     return f"compute_{max(older)}"
 
 
+# (source, device index) -> the PTX that was loaded; the driver launcher reads its kernels' parameters
+_PTX: dict[tuple[str, int], str] = {}
+
+
 @lru_cache(maxsize=None)
 def _module(source: str, device_index: int) -> Any:
     import cupy
@@ -111,7 +118,16 @@ def _module(source: str, device_index: int) -> Any:
     module = cupy.cuda.function.Module()
     with cupy.cuda.Device(device_index):
         module.load(compiled.cubin if compiled.cubin is not None else compiled.ptx.encode())
+    _PTX[(source, device_index)] = compiled.ptx
     return module
+
+
+@lru_cache(maxsize=None)
+def _ptx_params(source: str, device_index: int) -> dict[str, tuple[str, ...]]:
+    """Kernel name -> PTX parameter types of the module loaded for ``source`` (read on the driver launcher's
+    first use of the source, so that the cupy launcher never depends on it)."""
+    _module(source, device_index)
+    return driver_launch.ptx_params(_PTX[(source, device_index)])
 
 
 @lru_cache(maxsize=None)
@@ -167,6 +183,43 @@ def _external_stream(handle: int, index: int) -> Any:
     return stream
 
 
+# [Note: launcher choice] Two launchers enqueue a kernel: ``cupy`` (the cupy ``Function`` call)
+# and ``driver`` (``cuLaunchKernelEx`` through ctypes with a parameter block made once per
+# kernel and thread, :mod:`zcomm_cuda.driver_launch`). $ZCOMM_CUDA_LAUNCHER picks one; it is
+# read once, on the process's first launch (or first :func:`launcher` call), and a value
+# other than LAUNCHERS raises there. Neither falls back to the other: a failing driver
+# launch raises. :func:`set_launcher` switches for the rest of the process (the A/B rows of
+# bench.host_cost). Both enqueue the same kernel, grid and arguments on the same stream.
+LAUNCHER_ENV = "ZCOMM_CUDA_LAUNCHER"
+LAUNCHERS = ("cupy", "driver")
+DEFAULT_LAUNCHER = "cupy"
+_use_driver: bool | None = None  # None until the choice is read
+
+
+def launcher() -> str:
+    """The launcher this process uses ([Note: launcher choice]); reads $ZCOMM_CUDA_LAUNCHER on first use."""
+    use_driver = _use_driver if _use_driver is not None else _read_launcher()
+    return "driver" if use_driver else "cupy"
+
+
+def set_launcher(name: str) -> None:
+    """Launch with ``name`` (one of LAUNCHERS) from now on, whatever $ZCOMM_CUDA_LAUNCHER says."""
+    global _use_driver
+    _use_driver = _launcher_named(name, "set_launcher")
+
+
+def _read_launcher() -> bool:
+    global _use_driver
+    _use_driver = _launcher_named(os.environ.get(LAUNCHER_ENV, DEFAULT_LAUNCHER), f"${LAUNCHER_ENV}")
+    return _use_driver
+
+
+def _launcher_named(name: str, source: str) -> bool:
+    if name not in LAUNCHERS:
+        raise ValueError(f"{source} is {name!r}: the CUDA kernel launcher is one of {', '.join(LAUNCHERS)}")
+    return name == "driver"
+
+
 def launch(source: str, name: str, device: torch.device, blocks: int, threads: int, args: Sequence[Any]) -> None:
     """Launch kernel ``name`` on ``device`` on torch's current stream for that device.
 
@@ -177,14 +230,28 @@ def launch(source: str, name: str, device: torch.device, blocks: int, threads: i
     exactly as for a torch op. Tensors are passed as raw ``data_ptr()`` addresses; the
     caller keeps them alive, and torch's caching allocator does not reuse their memory for
     other streams' allocations before work queued on this stream has run. The launch makes no
-    Python object per call beyond the argument tuple: the kernel, the stream wrapper and the
-    device switch (only when cupy's current device differs) are looked up, not built.
+    Python object per call beyond the argument tuple: the kernel, the stream wrapper (cupy) or
+    the parameter block (driver) and the device switch (only when the runtime's current device
+    differs) are looked up, not built. The launcher is the process's ([Note: launcher choice]).
     """
     index = device.index
     if index is None:
         index = torch.cuda.current_device()
-    function = kernel(source, name, index)
+    use_driver = _use_driver if _use_driver is not None else _read_launcher()
     handle = current_raw_stream(index)
+    if use_driver:
+        target = _DRIVER_KERNELS.get((source, name, index))
+        if target is None:
+            target = _driver_kernel(source, name, index)
+        if _current_device() == index:
+            target.launch(blocks, threads, handle, args)
+            return
+        import cupy
+
+        with cupy.cuda.Device(index):
+            target.launch(blocks, threads, handle, args)
+        return
+    function = kernel(source, name, index)
     stream = _STREAMS.get((handle, index))
     if stream is None:
         stream = _external_stream(handle, index)
@@ -196,6 +263,26 @@ def launch(source: str, name: str, device: torch.device, blocks: int, threads: i
 
     with cupy.cuda.Device(index):
         function((blocks,), (threads,), args, 0, stream)
+
+
+# (source, kernel name, device index) -> the kernel as the driver launcher launches it
+_DRIVER_KERNELS: dict[tuple[str, str, int], driver_launch.DriverKernel] = {}
+
+
+def _driver_kernel(source: str, name: str, index: int) -> driver_launch.DriverKernel:
+    """Kernel ``name`` of ``source`` on device ``index`` for the driver launcher, made once.
+
+    The module is compiled and loaded as for cupy (:func:`kernel`); the driver launches its
+    ``CUfunction`` with the parameter types of the PTX that was loaded.
+    """
+    function = kernel(source, name, index)
+    params = _ptx_params(source, index).get(name)
+    if params is None:
+        raise RuntimeError(f"{name} is not an entry of the PTX compiled from {source}")
+    target = driver_launch.DriverKernel(name=name, function=function.ptr, params=params, device=index,
+                                        driver=driver_launch.driver(), owner=function)  # fmt: skip
+    _DRIVER_KERNELS[(source, name, index)] = target
+    return target
 
 
 def _current_device() -> int:

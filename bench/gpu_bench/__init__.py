@@ -7,7 +7,8 @@ folder under ``bench/results/`` (``report.md`` with three tables, the tools' JSO
 1. **host cost** per call at world size 1, on 1M and 16M bf16 elements: each
    ``zcomm.quant`` op next to ``clone``, ``all_gather_q8`` next to torch's all-gather,
    ``reduce_scatter_q4`` (1 and 4 stages) next to torch's reduce-scatter, host enqueue time
-   and synchronized time (``python -m bench.host_cost``);
+   and synchronized time, under each CUDA kernel launcher (cupy, driver) with their ratios
+   (``python -m bench.host_cost --launcher cupy,driver``);
 2. **kernel GB/s** of every op against a device-to-device copy of the same bytes, at 16M,
    64M and 256M elements, group sizes 256 and 512, bf16 and fp32 (``python -m bench.kernels``);
 3. **training** a GPT of ~160M parameters (d_model 1024, 12 layers, 16 heads, sequence

@@ -2,7 +2,8 @@
 
 [Note: gpu-bench time budget] gpu-bench shares an 8-minute lease with gpu-check (which
 takes up to ``bench.gpu_check.stages.TOTAL_BUDGET_S``), so its limits add up to 215 s of
-``TOTAL_BUDGET_S`` = 225 s, in order of value: host cost (40 s; it took 5 s on an H200),
+``TOTAL_BUDGET_S`` = 225 s, in order of value: host cost (40 s; it took 5 s on an H200
+with one kernel launcher, and measures both now, about twice the rows),
 the training runs (100 s: six configurations of a 160M GPT in 4 interleaved rounds of 9
 steps, 3 of them warm-up, as the second step after a build still ran up to 1.5x slow on an
 H200; there a configuration's run took about 2-3 s, 1.4 s of it building the engine and the
@@ -32,6 +33,9 @@ HOST_COST = "bench.host_cost"
 KERNELS = "bench.kernels"
 TRAIN = "bench.train"
 HOST_COST_SIZES = {"cuda": "1M,16M", "cpu": "1M"}
+# Both CUDA kernel launchers, every row under each in one process: the A/B that decides the
+# default ([Note: launcher choice] in zcomm_cuda/loader.py); it doubles the part's rows.
+HOST_COST_LAUNCHERS = "cupy,driver"
 TRAIN_CONFIGS = ("zero3", "zeropp", "zero3+qwz", "zero3+qgz", "fsdp2", "fsdp2-zeropp")
 GPT_160M = ("--d-model", "1024", "--n-layers", "12", "--n-heads", "16", "--seq-len", "512", "--batch", "8")
 TRAIN_STEPS, TRAIN_WARMUP, TRAIN_ROUNDS = 9, 3, 4
@@ -48,12 +52,14 @@ def available(module: str) -> bool:
 
 
 def _host_cost(out_dir: Path, python: str, device: str, module: str) -> Stage:
+    launchers = ("--launcher", HOST_COST_LAUNCHERS) if device == "cuda" else ()
     return Stage(
         name=f"host-cost-{device}",
         title=f"{module} on {device}, world size 1, {HOST_COST_SIZES[device]} elements: host enqueue and synchronized "
-              "time per call of each zcomm op next to torch's",
+              "time per call of each zcomm op next to torch's"
+              + (f", under each CUDA kernel launcher ({HOST_COST_LAUNCHERS}) side by side" if launchers else ""),
         argv=(python, "-m", module, "--device", device, "--sizes", HOST_COST_SIZES[device],
-              "--json", str(out_dir / f"host_cost_{device}.json")),  # fmt: skip
+              "--json", str(out_dir / f"host_cost_{device}.json"), *launchers),  # fmt: skip
         limit_s=40,
         verify=lambda out, d=device: [] if (out / f"host_cost_{d}.json").exists() else [f"{module} wrote no JSON"],
     )

@@ -71,8 +71,21 @@ def _guarded_rows(path: Path) -> list[str]:
 def _host_cost(out_dir: Path, devices: Sequence[str]) -> list[str]:
     lines: list[str] = []
     for device in devices:
-        lines += [f"### {device}", "", *_guarded_rows(out_dir / f"host_cost_{device}.json"), ""]
+        path = out_dir / f"host_cost_{device}.json"
+        lines += [f"### {device}", "", *_guarded_rows(path), "", *_launchers(path)]
     return lines
+
+
+def _launchers(path: Path) -> list[str]:
+    """bench.host_cost's side-by-side table of the CUDA kernel launchers, when it measured more than one."""
+    try:
+        compared = json.loads(path.read_text()).get("launchers") if path.exists() else None
+    except (OSError, ValueError, AttributeError):
+        return []  # _guarded_rows has said what is wrong with the file
+    if not compared:
+        return []
+    return ["#### the same calls under each kernel launcher (ratios to the first, this run)", "",
+            *rows_table(compared), ""]  # fmt: skip
 
 
 def _kernels(out_dir: Path) -> list[str]:

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from .stages import GPU_CHECK_ENV, StageResult, junit_counts, tests_xml
+from .stages import DRIVER_TESTS_XML, GPU_CHECK_ENV, StageResult, junit_counts, tests_xml
 
 TAIL_LINES = 40
 
@@ -71,8 +71,9 @@ def coverage(gpus: int) -> list[str]:
 
 def _result_cell(result: StageResult) -> str:
     cell = result.status.upper()
-    xml = tests_xml(result.log.parent)
-    if result.stage.name == "cuda-tests" and xml.exists():
+    xmls = {"cuda-tests": tests_xml(result.log.parent), "driver-launcher": result.log.parent / DRIVER_TESTS_XML}
+    xml = xmls.get(result.stage.name)
+    if xml is not None and xml.exists():
         counts = junit_counts(xml)
         passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
         cell += f" ({passed} passed, {counts['failures']} failed, {counts['errors']} errors, {counts['skipped']} skipped)"

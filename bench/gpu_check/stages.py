@@ -13,10 +13,22 @@ kernel GB/s, training step times; :mod:`bench.gpu_bench`). Each stage has
 its own limit and the driver also holds a total deadline: a stage gets the smaller of its
 limit and the time left, and one that overruns is killed with its whole process group
 (its pytest or rank children included) and reported as timed out with its log's tail. The
-stages' limits add up to 270 s, which leaves the rest of ``TOTAL_BUDGET_S`` to the
-environment probe and the report (a test holds the sum below the budget). The CUDA tests
+stages' limits add up to 275 s (cuda-tests 165, w4 35, collectives 20, driver-launcher 55;
+on an H200 they took about 135, 14 and 5 s, the last about 40 s by estimate: one process
+start, one NVRTC compile of the four sources, 47 tests), which leaves the rest of
+``TOTAL_BUDGET_S`` to the environment probe and the report (a test holds the sum below the
+budget). The CUDA tests
 run one pytest process per file, ``TEST_JOBS`` at once on the one GPU
 (:mod:`bench.gpu_check.test_runner`), so that one crash fails one test by name.
+
+[Note: driver-launcher stage] The last stage runs the CUDA kernel tests again with
+``ZCOMM_CUDA_LAUNCHER=driver`` (the launcher that is not yet the default, see
+[Note: launcher choice] in zcomm_cuda/loader.py): the driver launcher's own GPU tests (both
+launchers give the same bytes for every kernel, from a worker thread and a graph replay
+too), the backend's stream, synchronization and graph tests, the golden payloads, and the
+unbound one-rank NCCL collectives. It is one pytest process, so the kernels are compiled
+once (NVRTC took most of a CUDA test file's time on the H200), and it comes last, so that
+its failure or overrun cannot cost the other stages their results.
 """
 
 from __future__ import annotations
@@ -55,9 +67,25 @@ CUDA_TESTS = (
 )
 CUDA_TESTS_SELECT = "not on-cpu"
 TESTS_DIR = "cuda-tests"
+# The driver-launcher stage ([Note: driver-launcher stage]): its files, run in one pytest
+# process, and the selection that keeps the cases launching zcomm's kernels in this process
+# (no reference backend, no CPU target, no bound world, which takes a process of its own, and
+# not the comparison with the CPU path, whose numba compile took 10 s on the H200: the
+# launchers' bytes are compared directly by test_cuda_driver_launch.py).
+LAUNCHER_ENV = "ZCOMM_CUDA_LAUNCHER"
+DRIVER_TESTS = (
+    "tests/quant/test_cuda_driver_launch.py",
+    "tests/quant/test_cuda_backend.py",
+    "tests/quant/test_wire_format.py",
+    "tests/collectives/test_collectives_cuda.py",
+)
+DRIVER_TESTS_SELECT = "not on-cpu and not reference and not [bound and not reinitialised and not cpu_paths"
+DRIVER_TESTS_XML = "driver-launcher.xml"
 TEST_JOBS = 4
-# Variables that would change what the stages test (a forced backend, a pretend node size).
-CLEARED_ENV = ("ZCOMM_BACKEND", "ZCOMM_LOCAL_SIZE")
+# Variables that would change what the stages test (a forced backend, a pretend node size, a
+# kernel launcher).
+# The driver-launcher stage sets ZCOMM_CUDA_LAUNCHER itself; the others run the default launcher.
+CLEARED_ENV = ("ZCOMM_BACKEND", "ZCOMM_LOCAL_SIZE", "ZCOMM_CUDA_LAUNCHER")
 _KILL_GRACE_S = 10.0
 
 
@@ -222,6 +250,15 @@ def _verify_tests(out_dir: Path) -> list[str]:
             + [f"failed: {name}" for name in failed])  # fmt: skip
 
 
+def _verify_driver_tests(out_dir: Path) -> list[str]:
+    path = out_dir / DRIVER_TESTS_XML
+    if not path.exists():
+        return [f"pytest wrote no {DRIVER_TESTS_XML} (it died before the end: see the log)"]
+    counts = junit_counts(path)
+    return (([] if counts["tests"] else ["pytest ran no test"])
+            + [f"failed: {name}" for name in failed_tests(path)])  # fmt: skip
+
+
 def _verify_w4(out_dir: Path) -> list[str]:
     path = out_dir / "w4.json"
     if not path.exists():
@@ -257,6 +294,7 @@ def plan(out_dir: Path, *, gpus: int, python: str = sys.executable) -> list[Stag
     present = [name for name in CUDA_TESTS if (REPO / name).exists()]
     missing = tuple(f"{name} is missing from this checkout: its tests did not run" for name in CUDA_TESTS if name not in present)
     launch = _launcher(python, gpus)
+    driver_present = [name for name in DRIVER_TESTS if (REPO / name).exists()]
     return [
         Stage(
             name="cuda-tests",
@@ -264,7 +302,7 @@ def plan(out_dir: Path, *, gpus: int, python: str = sys.executable) -> list[Stag
                   f"per file, {TEST_JOBS} at once: {', '.join(Path(n).name for n in CUDA_TESTS)}",
             argv=(python, "-m", "bench.gpu_check.test_runner", "--out", str(out_dir / TESTS_DIR),
                   "--jobs", str(TEST_JOBS), "-k", CUDA_TESTS_SELECT, *present),  # fmt: skip
-            limit_s=175,
+            limit_s=165,
             needs=("pytest", "cupy"),
             env={GPU_CHECK_ENV: "1"},
             missing=missing,
@@ -278,8 +316,8 @@ def plan(out_dir: Path, *, gpus: int, python: str = sys.executable) -> list[Stag
             # the CPU side on zcomm's reference backend, which defines the wire format: no numba
             # compile in 4 ranks eats the stage's time, and a GPU machine may lack numba
             argv=(python, "-m", "bench.gpu_check.w4", "--device", "cuda", "--cpu-backend", "reference",
-                  "--timeout", "40", "--json", str(out_dir / "w4.json")),  # fmt: skip
-            limit_s=50,
+                  "--timeout", "28", "--json", str(out_dir / "w4.json")),  # fmt: skip
+            limit_s=35,
             needs=("cupy",),
             verify=_verify_w4,
             verify_failed_run=True,
@@ -290,8 +328,22 @@ def plan(out_dir: Path, *, gpus: int, python: str = sys.executable) -> list[Stag
             argv=(*launch, "bench.collectives", "-b", "1M", "-e", "16M", "-f", "4", "-n", "10", "-w", "3",
                   "-d", "bfloat16", "--stages", "1,4", "--device", "cuda", "--backend", "nccl",
                   "--json", str(out_dir / "collectives.json")),  # fmt: skip
-            limit_s=45,
+            limit_s=20,
             needs=("cupy", "tqdm"),
             verify=_verify_collectives,
+        ),
+        Stage(
+            name="driver-launcher",
+            title=f"{LAUNCHER_ENV}=driver (cuLaunchKernelEx through ctypes): the CUDA kernel tests in one pytest, "
+                  f"{GPU_CHECK_ENV}=1, -k '{DRIVER_TESTS_SELECT}': {', '.join(Path(n).name for n in DRIVER_TESTS)}",
+            argv=(python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE", "-k", DRIVER_TESTS_SELECT,
+                  f"--junitxml={out_dir / DRIVER_TESTS_XML}", *driver_present),  # fmt: skip
+            limit_s=55,
+            needs=("pytest", "cupy"),
+            env={GPU_CHECK_ENV: "1", LAUNCHER_ENV: "driver"},
+            missing=tuple(f"{name} is missing from this checkout: its tests did not run under the driver launcher"
+                          for name in DRIVER_TESTS if name not in driver_present),  # fmt: skip
+            verify=_verify_driver_tests,
+            verify_failed_run=True,
         ),
     ]

@@ -76,6 +76,7 @@ def test_the_gpu_plan_fits_its_budget_and_its_commands_parse(tmp_path, fake_tool
     assert sum(s.limit_s for s in stages) + 10 <= plan.TOTAL_BUDGET_S <= 3.8 * 60
     host = _args(stages[0], fake_tool)
     assert host[:4] == ["--device", "cuda", "--sizes", "1M,16M"] and host[4] == "--json"
+    assert host[-2:] == ["--launcher", "cupy,driver"]
     train = train_cli.build_parser().parse_args(_args(stages[1], "bench.train"))
     assert [c.name for c in train_cli.chosen_configs(train)] == list(plan.TRAIN_CONFIGS)
     rounds = train_cli.round_plan(train, train_cli.chosen_configs(train))
@@ -128,3 +129,16 @@ def test_training_table_pairs_ratios_by_round(tmp_path):
     assert "| fsdp2 / zero3 | 1.050x | 1.000-1.100x | 3 | 1.100, 1.050, 1.000 |" in table
     assert "| fsdp2-zeropp / fsdp2 | 1.500x | 1.500-1.500x | 3 | 1.500, 1.500, 1.500 |" in table
     assert "| zeropp / zero3 | - | - | 0 | zeropp: no result |" in table
+
+
+def test_host_cost_launchers_table_is_reported(tmp_path):
+    import json
+
+    compared = [{"name": "quantize int8", "numel": 1048576, "cupy host_us": 18.0, "driver host_us": 12.0,
+                 "driver/cupy host": 0.667}]
+    (tmp_path / "host_cost_cuda.json").write_text(json.dumps({"rows": [], "launchers": compared}))
+    lines = report._host_cost(tmp_path, ["cuda"])
+    assert "| name | numel | cupy host_us | driver host_us | driver/cupy host |" in lines
+    assert "| quantize int8 | 1048576 | 18 | 12 | 0.667 |" in lines
+    (tmp_path / "host_cost_cuda.json").write_text(json.dumps({"rows": [], "launchers": []}))
+    assert not any("kernel launcher" in line for line in report._host_cost(tmp_path, ["cuda"]))

@@ -107,7 +107,7 @@ def test_a_stage_whose_modules_are_missing_fails_without_running(tmp_path):
 def test_the_plan_fits_the_budget_and_names_missing_test_files(tmp_path, monkeypatch):
     monkeypatch.setattr(stages, "CUDA_TESTS", (*stages.CUDA_TESTS[:1], "tests/test_not_there.py"))
     plan = stages.plan(tmp_path, gpus=1)
-    assert [s.name for s in plan] == ["cuda-tests", "w4", "collectives"]
+    assert [s.name for s in plan] == ["cuda-tests", "w4", "collectives", "driver-launcher"]
     assert sum(s.limit_s for s in plan) + 15 <= stages.TOTAL_BUDGET_S <= 300
     tests = plan[0]
     assert tests.env == {stages.GPU_CHECK_ENV: "1"}
@@ -318,3 +318,28 @@ def test_report_shows_the_w4_checks(tmp_path):
     assert lines[0] == "4 ranks (2 nodes x 2) over gloo, device cuda, 31 s."
     assert "| all_gather_q8 bf16 stages=4 | ok | bytes identical |" in lines
     assert "| zero_runtime ZeRO++ | FAILED | losses differ |" in lines and lines[-1] == "- rank 3 raised"
+
+
+def test_the_driver_launcher_stage_runs_last_under_the_driver_launcher(tmp_path):
+    """[Note: driver-launcher stage]: one pytest over DRIVER_TESTS with ZCOMM_CUDA_LAUNCHER=driver whatever the
+    caller set (the other stages run without the variable), judged by its JUnit file."""
+    plan = stages.plan(tmp_path, gpus=1)
+    driver = plan[-1]
+    assert driver.name == "driver-launcher" and driver.missing == ()
+    argv = list(driver.argv)
+    assert argv[1:3] == ["-m", "pytest"] and argv[argv.index("-k") + 1] == stages.DRIVER_TESTS_SELECT
+    assert f"--junitxml={tmp_path / stages.DRIVER_TESTS_XML}" in argv
+    assert all(name in argv for name in stages.DRIVER_TESTS)
+    caller = {"ZCOMM_CUDA_LAUNCHER": "cupy", "PATH": "/bin"}
+    assert stages.stage_environment(caller, driver.env)["ZCOMM_CUDA_LAUNCHER"] == "driver"
+    assert stages.stage_environment(caller, driver.env)[stages.GPU_CHECK_ENV] == "1"
+    assert all("ZCOMM_CUDA_LAUNCHER" not in stages.stage_environment(caller, s.env) for s in plan[:-1])
+
+    assert stages._verify_driver_tests(tmp_path) == [
+        f"pytest wrote no {stages.DRIVER_TESTS_XML} (it died before the end: see the log)"]
+    (tmp_path / stages.DRIVER_TESTS_XML).write_text(
+        '<testsuites><testsuite name="pytest" tests="2" failures="1" errors="0" skipped="0">'
+        '<testcase classname="tests.quant.test_x" name="test_ok" time="0.1"/>'
+        '<testcase classname="tests.quant.test_x" name="test_bad" time="0.1"><failure message="no"/></testcase>'
+        "</testsuite></testsuites>")
+    assert stages._verify_driver_tests(tmp_path) == ["failed: tests.quant.test_x::test_bad"]

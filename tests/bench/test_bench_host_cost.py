@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from bench import host_cost
 from cuda_support import REPO
 
 EXPECTED_ROWS = {
@@ -50,3 +51,31 @@ def test_cpu_run_measures_every_row(tmp_path) -> None:
     profile = (tmp_path / "profile.txt").read_text()
     for name in ("all_gather_q8", "reduce_scatter_q4 1 stage", "reduce_scatter_q4 4 stages"):
         assert f"## {name}, 1K elements, 100 calls" in profile
+
+
+def _row(name: str, launcher: str, host_us: float, synced_us: float) -> host_cost.Row:
+    return host_cost.Row(name, 1 << 20, host_us, synced_us, "x.clone()", 10.0, 20.0, launcher=launcher)
+
+
+def test_launchers_side_by_side_with_ratios_to_the_first(capsys) -> None:
+    """The launcher table pairs each call's rows by name, size and yardstick and divides by the first launcher's."""
+    rows = [_row("quantize int8", "cupy", 20.0, 40.0), _row("all_gather_q8", "cupy", 80.0, 100.0),
+            _row("quantize int8", "driver", 10.0, 30.0), _row("all_gather_q8", "driver", 60.0, 90.0)]
+    compared = host_cost._launcher_rows(rows, ["cupy", "driver"])
+    assert [(c["name"], c["base"], c["cupy host_us"], c["driver host_us"]) for c in compared] == [
+        ("quantize int8", "x.clone()", 20.0, 10.0), ("all_gather_q8", "x.clone()", 80.0, 60.0)]
+    assert [c["driver/cupy host"] for c in compared] == [0.5, 0.75]
+    assert [c["driver/cupy synced"] for c in compared] == [0.75, 0.9]
+    assert host_cost._launcher_rows(rows[:2], ["cupy"]) == []
+    host_cost._print_launchers(compared)
+    out = capsys.readouterr().out
+    assert "driver/cupy" in out and "0.50" in out and "0.75" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "cpu", "--launcher", "driver"], "needs --device cuda"),
+])
+def test_launcher_option_is_checked(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit):
+        host_cost._parse(argv)
+    assert message in capsys.readouterr().err

@@ -3,6 +3,11 @@
 * ``cached_plan`` makes a plan once per key and group, keeps typed options apart (``8`` and
   ``8.0``), does not cache unhashable keys, drops the oldest plan beyond ``MAX_PLANS`` and
   forgets a group once it is dropped;
+* the caches it is built on (``BoundedCache``, ``GroupCache``, shared with the prologue and
+  zcomm.fsdp's comms) let whatever ``make()`` raises through unchanged, never mistaking it for
+  the lookup's own ``TypeError`` of an unhashable key, and cache nothing for a "group" that
+  cannot be weakly referenced; an unhashable ``topology`` gets the prologue's error, also
+  once the group's call shapes are cached;
 * ``all_gather_q8`` and ``reduce_scatter_q4`` on a world of one gloo rank resolve their plan
   on the first call only, and a changed option or size makes a new one.
 """
@@ -49,7 +54,7 @@ def test_unhashable_key_is_not_cached() -> None:
 
 
 def test_oldest_plan_dropped_and_group_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_plan_cache, "MAX_PLANS", 2)
+    monkeypatch.setattr(_plan_cache._PLANS, "limit", 2)  # for the caches of groups made from now on
     group = _Group()
     plans = [cached_plan(group, (i,), object) for i in range(3)]
     assert cached_plan(group, (2,), object) is plans[2]
@@ -58,6 +63,50 @@ def test_oldest_plan_dropped_and_group_forgotten(monkeypatch: pytest.MonkeyPatch
     del group
     gc.collect()
     assert len(_plan_cache._PLANS) == size - 1
+
+
+def test_bounded_cache_makes_once_and_drops_the_oldest() -> None:
+    cache, made = _plan_cache.BoundedCache(2), []
+    first = cache.get_or_make("a", lambda: made.append("a") or object())
+    assert cache.get_or_make("a", lambda: made.append("a") or object()) is first
+    cache.get_or_make("b", object)
+    cache.get_or_make("c", object)
+    assert list(cache) == ["b", "c"] and made == ["a"]
+
+
+class _ArgumentError(TypeError):
+    """What a caller's bad argument raises from ``make()``: a TypeError, like a lookup's."""
+
+
+def _raise() -> object:
+    raise _ArgumentError("bad argument")
+
+
+@pytest.mark.parametrize("key", [("op", 1), ("op", [1])], ids=["hashable", "unhashable"])
+def test_make_errors_propagate_unchanged(key) -> None:
+    for lookup in (lambda: _plan_cache.BoundedCache(4).get_or_make(key, _raise),
+                   lambda: _plan_cache.GroupCache(4).get_or_make(_Group(), key, _raise),
+                   lambda: cached_plan(_Group(), key, _raise)):
+        with pytest.raises(_ArgumentError, match="bad argument") as raised:
+            lookup()
+        assert raised.value.__context__ is None  # not raised while handling the lookup's TypeError
+
+
+def test_groups_without_weak_references_are_not_cached() -> None:
+    cache, made = _plan_cache.GroupCache(4), []
+    for _ in range(2):
+        cache.get_or_make(7, ("op",), lambda: made.append(1) or object())
+    assert made == [1, 1] and len(cache) == 0 and cache.lookup(7, ("op",)) is None
+
+
+def test_unhashable_topology_gets_the_prologue_error(gloo_world) -> None:
+    x, full = torch.randn(100), torch.empty(100)
+    zcomm.all_gather_q8(full, x)  # the world's call shapes are cached from here on
+    for _ in range(2):
+        with pytest.raises(TypeError, match="topology must be a zcomm.Topology or None, got list"):
+            zcomm.all_gather_q8(full, x, topology=[1, 1])
+        with pytest.raises(TypeError, match="topology must be a zcomm.Topology or None, got list"):
+            zcomm.reduce_scatter_q4_coalesced([full[:50]], [x[:50]], topology=[1, 1])
 
 
 

@@ -416,3 +416,112 @@ def test_launcher_mirrors_the_encoder_constants():
     assert passes.replace(" ", "") == (
         f"kTeams={cuda_launch.TEAMS},kTileAbsmax={cuda_launch.TILE_ABSMAX},kTileEncode={cuda_launch.TILE_ENCODE}"
     )
+
+
+# ---- The register encoder's partitions, cursor and signs ----
+# Teams that hold their groups in registers (up to REGISTER_MAX_GROUP elements) at every
+# team width, groups just past them (streamed teams) and in tiles, with chunk tails that
+# keep the vector path (a short last group of whole runs) and ones that leave it; inputs mix
+# make_hard_input's groups (NaN, Inf, subnormal scales: the cold paths) with groups that tell
+# the encoder's two maxima apart ([Note: two-sided max] in group_encoder.cuh). The public
+# contract rejects group_size 1 (and odd sizes for INT4), so the smallest group here is 7.
+
+# a NaN with the sign bit set and a payload, as the signed integer of each dtype's bits
+_NEGATIVE_NAN = {torch.float32: -0x003FFEDD, torch.bfloat16: -0x3F, torch.float16: -0x1FF}
+_SIGN_KINDS = 6
+
+
+def _signed_input(numel: int, group_size: int, dtype: torch.dtype, bits: int, seed: int) -> torch.Tensor:
+    """make_hard_input's groups, every other group replaced by one of six sign patterns: all
+    negative; positives with one larger negative; negatives with one larger positive; a
+    negative NaN among finite values; only -0 and negative subnormals; a -Inf among negatives."""
+    x = make_hard_input(numel, group_size, dtype, bits, seed=seed).float()
+    gen = torch.Generator().manual_seed(seed + 1)
+    magnitude = torch.rand(numel, generator=gen).add(0.25)
+    group = torch.arange(numel) // group_size
+    pos = torch.arange(numel) % group_size
+    kind = (group // 2) % _SIGN_KINDS
+    signed = group % 2 == 1
+    info = torch.finfo(dtype)
+    standout = pos == (group * 7) % group_size  # one element per group, at a varying position
+    patterns = [
+        -magnitude,
+        torch.where(standout, -2.0, magnitude),
+        torch.where(standout, 2.0, -magnitude),
+        -magnitude,  # the NaN is set on the bits below
+        torch.where(pos % 3 == 0, -0.0, -magnitude * info.smallest_normal / 2),
+        torch.where(standout, float("-inf"), -magnitude),
+    ]
+    for k, pattern in enumerate(patterns):
+        x = torch.where(signed & (kind == k), pattern, x)
+    x = x.to(dtype)
+    raw = x.view(torch.int32 if dtype == torch.float32 else torch.int16)
+    raw[signed & (kind == 3) & standout] = _NEGATIVE_NAN[dtype]
+    return x
+
+
+def _register_sizes(group_size: int) -> tuple[int, ...]:
+    """Lengths with chunk tails: one element, one group, a short last group of whole runs
+    (still the vector path), and a tail that is not whole runs (the scalar path)."""
+    if group_size >= LARGE:
+        return (group_size + 8, 2 * group_size + 3)
+    return (1, group_size, 5 * group_size + 8, 3 * group_size + 5)
+
+
+REGISTER_GROUP_SIZES = {8: (7, 8, 40, 96, 256, 512, 1024, 1032, 4096, 4097), 4: (8, 40, 96, 256, 512, 1024, 4098)}
+REGISTER_QUANT_CASES = [
+    (dtype, bits, gs, n)
+    for dtype in DTYPES
+    for bits in (8, 4)
+    for gs in REGISTER_GROUP_SIZES[bits]
+    for n in _register_sizes(gs)
+]
+
+
+@pytest.mark.parametrize("misalign", (0, 1))
+@pytest.mark.parametrize("dtype,bits,group_size,numel", REGISTER_QUANT_CASES)
+def test_quantize_register_partitions(host_check, tmp_path, dtype, bits, group_size, numel, misalign):
+    x = _signed_input(numel, group_size, dtype, bits, seed=numel + 3 * group_size)
+    ran = _run(host_check, tmp_path, ["quantize", DTYPE_TAG[dtype], bits, group_size, misalign], x)
+    assert ran.out == _bytes(zq.quantize(x, bits, group_size, backend="reference"))
+    assert ran.vec == (not misalign and group_size % 8 == 0 and numel % 8 == 0)
+    assert ran.tiles == _tiles(min(group_size, numel))
+    assert ran.regs == _regs(ran.vec, min(group_size, numel))
+
+
+def test_register_cases_cover_every_team_width():
+    """The cases above hold groups in registers at every team width, and in short last groups."""
+    lanes, short_tails = set(), 0
+    for _, _, gs, n in REGISTER_QUANT_CASES:
+        if _regs(gs % 8 == 0 and n % 8 == 0, min(gs, n)):
+            lanes.add(next(w for w in (1, 2, 4, 8, 16, 32) if 8 * RUNS_PER_LANE * w >= min(gs, n)))
+            short_tails += n % gs != 0 and n > gs
+    assert lanes == {1, 2, 4, 8, 16, 32}
+    assert short_tails > 0
+
+
+# several chunks, most with a short last group; an even number of groups per chunk keeps
+# INT8 rows whole runs (the vector path). The host grid's step (3 warps of 4 teams for 256,
+# 8 teams for 96) is no multiple of 8 or 10 groups per chunk, so the job cursor carries
+# into the next row in live rounds ([Note: span cursor] in group_encoder.cuh).
+REGISTER_REORDER_CASES = [
+    # (numel, perm, num_chunks, group_size)
+    (3 * (7 * 256 + 64), (2, 0, 1), 3, 256),
+    (4 * (9 * 96 + 48), (1, 3, 0, 2), 4, 96),
+    (3 * (512 + 8), (2, 0, 1), 3, 512),
+    (6 * (5 * 96 + 24), (5, 3, 1, 0, 2, 4), 6, 96),
+    (5 * 64, (4, 3, 2, 1, 0), 5, 8),
+    (2 * (1024 + 16), (1, 0), 2, 1024),
+]
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numel,perm,num_chunks,group_size", REGISTER_REORDER_CASES)
+def test_reorder_quantize_register_chunks(host_check, tmp_path, dtype, bits, numel, perm, num_chunks, group_size):
+    x = _signed_input(numel, group_size, dtype, bits, seed=numel)
+    args = ["reorder", DTYPE_TAG[dtype], bits, group_size, 0, num_chunks, ",".join(map(str, perm)),
+            _divisors(False, numel // len(perm))]
+    ran = _run(host_check, tmp_path, args, x)
+    assert ran.out == _bytes(zq.reorder_quantize(x, perm, num_chunks, bits, group_size, backend="reference"))
+    assert ran.vec and ran.regs and not ran.tiles

@@ -31,6 +31,7 @@ def test_one_stream_object_per_raw_stream(monkeypatch: pytest.MonkeyPatch) -> No
     fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(ExternalStream=ExternalStream))
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
     monkeypatch.setattr(loader, "_STREAMS", {})
+    monkeypatch.setattr(loader, "_use_driver", False)  # the cupy launcher, whatever $ZCOMM_CUDA_LAUNCHER says
     handles = iter([11, 11, 22, 11])
     monkeypatch.setattr(loader, "current_raw_stream", lambda index: next(handles))
     monkeypatch.setattr(loader, "_current_device", lambda: 0)

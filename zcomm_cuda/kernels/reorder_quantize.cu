@@ -47,7 +47,7 @@
         const zc::MagicDivisor<false> part(part_numel, part_magic, part_shift);                      \
         const zc::MagicDivisor<false> slice(slice_numel, slice_magic, slice_shift);                  \
         const zc::InterleavedSource<T, false> source(table, tensors, part, perm, slice);             \
-        zc::encode_rounds<true, BITS>(source, layout, true);                                         \
+        zc::encode_rounds<true, BITS, false>(source, layout, true);                                  \
     }
 
 #define ZC_REORDER_QUANTIZE(TAG, T, BITS)                                          \

@@ -3,14 +3,16 @@
 // It runs the same __host__ __device__ functions the kernels run (the group encoder's
 // RegisterLane or lane_absmax / encode_group_lane in the team scheme, or the tile scheme,
 // chosen as the kernels and the launcher choose; the decoder's decode_group_lane or
-// decode_run; the job cursor and team walk; the sources, the packing and the wire-format
-// math), with the GPU parallelism replaced by loops: the team walk over a grid of
-// kHostWarps warps, team by team, round by round, with the kernels' cursor (checked against
-// a division at every step); a team's shuffle max and a tile's block max become maxima
-// over their lanes, the tile scheme's atomicMax a max per group (the tile encode pass walks
-// the tiles backwards, as blocks may run in any order). What the device alone contributes (__shfl_xor_sync,
-// shared memory, atomics, uint4 memory instructions, the inline PTX arithmetic) is not
-// exercised here; on the host that arithmetic is the plain IEEE operators.
+// decode_run; the job cursor, the encoder's span cursor and the team walk; the sources, the
+// packing and the wire-format math), with the GPU parallelism replaced by loops: the team
+// walk over a grid of kHostWarps warps, team by team, round by round, with the kernels'
+// cursors (checked against a division at every step); a team's shuffle max and a tile's
+// block max become maxima over their lanes, the tile scheme's atomicMax a max per group
+// (the tile encode pass walks the tiles backwards, as blocks may run in any order). What
+// the device alone contributes (__shfl_xor_sync, shared memory, atomics, uint4 memory
+// instructions, the inline PTX arithmetic, the SIMD intrinsics __vmaxu2 / __vmaxs2 /
+// __byte_perm, emulated here) is not exercised here; on the host that arithmetic is the
+// plain IEEE operators.
 //
 // Usage (raw little-endian bytes in and out; MISALIGN=1 shifts every buffer off its
 // vector alignment, forcing the scalar paths):
@@ -86,7 +88,7 @@ bool g_registers = false;  // whether the last encode held its groups in registe
 bool g_teams = false;      // whether the last decode ran the team layout
 
 // Every (warp, team, round) of the grid in the kernels' order, with the kernels' cursor;
-// `job(row, group, thread)` runs one live job, `thread` the index of the team's lane 0 in the grid. Aborts if the cursor ever disagrees with the division.
+// `job(row, group)` runs one live job. Aborts if the cursor ever disagrees with the division.
 template <class Job> void walk_jobs(i64 jobs, i64 groups_per_row, i64 rows, int lanes, Job job_fn) {
     const TeamWalk walk(jobs, lanes, kHostWarps);
     i64 visited = 0;
@@ -97,7 +99,7 @@ template <class Job> void walk_jobs(i64 jobs, i64 groups_per_row, i64 rows, int 
                 const i64 index = round * walk.teams_per_warp + team;
                 if (job.row * groups_per_row + job.group != index || job.group >= groups_per_row) std::abort();
                 if (job.row >= rows) continue;
-                job_fn(job.row, job.group, warp * 32 + team * lanes);
+                job_fn(job.row, job.group);
                 ++visited;
             }
         }
@@ -105,22 +107,55 @@ template <class Job> void walk_jobs(i64 jobs, i64 groups_per_row, i64 rows, int 
     if (visited != jobs) std::abort();
 }
 
-template <int BITS, class Source> void encode_teams(const Source& src, const ChunkLayout<BITS>& layout, bool vec) {
+bool same_span(const GroupSpan& a, const GroupSpan& b) {
+    return a.first == b.first && a.len == b.len && a.values == b.values && a.scale_slot == b.scale_slot &&
+           a.pad_len == b.pad_len && (a.pad_len == 0 || a.pad_begin == b.pad_begin);
+}
+
+// The encoder's rounds (encode_rounds in group_encoder.cuh) over the grid of kHostWarps warps,
+// team by team, with the kernels' span cursor: every span it yields is checked against
+// span(row, group) from a division, and its liveness against the job count (aborts if not).
+// `job_fn(span, thread)` runs one live job, `thread` the index of the team's lane 0 in the grid.
+template <int BITS, bool ONE_CHUNK, class Job> void walk_encoder_jobs(const ChunkLayout<BITS>& layout, int lanes, Job job_fn) {
+    const TeamWalk walk(layout.jobs(), lanes, kHostWarps);
+    const i64 groups = layout.groups_per_chunk();
+    i64 visited = 0;
+    for (i64 warp = 0; warp < kHostWarps; ++warp) {
+        for (int team = 0; team < walk.teams_per_warp; ++team) {
+            SpanCursor<BITS, ONE_CHUNK> job(layout, warp * walk.teams_per_warp + team, walk.num_warps * walk.teams_per_warp);
+            i64 round = warp;
+            for (i64 rounds = walk.rounds > warp ? (walk.rounds - warp - 1) / walk.num_warps + 1 : 0; rounds > 0;
+                 --rounds, job.advance(), round += walk.num_warps) {
+                const i64 index = round * walk.teams_per_warp + team;
+                if (round >= walk.rounds || job.live() != (index < layout.jobs())) std::abort();
+                if (!job.live()) continue;
+                const GroupSpan s = job.span();
+                if (!same_span(s, layout.span(index / groups, index % groups))) std::abort();
+                job_fn(s, warp * 32 + team * lanes);
+                ++visited;
+            }
+            if (round < walk.rounds) std::abort();
+        }
+    }
+    if (visited != layout.jobs()) std::abort();
+}
+
+template <int BITS, bool ONE_CHUNK, class Source>
+void encode_teams(const Source& src, const ChunkLayout<BITS>& layout, bool vec) {
     const int lanes = team_lanes(layout.group_extent());
     g_registers = in_registers(vec, layout.group_extent());
     std::vector<Source> threads(static_cast<size_t>(32 * kHostWarps), src);
-    walk_jobs(layout.jobs(), layout.groups_per_chunk(), layout.num_chunks, lanes, [&](i64 chunk, i64 group, i64 thread) {
-        const GroupSpan s = layout.span(chunk, group);
+    walk_encoder_jobs<BITS, ONE_CHUNK>(layout, lanes, [&](const GroupSpan& s, i64 thread) {
         const Source* lane_src = &threads[static_cast<size_t>(thread)];
         u32 absmax_bits = 0;
         if (g_registers) {
+            // what RegisterLane::store relies on: word-aligned scales and no padding
+            if (!layout.words_aligned() || s.pad_len != 0) std::abort();
             std::vector<RegisterLane<BITS, Source>> held(static_cast<size_t>(lanes));
             for (int lane = 0; lane < lanes; ++lane) {
                 absmax_bits = max_u32(absmax_bits, held[lane].load(lane_src[lane], s, lane, lanes));
             }
-            for (int lane = 0; lane < lanes; ++lane) {
-                held[lane].store(lane_src[lane], s, lane, lanes, layout.words_aligned(), absmax_bits);
-            }
+            for (int lane = 0; lane < lanes; ++lane) held[lane].store(lane_src[lane], s, lane, lanes, absmax_bits);
             return;
         }
         for (int lane = 0; lane < lanes; ++lane) {
@@ -153,15 +188,17 @@ template <int BITS, class Source> void encode_tiles(const Source& src, const Chu
 
 bool g_tiles = false;  // whether the last encode ran the tile scheme (printed by main)
 
-// The scheme the launcher picks for this layout (zcomm/quant/backends/_cuda_launch.py, encoder_passes).
-template <int BITS, class Source> bool encode_all(const Source& src, const ChunkLayout<BITS>& layout) {
+// The scheme the launcher picks for this layout (zcomm/quant/backends/_cuda_launch.py, encoder_passes);
+// ONE_CHUNK as the kernel passes it to run_encoder (quantize.cu: true).
+template <int BITS, bool ONE_CHUNK = false, class Source>
+bool encode_all(const Source& src, const ChunkLayout<BITS>& layout) {
     const bool vec = src.can_vectorize() && layout.can_vectorize();
     g_tiles = layout.group_extent() > kTeamMaxGroup;
     g_registers = false;
     if (g_tiles) {
         encode_tiles<BITS>(src, layout, vec);
     } else {
-        encode_teams<BITS>(src, layout, vec);
+        encode_teams<BITS, ONE_CHUNK>(src, layout, vec);
     }
     return vec;
 }
@@ -176,7 +213,7 @@ template <bool ONE_ROW, class T, int BITS> bool decode_all(const SegmentLayout<T
     }
     const int lanes = team_lanes(layout.group_extent());
     walk_jobs(layout.groups_per_segment() * layout.segments, layout.groups_per_segment(), layout.segments, lanes,
-              [&](i64 segment, i64 group, i64) {
+              [&](i64 segment, i64 group) {
                   for (int lane = 0; lane < lanes; ++lane) {
                       const int mode = team_divisor_mode(layout);
                       if (mode == kByOne) {
@@ -303,7 +340,7 @@ template <class T, int BITS> bool run_op(const std::string& op, char** argv, int
         const ChunkLayout<BITS> layout{out.data, numel / chunks, chunks, gs, op == "quantize" ? 0 : row};
         bool vec;
         if (op == "quantize") {
-            vec = encode_all<BITS>(FlatSource<T>{x}, layout);
+            vec = encode_all<BITS, true>(FlatSource<T>{x}, layout);
         } else {
             const std::vector<i64> perm = parse_list(argv[7]);
             const Divisors d = parse_divisors(argv[8]);
