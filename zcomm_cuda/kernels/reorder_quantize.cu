@@ -30,13 +30,15 @@
         zc::run_encoder<BITS>(source, layout, pass, group_absmax);                                   \
     }
 
-// [Note: register kernel] The interleaved source's general paths (streamed teams, tiles),
-// which the compiler unrolls around its loads, take the kernel to 89-92 registers, two
-// blocks of 256 per SM; the register scheme alone needs 72-76, three blocks. So the common
-// case, the register scheme on 32-bit indices, has a kernel of its own (`_regs`), which
-// runs encode_rounds<true> only: the launcher picks it when in_registers() holds, which it
-// decides from the sizes and the output's address exactly as the general kernel would
-// (_cuda_launch.in_registers, checked against the host check's choice).
+// [Note: register kernel] A kernel runs with the registers of its most demanding path. The
+// interleaved source's general paths (streamed teams, tiles), which the compiler unrolls
+// around its loads, need more than the register scheme (it cost the kernel a block per SM
+// when they shared one; bench.kernels_static shows both kernels). So the common case, the
+// register scheme on 32-bit indices, has a kernel of its own (`_regs`), which runs
+// encode_rounds<true> only (group_absmax and pass unused: the scheme is one launch): the
+// launcher picks it when in_registers() holds, which it decides from the sizes and the
+// output's address exactly as the general kernel would (_cuda_launch.in_registers, checked
+// against the host check's choice).
 #define ZC_REORDER_INTERLEAVED_REGS(TAG, T, BITS)                                                    \
     extern "C" __global__ void zc_reorder_interleaved_regs_##TAG##_int##BITS(                        \
         const zc::i64* table, zc::i64 tensors, zc::i64 part_numel, zc::u64 part_magic, int part_shift, \
