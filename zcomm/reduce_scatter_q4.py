@@ -516,6 +516,8 @@ def _stage_parts(result: torch.Tensor, stages: int, part: int) -> tuple[Sequence
 def _flat_view(outputs: list[torch.Tensor], numel: int) -> torch.Tensor | None:
     """The ``numel`` elements of ``outputs`` as one flat tensor when they lie end to end in one
     storage (as the pieces of ``flat.split(sizes)`` do), else None."""
+    if len(outputs) == 1:  # one contiguous output (the prologue checked it): a bucket of one tensor
+        return outputs[0].view(-1)
     tensors = [output for output in outputs if output.numel()]
     first = tensors[0]
     storage, address = first.untyped_storage().data_ptr(), first.data_ptr()
