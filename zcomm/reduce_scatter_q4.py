@@ -347,7 +347,8 @@ class PreparedReduceScatterQ4:
         if (error_feedback is not None) != self._with_feedback:
             raise ValueError(f"this prepared reduce_scatter_q4 was prepared {'with' if self._with_feedback else 'without'}"
                              " error feedback")
-        _check_feedback(error_feedback)
+        if error_feedback is not None:
+            _check_feedback(error_feedback)
         return _run(self._shape, self._divide_by, error_feedback, outputs, inputs, async_op)
 
 
