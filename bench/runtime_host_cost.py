@@ -1,14 +1,15 @@
 """Host cost of a ZeRO training step: what qwZ and qgZ add to stage 3's Python work per step.
 
 Run as ``python -m bench.runtime_host_cost [--configs zero3 zero3+qwz zero3+qgz zeropp]
-[--layers 64] [--width 64] [--steps 20] [--rounds 4] [--json PATH]``.
+[--layers 64] [--width 64] [--steps 20] [--rounds 4] [--world 1] [--json PATH]``.
 
 At world size 1 on a GPU a training step of zero_runtime is host-bound: the GPU work of a
 160M GPT is small next to the Python work the runtime does per unit (a gather) and per
 bucket (a reduce-scatter). That Python work is the same code on a CPU, so it is measured
 here, on a model whose compute is negligible: an MLP of ``--layers`` Linear layers of
 ``--width`` features (``bench.train.models.MLP``) on a batch of ``--batch`` rows, fp32,
-world size 1 (gloo, one process). The engine config is ``bench.train``'s for the
+world size 1 (gloo, one process; ``--world N`` spawns N gloo ranks on this machine, one node, and
+reports rank 0's figures). The engine config is ``bench.train``'s for the
 configuration (:func:`bench.train.configs.zero_runtime_config`) plus the *host-bound shape*
 (:data:`HOST_BOUND_KEYS`): every Linear its own stage-3 unit (``zcomm_stage3_fuse_numel``
 0, ``stage3_param_persistence_threshold`` 0) and its own gradient bucket
@@ -119,7 +120,8 @@ class Engine:
 
 def build(name: str, args: argparse.Namespace) -> Engine:
     (config,) = select_configs([name])
-    engine_config = zero_runtime_config(config, local_size=1, bf16=False, gradient_clipping=0.0)
+    # one node of ``--world`` ranks: hpZ (in zeropp) over all of them
+    engine_config = zero_runtime_config(config, local_size=args.world, bf16=False, gradient_clipping=0.0)
     engine_config["zero_optimization"].update(HOST_BOUND_KEYS)
     torch.manual_seed(0)
     model = MLP(d_in=args.width, d_hidden=args.width, d_out=args.width, depth=args.layers)
@@ -173,8 +175,8 @@ def _total(result: Result, thread: str | None = None) -> int:
 
 def report(results: dict[str, Result], baseline: str, args: argparse.Namespace) -> str:
     lines = [f"# zero_runtime host cost per step: MLP of {args.layers} Linear({args.width}, {args.width}), batch "
-             f"{args.batch}, fp32, world size 1, CPU ({platform.processor() or platform.machine()}, "
-             f"{torch.get_num_threads()} torch threads), load average {os.getloadavg()[0]:.2f}",
+             f"{args.batch}, fp32, world size {args.world} (rank 0's figures), CPU ({platform.processor() or platform.machine()}, "
+             "1 torch thread per rank), load average {os.getloadavg()[0]:.2f}",
              f"# engine: bench.train's config + {HOST_BOUND_KEYS}", "",
              "| config | calls/step main | calls/step worker | " + " | ".join(f"{p} main/worker" for p in PHASES)
              + " | step ms (median of rounds) | min | max | ratio to " + baseline + " |",
@@ -198,6 +200,38 @@ def report(results: dict[str, Result], baseline: str, args: argparse.Namespace) 
     return "\n".join(lines)
 
 
+def _rank(rank: int, args: argparse.Namespace, tmp: str) -> dict[str, Result]:
+    """Every configuration's calls per step and its step times on this rank of ``args.world``."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=args.world)
+    try:
+        counter = _CallCounter()
+        counter.install()
+        engines = {name: build(name, args) for name in args.configs}
+        results = {}
+        for name, engine in engines.items():
+            for _ in range(args.warmup):
+                engine.step()
+            results[name] = count_calls(engine, counter, args.count_steps)
+        counter.remove()
+        for r in range(args.rounds):
+            order = list(engines) if r % 2 == 0 else list(reversed(engines))
+            for name in order:
+                results[name].step_ms.append(time_steps(engines[name], args.steps))
+        for engine in engines.values():
+            engine.close()
+    finally:
+        dist.destroy_process_group()
+    return results
+
+
+def _spawned(rank: int, args: argparse.Namespace, tmp: str) -> None:
+    results = _rank(rank, args, tmp)
+    if rank == 0:
+        with open(f"{tmp}/results.json", "w") as f:
+            json.dump({name: vars(result) for name, result in results.items()}, f)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))
@@ -210,32 +244,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--world", type=int, default=1, help="gloo ranks on this machine (rank 0's figures)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     baseline = args.baseline or args.configs[0]
     if baseline not in args.configs:
         parser.error(f"--baseline {baseline} is not in --configs")
-    torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-        try:
-            counter = _CallCounter()
-            counter.install()
-            engines = {name: build(name, args) for name in args.configs}
-            results = {}
-            for name, engine in engines.items():
-                for _ in range(args.warmup):
-                    engine.step()
-                results[name] = count_calls(engine, counter, args.count_steps)
-            counter.remove()
-            for r in range(args.rounds):
-                order = list(engines) if r % 2 == 0 else list(reversed(engines))
-                for name in order:
-                    results[name].step_ms.append(time_steps(engines[name], args.steps))
-            for engine in engines.values():
-                engine.close()
-        finally:
-            dist.destroy_process_group()
+        if args.world == 1:
+            results = _rank(0, args, tmp)
+        else:
+            torch.multiprocessing.start_processes(_spawned, args=(args, tmp), nprocs=args.world, start_method="spawn")
+            with open(f"{tmp}/results.json") as f:
+                results = {name: Result(**fields) for name, fields in json.load(f).items()}
     print(report(results, baseline, args))
     if args.json:
         with open(args.json, "w") as f:
