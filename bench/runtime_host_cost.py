@@ -176,7 +176,7 @@ def _total(result: Result, thread: str | None = None) -> int:
 def report(results: dict[str, Result], baseline: str, args: argparse.Namespace) -> str:
     lines = [f"# zero_runtime host cost per step: MLP of {args.layers} Linear({args.width}, {args.width}), batch "
              f"{args.batch}, fp32, world size {args.world} (rank 0's figures), CPU ({platform.processor() or platform.machine()}, "
-             "1 torch thread per rank), load average {os.getloadavg()[0]:.2f}",
+             f"1 torch thread per rank), load average {os.getloadavg()[0]:.2f}",
              f"# engine: bench.train's config + {HOST_BOUND_KEYS}", "",
              "| config | calls/step main | calls/step worker | " + " | ".join(f"{p} main/worker" for p in PHASES)
              + " | step ms (median of rounds) | min | max | ratio to " + baseline + " |",
