@@ -1,7 +1,7 @@
 """Host cost of a ZeRO training step: what qwZ and qgZ add to stage 3's Python work per step.
 
 Run as ``python -m bench.runtime_host_cost [--configs zero3 zero3+qwz zero3+qgz zeropp]
-[--layers 64] [--width 64] [--steps 20] [--rounds 4] [--world 1] [--json PATH]``.
+[--layers 64] [--width 64] [--steps 20] [--rounds 4] [--world 1] [--device cpu] [--json PATH]``.
 
 At world size 1 on a GPU a training step of zero_runtime is host-bound: the GPU work of a
 160M GPT is small next to the Python work the runtime does per unit (a gather) and per
@@ -29,6 +29,10 @@ Two measurements per configuration, after ``--warmup`` steps:
 * **wall time per step**: the median step over ``--steps`` steps, in ``--rounds`` rounds that
   alternate the order of the configurations; the ratio to ``--baseline`` is the median of
   the per-round ratios (both step times of one ratio measured in the same round).
+
+``--device cuda`` runs the same on GPUs (NCCL, rank r on GPU r, each step timed to the end of
+its GPU work): there the quantized collectives' chains run on the training thread, so its call
+counts are the whole host path of a GPU step.
 
 Nothing here asserts: it prints what it measured (and ``--json`` writes it).
 """
@@ -124,12 +128,20 @@ def build(name: str, args: argparse.Namespace) -> Engine:
     engine_config = zero_runtime_config(config, local_size=args.world, bf16=False, gradient_clipping=0.0)
     engine_config["zero_optimization"].update(HOST_BOUND_KEYS)
     torch.manual_seed(0)
-    model = MLP(d_in=args.width, d_hidden=args.width, d_out=args.width, depth=args.layers)
+    device = _device(args)
+    model = MLP(d_in=args.width, d_hidden=args.width, d_out=args.width, depth=args.layers).to(device)
     model, opt = zero_runtime.initialize(model, lambda params: torch.optim.AdamW(params, lr=1e-3), engine_config)
     generator = torch.Generator().manual_seed(1)
-    batch = torch.randn(args.batch, args.width, generator=generator)
-    target = torch.randn(args.batch, args.width, generator=generator)
+    batch = torch.randn(args.batch, args.width, generator=generator).to(device)
+    target = torch.randn(args.batch, args.width, generator=generator).to(device)
     return Engine(name, model, opt, batch, target)
+
+
+def _device(args: argparse.Namespace) -> torch.device:
+    """This rank's device: the CPU, or (``--device cuda``) the GPU of its rank."""
+    if args.device == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", dist.get_rank() if dist.is_initialized() else 0)
 
 
 @dataclass
@@ -161,10 +173,14 @@ def count_calls(engine: Engine, counter: _CallCounter, steps: int) -> Result:
 
 
 def time_steps(engine: Engine, steps: int) -> float:
+    """The median step in ms; on CUDA each step is timed to the end of its GPU work."""
+    sync = torch.cuda.synchronize if engine.batch.is_cuda else (lambda: None)
     times = []
     for _ in range(steps):
+        sync()
         start = time.perf_counter()
         engine.step()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
@@ -173,10 +189,15 @@ def _total(result: Result, thread: str | None = None) -> int:
     return sum(n for threads in result.calls.values() for t, n in threads.items() if thread in (None, t))
 
 
+def _machine(args: argparse.Namespace) -> str:
+    cpu = f"CPU {platform.processor() or platform.machine()}"
+    return f"{torch.cuda.get_device_name(0)}, {cpu}" if args.device == "cuda" else cpu
+
+
 def report(results: dict[str, Result], baseline: str, args: argparse.Namespace) -> str:
     lines = [f"# zero_runtime host cost per step: MLP of {args.layers} Linear({args.width}, {args.width}), batch "
-             f"{args.batch}, fp32, world size {args.world} (rank 0's figures), CPU ({platform.processor() or platform.machine()}, "
-             f"1 torch thread per rank), load average {os.getloadavg()[0]:.2f}",
+             f"{args.batch}, fp32, world size {args.world} (rank 0's figures), {_machine(args)}, "
+             f"1 torch thread per rank, load average {os.getloadavg()[0]:.2f}",
              f"# engine: bench.train's config + {HOST_BOUND_KEYS}", "",
              "| config | calls/step main | calls/step worker | " + " | ".join(f"{p} main/worker" for p in PHASES)
              + " | step ms (median of rounds) | min | max | ratio to " + baseline + " |",
@@ -203,7 +224,11 @@ def report(results: dict[str, Result], baseline: str, args: argparse.Namespace) 
 def _rank(rank: int, args: argparse.Namespace, tmp: str) -> dict[str, Result]:
     """Every configuration's calls per step and its step times on this rank of ``args.world``."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=args.world)
+    backend = "gloo"
+    if args.device == "cuda":  # no device_id bound, as bench.harness.dist_env does: set_device instead
+        torch.cuda.set_device(rank)
+        backend = "nccl"
+    dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=args.world)
     try:
         counter = _CallCounter()
         counter.install()
@@ -244,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--world", type=int, default=1, help="gloo ranks on this machine (rank 0's figures)")
+    parser.add_argument("--world", type=int, default=1, help="ranks on this machine (rank 0's figures)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: NCCL, each rank on its GPU, steps timed to the end of their GPU work")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     baseline = args.baseline or args.configs[0]
