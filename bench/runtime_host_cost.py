@@ -32,7 +32,10 @@ Two measurements per configuration, after ``--warmup`` steps:
 
 ``--device cuda`` runs the same on GPUs (NCCL, rank r on GPU r, each step timed to the end of
 its GPU work): there the quantized collectives' chains run on the training thread, so its call
-counts are the whole host path of a GPU step.
+counts are the host path of a GPU step, with one gap: autograd runs a CUDA backward on a device
+thread of its own, which a profile function set from Python does not reach (it is a C++ thread
+taking the GIL per call), so on CUDA the backward column counts only the training thread's part;
+the heading says so. Forward, optimizer step and the step times are complete.
 
 Nothing here asserts: it prints what it measured (and ``--json`` writes it).
 """
@@ -198,7 +201,9 @@ def report(results: dict[str, Result], baseline: str, args: argparse.Namespace) 
     lines = [f"# zero_runtime host cost per step: MLP of {args.layers} Linear({args.width}, {args.width}), batch "
              f"{args.batch}, fp32, world size {args.world} (rank 0's figures), {_machine(args)}, "
              f"1 torch thread per rank, load average {os.getloadavg()[0]:.2f}",
-             f"# engine: bench.train's config + {HOST_BOUND_KEYS}", "",
+             f"# engine: bench.train's config + {HOST_BOUND_KEYS}",
+             "# backward counts: the training thread only (autograd's CUDA device thread is not profiled)"
+             if args.device == "cuda" else "# backward counts: complete (a CPU backward runs on the training thread)", "",
              "| config | calls/step main | calls/step worker | " + " | ".join(f"{p} main/worker" for p in PHASES)
              + " | step ms (median of rounds) | min | max | ratio to " + baseline + " |",
              "|---|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|---:|---:|"]
