@@ -285,8 +285,12 @@ def _gather_whole(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> Non
     world_size = plan.topology.world_size
     row_bytes = gathered.numel() // world_size
     # the rows arrive [local rank][node], the ranks are [node][local rank]: one dequantize of
-    # all W rows in rank order (reshape copies the payload bytes only when both are > 1)
-    in_rank_order = gathered.view(local_size, num_nodes, row_bytes).transpose(0, 1).reshape(world_size, row_bytes)
+    # all W rows in rank order (reshape copies the payload bytes only when both are > 1; with one
+    # node, or one rank per node, the arrival order is the rank order: one view, no transpose)
+    if num_nodes == 1 or local_size == 1:
+        in_rank_order = gathered.view(world_size, row_bytes)
+    else:
+        in_rank_order = gathered.view(local_size, num_nodes, row_bytes).transpose(0, 1).reshape(world_size, row_bytes)
     plan.dequantize(in_rank_order, numel, _BITS, plan.group_size, output)
 
 

@@ -347,7 +347,8 @@ class PreparedReduceScatterQ4:
         if (error_feedback is not None) != self._with_feedback:
             raise ValueError(f"this prepared reduce_scatter_q4 was prepared {'with' if self._with_feedback else 'without'}"
                              " error feedback")
-        _check_feedback(error_feedback)
+        if error_feedback is not None:
+            _check_feedback(error_feedback)
         return _run(self._shape, self._divide_by, error_feedback, outputs, inputs, async_op)
 
 
@@ -502,8 +503,8 @@ def _stage_parts(result: torch.Tensor, stages: int, part: int) -> tuple[Sequence
     The whole parts are one ``unbind`` of ``result`` viewed as rows (one call, not one slice per stage).
     """
     numel = result.numel()
-    if numel == stages * part:
-        return result.view(stages, part).unbind(0), []
+    if numel == stages * part:  # one stage (one node's default): ``result`` itself, no view ops
+        return ((result,) if stages == 1 else result.view(stages, part).unbind(0)), []
     whole = numel // part
     out_parts = list(result[: whole * part].view(whole, part).unbind(0))
     short = []
@@ -516,6 +517,8 @@ def _stage_parts(result: torch.Tensor, stages: int, part: int) -> tuple[Sequence
 def _flat_view(outputs: list[torch.Tensor], numel: int) -> torch.Tensor | None:
     """The ``numel`` elements of ``outputs`` as one flat tensor when they lie end to end in one
     storage (as the pieces of ``flat.split(sizes)`` do), else None."""
+    if len(outputs) == 1:  # one contiguous output (the prologue checked it): a bucket of one tensor
+        return outputs[0].view(-1)
     tensors = [output for output in outputs if output.numel()]
     first = tensors[0]
     storage, address = first.untyped_storage().data_ptr(), first.data_ptr()
@@ -537,8 +540,8 @@ def _pipeline(plan: _Shape, divide_by: float, feedback: ErrorFeedback | None, ro
     buffer stays referenced (``intra``, ``in_flight``) until its reduction has consumed it.
     """
     k, num_nodes, local_size = plan.stages, plan.info.topology.num_nodes, plan.info.topology.local_size
-    # each stage's rows: one view per stage from one unbind
-    stage_rows = rows.view(k, -1, rows.shape[1]).unbind(0)
+    # each stage's rows: one view per stage from one unbind (one stage: the rows themselves)
+    stage_rows = (rows,) if k == 1 else rows.view(k, -1, rows.shape[1]).unbind(0)
     # the rows every stage reduces last are step 1's width when the node is the whole group, else INT4
     reduce, last_bits = plan.kernels.dequant_reduce, plan.first_bits if num_nodes == 1 else _BITS
     part, group_size = plan.part, plan.group_size

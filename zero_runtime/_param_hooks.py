@@ -34,20 +34,25 @@ _ACCESS_CLASSES: dict[type, type] = {}
 class ModuleHooks:
     def __init__(self, *, model: nn.Module, units: list[FlatUnit], scheduler: ParamScheduler) -> None:
         self.scheduler = scheduler
-        self.unit_of: dict[nn.Parameter, FlatUnit] = {p: u for u in units for p in u.params}
+        # keyed by id: a Parameter's __hash__ is a Python call, and this is looked up per parameter read;
+        # the units hold their parameters, so an id is never reused while it is a key
+        self.unit_of: dict[int, FlatUnit] = {id(p): u for u in units for p in u.params}
         self._stack: list[nn.Module] = []
         self._used: dict[nn.Module, list[FlatUnit]] = {}
         self._needed: dict[nn.Module, list] = {}
         self.outside: list[FlatUnit] = []
         self._static: dict[nn.Module, list[FlatUnit]] = {}
+        self._with_frozen: set[nn.Module] = set()  # modules that use a frozen unit (fixed at start-up)
         rooted = _units_by_root(model, units)
         for module in model.modules():
             units_here = list(rooted.get(module, []))
             for param in module.parameters(recurse=False):
-                unit = self.unit_of.get(param)
+                unit = self.unit_of.get(id(param))
                 if unit is not None and unit not in units_here:
                     units_here.append(unit)
             self._static[module] = units_here
+            if any(unit.frozen for unit in units_here):
+                self._with_frozen.add(module)
             module.register_forward_pre_hook(self._pre_forward)
             module.register_forward_hook(self._post_forward)
             if units_here:
@@ -60,7 +65,7 @@ class ModuleHooks:
         self._needed[module] = needed = []  # set when backward reaches this call's outputs
         for unit in self._static[module]:
             self._use(module, unit)
-        if torch.is_grad_enabled() and any(unit.frozen for unit in self._static[module]):
+        if module in self._with_frozen and torch.is_grad_enabled():
             _on_all_input_grads(args, lambda: self._frozen_backward_done(used, needed))
 
     def _backward_needs(self, used: list[FlatUnit], needed: list) -> None:
@@ -93,7 +98,7 @@ class ModuleHooks:
             used.append(unit)
 
     def on_access(self, param: nn.Parameter) -> None:
-        unit = self.unit_of.get(param)
+        unit = self.unit_of.get(id(param))
         if unit is None:
             return
         if self._stack:
@@ -122,7 +127,10 @@ def _units_by_root(model: nn.Module, units: list[FlatUnit]) -> dict[nn.Module, l
 
 
 def _on_first_output_grad(output: object, callback) -> None:
-    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    if isinstance(output, torch.Tensor):  # most modules: no pytree walk
+        tensors = [output] if output.requires_grad else []
+    else:
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     fired = []
 
     def hook(grad: torch.Tensor) -> None:

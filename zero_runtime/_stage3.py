@@ -74,18 +74,19 @@ class Trace:
 
     def __init__(self, uses: Sequence[Use]) -> None:
         self.uses = tuple(uses)
-        self._by_phase: dict[tuple[int, Phase], list[int]] = {}
+        # keyed by (unit index, forward?): an Enum's hash is a Python call, and find runs per use
+        self._by_phase: dict[tuple[int, bool], list[int]] = {}
         self._by_unit: dict[int, list[int]] = {}
         self._elements = [0]  # _elements[i]: elements of uses[:i]
         for position, (unit, phase) in enumerate(self.uses):
-            self._by_phase.setdefault((unit.index, phase), []).append(position)
+            self._by_phase.setdefault((unit.index, phase is Phase.FORWARD), []).append(position)
             self._by_unit.setdefault(unit.index, []).append(position)
             self._elements.append(self._elements[-1] + unit.layout.numel)
 
     def find(self, unit: FlatUnit, phase: Phase, start: int) -> int | None:
         """The first position >= ``start`` of ``unit`` used in ``phase``, else its first
         (a new pass), else None (not in the trace)."""
-        positions = self._by_phase.get((unit.index, phase))
+        positions = self._by_phase.get((unit.index, phase is Phase.FORWARD))
         if not positions:
             return None
         i = bisect.bisect_left(positions, start)

@@ -88,7 +88,8 @@ class ZeroOptimizer:
         """A bucket's gradient shards are complete: during an overlapped step (see [Note: step
         during backward] in ``offload._optimizer``) its units are updated now."""
         if self.offload.in_step:
-            self.offload.add(list(units), [self._unscaled(unit) for unit in units])
+            scale = self.scaler.scale
+            self.offload.add(list(units), [self._unscaled(unit, scale) for unit in units])
 
     @property
     def units(self) -> list[FlatUnit]:
@@ -187,7 +188,8 @@ class ZeroOptimizer:
             self.last_step_skipped = False
             changed = self._apply(None)
         else:
-            grads = [self._unscaled(unit) for unit in self.units]
+            scale = self.scaler.scale
+            grads = [self._unscaled(unit, scale) for unit in self.units]
             self.last_step_skipped = not self._clip_or_detect_overflow(grads)
             if self.last_step_skipped:
                 self.training_state.skipped_steps += 1
@@ -221,11 +223,12 @@ class ZeroOptimizer:
             self.lr_scheduler.step()
         return changed
 
-    def _unscaled(self, unit: FlatUnit) -> torch.Tensor:
+    @staticmethod
+    def _unscaled(unit: FlatUnit, scale: float) -> torch.Tensor:
         """``unit``'s reduced gradient shard in fp32 (the shard itself when it is fp32: the
-        step consumes it before ``discard`` zeroes it), divided by the loss scale."""
+        step consumes it before ``discard`` zeroes it), divided by the loss scale ``scale``."""
         grad = unit.grad_shard.float()
-        return grad.div_(self.scaler.scale) if self.scaler.scale != 1.0 else grad
+        return grad.div_(scale) if scale != 1.0 else grad
 
     def _clip_or_detect_overflow(self, grads: list[torch.Tensor]) -> bool:
         """Clip ``grads`` in place by the global norm; with the fp16 dynamic scaler, False
@@ -281,14 +284,19 @@ class ZeroOptimizer:
         if self.scheduler is not None:
             self.scheduler.free_all()
             self.hooks.end_of_outside_uses()
+        offload, param_offload = self.offload, self.param_offload  # properties: read once, not per unit
         with torch.no_grad():
             handles = []
             gather = self.plan.forward_gather
             for unit in self.units:
-                source = unit.master if self.offload is None else self.offload.compute_copy[unit.index]
+                source = unit.master if offload is None else offload.compute_copy[unit.index]
                 if unit.partitioned:
-                    if source is not unit.shard:
-                        with resident(self.param_offload, [unit], overwrite=True):
+                    if source is unit.shard:
+                        continue
+                    if param_offload is None:
+                        unit.shard.copy_(source, non_blocking=True)
+                    else:
+                        with resident(param_offload, [unit], overwrite=True):
                             unit.shard.copy_(source, non_blocking=True)
                 else:
                     shard = gather.allocate(unit.layout.shard_numel, dtype=unit.dtype, device=self.plan.device)

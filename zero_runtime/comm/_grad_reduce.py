@@ -63,6 +63,7 @@ class _InFlight(NamedTuple):
     handle: Handle
     output: torch.Tensor
     inputs: tuple[torch.Tensor, ...]  # kept alive until the collective is done
+    shard_numels: list[int]  # each unit's slice of ``output``
 
 
 class GradReducer:
@@ -80,6 +81,8 @@ class GradReducer:
         self.on_unit_ready = on_unit_ready
         self.on_shards_final = on_shards_final
         self.buckets = bucket_units(self.units, bucket_numel)
+        # each bucket's shard sizes, resolved once: a bucket's units never change
+        self._shard_numels = [[unit.layout.shard_numel for unit in bucket] for bucket in self.buckets]
         self._bucket_of = {unit.index: k for k, bucket in enumerate(self.buckets) for unit in bucket}
         self._pending = [len(bucket) for bucket in self.buckets]  # units whose gradients are not final
         self.launched = 0  # buckets 0..launched-1 were launched in this backward (also for tests)
@@ -129,18 +132,18 @@ class GradReducer:
             self._launch_next()
 
     def _launch_next(self) -> None:
-        units = self.buckets[self.launched]
+        k = self.launched
+        units, shard_numels = self.buckets[k], self._shard_numels[k]
         self.launched += 1
         for unit in units:
             if unit.full_grad is None:
                 unit.full_grad = self._zeroed_full_grad(unit)
         inputs = tuple(unit.full_grad for unit in units)
-        shard_numels = [unit.layout.shard_numel for unit in units]
         out = self.plan.reduce_scatter.allocate(sum(shard_numels), dtype=units[0].dtype, device=self.plan.device)
         if len(self._in_flight) >= MAX_IN_FLIGHT:
             self._complete(self._in_flight.pop(0))
-        handle = self.plan.reduce_scatter(out.split(shard_numels), inputs, bucket=self.launched - 1)
-        self._in_flight.append(_InFlight(units, handle, out, inputs))
+        handle = self.plan.reduce_scatter(_split(out, shard_numels), inputs, bucket=k)
+        self._in_flight.append(_InFlight(units, handle, out, inputs, shard_numels))
         if not self.keep_full_grads:
             for unit in units:
                 unit.full_grad = None
@@ -148,7 +151,7 @@ class GradReducer:
     def _complete(self, flight: _InFlight) -> None:
         """Wait for a bucket's collective and add this rank's slices into the units' ``grad_shard``."""
         flight.handle.wait()
-        shards = flight.output.split([u.layout.shard_numel for u in flight.units])
+        shards = _split(flight.output, flight.shard_numels)
         for unit, shard in zip(flight.units, shards):
             unit.grad_shard.add_(shard)
             if self.keep_full_grads:
@@ -190,6 +193,12 @@ class GradReducer:
                 unit.full_grad.zero_()
             else:
                 unit.full_grad = None
+
+
+def _split(output: torch.Tensor, shard_numels: list[int]) -> tuple[torch.Tensor, ...]:
+    """``output`` cut into the units' slices; a bucket of one unit (the common case in stage 3,
+    where a unit of a large model fills a bucket alone) is ``output`` itself, with no split."""
+    return (output,) if len(shard_numels) == 1 else output.split(shard_numels)
 
 
 def bucket_units(units: Sequence[FlatUnit], bucket_numel: int) -> list[tuple[FlatUnit, ...]]:
