@@ -33,6 +33,7 @@ each op).
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -50,19 +51,19 @@ _WORKERS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[Topology, Kind
 )
 
 
-def run_chain(
-    chain: Chain, tensors: Sequence[torch.Tensor], async_op: bool, worker: ThreadPoolExecutor | None
-) -> Handle | None:
+def run_chain(chain: Chain, tensors: Sequence[torch.Tensor], async_op: bool, worker: Runner) -> Handle | None:
     """Run a collective's ``chain()``; a handle if ``async_op``, else wait.
 
     ``tensors`` are the call's inputs and outputs (all on one device): on CUDA they are kept
     for the allocator until the chain has run ([Note: CUDA streams]). ``worker`` is the one
-    :func:`chain_worker` gave the collective's plan for its group, topology, kind and device
-    (None on CUDA).
+    :func:`chain_worker` gave the collective's plan for its group, topology, kind and device:
+    the kind's FIFO worker on CPU, its :class:`SideStream` on CUDA.
     """
     if tensors[0].is_cuda:
-        return _run_on_stream(chain, tensors, async_op)
-    assert worker is not None, "a CPU chain runs on its plan's worker"
+        if not async_op:
+            chain()
+            return None
+        return worker.run(chain, tensors)
     # Sync calls queue behind pending async ones of their kind (see [Note: worker ordering]).
     future = worker.submit(chain)
     handle = Handle(finish=future.result, ready=future.done)
@@ -72,12 +73,10 @@ def run_chain(
     return None
 
 
-def chain_worker(
-    group: dist.ProcessGroup, topology: Topology, kind: Kind, device: torch.device
-) -> ThreadPoolExecutor | None:
+def chain_worker(group: dist.ProcessGroup, topology: Topology, kind: Kind, device: torch.device) -> Runner:
     """The worker that runs ``kind``'s chains on ``group`` laid out as ``topology`` for tensors on
-    ``device`` (None on CUDA, where chains are enqueued on streams), for a plan to hold and pass
-    to :func:`run_chain`.
+    ``device`` (on CUDA, where chains are enqueued on streams, the kind's :class:`SideStream`
+    of the device), for a plan to hold and pass to :func:`run_chain`.
 
     [Note: held workers] A plan resolves its worker once instead of per call. It is the very
     executor of :data:`_WORKERS` for its (group, topology, kind), so every call of the kind
@@ -89,7 +88,9 @@ def chain_worker(
     ``ThreadPoolExecutor``'s thread watches its executor through a weak reference). So a
     group's threads end with the group, and one group's plans share its threads.
     """
-    return None if device.type == "cuda" else _ordered_worker(group, topology, kind)
+    if device.type == "cuda":
+        return _side_stream(device, kind)
+    return _ordered_worker(group, topology, kind)
 
 
 def _ordered_worker(group: dist.ProcessGroup, topology: Topology, kind: Kind) -> ThreadPoolExecutor:
@@ -102,27 +103,68 @@ def _ordered_worker(group: dist.ProcessGroup, topology: Topology, kind: Kind) ->
     return workers[key]
 
 
-def _run_on_stream(chain: Chain, tensors: Sequence[torch.Tensor], async_op: bool) -> Handle | None:
-    """CUDA: enqueue the whole chain without blocking the host.
+class SideStream:
+    """Where ``async_op=True`` chains of one kind run on one CUDA device.
 
     [Note: CUDA streams] Sync calls run on the current stream (NCCL's ``work.wait()`` makes
-    it wait for each hop). Async calls run on a side stream that first waits for the current
-    one; ``wait()`` makes the current stream wait for the chain's end event. The call's
-    tensors are recorded on the side stream so the allocator keeps them until then. Chains
-    of the two kinds use different NCCL communicators ([Note: kinds]), so a gather's hops are
-    not serialized behind a reduce-scatter's on a shared communicator.
+    it wait for each hop). Async calls run on the kind's side stream of the device, which
+    first waits for the current stream; ``wait()`` makes the current stream wait for the
+    chain's end event. The call's tensors are recorded on the side stream so the allocator
+    keeps them until then. Chains of the two kinds use different NCCL communicators ([Note:
+    kinds]) and different side streams, so a gather's hops are not serialized behind a
+    reduce-scatter's. One kind's async chains share its side stream and so run in the order
+    they were issued, as its NCCL communicator runs their hops anyway (and as the CPU
+    worker runs them: [Note: worker ordering]).
+
+    [Note: side stream per kind] The stream is made on the first async call and kept for the
+    process: each async call then costs a cross-stream wait (one event), a switch of the
+    current stream to the side stream and back (``torch.cuda.set_stream``, which affects
+    only the calling thread), the end event and the tensors' ``record_stream``, instead of a
+    new stream object and torch's ``torch.cuda.stream`` context per call. The wait is
+    ``wait_stream``, which records a new event per call: an event shared between calls could
+    be re-recorded by another thread between one call's record and its wait.
     """
-    if not async_op:
-        chain()
-        return None
-    device = tensors[0].device
-    current = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device=device)
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        chain()
-        done = torch.cuda.Event()
-        done.record(side)
-    for tensor in tensors:
-        tensor.record_stream(side)
-    return Handle(finish=lambda: torch.cuda.current_stream(device).wait_event(done), ready=done.query)
+
+    __slots__ = ("device", "kind", "_stream")
+
+    def __init__(self, device: torch.device, kind: Kind) -> None:
+        self.device = device
+        self.kind = kind
+        self._stream: torch.cuda.Stream | None = None
+
+    def run(self, chain: Chain, tensors: Sequence[torch.Tensor]) -> Handle:
+        """Enqueue ``chain()`` on the side stream behind the current stream's work, without blocking the host."""
+        device = self.device
+        side = self._stream
+        if side is None:
+            side = self._stream = torch.cuda.Stream(device=device)
+        current = torch.cuda.current_stream(device)
+        side.wait_stream(current)
+        torch.cuda.set_stream(side)
+        try:
+            chain()
+            done = torch.cuda.Event()
+            done.record(side)
+        finally:
+            torch.cuda.set_stream(current)
+        for tensor in tensors:
+            tensor.record_stream(side)
+        return Handle(finish=lambda: torch.cuda.current_stream(device).wait_event(done), ready=done.query)
+
+
+# what runs a plan's chains: the CPU worker of its (group, topology, kind), or the side stream of its (CUDA device, kind)
+Runner = ThreadPoolExecutor | SideStream
+
+# (device, kind) -> its side stream, made on the first plan of the pair; a few per device, kept for the process
+_SIDE_STREAMS: dict[tuple[torch.device, Kind], SideStream] = {}
+_SIDE_LOCK = threading.Lock()
+
+
+def _side_stream(device: torch.device, kind: Kind) -> SideStream:
+    """The :class:`SideStream` of ``kind`` on ``device`` (an indexed CUDA device)."""
+    assert device.index is not None, "a CUDA tensor's device has an index"
+    side = _SIDE_STREAMS.get((device, kind))
+    if side is None:
+        with _SIDE_LOCK:
+            side = _SIDE_STREAMS.setdefault((device, kind), SideStream(device, kind))
+    return side

@@ -69,7 +69,6 @@ the chain, async calls return its handle.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Callable, Literal, NamedTuple
 
@@ -78,7 +77,7 @@ import torch.distributed as dist
 
 from . import quant
 from ._contract import GroupInfo, Handle
-from ._chain_runner import chain_worker, run_chain
+from ._chain_runner import Runner, chain_worker, run_chain
 from ._groups import node_groups
 from ._pipeline import GATHER_STAGE_BYTES, check_stages, default_stages
 from ._plan_cache import cached_plan
@@ -112,7 +111,7 @@ class _Plan(NamedTuple):
     dequantize: Callable[..., None]
     # resolved once, used per call: [Note: held stats rows], [Note: held workers]
     stats: StatsRow
-    worker: ThreadPoolExecutor | None
+    worker: Runner
 
 
 def default_pipeline_stages(output_nbytes: int, num_groups: int, topology: Topology) -> int:

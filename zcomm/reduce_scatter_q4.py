@@ -88,7 +88,6 @@ of ``flat.split(sizes)``) are written in place, others through one buffer of thi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Callable, Literal, NamedTuple
 
@@ -97,7 +96,7 @@ import torch.distributed as dist
 
 from . import quant
 from ._contract import GroupInfo, Handle
-from ._chain_runner import chain_worker, run_chain
+from ._chain_runner import Runner, chain_worker, run_chain
 from ._error_feedback import ErrorFeedback, reordered_input
 from ._hadamard import check_hadamard_block, rotate_back_, rotated_input
 from ._groups import NodeGroups, node_groups
@@ -148,7 +147,7 @@ class _Shape(NamedTuple):
     feedback_geometry: tuple[int, ...]  # what an ErrorFeedback is bound to
     # resolved once, used per call: [Note: held stats rows], [Note: held workers]
     stats: StatsRow
-    worker: ThreadPoolExecutor | None
+    worker: Runner
 
 
 def default_pipeline_stages(input_nbytes: int, slice_numel: int, topology: Topology) -> int:

@@ -64,6 +64,8 @@ CUDA_TESTS = (
     "tests/quant/test_wire_format.py",
     "tests/quant/test_cuda_host_math.py",
     "tests/quant/test_cuda_launch_host.py",
+    "tests/quant/test_cuda_reorder_paths.py",
+    "tests/collectives/test_group_lifetime.py",
 )
 CUDA_TESTS_SELECT = "not on-cpu"
 TESTS_DIR = "cuda-tests"
