@@ -8,10 +8,12 @@ the training runs (100 s: six configurations of a 160M GPT in 4 interleaved roun
 steps, 3 of them warm-up, as the second step after a build still ran up to 1.5x slow on an
 H200; there a configuration's run took about 2-3 s, 1.4 s of it building the engine and the
 first step, so 24 runs take about 60 s), then the kernel sweep,
-one ``bench.kernels --sweep`` process (75 s: every op at 16M, 64M and 256M elements, group
+one ``bench.kernels --sweep`` process (55 s: every op at 16M, 64M and 256M elements, group
 sizes 256 and 512, bf16 and fp32, timed by CUDA-graph replay; 8 s on an H200 after
-gpu-check had compiled the kernels). A part that overruns is killed and reported as timed
-out; the parts after it still get their time.
+gpu-check had compiled the kernels), then ``bench.reorder_interleaved`` at 64M and 256M
+elements (20 s: the interleaved form of reorder_quantize, which the runtime's and FSDP2's
+coalesced reduce-scatters run, next to its flat form and quantize; not yet run on a GPU).
+A part that overruns is killed and reported as timed out; the parts after it still get their time.
 
 The training runs in rounds because one run per configuration could not resolve a 10%
 target: the same command read fsdp2/zero3 0.98x in one call and 1.35x in another. Four
@@ -31,6 +33,7 @@ from bench.gpu_check.stages import Stage
 TOTAL_BUDGET_S = 225.0
 HOST_COST = "bench.host_cost"
 KERNELS = "bench.kernels"
+REORDER = "bench.reorder_interleaved"
 TRAIN = "bench.train"
 HOST_COST_SIZES = {"cuda": "1M,16M", "cpu": "1M"}
 # Both CUDA kernel launchers, every row under each in one process: the A/B that decides the
@@ -72,7 +75,18 @@ def _kernels(out_dir: Path, python: str, module: str) -> Stage:
               "group 256 and 512, bf16 and fp32 (CUDA-graph replay)",
         argv=(python, "-m", module, "--sweep", "--json", str(out_dir / "kernels.json"),
               "--output", str(out_dir / "kernels.md")),  # fmt: skip
-        limit_s=75,
+        limit_s=55,
+        needs=("cupy",),
+    )
+
+
+def _reorder(out_dir: Path, python: str, module: str) -> Stage:
+    return Stage(
+        name="reorder-interleaved",
+        title=f"{module}: reorder_quantize of 5 tensors interleaved with a zero fill vs its flat form and quantize, "
+              "64M and 256M elements, bf16 and fp32, INT8 and INT4 (eager, CUDA events)",
+        argv=(python, "-m", module, "--sizes", "64M,256M"),
+        limit_s=20,
         needs=("cupy",),
     )
 
@@ -104,14 +118,14 @@ def _verify_train(out_dir: Path) -> list[str]:
 
 
 def plan(out_dir: Path, *, gpu: bool, python: str = sys.executable, host_cost: str = HOST_COST,
-         kernels: str = KERNELS, train: str = TRAIN) -> tuple[list[Stage], list[str]]:  # fmt: skip
+         kernels: str = KERNELS, train: str = TRAIN, reorder: str = REORDER) -> tuple[list[Stage], list[str]]:  # fmt: skip
     """The parts to run, in order, and a line for each tool this checkout does not have.
 
     Without a GPU only the CPU host cost runs; the module names are parameters so that a
     test can stand in small fakes for the tools.
     """
     stages, absent = [], []
-    for module in (host_cost, kernels, train) if gpu else (host_cost,):
+    for module in (host_cost, kernels, train, reorder) if gpu else (host_cost,):
         if not available(module):
             absent.append(f"`python -m {module}`: not available in this checkout")
     if available(host_cost):
@@ -120,4 +134,6 @@ def plan(out_dir: Path, *, gpu: bool, python: str = sys.executable, host_cost: s
         stages.append(_train(out_dir, python, train))
     if gpu and available(kernels):
         stages.append(_kernels(out_dir, python, kernels))
+    if gpu and available(reorder):
+        stages.append(_reorder(out_dir, python, reorder))
     return stages, absent

@@ -146,6 +146,13 @@ def _training(out_dir: Path) -> list[str]:
     return lines
 
 
+def _printed(log: Path) -> list[str]:
+    """What a part printed (its log), as a block; a line saying it wrote nothing otherwise."""
+    if not log.exists() or not log.read_text().strip():
+        return ["(the part wrote nothing)"]
+    return ["```", log.read_text().rstrip(), "```"]
+
+
 def render(*, title: str, results: Sequence[StageResult], absent: Sequence[str], gpu: bool, seconds: float,
            command: str, environment: Mapping[str, str] | None = None) -> str:  # fmt: skip
     """The whole ``report.md``."""
@@ -181,6 +188,10 @@ def render(*, title: str, results: Sequence[StageResult], absent: Sequence[str],
         f"## Training a ~160M-parameter GPT on one GPU (bf16, {plan.TRAIN_ROUNDS} interleaved rounds)",
         "",
         *(_training(out_dir) if gpu else ["(no GPU: not measured)"]),
+        "",
+        "## reorder_quantize: the interleaved form against the flat form",
+        "",
+        *(_printed(out_dir / "reorder-interleaved.log") if gpu else ["(no GPU: not measured)"]),
     ]
     failed = [r for r in results if not r.passed]
     if failed:

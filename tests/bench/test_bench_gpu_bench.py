@@ -72,7 +72,7 @@ def test_the_gpu_plan_fits_its_budget_and_its_commands_parse(tmp_path, fake_tool
     stages, absent = plan.plan(tmp_path, gpu=True, host_cost=fake_tool)
     assert absent == []
     names = [s.name for s in stages]
-    assert names == ["host-cost-cuda", "train", "kernels"]
+    assert names == ["host-cost-cuda", "train", "kernels", "reorder-interleaved"]
     assert sum(s.limit_s for s in stages) + 10 <= plan.TOTAL_BUDGET_S <= 3.8 * 60
     host = _args(stages[0], fake_tool)
     assert host[:4] == ["--device", "cuda", "--sizes", "1M,16M"] and host[4] == "--json"
