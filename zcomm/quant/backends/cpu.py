@@ -353,14 +353,28 @@ def _reduce_requant_kernel(payloads, numel, bits, out_bits, group_size, divisor,
         _encode_group(buf, n, out_bits, values, start, scales, g)
 
 
-def _serial(kernel):  # noqa: ANN001, ANN202 (numba dispatchers)
-    """numba's serial build of the parallel ``kernel`` (its ``prange`` a plain loop): the same arithmetic."""
-    return njit(cache=True, nogil=True, error_model="numpy")(kernel.py_func)
+def _serial(kernel, name: str):  # noqa: ANN001, ANN202 (numba dispatchers)
+    """numba's serial build of the parallel ``kernel`` (its ``prange`` a plain loop): the same arithmetic,
+    compiled from a copy of the kernel's Python function named ``name``.
+
+    [Note: serial cache entries] numba's on-disk cache names a function's files by its module,
+    qualified name and first line, and keys the builds in them by signature and bytecode, not by
+    the compile flags. A serial build of the parallel kernel's own function shared the parallel
+    kernel's cache entries: whichever build a process compiled first for a signature was the one
+    both dispatchers loaded from then on. The small launches then ran the parallel build (an
+    OpenMP region for a few groups' work: with the caller and numba's worker spinning on one
+    loaded core, ~7 ms per call instead of 3 us), and large launches could run the serial one.
+    The copy under its own name gets its own cache files, so each dispatcher loads its own build."""
+    func = kernel.py_func
+    copy = type(func)(func.__code__, func.__globals__, name, func.__defaults__, func.__closure__)
+    copy.__qualname__ = name
+    copy.__doc__ = func.__doc__
+    return njit(cache=True, nogil=True, error_model="numpy")(copy)
 
 
-_reorder_quantize_serial = _serial(_reorder_quantize_kernel)
-_reduce_serial = _serial(_reduce_kernel)
-_reduce_requant_serial = _serial(_reduce_requant_kernel)
+_reorder_quantize_serial = _serial(_reorder_quantize_kernel, "_reorder_quantize_serial")
+_reduce_serial = _serial(_reduce_kernel, "_reduce_serial")
+_reduce_requant_serial = _serial(_reduce_requant_kernel, "_reduce_requant_serial")
 
 
 def _zero_padding(payloads: torch.Tensor, numel: int, bits: int) -> np.ndarray:
@@ -377,8 +391,10 @@ def _zero_padding(payloads: torch.Tensor, numel: int, bits: int) -> np.ndarray:
 _LIKE: dict[torch.dtype, np.ndarray] = {}
 _NO_PERM = np.zeros(1, np.int64)  # the identity permutation of one slice
 # [Note: small serial launches] Below this many elements (written, or read for a reduction) a
-# kernel runs numba's serial build of itself: waking the parallel pool costs more than a few
-# groups' work (on a loaded 2-core machine, milliseconds), and the bytes are the same either way.
+# kernel runs numba's serial build of itself ([Note: serial cache entries]): an OpenMP region
+# costs more than a few groups' work (its threads spin-wait for each other, and on a loaded
+# 2-core machine a thread spinning on the core its partner waits for costs milliseconds per
+# region), and the bytes are the same either way.
 _SERIAL_NUMEL = 1 << 14
 
 
