@@ -25,8 +25,10 @@
 // through cuda_bf16.h / cuda_fp16.h: NVRTC then needs no headers, the code is identical
 // on host and device (so the host check covers it), and NaN is written as the canonical
 // pattern directly (hardware conversions produce other NaN payloads). The rounding is
-// round-to-nearest-even, exactly what __float2bfloat16_rn / __float2half_rn compute. The
-// one exception is fp16 -> fp32 on the device, exact in hardware: [Note: hardware widening].
+// round-to-nearest-even, exactly what __float2bfloat16_rn / __float2half_rn compute. Two
+// exceptions, on the device only: fp16 -> fp32, exact in hardware ([Note: hardware
+// widening]), and fp32 -> fp16, rounded in hardware with a NaN fix-up ([Note: hardware
+// narrowing]); the host keeps the software paths.
 #pragma once
 
 #ifndef __CUDACC_RTC__
@@ -215,22 +217,26 @@ ZC_HD u16 f16_bits_software(float f) {
 }
 
 // [Note: hardware narrowing] On the device the decoders round fp32 to fp16 in hardware, two
-// elements per instruction: cvt.rn.f16x2.f32 (sm_80 and later; before, two cvt.rn.f16.f32)
-// packs RN(lo) into the low half and RN(hi) into the high half, where the software path
-// above costs about 16 instructions per element. For every fp32 that is not a NaN, IEEE 754
-// round-to-nearest-even defines exactly one fp16 result, and the PTX ISA gives .rn that
-// meaning: subnormal results are kept (the f16x2 form has no .ftz, and flags cannot rewrite
-// inline PTX), and with no .satfinite a magnitude of 65520 or more rounds to Inf. The
-// software path computes the same IEEE result: the host check compares it with numpy's
-// astype(float16) over every class of fp32 input (test_cuda_host_math.py:
-// test_fp16_rounding_*). So the device's bytes equal the reference backend's by the IEEE
-// definition, not by a test: only `make gpu-check` on a GPU proves the instruction.
-// NaN: the PTX ISA leaves the NaN a plain cvt produces unspecified (only .relu promises
-// PTX's canonical NaN, 0x7FFF, and .relu also clamps negatives to 0), while the wire format
-// writes 0x7E00 (kF16CanonicalNan). A NaN result comes only from a NaN input (no other fp32
-// rounds to a NaN), so the fix-up tests the packed result: set.nan.u32.f16x2 writes 0xFFFF
-// into each NaN half (a comparison, exact whatever the payload and sign) and one LOP3
-// puts 0x7E00 there. Per word of two elements: F2FP, HSET2, LOP3.
+// elements per instruction: cvt.rn.f16x2.f32 (sm_80 and later; before it, two cvt.rn.f16.f32)
+// puts RN(lo) in the low half and RN(hi) in the high half. The software path above costs
+// about 16 instructions per element.
+// Finite values and Inf: IEEE 754 round-to-nearest-even gives each fp32 that is not a NaN
+// exactly one fp16 result, and .rn is that rounding (PTX ISA: "rounding to nearest, with
+// ties to even"; subnormals supported by default, and the f16x2 form has no .ftz; flags
+// cannot rewrite inline PTX). Without .satfinite an overflow is IEEE's: 65520 and above
+// round to Inf. The software path is checked to be that same IEEE function: the host check
+// compares it with numpy's astype(float16) on a dense sweep of every fp32 class and on every
+// pattern of the binades where the rounding changes kind (test_cuda_host_math.py:
+// test_fp16_rounding_*; all 2^32 patterns under ZCOMM_FP16_EXHAUSTIVE=1). So the device's
+// bytes equal the reference backend's through the IEEE definition, not through a test of
+// the device: only `make gpu-check` on a GPU proves the instruction itself.
+// NaN: the PTX ISA leaves the NaN a plain cvt writes unspecified (only .relu promises PTX's
+// canonical NaN, and .relu also clamps negatives to 0), while the wire format writes 0x7E00
+// (kF16CanonicalNan) whatever the NaN's sign and payload. A NaN result comes only from a NaN
+// input (IEEE conversion keeps NaN a NaN and never makes one from a number), so the fix-up
+// tests the packed result: set.nan.u32.f16x2 writes 0xFFFF into each NaN half (a comparison:
+// true for every NaN, whatever its bits) and one LOP3 puts 0x7E00 there. Per word of two
+// elements: F2FP, HSET2, LOP3.
 ZC_HD u32 f16x2_bits(float lo, float hi) {
 #ifdef __CUDA_ARCH__
     u32 packed;
@@ -340,8 +346,8 @@ ZC_HD u32 plain_code_bits(float x, float reciprocal) {
 // One element's fp32 value: q * scale, or NaN when the scale is NaN or Inf (a non-finite
 // group never dequantizes to finite numbers).
 // [Note: decoded NaN] The NaN's payload is left open: every decoder output goes through
-// from_float, which writes the canonical NaN of its type, and the re-quantizing encoder
-// sees a NaN only through abs_bits.
+// from_float or from_float2, which write the canonical NaN of their type, and the
+// re-quantizing encoder sees a NaN only through abs_bits.
 ZC_HD float dequantize_value(int q, float scale) {
     return is_finite(scale) ? mul_rn(static_cast<float>(q), scale) : canonical_nan();
 }

@@ -11,8 +11,10 @@
 // (the tile encode pass walks the tiles backwards, as blocks may run in any order). What
 // the device alone contributes (__shfl_xor_sync, shared memory, atomics, uint4 memory
 // instructions, the inline PTX arithmetic, the SIMD intrinsics __vmaxu2 / __vmaxs2 /
-// __byte_perm, emulated here) is not exercised here; on the host that arithmetic is the
-// plain IEEE operators.
+// __byte_perm, emulated here, and the hardware fp16 conversions cvt.f32.f16 and
+// cvt.rn.f16x2.f32 with its NaN fix-up) is not exercised here; on the host that arithmetic is
+// the plain IEEE operators and the software conversions (the narrow op below checks the
+// fp32 -> fp16 one against numpy's IEEE rounding: [Note: hardware narrowing]).
 //
 // Usage (raw little-endian bytes in and out; MISALIGN=1 shifts every buffer off its
 // vector alignment, forcing the scalar paths):
