@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import zcomm.quant as zq
-from cuda_support import NVCC, REPO, requires_nvcc
+from cuda_support import NVCC, REPO, requires_gpu, requires_nvcc
 from quant_cases import DTYPE_TAG, DTYPES, make_hard_input, make_payloads
 from zcomm.quant.backends import _cuda_launch as cuda_launch
 
@@ -606,3 +606,29 @@ def test_fp16_rounding_every_fp32(host_check, tmp_path):
     chunk = 1 << 26
     for first in range(0, 1 << 32, chunk):
         _check_range(host_check, tmp_path, first, chunk)
+
+
+def _scales_payload(scales: np.ndarray, group_size: int) -> tuple[torch.Tensor, np.ndarray]:
+    """An INT8 payload whose group g decodes to scale g and its negation, alternately (codes 1
+    and -1: 1 * s and -1 * s are exact, subnormals included), and the fp16 bits the wire format
+    gives it: each scale rounded to nearest even, the canonical NaN for a NaN or Inf scale."""
+    codes = np.tile(np.array([1, 0xFF], dtype=np.uint8), scales.size * group_size // 2)
+    payload = torch.from_numpy(np.concatenate([codes, scales.view(np.uint8)]))
+    finite = np.isfinite(scales.view(np.float32))
+    pair = [np.where(finite, _ieee_f16(s), np.uint16(F16_CANONICAL_NAN)) for s in (scales, scales ^ np.uint32(1 << 31))]
+    return payload, np.repeat(np.stack(pair, axis=1), group_size // 2, axis=0).ravel()
+
+
+@pytest.mark.parametrize("group_size", (8, 6))  # 8: the vector path (team layout); 6: element by element
+@pytest.mark.parametrize("backend", ("reference", pytest.param("cuda", marks=requires_gpu)))
+def test_fp16_rounding_of_decoded_values(backend, group_size):
+    """The decoders' fp16 outputs, on the device the hardware rounding of [Note: hardware
+    narrowing], against numpy's IEEE rounding: every dense-sweep pattern, as a scale that its
+    group decodes to (both signs, in both halves of a word)."""
+    scales = _dense_patterns()
+    payload, expected = _scales_payload(scales, group_size)
+    device = "cuda" if backend == "cuda" else "cpu"
+    out = zq.dequantize(payload.to(device), expected.size, 8, group_size, torch.float16, backend=backend)
+    got = out.view(torch.int16).cpu().numpy().view(np.uint16)
+    bad = np.flatnonzero(got != expected)
+    assert bad.size == 0, [(hex(scales[i // group_size]), hex(got[i]), hex(expected[i])) for i in bad[:8]]
