@@ -86,7 +86,6 @@ def test_nvcc_translation_unit_under_hostile_flags(tmp_path, source, flags):
     _check_ptx(_nvcc_ptx(unit, "sm_90", (*NVRTC_OPTIONS, *flags), tmp_path / "k.ptx"), source)
 
 
-
 @requires_nvcc
 @pytest.mark.parametrize("arch,convert", (("sm_75", "cvt.rn.f16.f32"), ("sm_90", "cvt.rn.f16x2.f32")))
 def test_fp16_outputs_round_in_hardware(tmp_path, arch, convert):
@@ -101,6 +100,7 @@ def test_fp16_outputs_round_in_hardware(tmp_path, arch, convert):
     per_word = 1 if convert.endswith("f16x2.f32") else 2
     assert fixups and all(line.startswith(convert + " ") for line in narrowing), sorted(set(narrowing))[:3]
     assert len(narrowing) == per_word * len(fixups)
+
 
 @requires_nvrtc
 @pytest.mark.parametrize("source", KERNEL_SOURCES)
