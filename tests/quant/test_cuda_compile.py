@@ -86,6 +86,22 @@ def test_nvcc_translation_unit_under_hostile_flags(tmp_path, source, flags):
     _check_ptx(_nvcc_ptx(unit, "sm_90", (*NVRTC_OPTIONS, *flags), tmp_path / "k.ptx"), source)
 
 
+@requires_nvcc
+@pytest.mark.parametrize("arch,convert", (("sm_75", "cvt.rn.f16.f32"), ("sm_90", "cvt.rn.f16x2.f32")))
+def test_fp16_outputs_round_in_hardware(tmp_path, arch, convert):
+    """The decoders' fp16 stores round with cvt (two elements per cvt.rn.f16x2.f32, which needs
+    sm_80; one per cvt.rn.f16.f32 before), each word followed by the NaN fix-up
+    ([Note: hardware narrowing] in wire_math.cuh); no other cvt narrows to fp16."""
+    ptx = _nvcc_ptx(KERNEL_DIR / "dequantize.cu", arch, (*NVRTC_OPTIONS, "-ftz=true"), tmp_path / "k.ptx")
+    _check_ptx(ptx, "dequantize.cu")
+    lines = _instructions(ptx)
+    narrowing = [line for line in lines if re.match(r"cvt\.\w+\.f16(x2)?\.f32\b", line)]
+    fixups = [line for line in lines if line.startswith("set.nan.u32.f16x2")]
+    per_word = 1 if convert.endswith("f16x2.f32") else 2
+    assert fixups and all(line.startswith(convert + " ") for line in narrowing), sorted(set(narrowing))[:3]
+    assert len(narrowing) == per_word * len(fixups)
+
+
 @requires_nvrtc
 @pytest.mark.parametrize("source", KERNEL_SOURCES)
 def test_loader_nvrtc_compile(source):

@@ -12,17 +12,19 @@ which path and scheme it took, and the tests check that too, so all are known to
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 import subprocess
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import pytest
 import torch
 
 import zcomm.quant as zq
-from cuda_support import NVCC, REPO, requires_nvcc
+from cuda_support import NVCC, REPO, requires_gpu, requires_nvcc
 from quant_cases import DTYPE_TAG, DTYPES, make_hard_input, make_payloads
 from zcomm.quant.backends import _cuda_launch as cuda_launch
 
@@ -525,3 +527,108 @@ def test_reorder_quantize_register_chunks(host_check, tmp_path, dtype, bits, num
     ran = _run(host_check, tmp_path, args, x)
     assert ran.out == _bytes(zq.reorder_quantize(x, perm, num_chunks, bits, group_size, backend="reference"))
     assert ran.vec and ran.regs and not ran.tiles
+
+
+# ---- The decoders' fp32 -> fp16 rounding ([Note: hardware narrowing] in wire_math.cuh) ----
+# The device rounds with cvt.rn.f16x2.f32, whose result for every fp32 that is not a NaN is the
+# IEEE 754 round-to-nearest-even one; the host check runs the software path (f16x2_bits on the
+# host). These tests prove the software path IEEE against an independent oracle, numpy's
+# astype(float16), on every class of fp32 input (both signs: zeros, fp32 subnormals, values
+# that round to zero or to the smallest fp16 subnormal, fp16 subnormal results, the smallest
+# normal, exact halfway cases at every rounding position, the largest finite 65504, the
+# overflow threshold 65520, Inf, quiet and signaling NaNs with payloads), so that host and
+# device agree by the IEEE definition. NaN becomes the wire format's canonical fp16 NaN.
+
+F16_CANONICAL_NAN = zq.wire_format.CANONICAL_NAN_BITS[torch.float16]
+EXHAUSTIVE_VARIABLE = "ZCOMM_FP16_EXHAUSTIVE"
+
+
+def _ieee_f16(bits: np.ndarray) -> np.ndarray:
+    """numpy's IEEE round-to-nearest-even of fp32 bit patterns, NaN made the canonical NaN."""
+    values = bits.view(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        rounded = values.astype(np.float16)
+    assert np.array_equal(np.isnan(rounded), np.isnan(values))  # the oracle keeps NaNs NaN
+    return np.where(np.isnan(values), np.uint16(F16_CANONICAL_NAN), rounded.view(np.uint16))
+
+
+def _check_narrowed(out: Path, bits: np.ndarray) -> None:
+    got = np.fromfile(out, dtype=np.uint16)
+    expected = _ieee_f16(bits)
+    bad = np.flatnonzero(got != expected)
+    assert got.size == bits.size and bad.size == 0, [
+        (hex(bits[i]), hex(got[i]), hex(expected[i])) for i in bad[:8]
+    ]
+
+
+def _dense_patterns() -> np.ndarray:
+    """Every sign and exponent with 2048 x 10 mantissas: bits 12-22 take every value (every
+    fp16 mantissa and the bit below it, and for fp16 subnormal results every rounding position
+    above bit 12), bits 0-11 one of ten patterns (0: exact ties where bit 12 or a higher bit
+    is the half; 1, 0x7FF, 0x800, 0xFFF: just above and below them, and ties at bit 11)."""
+    lows = np.array([0, 1, 2, 0x3FF, 0x555, 0x7FF, 0x800, 0x801, 0xFFE, 0xFFF], dtype=np.uint32)
+    mantissas = ((np.arange(2048, dtype=np.uint32) << 12)[:, None] | lows[None, :]).ravel()
+    exponents = np.arange(256, dtype=np.uint32) << 23
+    signs = np.array([0, 1 << 31], dtype=np.uint32)
+    return (signs[:, None, None] | exponents[None, :, None] | mantissas[None, None, :]).ravel()
+
+
+def test_fp16_rounding_dense_sweep(host_check, tmp_path):
+    bits = _dense_patterns()
+    special = np.array([0x477FE000, 0x477FEFFF, 0x477FF000, 0x477FF001, 0x47800000, 0x33000000, 0x33000001,
+                        0x387FC000, 0x387FE000, 0x387FFFFF, 0x38800000, 0x7F800001, 0x7FBFFFFF, 0x7FC00000,
+                        0x7FFFFFFF, 0x00000001, 0x007FFFFF], dtype=np.uint32)
+    bits = np.concatenate([bits, special, special | np.uint32(1 << 31)])
+    bits.tofile(tmp_path / "in.bin")
+    subprocess.run([str(host_check), "narrow", str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
+    _check_narrowed(tmp_path / "out.bin", bits)
+
+
+def _check_range(binary: Path, tmp_path: Path, first: int, count: int) -> None:
+    out = tmp_path / "out.bin"
+    subprocess.run([str(binary), "narrow", str(first), str(count), str(out)], check=True)
+    _check_narrowed(out, np.arange(first, first + count, dtype=np.uint32))
+
+
+# Every pattern of the fp32 binades where the rounding changes kind: [2^-25, 2^-24) (2^-25
+# ties to 0, above it to the smallest subnormal), [2^-15, 2^-14) (subnormal results, the top
+# rounding up to the smallest normal), [2^-14, 2^-13) (the smallest normal binade),
+# [2^15, 2^16) (65504 the largest finite, 65520 and above to Inf), and Inf and every NaN.
+@pytest.mark.parametrize("sign", (0, 1))
+@pytest.mark.parametrize("exponent", (102, 112, 113, 142, 255))
+def test_fp16_rounding_exhaustive_binades(host_check, tmp_path, exponent, sign):
+    _check_range(host_check, tmp_path, (sign << 31) | (exponent << 23), 1 << 23)
+
+
+@pytest.mark.skipif(os.environ.get(EXHAUSTIVE_VARIABLE) != "1",
+                    reason=f"all 2**32 fp32 patterns take minutes: set {EXHAUSTIVE_VARIABLE}=1")
+def test_fp16_rounding_every_fp32(host_check, tmp_path):
+    chunk = 1 << 26
+    for first in range(0, 1 << 32, chunk):
+        _check_range(host_check, tmp_path, first, chunk)
+
+
+def _scales_payload(scales: np.ndarray, group_size: int) -> tuple[torch.Tensor, np.ndarray]:
+    """An INT8 payload whose group g decodes to scale g and its negation, alternately (codes 1
+    and -1: 1 * s and -1 * s are exact, subnormals included), and the fp16 bits the wire format
+    gives it: each scale rounded to nearest even, the canonical NaN for a NaN or Inf scale."""
+    codes = np.tile(np.array([1, 0xFF], dtype=np.uint8), scales.size * group_size // 2)
+    payload = torch.from_numpy(np.concatenate([codes, scales.view(np.uint8)]))
+    finite = np.isfinite(scales.view(np.float32))
+    pair = [np.where(finite, _ieee_f16(s), np.uint16(F16_CANONICAL_NAN)) for s in (scales, scales ^ np.uint32(1 << 31))]
+    return payload, np.repeat(np.stack(pair, axis=1), group_size // 2, axis=0).ravel()
+
+
+@pytest.mark.parametrize("group_size", (8, 6))  # 8: the vector path (team layout); 6: element by element
+@pytest.mark.parametrize("backend", ("reference", pytest.param("cuda", marks=requires_gpu)))
+def test_fp16_rounding_of_decoded_values(backend, group_size):
+    """The decoders' fp16 outputs, on the device the hardware rounding of [Note: hardware
+    narrowing], against numpy's IEEE rounding: every dense-sweep pattern, as a scale that its
+    group decodes to (both signs, in both halves of a word)."""
+    scales = _dense_patterns()
+    payload, expected = _scales_payload(scales, group_size)
+    device = "cuda" if backend == "cuda" else "cpu"
+    out = zq.dequantize(payload.to(device), expected.size, 8, group_size, torch.float16, backend=backend)
+    got = out.view(torch.int16).cpu().numpy().view(np.uint16)
+    bad = np.flatnonzero(got != expected)
+    assert bad.size == 0, [(hex(scales[i // group_size]), hex(got[i]), hex(expected[i])) for i in bad[:8]]

@@ -81,10 +81,7 @@ ZC_HD void store8(float* p, const float (&v)[8]) {
 
 template <class H> ZC_HD void store8(H* p, const float (&v)[8]) {
     u32 w[4];
-    for (int k = 0; k < 4; ++k) {
-        w[k] = static_cast<u32>(from_float<H>(v[2 * k]).bits) |
-               (static_cast<u32>(from_float<H>(v[2 * k + 1]).bits) << 16);
-    }
+    for (int k = 0; k < 4; ++k) w[k] = from_float2<H>(v[2 * k], v[2 * k + 1]);  // [Note: hardware narrowing]
     store_words(p, w);
 }
 
