@@ -32,8 +32,8 @@ torch's own parallel ops on that thread then use: torch's count is put back righ
 (With torch's pip wheels numba's regions in fact run on torch's OpenMP runtime: torch loads its
 ``libgomp`` globally and numba's ``omppool`` binds its ``GOMP_*`` and ``omp_*`` symbols there, so
 numba's regions follow that runtime's settings, its wait policy included: by default its threads
-spin-wait for milliseconds before sleeping, which is why small launches run no region at all:
-[Note: small serial launches].)
+spin-wait for milliseconds before sleeping, which is why small launches run no region at
+all: [Note: small serial launches].)
 
 Calls from several Python threads at once need a thread-safe numba
 threading layer (``omp``, numba's pick when OpenMP is present, or ``tbb``; ``workqueue``
