@@ -25,7 +25,7 @@ import torch
 
 import zcomm.quant as zq
 from cuda_support import NVCC, REPO, requires_gpu, requires_nvcc
-from quant_cases import DTYPE_TAG, DTYPES, make_hard_input, make_payloads
+from quant_cases import DTYPE_TAG, DTYPES, STRETCH_CASES, make_hard_input, make_payloads
 from zcomm.quant.backends import _cuda_launch as cuda_launch
 
 pytestmark = requires_nvcc
@@ -226,26 +226,6 @@ def _check_interleaved(host_check, tmp_path, dtype, bits, parts, widths, part_nu
     # the launcher runs the register scheme's own kernel exactly when the encoder would take that scheme
     # ([Note: register kernel]; misalign 1 shifts the output by a byte)
     assert cuda_launch.in_registers(chunk, group_size, bits, row, out_ptr=int(misalign == 1)) == ran.regs
-
-
-# [Note: stretches] in sources.cuh: cases whose runs of 8 cross every kind of boundary of the
-# reordering sources' index arithmetic, on both index paths ([Note: magic division]):
-# (parts, widths, part_numel, perm, num_chunks, group_size)
-STRETCH_CASES = [
-    # slices of 12 (runs cross slice ends), 5 tensors of uneven widths, one empty, a fill of 7
-    (3, (5, 13, 0, 40, 7), 72, (17, 3, 0, 9, 12, 1, 16, 5, 8, 2, 15, 4, 11, 6, 14, 7, 10, 13), 3, 24),
-    # one tensor and a fill (reduce_scatter_q4's padded slices): pieces end off run boundaries
-    (4, (37,), 48, (5, 2, 0, 4, 1, 3), 2, 32),
-    # a vector-aligned piece of 15 in a part of 16: a run of 8 that would overrun it by one element
-    (4, (15,), 16, (0, 2, 1, 3), 2, 32),
-    # widths that are whole runs: every run one vector load; a fill of one run; slices of 88
-    (2, (64, 8, 0, 24, 160), 264, (4, 1, 5, 0, 3, 2), 2, 88),
-    # a bucket with large and small tensors, groups of 256 held in registers (8-lane teams)
-    (4, (1000, 24, 3, 512, 77), 1632, (3, 0, 2, 1), 4, 256),
-    # streamed teams (groups past the registers) and the tile scheme, across pieces and the fill
-    (2, (3000, 1000, 91), 4096, (1, 0, 3, 2), 2, 2048),
-    (2, (5000, 3, 4100), 9112, (1, 0), 2, 9112),
-]
 
 
 @pytest.mark.parametrize("wide", (0, 1), ids=("idx32", "idx64"))

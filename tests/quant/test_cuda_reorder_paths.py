@@ -17,21 +17,10 @@ import torch
 
 import zcomm.quant as q
 from cuda_support import requires_gpu
-from quant_cases import DTYPES, assert_same_bytes, make_hard_input
+from quant_cases import DTYPES, STRETCH_CASES, assert_same_bytes, make_hard_input
 from zcomm.quant.backends import _cuda_launch as cuda_launch
 
 pytestmark = requires_gpu
-
-# (parts, widths, part_numel, perm, num_chunks, group_size), as test_cuda_host_math's STRETCH_CASES
-CASES = [
-    (3, (5, 13, 0, 40, 7), 72, (17, 3, 0, 9, 12, 1, 16, 5, 8, 2, 15, 4, 11, 6, 14, 7, 10, 13), 3, 24),
-    (4, (37,), 48, (5, 2, 0, 4, 1, 3), 2, 32),
-    (4, (15,), 16, (0, 2, 1, 3), 2, 32),
-    (2, (64, 8, 0, 24, 160), 264, (4, 1, 5, 0, 3, 2), 2, 88),
-    (4, (1000, 24, 3, 512, 77), 1632, (3, 0, 2, 1), 4, 256),
-    (2, (3000, 1000, 91), 4096, (1, 0, 3, 2), 2, 2048),
-    (2, (5000, 3, 4100), 9112, (1, 0), 2, 9112),
-]
 
 
 @pytest.fixture(params=(False, True), ids=("idx32", "idx64"))
@@ -58,7 +47,7 @@ def _names(monkeypatch) -> list[str]:
 @pytest.mark.parametrize("shift", (0, 1, 3), ids=("aligned", "shift1", "shift3"))
 @pytest.mark.parametrize("bits", (8, 4))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("parts,widths,part_numel,perm,num_chunks,group_size", CASES)
+@pytest.mark.parametrize("parts,widths,part_numel,perm,num_chunks,group_size", STRETCH_CASES)
 def test_interleaved_on_both_index_paths(
     wide, monkeypatch, dtype, bits, parts, widths, part_numel, perm, num_chunks, group_size, shift
 ):
