@@ -137,17 +137,13 @@ class GroupCache:
             return None
 
     def get_or_make(self, group: dist.ProcessGroup, key: Hashable, make: Callable[[], Value]) -> Value:
-        """:meth:`BoundedCache.get_or_make` in ``group``'s cache (made on first use)."""
-        try:
-            cache = self._caches.get(weakref.ref(group))
-            value = None if cache is None else cache.get(key)
-        except TypeError:  # unhashable key, or a group that cannot be weakly referenced: not cached
-            value = _UNCACHED
-        if value is None:
-            return self.remember(group, key, make())
-        if value is _UNCACHED:
-            return make()
-        return value
+        """:meth:`BoundedCache.get_or_make` in ``group``'s cache (made on first use).
+
+        ``make()`` runs before :meth:`remember`'s guard, so a ``TypeError`` it raises propagates
+        unchanged; an uncacheable key or group only makes :meth:`remember` keep nothing.
+        """
+        value = self.lookup(group, key)
+        return value if value is not None else self.remember(group, key, make())
 
     def remember(self, group: dist.ProcessGroup, key: Hashable, value: Value) -> Value:
         """Keep ``value`` for ``key`` in ``group``'s cache and return it; not kept where ``key``
