@@ -125,11 +125,10 @@ class SideStream:
     be re-recorded by another thread between one call's record and its wait.
     """
 
-    __slots__ = ("device", "kind", "_stream")
+    __slots__ = ("device", "_stream")
 
-    def __init__(self, device: torch.device, kind: Kind) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.kind = kind
         self._stream: torch.cuda.Stream | None = None
 
     def run(self, chain: Chain, tensors: Sequence[torch.Tensor]) -> Handle:
@@ -137,7 +136,10 @@ class SideStream:
         device = self.device
         side = self._stream
         if side is None:
-            side = self._stream = torch.cuda.Stream(device=device)
+            with _SIDE_LOCK:  # one stream even when two threads make the first call at once
+                if self._stream is None:
+                    self._stream = torch.cuda.Stream(device=device)
+            side = self._stream
         current = torch.cuda.current_stream(device)
         side.wait_stream(current)
         torch.cuda.set_stream(side)
@@ -166,5 +168,5 @@ def _side_stream(device: torch.device, kind: Kind) -> SideStream:
     side = _SIDE_STREAMS.get((device, kind))
     if side is None:
         with _SIDE_LOCK:
-            side = _SIDE_STREAMS.setdefault((device, kind), SideStream(device, kind))
+            side = _SIDE_STREAMS.setdefault((device, kind), SideStream(device))
     return side
