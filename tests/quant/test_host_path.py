@@ -10,6 +10,8 @@ that adds frames to every call must raise a bound here, on purpose.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import sys
 from typing import Callable
 
@@ -214,7 +216,9 @@ def test_cuda_launch_memos_resolve_once_per_sizes(monkeypatch: pytest.MonkeyPatc
     assert planned == [8, 8, 8] and len(launched) == 5
     assert launched[0][5][-1] is cuda_launch._PASSES[0] and launched[0][5][-2] is cuda_launch._U64_ZERO
     resolved = []
+    monkeypatch.setattr(cuda_launch, "_resolve_dequantize", lambda *args: resolved.append(args) or ("name", 1, ()))
     for device in (torch.device("cuda", 0),) * 3 + (torch.device("cuda"),) * 2:
-        key = ("dequantize", device.index, torch.float32, 8, 4, 1040, 1024, 256)
-        cuda_launch._memo(key, device, lambda: resolved.append(1) or ("name", 1, ()))
-    assert resolved == [1, 1, 1] and len(cuda_launch._DECODER_MEMO) == 1
+        payloads = SimpleNamespace(shape=(4, 1040), device=device, data_ptr=lambda: 16)
+        out = SimpleNamespace(dtype=torch.float32, data_ptr=lambda: 32)
+        cuda_launch.dequantize(payloads, 1024, 8, 256, out)
+    assert len(resolved) == 3 and len(cuda_launch._DECODER_MEMO) == 1 and len(launched) == 10

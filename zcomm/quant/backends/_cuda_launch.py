@@ -155,11 +155,8 @@ def _encode(source: str, name: str, device: torch.device, jobs: int, group_exten
     key = (name, device.index, jobs, group_extent)
     passes = _ENCODER_PASSES.get(key)
     if passes is None:
-        passes = encoder_passes(jobs, group_extent, _max_blocks(device, source, name))
-        if device.index is not None:  # as _MAX_BLOCKS: "cuda" alone follows the current device
-            if len(_ENCODER_PASSES) >= _MAX_MEMO:
-                _ENCODER_PASSES.clear()
-            _ENCODER_PASSES[key] = passes
+        passes = _remember(_ENCODER_PASSES, key, device, encoder_passes(jobs, group_extent,
+                                                                        _max_blocks(device, source, name)))
     absmax = torch.zeros(jobs, dtype=torch.int32, device=device) if passes[0][0] != TEAMS else None
     absmax_ptr = _U64_ZERO if absmax is None else _ptr(absmax)
     for encoder_pass, blocks in passes:
@@ -239,15 +236,14 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> 
 _DECODER_MEMO: dict[tuple, tuple[str, int, tuple]] = {}
 
 
-def _memo(key: tuple, device: torch.device, resolve: Any) -> tuple[str, int, tuple]:
-    resolved = _DECODER_MEMO.get(key)
-    if resolved is None:
-        resolved = resolve()
-        if device.index is not None:
-            if len(_DECODER_MEMO) >= _MAX_MEMO:
-                _DECODER_MEMO.clear()
-            _DECODER_MEMO[key] = resolved
-    return resolved
+def _remember(memo: dict[tuple, Any], key: tuple, device: torch.device, value: Any) -> Any:
+    """Keep ``value`` for ``key`` in the launch memo ``memo`` and return it ([Note: decoder launch
+    memo]): only for a device with an index, and the memo is emptied first when full."""
+    if device.index is not None:
+        if len(memo) >= _MAX_MEMO:
+            memo.clear()
+        memo[key] = value
+    return value
 
 
 def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, out: torch.Tensor) -> None:
@@ -256,8 +252,8 @@ def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, o
     key = ("dequantize", device.index, out.dtype, bits, rows, row_nbytes, numel, group_size)
     resolved = _DECODER_MEMO.get(key)
     if resolved is None:
-        resolved = _memo(key, device, lambda: _resolve_dequantize(device, rows, row_nbytes, numel, bits, group_size,
-                                                                  out.dtype))
+        resolved = _remember(_DECODER_MEMO, key, device,
+                             _resolve_dequantize(device, rows, row_nbytes, numel, bits, group_size, out.dtype))
     name, blocks, sizes = resolved
     loader.launch("dequantize.cu", name, device, blocks, THREADS, (_ptr(payloads), *sizes, _ptr(out)))
 
@@ -291,11 +287,7 @@ def reorder_quantize(
            out.shape[1])
     resolved = _REORDER_MEMO.get(key)
     if resolved is None:
-        resolved = _resolve_reorder(key)
-        if x.device.index is not None:
-            if len(_REORDER_MEMO) >= _MAX_MEMO:
-                _REORDER_MEMO.clear()
-            _REORDER_MEMO[key] = resolved
+        resolved = _remember(_REORDER_MEMO, key, x.device, _resolve_reorder(key))
     name, registers_name, jobs, extent, slice_args, part_args, layout = resolved
     device_perm = _device_perm(perm, x.device)
     if flat:
@@ -418,8 +410,8 @@ def dequant_reduce(
     key = ("dequant_reduce", device.index, out.dtype, bits, rows, row_nbytes, numel, group_size, divide_by)
     resolved = _DECODER_MEMO.get(key)
     if resolved is None:
-        resolved = _memo(key, device, lambda: _resolve_dequant_reduce(device, rows, row_nbytes, numel, bits,
-                                                                      group_size, divide_by, out.dtype))
+        resolved = _remember(_DECODER_MEMO, key, device, _resolve_dequant_reduce(
+            device, rows, row_nbytes, numel, bits, group_size, divide_by, out.dtype))
     name, blocks, sizes = resolved
     loader.launch("dequant_reduce.cu", name, device, blocks, THREADS, (_ptr(payloads), *sizes, _ptr(out)))
 
