@@ -96,7 +96,7 @@ import torch.distributed as dist
 
 from . import quant
 from ._contract import GroupInfo, Handle
-from ._chain_runner import Runner, chain_worker, run_chain
+from ._chain_runner import Runner, chain_worker, run_chain, start_hop
 from ._error_feedback import ErrorFeedback, reordered_input
 from ._hadamard import check_hadamard_block, rotate_back_, rotated_input
 from ._groups import NodeGroups, node_groups
@@ -590,4 +590,4 @@ def _node_sum_rows(plan: _Shape, feedback: ErrorFeedback | None, hop: tuple[torc
 def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
     """Start row ``i`` of ``send`` to rank ``i`` of ``group``; returns (receive buffer, work)."""
     received = torch.empty_like(send)
-    return received, dist.all_to_all_single(received, send, group=group, async_op=True)
+    return received, start_hop(dist.all_to_all_single, received, send, group)
