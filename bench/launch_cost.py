@@ -22,12 +22,6 @@ of 9 rounds of ``--calls`` calls, the rounds of all columns of a row alternating
 the driver row; ``11-arg call`` is the same no-op called with ``cuLaunchKernel``'s 11
 arguments, what [Note: launch entry point] in :mod:`zcomm_cuda.driver_launch` weighs. The figures say what the Python side costs on this
 machine; the launch's time on a GPU machine is measured by ``bench.host_cost --launcher``.
-
-A second table times the cuda backend's own functions (:mod:`zcomm.quant.backends._cuda_launch`:
-``quantize``, ``dequantize``, ``dequant_reduce``) through the same stand-ins, so it adds what
-those build per call (the tensors' addresses, the argument tuple, the memo lookups) to the
-launch. Their tensors are stand-ins holding a real CPU tensor's ``data_ptr`` and ``numel``
-(C methods, as a CUDA tensor's are) and a ``cuda:0`` device.
 """
 
 from __future__ import annotations
@@ -150,58 +144,11 @@ def _launch_with(launcher: str, source: str, name: str, args: tuple) -> Callable
     return call
 
 
-def measure(calls: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The launch rows and the backend rows."""
+def measure(calls: int) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as workdir:
         noop_library = _noop_library(workdir)
         with _stand_ins(noop_library):
-            return _measure(calls, noop_library), _measure_backend(calls)
-
-
-class _StandInTensor:
-    """What the cuda backend reads of a CUDA tensor: a CPU tensor's ``data_ptr``/``numel`` (C methods), its dtype
-    and shape, on ``cuda:0``."""
-
-    __slots__ = ("data_ptr", "numel", "dtype", "shape", "device", "_tensor")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self._tensor = tensor
-        self.data_ptr, self.numel, self.dtype, self.shape = tensor.data_ptr, tensor.numel, tensor.dtype, tensor.shape
-        self.device = DEVICE
-
-
-def _backend_calls() -> dict[str, Callable[[], None]]:
-    """One call of each timed backend function on bf16 stand-ins of 1M elements (INT8, the reduction INT4), groups of 256."""
-    from zcomm.quant.backends import _cuda_launch as cuda_launch
-
-    numel, group_size, row = 1 << 20, 256, (1 << 20) + 4096 * 4
-    x = _StandInTensor(torch.empty(numel, dtype=torch.bfloat16))
-    payload = _StandInTensor(torch.empty(row, dtype=torch.uint8))
-    rows = _StandInTensor(torch.empty(4, row, dtype=torch.uint8))
-    out = _StandInTensor(torch.empty(numel, dtype=torch.bfloat16))
-    for name, source in (("zc_quantize_bf16_int8", "quantize.cu"), ("zc_dequantize_bf16_int8", "dequantize.cu"),
-                         ("zc_dequant_reduce_bf16_int4", "dequant_reduce.cu")):  # fmt: skip
-        cuda_launch._MAX_BLOCKS[(source, name, 0)] = 1056  # the grid cap, which needs a GPU to resolve
-    return {
-        "quantize": lambda: cuda_launch.quantize(x, 8, group_size, payload),
-        "dequantize": lambda: cuda_launch.dequantize(rows, numel, 8, group_size, out),
-        "dequant_reduce INT4": lambda: cuda_launch.dequant_reduce(rows, numel, 4, group_size, 4.0, out),
-    }
-
-
-def _measure_backend(calls: int) -> list[dict[str, Any]]:
-    rows = []
-    for op, call in _backend_calls().items():
-        def with_launcher(launcher: str, call: Callable[[], None] = call) -> Callable[[], None]:
-            def timed() -> None:
-                loader._use_driver = launcher == "driver"
-                call()
-
-            return timed
-
-        timed = _compare({"cupy us": with_launcher("cupy"), "driver us": with_launcher("driver")}, calls)
-        rows.append({"op": op, **timed})
-    return rows
+            return _measure(calls, noop_library)
 
 
 def _eleven_argument_call(library: ctypes.CDLL) -> Callable[[], None]:
@@ -237,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=10000, help=f"launches per round ({ROUNDS} rounds, the median)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    rows, backend_rows = measure(args.calls)
+    rows = measure(args.calls)
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}"
     print(f"# launch cost, Python side, no GPU ({machine}); us per launch, median of {ROUNDS} x {args.calls}")
     print(f"{'kernel':34s} {'args':>4s} {'cupy* us':>9s} {'driver us':>10s} {'driver/cupy*':>12s} {'pack us':>8s} "
@@ -248,11 +195,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['11-argument call us']:14.2f} {row['empty call us']:13.2f}")
     print("# cupy*: zcomm's side only, up to a no-op in place of cupy's Function call (cupy's own work, 5.4 us on an "
           "H200, is not in it); driver: all of the launcher but the driver's work inside libcuda")  # fmt: skip
-    print(f"# the cuda backend's functions (_cuda_launch), arguments built per call; us per call, median of "
-          f"{ROUNDS} x {args.calls}")  # fmt: skip
-    print(f"{'op':34s} {'cupy* us':>9s} {'driver us':>10s}")
-    for row in backend_rows:
-        print(f"{row['op']:34s} {row['cupy us']:9.2f} {row['driver us']:10.2f}")
     print(f"# load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"# {time.perf_counter() - started:.1f} s")
     return 0
