@@ -30,39 +30,23 @@ the caller's Python only as far as the quantization kernels release the GIL (the
 backend's numba kernels are meant to; the ``reference`` backend's torch ops do inside
 each op).
 
-[Note: hop release] A gloo hop's ``Work`` holds the hop's tensors, and gloo's worker
-thread drops its own reference to the ``Work`` only after running it: often after the
-chain's ``wait()`` has returned and the chain has dropped its reference. The ``Work``'s
-destructor then runs on gloo's thread, and releasing a tensor that has a Python object
-there takes the GIL (torch keeps a tensor's Python object alive while C++ holds the
-tensor). If the interpreter has begun finalizing by then (the chain was the program's
-last collective, and the main thread reached its end within the GIL's switch interval),
-CPython ends the thread that asks for the GIL with ``pthread_exit``, whose forced unwind
-through the destructor (``noexcept``) calls ``std::terminate``: the process aborts with
-"terminate called without an active exception" after finishing its work. torch's
-``destroy_process_group()`` does not help here: it leaves gloo's threads running until
-the group objects are freed, and the plans and prepared calls the caller holds keep
-zcomm's subgroups. So a CPU chain hands its tensors to gloo through :func:`start_hop`,
-which keeps them with their C++ use counts from before the hop, and the worker, once the
-chain has run, waits (GIL released) until gloo has let go of every one of them (the count
-back down); only then does the call's handle complete. Whichever thread destroys a
-``Work``, nothing of it is left for gloo to release once the chain is done. The wait is
-usually none: gloo releases while the chain dequantizes.
+A CPU chain's gloo hops keep their tensors until gloo has let go of them, and the process
+waits for that at exit ([Note: hop release] in :mod:`zcomm._hop_release`): the worker
+settles them after each chain.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
 from ._contract import Chain, Handle, Kind
-from ._torch_compat import tensor_use_count
+from ._hop_release import settle
 from .topology import Topology
 
 # caller's group -> (topology, kind) -> its single worker; weak in the group. Only the plans
@@ -72,60 +56,12 @@ _WORKERS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[Topology, Kind
 )
 
 
-# the CPU tensors this thread's chain handed to its hops, with their use counts before the hop ([Note: hop release])
-class _HeldHops(threading.local):
-    def __init__(self) -> None:
-        self.hops: list[tuple[torch.Tensor, int]] = []
-
-
-_HELD = _HeldHops()
-_POLL_S = 1e-4
-_RELEASE_TIMEOUT_S = 30.0  # gloo destroys a finished Work at once: a longer wait means a tensor escaped the chain
-
-
-def start_hop(
-    collective: Callable[..., dist.Work], received: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup
-) -> dist.Work:
-    """``collective(received, send, group=group, async_op=True)``; on CPU, the two tensors are kept
-    until gloo lets them go after the chain ([Note: hop release])."""
-    if not received.is_cuda:
-        _HELD.hops += ((received, tensor_use_count(received)), (send, tensor_use_count(send)))
-    return collective(received, send, group=group, async_op=True)
-
-
-def _run_and_release(chain: Chain) -> object:
-    """``chain()`` on the worker, then the wait for gloo to release its hops' tensors ([Note: hop release]).
-
-    A chain that raised may have left a hop running: its tensors are dropped without a wait, and
-    its error propagates.
-    """
+def _run_and_settle(chain: Chain) -> object:
+    """``chain()`` on the worker, then its hops' tensors settled ([Note: hop release]), whether or not it raised."""
     try:
-        result = chain()
-    except BaseException:
-        _HELD.hops.clear()
-        raise
-    hops = _HELD.hops
-    if hops:
-        _release(hops)
-    return result
-
-
-def _release(hops: list[tuple[torch.Tensor, int]]) -> None:
-    """Wait until no hop tensor of ``hops`` has more C++ references than before its hop, then drop them."""
-    try:
-        deadline = None
-        for tensor, before in hops:
-            while tensor_use_count(tensor) > before:
-                if deadline is None:
-                    deadline = time.monotonic() + _RELEASE_TIMEOUT_S
-                elif time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"a hop's tensor of shape {tuple(tensor.shape)} is still held {_RELEASE_TIMEOUT_S:.0f} s after "
-                        f"its chain ended ({tensor_use_count(tensor)} references, {before} before the hop)"
-                    )
-                time.sleep(_POLL_S)  # with the GIL released: gloo's thread needs it to release the tensor
+        return chain()
     finally:
-        hops.clear()
+        settle()
 
 
 def run_chain(chain: Chain, tensors: Sequence[torch.Tensor], async_op: bool, worker: Runner) -> Handle | None:
@@ -142,7 +78,7 @@ def run_chain(chain: Chain, tensors: Sequence[torch.Tensor], async_op: bool, wor
             return None
         return worker.run(chain, tensors)
     # Sync calls queue behind pending async ones of their kind (see [Note: worker ordering]).
-    future = worker.submit(_run_and_release, chain)
+    future = worker.submit(_run_and_settle, chain)
     handle = Handle(finish=future.result, ready=future.done)
     if async_op:
         return handle

@@ -77,8 +77,9 @@ import torch.distributed as dist
 
 from . import quant
 from ._contract import GroupInfo, Handle
-from ._chain_runner import Runner, chain_worker, run_chain, start_hop
+from ._chain_runner import Runner, chain_worker, run_chain
 from ._groups import node_groups
+from ._hop_release import start_hop
 from ._pipeline import GATHER_STAGE_BYTES, check_stages, default_stages
 from ._plan_cache import cached_plan
 from ._prologue import prologue, prologue_once

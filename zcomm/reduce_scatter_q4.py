@@ -96,10 +96,11 @@ import torch.distributed as dist
 
 from . import quant
 from ._contract import GroupInfo, Handle
-from ._chain_runner import Runner, chain_worker, run_chain, start_hop
+from ._chain_runner import Runner, chain_worker, run_chain
 from ._error_feedback import ErrorFeedback, reordered_input
 from ._hadamard import check_hadamard_block, rotate_back_, rotated_input
 from ._groups import NodeGroups, node_groups
+from ._hop_release import start_hop
 from ._pipeline import MAX_DEFAULT_STAGES, STAGE_BYTES, check_stages, default_stages
 from ._plan_cache import cached_plan
 from ._prologue import coalesced_key, prologue_coalesced, prologue_coalesced_once, prologue_once
