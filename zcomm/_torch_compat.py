@@ -65,7 +65,7 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 # tensor_use_count(t): how many C++ references hold ``t``'s TensorImpl (its Python object counts
 # one), which a gloo Work holding ``t`` raises; how a chain knows gloo has let go of its hop tensors
-# ([Note: hop release] in zcomm._chain_runner). torch has only the private ``Tensor._use_count``;
+# ([Note: hop release] in zcomm._hop_release). torch has only the private ``Tensor._use_count``;
 # tests/collectives/test_torch_compat.py pins what zcomm relies on.
 tensor_use_count = torch.Tensor._use_count
 
