@@ -63,7 +63,8 @@ _DEVICE_PERMS: dict[tuple[tuple[int, ...], int], _DevicePerm] = {}
 # returns, into the kernels' 64-bit pointer parameters, where both launchers pass them exactly
 # (cupy's int64 of an address below 2^63 has the address's bytes; the driver launcher packs an
 # int into a 64-bit slot as unsigned, [Note: parameter layout] in zcomm_cuda.driver_launch), and
-# no numpy scalar is built per address (about 0.2 us each). tests/quant/test_cuda_launch_abi.py
+# zcomm builds no numpy scalar per address (about 0.2 us each; the driver launcher packs the int
+# as it is, cupy's converts it itself). tests/quant/test_cuda_launch_abi.py
 # holds every launch to this. The integer arguments that depend only on the call's sizes are
 # looked up from ``_sizes`` (made once per sizes), so only the addresses are new per launch.
 _PASSES = (np.int32(TEAMS), np.int32(TILE_ABSMAX), np.int32(TILE_ENCODE))
