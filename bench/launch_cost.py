@@ -47,17 +47,17 @@ from zcomm_cuda import driver_launch, loader
 
 ROUNDS = 9
 DEVICE = torch.device("cuda", 0)
-_P, _I = np.uint64(0x7F00_0000_0000), np.int64(1 << 20)
+_P, _I = 0x7F00_0000_0000, np.int64(1 << 20)  # an address goes as a Python int ([Note: launch arguments])
 # kernel -> (source, PTX parameter types, arguments) shaped like the cuda backend's launches
 CASES: dict[str, tuple[str, tuple[str, ...], tuple[Any, ...]]] = {
     "zc_quantize_bf16_int8": ("quantize.cu", ("u64", "u64", "u64", "u64", "u64", "u32"),
-                              (_P, _I, np.int64(256), _P, np.uint64(0), np.int32(0))),
+                              (_P, _I, np.int64(256), _P, 0, np.int32(0))),
     "zc_dequantize_bf16_int8": ("dequantize.cu", ("u64",) * 6, (_P, _I, _I, np.int64(256), np.int64(4), _P)),
     "zc_dequant_reduce_bf16_int4": ("dequant_reduce.cu", ("u64",) * 5 + ("f32", "u64"),
                                     (_P, _I, _I, np.int64(256), np.int64(4), np.float32(4.0), _P)),
     "zc_reorder_interleaved_bf16_int4": ("reorder_quantize.cu", ("u64",) * 11 + ("u32",),
                                          (_P, np.int64(4), _I, _P, _I, _I, np.int64(4), np.int64(256), _I, _P,
-                                          np.uint64(0), np.int32(0))),
+                                          0, np.int32(0))),
 }  # fmt: skip
 NOOP_C = (
     "int zc_noop_launch(void *config, void *function, void **params, void **extra) { return 0; }\n"
@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['11-argument call us']:14.2f} {row['empty call us']:13.2f}")
     print("# cupy*: zcomm's side only, up to a no-op in place of cupy's Function call (cupy's own work, 5.4 us on an "
           "H200, is not in it); driver: all of the launcher but the driver's work inside libcuda")  # fmt: skip
+    print(f"# load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"# {time.perf_counter() - started:.1f} s")
     return 0
 

@@ -29,6 +29,10 @@ order; a call of one kind never waits for a call of the other. The worker overla
 the caller's Python only as far as the quantization kernels release the GIL (the ``cpu``
 backend's numba kernels are meant to; the ``reference`` backend's torch ops do inside
 each op).
+
+A CPU chain's gloo hops keep their tensors until gloo has let go of them, and the process
+waits for that at exit ([Note: hop release] in :mod:`zcomm._hop_release`): the worker
+settles them after each chain.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ._contract import Chain, Handle, Kind
+from ._hop_release import settle
 from .topology import Topology
 
 # caller's group -> (topology, kind) -> its single worker; weak in the group. Only the plans
@@ -49,6 +54,14 @@ from .topology import Topology
 _WORKERS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[Topology, Kind], ThreadPoolExecutor]] = (
     weakref.WeakKeyDictionary()
 )
+
+
+def _run_and_settle(chain: Chain) -> object:
+    """``chain()`` on the worker, then its hops' tensors settled ([Note: hop release]), whether or not it raised."""
+    try:
+        return chain()
+    finally:
+        settle()
 
 
 def run_chain(chain: Chain, tensors: Sequence[torch.Tensor], async_op: bool, worker: Runner) -> Handle | None:
@@ -65,7 +78,7 @@ def run_chain(chain: Chain, tensors: Sequence[torch.Tensor], async_op: bool, wor
             return None
         return worker.run(chain, tensors)
     # Sync calls queue behind pending async ones of their kind (see [Note: worker ordering]).
-    future = worker.submit(chain)
+    future = worker.submit(_run_and_settle, chain)
     handle = Handle(finish=future.result, ready=future.done)
     if async_op:
         return handle

@@ -8,7 +8,8 @@ training step calls the same collective on the same shapes over and over, so eac
 collective resolves its plan once per such key and looks it up afterwards: the host work per
 call is the tensor checks of the prologue, a dictionary lookup and the chain itself.
 
-* :class:`BoundedCache`: a dict of at most ``limit`` entries, the oldest dropped first, whose
+* :class:`BoundedCache` (defined in :mod:`zcomm.quant._bounded_cache`, the layer below, whose
+  spec cache uses it too): a dict of at most ``limit`` entries, the oldest dropped first, whose
   :meth:`~BoundedCache.get_or_make` makes a missing value on demand (one per FSDP2 comm holds
   its prepared calls: [Note: a comm's prepared calls] in :mod:`zcomm.fsdp`);
 * :class:`GroupCache`: one :class:`BoundedCache` per live process group, held weakly in the
@@ -52,54 +53,14 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from .quant._bounded_cache import BoundedCache
+
 MAX_PLANS = 256
 
 Value = TypeVar("Value")
 
-# what a lookup found when its key or group could not be looked up (unhashable, no weakref)
-_UNCACHED: Any = object()
-# serializes insertions and evictions (misses only; a hit takes no lock)
+# serializes the creation of a group's cache (misses only; a hit takes no lock)
 _LOCK = threading.Lock()
-
-
-class BoundedCache(dict):
-    """A dict of at most ``limit`` entries: inserting beyond that drops the oldest one first.
-
-    Values are never None (None means missing). Lookups are the dict's own; only an insertion
-    (:meth:`remember`) takes a lock, so that two threads adding at once cannot both evict.
-    """
-
-    __slots__ = ("limit",)
-
-    def __init__(self, limit: int) -> None:
-        super().__init__()
-        assert limit >= 1, limit
-        self.limit = limit
-
-    def get_or_make(self, key: Hashable, make: Callable[[], Value]) -> Value:
-        """The value of ``key``: ``make()`` the first time, the same object afterwards.
-
-        An unhashable ``key`` is not cached: ``make()`` runs every time. Whatever ``make()``
-        raises propagates unchanged (the lookup's own ``TypeError`` is never mixed with it).
-        """
-        try:
-            value = self.get(key)
-        except TypeError:  # unhashable: not cached
-            value = _UNCACHED
-        if value is None:
-            return self.remember(key, make())
-        if value is _UNCACHED:
-            return make()
-        return value
-
-    def remember(self, key: Hashable, value: Value) -> Value:
-        """Keep ``value`` for ``key`` (dropping the oldest entry if full) and return it."""
-        with _LOCK:
-            if key not in self and len(self) >= self.limit:  # TypeError here for an unhashable key
-                del self[next(iter(self))]
-            assert value is not None, "None means missing"
-            self[key] = value
-        return value
 
 
 class GroupCache:

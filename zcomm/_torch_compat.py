@@ -63,6 +63,12 @@ SPLIT_AFTER_REINIT_FIXED_IN: tuple[int, int] | None = None
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+# tensor_use_count(t): how many C++ references hold ``t``'s TensorImpl (its Python object counts
+# one), which a gloo Work holding ``t`` raises; how a chain knows gloo has let go of its hop tensors
+# ([Note: hop release] in zcomm._hop_release). torch has only the private ``Tensor._use_count``;
+# tests/collectives/test_torch_compat.py pins what zcomm relies on.
+tensor_use_count = torch.Tensor._use_count
+
 
 def group_timeout(group: dist.ProcessGroup) -> timedelta:
     """The timeout ``group``'s backend was created with (torch's default for a backend without

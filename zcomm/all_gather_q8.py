@@ -79,6 +79,7 @@ from . import quant
 from ._contract import GroupInfo, Handle
 from ._chain_runner import Runner, chain_worker, run_chain
 from ._groups import node_groups
+from ._hop_release import start_hop
 from ._pipeline import GATHER_STAGE_BYTES, check_stages, default_stages
 from ._plan_cache import cached_plan
 from ._prologue import prologue, prologue_once
@@ -344,4 +345,4 @@ def _start_gather(send: torch.Tensor, group: dist.ProcessGroup, size: int) -> _H
     """Start gathering the ``size`` members' ``send`` buffers of ``group`` in group-rank order: (send,
     receive buffer, work)."""
     received = torch.empty(size * send.numel(), dtype=send.dtype, device=send.device)
-    return send, received, all_gather_single(received, send, group=group, async_op=True)
+    return send, received, start_hop(all_gather_single, received, send, group)

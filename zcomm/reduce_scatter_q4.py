@@ -100,6 +100,7 @@ from ._chain_runner import Runner, chain_worker, run_chain
 from ._error_feedback import ErrorFeedback, reordered_input
 from ._hadamard import check_hadamard_block, rotate_back_, rotated_input
 from ._groups import NodeGroups, node_groups
+from ._hop_release import start_hop
 from ._pipeline import MAX_DEFAULT_STAGES, STAGE_BYTES, check_stages, default_stages
 from ._plan_cache import cached_plan
 from ._prologue import coalesced_key, prologue_coalesced, prologue_coalesced_once, prologue_once
@@ -590,4 +591,4 @@ def _node_sum_rows(plan: _Shape, feedback: ErrorFeedback | None, hop: tuple[torc
 def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
     """Start row ``i`` of ``send`` to rank ``i`` of ``group``; returns (receive buffer, work)."""
     received = torch.empty_like(send)
-    return received, dist.all_to_all_single(received, send, group=group, async_op=True)
+    return received, start_hop(dist.all_to_all_single, received, send, group)

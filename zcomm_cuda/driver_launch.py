@@ -20,16 +20,22 @@ launch attributes (``numAttrs`` 0): the two launch the same way.
 list of its ``.entry`` in the PTX the loader compiled (:func:`ptx_params`), whose widths and
 kinds (integer or float) are the C signature's. Each slot is 8 bytes (a 4-byte parameter
 fills the low half: little-endian). The first launch of a kernel on a thread checks the
-arguments against that list as cupy's launch would read them (numpy scalars, each of its
-parameter's width and kind; a Python ``int`` or ``float`` has no width of its own and is
-refused) and derives the ``struct`` codes from them (``Q``/``q``, ``I``/``i``, ``f``, ``d``).
+arguments against that list as cupy's launch would read them: numpy scalars, each of its
+parameter's width and kind, or, for a 64-bit integer parameter only, a Python ``int`` in
+[0, 2^63) (a tensor's address: cupy passes an int as a 64-bit integer, exact in that range,
+and raises above it); any other Python ``int`` or ``float`` has no width of its own and is
+refused. It derives the ``struct`` codes from them (``Q``/``q``, ``I``/``i``, ``f``, ``d``; an
+int's slot is ``Q``, so a negative value raises later).
 Every later launch packs its values with those codes, so a value is stored at its
 parameter's width or the launch raises (a float where an integer goes, an integer out of
 range, a wrong count; an integer where a float goes is converted as C would): a mismatch
 cannot be misread by the kernel. Every launch packs all values, the sizes that repeat from
 one launch to the next included: one C call whatever the count, where each further value
 costs about 25 ns (``bench.launch_cost``: 0.41 us for 6 values, 0.56 us for 12), less than
-telling the constant values from the addresses per call would.
+telling the constant values from the addresses per call would: ``struct`` writes its pad bytes
+as zeros, so writing the addresses alone takes a ``pack_into`` per run of them besides the
+configuration's (0.53 us for a quantize launch's two runs, against 0.40 us for one pack of all
+six values, on a 2-core Xeon).
 
 [Note: parameter blocks per thread] The collectives launch from worker threads while the
 main thread launches too. ``cuLaunchKernelEx`` copies the configuration and the parameter
@@ -76,6 +82,7 @@ _PTX_TYPES = {
 }  # fmt: skip
 _CODES = {(8, False, False): "Q", (8, False, True): "q", (4, False, False): "I", (4, False, True): "i",
           (4, True, True): "f", (8, True, True): "d"}  # fmt: skip
+_INT_SLOT_END = 2**63  # a Python int in a 64-bit slot: what cupy passes exactly (as numpy.int64)
 _ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(([^)]*)\)")
 _ARRAY = re.compile(r"\[\d+\]$")
 
@@ -106,8 +113,9 @@ def _param_type(declaration: str) -> str:
 def slot_codes(name: str, params: Sequence[str], args: Sequence[Any]) -> str:
     """The ``struct`` codes of ``args`` for kernel ``name``'s ``params``, one 8-byte slot each.
 
-    Raises ``TypeError`` naming the argument when the count differs or an argument is not a
-    numpy scalar of its parameter's width and kind ([Note: parameter layout]).
+    Raises ``TypeError`` naming the argument when the count differs or an argument is neither a
+    numpy scalar of its parameter's width and kind nor, for a 64-bit integer parameter, a Python
+    ``int`` in [0, 2^63) ([Note: parameter layout]).
     """
     if len(args) != len(params):
         raise TypeError(f"{name} takes {len(params)} arguments (.{', .'.join(params)}), the launch passed {len(args)}")
@@ -117,6 +125,12 @@ def slot_codes(name: str, params: Sequence[str], args: Sequence[Any]) -> str:
         if kind is None:
             raise TypeError(f"{name}: parameter {position} is .{param}, which the driver launcher cannot pack")
         width, is_float = kind
+        if type(arg) is int and width == SLOT_BYTES and not is_float:
+            if not 0 <= arg < _INT_SLOT_END:
+                raise TypeError(f"{name}: argument {position} is int {arg!r}, its parameter is .{param}: a Python int "
+                                f"goes there only as an address, in [0, 2**63)")  # fmt: skip
+            codes.append("Q")
+            continue
         numeric = np.floating if is_float else np.integer
         if not isinstance(arg, numeric) or arg.itemsize != width:
             raise TypeError(

@@ -8,6 +8,7 @@ upgrade changes what that relies on, these tests say so before a multi-rank run 
 from __future__ import annotations
 
 import inspect
+import time
 
 import pytest
 import torch
@@ -100,3 +101,22 @@ def test_split_subgroups_raises_before_entering_split_group(monkeypatch):
 def test_an_unbound_gloo_world_is_never_refused(gloo_world):
     assert gloo_world.bound_device_id is None
     assert torch_compat.split_crash_reason(gloo_world) is None
+
+
+def test_tensor_use_count_counts_the_references_a_gloo_work_holds(gloo_world):
+    """What [Note: hop release] relies on: a fresh tensor's count is 1, a view or a gloo Work holding it
+    raises it, and it falls back once the Work is gone (gloo's thread has dropped its reference)."""
+    send, received = torch.ones(8), torch.empty(8)
+    assert torch_compat.tensor_use_count(send) == 1
+    view = send.view(2, 4)
+    assert torch_compat.tensor_use_count(send) == 2
+    del view
+    work = torch_compat.all_gather_single(received, send, async_op=True)
+    assert torch_compat.tensor_use_count(send) > 1 and torch_compat.tensor_use_count(received) > 1
+    work.wait()
+    del work
+    for _ in range(10_000):
+        if torch_compat.tensor_use_count(send) == torch_compat.tensor_use_count(received) == 1:
+            break
+        time.sleep(0.001)
+    assert torch_compat.tensor_use_count(send) == torch_compat.tensor_use_count(received) == 1

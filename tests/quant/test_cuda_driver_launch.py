@@ -113,7 +113,7 @@ def test_ptx_params_reads_every_declaration_form() -> None:
 def as_ptx(arg: object) -> str:
     """The PTX type of the parameter a launch argument is for: test_cuda_launch_abi.py checks every launch's
     argument types against its kernel's PTX, so they stand for the kernel's signature here."""
-    return {np.uint64: "u64", np.int64: "u64", np.int32: "u32", np.float32: "f32"}[type(arg)]
+    return {int: "u64", np.uint64: "u64", np.int64: "u64", np.int32: "u32", np.float32: "f32"}[type(arg)]
 
 
 @pytest.fixture()
@@ -146,10 +146,10 @@ def test_every_launch_is_packed_at_its_parameters_widths(recorded) -> None:
         pointers = (ctypes.c_void_p * len(params)).from_address(block.params)
         assert list(pointers) == [block.config + driver_launch.CONFIG_BYTES + 8 * i for i in range(len(params))]
 
-        addresses = [i for i, arg in enumerate(args) if type(arg) is np.uint64]
+        addresses = [i for i, arg in enumerate(args) if type(arg) is int]  # the tensors' addresses, Python ints
         assert addresses, name
         before = bytes(block.buffer)
-        moved = tuple(np.uint64(int(arg) + 0x10000 + i) if i in addresses else arg for i, arg in enumerate(args))
+        moved = tuple(arg + 0x10000 + i if i in addresses else arg for i, arg in enumerate(args))
         block.write(blocks, threads, 0x5000, moved)
         after = bytes(block.buffer)
         changed = {(at - driver_launch.CONFIG_BYTES) // 8 for at in range(len(after)) if before[at] != after[at]}
@@ -173,11 +173,24 @@ def test_ptx_params_of_the_loaders_compile_are_the_launches(recorded) -> None:
 
 
 DEQUANT_REDUCE = ("u64", "u64", "u64", "u64", "u64", "f32", "u64")
-GOOD = (np.uint64(0x7000), np.int64(40), np.int64(1024), np.int64(256), np.int64(4), np.float32(4.0), np.uint64(0x9000))
+GOOD = (0x7000, np.int64(40), np.int64(1024), np.int64(256), np.int64(4), np.float32(4.0), 0x9000)
+
+
+def test_an_address_packs_as_a_python_int_or_a_numpy_uint64() -> None:
+    """A 64-bit integer slot takes an address as the Python int ``data_ptr()`` returns (the cuda backend's
+    launches) or as a numpy scalar, and stores the same 8 bytes; the highest address cupy can pass too."""
+    for address in (0x7000, 2**63 - 1):
+        args = (address, *GOOD[1:])
+        codes = driver_launch.slot_codes("k", DEQUANT_REDUCE, args)
+        block = driver_launch.ParamBlock(codes, len(DEQUANT_REDUCE))
+        block.write(1, 256, 0, args)
+        assert slot_values(block, DEQUANT_REDUCE)[0] == np.uint64(address).tobytes()
+        block.write(1, 256, 0, (np.uint64(address), *GOOD[1:]))
+        assert slot_values(block, DEQUANT_REDUCE)[0] == np.uint64(address).tobytes()
 
 
 @pytest.mark.parametrize("position, value, why", [
-    (0, 0x7000, "Python int"),
+    (5, 4, "Python int for a float"),
     (1, np.int32(40), "int32 for an int64"),
     (5, np.float64(4.0), "double for a float"),
     (5, np.int64(4), "integer for a float"),
@@ -186,6 +199,14 @@ GOOD = (np.uint64(0x7000), np.int64(40), np.int64(1024), np.int64(256), np.int64
 def test_a_wrong_typed_argument_raises(position, value, why) -> None:
     args = GOOD[:position] + (value,) + GOOD[position + 1 :]
     with pytest.raises(TypeError, match=f"argument {position} is {type(value).__name__}"):
+        driver_launch.slot_codes("zc_dequant_reduce_f32_int8", DEQUANT_REDUCE, args)
+
+
+@pytest.mark.parametrize("value", [-1, 2**63, True])
+def test_a_python_int_that_is_no_address_raises(value) -> None:
+    """Only [0, 2^63) is an address both launchers pass exactly (cupy raises above it); a bool is no address."""
+    args = (value, *GOOD[1:])
+    with pytest.raises(TypeError, match=f"argument 0 is {type(value).__name__}"):
         driver_launch.slot_codes("zc_dequant_reduce_f32_int8", DEQUANT_REDUCE, args)
 
 
@@ -277,7 +298,7 @@ def test_launch_calls_cuLaunchKernelEx_with_the_grid_block_stream_and_values() -
     lib = FakeDriverLibrary(DEQUANT_REDUCE)
     target = make_kernel(lib)
     target.launch(1056, 256, 0x5A5A, GOOD)
-    moved = (np.uint64(0x7100), *GOOD[1:-1], np.uint64(0x9100))
+    moved = (0x7100, *GOOD[1:-1], 0x9100)
     target.launch(3, 128, 0, moved)
     first, second = lib.launches
     assert first == {"grid": (1056, 1, 1), "block": (256, 1, 1), "shared": 0, "stream": 0x5A5A, "attrs": (None, 0),
@@ -300,11 +321,13 @@ def test_a_failed_launch_raises_with_the_drivers_error_text() -> None:
 def test_wrong_values_raise_before_any_launch() -> None:
     lib = FakeDriverLibrary(DEQUANT_REDUCE)
     target = make_kernel(lib)
-    with pytest.raises(TypeError, match="argument 0 is int"):
-        target.launch(1, 256, 0, (0x7000, *GOOD[1:]))  # the first launch on this thread checks the types
+    with pytest.raises(TypeError, match="argument 5 is int"):
+        target.launch(1, 256, 0, (*GOOD[:5], 4, GOOD[6]))  # the first launch on this thread checks the types
     target.launch(1, 256, 0, GOOD)
     with pytest.raises(TypeError, match="argument 1 is float32"):
         target.launch(1, 256, 0, (GOOD[0], np.float32(40.0), *GOOD[2:]))  # later ones cannot pack a float there
+    with pytest.raises(TypeError, match="argument 0 is int -1"):
+        target.launch(1, 256, 0, (-1, *GOOD[1:]))  # nor a negative address
     with pytest.raises(ValueError, match="does not fit"):
         target.launch(2**32, 256, 0, GOOD)
     with pytest.raises(TypeError, match="takes 7 arguments"):
@@ -320,7 +343,7 @@ def test_each_thread_packs_its_own_block() -> None:
     start = threading.Barrier(4)
 
     def run(tag: int) -> None:
-        args = (np.uint64(tag << 20), *GOOD[1:-1], np.uint64((tag << 20) + 1))
+        args = (tag << 20, *GOOD[1:-1], (tag << 20) + 1)
         expected[threading.get_ident()] = values_of(args)
         start.wait()
         for _ in range(300):
@@ -513,8 +536,7 @@ def test_a_launch_the_driver_refuses_raises(restore_launcher) -> None:
     loader.set_launcher("driver")
     out = torch.empty(1 << 10, dtype=torch.uint8, device="cuda")
     x = torch.zeros(1 << 10, device="cuda")
-    args = (np.uint64(x.data_ptr()), np.int64(x.numel()), np.int64(256), np.uint64(out.data_ptr()), np.uint64(0),
-            np.int32(cuda_launch.TEAMS))  # fmt: skip
+    args = (x.data_ptr(), np.int64(x.numel()), np.int64(256), out.data_ptr(), 0, np.int32(cuda_launch.TEAMS))
     with pytest.raises(RuntimeError, match=r"cuLaunchKernelEx of zc_quantize_f32_int8 on device \d+ failed: "
                                            r"CUDA_ERROR_[A-Z_]+ \(\d+\): \w"):
         loader.launch("quantize.cu", "zc_quantize_f32_int8", x.device, 1, 4096, args)  # 4096 threads: too many

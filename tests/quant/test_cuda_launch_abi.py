@@ -5,7 +5,11 @@ value, reads garbage with no error on the GPU. Here its kernels (``_cuda_launch`
 tensors with ``loader.launch`` replaced by a recorder, for every op, dtype, bit width and both encoder
 schemes; each recorded argument tuple is compared with the ``.param`` list of the kernel of
 that name in the PTX (nvcc, the loader's translation unit and options): same count, and
-each argument's width and kind (fp32 or integer) as declared.
+each argument's width and kind (fp32 or integer) as declared. An argument is a numpy scalar
+of its parameter's type or, in a 64-bit integer parameter only, a Python int in [0, 2^63):
+a tensor's address, which cupy passes as a 64-bit integer, exact in that range ([Note:
+launch arguments] in ``_cuda_launch``). A Python int anywhere else (a 32-bit or float
+parameter) is caught as a wrong width or kind.
 """
 
 from __future__ import annotations
@@ -61,9 +65,30 @@ def launches(monkeypatch) -> list[tuple[str, str, tuple]]:
 
 
 def _kind(arg: object) -> tuple[int, bool]:
-    """(bytes, is_float) of one launch argument as cupy passes it (numpy scalars by value)."""
-    assert isinstance(arg, np.generic), f"{arg!r}: pass numpy scalars, a Python int or float goes as 64 bits"
+    """(bytes, is_float) of one launch argument as cupy passes it: a numpy scalar by value at its own width, a
+    Python int as a 64-bit integer (an address, so below 2^63, where cupy's int64 of it is exact)."""
+    if type(arg) is int:
+        assert 0 <= arg < 2**63, f"{arg!r}: a Python int goes only as an address, in [0, 2^63)"
+        return 8, False
+    assert isinstance(arg, np.generic), f"{arg!r}: pass numpy scalars (or an address as a Python int)"
     return arg.itemsize, isinstance(arg, np.floating)
+
+
+@pytest.mark.parametrize("arg, declared", [
+    (7, (4, False)),  # a Python int where the kernel takes 32 bits
+    (7, (4, True)),  # ... or an fp32
+    (np.int32(7), (8, False)),  # a 32-bit scalar where it takes 64
+    (np.int64(7), (4, False)),
+    (np.float64(1.0), (4, True)),  # a double for an fp32
+], ids=["int-u32", "int-f32", "int32-u64", "int64-u32", "f64-f32"])  # fmt: skip
+def test_the_rule_still_catches_a_wrong_width_or_kind(arg, declared) -> None:
+    assert _kind(arg) != declared
+
+
+@pytest.mark.parametrize("arg", [-1, 2**63, True, 1.0])
+def test_the_rule_refuses_a_python_scalar_that_is_no_address(arg) -> None:
+    with pytest.raises(AssertionError):
+        _kind(arg)
 
 
 def _run_every_op(bits: int, dtype: torch.dtype, group_size: int) -> None:
@@ -99,6 +124,8 @@ def test_launch_arguments_match_kernel_parameters(kernel_params, launches, monke
         assert source in loader.KERNEL_SOURCES and name in kernel_params, name
         declared = [(PARAM_BYTES[t], t == "f32") for t in kernel_params[name]]
         assert [_kind(a) for a in args] == declared, name
+        addresses = sum(type(a) is int for a in args)
+        assert 2 <= addresses <= 5, (name, args)  # an input, an output, the encoders' group_absmax, a perm, a table
     assert sum("_wide_" in name for _, name, _ in launches) == (2 * 3 * (1 if group_size <= 4096 else 2) if wide else 0)
     # the interleaved form's register kernel ([Note: register kernel]) for groups held in registers
     assert sum("_regs_" in name for _, name, _ in launches) == (3 if group_size <= 1024 and not wide else 0)

@@ -212,9 +212,9 @@ def test_cuda_launch_memos_resolve_once_per_sizes(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(cuda_launch, "_max_blocks", lambda device, source, name: 10)
     monkeypatch.setattr(loader, "launch", lambda *args: launched.append(args))
     for device in (torch.device("cuda", 0),) * 3 + (torch.device("cuda"),) * 2:
-        cuda_launch._encode("quantize.cu", "k", device, 8, 256, (np.uint64(1),))
+        cuda_launch._encode("quantize.cu", "k", device, 8, 256, (1,))
     assert planned == [8, 8, 8] and len(launched) == 5
-    assert launched[0][5][-1] is cuda_launch._PASSES[0] and launched[0][5][-2] is cuda_launch._U64_ZERO
+    assert launched[0][5][-1] is cuda_launch._PASSES[0] and launched[0][5][-2] == 0  # no group_absmax buffer
     resolved = []
     monkeypatch.setattr(cuda_launch, "_resolve_dequantize", lambda *args: resolved.append(args) or ("name", 1, ()))
     for device in (torch.device("cuda", 0),) * 3 + (torch.device("cuda"),) * 2:

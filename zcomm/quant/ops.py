@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 
 from . import _contract, _registry
+from ._bounded_cache import BoundedCache
 from .spec import GroupSize, QuantSpec
 from .wire_format import ALIGN, SCALE_BYTES, SUPPORTED_DTYPES
 
@@ -37,8 +38,11 @@ _REFERENCE_OPS = _contract.REFERENCE_OPS
 _UINT8 = torch.uint8
 _NATIVE_DEVICE_TYPES = frozenset(_contract.NATIVE_BACKENDS)
 # (type(bits), bits, type(group_size), group_size) -> (the validated spec, its int group size
-# or None for "tensor"); the types keep True / 8.0 from hitting the entries of 1 / 8
-_SPECS: dict[tuple[type, object, type, object], tuple[QuantSpec, int | None]] = {}
+# or None for "tensor"); the types keep True / 8.0 from hitting the entries of 1 / 8. Any int
+# from 2 up is a valid group size, so a caller sweeping them could grow it without end: at most
+# _MAX_SPECS entries, the oldest dropped first (a hit is a plain dict lookup).
+_MAX_SPECS = 256
+_SPECS: BoundedCache = BoundedCache(_MAX_SPECS)
 _FLOAT_DTYPES = frozenset(SUPPORTED_DTYPES)
 
 
@@ -54,8 +58,7 @@ def _spec(bits: int, group_size: GroupSize) -> tuple[QuantSpec, int | None]:
         QuantSpec(bits=bits, group_size=group_size)
         raise AssertionError("an unhashable group_size passed QuantSpec") from None
     spec = QuantSpec(bits=bits, group_size=group_size)
-    entry = _SPECS[key] = (spec, None if spec.per_tensor else spec.group_size)
-    return entry
+    return _SPECS.remember(key, (spec, None if spec.per_tensor else spec.group_size))
 
 
 def _ops(backend: str | None, device: torch.device) -> dict[str, torch._ops.OpOverload]:

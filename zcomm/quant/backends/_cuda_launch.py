@@ -56,17 +56,17 @@ class _DevicePerm:
 _DEVICE_PERMS: dict[tuple[tuple[int, ...], int], _DevicePerm] = {}
 
 
-def _ptr(t: torch.Tensor) -> np.uint64:
-    return np.uint64(t.data_ptr())
-
-
-# [Note: launch arguments] cupy passes numpy scalars by value at their own width (a Python int
-# would go as 64 bits whatever the kernel declares). The integer arguments that depend only on
-# the call's sizes are made by ``_i64`` (numpy's constructor itself: no Python frame) or, for
-# the tuples every launch of one size repeats, looked up from ``_sizes`` (made once per sizes);
-# only the tensors' addresses are new per launch.
-_i64 = np.int64
-_U64_ZERO = np.uint64(0)
+# [Note: launch arguments] cupy passes numpy scalars by value at their own width, and a Python
+# int as a 64-bit integer whatever the kernel declares (cupy's argument conversion makes it a
+# ``numpy.int64``, which raises for 2^63 and above). So every argument is a numpy scalar of its
+# parameter's type, except the tensors' addresses: they go as the Python ints ``data_ptr()``
+# returns, into the kernels' 64-bit pointer parameters, where both launchers pass them exactly
+# (cupy's int64 of an address below 2^63 has the address's bytes; the driver launcher packs an
+# int into a 64-bit slot as unsigned, [Note: parameter layout] in zcomm_cuda.driver_launch), and
+# zcomm builds no numpy scalar per address (about 0.2 us each; the driver launcher packs the int
+# as it is, cupy's converts it itself). tests/quant/test_cuda_launch_abi.py
+# holds every launch to this. The integer arguments that depend only on the call's sizes are
+# looked up from ``_sizes`` (made once per sizes), so only the addresses are new per launch.
 _PASSES = (np.int32(TEAMS), np.int32(TILE_ABSMAX), np.int32(TILE_ENCODE))
 
 
@@ -158,7 +158,7 @@ def _encode(source: str, name: str, device: torch.device, jobs: int, group_exten
         passes = _remember(_ENCODER_PASSES, key, device, encoder_passes(jobs, group_extent,
                                                                         _max_blocks(device, source, name)))
     absmax = torch.zeros(jobs, dtype=torch.int32, device=device) if passes[0][0] != TEAMS else None
-    absmax_ptr = _U64_ZERO if absmax is None else _ptr(absmax)
+    absmax_ptr = 0 if absmax is None else absmax.data_ptr()
     for encoder_pass, blocks in passes:
         loader.launch(source, name, device, blocks, THREADS, (*args, absmax_ptr, _PASSES[encoder_pass]))
 
@@ -223,7 +223,7 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> 
         x.device,
         -(-numel // group_size),  # num_groups
         min(group_size, numel),
-        (_ptr(x), *_sizes(numel, group_size), _ptr(out)),
+        (x.data_ptr(), *_sizes(numel, group_size), out.data_ptr()),
     )
 
 
@@ -255,7 +255,7 @@ def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, o
         resolved = _remember(_DECODER_MEMO, key, device,
                              _resolve_dequantize(device, rows, row_nbytes, numel, bits, group_size, out.dtype))
     name, blocks, sizes = resolved
-    loader.launch("dequantize.cu", name, device, blocks, THREADS, (_ptr(payloads), *sizes, _ptr(out)))
+    loader.launch("dequantize.cu", name, device, blocks, THREADS, (payloads.data_ptr(), *sizes, out.data_ptr()))
 
 
 def _resolve_dequantize(device: torch.device, rows: int, row_nbytes: int, numel: int, bits: int, group_size: int,
@@ -291,12 +291,12 @@ def reorder_quantize(
     name, registers_name, jobs, extent, slice_args, part_args, layout = resolved
     device_perm = _device_perm(perm, x.device)
     if flat:
-        source = (_ptr(x), _ptr(device_perm), *slice_args)
+        source = (x.data_ptr(), device_perm.data_ptr(), *slice_args)
     else:
-        source = (_ptr(_device_table(xs, parts)), *part_args, _ptr(device_perm), *slice_args)
+        source = (_device_table(xs, parts).data_ptr(), *part_args, device_perm.data_ptr(), *slice_args)
         if registers_name is not None and out.data_ptr() % _RUN_BYTES[bits] == 0:  # [Note: register kernel]
             name = registers_name
-    _encode("reorder_quantize.cu", name, x.device, jobs, extent, (*source, *layout, _ptr(out)))
+    _encode("reorder_quantize.cu", name, x.device, jobs, extent, (*source, *layout, out.data_ptr()))
 
 
 # (dtype, bits, device index, flat, tensors, parts, part_numel, len(perm), num_chunks, group_size,
@@ -392,7 +392,7 @@ def _reduction_args(payloads: torch.Tensor, numel: int, group_size: int, divide_
     ``acc / float32(divide_by)``); a Python float would reach the kernel as a double.
     """
     rows, row_nbytes = payloads.shape
-    return (_ptr(payloads), *_sizes(row_nbytes, numel, group_size, rows), _fp32(divide_by))
+    return (payloads.data_ptr(), *_sizes(row_nbytes, numel, group_size, rows), _fp32(divide_by))
 
 
 @lru_cache(maxsize=256)
@@ -413,7 +413,7 @@ def dequant_reduce(
         resolved = _remember(_DECODER_MEMO, key, device, _resolve_dequant_reduce(
             device, rows, row_nbytes, numel, bits, group_size, divide_by, out.dtype))
     name, blocks, sizes = resolved
-    loader.launch("dequant_reduce.cu", name, device, blocks, THREADS, (_ptr(payloads), *sizes, _ptr(out)))
+    loader.launch("dequant_reduce.cu", name, device, blocks, THREADS, (payloads.data_ptr(), *sizes, out.data_ptr()))
 
 
 def _resolve_dequant_reduce(device: torch.device, rows: int, row_nbytes: int, numel: int, bits: int,
@@ -436,5 +436,5 @@ def dequant_reduce_requant(
         payloads.device,
         -(-chunk // group_size) * chunks,  # num_groups of every chunk
         min(group_size, chunk),
-        (*_reduction_args(payloads, numel, group_size, divide_by), *_sizes(chunks, chunk_nbytes), _ptr(out)),
+        (*_reduction_args(payloads, numel, group_size, divide_by), *_sizes(chunks, chunk_nbytes), out.data_ptr()),
     )
