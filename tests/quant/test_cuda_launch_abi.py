@@ -128,4 +128,7 @@ def test_launch_arguments_match_kernel_parameters(kernel_params, launches, monke
         assert 2 <= addresses <= 5, (name, args)  # an input, an output, the encoders' group_absmax, a perm, a table
     assert sum("_wide_" in name for _, name, _ in launches) == (2 * 3 * (1 if group_size <= 4096 else 2) if wide else 0)
     # the interleaved form's register kernel ([Note: register kernel]) for groups held in registers
-    assert sum("_regs_" in name for _, name, _ in launches) == (3 if group_size <= 1024 and not wide else 0)
+    registers = group_size <= 1024 and not wide
+    assert sum("_interleaved_regs_" in name for _, name, _ in launches) == (3 if registers else 0)
+    # and dequant_reduce's, on 32-bit indices, for the divisor 2.0 ([Note: narrow requant])
+    assert sum("_requant_regs_pow2_" in name for _, name, _ in launches) == (2 * 3 if registers else 0)
