@@ -617,13 +617,13 @@ def test_fp16_rounding_of_decoded_values(backend, group_size):
 # ---- The re-quantizing kernel of the register scheme on 32-bit indices ----
 # ([Note: narrow requant] in requant_rounds.cuh.) The host check runs its cursor, spans and
 # source (NarrowPayloadSum: rows outer, the input group by the launcher's multiplier) for the
-# divisor mode the kernel's dispatch picks, and the launcher's choice of the kernel
-# (narrow_requant, divisor_mode) is checked against the kernel's own conditions. Cases: teams
-# of every width (groups of 8 to 1024: 1 to 32 lanes, some lanes a run short), power-of-two
-# and other group sizes (the multiplier's shift and its general case), one to several chunks
-# whose groups cross input groups (a tail scale), k from 1 (random bytes: NaN, Inf, subnormal
-# scales) to several rows, every divisor mode, and sizes the kernel does not take (groups
-# past the registers, a chunk off whole runs).
+# divisor mode the kernel's dispatch picks, with the launcher's sizes (narrow_requant_sizes);
+# the launcher's choice of the kernel (narrow_requant, divisor_mode) and its sizes are checked
+# against the kernel's own conditions. Cases: teams of every width (groups of 8 to 1024: 1 to
+# 32 lanes, some lanes a run short), power-of-two and other group sizes (the multiplier's
+# shift and its general case), one to several chunks whose groups cross input groups (a tail
+# scale), k from 1 (random bytes: NaN, Inf, subnormal scales) to several rows, every divisor
+# mode, and sizes the kernel does not take (groups past the registers, a chunk off whole runs).
 NARROW_CASES = [
     # (bits, out_bits, group_size, numel, chunks)
     (8, 8, 8, 5 * 64, 5),
@@ -650,9 +650,12 @@ def test_requant_register_kernel(host_check, tmp_path, bits, out_bits, group_siz
     magic, shift = cuda_launch.magic_divisor(group_size, False)
     src, dst = tmp_path / "in.bin", tmp_path / "out.bin"
     src.write_bytes(_bytes(payloads))
-    args = ["requant_regs", bits, group_size, numel, k, _fp32_hex(divide_by), chunks, out_bits, magic, shift, src, dst]
+    sizes = ",".join(map(str, cuda_launch.narrow_requant_sizes(numel, chunks, group_size, bits, out_bits)))
+    args = ["requant_regs", bits, group_size, numel, k, _fp32_hex(divide_by), chunks, out_bits, magic, shift, sizes,
+            src, dst]
     done = subprocess.run([str(host_check), *map(str, args)], check=True, capture_output=True, text=True)
     flags = dict(item.split("=") for item in done.stdout.split())
+    assert flags["sizes"] == "1"  # the launcher's sizes are the kernel's ([Note: narrow sizes])
     chunk = numel // chunks
     out_row = zq.payload_nbytes(chunk, out_bits, group_size)
     narrow = cuda_launch.narrow_requant(numel, chunk, group_size, bits, out_bits, payloads.shape[1], out_row)
@@ -677,3 +680,18 @@ def test_requant_register_cases_cover_the_kernel():
             tails += chunk % group_size != 0 and chunks > 1
     assert {1, 2, 4, 8, 16, 32} <= {1 << (n - 1).bit_length() for n in lanes}
     assert tails > 0 and narrow == {True, False}
+
+
+def test_requant_register_kernel_checks_its_sizes(host_check, tmp_path):
+    """Sizes other than the kernel's own ([Note: narrow sizes]) are refused (the kernel traps)."""
+    numel, chunks, group_size = 3 * 1344, 3, 256
+    payloads = make_payloads(numel, group_size, 8, k=2, seed=5)
+    src, dst = tmp_path / "in.bin", tmp_path / "out.bin"
+    src.write_bytes(_bytes(payloads))
+    magic, shift = cuda_launch.magic_divisor(group_size, False)
+    good = cuda_launch.narrow_requant_sizes(numel, chunks, group_size, 8, 8)
+    for wrong in range(4):
+        sizes = ",".join(str(v + 4 * (i == wrong)) for i, v in enumerate(good))
+        args = ["requant_regs", 8, group_size, numel, 2, _fp32_hex(1.0), chunks, 8, magic, shift, sizes, src, dst]
+        done = subprocess.run([str(host_check), *map(str, args)], check=True, capture_output=True, text=True)
+        assert done.stdout.split() == ["narrow=1", "mode=3", "sizes=0"] and not dst.exists(), wrong

@@ -52,10 +52,12 @@ ZC_FOR_EACH_BITS_PAIR(ZC_DEQUANT_REDUCE_REQUANT)
 #define ZC_DEQUANT_REDUCE_REQUANT_REGS_AS(IN_BITS, OUT_BITS, TAG, MODE)                               \
     extern "C" __global__ void zc_dequant_reduce_requant_regs_##TAG##_int##IN_BITS##_int##OUT_BITS(    \
         const zc::u8* payloads, zc::i64 stride, zc::i64 numel, zc::i64 group_size, zc::u64 group_magic, \
-        int group_shift, zc::i64 k, float divisor, zc::i64 num_chunks, zc::i64 out_stride, zc::u8* out) { \
+        int group_shift, zc::i64 k, float divisor, zc::i64 num_chunks, zc::i64 out_stride, zc::u8* out, \
+        zc::i64 chunk_numel, zc::i64 groups_per_chunk, zc::i64 in_scales, zc::i64 out_scales) {        \
         const zc::PayloadRows<IN_BITS> rows{payloads, stride, numel, group_size};                     \
         const zc::ChunkLayout<OUT_BITS> layout{out, numel / num_chunks, num_chunks, group_size, out_stride}; \
-        zc::requantize_narrow<MODE>(rows, k, divisor, layout, group_magic, group_shift);              \
+        const zc::NarrowSizes sizes{chunk_numel, groups_per_chunk, in_scales, out_scales};            \
+        zc::requantize_narrow<MODE>(rows, k, divisor, layout, group_magic, group_shift, sizes);       \
     }
 
 #define ZC_DEQUANT_REDUCE_REQUANT_REGS(IN_BITS, OUT_BITS)                        \

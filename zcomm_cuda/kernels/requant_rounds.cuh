@@ -10,7 +10,8 @@
 // words: the team's held sums (RegisterLane), a cursor of 32-bit (row, group) pairs
 // (NarrowJobCursor), the spans of a vector layout (NarrowChunks), the rows' sums with 32-bit
 // offsets and the input group by a multiplication (NarrowPayloadSum), and nothing the round
-// can recompute cheaply ([Note: per-round lanes]): under 80 registers, three blocks per SM.
+// can recompute cheaply ([Note: per-round lanes]) or read from its parameters ([Note: narrow
+// sizes]): at most 72 registers, three blocks per SM, and 64 for INT4 inputs, four.
 // The arithmetic is the general kernel's: the same rows-outer sums (add_row_runs, shared
 // with PayloadSum: [Note: rows outer] in sources.cuh), the same RegisterLane and team
 // maximum, so the bytes are the same (the host check runs this kernel's cursor, spans and
@@ -39,10 +40,10 @@ template <int BITS, int MODE> struct NarrowPayloadSum {
     MagicDivisor<false> group;
     float divisor;  // kByReciprocal: its exact reciprocal
 
-    ZC_HD NarrowPayloadSum(const u8* base_, i64 stride_, i64 numel, i64 count_, MagicDivisor<false> group_,
+    ZC_HD NarrowPayloadSum(const u8* base_, i64 stride_, i64 scales_, i64 count_, MagicDivisor<false> group_,
                            float divisor_)
         : base(base_), stride(static_cast<u32>(stride_)), count(static_cast<u32>(count_)),
-          scales(static_cast<u32>(scales_offset(numel, BITS))), group(group_), divisor(divisor_) {
+          scales(static_cast<u32>(scales_)), group(group_), divisor(divisor_) {
         float reciprocal;
         if (MODE == kByReciprocal && exact_reciprocal(divisor_, reciprocal)) divisor = reciprocal;
     }
@@ -88,12 +89,6 @@ template <int BITS> struct NarrowChunks {
     u32 row_stride;
     u32 scales;  // scales_offset(chunk_numel, BITS)
 
-    ZC_HD explicit NarrowChunks(const ChunkLayout<BITS>& layout)
-        : out(layout.out), chunk_numel(static_cast<u32>(layout.chunk_numel)),
-          num_chunks(static_cast<u32>(layout.num_chunks)), group_size(static_cast<u32>(layout.group_size)),
-          row_stride(static_cast<u32>(layout.row_stride)),
-          scales(static_cast<u32>(scales_offset(layout.chunk_numel, BITS))) {}
-
     // ChunkLayout::span(row, group) for the register scheme (pad_len is 0: see
     // GroupSpan::write_scale_word).
     ZC_HD GroupSpan span(u32 row, u32 group) const {
@@ -136,6 +131,20 @@ struct NarrowJobCursor {
     }
 };
 
+// The sizes of [Note: narrow sizes].
+struct NarrowSizes {
+    i64 chunk_numel;
+    i64 groups_per_chunk;
+    i64 in_scales;   // scales_offset(numel, IN_BITS)
+    i64 out_scales;  // scales_offset(chunk_numel, OUT_BITS)
+
+    template <int IN_BITS, int OUT_BITS>
+    ZC_HD bool describe(const PayloadRows<IN_BITS>& rows, const ChunkLayout<OUT_BITS>& layout) const {
+        return chunk_numel == layout.chunk_numel && groups_per_chunk == layout.groups_per_chunk() &&
+               in_scales == scales_offset(rows.numel, IN_BITS) && out_scales == scales_offset(chunk_numel, OUT_BITS);
+    }
+};
+
 #ifdef __CUDACC__
 // [Note: per-round lanes] The team's width and a lane's place in it are the same in every
 // round, so the compiler hoists what it derives from them out of the round loop and holds it
@@ -152,15 +161,15 @@ template <class T> __device__ __forceinline__ T per_round(T x) {
 
 // encode_rounds<true> (group_encoder.cuh) over NarrowChunks and NarrowJobCursor.
 template <int BITS, class Source>
-__device__ __forceinline__ void encode_narrow_rounds(const Source& src, const ChunkLayout<BITS>& wide_layout) {
-    const NarrowChunks<BITS> layout(wide_layout);
+__device__ __forceinline__ void encode_narrow_rounds(const Source& src, const NarrowChunks<BITS>& layout,
+                                                     const ChunkLayout<BITS>& wide_layout, u32 groups_per_chunk) {
     const int lanes = team_lanes(wide_layout.group_extent());
     const int warp_lane = static_cast<int>(threadIdx.x & 31u);
     const int lane = warp_lane & (lanes - 1);
     const u32 warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const TeamWalk walk(wide_layout.jobs(), lanes, static_cast<i64>(gridDim.x) * blockDim.x / 32);
     NarrowJobCursor job(warp * walk.teams_per_warp + warp_lane / lanes, walk.num_warps * walk.teams_per_warp,
-                        wide_layout.groups_per_chunk());
+                        groups_per_chunk);
     // the warp's rounds warp, warp + num_warps, ... < walk.rounds, counted down
     for (u32 rounds = walk.rounds > warp ? static_cast<u32>((walk.rounds - warp - 1) / walk.num_warps + 1) : 0;
          rounds > 0; --rounds, job.advance()) {
@@ -175,17 +184,25 @@ __device__ __forceinline__ void encode_narrow_rounds(const Source& src, const Ch
     }
 }
 
-// The narrow kernel's body for the divisor mode MODE. The launcher picks the kernel
-// (narrow_requant and divisor_mode in _cuda_launch.py, and the buffers' alignment; the host
-// check runs the same choice). A divisor of another mode would give wrong bytes silently, so
-// the kernel traps on one; a buffer off its vector alignment faults on its first load.
+// [Note: narrow sizes] The kernel's per-launch sizes derived from its arguments (a chunk's
+// elements and groups, the scales' offsets in an input and an output row) come from the
+// launcher (_resolve_requant in _cuda_launch.py) as arguments too: the kernel reads them
+// from its parameter space where it uses them, where values it computed itself would each
+// hold a register for the whole kernel: with these four, the INT4-input kernels need 64
+// registers (four blocks per SM) instead of 69-70 (three). They are checked once against the
+// computation, as is the divisor's mode (a divisor of another mode would give wrong bytes):
+// the kernel traps on a mismatch. A buffer off its vector alignment faults on its first load.
 template <int MODE, int OUT_BITS, int IN_BITS>
 __device__ void requantize_narrow(const PayloadRows<IN_BITS>& rows, i64 k, float divisor,
-                                  const ChunkLayout<OUT_BITS>& layout, u64 group_magic, int group_shift) {
-    if (divisor_mode(divisor) != MODE) __trap();
+                                  const ChunkLayout<OUT_BITS>& wide, u64 group_magic, int group_shift,
+                                  const NarrowSizes& sizes) {
+    if (divisor_mode(divisor) != MODE || !sizes.describe(rows, wide)) __trap();
     const MagicDivisor<false> group(rows.group_size, group_magic, group_shift);
-    encode_narrow_rounds<OUT_BITS>(NarrowPayloadSum<IN_BITS, MODE>(rows.base, rows.stride, rows.numel, k, group, divisor),
-                                   layout);
+    const NarrowPayloadSum<IN_BITS, MODE> src(rows.base, rows.stride, sizes.in_scales, k, group, divisor);
+    const NarrowChunks<OUT_BITS> layout{wide.out, static_cast<u32>(sizes.chunk_numel), static_cast<u32>(wide.num_chunks),
+                                        static_cast<u32>(wide.group_size), static_cast<u32>(wide.row_stride),
+                                        static_cast<u32>(sizes.out_scales)};
+    encode_narrow_rounds<OUT_BITS>(src, layout, wide, static_cast<u32>(sizes.groups_per_chunk));
 }
 #endif
 

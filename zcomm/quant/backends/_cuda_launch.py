@@ -25,6 +25,8 @@ import torch
 
 from zcomm_cuda import loader
 
+from .. import wire_format
+
 
 THREADS = 256
 WARPS_PER_BLOCK = THREADS // 32
@@ -433,11 +435,12 @@ def dequant_reduce_requant(
     resolved = _REQUANT_MEMO.get(key)
     if resolved is None:
         resolved = _remember(_REQUANT_MEMO, key, payloads.device, _resolve_requant(key))
-    name, narrow_name, jobs, extent, sizes, narrow_sizes = resolved
+    name, narrow_name, jobs, extent, sizes, narrow_sizes, narrow_tail = resolved
     src, dst = payloads.data_ptr(), out.data_ptr()
     if narrow_name is not None and src % _RUN_BYTES[bits] == 0 and dst % _RUN_BYTES[out_bits] == 0:
         blocks = _cap(-(-jobs // WARPS_PER_BLOCK), _max_blocks(payloads.device, "dequant_reduce.cu", narrow_name))
-        loader.launch("dequant_reduce.cu", narrow_name, payloads.device, blocks, THREADS, (src, *narrow_sizes, dst))
+        loader.launch("dequant_reduce.cu", narrow_name, payloads.device, blocks, THREADS,
+                      (src, *narrow_sizes, dst, *narrow_tail))
         return
     _encode("dequant_reduce.cu", name, payloads.device, jobs, extent, (src, *sizes, dst))
 
@@ -454,13 +457,23 @@ def _resolve_requant(key: tuple) -> tuple:
     name = _name("zc_dequant_reduce_requant_int{}_int{}", bits, out_bits)
     divisor = _fp32(divide_by)
     sizes = (*_sizes(row_nbytes, numel, group_size, rows), divisor, *_sizes(chunks, chunk_nbytes))
-    narrow_name, narrow_sizes = None, ()
+    narrow_name, narrow_sizes, narrow_tail = None, (), ()
     if narrow_requant(numel, chunk, group_size, bits, out_bits, row_nbytes, chunk_nbytes):
         narrow_name = _name("zc_dequant_reduce_requant_regs_{}_int{}_int{}", _MODE_TAG[divisor_mode(divisor)], bits,
                             out_bits)
         narrow_sizes = (*_sizes(row_nbytes, numel, group_size), *_magic_args(group_size, False), np.int64(rows),
                         divisor, *_sizes(chunks, chunk_nbytes))
-    return name, narrow_name, -(-chunk // group_size) * chunks, min(group_size, chunk), sizes, narrow_sizes
+        narrow_tail = _sizes(*narrow_requant_sizes(numel, chunks, group_size, bits, out_bits))
+    return (name, narrow_name, -(-chunk // group_size) * chunks, min(group_size, chunk), sizes, narrow_sizes,
+            narrow_tail)
+
+
+def narrow_requant_sizes(numel: int, chunks: int, group_size: int, bits: int, out_bits: int) -> tuple[int, ...]:
+    """The narrow kernel's sizes ([Note: narrow sizes] in kernels/requant_rounds.cuh): a chunk's
+    elements and groups, and the scales' offsets in an input row and in an output row."""
+    chunk = numel // chunks
+    return (chunk, wire_format.num_groups(chunk, group_size), wire_format.scales_offset(numel, bits),
+            wire_format.scales_offset(chunk, out_bits))
 
 
 def narrow_requant(numel: int, chunk: int, group_size: int, bits: int, out_bits: int, row_nbytes: int,
