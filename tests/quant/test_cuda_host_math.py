@@ -636,6 +636,8 @@ NARROW_CASES = [
     (4, 4, 512, 6 * 512, 3),
     (4, 8, 520, 4 * 520, 2),
     (8, 8, 1024, 2 * 1040, 2),
+    (4, 4, 256, 7 * 1280, 7),  # 5 groups per chunk: the cursor's step of 12 jobs carries into the next row
+    (8, 4, 96, 6 * 480, 6),  # 5 groups per chunk, a step of 24 jobs
     (8, 8, 1032, 2 * 1032, 2),  # past the registers: the general kernel
     (8, 4, 64, 3 * 100, 3),  # chunks of 100 elements: not whole runs
 ]
