@@ -87,6 +87,7 @@ class Loop:
     functions: frozenset[str]
     divisions: int  # fp32 division sequences (each has one FCHK range check)
     shuffles: int
+    loads: int  # global loads of any width
     innermost: bool
     cold: int  # instructions of COLD functions (their branch is not taken for plain groups)
 
@@ -196,6 +197,7 @@ def _loops(listing: list, owners: dict) -> list[Loop]:
             functions=frozenset(owners[w] for _, w, _ in body if w in owners and owners[w] not in COLD),
             divisions=sum(1 for text, _, cold in body if not cold and re.search(r"\bFCHK\b", text)),
             shuffles=sum(1 for text, _, _ in body if re.search(r"\bSHFL\.", text)),
+            loads=sum(1 for text, _, _ in body if re.search(r"\bLDG\.", text)),
             innermost=not any(o != (start, end) and start <= o[0] and o[1] <= end for o in spans),
             cold=sum(1 for _, _, cold in body if cold),
         ))
@@ -229,8 +231,10 @@ def _round_per_element(kernel: str, loops: list[Loop]) -> float | None:
     decoder = kernel.startswith("zc_dequantize") or (kernel.startswith("zc_dequant_reduce_") and "requant" not in kernel)
     if decoder:
         return None
-    rounds = [l for l in loops if l.shuffles and ("RegisterLane" in l.functions
-                                                  or {"lane_absmax", "encode_group_lane"} <= l.functions)]
+    # A round reads its group: a span with shuffles but no load is a branch from code placed
+    # after the loop (the cold path) back into its tail, not the round loop.
+    rounds = [l for l in loops if l.shuffles and l.loads and ("RegisterLane" in l.functions
+                                                             or {"lane_absmax", "encode_group_lane"} <= l.functions)]
     if not rounds:
         return None
     registers = [l for l in rounds if "RegisterLane" in l.functions]

@@ -612,3 +612,88 @@ def test_fp16_rounding_of_decoded_values(backend, group_size):
     got = out.view(torch.int16).cpu().numpy().view(np.uint16)
     bad = np.flatnonzero(got != expected)
     assert bad.size == 0, [(hex(scales[i // group_size]), hex(got[i]), hex(expected[i])) for i in bad[:8]]
+
+
+# ---- The re-quantizing kernel of the register scheme on 32-bit indices ----
+# ([Note: narrow requant] in requant_rounds.cuh.) The host check runs its cursor, spans and
+# source (NarrowPayloadSum: rows outer, the input group by the launcher's multiplier) for the
+# divisor mode the kernel's dispatch picks, with the launcher's sizes (narrow_requant_sizes);
+# the launcher's choice of the kernel (narrow_requant, divisor_mode) and its sizes are checked
+# against the kernel's own conditions. Cases: teams of every width (groups of 8 to 1024: 1 to
+# 32 lanes, some lanes a run short), power-of-two and other group sizes (the multiplier's
+# shift and its general case), one to several chunks whose groups cross input groups (a tail
+# scale), k from 1 (random bytes: NaN, Inf, subnormal scales) to several rows, every divisor
+# mode, and sizes the kernel does not take (groups past the registers, a chunk off whole runs).
+NARROW_CASES = [
+    # (bits, out_bits, group_size, numel, chunks)
+    (8, 8, 8, 5 * 64, 5),
+    (8, 4, 40, 24 * 40, 3),
+    (4, 4, 96, 4000, 4),
+    (4, 8, 96, 3840, 1),
+    (8, 8, 256, 3 * 1344, 3),
+    (8, 4, 256, 3 * 1344, 3),
+    (8, 4, 256, 12 * 256, 2),
+    (4, 4, 512, 6 * 512, 3),
+    (4, 8, 520, 4 * 520, 2),
+    (8, 8, 1024, 2 * 1040, 2),
+    (4, 4, 256, 7 * 1280, 7),  # 5 groups per chunk: the cursor's step of 12 jobs carries into the next row
+    (8, 4, 96, 6 * 480, 6),  # 5 groups per chunk, a step of 24 jobs
+    (8, 8, 1032, 2 * 1032, 2),  # past the registers: the general kernel
+    (8, 4, 64, 3 * 100, 3),  # chunks of 100 elements: not whole runs
+]
+NARROW_MODES = {"one": 3, "reciprocal": 1, "division": 2}  # DivisorMode in sources.cuh
+
+
+@pytest.mark.parametrize("divide_by", (1.0, 4.0, 0.25, 2.0**-126, 2.0**126, 3.0, 0.1))
+@pytest.mark.parametrize("k", (1, 2, 5))
+@pytest.mark.parametrize("bits,out_bits,group_size,numel,chunks", NARROW_CASES)
+def test_requant_register_kernel(host_check, tmp_path, bits, out_bits, group_size, numel, chunks, k, divide_by):
+    payloads = make_payloads(numel, group_size, bits, k=k, seed=numel + 11 * k)
+    magic, shift = cuda_launch.magic_divisor(group_size, False)
+    src, dst = tmp_path / "in.bin", tmp_path / "out.bin"
+    src.write_bytes(_bytes(payloads))
+    sizes = ",".join(map(str, cuda_launch.narrow_requant_sizes(numel, chunks, group_size, bits, out_bits)))
+    args = ["requant_regs", bits, group_size, numel, k, _fp32_hex(divide_by), chunks, out_bits, magic, shift, sizes,
+            src, dst]
+    done = subprocess.run([str(host_check), *map(str, args)], check=True, capture_output=True, text=True)
+    flags = dict(item.split("=") for item in done.stdout.split())
+    assert flags["sizes"] == "1"  # the launcher's sizes are the kernel's ([Note: narrow sizes])
+    chunk = numel // chunks
+    out_row = zq.payload_nbytes(chunk, out_bits, group_size)
+    narrow = cuda_launch.narrow_requant(numel, chunk, group_size, bits, out_bits, payloads.shape[1], out_row)
+    assert flags["narrow"] == str(int(narrow))
+    assert int(flags["mode"]) == NARROW_MODES[cuda_launch.divisor_mode(np.float32(divide_by))]
+    if narrow:
+        expected = zq.dequant_reduce(payloads, numel, bits, group_size, requant_chunks=chunks, requant_bits=out_bits,
+                                     divide_by=divide_by, backend="reference")
+        assert dst.read_bytes() == _bytes(expected)
+
+
+def test_requant_register_cases_cover_the_kernel():
+    """NARROW_CASES run the narrow kernel at every team width, with a tail scale, and leave it."""
+    lanes, tails, narrow = set(), 0, set()
+    for bits, out_bits, group_size, numel, chunks in NARROW_CASES:
+        chunk = numel // chunks
+        row, out_row = zq.payload_nbytes(numel, bits, group_size), zq.payload_nbytes(chunk, out_bits, group_size)
+        taken = cuda_launch.narrow_requant(numel, chunk, group_size, bits, out_bits, row, out_row)
+        narrow.add(taken)
+        if taken:
+            lanes.add(min(32, max(1, -(-min(group_size, chunk) // (8 * RUNS_PER_LANE)))))
+            tails += chunk % group_size != 0 and chunks > 1
+    assert {1, 2, 4, 8, 16, 32} <= {1 << (n - 1).bit_length() for n in lanes}
+    assert tails > 0 and narrow == {True, False}
+
+
+def test_requant_register_kernel_checks_its_sizes(host_check, tmp_path):
+    """Sizes other than the kernel's own ([Note: narrow sizes]) are refused (the kernel traps)."""
+    numel, chunks, group_size = 3 * 1344, 3, 256
+    payloads = make_payloads(numel, group_size, 8, k=2, seed=5)
+    src, dst = tmp_path / "in.bin", tmp_path / "out.bin"
+    src.write_bytes(_bytes(payloads))
+    magic, shift = cuda_launch.magic_divisor(group_size, False)
+    good = cuda_launch.narrow_requant_sizes(numel, chunks, group_size, 8, 8)
+    for wrong in range(4):
+        sizes = ",".join(str(v + 4 * (i == wrong)) for i, v in enumerate(good))
+        args = ["requant_regs", 8, group_size, numel, 2, _fp32_hex(1.0), chunks, 8, magic, shift, sizes, src, dst]
+        done = subprocess.run([str(host_check), *map(str, args)], check=True, capture_output=True, text=True)
+        assert done.stdout.split() == ["narrow=1", "mode=3", "sizes=0"] and not dst.exists(), wrong

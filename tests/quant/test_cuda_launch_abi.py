@@ -128,4 +128,31 @@ def test_launch_arguments_match_kernel_parameters(kernel_params, launches, monke
         assert 2 <= addresses <= 5, (name, args)  # an input, an output, the encoders' group_absmax, a perm, a table
     assert sum("_wide_" in name for _, name, _ in launches) == (2 * 3 * (1 if group_size <= 4096 else 2) if wide else 0)
     # the interleaved form's register kernel ([Note: register kernel]) for groups held in registers
-    assert sum("_regs_" in name for _, name, _ in launches) == (3 if group_size <= 1024 and not wide else 0)
+    registers = group_size <= 1024 and not wide
+    assert sum("_interleaved_regs_" in name for _, name, _ in launches) == (3 if registers else 0)
+    # and dequant_reduce's, on 32-bit indices, for the divisor 2.0 ([Note: narrow requant])
+    assert sum("_requant_regs_pow2_" in name for _, name, _ in launches) == (2 * 3 if registers else 0)
+
+
+def test_requant_takes_the_narrow_kernel_of_its_divisor(launches, monkeypatch):
+    """dequant_reduce_requant's choice ([Note: narrow requant]): the register scheme's kernel of the
+    divisor's mode when the groups are held in registers, both buffers have the vector layout and
+    the input has at most WIDE_NUMEL elements; the general kernel otherwise."""
+    numel, group_size, chunks = 3 * 1344, 256, 3  # chunks of 5.25 groups, whole runs
+    row, out_row = payload_nbytes(numel, 8, group_size), payload_nbytes(numel // chunks, 4, group_size)
+    payloads, out = torch.zeros(2, row, dtype=torch.uint8), torch.empty(chunks, out_row, dtype=torch.uint8)
+    for divide_by, mode in ((1.0, "one"), (8.0, "pow2"), (0.5, "pow2"), (2.0**126, "pow2"), (3.0, "div"),
+                            (2.0**127, "div"), (0.1, "div")):
+        cuda_launch.dequant_reduce_requant(payloads, numel, 8, 4, group_size, divide_by, out)
+        assert launches[-1][1] == f"zc_dequant_reduce_requant_regs_{mode}_int8_int4", divide_by
+    general = "zc_dequant_reduce_requant_int8_int4"
+    shifted = torch.zeros(2 * row + 8, dtype=torch.uint8)[4 : 4 + 2 * row].view(2, row)  # off the 8-byte runs
+    cuda_launch.dequant_reduce_requant(shifted, numel, 8, 4, group_size, 1.0, out)
+    assert launches[-1][1] == general
+    wide_out = torch.empty(1, payload_nbytes(2 * 2048, 4, 2048), dtype=torch.uint8)  # groups past the registers
+    cuda_launch.dequant_reduce_requant(torch.zeros(2, payload_nbytes(4096, 8, 2048), dtype=torch.uint8), 4096, 8, 4,
+                                       2048, 1.0, wide_out)
+    assert launches[-1][1] == general
+    monkeypatch.setattr(cuda_launch, "WIDE_NUMEL", numel - 1)  # more elements than 32-bit indices serve
+    cuda_launch.dequant_reduce_requant(payloads, numel, 8, 4, group_size, 1.0, out)
+    assert launches[-1][1] == general

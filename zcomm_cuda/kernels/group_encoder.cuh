@@ -453,9 +453,15 @@ template <int BITS, class Source> struct RegisterLane {
         const int len = static_cast<int>(s.len);  // <= kRegisterMaxGroup: int offsets suffice
         if constexpr (Source::kLaneRuns) {
             return held.load_lane(src, s.first, lane, lanes, len);
+        } else {
+            return load_each(src, s.first, lane, lanes, len);
         }
+    }
+
+    // load() of a source that loads its runs one at a time.
+    ZC_HD u32 load_each(const Source& src, i64 first, int lane, int lanes, int len) {
         TwoSidedMax m = held.start();
-        i64 j = s.first + 8 * lane;  // run i's first element: s.first + e
+        i64 j = first + 8 * lane;  // run i's first element: first + e
         // [Note: held runs] Unrolled, so that the held runs are indexed by constants only
         // and stay in registers: a loop the compiler kept would index them at run time and
         // put them on the stack.

@@ -254,6 +254,47 @@ template <int BITS> struct PayloadRows {
     }
 };
 
+// How many of a lane's runs (at elements 8 * (lane + lanes * i), i < N) start before `end`:
+// the runs a job holds (end = its length) or those before an input group's end (end =
+// split). Since a lane's runs increase with i, run i is among them exactly when i is below
+// the count, which add_row_runs tests against constants.
+template <int N> ZC_HD int runs_before(int end, int lane, int lanes) {
+    int runs = 0;
+#pragma unroll
+    for (int i = 0; i < N; ++i) runs += 8 * (lane + lanes * i) < end ? 1 : 0;
+    return runs;
+}
+
+// One row's values of a lane's runs ([Note: rows outer] in PayloadSum), stored (FIRST) or
+// added to v: runs i < `runs` at elements 8 * (lane + lanes * i) of a job whose codes start
+// `values` bytes into the row; runs i < `head_runs` take the scale that is the word `head`
+// bytes into the row, the others the next word (runs_before counts both). U is the offsets'
+// word (i64, or u32 for the narrow kernel: [Note: narrow requant] in requant_rounds.cuh).
+template <int BITS, bool FIRST, class U, int N>
+ZC_HD void add_row_runs(const u8* row_bytes, U values, U head, int runs, int head_runs, int lane, int lanes,
+                        float (&v)[N][8]) {
+    const float head_scale = dequantize_scale(bits_float(load_u32(row_bytes + head, true)));  // [Note: vector scales]
+    const float tail_scale =
+        head_runs < runs ? dequantize_scale(bits_float(load_u32(row_bytes + head + 4, true))) : head_scale;
+    constexpr int per_byte = Bits<BITS>::kElementsPerByte;
+    const u8* codes = row_bytes + values + static_cast<U>(8 / per_byte * lane);  // run i: + i * step
+    const U step = static_cast<U>(8 / per_byte * lanes);
+#pragma unroll  // [Note: held runs] in group_encoder.cuh
+    for (int i = 0; i < N; ++i, codes += step) {
+        if (i < runs) {
+            u32 w[Codes8<BITS>::kWords];
+            load_words(w, codes);
+            float q[8];
+            Codes8<BITS>::to_floats(w, q);
+            const float s = i < head_runs ? head_scale : tail_scale;
+            for (int k = 0; k < 8; ++k) {
+                const float d = mul_rn(q[k], s);
+                v[i][k] = FIRST ? d : add_rn(v[i][k], d);
+            }
+        }
+    }
+}
+
 // How PayloadSum divides: decided per element at run time (kAnyDivisor), or fixed by the
 // caller who has checked the divisor once (kByReciprocal: a power of two, [Note: exact
 // reciprocal]; kByDivision: any other; kByOne: 1, where x * 1 is x for every x, so there
@@ -330,38 +371,18 @@ template <int BITS, int MODE = kAnyDivisor> struct PayloadSum {
         const i64 rest = gs - (first - group * gs);  // elements left in the input group
         const int split = rest < len ? static_cast<int>(rest) : len;
         const u8* row_bytes = rows.row(first_row);
-        add_row_runs<true>(row_bytes, first, group, split, lane, lanes, len, v);
+        const i64 values = first / Bits<BITS>::kElementsPerByte;
+        const i64 head = scales_offset(rows.numel, BITS) + 4 * group;
+        const int runs = runs_before<N>(len, lane, lanes);
+        const int head_runs = runs_before<N>(split, lane, lanes);
+        add_row_runs<BITS, true>(row_bytes, values, head, runs, head_runs, lane, lanes, v);
         for (i64 r = 1; r < count; ++r) {
             row_bytes += rows.stride;
-            add_row_runs<false>(row_bytes, first, group, split, lane, lanes, len, v);
+            add_row_runs<BITS, false>(row_bytes, values, head, runs, head_runs, lane, lanes, v);
         }
 #pragma unroll  // [Note: held runs] in group_encoder.cuh
         for (int i = 0; i < N; ++i) {
             for (int k = 0; k < 8; ++k) v[i][k] = finish(v[i][k]);
-        }
-    }
-
-    // One row's values of the lane's runs, stored (FIRST) or added to v (see [Note: rows outer]).
-    template <bool FIRST, int N>
-    ZC_HD void add_row_runs(const u8* row_bytes, i64 first, i64 group, int split, int lane, int lanes, int len,
-                            float (&v)[N][8]) const {
-        const float head = dequantize_scale(rows.scale(row_bytes, group, true));  // [Note: vector scales]
-        const float tail = split < len ? dequantize_scale(rows.scale(row_bytes, group + 1, true)) : head;
-        const u8* values = row_bytes + first / Bits<BITS>::kElementsPerByte;
-#pragma unroll  // [Note: held runs] in group_encoder.cuh
-        for (int i = 0; i < N; ++i) {
-            const int e = 8 * (lane + lanes * i);
-            if (e < len) {
-                u32 w[Codes8<BITS>::kWords];
-                load_words(w, values + e / Bits<BITS>::kElementsPerByte);
-                float q[8];
-                Codes8<BITS>::to_floats(w, q);
-                const float s = e < split ? head : tail;
-                for (int k = 0; k < 8; ++k) {
-                    const float d = mul_rn(q[k], s);
-                    v[i][k] = FIRST ? d : add_rn(v[i][k], d);
-                }
-            }
         }
     }
 

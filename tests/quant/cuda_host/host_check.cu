@@ -36,6 +36,13 @@
 //   host_check dequantize DTYPE BITS GS MISALIGN NUMEL K IN OUT
 //   host_check reduce     DTYPE BITS GS MISALIGN NUMEL K DIVISOR_BITS(hex fp32) M OUT_BITS IN OUT
 //     (reduce: M = 0 stores DTYPE values, M > 0 re-quantizes into M payloads of OUT_BITS)
+//   host_check requant_regs BITS GS NUMEL K DIVISOR_BITS M OUT_BITS GROUP_MAGIC GROUP_SHIFT SIZES IN OUT
+//     (the re-quantizing kernel of the register scheme on 32-bit indices, [Note: narrow
+//     requant]: its cursor, spans and source on aligned buffers, for the divisor mode that
+//     divisor_mode picks, with the launcher's multiplier for GS and its SIZES = CHUNK_NUMEL,
+//     GROUPS_PER_CHUNK,IN_SCALES,OUT_SCALES ([Note: narrow sizes]); prints "narrow=N mode=D
+//     sizes=S": whether the sizes meet the kernel's conditions (N; nothing runs otherwise),
+//     the mode, and whether SIZES are what the kernel checks them against (S))
 // Each simulated thread has its own copy of the source, kept across its rounds and tiles as
 // on the device (the reordering sources remember a stretch per thread: [Note: stretches]).
 // Prints "vec=V tiles=T regs=R teams=D": whether the vector paths were taken (V); for the
@@ -53,6 +60,7 @@
 #include <vector>
 
 #include "group_encoder.cuh"
+#include "requant_rounds.cuh"
 #include "run_decoder.cuh"
 
 using namespace zc;
@@ -391,6 +399,80 @@ template <class T, int BITS> bool run_op(const std::string& op, char** argv, int
     return vec;
 }
 
+// The narrow kernel's rounds (encode_narrow_rounds in requant_rounds.cuh) over the grid of
+// kHostWarps warps, team by team, with its 32-bit cursor and spans: each span is checked
+// against ChunkLayout::span from a division, and its liveness against the job count.
+template <int MODE, int BITS, int OUT_BITS>
+void encode_narrow(const NarrowPayloadSum<BITS, MODE>& src, const ChunkLayout<OUT_BITS>& wide_layout,
+                   const NarrowSizes& sizes) {
+    using Source = NarrowPayloadSum<BITS, MODE>;
+    // as requantize_narrow builds them
+    const NarrowChunks<OUT_BITS> layout{wide_layout.out, static_cast<u32>(sizes.chunk_numel),
+                                       static_cast<u32>(wide_layout.num_chunks), static_cast<u32>(wide_layout.group_size),
+                                       static_cast<u32>(wide_layout.row_stride), static_cast<u32>(sizes.out_scales)};
+    const int lanes = team_lanes(wide_layout.group_extent());
+    const TeamWalk walk(wide_layout.jobs(), lanes, kHostWarps);
+    const i64 groups = sizes.groups_per_chunk;
+    i64 visited = 0;
+    for (i64 warp = 0; warp < kHostWarps; ++warp) {
+        for (int team = 0; team < walk.teams_per_warp; ++team) {
+            NarrowJobCursor job(warp * walk.teams_per_warp + team, walk.num_warps * walk.teams_per_warp, groups);
+            for (i64 round = warp; round < walk.rounds; round += walk.num_warps, job.advance()) {
+                const i64 index = round * walk.teams_per_warp + team;
+                const bool live = job.row < layout.num_chunks;
+                if (live != (index < wide_layout.jobs())) std::abort();
+                if (!live) continue;
+                const GroupSpan s = layout.span(job.row, job.group);
+                if (!same_span(s, wide_layout.span(index / groups, index % groups))) std::abort();
+                std::vector<RegisterLane<OUT_BITS, Source>> held(static_cast<size_t>(lanes));
+                u32 absmax_bits = 0;
+                for (int lane = 0; lane < lanes; ++lane) {
+                    absmax_bits = max_u32(absmax_bits, held[lane].load(src, s, lane, lanes));
+                }
+                for (int lane = 0; lane < lanes; ++lane) held[lane].store(src, s, lane, lanes, absmax_bits);
+                ++visited;
+            }
+        }
+    }
+    if (visited != wide_layout.jobs()) std::abort();
+}
+
+template <int BITS, int OUT_BITS> int run_requant_regs(char** argv) {
+    const i64 gs = std::atoll(argv[3]);
+    const i64 numel = std::atoll(argv[4]);
+    const i64 k = std::atoll(argv[5]);
+    const float divisor = bits_float(static_cast<u32>(std::strtoul(argv[6], nullptr, 16)));
+    const i64 m = std::atoll(argv[7]);
+    const MagicDivisor<false> group(gs, std::strtoull(argv[9], nullptr, 10), std::atoi(argv[10]));
+    const std::vector<i64> s = parse_list(argv[11]);
+    const NarrowSizes sizes{s.at(0), s.at(1), s.at(2), s.at(3)};
+    const i64 stride = payload_bytes(numel, BITS, gs);
+    Buffer in = load_input(argv[12], 0);
+    const PayloadRows<BITS> rows{in.data, stride, numel, gs};
+    const i64 row = payload_bytes(numel / m, OUT_BITS, gs);
+    Buffer out(row * m, 0);
+    const ChunkLayout<OUT_BITS> layout{out.data, numel / m, m, gs, row};
+    const bool narrow = rows.can_vectorize() && layout.can_vectorize() && in_registers(true, layout.group_extent()) &&
+                        numel <= (i64{1} << 31);
+    const int mode = divisor_mode(divisor);
+    const bool described = sizes.describe(rows, layout);  // else the kernel traps
+    if (narrow && described) {
+        const i64 scales = sizes.in_scales;
+        if (mode == kByOne) {
+            encode_narrow(NarrowPayloadSum<BITS, kByOne>(in.data, stride, scales, k, group, divisor), layout, sizes);
+        } else if (mode == kByReciprocal) {
+            encode_narrow(NarrowPayloadSum<BITS, kByReciprocal>(in.data, stride, scales, k, group, divisor), layout,
+                          sizes);
+        } else {
+            encode_narrow(NarrowPayloadSum<BITS, kByDivision>(in.data, stride, scales, k, group, divisor), layout,
+                          sizes);
+        }
+        write_file(argv[13], out.data, row * m);
+    }
+    std::printf("narrow=%d mode=%d sizes=%d\n", narrow ? 1 : 0, mode, described ? 1 : 0);
+    return 0;
+}
+
 template <class T> bool dispatch_bits(const std::string& op, int bits, char** argv, int argc) {
     return bits == 8 ? run_op<T, 8>(op, argv, argc) : run_op<T, 4>(op, argv, argc);
 }
@@ -426,6 +508,11 @@ template <class Input> int run_narrow(u32 count, Input input, const char* out_pa
 }
 
 int main(int argc, char** argv) {
+    if (argc == 14 && std::string(argv[1]) == "requant_regs") {
+        const int bits = std::atoi(argv[2]), out_bits = std::atoi(argv[8]);
+        if (bits == 8) return out_bits == 8 ? run_requant_regs<8, 8>(argv) : run_requant_regs<8, 4>(argv);
+        return out_bits == 8 ? run_requant_regs<4, 8>(argv) : run_requant_regs<4, 4>(argv);
+    }
     if (argc == 7 && std::string(argv[1]) == "divide") {
         return std::atoi(argv[2]) ? run_divide<true>(argv) : run_divide<false>(argv);
     }

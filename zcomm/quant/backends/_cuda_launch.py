@@ -25,6 +25,8 @@ import torch
 
 from zcomm_cuda import loader
 
+from .. import wire_format
+
 
 THREADS = 256
 WARPS_PER_BLOCK = THREADS // 32
@@ -385,19 +387,13 @@ def _device_table(xs: Sequence[torch.Tensor], parts: int) -> torch.Tensor:
     return host.to(xs[0].device, non_blocking=True)
 
 
-def _reduction_args(payloads: torch.Tensor, numel: int, group_size: int, divide_by: float) -> tuple[Any, ...]:
-    """The leading arguments of both dequant_reduce kernels.
+@lru_cache(maxsize=256)
+def _fp32(divide_by: float) -> np.float32:
+    """``divide_by`` as the kernels' fp32 argument, made once per value ([Note: launch arguments]).
 
     The divisor is rounded to fp32 here (round to nearest even, as the wire format says:
     ``acc / float32(divide_by)``); a Python float would reach the kernel as a double.
     """
-    rows, row_nbytes = payloads.shape
-    return (payloads.data_ptr(), *_sizes(row_nbytes, numel, group_size, rows), _fp32(divide_by))
-
-
-@lru_cache(maxsize=256)
-def _fp32(divide_by: float) -> np.float32:
-    """``divide_by`` as the kernels' fp32 argument, made once per value ([Note: launch arguments])."""
     return np.float32(divide_by)
 
 
@@ -427,14 +423,75 @@ def _resolve_dequant_reduce(device: torch.device, rows: int, row_nbytes: int, nu
 def dequant_reduce_requant(
     payloads: torch.Tensor, numel: int, bits: int, out_bits: int, group_size: int, divide_by: float, out: torch.Tensor
 ) -> None:
-    """Sum (and divide) ``k`` payload rows and re-quantize the sum into ``out``'s rows, in one pass."""
+    """Sum (and divide) ``k`` payload rows and re-quantize the sum into ``out``'s rows, in one pass.
+
+    When the encoder holds its groups in registers and the sizes fit 32-bit indices, the
+    register scheme's own kernel for the divisor's mode runs ([Note: narrow requant] in
+    kernels/requant_rounds.cuh); otherwise the general kernel. Everything but the addresses
+    and their alignment is resolved once per sizes (:func:`_resolve_requant`)."""
+    rows, row_nbytes = payloads.shape
     chunks, chunk_nbytes = out.shape
+    key = (payloads.device.index, rows, row_nbytes, numel, bits, out_bits, group_size, divide_by, chunks, chunk_nbytes)
+    resolved = _REQUANT_MEMO.get(key)
+    if resolved is None:
+        resolved = _remember(_REQUANT_MEMO, key, payloads.device, _resolve_requant(key))
+    name, narrow_name, jobs, extent, sizes, narrow_sizes, narrow_tail = resolved
+    src, dst = payloads.data_ptr(), out.data_ptr()
+    if narrow_name is not None and src % _RUN_BYTES[bits] == 0 and dst % _RUN_BYTES[out_bits] == 0:
+        blocks = _cap(-(-jobs // WARPS_PER_BLOCK), _max_blocks(payloads.device, "dequant_reduce.cu", narrow_name))
+        loader.launch("dequant_reduce.cu", narrow_name, payloads.device, blocks, THREADS,
+                      (src, *narrow_sizes, dst, *narrow_tail))
+        return
+    _encode("dequant_reduce.cu", name, payloads.device, jobs, extent, (src, *sizes, dst))
+
+
+# (device index, rows, row bytes, numel, bits, out_bits, group_size, divide_by, chunks, chunk bytes)
+# -> dequant_reduce_requant's kernel names, jobs, group extent and size arguments
+_REQUANT_MEMO: dict[tuple, tuple] = {}
+_MODE_TAG = {"one": "one", "reciprocal": "pow2", "division": "div"}
+
+
+def _resolve_requant(key: tuple) -> tuple:
+    _, rows, row_nbytes, numel, bits, out_bits, group_size, divide_by, chunks, chunk_nbytes = key
     chunk = numel // chunks
-    _encode(
-        "dequant_reduce.cu",
-        _name("zc_dequant_reduce_requant_int{}_int{}", bits, out_bits),
-        payloads.device,
-        -(-chunk // group_size) * chunks,  # num_groups of every chunk
-        min(group_size, chunk),
-        (*_reduction_args(payloads, numel, group_size, divide_by), *_sizes(chunks, chunk_nbytes), out.data_ptr()),
-    )
+    name = _name("zc_dequant_reduce_requant_int{}_int{}", bits, out_bits)
+    divisor = _fp32(divide_by)
+    sizes = (*_sizes(row_nbytes, numel, group_size, rows), divisor, *_sizes(chunks, chunk_nbytes))
+    narrow_name, narrow_sizes, narrow_tail = None, (), ()
+    if narrow_requant(numel, chunk, group_size, bits, out_bits, row_nbytes, chunk_nbytes):
+        narrow_name = _name("zc_dequant_reduce_requant_regs_{}_int{}_int{}", _MODE_TAG[divisor_mode(divisor)], bits,
+                            out_bits)
+        narrow_sizes = (*_sizes(row_nbytes, numel, group_size), *_magic_args(group_size, False), np.int64(rows),
+                        divisor, *_sizes(chunks, chunk_nbytes))
+        narrow_tail = _sizes(*narrow_requant_sizes(numel, chunks, group_size, bits, out_bits))
+    return (name, narrow_name, -(-chunk // group_size) * chunks, min(group_size, chunk), sizes, narrow_sizes,
+            narrow_tail)
+
+
+def narrow_requant_sizes(numel: int, chunks: int, group_size: int, bits: int, out_bits: int) -> tuple[int, ...]:
+    """The narrow kernel's sizes ([Note: narrow sizes] in kernels/requant_rounds.cuh): a chunk's
+    elements and groups, and the scales' offsets in an input row and in an output row."""
+    chunk = numel // chunks
+    return (chunk, wire_format.num_groups(chunk, group_size), wire_format.scales_offset(numel, bits),
+            wire_format.scales_offset(chunk, out_bits))
+
+
+def narrow_requant(numel: int, chunk: int, group_size: int, bits: int, out_bits: int, row_nbytes: int,
+                   chunk_nbytes: int) -> bool:
+    """Whether the re-quantizing kernel of the register scheme on 32-bit indices serves these sizes
+    ([Note: narrow requant]), given that both buffers are aligned to their runs (checked per call):
+    the encoder holds its groups in registers (:func:`in_registers`), the input rows have whole runs
+    (PayloadRows::can_vectorize), and every element index is below :data:`WIDE_NUMEL`."""
+    return (numel <= WIDE_NUMEL and in_registers(chunk, group_size, out_bits, chunk_nbytes, out_ptr=0)
+            and row_nbytes % _RUN_BYTES[bits] == 0)
+
+
+def divisor_mode(divisor: np.float32) -> str:
+    """sources.cuh's divisor_mode of an fp32 divisor: ``"one"`` for 1, ``"reciprocal"`` for a power
+    of two whose reciprocal is a normal float ([Note: exact reciprocal] in wire_math.cuh), else
+    ``"division"``."""
+    word = int(np.float32(divisor).view(np.uint32))
+    if word == 0x3F800000:
+        return "one"
+    exponent = (word >> 23) & 0xFF
+    return "reciprocal" if word & 0x7FFFFF == 0 and 0 < exponent <= 253 else "division"
