@@ -102,6 +102,31 @@ def test_fp16_outputs_round_in_hardware(tmp_path, arch, convert):
     assert len(narrowing) == per_word * len(fixups)
 
 
+# the NaN mask per bf16 word ([Note: hardware narrowing] in wire_math.cuh): set.nan.u32.bf16x2
+# from sm_90 (the bf16 form of set needs it), the integer test of [Note: bf16 NaN halves] before
+BF16_NAN_MASK = {"set": re.compile(r"set\.nan\.u32\.bf16x2\b"), "prmt": re.compile(r"prmt\.b32\s.*,\s*0xBB99;")}
+
+
+@requires_nvcc
+@pytest.mark.parametrize("source", ("dequantize.cu", "dequant_reduce.cu"))
+@pytest.mark.parametrize("arch,mask", (("sm_75", None), ("sm_80", "prmt"), ("sm_86", "prmt"), ("sm_90", "set")))
+def test_bf16_outputs_round_in_hardware(tmp_path, source, arch, mask):
+    """From sm_80 the decoders' bf16 stores round with cvt.rn.bf16x2.f32 (two elements per cvt),
+    each word followed by one NaN mask of its arch's kind and no other; before sm_80 (no bf16
+    cvt in PTX) they keep the software rounding, so no cvt narrows to bf16 at all."""
+    ptx = _nvcc_ptx(KERNEL_DIR / source, arch, (*NVRTC_OPTIONS, "-ftz=true"), tmp_path / "k.ptx")
+    _check_ptx(ptx, source)
+    lines = _instructions(ptx)
+    narrowing = [line for line in lines if re.match(r"cvt\.\w+(\.\w+)*\.bf16(x2)?\.f32\b", line)]
+    masks = {kind: [line for line in lines if pattern.match(line)] for kind, pattern in BF16_NAN_MASK.items()}
+    if mask is None:
+        assert narrowing == [] and masks == {"set": [], "prmt": []}
+        return
+    assert narrowing and all(line.startswith("cvt.rn.bf16x2.f32 ") for line in narrowing), sorted(set(narrowing))[:3]
+    assert len(masks[mask]) == len(narrowing)
+    assert all(not found for kind, found in masks.items() if kind != mask)
+
+
 @requires_nvrtc
 @pytest.mark.parametrize("source", KERNEL_SOURCES)
 def test_loader_nvrtc_compile(source):
