@@ -102,7 +102,7 @@ NARROWING = {"f16": re.compile(r"cvt\.\w+(\.\w+)*\.f16(x2)?\.f32\b"), "bf16": re
 NAN_MASK = {
     "f16": re.compile(r"set\.nan\.u32\.f16x2\b"),
     "bf16-set": re.compile(r"set\.nan\.u32\.bf16x2\b"),
-    "bf16-prmt": re.compile(r"prmt\.b32\s.*,\s*0xBB99;"),
+    "bf16-prmt": re.compile(r"prmt\.b32\s.*,\s*48025;"),  # selector 0xBB99
 }
 HARDWARE = {  # (tag, arch): (the cvt every narrowing is, cvts per word, the NaN mask)
     ("f16", "sm_75"): ("cvt.rn.f16.f32", 2, "f16"),

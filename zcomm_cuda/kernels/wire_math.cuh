@@ -312,17 +312,27 @@ ZC_HD u16 bf16_bits_software(float f) {
 // carries into the high half. prmt's sign mode (a selector nibble 8 + b fills the result byte
 // with the top bit of byte b) spreads bit 15 over bytes 0-1 (selector 9: byte 1's top bit) and
 // bit 31 over bytes 2-3 (B: byte 3's). Per word LOP3, IADD, PRMT. The host runs the same
-// arithmetic with the byte fill written out (host_check's bf16nan op checks it on every half
-// pattern); __byte_perm has no sign mode (it reads 3 bits per selector nibble), hence the
-// inline PTX.
+// arithmetic and emulates prmt's generic form as the PTX ISA defines it (host_check's bf16nan
+// op checks it on every half pattern); __byte_perm has no sign mode (it reads 3 bits per
+// selector nibble), hence the inline PTX.
+constexpr u32 kSpreadHalfSigns = 0xBB99u;
+
 ZC_HD u32 bf16x2_nan_halves(u32 packed) {
     const u32 top_bits = (packed & 0x7FFF7FFFu) + 0x007F007Fu;  // bit 15 / 31: that half is a NaN
 #ifdef __CUDA_ARCH__
     u32 mask;
-    asm("prmt.b32 %0, %1, 0, 0xBB99;" : "=r"(mask) : "r"(top_bits));
+    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(mask) : "r"(top_bits), "n"(kSpreadHalfSigns));
     return mask;
 #else
-    return ((top_bits & 0x8000u) ? 0xFFFFu : 0u) | ((top_bits & 0x80000000u) ? 0xFFFF0000u : 0u);
+    // prmt.b32 d, top_bits, 0, selector: result byte i from selector nibble i, whose 3 low bits
+    // pick a byte of {0, top_bits} and whose top bit fills the result byte with that byte's msb
+    u32 mask = 0;
+    for (int i = 0; i < 4; ++i) {
+        const u32 nibble = (kSpreadHalfSigns >> (4 * i)) & 0xFu;
+        const u32 picked = (nibble & 7u) < 4 ? (top_bits >> (8 * (nibble & 7u))) & 0xFFu : 0u;
+        mask |= ((nibble & 8u) ? ((picked & 0x80u) ? 0xFFu : 0u) : picked) << (8 * i);
+    }
+    return mask;
 #endif
 }
 
