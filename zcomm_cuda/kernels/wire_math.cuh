@@ -240,10 +240,10 @@ ZC_HD u16 f16_bits_software(float f) {
 // set.nan.u32.f16x2 for fp16 (a comparison: true for every NaN, whatever its bits) and
 // set.nan.u32.bf16x2 for bf16 on sm_90 and later (the bf16 form of set needs sm_90), so a
 // word of two elements costs F2FP, HSET2, LOP3. On sm_80 to sm_89 the bf16 mask is the integer
-// test bf16x2_nan_halves, three instructions, and a word costs five. Cheaper alternatives
-// counted: an fsetp.nan per fp32 input takes a test, a mask and a predicated merge per element
-// (seven per word as compiled); max.NaN.bf16x2 canonicalizes to PTX's 0x7FFF, which still needs
-// rewriting to 0x7FC0.
+// test bf16x2_nan_halves, three instructions, and a word costs five. Alternatives counted and
+// rejected: an fsetp.nan per fp32 input takes a test, a mask and a predicated merge per element
+// (seven instructions per word as compiled for sm_90); max.NaN.bf16x2 writes PTX's canonical
+// NaN, not the wire format's, so it would still need a rewrite of the NaN halves.
 // dequantize's INT8 groups of numbers skip the fix-up: [Note: NaN-free narrowing].
 #ifdef __CUDA_ARCH__
 // The hardware roundings themselves, RN(lo) in the low half and RN(hi) in the high half, NaN
