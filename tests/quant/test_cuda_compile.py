@@ -87,20 +87,61 @@ def test_nvcc_translation_unit_under_hostile_flags(tmp_path, source, flags):
     _check_ptx(_nvcc_ptx(unit, "sm_90", (*NVRTC_OPTIONS, *flags), tmp_path / "k.ptx"), source)
 
 
+def _entries(ptx: str) -> dict[str, list[str]]:
+    """Each kernel's instruction lines, by name."""
+    parts = re.split(r"\.entry\s+(\w+)\(", ptx)
+    return {name: _instructions(body) for name, body in zip(parts[1::2], parts[2::2])}
+
+
+# The decoders' narrowing stores ([Note: hardware narrowing] in wire_math.cuh): per output tag
+# the cvts that round, and the NaN mask each word of the general store8 gets: fp16
+# cvt.rn.f16x2.f32 (sm_80 and later; two cvt.rn.f16.f32 per word before) and set.nan.u32.f16x2;
+# bf16 cvt.rn.bf16x2.f32 from sm_80, with set.nan.u32.bf16x2 from sm_90 (the bf16 form of set
+# needs it) or before it the prmt sign-mode test of [Note: bf16 NaN halves]; before sm_80 no
+# cvt narrows to bf16 (the software path) and there is no bf16 mask.
+NARROWING = {"f16": re.compile(r"cvt\.\w+(\.\w+)*\.f16(x2)?\.f32\b"), "bf16": re.compile(r"cvt\.\w+(\.\w+)*\.bf16(x2)?\.f32\b")}
+NAN_MASK = {
+    "f16": re.compile(r"set\.nan\.u32\.f16x2\b"),
+    "bf16-set": re.compile(r"set\.nan\.u32\.bf16x2\b"),
+    "bf16-prmt": re.compile(r"prmt\.b32\s.*,\s*48025;"),  # selector 0xBB99
+}
+HARDWARE = {  # (tag, arch): (the cvt every narrowing is, cvts per word, the NaN mask)
+    ("f16", "sm_75"): ("cvt.rn.f16.f32", 2, "f16"),
+    ("f16", "sm_90"): ("cvt.rn.f16x2.f32", 1, "f16"),
+    ("bf16", "sm_75"): (None, 0, None),
+    ("bf16", "sm_80"): ("cvt.rn.bf16x2.f32", 1, "bf16-prmt"),
+    ("bf16", "sm_86"): ("cvt.rn.bf16x2.f32", 1, "bf16-prmt"),
+    ("bf16", "sm_90"): ("cvt.rn.bf16x2.f32", 1, "bf16-set"),
+}
+# dequantize's INT8 groups of numbers store without a mask ([Note: NaN groups] in
+# run_decoder.cuh): the four words of the one store8_numbers in their loop
+UNMASKED_WORDS = {"zc_dequantize_f16_int8": 4, "zc_dequantize_bf16_int8": 4}
+
+
 @requires_nvcc
-@pytest.mark.parametrize("arch,convert", (("sm_75", "cvt.rn.f16.f32"), ("sm_90", "cvt.rn.f16x2.f32")))
-def test_fp16_outputs_round_in_hardware(tmp_path, arch, convert):
-    """The decoders' fp16 stores round with cvt (two elements per cvt.rn.f16x2.f32, which needs
-    sm_80; one per cvt.rn.f16.f32 before), each word followed by the NaN fix-up
-    ([Note: hardware narrowing] in wire_math.cuh); no other cvt narrows to fp16."""
-    ptx = _nvcc_ptx(KERNEL_DIR / "dequantize.cu", arch, (*NVRTC_OPTIONS, "-ftz=true"), tmp_path / "k.ptx")
-    _check_ptx(ptx, "dequantize.cu")
-    lines = _instructions(ptx)
-    narrowing = [line for line in lines if re.match(r"cvt\.\w+\.f16(x2)?\.f32\b", line)]
-    fixups = [line for line in lines if line.startswith("set.nan.u32.f16x2")]
-    per_word = 1 if convert.endswith("f16x2.f32") else 2
-    assert fixups and all(line.startswith(convert + " ") for line in narrowing), sorted(set(narrowing))[:3]
-    assert len(narrowing) == per_word * len(fixups)
+@pytest.mark.parametrize("source", ("dequantize.cu", "dequant_reduce.cu"))
+@pytest.mark.parametrize("tag,arch", HARDWARE, ids=[f"{t}-{a}" for t, a in HARDWARE])
+def test_16_bit_outputs_round_in_hardware(tmp_path, source, tag, arch):
+    """The decoders' fp16 / bf16 stores round with the arch's cvt, and every word of the general
+    store8 gets one NaN mask of the arch's kind and no other kind (all of dequant_reduce's words;
+    dequantize's INT8 kernels also have their loop of numbers, unmasked). Compiled with
+    -ftz=true added. Kernels with other outputs have neither."""
+    convert, per_word, mask = HARDWARE[(tag, arch)]
+    ptx = _nvcc_ptx(KERNEL_DIR / source, arch, (*NVRTC_OPTIONS, "-ftz=true"), tmp_path / "k.ptx")
+    _check_ptx(ptx, source)
+    mine = [kind for kind in NAN_MASK if kind.split("-")[0] == tag]
+    checked = 0
+    for kernel, lines in _entries(ptx).items():
+        narrowing = [line for line in lines if NARROWING[tag].match(line)]
+        masks = {kind: sum(1 for line in lines if NAN_MASK[kind].match(line)) for kind in mine}
+        if convert is None or kernel.split("_")[-2] != tag:
+            assert narrowing == [] and not any(masks.values()), (kernel, narrowing[:3], masks)
+            continue
+        assert narrowing and all(line.startswith(convert + " ") for line in narrowing), (kernel, narrowing[:3])
+        assert len(narrowing) == per_word * (masks[mask] + UNMASKED_WORDS.get(kernel, 0)), (kernel, masks)
+        assert masks[mask] > 0 and all(masks[kind] == 0 for kind in mine if kind != mask), (kernel, masks)
+        checked += 1
+    assert checked == (0 if convert is None else 2)  # the INT8 and INT4 kernels of these outputs
 
 
 @requires_nvrtc

@@ -58,6 +58,30 @@ ZC_HD void decode_group_lane(const SegmentLayout<T, BITS>& layout, i64 segment, 
     if constexpr (ONE_ROW) {
         const u8* row = layout.rows.row(src.first_row);
         const float s = dequantize_scale(layout.rows.scale(row, group, true));  // [Note: vector scales]
+        if constexpr (MODE == kByOne && BITS == 8) {
+            // [Note: NaN groups] A dequantized value is q * s, q an integer code and s the
+            // group's scale, or NaN when s is NaN or Inf (dequantize_scale). With a finite s no
+            // value is a NaN (a finite product of finite factors, or +-Inf on overflow; dividing
+            // by 1 leaves it as it is), and with a NaN or Inf s every value is. So a group of
+            // numbers stores without the per-word NaN test (store8_numbers in vector_io.cuh:
+            // with the hardware narrowing one F2FP per word instead of F2FP, HSET2 and LOP3, or
+            // the integer test; fp32 values without a compare and a select each), and a NaN group
+            // (rare) takes the general loop below, which writes the canonical NaN. The bytes are
+            // the general loop's: the conversions agree on numbers. Other divisors could make a
+            // NaN from numbers (Inf / Inf), so they keep the general loop. Measured on sm_90
+            // (bench.kernels_static), register counts decided the shape: one loop with a
+            // per-group mask cost the INT8 kernels 6-8 registers (40 -> 46-48, a block fewer
+            // per SM), and for INT4 codes even the two loops cost 2-7 (40 -> 42-47), so INT4
+            // keeps the general loop only.
+            if (!is_nan(s)) {
+                for (i64 e = 8 * static_cast<i64>(lane); e < len; e += 8 * static_cast<i64>(lanes)) {
+                    float v[8];
+                    layout.rows.scaled8(row, first + e, s, v);
+                    store8_numbers(dst + e, v);
+                }
+                return;
+            }
+        }
         for (i64 e = 8 * static_cast<i64>(lane); e < len; e += 8 * static_cast<i64>(lanes)) {
             float v[8];
             layout.rows.scaled8(row, first + e, s, v);

@@ -85,6 +85,26 @@ template <class H> ZC_HD void store8(H* p, const float (&v)[8]) {
     store_words(p, w);
 }
 
+// store8 for 8 values none of which is a NaN ([Note: NaN groups] in run_decoder.cuh): the
+// narrowing without its NaN fix-up ([Note: NaN-free narrowing]); fp32 values as they are
+// (canonicalize is the identity on numbers).
+ZC_HD void store8_numbers(float* p, const float (&v)[8]) {
+    for (int half = 0; half < 2; ++half) {
+        u32 w[4];
+        for (int k = 0; k < 4; ++k) {
+            expect_number(v[4 * half + k]);
+            w[k] = float_bits(v[4 * half + k]);
+        }
+        store_words(p + 4 * half, w);
+    }
+}
+
+template <class H> ZC_HD void store8_numbers(H* p, const float (&v)[8]) {
+    u32 w[4];
+    for (int k = 0; k < 4; ++k) w[k] = from_float2_of_numbers<H>(v[2 * k], v[2 * k + 1]);
+    store_words(p, w);
+}
+
 // ---- raw 16-bit runs: 8 bf16/fp16 elements as 4 words, never widened in memory ----
 
 // The per-half unsigned max of two pairs of 16-bit values (one VIMNMX.U16x2 on sm_90).

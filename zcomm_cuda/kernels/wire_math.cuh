@@ -27,12 +27,13 @@
 // pattern directly (hardware conversions produce other NaN payloads). The rounding is
 // round-to-nearest-even, exactly what __float2bfloat16_rn / __float2half_rn compute. Two
 // exceptions, on the device only: fp16 -> fp32, exact in hardware ([Note: hardware
-// widening]), and fp32 -> fp16, rounded in hardware with a NaN fix-up ([Note: hardware
-// narrowing]); the host keeps the software paths.
+// widening]), and fp32 -> fp16 / bf16, rounded in hardware with a NaN fix-up ([Note: hardware
+// narrowing]; bf16 from sm_80); the host keeps the software paths.
 #pragma once
 
 #ifndef __CUDACC_RTC__
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #endif
 
@@ -191,13 +192,6 @@ template <class T> ZC_HD T from_float(float f);
 
 template <> ZC_HD float from_float<float>(float f) { return canonicalize(f); }
 
-template <> ZC_HD bf16_t from_float<bf16_t>(float f) {
-    if (is_nan(f)) return bf16_t{kBf16CanonicalNan};
-    const u32 u = float_bits(f);
-    const u32 rounding = 0x7FFFu + ((u >> 16) & 1u);  // ties go to the even upper half
-    return bf16_t{static_cast<u16>((u + rounding) >> 16)};
-}
-
 // fp32 -> fp16 bits in software: round to nearest even, overflow to +-Inf, the canonical
 // NaN. The host's conversion everywhere; the device's is [Note: hardware narrowing].
 ZC_HD u16 f16_bits_software(float f) {
@@ -216,29 +210,45 @@ ZC_HD u16 f16_bits_software(float f) {
     return static_cast<u16>(sign | shifted);
 }
 
-// [Note: hardware narrowing] On the device the decoders round fp32 to fp16 in hardware, two
-// elements per instruction: cvt.rn.f16x2.f32 (sm_80 and later; before it, two cvt.rn.f16.f32)
-// puts RN(lo) in the low half and RN(hi) in the high half. The software path above costs
-// about 16 instructions per element.
+// [Note: hardware narrowing] On the device the decoders round fp32 to fp16 and bf16 in
+// hardware, two elements per instruction: cvt.rn.f16x2.f32 and cvt.rn.bf16x2.f32 (sm_80 and
+// later) put RN(lo) in the low half and RN(hi) in the high half. Before sm_80 fp16 takes two
+// cvt.rn.f16.f32 and bf16 keeps the software path (PTX has no bf16 conversion there). In
+// dequantize's INT8 loop on sm_90 (bench.kernels_static) the software paths cost about 24
+// (fp16) and 7.5 (bf16) instructions per element, the hardware ones 1.5 with their fix-ups.
 // Finite values and Inf: IEEE 754 round-to-nearest-even gives each fp32 that is not a NaN
-// exactly one fp16 result, and .rn is that rounding (PTX ISA: "rounding to nearest, with
-// ties to even"; subnormals supported by default, and the f16x2 form has no .ftz; flags
-// cannot rewrite inline PTX). Without .satfinite an overflow is IEEE's: 65520 and above
-// round to Inf. The software path is checked to be that same IEEE function: the host check
-// compares it with numpy's astype(float16) on a dense sweep of every fp32 class and on every
-// pattern of the binades where the rounding changes kind (test_cuda_host_math.py:
-// test_fp16_rounding_*; all 2^32 patterns under ZCOMM_FP16_EXHAUSTIVE=1). So the device's
-// bytes equal the reference backend's through the IEEE definition, not through a test of
-// the device: only `make gpu-check` on a GPU proves the instruction itself.
+// exactly one result, and .rn is that rounding (PTX ISA: "rounding to nearest, with ties to
+// even"; subnormals supported by default, and the x2 forms have no .ftz; flags cannot
+// rewrite inline PTX). Without .satfinite an overflow is IEEE's: fp16 65520 and above, bf16
+// 0x7F7F8000 (bf16's largest finite value plus half an ulp) and above, round to Inf; bf16
+// has fp32's exponent range, so fp32 subnormals round on bf16's subnormal grid. The software
+// paths are checked to be that same IEEE function on the host: fp16 against numpy's
+// astype(float16), bf16 against torch's float32 -> bfloat16 conversion, itself checked against
+// a nearest-even choice between the two neighbouring bf16 values computed in fp64, on a dense
+// sweep of every fp32 class and on every pattern of the binades where the rounding changes
+// kind (test_cuda_host_math.py: test_fp16_rounding_*, test_bf16_rounding_*; all 2^32 patterns
+// under ZCOMM_FP16_EXHAUSTIVE=1 / ZCOMM_BF16_EXHAUSTIVE=1). So the device's bytes equal the
+// reference backend's through the IEEE definition, not through a test of the device: only
+// `make gpu-check` on a GPU (test_narrowing_of_decoded_values on the cuda backend) proves the
+// instructions and the fix-ups below.
 // NaN: the PTX ISA leaves the NaN a plain cvt writes unspecified (only .relu promises PTX's
-// canonical NaN, and .relu also clamps negatives to 0), while the wire format writes 0x7E00
-// (kF16CanonicalNan) whatever the NaN's sign and payload. A NaN result comes only from a NaN
-// input (IEEE conversion keeps NaN a NaN and never makes one from a number), so the fix-up
-// tests the packed result: set.nan.u32.f16x2 writes 0xFFFF into each NaN half (a comparison:
-// true for every NaN, whatever its bits) and one LOP3 puts 0x7E00 there. Per word of two
-// elements: F2FP, HSET2, LOP3.
-ZC_HD u32 f16x2_bits(float lo, float hi) {
+// canonical NaN, and .relu also clamps negatives to 0; .satfinite promises only "NaN"), while
+// the wire format writes 0x7E00 (kF16CanonicalNan) and 0x7FC0 (kBf16CanonicalNan) whatever
+// the NaN's sign and payload. A NaN result comes only from a NaN input (IEEE conversion keeps
+// NaN a NaN and never makes one from a number), so the fix-up tests the packed result: a
+// mask of 0xFFFF in each NaN half, then one LOP3 puts the canonical NaN there. The mask is
+// set.nan.u32.f16x2 for fp16 (a comparison: true for every NaN, whatever its bits) and
+// set.nan.u32.bf16x2 for bf16 on sm_90 and later (the bf16 form of set needs sm_90), so a
+// word of two elements costs F2FP, HSET2, LOP3. On sm_80 to sm_89 the bf16 mask is the integer
+// test bf16x2_nan_halves, three instructions, and a word costs five. Alternatives counted and
+// rejected: an fsetp.nan per fp32 input takes a test, a mask and a predicated merge per element
+// (seven instructions per word as compiled for sm_90); max.NaN.bf16x2 writes PTX's canonical
+// NaN, not the wire format's, so it would still need a rewrite of the NaN halves.
+// dequantize's INT8 groups of numbers skip the fix-up: [Note: NaN-free narrowing].
 #ifdef __CUDA_ARCH__
+// The hardware roundings themselves, RN(lo) in the low half and RN(hi) in the high half, NaN
+// halves unspecified.
+__device__ __forceinline__ u32 cvt_rn_f16x2(float lo, float hi) {
     u32 packed;
 #if __CUDA_ARCH__ >= 800
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
@@ -248,6 +258,21 @@ ZC_HD u32 f16x2_bits(float lo, float hi) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(high) : "f"(hi));
     packed = static_cast<u32>(low) | (static_cast<u32>(high) << 16);
 #endif
+    return packed;
+}
+
+#if __CUDA_ARCH__ >= 800
+__device__ __forceinline__ u32 cvt_rn_bf16x2(float lo, float hi) {
+    u32 packed;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
+    return packed;
+}
+#endif
+#endif
+
+ZC_HD u32 f16x2_bits(float lo, float hi) {
+#ifdef __CUDA_ARCH__
+    const u32 packed = cvt_rn_f16x2(lo, hi);
     u32 nan_halves;
     asm("set.nan.u32.f16x2 %0, %1, %1;" : "=r"(nan_halves) : "r"(packed));
     constexpr u32 canonical2 = static_cast<u32>(kF16CanonicalNan) * 0x10001u;
@@ -265,12 +290,126 @@ template <> ZC_HD fp16_t from_float<fp16_t>(float f) {
 #endif
 }
 
+// fp32 -> bf16 bits in software: round to nearest even, the canonical NaN. bf16 is the upper
+// half of an fp32 with the same exponent range, so adding 0x7FFF plus the kept half's lowest
+// bit and dropping the low half rounds every number: below half an ulp the sum stays in the
+// kept value, from above half it carries into it (into the exponent too: a binade's top rounds
+// to the next power of two, bf16's largest finite value plus half an ulp or more to Inf), and
+// exactly half carries only when the kept value is odd. Zeros, subnormals and Inf need no
+// case of their own. The host's conversion everywhere, and the device's before sm_80; from
+// sm_80 it is [Note: hardware narrowing].
+ZC_HD u16 bf16_bits_software(float f) {
+    if (is_nan(f)) return kBf16CanonicalNan;
+    const u32 u = float_bits(f);
+    const u32 rounding = 0x7FFFu + ((u >> 16) & 1u);  // ties go to the even upper half
+    return static_cast<u16>((u + rounding) >> 16);
+}
+
+// [Note: bf16 NaN halves] 0xFFFF in each half of a word of two bf16 values that is a NaN, 0 in
+// the others, with integer instructions (for sm_80 to sm_89, which lack set.nan.u32.bf16x2):
+// a half h is a NaN when |h| = h & 0x7FFF is above 0x7F80 (Inf), i.e. when |h| + 0x7F reaches
+// 0x8000, its bit 15. The sum is at most 0x7FFF + 0x7F = 0x807E, so the low half's never
+// carries into the high half. prmt's sign mode (a selector nibble 8 + b fills the result byte
+// with the top bit of byte b) spreads bit 15 over bytes 0-1 (selector 9: byte 1's top bit) and
+// bit 31 over bytes 2-3 (B: byte 3's). Per word LOP3, IADD, PRMT. The host runs the same
+// arithmetic and emulates prmt's generic form as the PTX ISA defines it (host_check's bf16nan
+// op checks it on every half pattern); __byte_perm has no sign mode (it reads 3 bits per
+// selector nibble), hence the inline PTX.
+constexpr u32 kSpreadHalfSigns = 0xBB99u;
+
+ZC_HD u32 bf16x2_nan_halves(u32 packed) {
+    const u32 top_bits = (packed & 0x7FFF7FFFu) + 0x007F007Fu;  // bit 15 / 31: that half is a NaN
+#ifdef __CUDA_ARCH__
+    u32 mask;
+    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(mask) : "r"(top_bits), "n"(kSpreadHalfSigns));
+    return mask;
+#else
+    // prmt.b32 d, top_bits, 0, selector: result byte i from selector nibble i, whose 3 low bits
+    // pick a byte of {0, top_bits} and whose top bit fills the result byte with that byte's msb
+    u32 mask = 0;
+    for (int i = 0; i < 4; ++i) {
+        const u32 nibble = (kSpreadHalfSigns >> (4 * i)) & 0xFu;
+        const u32 picked = (nibble & 7u) < 4 ? (top_bits >> (8 * (nibble & 7u))) & 0xFFu : 0u;
+        mask |= ((nibble & 8u) ? ((picked & 0x80u) ? 0xFFu : 0u) : picked) << (8 * i);
+    }
+    return mask;
+#endif
+}
+
+// Two fp32 values rounded to bf16 as one word, lo in the low half: [Note: hardware narrowing]
+// on the device from sm_80, the software path on the host and before sm_80.
+ZC_HD u32 bf16x2_bits(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const u32 packed = cvt_rn_bf16x2(lo, hi);
+#if __CUDA_ARCH__ >= 900
+    u32 nan_halves;
+    asm("set.nan.u32.bf16x2 %0, %1, %1;" : "=r"(nan_halves) : "r"(packed));
+#else
+    const u32 nan_halves = bf16x2_nan_halves(packed);
+#endif
+    constexpr u32 canonical2 = static_cast<u32>(kBf16CanonicalNan) * 0x10001u;
+    return (packed & ~nan_halves) | (canonical2 & nan_halves);
+#else
+    return static_cast<u32>(bf16_bits_software(lo)) | (static_cast<u32>(bf16_bits_software(hi)) << 16);
+#endif
+}
+
+template <> ZC_HD bf16_t from_float<bf16_t>(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    return bf16_t{static_cast<u16>(bf16x2_bits(f, f))};  // [Note: hardware narrowing]
+#else
+    return bf16_t{bf16_bits_software(f)};
+#endif
+}
+
+// [Note: NaN-free narrowing] The conversions of [Note: hardware narrowing] without their NaN
+// fix-up, for values the caller knows are not NaN ([Note: NaN groups] in run_decoder.cuh): on
+// the device the cvt alone (fp16 on every arch, bf16 from sm_80), whose result for every input
+// that is not a NaN is the fix-up's (the fix-up changes NaN halves only). The host and bf16
+// before sm_80 run the full conversions (the software paths), the same bytes for numbers.
+
+// The caller's promise that v is not a NaN ([Note: NaN-free narrowing]), checked where it costs
+// the device nothing: on the host (the host check runs every decoder case) a broken one aborts.
+ZC_HD void expect_number(float v) {
+#ifndef __CUDA_ARCH__
+    if (is_nan(v)) std::abort();
+#else
+    (void)v;
+#endif
+}
+
+ZC_HD u32 f16x2_bits_of_numbers(float lo, float hi) {
+    expect_number(lo);
+    expect_number(hi);
+#ifdef __CUDA_ARCH__
+    return cvt_rn_f16x2(lo, hi);
+#else
+    return f16x2_bits(lo, hi);
+#endif
+}
+
+ZC_HD u32 bf16x2_bits_of_numbers(float lo, float hi) {
+    expect_number(lo);
+    expect_number(hi);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    return cvt_rn_bf16x2(lo, hi);
+#else
+    return bf16x2_bits(lo, hi);
+#endif
+}
+
 // Two elements as one word, the first in the low half (little-endian order in memory).
 template <class H> ZC_HD u32 from_float2(float lo, float hi) {
     return static_cast<u32>(from_float<H>(lo).bits) | (static_cast<u32>(from_float<H>(hi).bits) << 16);
 }
 
 template <> ZC_HD u32 from_float2<fp16_t>(float lo, float hi) { return f16x2_bits(lo, hi); }
+template <> ZC_HD u32 from_float2<bf16_t>(float lo, float hi) { return bf16x2_bits(lo, hi); }
+
+// from_float2 for two values that are not NaN: [Note: NaN-free narrowing].
+template <class H> ZC_HD u32 from_float2_of_numbers(float lo, float hi);
+template <> ZC_HD u32 from_float2_of_numbers<fp16_t>(float lo, float hi) { return f16x2_bits_of_numbers(lo, hi); }
+template <> ZC_HD u32 from_float2_of_numbers<bf16_t>(float lo, float hi) { return bf16x2_bits_of_numbers(lo, hi); }
 
 // ---- wire-format rules per group and per element ----
 

@@ -11,10 +11,11 @@
 // (the tile encode pass walks the tiles backwards, as blocks may run in any order). What
 // the device alone contributes (__shfl_xor_sync, shared memory, atomics, uint4 memory
 // instructions, the inline PTX arithmetic, the SIMD intrinsics __vmaxu2 / __vmaxs2 /
-// __byte_perm, emulated here, and the hardware fp16 conversions cvt.f32.f16 and
-// cvt.rn.f16x2.f32 with its NaN fix-up) is not exercised here; on the host that arithmetic is
-// the plain IEEE operators and the software conversions (the narrow op below checks the
-// fp32 -> fp16 one against numpy's IEEE rounding: [Note: hardware narrowing]).
+// __byte_perm, emulated here, and the hardware conversions cvt.f32.f16 and
+// cvt.rn.f16x2.f32 / cvt.rn.bf16x2.f32 with their NaN fix-ups) is not exercised here; on the
+// host that arithmetic is the plain IEEE operators and the software conversions (the narrow
+// ops below check the fp32 -> fp16 and fp32 -> bf16 ones against IEEE rounding: [Note: hardware
+// narrowing]).
 //
 // Usage (raw little-endian bytes in and out; MISALIGN=1 shifts every buffer off its
 // vector alignment, forcing the scalar paths):
@@ -33,6 +34,11 @@
 //     (the decoders' fp32 -> fp16 rounding, f16x2_bits, on pairs of fp32 values: those of IN
 //     (an even count), or the bit patterns FIRST, FIRST + 1, ... (COUNT of them, even);
 //     OUT gets the fp16 bits in input order)
+//   host_check narrow_bf16 IN OUT
+//   host_check narrow_bf16 FIRST COUNT OUT
+//     (the same for fp32 -> bf16, bf16x2_bits)
+//   host_check bf16nan    IN OUT
+//     (bf16x2_nan_halves of each word of IN: [Note: bf16 NaN halves])
 //   host_check dequantize DTYPE BITS GS MISALIGN NUMEL K IN OUT
 //   host_check reduce     DTYPE BITS GS MISALIGN NUMEL K DIVISOR_BITS(hex fp32) M OUT_BITS IN OUT
 //     (reduce: M = 0 stores DTYPE values, M > 0 re-quantizes into M payloads of OUT_BITS)
@@ -491,21 +497,25 @@ template <bool WIDE> int run_divide(char** argv) {
     return 0;
 }
 
-// The decoders' fp32 -> fp16 rounding ([Note: hardware narrowing]; its host path) on pairs
-// of inputs, `count` fp32 bit patterns from `input(i)`, written to `out_path` in order.
-template <class Input> int run_narrow(u32 count, Input input, const char* out_path) {
+// The decoders' fp32 -> fp16 or bf16 rounding ([Note: hardware narrowing]; its host path,
+// `narrow2` = f16x2_bits or bf16x2_bits) on pairs of inputs, `count` fp32 bit patterns from
+// `input(i)`, written to `out_path` in order.
+template <class Input, class Narrow2> int run_narrow(u32 count, Input input, const char* out_path, Narrow2 narrow2) {
     if (count % 2 != 0) return 2;
     std::ofstream out(out_path, std::ios::binary);
     std::vector<u32> words(1u << 20);
     for (u32 begin = 0; begin < count; begin += 2 * static_cast<u32>(words.size())) {
         const u32 n = std::min(count - begin, 2 * static_cast<u32>(words.size())) / 2;
         for (u32 k = 0; k < n; ++k) {
-            words[k] = f16x2_bits(bits_float(input(begin + 2 * k)), bits_float(input(begin + 2 * k + 1)));
+            words[k] = narrow2(bits_float(input(begin + 2 * k)), bits_float(input(begin + 2 * k + 1)));
         }
         out.write(reinterpret_cast<const char*>(words.data()), static_cast<std::streamsize>(4 * n));
     }
     return out ? 0 : 2;
 }
+
+const auto kToFp16 = [](float lo, float hi) { return f16x2_bits(lo, hi); };
+const auto kToBf16 = [](float lo, float hi) { return bf16x2_bits(lo, hi); };
 
 int main(int argc, char** argv) {
     if (argc == 14 && std::string(argv[1]) == "requant_regs") {
@@ -520,12 +530,31 @@ int main(int argc, char** argv) {
         const std::vector<u8> bytes = read_file(argv[2]);
         std::vector<u32> bits(bytes.size() / 4);
         std::memcpy(bits.data(), bytes.data(), 4 * bits.size());
-        return run_narrow(static_cast<u32>(bits.size()), [&](u32 i) { return bits[i]; }, argv[3]);
+        return run_narrow(static_cast<u32>(bits.size()), [&](u32 i) { return bits[i]; }, argv[3], kToFp16);
     }
     if (argc == 5 && std::string(argv[1]) == "narrow") {
         const u32 first = static_cast<u32>(std::strtoull(argv[2], nullptr, 10));
         const u32 count = static_cast<u32>(std::strtoull(argv[3], nullptr, 10));
-        return run_narrow(count, [&](u32 i) { return first + i; }, argv[4]);
+        return run_narrow(count, [&](u32 i) { return first + i; }, argv[4], kToFp16);
+    }
+    if ((argc == 4 || argc == 5) && std::string(argv[1]) == "narrow_bf16") {
+        if (argc == 5) {
+            const u32 first = static_cast<u32>(std::strtoull(argv[2], nullptr, 10));
+            const u32 count = static_cast<u32>(std::strtoull(argv[3], nullptr, 10));
+            return run_narrow(count, [&](u32 i) { return first + i; }, argv[4], kToBf16);
+        }
+        const std::vector<u8> bytes = read_file(argv[2]);
+        std::vector<u32> bits(bytes.size() / 4);
+        std::memcpy(bits.data(), bytes.data(), 4 * bits.size());
+        return run_narrow(static_cast<u32>(bits.size()), [&](u32 i) { return bits[i]; }, argv[3], kToBf16);
+    }
+    if (argc == 4 && std::string(argv[1]) == "bf16nan") {
+        const std::vector<u8> bytes = read_file(argv[2]);
+        std::vector<u32> words(bytes.size() / 4);
+        std::memcpy(words.data(), bytes.data(), 4 * words.size());
+        for (u32& w : words) w = bf16x2_nan_halves(w);
+        write_file(argv[3], reinterpret_cast<const u8*>(words.data()), 4 * words.size());
+        return 0;
     }
     if (argc < 8) {
         std::fprintf(stderr, "usage: see the header of host_check.cu\n");
