@@ -532,9 +532,10 @@ def _ieee_f16(bits: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(values), np.uint16(F16_CANONICAL_NAN), rounded.view(np.uint16))
 
 
-def _check_narrowed(out: Path, bits: np.ndarray) -> None:
+def _check_narrowed(out: Path, bits: np.ndarray, op: str = "narrow") -> None:
+    """The 16-bit words the host check's `op` wrote to `out` against the IEEE oracle of its type."""
     got = np.fromfile(out, dtype=np.uint16)
-    expected = _ieee_f16(bits)
+    expected = (_ieee_f16 if op == "narrow" else _ieee_bf16)(bits)
     bad = np.flatnonzero(got != expected)
     assert got.size == bits.size and bad.size == 0, [
         (hex(bits[i]), hex(got[i]), hex(expected[i])) for i in bad[:8]
@@ -559,15 +560,21 @@ def test_fp16_rounding_dense_sweep(host_check, tmp_path):
                         0x387FC000, 0x387FE000, 0x387FFFFF, 0x38800000, 0x7F800001, 0x7FBFFFFF, 0x7FC00000,
                         0x7FFFFFFF, 0x00000001, 0x007FFFFF], dtype=np.uint32)
     bits = np.concatenate([bits, special, special | np.uint32(1 << 31)])
+    _check_patterns(host_check, tmp_path, bits)
+
+
+def _check_patterns(binary: Path, tmp_path: Path, bits: np.ndarray, op: str = "narrow") -> None:
+    """The host check's narrowing `op` ("narrow": fp16, "narrow_bf16") of the fp32 patterns `bits`."""
     bits.tofile(tmp_path / "in.bin")
-    subprocess.run([str(host_check), "narrow", str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
-    _check_narrowed(tmp_path / "out.bin", bits)
+    subprocess.run([str(binary), op, str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
+    _check_narrowed(tmp_path / "out.bin", bits, op)
 
 
-def _check_range(binary: Path, tmp_path: Path, first: int, count: int) -> None:
+def _check_range(binary: Path, tmp_path: Path, first: int, count: int, op: str = "narrow") -> None:
+    """As _check_patterns, for the `count` patterns from `first`, made by the host check itself."""
     out = tmp_path / "out.bin"
-    subprocess.run([str(binary), "narrow", str(first), str(count), str(out)], check=True)
-    _check_narrowed(out, np.arange(first, first + count, dtype=np.uint32))
+    subprocess.run([str(binary), op, str(first), str(count), str(out)], check=True)
+    _check_narrowed(out, np.arange(first, first + count, dtype=np.uint32), op)
 
 
 # Every pattern of the fp32 binades where the rounding changes kind: [2^-25, 2^-24) (2^-25
@@ -640,15 +647,6 @@ def _ieee_bf16(bits: np.ndarray) -> np.ndarray:
     return np.where(nan, np.uint16(BF16_CANONICAL_NAN), got)
 
 
-def _check_narrowed_bf16(out: Path, bits: np.ndarray) -> None:
-    got = np.fromfile(out, dtype=np.uint16)
-    expected = _ieee_bf16(bits)
-    bad = np.flatnonzero(got != expected)
-    assert got.size == bits.size and bad.size == 0, [
-        (hex(bits[i]), hex(got[i]), hex(expected[i])) for i in bad[:8]
-    ]
-
-
 # the low 16 bits (the part rounded away): 0 exact; 0x8000 the tie (with the kept value's
 # lowest bit, bit 16, both even and odd among the kept mantissas); 0x7FFF / 0x8001 just below
 # and above it; the smallest and largest nonzero remainders; patterns between
@@ -675,15 +673,7 @@ def _bf16_dense_patterns() -> np.ndarray:
 def test_bf16_rounding_dense_sweep(host_check, tmp_path):
     bits = _bf16_dense_patterns()
     assert bits.size % 2 == 0
-    bits.tofile(tmp_path / "in.bin")
-    subprocess.run([str(host_check), "narrow_bf16", str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
-    _check_narrowed_bf16(tmp_path / "out.bin", bits)
-
-
-def _check_range_bf16(binary: Path, tmp_path: Path, first: int, count: int) -> None:
-    out = tmp_path / "out.bin"
-    subprocess.run([str(binary), "narrow_bf16", str(first), str(count), str(out)], check=True)
-    _check_narrowed_bf16(out, np.arange(first, first + count, dtype=np.uint32))
+    _check_patterns(host_check, tmp_path, bits, "narrow_bf16")
 
 
 # Every pattern of the fp32 binades where bf16's rounding meets a boundary: exponent 0 (zero and
@@ -692,7 +682,7 @@ def _check_range_bf16(binary: Path, tmp_path: Path, first: int, count: int) -> N
 @pytest.mark.parametrize("sign", (0, 1))
 @pytest.mark.parametrize("exponent", (0, 254, 255))
 def test_bf16_rounding_exhaustive_binades(host_check, tmp_path, exponent, sign):
-    _check_range_bf16(host_check, tmp_path, (sign << 31) | (exponent << 23), 1 << 23)
+    _check_range(host_check, tmp_path, (sign << 31) | (exponent << 23), 1 << 23, "narrow_bf16")
 
 
 @pytest.mark.skipif(os.environ.get(BF16_EXHAUSTIVE_VARIABLE) != "1",
@@ -700,7 +690,7 @@ def test_bf16_rounding_exhaustive_binades(host_check, tmp_path, exponent, sign):
 def test_bf16_rounding_every_fp32(host_check, tmp_path):
     chunk = 1 << 26
     for first in range(0, 1 << 32, chunk):
-        _check_range_bf16(host_check, tmp_path, first, chunk)
+        _check_range(host_check, tmp_path, first, chunk, "narrow_bf16")
 
 
 def test_bf16_nan_halves(host_check, tmp_path):

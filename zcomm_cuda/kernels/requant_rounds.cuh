@@ -8,10 +8,11 @@
 // narrow kernels hold the register scheme alone, one kernel per divisor mode (one kernel
 // holding the three loops needs some 30 registers more than any one of them), on 32-bit
 // words: the team's held sums (RegisterLane), a cursor of 32-bit (row, group) pairs
-// (NarrowJobCursor), the spans of a vector layout (NarrowChunks), the rows' sums with 32-bit
-// offsets and the input group by a multiplication (NarrowPayloadSum), and nothing the round
-// can recompute cheaply ([Note: per-round lanes]) or read from its parameters ([Note: narrow
-// sizes]): at most 72 registers, three blocks per SM, and 64 for INT4 inputs, four.
+// (NarrowJobCursor, team_walk.cuh), the spans of a vector layout (NarrowChunks), the rows'
+// sums with 32-bit offsets and the input group by a multiplication (NarrowPayloadSum), and
+// nothing the round can recompute cheaply ([Note: per-round lanes]) or read from its
+// parameters ([Note: narrow sizes]): at most 72 registers, three blocks per SM, and 64
+// for INT4 inputs, four.
 // The arithmetic is the general kernel's: the same rows-outer sums (add_row_runs, shared
 // with PayloadSum: [Note: rows outer] in sources.cuh), the same RegisterLane and team
 // maximum, so the bytes are the same (the host check runs this kernel's cursor, spans and
@@ -103,31 +104,6 @@ template <int BITS> struct NarrowChunks {
         s.pad_begin = nullptr;
         s.pad_len = 0;
         return s;
-    }
-};
-
-// JobCursor ([Note: job cursor] in team_walk.cuh) on 32-bit words: jobs are below 2^31.
-struct NarrowJobCursor {
-    u32 row;
-    u32 group;
-    u32 step_rows;
-    u32 step_groups;
-    u32 groups_per_row;
-
-    ZC_HD NarrowJobCursor(i64 first_job, i64 step, i64 groups_per_row_)
-        : row(static_cast<u32>(first_job / groups_per_row_)),
-          group(static_cast<u32>(first_job % groups_per_row_)),
-          step_rows(static_cast<u32>(step / groups_per_row_)),
-          step_groups(static_cast<u32>(step % groups_per_row_)),
-          groups_per_row(static_cast<u32>(groups_per_row_)) {}
-
-    ZC_HD void advance() {
-        group += step_groups;
-        row += step_rows;
-        if (group >= groups_per_row) {
-            group -= groups_per_row;
-            ++row;
-        }
     }
 };
 

@@ -34,20 +34,22 @@ ZC_HD int team_lanes(i64 group_extent) {
 }
 
 // The jobs (row, group) of one team, job = round * teams_per_warp + team for the rounds
-// round = warp, warp + num_warps, ... (see [Note: job cursor]).
-struct JobCursor {
-    i64 row;
-    i64 group;
-    i64 step_rows;
-    i64 step_groups;
-    i64 groups_per_row;
+// round = warp, warp + num_warps, ... (see [Note: job cursor]). Index is i64, or u32 where a
+// kernel's sizes are known to fit and its registers are scarce (NarrowJobCursor).
+template <class Index>
+struct BasicJobCursor {
+    Index row;
+    Index group;
+    Index step_rows;
+    Index step_groups;
+    Index groups_per_row;
 
-    ZC_HD JobCursor(i64 first_job, i64 step, i64 groups_per_row_)
-        : row(first_job / groups_per_row_),
-          group(first_job % groups_per_row_),
-          step_rows(step / groups_per_row_),
-          step_groups(step % groups_per_row_),
-          groups_per_row(groups_per_row_) {}
+    ZC_HD BasicJobCursor(i64 first_job, i64 step, i64 groups_per_row_)
+        : row(static_cast<Index>(first_job / groups_per_row_)),
+          group(static_cast<Index>(first_job % groups_per_row_)),
+          step_rows(static_cast<Index>(step / groups_per_row_)),
+          step_groups(static_cast<Index>(step % groups_per_row_)),
+          groups_per_row(static_cast<Index>(groups_per_row_)) {}
 
     ZC_HD void advance() {
         group += step_groups;
@@ -58,6 +60,9 @@ struct JobCursor {
         }
     }
 };
+
+using JobCursor = BasicJobCursor<i64>;
+using NarrowJobCursor = BasicJobCursor<u32>;
 
 // The walk of one team over its rounds: warp `warp` of `num_warps`, team `team` of the warp.
 struct TeamWalk {
