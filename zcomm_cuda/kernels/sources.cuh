@@ -89,13 +89,17 @@ template <class T, bool WIDE = false> struct PermutedSource {
 // of elements at one wave), past the end of most stretches, so a lane locates its first run
 // every round: that locate is part of the round loop's hot path, once per lane and group.
 // (Testing the remembered stretch first saves a locate in the few rounds it serves, but
-// keeps it in registers across rounds: 0.9 more instructions per element in the loop.)
+// keeps it in registers across rounds: about one more instruction per element in the loop.)
 // After it one test covers all the lane's runs: when the stretch serves the group's last run
 // as a vector load, it serves every run of the lane in between, and the runs are loaded with
 // no further test. Only a group that straddles a stretch end, lies in the fill or off the
 // vector alignment takes load_straddling, one rolled copy of load_run out of the hot path.
-// In zero_runtime's buckets (tensors of thousands to millions of elements per part, widths
-// multiples of 8 elements) that is a few groups per piece end, slice end and fill.
+// That path is rare only where every width, the part and the slice sizes are multiples of
+// 8 elements (16-byte stretches); where pieces and slices are whole groups (zero_runtime's
+// parameter-aligned buckets whose stage parts are whole groups: [Note: parameter-aligned
+// blocks] in zero_runtime/_flat_buffer.py) no group takes it. One width or slice size off a
+// multiple of 8 puts the stretches after it off the alignment: then most groups take it
+// (element by element, as any run off the alignment always did).
 template <class T, bool WIDE = false> struct InterleavedSource {
     using Element = T;
     using U = typename IndexWord<WIDE>::type;
