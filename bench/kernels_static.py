@@ -37,8 +37,9 @@ Columns, per kernel:
 * ``div/elem``: fp32 division sequences (one ``FCHK`` each) inside the main loops, per element.
 * cold code: instructions inside a main loop whose inlining chain (``nvdisasm -gi``) passes
   through a :data:`COLD` function run only for rare groups (the register encoder's general
-  rule for a group with a NaN/Inf element or a subnormal scale, behind a branch the other
-  groups jump over). ``loop/elem``, ``round/elem`` and ``div/elem`` leave them out (they
+  rule for a group with a NaN/Inf element or a subnormal scale, and the interleaved source's
+  loads of a group that straddles a stretch end, each behind a branch the other groups jump
+  over). ``loop/elem``, ``round/elem`` and ``div/elem`` leave them out (they
   count the path of the common groups); ``main loops`` shows them as ``cold N``.
 Where a decoder or a re-quantizing encoder has one loop per divisor kind (``DivisorMode``),
 the smallest is taken: the divisor-1 loop (dequantize, sums); a power-of-two divisor's loop
@@ -72,9 +73,10 @@ HOT = {  # source functions (by the text of their lines) whose loops are a kerne
     "decoder": ("decode_group_lane", "decode_run"),
 }
 # Source functions whose code inside a main loop runs only for rare groups (the register
-# encoder's general rule for a NaN/Inf element or a subnormal scale): an instruction is
-# cold when any function of its inlining chain is one of these. Counted apart.
-COLD = ("rewrite_as_codes",)
+# encoder's general rule for a NaN/Inf element or a subnormal scale; InterleavedSource's
+# groups that straddle a stretch end, [Note: round stretch] in sources.cuh): an instruction
+# is cold when any function of its inlining chain is one of these. Counted apart.
+COLD = ("rewrite_as_codes", "load_straddling")
 
 
 @dataclass

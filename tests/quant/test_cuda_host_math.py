@@ -189,6 +189,12 @@ INTERLEAVE_CASES = [
     # then pieces off run boundaries (scalar runs)
     (2, (64, 128, 16), 256, (3, 1, 2, 0), 2, 128),
     (4, (300, 8, 100), 512, (1, 0, 3, 2, 5, 4, 7, 6), 2, 256),
+    # register groups of 256 on vector-aligned pieces whose ends fall in a group's last run
+    # only (248), on its first (512, 520) or on a group end (1024), and groups that each
+    # cross a slice end (slices of 128) one run after a piece end (120): which lanes' runs
+    # one stretch serves ([Note: round stretch])
+    (2, (248, 264, 8, 504), 1024, (1, 0, 3, 2, 5, 4, 7, 6), 2, 256),
+    (2, (120, 392), 512, (3, 1, 2, 0, 7, 5, 6, 4), 2, 256),
 ]
 
 

@@ -81,10 +81,25 @@ template <class T, bool WIDE = false> struct PermutedSource {
 // stretch (two multiplications for the divisions, one perm read and a binary search over the
 // table), then loaded as one vector if the new stretch serves it, else element by element,
 // locating each stretch it enters: runs crossing a slice, part or piece end, or off the
-// vector alignment. The register encoder's lane loads its runs through load_runs, which
-// defers such runs past its unrolled loop to one rolled copy of load_run. The runs a lane
-// loads are its own, so the stretch is per thread (mutable: the encoders hold the source as
-// const).
+// vector alignment. The runs a lane loads are its own, so the stretch is per thread
+// (mutable: the encoders hold the source as const).
+//
+// [Note: round stretch] The register encoder's lane loads its runs of a group through
+// load_runs. The team walk moves a lane a grid's worth of groups ahead each round (millions
+// of elements at one wave), past the end of most stretches, so a lane locates its first run
+// every round: that locate is part of the round loop's hot path, once per lane and group.
+// (Testing the remembered stretch first saves a locate in the few rounds it serves, but
+// keeps it in registers across rounds: about one more instruction per element in the loop.)
+// After it one test covers all the lane's runs: when the stretch serves the group's last run
+// as a vector load, it serves every run of the lane in between, and the runs are loaded with
+// no further test. Only a group that straddles a stretch end, lies in the fill or off the
+// vector alignment takes load_straddling, one rolled copy of load_run out of the hot path.
+// That path is rare only where every width, the part and the slice sizes are multiples of
+// 8 elements (16-byte stretches); where pieces and slices are whole groups (zero_runtime's
+// parameter-aligned buckets whose stage parts are whole groups: [Note: parameter-aligned
+// blocks] in zero_runtime/_flat_buffer.py) no group takes it. One width or slice size off a
+// multiple of 8 puts the stretches after it off the alignment: then most groups take it
+// (element by element, as any run off the alignment always did).
 template <class T, bool WIDE = false> struct InterleavedSource {
     using Element = T;
     using U = typename IndexWord<WIDE>::type;
@@ -148,30 +163,33 @@ template <class T, bool WIDE = false> struct InterleavedSource {
             load_run(n, v);
         }
     }
-    // The register encoder's runs of a lane (see [Note: rows outer] for the layout): each run
-    // its stretch serves is one vector load; the others are marked and loaded after the loop,
-    // by one copy of the general path (load_marked), so that the unrolled loop holds no locate.
+    // The register encoder's runs of a lane (see [Note: rows outer] for the layout): the lane
+    // locates the stretch of its first run ([Note: round stretch]), and when that stretch
+    // serves every run up to the group's last as vector loads, loads them with no further
+    // test; otherwise (the group straddles a stretch end, or the stretch is off the vector
+    // alignment or in the fill) load_straddling loads them.
     template <int N>
     ZC_HD void load_runs(i64 first, int lane, int lanes, int len, float (&v)[N][8]) const {
+        if (8 * lane >= len) return;  // the lane holds no run of this group
         const U n0 = static_cast<U>(first) + 8 * static_cast<U>(lane);
         const U step = 8 * static_cast<U>(lanes);
-        u32 marked = 0;
+        locate(n0);
+        // first_ = n0 <= the group's last run: the stretch serves every run between them when
+        // it serves the last one
+        if (static_cast<U>(first) + static_cast<U>(len - 8) - first_ < vlen_) {
 #pragma unroll  // [Note: held runs] in group_encoder.cuh
-        for (int i = 0; i < N; ++i) {
-            if (8 * (lane + lanes * i) < len) {
-                const U n = n0 + step * i;
-                if (n - first_ < vlen_) {
-                    zc::load8(at(n), v[i]);
-                } else {
-                    marked |= 1u << i;
-                }
+            for (int i = 0; i < N; ++i) {
+                if (8 * (lane + lanes * i) < len) zc::load8(at(n0 + step * i), v[i]);
             }
+        } else {
+            load_straddling(n0, step, lane, lanes, len, v);
         }
-        if (marked != 0) load_marked(n0, step, marked, v);
     }
-    // The marked runs, one at a time: the runs rotate through v[N - 1] (N rotations bring
-    // each back to its place), so that the loop stays rolled and v is indexed by constants.
-    template <int N> ZC_HD void load_marked(U n0, U step, u32 marked, float (&v)[N][8]) const {
+    // The lane's runs one at a time, each by the general path (load_run): the runs rotate
+    // through v[N - 1] (N rotations bring each back to its place), so that the loop stays
+    // rolled and v is indexed by constants.
+    template <int N>
+    ZC_HD void load_straddling(U n0, U step, int lane, int lanes, int len, float (&v)[N][8]) const {
 #pragma unroll 1
         for (int i = 0; i < N; ++i) {
             for (int k = 0; k < 8; ++k) {
@@ -180,7 +198,7 @@ template <class T, bool WIDE = false> struct InterleavedSource {
                 v[N - 1][k] = front;
             }
             // v[N - 1] now holds run i
-            if ((marked >> i) & 1u) load_run(n0 + step * i, v[N - 1]);
+            if (8 * (lane + lanes * i) < len) load_run(n0 + step * i, v[N - 1]);
         }
     }
     // A run that its stretch does not serve as one vector load: located anew if it starts
