@@ -434,38 +434,39 @@ def dequant_reduce_requant(
     key = (payloads.device.index, rows, row_nbytes, numel, bits, out_bits, group_size, divide_by, chunks, chunk_nbytes)
     resolved = _REQUANT_MEMO.get(key)
     if resolved is None:
-        resolved = _remember(_REQUANT_MEMO, key, payloads.device, _resolve_requant(key))
-    name, narrow_name, jobs, extent, sizes, narrow_sizes, narrow_tail = resolved
+        resolved = _remember(_REQUANT_MEMO, key, payloads.device, _resolve_requant(key, payloads.device))
+    name, narrow_name, narrow_blocks, jobs, extent, sizes, narrow_sizes, narrow_tail = resolved
     src, dst = payloads.data_ptr(), out.data_ptr()
     if narrow_name is not None and src % _RUN_BYTES[bits] == 0 and dst % _RUN_BYTES[out_bits] == 0:
-        blocks = _cap(-(-jobs // WARPS_PER_BLOCK), _max_blocks(payloads.device, "dequant_reduce.cu", narrow_name))
-        loader.launch("dequant_reduce.cu", narrow_name, payloads.device, blocks, THREADS,
+        loader.launch("dequant_reduce.cu", narrow_name, payloads.device, narrow_blocks, THREADS,
                       (src, *narrow_sizes, dst, *narrow_tail))
         return
     _encode("dequant_reduce.cu", name, payloads.device, jobs, extent, (src, *sizes, dst))
 
 
 # (device index, rows, row bytes, numel, bits, out_bits, group_size, divide_by, chunks, chunk bytes)
-# -> dequant_reduce_requant's kernel names, jobs, group extent and size arguments
+# -> dequant_reduce_requant's kernel names, the narrow kernel's grid, jobs, group extent and size
+# arguments
 _REQUANT_MEMO: dict[tuple, tuple] = {}
 _MODE_TAG = {"one": "one", "reciprocal": "pow2", "division": "div"}
 
 
-def _resolve_requant(key: tuple) -> tuple:
+def _resolve_requant(key: tuple, device: torch.device) -> tuple:
     _, rows, row_nbytes, numel, bits, out_bits, group_size, divide_by, chunks, chunk_nbytes = key
     chunk = numel // chunks
+    jobs = -(-chunk // group_size) * chunks
     name = _name("zc_dequant_reduce_requant_int{}_int{}", bits, out_bits)
     divisor = _fp32(divide_by)
     sizes = (*_sizes(row_nbytes, numel, group_size, rows), divisor, *_sizes(chunks, chunk_nbytes))
-    narrow_name, narrow_sizes, narrow_tail = None, (), ()
+    narrow_name, narrow_blocks, narrow_sizes, narrow_tail = None, 0, (), ()
     if narrow_requant(numel, chunk, group_size, bits, out_bits, row_nbytes, chunk_nbytes):
         narrow_name = _name("zc_dequant_reduce_requant_regs_{}_int{}_int{}", _MODE_TAG[divisor_mode(divisor)], bits,
                             out_bits)
         narrow_sizes = (*_sizes(row_nbytes, numel, group_size), *_magic_args(group_size, False), np.int64(rows),
                         divisor, *_sizes(chunks, chunk_nbytes))
         narrow_tail = _sizes(*narrow_requant_sizes(numel, chunks, group_size, bits, out_bits))
-    return (name, narrow_name, -(-chunk // group_size) * chunks, min(group_size, chunk), sizes, narrow_sizes,
-            narrow_tail)
+        narrow_blocks = _cap(-(-jobs // WARPS_PER_BLOCK), _max_blocks(device, "dequant_reduce.cu", narrow_name))
+    return (name, narrow_name, narrow_blocks, jobs, min(group_size, chunk), sizes, narrow_sizes, narrow_tail)
 
 
 def narrow_requant_sizes(numel: int, chunks: int, group_size: int, bits: int, out_bits: int) -> tuple[int, ...]:
