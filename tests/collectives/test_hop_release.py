@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from zcomm import _chain_runner, _hop_release
-from zcomm._torch_compat import all_gather_single, tensor_use_count
+from zcomm._torch_compat import all_gather_single
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -183,6 +183,6 @@ def test_a_real_gloo_hop_is_let_go_by_the_next_chain_end_or_the_exit_wait(gloo_w
 
     for _ in range(20):
         _chain_runner.run_chain(chain, [torch.empty(1)], False, worker)
-    assert all(tensor_use_count(t) > b for t, b in _hop_release._KEPT)  # kept only while gloo held them
+    # (Whether each kept tensor is still held cannot be asserted here: gloo may let go at any moment.)
     _hop_release._wait_for_gloo()
     assert _hop_release._KEPT == [] and _alive(made) == 0
