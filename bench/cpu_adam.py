@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 from bench.harness.flags import parse_size
-from zero_runtime.cpu_adam import AdamHyper, adam_step
+from zero_runtime.offload.cpu_adam import AdamHyper, adam_step
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 

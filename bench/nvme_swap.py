@@ -23,7 +23,7 @@ import torch
 
 from bench.harness.flags import parse_size
 from zero_runtime.config import AioConfig
-from zero_runtime.swap_file import SwapFile, aligned_buffer
+from zero_runtime.offload.swap_file import SwapFile, aligned_buffer
 
 
 def dd_rate(args: list[str]) -> float:

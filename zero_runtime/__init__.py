@@ -15,10 +15,9 @@ Public modules: ``config`` (``ZeroConfig``, ``LossScaleConfig``; the DeepSpeed J
 ``optimizer`` (``ZeroOptimizer``), ``lr_schedules`` (DeepSpeed's warm-up schedules),
 ``estimate`` (``python -m zero_runtime.estimate``), ``activation_checkpointing`` and
 ``tiled_linear``. Sub-packages by concern: ``offload`` (``cpu_adam``, ``swap_file``),
-``checkpoint`` (sharded checkpoints; ``export``, ``python -m zero_runtime.export``) and
-``comm`` (the comm plan). ``cpu_adam``, ``swap_file``, ``export`` and ``checkpointing`` stay
-importable at the top, re-exporting their new homes. Modules whose names start with an
-underscore are internal; ``_contract`` holds the contracts between them.
+``checkpoint`` (sharded checkpoints; ``export``, ``python -m zero_runtime.checkpoint.export``) and
+``comm`` (the comm plan). Modules whose names start with an underscore are internal;
+``_contract`` holds the contracts between them.
 """
 
 from .checkpoint._sharded import CheckpointError

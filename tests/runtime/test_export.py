@@ -1,4 +1,4 @@
-"""``python -m zero_runtime.export``: a stage-3 checkpoint of an HF GPT-2 (tied LM head, a
+"""``python -m zero_runtime.checkpoint.export``: a stage-3 checkpoint of an HF GPT-2 (tied LM head, a
 frozen partitioned position embedding) consolidated offline, with no process group, against
 ``opt.full_state_dict()`` taken when it was saved (the oracle), and as a Hugging Face folder
 that ``from_pretrained`` loads with the same logits as a model given that state dict."""
@@ -48,7 +48,7 @@ def _save(rank: int, world: int, root: str) -> dict:
 
 
 def _export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zero_runtime.export", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "zero_runtime.checkpoint.export", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
 
 

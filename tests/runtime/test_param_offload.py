@@ -186,7 +186,7 @@ def test_gathered_parameters_edits_reach_offloaded_shards(tmp_path, single_proce
 def test_frozen_units_are_offloaded_and_checkpointed(tmp_path, single_process):
     """Stage 3 partitions frozen parameters too: their shards live in the file, and a
     checkpoint and ``full_state_dict`` still read them."""
-    from zero_runtime.export import consolidate
+    from zero_runtime.checkpoint.export import consolidate
 
     model = make_model("gpt")
     model.tok.weight.requires_grad_(False)

@@ -18,10 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "zero_runtime"
 # Public modules, by dotted name under zero_runtime ("__init__" is the package itself).
 PUBLIC_MODULES = {"__init__", "config", "optimizer", "estimate", "lr_schedules", "activation_checkpointing",
                   "tiled_linear", "offload", "offload.cpu_adam", "offload.swap_file", "checkpoint", "checkpoint.export",
-                  "comm", "checkpointing", "cpu_adam", "swap_file", "export"}
-# The public paths kept where the modules used to be: each only re-exports its new home.
-COMPAT_PATHS = {"checkpointing": "activation_checkpointing", "cpu_adam": "offload.cpu_adam",
-                "swap_file": "offload.swap_file", "export": "checkpoint.export"}
+                  "comm"}
 # The sub-packages named for a concern; their __init__ imports nothing (see test below).
 CONCERNS = ("offload", "checkpoint", "comm")
 # Public modules of zcomm the runtime may import names from, with the names they export.
@@ -132,11 +129,6 @@ def test_concern_packages_import_nothing():
         body = modules[package].body
         assert len(body) == 1 and isinstance(body[0], ast.Expr), f"{package}/__init__.py is more than a docstring"
 
-
-def test_compat_paths_only_re_export_their_new_home():
-    graph = _graph()
-    for old, new in COMPAT_PATHS.items():
-        assert graph[old] == {new}, (old, graph[old])
 
 
 def test_init_only_re_exports():

@@ -1,4 +1,4 @@
-"""Building blocks for numba CPU kernels outside ``zcomm.quant`` (e.g. ``zero_runtime.cpu_adam``).
+"""Building blocks for numba CPU kernels outside ``zcomm.quant`` (e.g. ``zero_runtime.offload.cpu_adam``).
 
 * :func:`use_thread_share`: call right before a parallel numba launch so it uses the rank's
   share of threads (see [Note: kernel threads] in ``zcomm.quant.backends.cpu``);

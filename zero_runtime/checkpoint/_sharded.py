@@ -243,7 +243,7 @@ def _read_rank_file(root: Path, meta: dict[str, Any], rank: int) -> dict[str, An
 
 def consolidate(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The model's full state dict from a checkpoint, in one process with no process group
-    (``python -m zero_runtime.export``): what ``full_state_dict()`` returned when it was
+    (``python -m zero_runtime.checkpoint.export``): what ``full_state_dict()`` returned when it was
     saved (fp32 masters for trained parameters; frozen ones and buffers in the compute dtype)."""
     root = Path(directory)
     meta = _read_meta(root)

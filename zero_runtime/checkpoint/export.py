@@ -1,4 +1,4 @@
-"""``python -m zero_runtime.export CHECKPOINT_DIR OUT``: a checkpoint's consolidated weights
+"""``python -m zero_runtime.checkpoint.export CHECKPOINT_DIR OUT``: a checkpoint's consolidated weights
 as safetensors, in one process with no process group (DeepSpeed's ``zero_to_fp32.py``).
 
 The checkpoint's files are checked against its ``meta.json`` (sizes, hashes, save tag) and
@@ -37,7 +37,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, hf_config: 
     try:
         from safetensors.torch import save_file
     except ImportError as err:
-        raise ImportError(f"zero_runtime.export needs safetensors (pip install 'zcomm[hf]'): {err}") from None
+        raise ImportError(f"zero_runtime.checkpoint.export needs safetensors (pip install 'zcomm[hf]'): {err}") from None
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     config_file = _hf_config_file(hf_config) if hf_config is not None else None
@@ -72,7 +72,7 @@ def _hf_config_file(path: str | os.PathLike) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zero_runtime.export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m zero_runtime.checkpoint.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a directory written by opt.save_checkpoint()")
     parser.add_argument("out", help="the safetensors file to write, or with --hf-config the folder")
     parser.add_argument("--hf-config", help="a Hugging Face config.json (or its folder): write a from_pretrained folder")

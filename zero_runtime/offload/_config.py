@@ -26,7 +26,7 @@ class OffloadOptimizerConfig:
     training device; ``"cpu"`` keeps them in CPU memory and ``"nvme"`` in one file per rank
     under ``nvme_path`` (created at start-up, removed when the optimizer is closed, garbage
     collected or the process exits), and the optimizer step runs on the CPU
-    (``zero_runtime.cpu_adam``: Adam/AdamW only). ``pin_memory``: page-locked host buffers
+    (``zero_runtime.offload.cpu_adam``: Adam/AdamW only). ``pin_memory``: page-locked host buffers
     for the copies between the GPU and the host (a CPU run makes no such copies).
     ``buffer_count``: host buffers the NVMe step cycles through, one sub-group each (>= 3:
     one being read, one updated, one written back).
