@@ -2,8 +2,7 @@
 
 [Note: hop release] A gloo hop's ``Work`` holds the hop's tensors, and gloo's worker thread
 drops its own reference to the ``Work`` only after running it: often after the chain's
-``wait()`` has returned and the chain has dropped its reference (in 35-70% of the chains of
-the README's runtime example on a loaded 2-core machine). The ``Work``'s destructor then
+``wait()`` has returned and the chain has dropped its reference. The ``Work``'s destructor then
 runs on gloo's thread, and releasing a tensor that has a Python object there takes the GIL
 (torch keeps a tensor's Python object alive while C++ holds the tensor). If the interpreter
 has begun finalizing by then (the chain was the program's last collective, and the main
