@@ -10,7 +10,9 @@
   collectives resolved once for a caller whose shapes never change (a runtime's unit or
   gradient bucket): :class:`PreparedAllGatherQ8` / :class:`PreparedReduceScatterQ4` recheck
   only the tensors on each call.
-* :func:`all_gather_into_tensor`, :func:`reduce_scatter_tensor`: the unquantized ones, counted.
+* :func:`all_gather_into_tensor`, :func:`reduce_scatter_tensor`: the unquantized ones, counted;
+  :func:`all_gather_hierarchical`: an unquantized all-gather in qwZ's two hops (for payloads
+  a caller encoded itself).
 * :class:`ErrorFeedback`: LoCo error feedback, an explicit state a caller may pass to
   :func:`reduce_scatter_q4` (the collectives are stateless without it).
 * :class:`Topology`: which ranks share a node; :func:`consecutive_group`: hpZ's blocks.
@@ -30,6 +32,7 @@ from ._error_feedback import ErrorFeedback
 from ._groups import consecutive_group
 from .all_gather_q8 import PreparedAllGatherQ8, all_gather_q8, prepare_all_gather_q8
 from .comm_stats import OpStats, comm_stats, reset_comm_stats
+from .hierarchical_gather import all_gather_hierarchical
 from .plain_collectives import all_gather_into_tensor, reduce_scatter_tensor
 from .reduce_scatter_q4 import (PreparedReduceScatterQ4, check_first_hop_bits, check_hadamard_block,
                                 prepare_reduce_scatter_q4_coalesced, reduce_scatter_q4, reduce_scatter_q4_coalesced)
@@ -42,6 +45,7 @@ __all__ = [
     "PreparedAllGatherQ8",
     "PreparedReduceScatterQ4",
     "Topology",
+    "all_gather_hierarchical",
     "all_gather_into_tensor",
     "all_gather_q8",
     "check_first_hop_bits",

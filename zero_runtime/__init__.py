@@ -4,8 +4,9 @@
     loss = model(batch)...; opt.backward(loss); opt.step()
 
 Stage 3 takes the ZeRO++ options (``zero_quantized_weights``, ``zero_hpz_partition_size``,
-``zero_quantized_gradients``, ``zcomm_quant_group_size``; see ``ZeroConfig``): they change
-only the communication objects of the run's comm plan.
+``zero_quantized_gradients``, ``zcomm_quant_group_size``; see ``ZeroConfig``), stages 1 and 2
+all but hpZ, and ``zcomm_weight_delta_bits`` (4-bit weight differences after each step):
+they change only the communication objects of the run's comm plan.
 
 ``Init()`` builds a model with its parameters partitioned as each module is constructed.
 ``GatheredParameters(params, modifier_rank=None)`` makes partitioned parameters full for a

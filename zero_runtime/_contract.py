@@ -81,6 +81,11 @@ class AllGather(Comm, abc.ABC):
     def weights_changed(self) -> None:
         """The shards changed (step, checkpoint or state-dict load): drop derived copies."""
 
+    def weights_replaced(self) -> None:
+        """The weights were replaced other than by a step (a checkpoint or state-dict load, a
+        ``GatheredParameters`` block): a gather that sends what changed against values the
+        ranks hold must next send the values themselves."""
+
     def held_bytes(self) -> int:
         """Bytes of parameter copies this object keeps between uses."""
         return 0

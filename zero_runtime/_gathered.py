@@ -119,6 +119,7 @@ class GatheredParameters:
             if self.modifier_rank is not None and exc_type is None:
                 self._write_back()
         finally:
+            self.opt.plan.weights_replaced()  # a whole unit may have been edited in place on one rank
             for unit in self.units:
                 unit.pinned -= 1
             for unit in self._gathered:

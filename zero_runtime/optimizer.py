@@ -372,6 +372,7 @@ class ZeroOptimizer:
             raise RuntimeError("state can only be saved on an accumulation boundary, after step()")
 
     def _after_load(self) -> None:
-        """Loaded masters replace the weights: drop gradients, rewrite the parameters."""
+        """Loaded masters replace the weights: drop gradients, rewrite the parameters exactly."""
         self.zero_grad()
+        self.plan.weights_replaced()
         self.sync_params_from_masters()

@@ -19,6 +19,9 @@ gaps (``zcomm_align_quant_blocks`` false, where a quantization block may straddl
 defaults, :data:`LOCO_PARAM`); ``*-int8hop`` sends qgZ's intra-node hop in INT8
 (``zcomm_qgz_first_hop_bits: 8``, after SDP4Bit; the runtime's default is the paper's INT4).
 ``deepspeed-zeropp`` hands DeepSpeed its own ZeRO++ keys, to show what DeepSpeed does with them.
+``zero2-q`` is stage 2 with qgZ and qwZ's INT8 gather after the step; ``zero2-qwd`` and
+``zero1-qwd`` send 4-bit weight differences instead (``zcomm_weight_delta_bits: 4``, after
+SDP4Bit); ``deepspeed-z2`` is DeepSpeed's stage 2, their peer.
 ``fsdp2-qwz``, ``fsdp2-qgz`` and ``fsdp2-zeropp`` are FSDP2 with zcomm's collectives installed by
 ``zcomm.fsdp.enable_zeropp`` (hpZ being FSDP2's ``reshard_after_forward=<ranks per node>``;
 qgZ's intra-node hop INT8, the adapter's default); ``fsdp2-zeropp-int4hop`` is the same with
@@ -80,6 +83,9 @@ class TrainConfig:
             the engine's default (the runtime's INT4, ``enable_zeropp``'s INT8).
         hadamard_block: qgZ's Hadamard rotation block (``zcomm_qgz_hadamard_block``,
             zero_runtime only), or None for none.
+        weight_delta_bits: stages 1 and 2 with qwZ: the width of the weight differences sent
+            after each step (``zcomm_weight_delta_bits``, zero_runtime only), or None for qwZ's
+            INT8 values.
         summary: one line for ``--help`` and TRAINING.md.
         fails_on_cpu: why the engine is known to raise for this configuration on a CPU (the
             row then reads "expected failure" with this reason), or None.
@@ -96,6 +102,7 @@ class TrainConfig:
     loco: bool = False
     first_hop_bits: int | None = None
     hadamard_block: int | None = None
+    weight_delta_bits: int | None = None
     summary: str
     fails_on_cpu: str | None = None
 
@@ -104,9 +111,13 @@ class TrainConfig:
             raise ValueError(f"{self.name}: unknown engine {self.engine!r}")
         if self.stage not in (1, 2, 3):
             raise ValueError(f"{self.name}: stage must be 1, 2 or 3, got {self.stage}")
-        uses_zeropp = self.quantized_weights or self.hpz or self.quantized_gradients
-        if uses_zeropp and self.stage != 3:
-            raise ValueError(f"{self.name}: the ZeRO++ options need stage 3")
+        if self.hpz and self.stage != 3:
+            raise ValueError(f"{self.name}: hpZ needs stage 3")
+        if (self.quantized_weights or self.quantized_gradients) and self.stage != 3 and self.engine != "zero":
+            raise ValueError(f"{self.name}: qwZ and qgZ in stages 1 and 2 are zero_runtime's")
+        if self.weight_delta_bits is not None and (self.engine != "zero" or self.stage == 3
+                                                   or not self.quantized_weights):
+            raise ValueError(f"{self.name}: weight differences are zero_runtime's, stages 1 and 2, with qwZ")
         if self.quant_group_size is not None and not (self.quantized_weights or self.quantized_gradients):
             raise ValueError(f"{self.name}: quant_group_size needs qwZ or qgZ")
         if not self.align_quant_blocks and (self.engine != "zero" or not (self.quantized_weights or
@@ -130,6 +141,12 @@ CONFIGS: dict[str, TrainConfig] = _configs(
     TrainConfig(name="zero1", engine="zero", stage=1, summary="ZeRO stage 1: optimizer states partitioned"),
     TrainConfig(name="zero2", engine="zero", stage=2, summary="ZeRO stage 2: + gradients partitioned"),
     TrainConfig(name="zero3", engine="zero", stage=3, summary="ZeRO stage 3: + parameters partitioned"),
+    TrainConfig(name="zero2-q", engine="zero", stage=2, quantized_weights=True, quantized_gradients=True,
+                summary="stage 2 + qgZ gradients + INT8 weight all-gather after the step"),
+    TrainConfig(name="zero2-qwd", engine="zero", stage=2, quantized_weights=True, quantized_gradients=True,
+                weight_delta_bits=4, summary="stage 2 + qgZ gradients + 4-bit weight differences after the step"),
+    TrainConfig(name="zero1-qwd", engine="zero", stage=1, quantized_weights=True, quantized_gradients=True,
+                weight_delta_bits=4, summary="stage 1 + qgZ gradients + 4-bit weight differences after the step"),
     TrainConfig(name="zero3+qwz", engine="zero", quantized_weights=True, summary="stage 3 + INT8 weight all-gather"),
     TrainConfig(name="zero3+hpz", engine="zero", hpz=True, summary="stage 3 + per-node secondary weights"),
     TrainConfig(name="zero3+qgz", engine="zero", quantized_gradients=True, summary="stage 3 + INT4 2-hop grad RS"),
@@ -196,6 +213,7 @@ CONFIGS: dict[str, TrainConfig] = _configs(
     TrainConfig(name="fsdp2-zeropp-int4hop", engine="fsdp2", quantized_weights=True, hpz=True,
                 quantized_gradients=True, first_hop_bits=4,
                 summary="fsdp2-zeropp with qgZ's intra-node hop in INT4 (the ZeRO++ paper's)"),
+    TrainConfig(name="deepspeed-z2", engine="deepspeed", stage=2, summary="DeepSpeed ZeRO-2 (needs deepspeed)"),
     TrainConfig(name="deepspeed-z3", engine="deepspeed", summary="DeepSpeed ZeRO-3 (needs deepspeed)"),
     TrainConfig(name="deepspeed-z3-hpz", engine="deepspeed", hpz=True, summary="DeepSpeed ZeRO-3 + hpZ"),
     TrainConfig(
@@ -261,6 +279,8 @@ def zero_runtime_config(
         section["zcomm_qgz_first_hop_bits"] = config.first_hop_bits
     if config.hadamard_block is not None:
         section["zcomm_qgz_hadamard_block"] = config.hadamard_block
+    if config.weight_delta_bits is not None:
+        section["zcomm_weight_delta_bits"] = config.weight_delta_bits
     return {"zero_optimization": section, "bf16": {"enabled": bf16}, "gradient_clipping": gradient_clipping}
 
 

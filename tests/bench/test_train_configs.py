@@ -41,6 +41,12 @@ def test_zero_runtime_configs_carry_exactly_the_zeropp_keys() -> None:
     assert tensorscale["zero_optimization"]["zcomm_quant_group_size"] == "tensor"
     g128 = zero_runtime_config(CONFIGS["zeropp-g128"], local_size=2, bf16=True, gradient_clipping=0.0)
     assert g128["zero_optimization"]["zcomm_quant_group_size"] == 128
+    stage12 = {name: zero_runtime_config(CONFIGS[name], local_size=2, bf16=True, gradient_clipping=0.0)
+               ["zero_optimization"] for name in ("zero2-q", "zero2-qwd", "zero1-qwd")}
+    quantized = {"zero_quantized_weights": True, "zero_quantized_gradients": True}
+    assert stage12 == {"zero2-q": {"stage": 2, **quantized},
+                       "zero2-qwd": {"stage": 2, **quantized, "zcomm_weight_delta_bits": 4},
+                       "zero1-qwd": {"stage": 1, **quantized, "zcomm_weight_delta_bits": 4}}
 
 
 @pytest.mark.parametrize("name", [name for name, config in CONFIGS.items() if config.engine == "zero"])

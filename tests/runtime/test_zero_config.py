@@ -104,7 +104,7 @@ def test_a_config_without_a_stage_is_refused_saying_deepspeed_would_run_stage_0(
     ({"zero_optimization": {"stage": 2}, "gradient_clipping": -1}, "gradient_clipping must be >= 0"),
     ({"zero_optimization": {"stage": 2}, "fp16": {"enabled": True, "hysteresis": 0}}, "hysteresis must be >= 1"),
     ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 0}}, "zero_hpz_partition_size must be >= 1"),
-    ({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}}, "need zero_optimization.stage 3"),
+    ({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}}, "needs zero_optimization.stage 3"),
     ({"zero_optimization": []}, "must be a mapping"),
     ({"zero_optimization": {"stage": 3, "zcomm_stage3_fuse_numel": -1}},
      "zcomm_stage3_fuse_numel must be an integer >= 0"),
@@ -164,8 +164,9 @@ def test_zeropp_keys_map_to_fields():
 
 
 @pytest.mark.parametrize("zero, message", [
-    ({"stage": 2, "zero_quantized_gradients": True}, "zero_quantized_gradients need zero_optimization.stage 3"),
-    ({"stage": 1, "zero_hpz_partition_size": 2}, "zero_hpz_partition_size need zero_optimization.stage 3"),
+    ({"stage": 3, "zero_quantized_weights": True, "zcomm_weight_delta_bits": 4},
+     "zcomm_weight_delta_bits needs zero_optimization.stage 1 or 2"),
+    ({"stage": 1, "zero_hpz_partition_size": 2}, "zero_hpz_partition_size needs zero_optimization.stage 3"),
     ({"stage": 3, "zero_quantized_weights": 1}, "zero_quantized_weights must be true or false"),
     ({"stage": 3, "zero_hpz_partition_size": 2.0}, "zero_hpz_partition_size must be an int"),
     # Validated by zcomm.quant.QuantSpec for both widths, even with only INT8 qwZ on.

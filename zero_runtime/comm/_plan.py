@@ -9,7 +9,9 @@ through (contracts in ``_contract``), chosen by ``build_comm_plan``:
   with qwZ persistent parameters are gathered in INT8 like every weight forward reads,
   where DeepSpeed gathers them exactly: on the 2x2 simcluster at 200 Mbit/s that took
   ZeRO++ on a 3.2M-parameter GPT from 4.48 to 3.67 MB sent per rank and step, what it
-  sends with no persistent parameters at all;
+  sends with no persistent parameters at all. With ``zcomm_weight_delta_bits`` (stages 1
+  and 2) it is ``WeightDeltaAllGather``: after each step, INT4 or INT8 differences against
+  the weights every rank holds ([Note: weight differences] in ``comm._weight_delta``);
 * ``backward_gather``: the same plain object, or hpZ's ``HpzGather`` (keeps a secondary
   shard over a block of consecutive ranks after forward and gathers from it in backward
   over the block's own group);
@@ -65,6 +67,7 @@ from .._contract import AllGather, ReduceScatter
 from ._hpz_gather import HpzGather
 from ._plain import PlainAllGather, PlainReduceScatter
 from ._quantized import QuantizedAllGather, QuantizedReduceScatter
+from ._weight_delta import WeightDeltaAllGather
 from ..config import ZeroConfig
 
 
@@ -94,6 +97,10 @@ class CommPlan:
     def weights_changed(self) -> None:
         for gather in self.gathers():
             gather.weights_changed()
+
+    def weights_replaced(self) -> None:
+        for gather in self.gathers():
+            gather.weights_replaced()
 
     def held_bytes(self) -> int:
         """Bytes of parameter copies the gather objects keep between uses (hpZ's secondaries)."""
@@ -155,7 +162,10 @@ def build_comm_plan(config: ZeroConfig, group: dist.ProcessGroup, topology: zcom
             topology = zcomm.Topology.detect(group)
     plain = PlainAllGather(group, topology)
     forward: AllGather = plain
-    if config.quantized_weights:
+    if config.weight_delta_bits is not None:
+        forward = WeightDeltaAllGather(group, topology, exact=plain,
+                                       spec=QuantSpec(bits=config.weight_delta_bits, group_size=config.quant_group_size))
+    elif config.quantized_weights:
         forward = QuantizedAllGather(group, topology, spec=QuantSpec(bits=8, group_size=config.quant_group_size))
     backward: AllGather = plain
     if config.hpz_partition_size > 1:

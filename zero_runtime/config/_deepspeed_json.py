@@ -36,6 +36,7 @@ _ZERO_KEYS = {
     "zeropp_loco_param": "loco",
     "zcomm_qgz_first_hop_bits": "qgz_first_hop_bits",
     "zcomm_qgz_hadamard_block": "qgz_hadamard_block",
+    "zcomm_weight_delta_bits": "weight_delta_bits",
     # offload (see zero_runtime.offload._config)
     "offload_optimizer": "offload_optimizer",
     "offload_param": "offload_param",

@@ -199,16 +199,24 @@ class ZeroConfig:
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """fp16 loss scaling: DeepSpeed's ``fp16`` section but ``enabled``."""
     quantized_weights: bool = False
-    """``zero_quantized_weights`` (qwZ; stage 3 only): parameters are gathered for forward
-    with zcomm's INT8 ``all_gather_q8``. With hpZ and qgZ on as well it is ZeRO++."""
+    """``zero_quantized_weights`` (qwZ): parameters are gathered with zcomm's INT8
+    ``all_gather_q8``: for forward in stage 3, after each optimizer step in stages 1 and 2
+    (and for stage 3's persistent units). With hpZ and qgZ on as well it is ZeRO++. In stages
+    1 and 2, ``weight_delta_bits`` sends differences instead of values."""
     hpz_partition_size: int = 1
     """``zero_hpz_partition_size`` (hpZ; stage 3 only): above 1, a secondary copy of each
     module's parameters is kept partitioned over that many consecutive ranks after its
     forward and backward gathers from it. It must divide the world size and line up with
     nodes, checked when the runtime starts."""
     quantized_gradients: bool = False
-    """``zero_quantized_gradients`` (qgZ; stage 3 only): gradient buckets are reduce-scattered
-    with zcomm's INT4 ``reduce_scatter_q4``."""
+    """``zero_quantized_gradients`` (qgZ; stages 1-3): gradient buckets are reduce-scattered
+    with zcomm's INT4 ``reduce_scatter_q4_coalesced`` (averaged in fp32)."""
+    weight_delta_bits: int | None = None
+    """``zcomm_weight_delta_bits``, 4 or 8 (stages 1 and 2, with ``zero_quantized_weights``):
+    after each step every rank sends the blocked INT4 (or INT8) difference between its
+    updated shard and the value every rank already holds, and every rank adds the same
+    dequantized differences (SDP4Bit's weight differences; see [Note: weight differences] in
+    ``comm._weight_delta``). None sends INT8 values (qwZ)."""
     quant_group_size: QuantGroupSize = None
     """``zcomm_quant_group_size``: elements per quantization scale of both quantized
     collectives (see ``QuantGroupSize``); valid for both widths, and set only with one of
@@ -296,14 +304,16 @@ class ZeroConfig:
                 raise TypeError(f"{key} must be true or false, got {getattr(self, name)!r}")
 
     def _check_zeropp(self) -> None:
-        """The ZeRO++ options: stage 3 only, and the combinations of qgZ's variants."""
+        """The ZeRO++ options: hpZ in stage 3 only, weight differences in stages 1 and 2, and the
+        combinations of qgZ's variants."""
         if isinstance(self.hpz_partition_size, bool) or not isinstance(self.hpz_partition_size, int):
             raise TypeError(f"zero_hpz_partition_size must be an int, got {self.hpz_partition_size!r}")
         if self.hpz_partition_size < 1:
             raise ValueError(f"zero_hpz_partition_size must be >= 1, got {self.hpz_partition_size}")
-        zeropp = self.zeropp_options()
-        if zeropp and self.stage != 3:
-            raise ValueError(f"{', '.join(zeropp)} need zero_optimization.stage 3, got stage {self.stage}")
+        if self.hpz_partition_size > 1 and self.stage != 3:
+            raise ValueError(f"zero_hpz_partition_size needs zero_optimization.stage 3, got stage {self.stage}: "
+                             "only stage 3 partitions the parameters hpZ keeps a secondary copy of")
+        self._check_weight_delta_bits()
         self._check_quant_group_size()
         if self.loco is not None and not self.quantized_gradients:
             raise ValueError("zeropp_loco_param (LoCo error feedback) needs zero_quantized_gradients")
@@ -389,6 +399,21 @@ class ZeroConfig:
         for name, key, minimum in _COUNTS:
             object.__setattr__(self, name, integral_count(key, getattr(self, name), minimum))
 
+    def _check_weight_delta_bits(self) -> None:
+        bits = self.weight_delta_bits
+        if bits is None:
+            return
+        if isinstance(bits, bool) or not isinstance(bits, int):
+            raise TypeError(f"zcomm_weight_delta_bits must be 4 or 8, got {bits!r}")
+        if bits not in (4, 8):
+            raise ValueError(f"zcomm_weight_delta_bits must be 4 or 8, got {bits}")
+        if not self.quantized_weights:
+            raise ValueError("zcomm_weight_delta_bits needs zero_quantized_weights: it chooses how the quantized "
+                             "weights are sent")
+        if self.stage == 3:
+            raise ValueError("zcomm_weight_delta_bits needs zero_optimization.stage 1 or 2: stage 3 frees the "
+                             "parameters, so the ranks hold no previous value to add a difference to")
+
     def _check_quant_group_size(self) -> None:
         """Valid for both widths, whichever options are on: a config that quantizes only
         weights stays valid when gradients are quantized too."""
@@ -412,7 +437,8 @@ class ZeroConfig:
         (1: nothing quantized, ``"tensor"`` scales, or ``align_quant_blocks`` off)."""
         if not self.align_quant_blocks or self.quant_group_size == "tensor":
             return 1
-        widths = [bits for bits, on in zip(_QUANT_BITS, (self.quantized_weights, self.quantized_gradients)) if on]
+        weight_bits = self.weight_delta_bits or 8
+        widths = [bits for bits, on in ((weight_bits, self.quantized_weights), (4, self.quantized_gradients)) if on]
         return math.lcm(1, *(QuantSpec(bits=bits, group_size=self.quant_group_size).group_size for bits in widths))
 
     def zeropp_options(self) -> list[str]:

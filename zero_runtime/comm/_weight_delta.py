@@ -1,0 +1,141 @@
+"""Weight differences: stages 1 and 2 send each step's update in 4 (or 8) bits, not the weights.
+
+[Note: weight differences] In stages 1 and 2 every rank holds the whole model in the compute
+dtype (a unit's full buffer, the *reference*), and after a step each rank owns the updated
+fp32 masters of one shard. Instead of all-gathering the new shard values, each rank sends
+the blocked quantization of ``delta = new - reference`` over its shard (``new`` is the
+master in the compute dtype, what a plain gather would send), and every rank, the owner
+included, sets ``reference = round(reference + dequantize(delta))`` for every shard
+(SDP4Bit's weight differences, arXiv 2410.15526). The sum is computed in fp32 from the same
+bytes by the same kernel on every rank, so the reference stays identical on every rank,
+bit for bit. The owner's fp32 master is never touched: the next step's difference is taken
+against the reference, so the quantization error of one step is carried into the next
+difference and does not accumulate. The reference's error against the master is one
+quantization of one step's difference (plus the rounding to the compute dtype).
+
+A group (``group_size`` elements of one shard) whose difference is too large for its bits
+falls back to qwZ for that group only: when the difference's quantization step
+``absmax(delta) / qmax`` would exceed the step of INT8 values of the same group,
+``absmax(new) / 127`` (qwZ's), the group's new values travel as blocked INT8 values in a
+second gather, sized by the largest number of such groups on any rank (the flags travel
+with the differences, so every rank knows them), and replace the group's reference. So no
+group is ever further from the master than qwZ would leave it, and ``fallback_groups``
+counts the groups that fell back. Reading that count is one small host read per unit and
+step, after the gather. Large steps against small weights fall back (a zero-initialized
+bias's first steps, Adam's steps of 1e-2 against weights of 0.02); steps of 1e-4 against
+the same weights are ten times below the threshold.
+
+The reference must be identical everywhere before a difference may be added to it: the
+first gather of each unit, and the first after ``weights_replaced`` (a checkpoint or state
+dict load, a resharded load, a ``GatheredParameters`` block), are exact all-gathers of the
+new values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+import torch.distributed as dist
+
+import zcomm
+from zcomm.quant import QMAX, QuantSpec, dequantize, payload_nbytes, quantize
+
+from .._contract import AllGather, Handle, Phase
+
+_INT8_QMAX = QMAX[8]
+
+
+class WeightDeltaAllGather(AllGather):
+    """Stages 1 and 2's post-step gather of weight differences ([Note: weight differences])."""
+
+    def __init__(self, group: dist.ProcessGroup, topology: zcomm.Topology, *, spec: QuantSpec,
+                 exact: AllGather) -> None:
+        assert spec.bits in (4, 8), spec
+        self.group = group
+        self.topology = topology
+        self.spec = spec
+        self.exact = exact
+        self._primed: set[Hashable] = set()
+        self.delta_groups = 0  # groups of every rank sent as differences, as seen by this rank
+        self.fallback_groups = 0  # groups of every rank sent exactly because their difference was too large
+
+    def weights_replaced(self) -> None:
+        self._primed.clear()
+
+    def __call__(self, output: torch.Tensor, input: torch.Tensor, *, unit: Hashable, phase: Phase) -> Handle:
+        if phase is not Phase.STEP or unit not in self._primed:
+            self._primed.add(unit)
+            return self.exact(output, input, unit=unit, phase=phase)
+        return _DeltaGather(self, output, input)
+
+
+class _DeltaGather:
+    """One unit's difference gather: sent by the constructor (zcomm's hierarchical gather, in two
+    hops like qwZ's), applied to the reference by ``wait()``."""
+
+    def __init__(self, owner: WeightDeltaAllGather, output: torch.Tensor, input: torch.Tensor) -> None:
+        world, rank = dist.get_world_size(owner.group), dist.get_rank(owner.group)
+        numel = input.numel()
+        assert output.numel() == world * numel, (output.numel(), world, numel)
+        self.owner, self.output, self.input, self.world, self.numel = owner, output, input, world, numel
+        bits = owner.spec.bits
+        self.group_size = owner.spec.group_size_for(numel)
+        self.groups = -(-numel // self.group_size)
+        reference = output[rank * numel:(rank + 1) * numel]
+        delta = input.float() - reference.float()
+        self.flags = _too_large(delta, input, self.group_size, self.groups, QMAX[bits])
+        self.payload_nbytes = payload_nbytes(numel, bits, self.group_size)
+        send = torch.empty(self.payload_nbytes + self.groups, dtype=torch.uint8, device=input.device)
+        quantize(delta, bits, self.group_size, out=send[:self.payload_nbytes])
+        send[self.payload_nbytes:].copy_(self.flags)
+        self.received = torch.empty(world * send.numel(), dtype=torch.uint8, device=input.device)
+        zcomm.all_gather_hierarchical(self.received, send, group=owner.group, topology=owner.topology)
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        owner, world, numel, size = self.owner, self.world, self.numel, self.group_size
+        rows = self.received.view(world, -1)
+        deltas = dequantize(rows[:, :self.payload_nbytes].contiguous(), numel, owner.spec.bits, size, torch.float32)
+        updated = _padded(self.output.float().view(world, numel) + deltas.view(world, numel), self.groups * size)
+        flags = rows[:, self.payload_nbytes:].bool()
+        counts = flags.sum(dim=1)
+        most = int(counts.max())  # the one host read ([Note: weight differences])
+        if most:
+            values = self._fallback_values(most)
+            keep = torch.arange(most, device=counts.device).unsqueeze(0) < counts.unsqueeze(1)
+            updated.view(world, self.groups, size)[flags] = values.view(world, most, size)[keep]
+        self.output.view(world, numel).copy_(updated[:, :numel])
+        owner.delta_groups += world * self.groups
+        owner.fallback_groups += int(counts.sum())
+        self.done, self.received = True, None
+
+    def _fallback_values(self, most: int) -> torch.Tensor:
+        """Every rank's flagged groups of new values as qwZ sends them (blocked INT8, one scale per
+        group), in group order, padded to ``most`` groups per rank; dequantized to fp32."""
+        owner, size, device = self.owner, self.group_size, self.input.device
+        mine = _padded(self.input.float().view(1, -1), self.groups * size).view(self.groups, size)
+        values = torch.zeros(most, size, dtype=torch.float32, device=device)
+        chosen = mine[self.flags.bool()]
+        values[:chosen.shape[0]] = chosen
+        send = quantize(values.view(-1), 8, size)
+        received = torch.empty(self.world * send.numel(), dtype=torch.uint8, device=device)
+        zcomm.all_gather_hierarchical(received, send, group=owner.group, topology=owner.topology)
+        return dequantize(received.view(self.world, -1), most * size, 8, size, torch.float32)
+
+
+def _padded(rows: torch.Tensor, width: int) -> torch.Tensor:
+    """``rows`` (2-D) with zero columns appended up to ``width``."""
+    if rows.shape[1] == width:
+        return rows
+    return torch.nn.functional.pad(rows, (0, width - rows.shape[1]))
+
+
+def _too_large(delta: torch.Tensor, new: torch.Tensor, size: int, groups: int, qmax: int) -> torch.Tensor:
+    """Per group (uint8 0/1): the difference's quantization step exceeds INT8 values' step."""
+    width = groups * size
+    delta_max = _padded(delta.view(1, -1), width).view(groups, size).abs().amax(dim=1)
+    new_max = _padded(new.float().view(1, -1), width).view(groups, size).abs().amax(dim=1)
+    return (delta_max * _INT8_QMAX > new_max * qmax).to(torch.uint8)
