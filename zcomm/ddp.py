@@ -32,9 +32,10 @@ enqueues the all-reduce on a side stream of the state that waits for the current
 the future is completed on that side stream, so DDP's wait makes its stream wait for the
 reduction's end, not for the host: backward kernels keep running meanwhile.
 
-Where DDP's contract cannot be met the hook raises before communicating anything: a bucket of
-another dtype than fp32, bf16 or fp16 (fp64 or complex parameters) or of sparse gradients
-(``TypeError``), and a state that is not a :class:`QuantizedAllReduceState`. ``state.group``
+Where DDP's contract cannot be met the hook raises ``TypeError`` before communicating anything
+(backward then raises with its message): a bucket of another dtype than fp32, bf16 or fp16
+(fp64 or complex parameters) or of sparse gradients, and a state that is not a
+:class:`QuantizedAllReduceState`. ``state.group``
 must be DDP's process group (both default to the world); the hook cannot see DDP's. DDP's
 ``Join`` context (uneven inputs) shadows the all-reduces of joined ranks with its own and is
 not supported.
