@@ -119,8 +119,7 @@ def all_reduce_q4(
             INT8 rounding is not fed back.
         first_hop_bits, hadamard_block: the reduce-scatter's (:func:`zcomm.reduce_scatter_q4`).
     """
-    group = _check_call(tensor, op, group, gather_bits)
-    world = dist.get_world_size(group)
+    group, world = _check_call(tensor, op, group, gather_bits)
     reduce = _reduce_step(op, group, group_size=group_size, pipeline_stages=pipeline_stages, topology=topology,
                           error_feedback=error_feedback, first_hop_bits=first_hop_bits, hadamard_block=hadamard_block)
     gather = _gather_step(group, gather_bits, gather_group_size, topology)
@@ -181,8 +180,7 @@ def prepare_all_reduce_q4(
     may create zcomm's private subgroups (a collective step): every rank prepares at the same
     point of its sequence of collectives. ``tensor`` is only looked at, never communicated.
     """
-    group = _check_call(tensor, op, group, gather_bits)
-    world = dist.get_world_size(group)
+    group, world = _check_call(tensor, op, group, gather_bits)
     slice_numel = -(-tensor.numel() // world)
     padded = torch.empty(world * slice_numel, dtype=tensor.dtype, device=tensor.device)
     reduced = torch.empty(slice_numel, dtype=tensor.dtype, device=tensor.device)
@@ -199,9 +197,9 @@ def prepare_all_reduce_q4(
 
 
 def _check_call(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None,
-                gather_bits: GatherBits) -> dist.ProcessGroup:
-    """The group (default: world) once the arguments only this module reads are checked; the
-    collectives check the rest (sizes, options, membership) themselves."""
+                gather_bits: GatherBits) -> tuple[dist.ProcessGroup, int]:
+    """The group (default: world) and its size once the arguments only this module reads are
+    checked; the collectives check the rest (options, topology) themselves."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
     if not isinstance(tensor, torch.Tensor):
@@ -214,7 +212,11 @@ def _check_call(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGrou
         raise ValueError(f"op must be ReduceOp.SUM, ReduceOp.AVG or ReduceOp.PREMUL_SUM(factor), got {op}")
     if gather_bits is not None and (isinstance(gather_bits, bool) or gather_bits != 8):
         raise ValueError(f"gather_bits must be 8 or None, got {gather_bits!r}")
-    return group if group is not None else dist.group.WORLD
+    group = group if group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    if world < 1:
+        raise ValueError("this rank is not a member of the given group")
+    return group, world
 
 
 def _reduce_step(op: dist.ReduceOp, group: dist.ProcessGroup, **options) -> _Reduce:

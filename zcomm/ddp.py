@@ -26,8 +26,14 @@ whose numel, dtype or device changed gets a new prepared call and fresh error fe
 Preparing may create zcomm's private subgroups, a collective step that every rank takes at the
 same bucket.
 
-Streams: on CPU the hook reduces the bucket before it returns (the backward pass waits for
-it; DDP's own gloo all-reduce would overlap it) and returns a completed future. On CUDA it
+[Note: hook overlap on CPU] On CPU the hook starts the bucket's all-reduce asynchronously: the
+reduce-scatter is issued at once, on the autograd thread, in bucket order, and runs on zcomm's
+reduce worker while backward goes on; the gather ([Note: all-reduce async] in
+:mod:`zcomm.all_reduce_q4`) and the future's completion run on this module's single FIFO
+thread, which takes the buckets in the order the hook was called. Every rank thus issues its
+gathers in bucket order on the gather kind's private groups, as their ordering needs, so
+other zcomm gathers on the same group must not be issued from another thread while a
+backward is in flight. DDP waits for the futures at the end of backward. On CUDA the hook
 enqueues the all-reduce on a side stream of the state that waits for the current stream, and
 the future is completed on that side stream, so DDP's wait makes its stream wait for the
 reduction's end, not for the host: backward kernels keep running meanwhile.
@@ -44,6 +50,7 @@ not supported.
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook compares the hook's
 # annotations with the objects dist.GradBucket and Future[Tensor], and would refuse strings.
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -51,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from . import quant
+from ._contract import Handle
 from ._error_feedback import ErrorFeedback
 from .all_reduce_q4 import PreparedAllReduceQ4, prepare_all_reduce_q4
 from .quant import SUPPORTED_DTYPES
@@ -140,6 +148,8 @@ class QuantizedAllReduceState:
 
 
 _STREAM_LOCK = threading.Lock()
+# the buckets' gathers and futures on CPU, in hook order ([Note: hook overlap on CPU]); one per process
+_FINISHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zcomm-ddp-hook")
 
 
 def quantized_allreduce_hook(state: QuantizedAllReduceState,
@@ -155,10 +165,10 @@ def quantized_allreduce_hook(state: QuantizedAllReduceState,
                         "gradients; the quantized all-reduce takes dense fp32, bf16 or fp16 gradients only: keep "
                         "these parameters out of this DDP module or use DDP's default hook")
     prepared, feedback = state._bucket(bucket.index(), buffer)
-    if not buffer.is_cuda:
-        prepared(buffer, error_feedback=feedback)
+    if not buffer.is_cuda:  # [Note: hook overlap on CPU]
+        handle = prepared(buffer, async_op=True, error_feedback=feedback)
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        future.set_result(buffer)
+        _FINISHER.submit(_finish, handle, buffer, future)
         return future
     device = buffer.device
     side = state._stream(device)
@@ -169,3 +179,13 @@ def quantized_allreduce_hook(state: QuantizedAllReduceState,
         future.set_result(buffer)  # records the side stream's position: DDP's wait waits for it
     buffer.record_stream(side)
     return future
+
+
+def _finish(handle: Handle, buffer: torch.Tensor, future: torch.futures.Future) -> None:
+    """On the finisher thread: the bucket's gather (inside ``wait()``), then its future."""
+    try:
+        handle.wait()
+    except BaseException as exc:  # DDP's wait raises it on the autograd thread
+        future.set_exception(exc)
+        return
+    future.set_result(buffer)

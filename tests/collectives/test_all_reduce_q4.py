@@ -158,6 +158,9 @@ def _four_rank_main(rank: int, world: int) -> int:
         for case in _cases(seed=local):
             _check_case(case, dist.group.WORLD, topology)
             checked += 1
+    if rank >= 2:
+        with pytest.raises(ValueError, match="not a member"):
+            zcomm.all_reduce_q4(torch.zeros(4), group=pairs[0])
     for case in _cases(seed=9):
         if case["dtype"] == torch.float32:
             _check_case(case, pairs[rank // 2], zcomm.Topology(world_size=2, local_size=2))
