@@ -33,7 +33,7 @@ def _cases(seed: int):
     rng.shuffle(sizes)
     for index, (dtype, op, async_op) in enumerate(product(DTYPES, OPS, (False, True))):
         yield dict(dtype=dtype, op=op, async_op=async_op, numel=sizes[index % len(sizes)], stages=1 + index % 3,
-                   group_size=rng.choice(GROUP_SIZES), gather_group_size=rng.choice((None, 8, 30)),
+                   group_size=rng.choice(GROUP_SIZES), gather_group_size=rng.choice((None, 8, 30, "tensor")),
                    gather_bits=None if index % 4 == 3 else 8, first_hop_bits=8 if index % 3 == 2 else 4,
                    detect=index % 2 == 0, seed=seed * 100 + index)
 
