@@ -150,6 +150,23 @@ def _check_hadamard(group: dist.ProcessGroup, topology: zcomm.Topology) -> None:
     assert errors[64][1] == errors[None][1]
 
 
+def _check_async_in_flight(group: dist.ProcessGroup, topology: zcomm.Topology) -> None:
+    """Two async calls in flight, a sync one between them, waited in reverse order: the same bits as
+    three sync calls (the gathers run in wait order, the same on every rank: [Note: all-reduce async])."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    inputs = [make_inputs(340 + index, world, numel, torch.bfloat16)[rank] for index, numel in enumerate((999, 64, 4096))]
+    expected = [x.clone() for x in inputs]
+    for tensor in expected:
+        zcomm.all_reduce_q4(tensor, group=group, topology=topology, pipeline_stages=2)
+    got = [x.clone() for x in inputs]
+    first = zcomm.all_reduce_q4(got[0], group=group, topology=topology, pipeline_stages=2, async_op=True)
+    zcomm.all_reduce_q4(got[1], group=group, topology=topology, pipeline_stages=2)
+    last = zcomm.all_reduce_q4(got[2], group=group, topology=topology, pipeline_stages=2, async_op=True)
+    last.wait()
+    first.wait()
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
 def _four_rank_main(rank: int, world: int) -> int:
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     checked = 0
@@ -169,6 +186,7 @@ def _four_rank_main(rank: int, world: int) -> int:
     _check_prepared(dist.group.WORLD, two_by_two)
     _check_error_feedback_converges(dist.group.WORLD, two_by_two)
     _check_hadamard(dist.group.WORLD, two_by_two)
+    _check_async_in_flight(dist.group.WORLD, two_by_two)
     return checked
 
 

@@ -8,7 +8,7 @@ of those bucket inputs, and within that bound (plus fp32 backward rounding) of a
 fp64 oracle (every rank's batch run through an fp64 copy of the model), which plain DDP meets
 to fp32 rounding. Configurations: plain steps (3, so the rebuilt buckets are covered), bf16
 parameters, ``no_sync`` accumulation, ``find_unused_parameters`` with a layer unused on every
-rank, ``static_graph``, an INT8 first hop and an unquantized gather; error feedback; the
+rank, ``static_graph``, ``gradient_as_bucket_view``, an INT8 first hop and an unquantized gather; error feedback; the
 errors DDP's contract forces.
 """
 
@@ -118,7 +118,8 @@ def _run(config: dict) -> list[int]:
     dtype, use_spare = config.get("dtype", torch.float32), not config.get("find_unused_parameters", False)
     torch.manual_seed(0)
     reference = _Net()
-    ddp_options = {key: config[key] for key in ("find_unused_parameters", "static_graph") if key in config}
+    ddp_options = {key: config[key] for key in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")
+                   if key in config}
     hooked = DDP(copy.deepcopy(reference).to(dtype), bucket_cap_mb=BUCKET_CAP_MB, **ddp_options)
     plain = DDP(copy.deepcopy(reference), bucket_cap_mb=BUCKET_CAP_MB, **ddp_options)
     state = zcomm.ddp.QuantizedAllReduceState(**config.get("state", {}))
@@ -193,6 +194,7 @@ CONFIGS = {
     "no_sync": {"accumulate": True},
     "find_unused": {"find_unused_parameters": True},
     "static_graph": {"static_graph": True},
+    "bucket_view": {"gradient_as_bucket_view": True},
     "int8_first_hop": {"state": {"first_hop_bits": 8}},
     "plain_gather": {"state": {"gather_bits": None}},
 }
