@@ -145,3 +145,55 @@ def reduce_scatter_bound(
     total = (total + _FP32_SLACK * (mine.abs().sum(0) + total)) / divide_by
     total = total.reshape(-1)[:slice_numel]
     return total + UNIT_ROUNDOFF[dtype] * (exact.abs() + total)
+
+
+def all_reduce_bound(
+    inputs: torch.Tensor,
+    *,
+    nodes: int,
+    local: int,
+    stages: int,
+    group_size: int,
+    gather_group_size: int | None,
+    dtype: torch.dtype,
+    divide_by: float,
+    exact: torch.Tensor,
+    first_bits: int = 4,
+) -> torch.Tensor:
+    """Per-element bound of |all_reduce_q4 output - exact| for fp64 ``inputs`` (W, M).
+
+    all_reduce_q4 is reduce_scatter_q4 of the inputs zero-padded to ``W * m`` (``m = ceil(M / W)``),
+    then an all-gather of each rank's reduced slice ``y_r``: exact (``gather_group_size`` None) or
+    one INT8 quantization of ``y_r`` in groups restarting at each slice's start, and one more
+    rounding to the output dtype. With ``R`` the reduce-scatter's bound, ``|y| <= |exact| + R``
+    bounds the INT8 scale ``s <= max_group(|exact| + R) / 127`` and the gather adds
+    ``g = s/2 + 2^-22 (|y| + s)``, then ``u (|exact| + R + g)``.
+    """
+    world = nodes * local
+    numel = inputs.shape[1]
+    slice_numel = _ceil_div(numel, world)
+    padded = torch.zeros(world, world * slice_numel, dtype=torch.float64)
+    padded[:, :numel] = inputs
+    padded_exact = torch.zeros(world * slice_numel, dtype=torch.float64)
+    padded_exact[:numel] = exact
+    slices = padded_exact.view(world, slice_numel)
+    reduce_bound = torch.stack([
+        reduce_scatter_bound(padded, rank, nodes=nodes, local=local, stages=stages, group_size=group_size,
+                             dtype=dtype, divide_by=divide_by, exact=slices[rank], first_bits=first_bits)
+        for rank in range(world)
+    ]) if slice_numel else torch.zeros(world, 0, dtype=torch.float64)
+    if gather_group_size is None:
+        return reduce_bound.reshape(-1)[:numel]
+    largest = slices.abs() + reduce_bound  # (W, m): |y| per element, bounded
+    scale = _group_max(largest, gather_group_size) / 127 * (1 + _FP32_SLACK)
+    gather_error = _one_quantization_error(largest, scale)
+    total = reduce_bound + gather_error + UNIT_ROUNDOFF[dtype] * (largest + gather_error)
+    return total.reshape(-1)[:numel]
+
+
+def all_reduce_volume(numel: int, nodes: int, local: int, stages: int, group_size: int,
+                      gather_group_size: int, *, first_bits: int = 4) -> dict[str, tuple[int, int]]:
+    """comm_stats rows of one all_reduce_q4 call with the INT8 gather: its reduce-scatter's and its gather's."""
+    slice_numel = _ceil_div(numel, nodes * local)
+    return {"reduce_scatter_q4": qgz_volume(slice_numel, nodes, local, stages, group_size, first_bits=first_bits),
+            "all_gather_q8": qwz_volume(slice_numel, nodes, local, gather_group_size)}

@@ -20,6 +20,8 @@ import zero_runtime
 _ENTRY_POINTS = {
     "all_gather_q8": lambda: zcomm.all_gather_q8(torch.empty(8), torch.empty(8)),
     "reduce_scatter_q4": lambda: zcomm.reduce_scatter_q4(torch.empty(8), torch.empty(8)),
+    "all_reduce_q4": lambda: zcomm.all_reduce_q4(torch.empty(8)),
+    "prepare_all_reduce_q4": lambda: zcomm.prepare_all_reduce_q4(torch.empty(8)),
     "initialize": lambda: zero_runtime.initialize(torch.nn.Linear(2, 2), functools.partial(torch.optim.SGD, lr=0.1),
                                                   {"zero_optimization": {"stage": 2}}),
     "Init": lambda: zero_runtime.Init().__enter__(),

@@ -10,6 +10,9 @@
   collectives resolved once for a caller whose shapes never change (a runtime's unit or
   gradient bucket): :class:`PreparedAllGatherQ8` / :class:`PreparedReduceScatterQ4` recheck
   only the tensors on each call.
+* :func:`all_reduce_q4`: drop-in for ``torch.distributed.all_reduce`` (in place, AVG by
+  default): qgZ's hierarchical INT4 reduce-scatter, then the reduced slices gathered in INT8;
+  :func:`prepare_all_reduce_q4` (:class:`PreparedAllReduceQ4`) for fixed shapes.
 * :func:`all_gather_into_tensor`, :func:`reduce_scatter_tensor`: the unquantized ones, counted;
   :func:`all_gather_hierarchical`: an unquantized all-gather in qwZ's two hops (for payloads
   a caller encoded itself).
@@ -21,6 +24,8 @@
 * ``zcomm.quant``: the block-quantization ops, :class:`zcomm.quant.QuantSpec` and the wire format.
 * ``zcomm.fsdp`` (imported on its own: ``import zcomm.fsdp``): :func:`zcomm.fsdp.enable_zeropp`
   installs qwZ / qgZ as the custom collectives of PyTorch FSDP2 (``fully_shard``) modules.
+* ``zcomm.ddp`` (imported on its own: ``import zcomm.ddp``): :func:`zcomm.ddp.quantized_allreduce_hook`,
+  a DDP communication hook that averages each gradient bucket with :func:`all_reduce_q4`.
 
 Modules with a leading underscore are internal. The CPU kernels use the rank's share of
 threads (``ZCOMM_NUM_THREADS``, else ``torch.get_num_threads()``).
@@ -31,6 +36,7 @@ from ._contract import Handle
 from ._error_feedback import ErrorFeedback
 from ._groups import consecutive_group
 from .all_gather_q8 import PreparedAllGatherQ8, all_gather_q8, prepare_all_gather_q8
+from .all_reduce_q4 import PreparedAllReduceQ4, all_reduce_q4, prepare_all_reduce_q4
 from .comm_stats import OpStats, comm_stats, reset_comm_stats
 from .hierarchical_gather import all_gather_hierarchical
 from .plain_collectives import all_gather_into_tensor, reduce_scatter_tensor
@@ -43,16 +49,19 @@ __all__ = [
     "Handle",
     "OpStats",
     "PreparedAllGatherQ8",
+    "PreparedAllReduceQ4",
     "PreparedReduceScatterQ4",
     "Topology",
     "all_gather_hierarchical",
     "all_gather_into_tensor",
     "all_gather_q8",
+    "all_reduce_q4",
     "check_first_hop_bits",
     "check_hadamard_block",
     "comm_stats",
     "consecutive_group",
     "prepare_all_gather_q8",
+    "prepare_all_reduce_q4",
     "prepare_reduce_scatter_q4_coalesced",
     "quant",
     "reduce_scatter_q4",

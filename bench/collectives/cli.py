@@ -3,7 +3,7 @@
 ``-b/-e/-f`` give a geometric sweep of sizes in bytes (``K``/``M``/``G`` suffixes are powers
 of 1024, as in nccl-tests), ``-n`` timed iterations, ``-w`` warm-up iterations, ``-d`` the
 element type by nccl-tests' names. The zcomm-specific flags select the ops, the pipeline
-stages of ``reduce_scatter_q4`` and the quantization group size; ``--device`` and
+stages of ``reduce_scatter_q4`` and ``all_reduce_q4`` and the quantization group size; ``--device`` and
 ``--backend`` override the rank's device and process-group backend (by default CUDA and
 NCCL when a GPU is visible, else the CPU and gloo; see ``bench.harness.dist_env``).
 """
@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-w", "--warmup_iters", type=int, default=5, help="untimed warm-up iterations per size")
     parser.add_argument("-d", "--datatype", choices=tuple(DTYPES), default="float")
     parser.add_argument("--ops", default=",".join(ALL_OPS), help=f"comma-separated subset of {','.join(ALL_OPS)}")
-    parser.add_argument("--stages", type=parse_stages, default="auto", help="pipeline_stages of reduce_scatter_q4: auto or e.g. 1,2,4")
+    parser.add_argument("--stages", type=parse_stages, default="auto",
+                        help="pipeline_stages of reduce_scatter_q4 and all_reduce_q4: auto or e.g. 1,2,4")
     parser.add_argument("--group-size", type=int, help="quantization group size of the zcomm ops (default: each op's own)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto",

@@ -1,10 +1,11 @@
 """What the zcomm rows buy over torch's, read off the rows of one run.
 
 * speedup: baseline time / zcomm time (above 1: zcomm is faster) at the same size (``all_gather_q8`` vs
-  ``all_gather``, every ``reduce_scatter_q4`` variant vs ``reduce_scatter``);
+  ``all_gather``, every ``reduce_scatter_q4`` variant vs ``reduce_scatter``, every ``all_reduce_q4``
+  variant vs ``all_reduce``);
 * wire ratio: measured inter-node bytes per call / what a bandwidth-optimal bf16 ring sends
   across nodes for the same logical size (:func:`bench.harness.bandwidth.ring_internode_bytes`;
-  the ring's element size is 2 bytes whatever ``-d`` is);
+  the ring's element size is 2 bytes whatever ``-d`` is; twice that for an all-reduce);
 * pipelining: ``reduce_scatter_q4`` time with ``stages=1`` / with each ``stages >= 2``.
 """
 
@@ -40,6 +41,8 @@ def wire_ratios(rows: Sequence[Row], *, num_nodes: int, local_size: int, itemsiz
         if row.wire_bytes is None or num_nodes < 2:
             continue
         ring = ring_internode_bytes(row.size_bytes // itemsize * BF16_BYTES, num_nodes, local_size)
+        if COLLECTIVES[_base(row.op)].kind == "all_reduce":  # a ring all-reduce: reduce-scatter + all-gather
+            ring *= 2
         lines.append(f"{row.op:>28} {row.size_bytes:>10} B: wire {row.wire_bytes:14.0f} B = "
                      f"{row.wire_bytes / ring:5.3f}x the bf16 ring ({ring:.0f} B)")
     return lines

@@ -6,7 +6,7 @@ bandwidth formula, the zcomm payload's bits for a quantized op, and ``prepare``,
 allocates the buffers from a :class:`Buffers` and returns the call and its check.
 
 Sizes follow nccl-tests: ``size`` is the total output of an all-gather, the total input of a
-reduce-scatter and the per-rank buffer of an all-to-all, rounded down to a multiple of
+reduce-scatter, the buffer of an all-reduce and the per-rank buffer of an all-to-all, rounded down to a multiple of
 ``world * itemsize``; ``count`` is the per-rank element count nccl-tests prints (send count
 of an all-gather, receive count of a reduce-scatter, per-peer count of an all-to-all).
 ``payload_bytes`` is what quantization makes of ``size``: one zcomm payload (values, padding,
@@ -30,7 +30,7 @@ import zcomm.quant
 from . import checking
 from .dist_env import DistEnv
 
-KINDS = ("all_gather", "reduce_scatter", "all_to_all")
+KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 Call = Callable[[], object]
 Check = Callable[[], int]
 
@@ -81,7 +81,7 @@ class Collective:
 
     Args:
         name: the ``--ops`` name and the table's label.
-        kind: ``all_gather``, ``reduce_scatter`` or ``all_to_all``: the buffer sizes and the
+        kind: ``all_gather``, ``reduce_scatter``, ``all_to_all`` or ``all_reduce``: the buffer sizes and the
             bus bandwidth formula.
         prepare: allocates the buffers from a :class:`Buffers` and returns ``(call, check)``;
             ``check`` counts the wrong elements of the last output.
@@ -105,7 +105,7 @@ class Collective:
 
     @property
     def redop(self) -> str:
-        return "sum" if self.kind == "reduce_scatter" else "none"
+        return "sum" if self.kind in ("reduce_scatter", "all_reduce") else "none"
 
     def label(self, stages: int | None) -> str:
         return f"{self.name}:stages={stages}" if self.pipelined and stages is not None else self.name

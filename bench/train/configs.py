@@ -25,7 +25,10 @@ SDP4Bit); ``deepspeed-z2`` is DeepSpeed's stage 2, their peer.
 ``fsdp2-qwz``, ``fsdp2-qgz`` and ``fsdp2-zeropp`` are FSDP2 with zcomm's collectives installed by
 ``zcomm.fsdp.enable_zeropp`` (hpZ being FSDP2's ``reshard_after_forward=<ranks per node>``;
 qgZ's intra-node hop INT8, the adapter's default); ``fsdp2-zeropp-int4hop`` is the same with
-the ZeRO++ paper's INT4 intra-node hop.
+the ZeRO++ paper's INT4 intra-node hop. ``ddp``, ``ddp-bf16hook`` and ``ddp-zcomm`` are torch's
+DistributedDataParallel (no sharding: stage 0) with its own fp32 all-reduce, torch's
+``bf16_compress_hook`` and ``zcomm.ddp.quantized_allreduce_hook`` (INT8 intra-node hop, as
+the FSDP2 adapter's default).
 
 [Note: same math] Every engine trains with the same optimizer (torch AdamW, same ``lr``),
 the same precision and batch, and the same gradient clipping, written out explicitly in
@@ -45,7 +48,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Engine = Literal["zero", "fsdp2", "deepspeed"]
+Engine = Literal["zero", "fsdp2", "deepspeed", "ddp"]
+DDPHook = Literal["bf16", "zcomm"]
 
 QUANT_GROUP_SIZE_KEY = "zcomm_quant_group_size"
 ALIGN_KEY = "zcomm_align_quant_blocks"
@@ -67,8 +71,9 @@ class TrainConfig:
     Args:
         name: the ``--configs`` name.
         engine: ``zero`` (this project's zero_runtime), ``fsdp2`` (torch ``fully_shard``, with
-            ``zcomm.fsdp.enable_zeropp`` for qwZ / qgZ) or ``deepspeed``.
-        stage: ZeRO stage 1-3 (FSDP2 is always fully sharded, i.e. stage 3).
+            ``zcomm.fsdp.enable_zeropp`` for qwZ / qgZ), ``deepspeed`` or ``ddp`` (torch
+            ``DistributedDataParallel``, replicated: stage 0).
+        stage: ZeRO stage 1-3 (FSDP2 is always fully sharded, i.e. stage 3); 0 for DDP.
         quantized_weights: qwZ, INT8 blocked all-gather of weights in forward.
         hpz: secondary weight partition inside each node (FSDP2: ``reshard_after_forward``
             set to the ranks per node).
@@ -80,12 +85,14 @@ class TrainConfig:
         loco: LoCo error feedback on qgZ (``zeropp_loco_param``, zero_runtime only).
         first_hop_bits: width of qgZ's intra-node hop, 4 or 8 (zero_runtime's
             ``zcomm_qgz_first_hop_bits``, ``first_hop_bits`` of ``enable_zeropp``), or None for
-            the engine's default (the runtime's INT4, ``enable_zeropp``'s INT8).
+            the engine's default (the runtime's INT4, ``enable_zeropp``'s INT8, the DDP hook's INT4).
         hadamard_block: qgZ's Hadamard rotation block (``zcomm_qgz_hadamard_block``,
             zero_runtime only), or None for none.
         weight_delta_bits: stages 1 and 2 with qwZ: the width of the weight differences sent
             after each step (``zcomm_weight_delta_bits``, zero_runtime only), or None for qwZ's
             INT8 values.
+        ddp_hook: DDP's communication hook: None (DDP's fp32 all-reduce), ``"bf16"`` (torch's
+            ``bf16_compress_hook``) or ``"zcomm"`` (``zcomm.ddp.quantized_allreduce_hook``).
         summary: one line for ``--help`` and TRAINING.md.
         fails_on_cpu: why the engine is known to raise for this configuration on a CPU (the
             row then reads "expected failure" with this reason), or None.
@@ -103,14 +110,20 @@ class TrainConfig:
     first_hop_bits: int | None = None
     hadamard_block: int | None = None
     weight_delta_bits: int | None = None
+    ddp_hook: DDPHook | None = None
     summary: str
     fails_on_cpu: str | None = None
 
     def __post_init__(self) -> None:
-        if self.engine not in ("zero", "fsdp2", "deepspeed"):
+        if self.engine not in ("zero", "fsdp2", "deepspeed", "ddp"):
             raise ValueError(f"{self.name}: unknown engine {self.engine!r}")
+        if self.engine == "ddp":
+            self._check_ddp()
+            return
         if self.stage not in (1, 2, 3):
             raise ValueError(f"{self.name}: stage must be 1, 2 or 3, got {self.stage}")
+        if self.ddp_hook is not None:
+            raise ValueError(f"{self.name}: ddp_hook is an option of the ddp engine")
         if self.hpz and self.stage != 3:
             raise ValueError(f"{self.name}: hpZ needs stage 3")
         if (self.quantized_weights or self.quantized_gradients) and self.stage != 3 and self.engine != "zero":
@@ -131,6 +144,20 @@ class TrainConfig:
             raise ValueError(f"{self.name}: the Hadamard rotation is an option of zero_runtime's qgZ")
         if self.engine == "fsdp2" and self.stage != 3:
             raise ValueError(f"{self.name}: FSDP2 is always stage 3")
+
+    def _check_ddp(self) -> None:
+        """DDP replicates everything (stage 0); its only options are the hook and, for zcomm's, the first hop."""
+        if self.stage != 0:
+            raise ValueError(f"{self.name}: DDP is stage 0 (replicated), got stage {self.stage}")
+        if self.ddp_hook not in (None, "bf16", "zcomm"):
+            raise ValueError(f"{self.name}: ddp_hook must be None, 'bf16' or 'zcomm', got {self.ddp_hook!r}")
+        zeropp = (self.quantized_weights, self.hpz, self.quantized_gradients, self.loco,
+                  self.quant_group_size is not None, self.hadamard_block is not None, not self.align_quant_blocks,
+                  self.weight_delta_bits is not None)
+        if any(zeropp):
+            raise ValueError(f"{self.name}: the ZeRO++ options are not DDP's (its hook quantizes the all-reduce)")
+        if self.first_hop_bits is not None and self.ddp_hook != "zcomm":
+            raise ValueError(f"{self.name}: the first hop's width is an option of zcomm's DDP hook")
 
 
 def _configs(*configs: TrainConfig) -> dict[str, TrainConfig]:
@@ -213,6 +240,11 @@ CONFIGS: dict[str, TrainConfig] = _configs(
     TrainConfig(name="fsdp2-zeropp-int4hop", engine="fsdp2", quantized_weights=True, hpz=True,
                 quantized_gradients=True, first_hop_bits=4,
                 summary="fsdp2-zeropp with qgZ's intra-node hop in INT4 (the ZeRO++ paper's)"),
+    TrainConfig(name="ddp", engine="ddp", stage=0, summary="torch DistributedDataParallel, fp32 all-reduce"),
+    TrainConfig(name="ddp-bf16hook", engine="ddp", stage=0, ddp_hook="bf16",
+                summary="DDP with torch's bf16_compress_hook (buckets all-reduced in bf16)"),
+    TrainConfig(name="ddp-zcomm", engine="ddp", stage=0, ddp_hook="zcomm", first_hop_bits=8,
+                summary="DDP with zcomm.ddp's hook: INT8 intra / INT4 inter reduce-scatter, INT8 gather"),
     TrainConfig(name="deepspeed-z2", engine="deepspeed", stage=2, summary="DeepSpeed ZeRO-2 (needs deepspeed)"),
     TrainConfig(name="deepspeed-z3", engine="deepspeed", summary="DeepSpeed ZeRO-3 (needs deepspeed)"),
     TrainConfig(name="deepspeed-z3-hpz", engine="deepspeed", hpz=True, summary="DeepSpeed ZeRO-3 + hpZ"),
@@ -310,6 +342,9 @@ def engine_config(
     if config.engine == "deepspeed":
         return deepspeed_config(config, local_size=local_size, bf16=bf16, gradient_clipping=gradient_clipping,
                                 micro_batch=micro_batch)  # fmt: skip
+    if config.engine == "ddp":
+        return {"autocast": "bf16" if bf16 else None, "ddp_hook": config.ddp_hook,
+                "first_hop_bits": config.first_hop_bits, "gradient_clipping": gradient_clipping}
     settings: dict[str, Any] = {"param_dtype": "bf16" if bf16 else "fp32", "hpz": config.hpz}
     if config.quantized_weights or config.quantized_gradients:
         settings["enable_zeropp"] = {

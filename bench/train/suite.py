@@ -35,6 +35,7 @@ from bench.harness.precision import Precision, choose_precision, cpu_model, read
 from .cli import build_parser, check_grad_clip, chosen_configs, loop_settings, model_config, round_plan
 from .configs import TrainConfig, engine_config
 from .data import ByteCorpus, TextDataConfig
+from .ddp_runner import DDPRunner
 from .deepspeed_runner import DeepSpeedRunner
 from .fsdp2_runner import FSDP2Runner
 from .loop import ConfigResult, LoopSettings, RoundRecord, run_config
@@ -90,9 +91,10 @@ def runner_factory(
             return ZeroRunner(spec, settings, lr=args.lr, device=ctx.device)
         if config.engine == "deepspeed":
             return DeepSpeedRunner(config.name, spec, settings, lr=args.lr, device=ctx.device)
-        return FSDP2Runner(config, spec, lr=args.lr, local_size=env.local_size, world_size=env.world_size,
-                           bf16=precision.dtype == "bf16", gradient_clipping=args.grad_clip,
-                           device=ctx.device)  # fmt: skip
+        engine = DDPRunner if config.engine == "ddp" else FSDP2Runner
+        return engine(config, spec, lr=args.lr, local_size=env.local_size, world_size=env.world_size,
+                      bf16=precision.dtype == "bf16", gradient_clipping=args.grad_clip,
+                      device=ctx.device)  # fmt: skip
 
     return make
 

@@ -50,7 +50,7 @@ def test_ops_and_outputs():
         {"factor": 1},
         {"iters": 0},
         {"dtype": "double"},
-        {"ops": ("all_reduce",)},
+        {"ops": ("broadcast",)},
         {"group_size": 7},
     ],
 )

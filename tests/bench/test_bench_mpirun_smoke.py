@@ -34,13 +34,15 @@ def test_mpirun_two_ranks(tmp_path, checkout_env):
     assert "2 ranks = 2 node(s) x 1 (mpich)" in result.stdout
     rows = json.loads(out.read_text())
     assert all(tuple(row) == JSON_KEYS for row in rows)
-    baselines = {"all_gather", "reduce_scatter", "all_to_all"}
-    expected = baselines | {"all_gather_q8", "reduce_scatter_q4:stages=1", "reduce_scatter_q4:stages=2"}
+    baselines = {"all_gather", "reduce_scatter", "all_to_all", "all_reduce"}
+    expected = baselines | {"all_gather_q8", "reduce_scatter_q4:stages=1", "reduce_scatter_q4:stages=2",
+                            "all_reduce_q4:stages=1", "all_reduce_q4:stages=2"}
     assert {row["op"] for row in rows} == expected
     assert sorted({row["size_bytes"] for row in rows}) == [4096, 16384]
     for row in rows:
         assert row["wrong"] == 0, row
         assert row["wire_bytes"] is None
-        assert row["time_us"] > 0 and row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] / 2)
+        bus_factor = 1.0 if row["op"].startswith("all_reduce") else 0.5  # nccl-tests': 2 (n-1)/n vs (n-1)/n
+        assert row["time_us"] > 0 and row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * bus_factor)
         quantized = row["op"] not in baselines
         assert (row["payload_bytes"] < row["logical_bytes"]) == quantized

@@ -112,6 +112,22 @@ def test_fsdp2_zeropp_trains_two_ranks(tmp_path: Path, checkout_env: dict[str, s
     assert result["meta"]["engine_configs"]["fsdp2-zeropp"]["enable_zeropp"]["quantized_weights"] is True
 
 
+def test_ddp_configs_train_two_ranks(tmp_path: Path, checkout_env: dict[str, str]) -> None:
+    # DDP plain, with torch's bf16 hook and with zcomm's hook: each trains and holds the whole model;
+    # the hooks change the gradients (the losses differ from plain DDP's after the first step).
+    args = ["--configs", "ddp", "ddp-bf16hook", "ddp-zcomm", "--model", "tinygpt", *TINY]
+    result, _ = _launch(args, tmp_path, checkout_env, local_size=1)
+    rows = {row["config"]: row for row in result["results"]}
+    params = result["meta"]["params"]["tinygpt"]
+    for config in ("ddp", "ddp-bf16hook", "ddp-zcomm"):
+        _check_trained(rows[config], steps=4)
+        # whole fp32 parameters, gradients and AdamW's two moments on every rank: 16 bytes/param
+        assert 16 * params <= rows[config]["memory_bytes"] <= 16.5 * params
+        assert rows[config]["train_losses"][0] == rows["ddp"]["train_losses"][0]  # same model, seed and batch
+    assert rows["ddp-zcomm"]["train_losses"] != rows["ddp"]["train_losses"]
+    assert result["meta"]["engine_configs"]["ddp-zcomm"]["ddp_hook"] == "zcomm"
+
+
 def test_zero_configs_two_ranks(tmp_path: Path, checkout_env: dict[str, str]) -> None:
     args = ["--impl", "zero", "--stage", "1", "2", "3", "--model", "tinygpt", "hf-gpt2", *TINY]
     result, _ = _launch(args, tmp_path, checkout_env)
