@@ -54,6 +54,8 @@ def _check_ptx(ptx: str, source: str) -> None:
     assert set(re.findall(r"\.entry\s+(\w+)\(", ptx)) == set(EXPECTED_KERNELS[source])
     bad = sorted({line for line in _instructions(ptx) if FORBIDDEN.search(line)})
     assert not bad, f"{len(bad)} forbidden instructions, e.g. {bad[:5]}"
+    # no trap without the device checks' define ([Note: device checks] in zcomm_cuda/loader.py)
+    assert not [line for line in _instructions(ptx) if re.search(r"\btrap\s*;", line)]
 
 
 def _nvcc_ptx(source: Path, arch: str, options: tuple[str, ...], out: Path) -> str:
