@@ -169,10 +169,15 @@ def _race(directory: Path, real: bool, processes: int = 4) -> list[tuple]:
                for _ in range(processes)]  # fmt: skip
     for worker in workers:
         worker.start()
-    got = [results.get(timeout=120) for _ in workers]
-    for worker in workers:
-        worker.join(timeout=60)
-        assert worker.exitcode == 0
+    try:
+        got = [results.get(timeout=120) for _ in workers]
+        for worker in workers:
+            worker.join(timeout=60)
+            assert worker.exitcode == 0
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
     return got
 
 
