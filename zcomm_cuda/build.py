@@ -39,7 +39,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--arch", nargs="+", action="extend", default=[],
                         help="targets, e.g. sm_90 (a cubin) or compute_90 (PTX); default: this machine's GPUs")
     parser.add_argument("--cache-dir", type=Path, default=None,
-                        help=f"the cache folder (default: ${_disk_cache.CACHE_DIR_ENV}, else ~/.cache/zcomm)")
+                        help=f"the cache folder (default: ${_disk_cache.CACHE_DIR_ENV}, else $XDG_CACHE_HOME/zcomm "
+                             "or ~/.cache/zcomm)")
     parser.add_argument("--sources", nargs="+", choices=loader.KERNEL_SOURCES, default=list(loader.KERNEL_SOURCES))
     parser.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: one per CPU)")
     args = parser.parse_args(argv)

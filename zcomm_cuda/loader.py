@@ -3,8 +3,8 @@
 Each source in ``kernels/`` is compiled by :func:`compile_source` (NVRTC through
 ``cupy.cuda.nvrtc``, with :func:`nvrtc_options` and the device's architecture, nothing else)
 at most once per machine: :func:`load_or_compile` keeps NVRTC's output in the disk cache
-([Note: kernel cache] in _disk_cache.py; ``$ZCOMM_CACHE_DIR``, else ``~/.cache/zcomm``), which
-``python -m zcomm_cuda.build`` fills ahead of time. A process loads each source's module once
+([Note: kernel cache] in _disk_cache.py; ``$ZCOMM_CACHE_DIR``, else ``$XDG_CACHE_HOME/zcomm``
+or ``~/.cache/zcomm``), which ``python -m zcomm_cuda.build`` fills ahead of time. A process loads each source's module once
 per device (``cupy.cuda.function.Module``) and looks its kernels up by their ``extern "C"``
 names: on first use, or all at once when a plan calls :func:`prepare`, so that no compile and
 no load happens between a collective's hops. :func:`compile_count` and

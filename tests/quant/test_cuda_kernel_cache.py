@@ -351,20 +351,24 @@ def test_prepare_raises_for_an_unknown_kernel(fake_modules):
 
 @requires_gpu
 def test_prepare_then_launch_compiles_nothing(monkeypatch):
-    """After prepare(), the kernels' launches neither compile nor load a module."""
+    """After prepare(), a launch of a prepared kernel neither compiles nor loads a module."""
+    import numpy as np
     import torch
 
     from zcomm.quant import wire_format
-    from zcomm.quant.backends import _cuda_launch
 
     index = torch.cuda.current_device()
-    loader.prepare([(CHEAP, "zc_dequantize_f32_int8")], index)
+    name = "zc_dequantize_f32_int8"
+    loader.prepare([(CHEAP, name)], index)
     monkeypatch.setattr(loader, "COMPILE_HOOKS", [lambda *args: pytest.fail(f"compiled {args[:2]}")])
     loads = loader._module.cache_info().misses
-    payloads = torch.zeros(2, wire_format.payload_nbytes(48, 8, 16), dtype=torch.uint8, device="cuda")
-    out = torch.empty(2 * 48, dtype=torch.float32, device="cuda")
-    _cuda_launch.dequantize(payloads, 48, 8, 16, out)
-    torch.cuda.synchronize()
+    rows, numel, group_size = 2, 48, 16
+    row_nbytes = wire_format.payload_nbytes(numel, 8, group_size)
+    payloads = torch.zeros(rows, row_nbytes, dtype=torch.uint8, device="cuda")  # codes 0, scales 0: zeros
+    out = torch.full((rows * numel,), float("nan"), device="cuda")
+    sizes = tuple(np.int64(v) for v in (row_nbytes, numel, group_size, rows))
+    loader.launch(CHEAP, name, out.device, 1, 256, (payloads.data_ptr(), *sizes, out.data_ptr()))
+    assert torch.equal(out.cpu(), torch.zeros(rows * numel))  # it ran
     assert loader._module.cache_info().misses == loads
 
 
