@@ -224,12 +224,18 @@ def test_four_processes_compiling_with_nvrtc(tmp_path):
 # --- the loader and the build command on NVRTC ---------------------------------------------
 
 
+def _build(directory: Path) -> subprocess.CompletedProcess:
+    """``python -m zcomm_cuda.build`` of dequantize.cu for sm_90 into ``directory``, device checks off."""
+    env = {**os.environ, loader.DEVICE_CHECKS_ENV: "0"}
+    return subprocess.run([sys.executable, "-m", "zcomm_cuda.build", "--arch", "sm_90", "--sources", CHEAP,
+                           "--cache-dir", str(directory)], capture_output=True, text=True, cwd=REPO, env=env)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> tuple[Path, str]:
     """A cache folder filled with dequantize.cu for sm_90 by the build command, and what it printed."""
     directory = tmp_path_factory.mktemp("cache")
-    done = subprocess.run([sys.executable, "-m", "zcomm_cuda.build", "--arch", "sm_90", "--sources", CHEAP,
-                           "--cache-dir", str(directory)], capture_output=True, text=True, cwd=REPO)  # fmt: skip
+    done = _build(directory)
     assert done.returncode == 0, done.stderr
     return directory, done.stdout
 
@@ -239,8 +245,7 @@ def test_build_command_compiles_then_finds(built):
     directory, first = built
     assert re.search(r"compiled\s+dequantize\.cu\s+sm_90", first) and "1 modules (1 compiled, 0 found)" in first
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "zcomm_cuda.build", "--arch", "sm_90", "--sources", CHEAP,
-                           "--cache-dir", str(directory)], capture_output=True, text=True, cwd=REPO)  # fmt: skip
+    done = _build(directory)
     seconds = time.perf_counter() - start
     assert done.returncode == 0, done.stderr
     assert re.search(r"found\s+dequantize\.cu\s+sm_90", done.stdout) and "(0 compiled, 1 found)" in done.stdout
