@@ -36,8 +36,8 @@ EXPECTED_KERNELS = {
                             "interleaved_wide", "interleaved_regs") for t in TAGS for b in (8, 4)],
     "dequantize.cu": [f"zc_dequantize_{t}_int{b}" for t in TAGS for b in (8, 4)],
     "dequant_reduce.cu": [f"zc_dequant_reduce_{t}_int{b}" for t in TAGS for b in (8, 4)]
-    + [f"zc_dequant_reduce_requant_int{a}_int{b}" for a in (8, 4) for b in (8, 4)]
     + [f"zc_dequant_reduce_requant_regs_{m}_int{a}_int{b}" for m in ("one", "pow2", "div") for a in (8, 4) for b in (8, 4)],
+    "dequant_reduce_requant.cu": [f"zc_dequant_reduce_requant_int{a}_int{b}" for a in (8, 4) for b in (8, 4)],
 }
 # opcode fragments the wire format forbids: flush-to-zero, approximations (div/rcp/sqrt/ex2
 # .approx, div.full), contraction into fused multiply-adds, multiplication by a reciprocal

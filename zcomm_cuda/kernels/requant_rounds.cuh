@@ -2,7 +2,7 @@
 // common sizes run (groups held in registers, at most 2^31 elements).
 //
 // [Note: narrow requant] A kernel runs with the registers of its most demanding path. The
-// general re-quantizing kernel (dequant_reduce.cu) holds every scheme (registers, streamed
+// general re-quantizing kernel (dequant_reduce_requant.cu) holds every scheme (registers, streamed
 // teams, tiles) for three divisor modes on 64-bit indices and needs more than 110
 // registers: two blocks of 256 threads per SM on sm_90, where quantize runs four. The
 // narrow kernels hold the register scheme alone, one kernel per divisor mode (one kernel
