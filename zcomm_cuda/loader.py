@@ -1,10 +1,15 @@
-"""Run-time compilation of the ``.cu`` sources with NVRTC, and launches on torch's stream.
+"""Run-time compilation of the ``.cu`` sources with NVRTC, a disk cache of it, and launches on torch's stream.
 
-Each source in ``kernels/`` is compiled once per process and device, on its first use, by
-:func:`compile_source` (NVRTC through ``cupy.cuda.nvrtc``, with :data:`NVRTC_OPTIONS` and the
-device's architecture, nothing else), loaded with ``cupy.cuda.function.Module``, and its
-kernels are looked up by their ``extern "C"`` names. cupy is imported inside the functions,
-so this module imports on machines without it.
+Each source in ``kernels/`` is compiled by :func:`compile_source` (NVRTC through
+``cupy.cuda.nvrtc``, with :func:`nvrtc_options` and the device's architecture, nothing else)
+at most once per machine: :func:`load_or_compile` keeps NVRTC's output in the disk cache
+([Note: kernel cache] in _disk_cache.py; ``$ZCOMM_CACHE_DIR``, else ``$XDG_CACHE_HOME/zcomm``
+or ``~/.cache/zcomm``), which ``python -m zcomm_cuda.build`` fills ahead of time. A process loads each source's module once
+per device (``cupy.cuda.function.Module``) and looks its kernels up by their ``extern "C"``
+names: on first use, or all at once when a plan calls :func:`prepare`, so that no compile and
+no load happens between a collective's hops. :func:`compile_count` and
+:data:`COMPILE_HOOKS` let a test watch for compiles. cupy is imported inside the functions, so
+this module imports on machines without it.
 
 [Note: why not cupy.RawModule] RawModule compiles through cupy's cached path, which appends
 ``-ftz=true`` after the caller's options (NVRTC takes the last value) and keys its disk
@@ -13,29 +18,49 @@ to that flag (see [Note: explicit rounding] in wire_math.cuh), but a compile tha
 options of its own could not be checked without a GPU, as it queries the device for the
 architecture. :func:`compile_source` runs with exactly the options it is given, on any
 machine with an NVRTC library, so tests/quant/test_cuda_compile.py checks the PTX of the very
-function the loader runs, hostile flags included. The price is one NVRTC compile per
-source per process (a few seconds in all, spent on first use); there is no disk cache.
+function the loader runs, hostile flags included; the disk cache stores its output, keyed by
+those options, the arch, the expanded source and NVRTC's version.
+
+[Note: device checks] A kernel that checks an invariant on the device can only ``__trap()``,
+a sticky error that kills the rank's CUDA context while its peers wait in a collective. So
+the kernels check nothing on the device by default: the launchers check the invariants on
+the host before launching. ``ZC_DEVICE_CHECK(cond)`` (wire_math.cuh) traps only in a compile
+with ``-DZCOMM_DEVICE_CHECKS=1``, which :func:`nvrtc_options` adds when
+``$ZCOMM_CUDA_DEVICE_CHECKS=1`` (read once per process; ``0`` or unset: off; any other value
+raises ``ValueError``). gpu-check turns it on; such a compile has entries of its own in the
+disk cache.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
-from . import driver_launch
+from . import _disk_cache, driver_launch
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
-KERNEL_SOURCES = ("quantize.cu", "reorder_quantize.cu", "dequantize.cu", "dequant_reduce.cu")
+# by compile time, longest first (about 17, 13, 4, 2 and 1 CPU seconds for sm_90 with NVRTC 13.0):
+# :func:`fill` starts the compiles in this order, so that the long ones do not come last
+KERNEL_SOURCES = ("dequant_reduce_requant.cu", "reorder_quantize.cu", "dequant_reduce.cu", "quantize.cu",
+                  "dequantize.cu")
 
 # The wire format forbids FMA contraction, flush-to-zero and approximate division. The
 # kernels do not depend on these options for it (see [Note: explicit rounding] in
 # wire_math.cuh); they keep any other float code honest as well.
 NVRTC_OPTIONS = ("-std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true")
+
+# $ZCOMM_CUDA_DEVICE_CHECKS and the define it adds (see [Note: device checks])
+DEVICE_CHECKS_ENV = "ZCOMM_CUDA_DEVICE_CHECKS"
+DEVICE_CHECKS_DEFINE = "-DZCOMM_DEVICE_CHECKS=1"
+_device_checks: bool | None = None  # None until $ZCOMM_CUDA_DEVICE_CHECKS is read
 
 _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\s*$")
@@ -67,14 +92,55 @@ def expand_includes(path: Path, seen: set[Path] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def device_checks() -> bool:
+    """Whether this process compiles the kernels' device checks ([Note: device checks]).
+
+    Reads $ZCOMM_CUDA_DEVICE_CHECKS on the first call: unset, empty or ``0`` is off, ``1`` on;
+    any other value raises ``ValueError``.
+    """
+    global _device_checks
+    if _device_checks is None:
+        value = os.environ.get(DEVICE_CHECKS_ENV, "")
+        if value not in ("", "0", "1"):
+            raise ValueError(f"${DEVICE_CHECKS_ENV} is {value!r}: it is 1 (compile the kernels' device checks) "
+                             f"or 0 (do not)")  # fmt: skip
+        _device_checks = value == "1"
+    return _device_checks
+
+
+def nvrtc_options() -> tuple[str, ...]:
+    """The options the loader compiles with: :data:`NVRTC_OPTIONS`, and the device checks' define
+    when they are on ([Note: device checks])."""
+    return (*NVRTC_OPTIONS, DEVICE_CHECKS_DEFINE) if device_checks() else NVRTC_OPTIONS
+
+
+# Called as hook(source, arch, options) before each NVRTC compile of this process; a test
+# appends one to see (or forbid) compiles, e.g. between a collective's hops.
+COMPILE_HOOKS: list[Callable[[str, str, tuple[str, ...]], None]] = []
+_compiles = 0
+_compiles_lock = threading.Lock()
+
+
+def compile_count() -> int:
+    """How many NVRTC compiles this process has run (:func:`compile_source` calls)."""
+    return _compiles
+
+
 def compile_source(source: str, arch: str, options: Sequence[str] = NVRTC_OPTIONS) -> CompiledSource:
     """Compile ``kernels/<source>`` with NVRTC for ``arch`` (``"sm_90"`` or ``"compute_90"``).
 
     The options are exactly ``options`` followed by ``-arch=<arch>``. Needs cupy and an NVRTC
-    library, no GPU. Raises ``RuntimeError`` with NVRTC's log when the compile fails.
+    library, no GPU. Raises ``RuntimeError`` with NVRTC's log when the compile fails. Every
+    compile of the loader, the disk cache's included, is a call of this function.
     """
     from cupy.cuda import nvrtc
 
+    global _compiles
+    options = tuple(options)
+    for hook in tuple(COMPILE_HOOKS):
+        hook(source, arch, options)
+    with _compiles_lock:
+        _compiles += 1
     program = nvrtc.createProgram(expand_includes(KERNEL_DIR / source), source, (), ())
     try:
         try:
@@ -87,6 +153,51 @@ def compile_source(source: str, arch: str, options: Sequence[str] = NVRTC_OPTION
     finally:
         nvrtc.destroyProgram(program)
     return CompiledSource(ptx.decode() if isinstance(ptx, bytes) else ptx, cubin)
+
+
+def load_or_compile(source: str, arch: str, options: Sequence[str] | None = None,
+                    directory: Path | None = None) -> _disk_cache.Fetched:
+    """``source`` compiled for ``arch``: from the disk cache, or by :func:`compile_source` and then stored
+    there ([Note: kernel cache]). ``options`` default to :func:`nvrtc_options`, ``directory`` to
+    :func:`~zcomm_cuda._disk_cache.cache_dir`."""
+    from cupy.cuda import nvrtc
+
+    options = nvrtc_options() if options is None else tuple(options)
+    directory = _disk_cache.cache_dir() if directory is None else directory
+    text = expand_includes(KERNEL_DIR / source)
+    fetched = _disk_cache.load_or_compile(directory, source, text, options, arch, nvrtc.getVersion(),
+                                          lambda: _disk_cache.Entry(*compile_source(source, arch, options)))
+    return fetched._replace(entry=CompiledSource(*fetched.entry))
+
+
+class Filled(NamedTuple):
+    """One job of :func:`fill`: ``source`` for ``arch``, as fetched, and the seconds it took: on the
+    clock, and on the CPU (its thread's, where NVRTC runs: the work, whatever else the machine runs)."""
+
+    source: str
+    arch: str
+    fetched: _disk_cache.Fetched
+    seconds: float
+    cpu_seconds: float
+
+
+def fill(sources: Iterable[str], archs: Iterable[str], options: Sequence[str] | None = None,
+         directory: Path | None = None, workers: int | None = None) -> list[Filled]:
+    """:func:`load_or_compile` of every source for every arch, in threads (NVRTC compiles without the
+    GIL, and its programs are independent), the longest compiles first (:data:`KERNEL_SOURCES`'s
+    order); the results in that order. ``workers`` defaults to the CPUs this process may run on."""
+    order = {source: i for i, source in enumerate(KERNEL_SOURCES)}
+    wanted = sorted(dict.fromkeys(sources), key=lambda source: order.get(source, len(order)))
+    jobs = [(source, arch) for source in wanted for arch in dict.fromkeys(archs)]
+    workers = workers or len(os.sched_getaffinity(0))
+
+    def run(job: tuple[str, str]) -> Filled:
+        start, cpu_start = time.perf_counter(), time.thread_time()
+        fetched = load_or_compile(*job, options, directory)
+        return Filled(*job, fetched, time.perf_counter() - start, time.thread_time() - cpu_start)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(jobs)))) as pool:
+        return list(pool.map(run, jobs))
 
 
 def target_arch(capability: tuple[int, int], supported: Sequence[int]) -> str:
@@ -104,6 +215,13 @@ def target_arch(capability: tuple[int, int], supported: Sequence[int]) -> str:
     return f"compute_{max(older)}"
 
 
+def device_arch(device_index: int) -> str:
+    """The ``-arch`` the loader compiles for on device ``device_index`` (:func:`target_arch`)."""
+    from cupy.cuda import nvrtc
+
+    return target_arch(torch.cuda.get_device_capability(device_index), nvrtc.getSupportedArchs())
+
+
 # (source, device index) -> the PTX that was loaded; the driver launcher reads its kernels' parameters
 _PTX: dict[tuple[str, int], str] = {}
 
@@ -111,15 +229,33 @@ _PTX: dict[tuple[str, int], str] = {}
 @lru_cache(maxsize=None)
 def _module(source: str, device_index: int) -> Any:
     import cupy
-    from cupy.cuda import nvrtc
 
-    arch = target_arch(torch.cuda.get_device_capability(device_index), nvrtc.getSupportedArchs())
-    compiled = compile_source(source, arch)
+    compiled = load_or_compile(source, device_arch(device_index)).entry
     module = cupy.cuda.function.Module()
     with cupy.cuda.Device(device_index):
         module.load(compiled.cubin if compiled.cubin is not None else compiled.ptx.encode())
     _PTX[(source, device_index)] = compiled.ptx
     return module
+
+
+def prepare(kernels: Iterable[tuple[str, str]], device_index: int) -> None:
+    """Compile or load, load and look up every ``(source, name)`` kernel for device ``device_index`` now.
+
+    A plan calls it when it is made, so that its collectives' launches (:func:`kernel`,
+    :func:`launch`) find everything resolved and no compile or module load happens between
+    their hops; a missing source, a failed compile or an unknown kernel name raises here. The
+    sources not loaded yet are compiled (or read from the disk cache) and loaded in parallel
+    threads, as :func:`fill` does.
+    """
+    wanted = list(kernels)
+    sources = list(dict.fromkeys(source for source, _ in wanted))
+    if len(sources) > 1:
+        workers = max(1, min(len(sources), len(os.sched_getaffinity(0))))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for _ in pool.map(lambda source: _module(source, device_index), sources):
+                pass
+    for source, name in wanted:
+        kernel(source, name, device_index)
 
 
 @lru_cache(maxsize=None)

@@ -36,8 +36,8 @@ EXPECTED_KERNELS = {
                             "interleaved_wide", "interleaved_regs") for t in TAGS for b in (8, 4)],
     "dequantize.cu": [f"zc_dequantize_{t}_int{b}" for t in TAGS for b in (8, 4)],
     "dequant_reduce.cu": [f"zc_dequant_reduce_{t}_int{b}" for t in TAGS for b in (8, 4)]
-    + [f"zc_dequant_reduce_requant_int{a}_int{b}" for a in (8, 4) for b in (8, 4)]
     + [f"zc_dequant_reduce_requant_regs_{m}_int{a}_int{b}" for m in ("one", "pow2", "div") for a in (8, 4) for b in (8, 4)],
+    "dequant_reduce_requant.cu": [f"zc_dequant_reduce_requant_int{a}_int{b}" for a in (8, 4) for b in (8, 4)],
 }
 # opcode fragments the wire format forbids: flush-to-zero, approximations (div/rcp/sqrt/ex2
 # .approx, div.full), contraction into fused multiply-adds, multiplication by a reciprocal
@@ -54,6 +54,8 @@ def _check_ptx(ptx: str, source: str) -> None:
     assert set(re.findall(r"\.entry\s+(\w+)\(", ptx)) == set(EXPECTED_KERNELS[source])
     bad = sorted({line for line in _instructions(ptx) if FORBIDDEN.search(line)})
     assert not bad, f"{len(bad)} forbidden instructions, e.g. {bad[:5]}"
+    # no trap without the device checks' define ([Note: device checks] in zcomm_cuda/loader.py)
+    assert not [line for line in _instructions(ptx) if re.search(r"\btrap\s*;", line)]
 
 
 def _nvcc_ptx(source: Path, arch: str, options: tuple[str, ...], out: Path) -> str:

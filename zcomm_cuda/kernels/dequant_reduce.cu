@@ -1,31 +1,12 @@
 // dequant_reduce: k payload rows, dequantized and summed in fp32 in row order, divided
-// once, then either stored as floats (the run decoder with one segment of k rows) or
-// re-quantized in the same pass into m payloads of IN_BITS or another width OUT_BITS (the
-// group encoder reading a PayloadSum, so the fp32 sums never go to memory). The common
-// re-quantizing sizes run the narrow kernels of requant_rounds.cuh ([Note: narrow requant]),
-// the others the general kernel.
-#include "group_encoder.cuh"
+// once, then either stored as floats (the run decoder with one segment of k rows) or, for the
+// common re-quantizing sizes, re-quantized in the same pass into m payloads of IN_BITS or
+// another width OUT_BITS by the narrow kernels of requant_rounds.cuh ([Note: narrow
+// requant]); the other re-quantizing sizes run the general kernel, in
+// dequant_reduce_requant.cu.
 #include "instantiate.cuh"
 #include "requant_rounds.cuh"
 #include "run_decoder.cuh"
-
-namespace zc {
-// The re-quantizing kernels' body: the divisor's kind is checked once per launch, so that
-// the encoder's loops hold only its operation (divisor_mode in sources.cuh), as the
-// decoder's do.
-template <int OUT_BITS, int IN_BITS>
-__device__ void requantize_sum(const PayloadRows<IN_BITS>& rows, i64 k, float divisor, const ChunkLayout<OUT_BITS>& layout,
-                               int pass, u32* group_absmax) {
-    const int mode = divisor_mode(divisor);
-    if (mode == kByOne) {
-        run_encoder<OUT_BITS>(PayloadSum<IN_BITS, kByOne>(rows, 0, k, divisor), layout, pass, group_absmax);
-    } else if (mode == kByReciprocal) {
-        run_encoder<OUT_BITS>(PayloadSum<IN_BITS, kByReciprocal>(rows, 0, k, divisor), layout, pass, group_absmax);
-    } else {
-        run_encoder<OUT_BITS>(PayloadSum<IN_BITS, kByDivision>(rows, 0, k, divisor), layout, pass, group_absmax);
-    }
-}
-}  // namespace zc
 
 #define ZC_DEQUANT_REDUCE(TAG, T, BITS)                                                               \
     extern "C" __global__ void zc_dequant_reduce_##TAG##_int##BITS(                                   \
@@ -35,17 +16,7 @@ __device__ void requantize_sum(const PayloadRows<IN_BITS>& rows, i64 k, float di
         zc::decode_segments(zc::SegmentLayout<T, BITS>{rows, out, 1, k, divisor});                    \
     }
 
-#define ZC_DEQUANT_REDUCE_REQUANT(IN_BITS, OUT_BITS)                                                  \
-    extern "C" __global__ void zc_dequant_reduce_requant_int##IN_BITS##_int##OUT_BITS(                 \
-        const zc::u8* payloads, zc::i64 stride, zc::i64 numel, zc::i64 group_size, zc::i64 k, float divisor, \
-        zc::i64 num_chunks, zc::i64 out_stride, zc::u8* out, zc::u32* group_absmax, int pass) {       \
-        const zc::PayloadRows<IN_BITS> rows{payloads, stride, numel, group_size};                     \
-        const zc::ChunkLayout<OUT_BITS> layout{out, numel / num_chunks, num_chunks, group_size, out_stride}; \
-        zc::requantize_sum<OUT_BITS>(rows, k, divisor, layout, pass, group_absmax);                    \
-    }
-
 ZC_FOR_EACH_DTYPE_BITS(ZC_DEQUANT_REDUCE)
-ZC_FOR_EACH_BITS_PAIR(ZC_DEQUANT_REDUCE_REQUANT)
 
 // The register scheme on 32-bit indices, one kernel per divisor mode ([Note: narrow requant]
 // in requant_rounds.cuh): `_regs_one`, `_regs_pow2` (a power of two), `_regs_div` (any other).

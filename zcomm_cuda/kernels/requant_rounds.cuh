@@ -2,7 +2,7 @@
 // common sizes run (groups held in registers, at most 2^31 elements).
 //
 // [Note: narrow requant] A kernel runs with the registers of its most demanding path. The
-// general re-quantizing kernel (dequant_reduce.cu) holds every scheme (registers, streamed
+// general re-quantizing kernel (dequant_reduce_requant.cu) holds every scheme (registers, streamed
 // teams, tiles) for three divisor modes on 64-bit indices and needs more than 110
 // registers: two blocks of 256 threads per SM on sm_90, where quantize runs four. The
 // narrow kernels hold the register scheme alone, one kernel per divisor mode (one kernel
@@ -165,14 +165,16 @@ __device__ __forceinline__ void encode_narrow_rounds(const Source& src, const Na
 // launcher (_resolve_requant in _cuda_launch.py) as arguments too: the kernel reads them
 // from its parameter space where it uses them, where values it computed itself would each
 // hold a register for the whole kernel: with these four, the INT4-input kernels need 64
-// registers (four blocks per SM) instead of 69-70 (three). They are checked once against the
-// computation, as is the divisor's mode (a divisor of another mode would give wrong bytes):
-// the kernel traps on a mismatch. A buffer off its vector alignment faults on its first load.
+// registers (four blocks per SM) instead of 69-70 (three). The launcher derives them, and
+// picks the kernel of the divisor's mode, with the kernel's own formulas (_resolve_requant,
+// narrow_requant_sizes, divisor_mode); a mismatch would give wrong bytes. The kernel checks
+// both against its own computation only in a compile with the device checks on
+// (ZC_DEVICE_CHECK). A buffer off its vector alignment faults on its first load.
 template <int MODE, int OUT_BITS, int IN_BITS>
 __device__ void requantize_narrow(const PayloadRows<IN_BITS>& rows, i64 k, float divisor,
                                   const ChunkLayout<OUT_BITS>& wide, u64 group_magic, int group_shift,
                                   const NarrowSizes& sizes) {
-    if (divisor_mode(divisor) != MODE || !sizes.describe(rows, wide)) __trap();
+    ZC_DEVICE_CHECK(divisor_mode(divisor) == MODE && sizes.describe(rows, wide));
     const MagicDivisor<false> group(rows.group_size, group_magic, group_shift);
     const NarrowPayloadSum<IN_BITS, MODE> src(rows.base, rows.stride, sizes.in_scales, k, group, divisor);
     const NarrowChunks<OUT_BITS> layout{wide.out, static_cast<u32>(sizes.chunk_numel), static_cast<u32>(wide.num_chunks),

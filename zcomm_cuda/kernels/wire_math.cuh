@@ -43,6 +43,22 @@
 #define ZC_HD inline
 #endif
 
+// ZC_DEVICE_CHECK(cond): a kernel's check of an invariant its launcher has checked on the
+// host ([Note: device checks] in zcomm_cuda/loader.py). It traps, a sticky error that ends the
+// rank's CUDA context, only in a compile with -DZCOMM_DEVICE_CHECKS=1 (gpu-check's); in any
+// other the condition is type-checked and never evaluated.
+#if defined(ZCOMM_DEVICE_CHECKS) && ZCOMM_DEVICE_CHECKS
+#define ZC_DEVICE_CHECK(cond) \
+    do {                      \
+        if (!(cond)) __trap(); \
+    } while (0)
+#else
+#define ZC_DEVICE_CHECK(cond) \
+    do {                      \
+        (void)sizeof(!(cond)); \
+    } while (0)
+#endif
+
 namespace zc {
 
 using u8 = unsigned char;

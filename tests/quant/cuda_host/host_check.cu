@@ -332,7 +332,7 @@ bool run_requant(const PayloadRows<BITS>& rows, i64 k, float divisor, i64 m, siz
     const i64 row = payload_bytes(rows.numel / m, OUT_BITS, rows.group_size);
     Buffer out(row * m, byte_shift);
     const ChunkLayout<OUT_BITS> layout{out.data, rows.numel / m, m, rows.group_size, row};
-    // the kernel's dispatch (requantize_sum in dequant_reduce.cu): the divisor's mode, once
+    // the kernel's dispatch (requantize_sum in dequant_reduce_requant.cu): the divisor's mode, once
     const int mode = divisor_mode(divisor);
     const bool vec = mode == kByOne ? encode_all<OUT_BITS>(PayloadSum<BITS, kByOne>(rows, 0, k, divisor), layout)
                      : mode == kByReciprocal

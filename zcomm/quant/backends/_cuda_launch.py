@@ -427,7 +427,8 @@ def dequant_reduce_requant(
 
     When the encoder holds its groups in registers and the sizes fit 32-bit indices, the
     register scheme's own kernel for the divisor's mode runs ([Note: narrow requant] in
-    kernels/requant_rounds.cuh); otherwise the general kernel. Everything but the addresses
+    kernels/requant_rounds.cuh); otherwise the general kernel (kernels/dequant_reduce_requant.cu,
+    a module of its own). Everything but the addresses
     and their alignment is resolved once per sizes (:func:`_resolve_requant`)."""
     rows, row_nbytes = payloads.shape
     chunks, chunk_nbytes = out.shape
@@ -441,7 +442,7 @@ def dequant_reduce_requant(
         loader.launch("dequant_reduce.cu", narrow_name, payloads.device, narrow_blocks, THREADS,
                       (src, *narrow_sizes, dst, *narrow_tail))
         return
-    _encode("dequant_reduce.cu", name, payloads.device, jobs, extent, (src, *sizes, dst))
+    _encode("dequant_reduce_requant.cu", name, payloads.device, jobs, extent, (src, *sizes, dst))
 
 
 # (device index, rows, row bytes, numel, bits, out_bits, group_size, divide_by, chunks, chunk bytes)
