@@ -5,9 +5,9 @@
 ``r`` of that job runs: ``zero_runtime.initialize`` of the named model (``_dry_run_models``)
 with the config, then ``--steps`` optimizer steps of ``gradient_accumulation_steps``
 micro-batches each, on torch's fake process group ([Note: fake world] in ``_torch_compat``):
-the collectives are issued with the sizes, groups and subgroups of the real job, and complete
-at once without moving data, so the values computed are meaningless but every layout, plan
-and byte count is the real one. It prints, per rank, ``memory_report()`` (the model-state
+the collectives are issued with the sizes, groups and subgroups of the real job and complete
+at once without peers (outputs as if every rank held this rank's input), so the values
+computed are no real job's, but every layout, plan and byte count is the real one. It prints, per rank, ``memory_report()`` (the model-state
 bytes the rank holds) and, per step, the bytes it sent by op, intra- and inter-node, from
 ``zcomm.comm_stats`` (its byte model: ring all-gather and reduce-scatter, qwZ's two hops,
 qgZ's two all-to-alls; see ``zcomm/comm_stats.py``).
