@@ -137,3 +137,21 @@ def test_the_cases_cover_hpz_2_to_16_and_deepspeed_6659():
     covered = {case[3] for case in _zeropp_cases()}
     assert covered == set(HPZ_SIZES)
     assert any(case[0] == 2048 and case[3] == 16 for case in _zeropp_cases())
+
+
+@pytest.mark.parametrize("case", [(24, 8, 13), (384, 8, 383), (2048, 8, 1027), (4096, 1, 0), (2040, 8, 2039)],
+                         ids=case_id)
+def test_zeropp_with_loco_error_buffers(case):
+    """LoCo's INT8 errors are not partitioned: hop 1's over the whole reordered input (``W x`` this
+    rank's slice), hop 2's over the ``N`` node sums (none with one rank per node)."""
+    world, local, rank = case
+    nodes = world // local
+    zero = {"zero_quantized_weights": True, "zero_hpz_partition_size": local if local > 1 else 2,
+            "zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}
+    with fake_rank(rank, world):
+        opt, _ = _train(world, local, rank, zero)
+        shards = _check_layout(opt, world, rank)
+        hop2 = payload_bytes(nodes * shards, 8) if local > 1 and nodes > 1 else 0
+        assert opt.memory_report().error_feedback == payload_bytes(world * shards, 8) + hop2
+        intra = (local - 1) * payload_bytes(nodes * shards, 4) if local > 1 else 0
+        assert op_bytes("reduce_scatter_q4") == (1, intra, (nodes - 1) * payload_bytes(shards, 4))
