@@ -135,6 +135,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.dry_run:
         if args.local_size < 1 or args.world_size < 1:
             parser.error("--world-size and --local-size must be >= 1")
+        if args.params is not None or args.hpz_partition_size is not None:
+            parser.error("--params and --hpz-partition-size are the formulas' inputs: with --dry-run the model "
+                         "(--model) and the config (zero_hpz_partition_size) decide them")
         _dry_run.run_from_args(args, parser)
         return
     if args.params is None:

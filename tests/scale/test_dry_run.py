@@ -86,6 +86,7 @@ def test_cli_prints_memory_and_bytes_per_step_at_384_ranks(tmp_path, capsys):
     (["--dry-run", "--world-size", "16"], "--dry-run needs --config"),
     (["--dry-run", "--world-size", "12", "--local-size", "8", "--config", "x.json"], "not a multiple"),
     (["--world-size", "16"], "--params is required"),
+    (["--dry-run", "--world-size", "16", "--config", "x.json", "--params", "1e9"], "the model (--model) and the config"),
 ])
 def test_cli_errors(argv, message, capsys):
     with pytest.raises(SystemExit):
