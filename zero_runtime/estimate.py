@@ -27,12 +27,20 @@ size; the runtime's ``memory_report().error_feedback``):
 
 The flags are named as ``zcomm.Topology`` names them (``world_size``, ``local_size``); the
 old spellings ``--ranks`` and ``--ranks-per-node`` are errors that name the new ones.
+
+``--dry-run`` runs the real runtime instead of the formulas: a few ranks of the job, one
+after the other in this process, on torch's fake process group, printing each rank's
+``memory_report()`` and each step's intra- and inter-node bytes (``zero_runtime._dry_run``):
+
+    python -m zero_runtime.estimate --dry-run --world-size 384 --local-size 8 --config ds.json --model gpt
 """
 
 from __future__ import annotations
 
 import argparse
 from typing import Any, Callable, NamedTuple, Sequence
+
+from . import _dry_run
 
 
 class Estimate(NamedTuple):
@@ -112,7 +120,7 @@ class _Renamed(argparse.Action):
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m zero_runtime.estimate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--params", type=float, required=True, help="number of model parameters, e.g. 7e9")
+    parser.add_argument("--params", type=float, help="number of model parameters, e.g. 7e9 (not with --dry-run)")
     parser.add_argument("--world-size", type=int, required=True, help="data-parallel ranks (Nd)")
     parser.add_argument("--local-size", type=int, default=8, help="ranks per node (default hpZ partition size)")
     parser.add_argument("--hpz-partition-size", type=int, default=None,
@@ -122,7 +130,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--k", type=float, default=12.0, help="optimizer bytes per parameter (Adam: 12)")
     parser.add_argument("--ranks", action=_Renamed, new="--world-size")
     parser.add_argument("--ranks-per-node", action=_Renamed, new="--local-size")
+    _dry_run.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.dry_run:
+        if args.local_size < 1 or args.world_size < 1:
+            parser.error("--world-size and --local-size must be >= 1")
+        if args.params is not None or args.hpz_partition_size is not None:
+            parser.error("--params and --hpz-partition-size are the formulas' inputs: with --dry-run the model "
+                         "(--model) and the config (zero_hpz_partition_size) decide them")
+        _dry_run.run_from_args(args, parser)
+        return
+    if args.params is None:
+        parser.error("--params is required (or --dry-run with --config)")
     if args.hpz_partition_size is None:
         args.hpz_partition_size = args.local_size
     if args.world_size < 1 or args.local_size < 1 or args.hpz_partition_size < 1 or args.params <= 0:
