@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-from conftest import payload_bytes
+from scale_cases import payload_bytes
 from torch import nn
 
 from zero_runtime import estimate

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import case_id, cases, fake_rank, op_bytes, payload_bytes
+from scale_cases import case_id, cases, fake_rank, op_bytes, payload_bytes
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard

@@ -15,7 +15,7 @@ import functools
 
 import pytest
 import torch
-from conftest import LAYOUTS, case_id, cases, fake_rank, op_bytes, payload_bytes, ring_bytes
+from scale_cases import LAYOUTS, case_id, cases, fake_rank, op_bytes, payload_bytes, ring_bytes
 from torch import nn
 
 import zcomm
