@@ -36,7 +36,7 @@ CHECKOUT_PYTHONPATH = PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}"
 
 PEERS_LOG := $(VENV)/peers-install.log
 
-.PHONY: demo test install peers clean-venv nvcc-check gpu-check gpu-bench gpu-lease
+.PHONY: demo test test-fast install peers clean-venv nvcc-check gpu-check gpu-bench gpu-lease
 
 install: $(STAMP)
 
@@ -61,6 +61,12 @@ $(STAMP): setup.cfg pyproject.toml
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The fast core: every test but the nvcc, host-check, multi-rank and slow groups ([Note: test
+# groups] in tests/conftest.py); `make test` runs them all.
+test-fast: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -m "not nvcc and not multirank and not slow" $(PYTEST_ARGS)
 
 peers: $(STAMP)
 	@if $(PY) -c 'import deepspeed' >/dev/null 2>&1; then \
