@@ -85,8 +85,9 @@ peers: $(STAMP)
 demo: $(STAMP) peers
 	$(CHECKOUT_PYTHONPATH) $(PY) -m bench.demo
 
+# The nvcc group alone (nvcc and NVRTC compiles, the host check): [Note: test groups].
 nvcc-check: $(STAMP)
-	$(PY) -m pytest -q tests/quant/test_cuda_compile.py tests/quant/test_cuda_host_math.py tests/quant/test_cuda_launch_abi.py
+	$(PY) -m pytest -q -m nvcc $(PYTEST_ARGS)
 
 gpu-check:
 	$(CHECKOUT_PYTHONPATH) $(GPU_PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS)
