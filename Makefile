@@ -36,7 +36,7 @@ CHECKOUT_PYTHONPATH = PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}"
 
 PEERS_LOG := $(VENV)/peers-install.log
 
-.PHONY: demo test install peers clean-venv nvcc-check gpu-check gpu-bench gpu-lease
+.PHONY: demo test test-fast install peers clean-venv nvcc-check gpu-check gpu-bench gpu-lease
 
 install: $(STAMP)
 
@@ -62,6 +62,12 @@ test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The fast core: every test but the nvcc, host-check, multi-rank and slow groups ([Note: test
+# groups] in tests/conftest.py); `make test` runs them all.
+test-fast: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -m "not nvcc and not multirank and not slow" $(PYTEST_ARGS)
+
 peers: $(STAMP)
 	@if $(PY) -c 'import deepspeed' >/dev/null 2>&1; then \
 	  echo "peers: deepspeed $$($(PY) -c 'import importlib.metadata as m; print(m.version("deepspeed"))') is installed"; \
@@ -79,8 +85,9 @@ peers: $(STAMP)
 demo: $(STAMP) peers
 	$(CHECKOUT_PYTHONPATH) $(PY) -m bench.demo
 
+# The nvcc group alone (nvcc and NVRTC compiles, the host check): [Note: test groups].
 nvcc-check: $(STAMP)
-	$(PY) -m pytest -q tests/quant/test_cuda_compile.py tests/quant/test_cuda_host_math.py tests/quant/test_cuda_launch_abi.py
+	$(PY) -m pytest -q -m nvcc $(PYTEST_ARGS)
 
 gpu-check:
 	$(CHECKOUT_PYTHONPATH) $(GPU_PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS)

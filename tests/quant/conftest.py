@@ -10,10 +10,15 @@ written down from the wire format. Pairs that cannot run here are skipped with t
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
-from cuda_support import requires_cuda_device, requires_gpu
+from cuda_support import NVCC, NVRTC_UNAVAILABLE, requires_cuda_device, requires_gpu
+from nvcc_builds import Builds
 from quant_cases import Target
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -33,3 +38,36 @@ def target(request: pytest.FixtureRequest) -> Target:
 @pytest.fixture(params=(ORACLE, *TARGETS))
 def any_target(request: pytest.FixtureRequest) -> Target:
     return request.param
+
+
+# ---- nvcc's builds, started when collection ends ([Note: background builds] in nvcc_builds.py) ----
+_BUILDS = pytest.StashKey[Builds]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        builds_of = getattr(getattr(item, "module", None), "builds_of", None)
+        if builds_of is not None:
+            builds_of(item, _builds(session))
+
+
+def _builds(session: pytest.Session) -> Builds:
+    if _BUILDS not in session.stash:
+        folder = Path(tempfile.mkdtemp(prefix="zcomm-builds-"))
+        session.stash[_BUILDS] = Builds(NVCC, NVRTC_UNAVAILABLE is None, folder)
+    return session.stash[_BUILDS]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    builds = session.stash.get(_BUILDS, None)
+    if builds is not None:
+        builds.close()
+        shutil.rmtree(builds.folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def nvcc_builds(request: pytest.FixtureRequest) -> Builds:
+    """The session's nvcc and NVRTC builds ([Note: background builds] in nvcc_builds.py)."""
+    return _builds(request.session)

@@ -6,7 +6,9 @@ The loader compiles each source with NVRTC through :func:`zcomm_cuda.loader.comp
 * NVRTC itself, through ``compile_source``, the very function the loader runs, wherever
   cupy and an NVRTC library are importable (no GPU needed: the arch is given);
 * nvcc, when found, on the same translation unit (headers inlined by ``expand_includes``)
-  with the same options, and on each ``.cu`` file as it sits in ``kernels/``.
+  with the same options, and on each ``.cu`` file as it sits in ``kernels/``. Each nvcc
+  compile runs once per session and in the background ([Note: background builds] in
+  nvcc_builds.py); the tests below read its PTX, several of them the same one.
 
 Both compile with the loader's options as they are and with hostile flags appended:
 ``-ftz=true`` (what cupy's cached compile path appends after a caller's options) and
@@ -19,13 +21,12 @@ rounding] in wire_math.cuh).
 from __future__ import annotations
 
 import re
-import subprocess
-from pathlib import Path
 
 import pytest
 
-from cuda_support import NVCC, requires_nvcc, requires_nvrtc
-from zcomm_cuda.loader import KERNEL_DIR, KERNEL_SOURCES, NVRTC_OPTIONS, compile_source, expand_includes, target_arch
+from cuda_support import requires_nvcc, requires_nvrtc
+from nvcc_builds import Builds, Nvrtc, Ptx
+from zcomm_cuda.loader import KERNEL_DIR, KERNEL_SOURCES, NVRTC_OPTIONS, compile_source, target_arch
 
 ARCHES = ("sm_80", "sm_90")
 HOSTILE_FLAGS = {"as-is": (), "ftz": ("-ftz=true",), "ftz+fast-math": ("-ftz=true", "--use_fast_math")}
@@ -58,12 +59,14 @@ def _check_ptx(ptx: str, source: str) -> None:
     assert not [line for line in _instructions(ptx) if re.search(r"\btrap\s*;", line)]
 
 
-def _nvcc_ptx(source: Path, arch: str, options: tuple[str, ...], out: Path) -> str:
-    done = subprocess.run(
-        [NVCC, "--ptx", f"-arch={arch}", *options, "-o", str(out), str(source)], capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
-    return out.read_text()
+def _in_place(source: str, arch: str) -> Ptx:
+    """The file as it sits in kernels/, warnings as errors."""
+    return Ptx(source, False, arch, (*NVRTC_OPTIONS, "-Werror", "all-warnings"))
+
+
+def _unit(source: str, arch: str, flags: tuple[str, ...]) -> Ptx:
+    """The loader's translation unit with its options and ``flags`` appended."""
+    return Ptx(source, True, arch, (*NVRTC_OPTIONS, *flags))
 
 
 def test_every_source_is_listed():
@@ -73,20 +76,16 @@ def test_every_source_is_listed():
 @requires_nvcc
 @pytest.mark.parametrize("arch", ARCHES)
 @pytest.mark.parametrize("source", KERNEL_SOURCES)
-def test_nvcc_compiles_each_file_without_warnings(tmp_path, source, arch):
-    ptx = _nvcc_ptx(KERNEL_DIR / source, arch, (*NVRTC_OPTIONS, "-Werror", "all-warnings"), tmp_path / "k.ptx")
-    _check_ptx(ptx, source)
+def test_nvcc_compiles_each_file_without_warnings(nvcc_builds, source, arch):
+    _check_ptx(nvcc_builds.ptx(_in_place(source, arch)), source)
 
 
 @requires_nvcc
 @pytest.mark.parametrize("flags", HOSTILE_FLAGS.values(), ids=HOSTILE_FLAGS.keys())
 @pytest.mark.parametrize("source", KERNEL_SOURCES)
-def test_nvcc_translation_unit_under_hostile_flags(tmp_path, source, flags):
+def test_nvcc_translation_unit_under_hostile_flags(nvcc_builds, source, flags):
     """nvcc takes the last value of a repeated option, as NVRTC does (with a warning)."""
-    unit = tmp_path / source
-    unit.write_text(expand_includes(KERNEL_DIR / source))
-    assert '#include "' not in unit.read_text()
-    _check_ptx(_nvcc_ptx(unit, "sm_90", (*NVRTC_OPTIONS, *flags), tmp_path / "k.ptx"), source)
+    _check_ptx(nvcc_builds.ptx(_unit(source, "sm_90", flags)), source)
 
 
 def _entries(ptx: str) -> dict[str, list[str]]:
@@ -115,21 +114,24 @@ HARDWARE = {  # (tag, arch): (the cvt every narrowing is, cvts per word, the NaN
     ("bf16", "sm_86"): ("cvt.rn.bf16x2.f32", 1, "bf16-prmt"),
     ("bf16", "sm_90"): ("cvt.rn.bf16x2.f32", 1, "bf16-set"),
 }
+# the sources of the decoders, whose kernels store fp16 / bf16 outputs
+DECODERS = tuple(source for source, kernels in EXPECTED_KERNELS.items() if any("dequant" in k for k in kernels))
 # dequantize's INT8 groups of numbers store without a mask ([Note: NaN groups] in
 # run_decoder.cuh): the four words of the one store8_numbers in their loop
 UNMASKED_WORDS = {"zc_dequantize_f16_int8": 4, "zc_dequantize_bf16_int8": 4}
 
 
 @requires_nvcc
-@pytest.mark.parametrize("source", ("dequantize.cu", "dequant_reduce.cu"))
+@pytest.mark.parametrize("source", DECODERS)
 @pytest.mark.parametrize("tag,arch", HARDWARE, ids=[f"{t}-{a}" for t, a in HARDWARE])
-def test_16_bit_outputs_round_in_hardware(tmp_path, source, tag, arch):
+def test_16_bit_outputs_round_in_hardware(nvcc_builds, source, tag, arch):
     """The decoders' fp16 / bf16 stores round with the arch's cvt, and every word of the general
     store8 gets one NaN mask of the arch's kind and no other kind (all of dequant_reduce's words;
-    dequantize's INT8 kernels also have their loop of numbers, unmasked). Compiled with
-    -ftz=true added. Kernels with other outputs have neither."""
+    dequantize's INT8 kernels also have their loop of numbers, unmasked). The loader's translation
+    unit compiled with -ftz=true added (the PTX of the hostile "ftz" test at sm_90, and one PTX per
+    arch for both tags). Kernels with other outputs have neither."""
     convert, per_word, mask = HARDWARE[(tag, arch)]
-    ptx = _nvcc_ptx(KERNEL_DIR / source, arch, (*NVRTC_OPTIONS, "-ftz=true"), tmp_path / "k.ptx")
+    ptx = nvcc_builds.ptx(_unit(source, arch, HOSTILE_FLAGS["ftz"]))
     _check_ptx(ptx, source)
     mine = [kind for kind in NAN_MASK if kind.split("-")[0] == tag]
     checked = 0
@@ -148,17 +150,18 @@ def test_16_bit_outputs_round_in_hardware(tmp_path, source, tag, arch):
 
 @requires_nvrtc
 @pytest.mark.parametrize("source", KERNEL_SOURCES)
-def test_loader_nvrtc_compile(source):
+def test_loader_nvrtc_compile(nvcc_builds, source):
     """The loader's own compile (NVRTC, PTX and cubin) with its options. The hostile flags'
     PTX is checked on the same expanded translation unit by nvcc above; repeating them here
     would only add minutes of ptxas (the cubin)."""
-    compiled = compile_source(source, "sm_90", NVRTC_OPTIONS)
+    compiled = nvcc_builds.nvrtc(Nvrtc(source, "sm_90", NVRTC_OPTIONS))
     _check_ptx(compiled.ptx, source)
     assert compiled.cubin  # what the loader loads for a device NVRTC knows
 
 
 @requires_nvrtc
-def test_loader_nvrtc_compile_reports_errors(monkeypatch, tmp_path):
+def test_loader_nvrtc_compile_reports_errors(nvcc_builds, monkeypatch, tmp_path):
+    nvcc_builds.wait()  # no compile in the background reads the KERNEL_DIR patched here
     (tmp_path / "broken.cu").write_text('extern "C" __global__ void k() { this is not C++; }\n')
     monkeypatch.setattr("zcomm_cuda.loader.KERNEL_DIR", tmp_path)
     with pytest.raises(RuntimeError, match=r"NVRTC could not compile broken\.cu for sm_90"):
@@ -172,3 +175,18 @@ def test_target_arch_prefers_a_cubin_for_the_device():
     assert target_arch((12, 1), supported) == "compute_120"  # newer than NVRTC: PTX, JIT-compiled at load
     with pytest.raises(RuntimeError, match="none of them runs on compute capability 70"):
         target_arch((7, 0), supported)
+
+
+def builds_of(item: pytest.Item, builds: Builds) -> None:
+    """Start the nvcc compiles ``item`` reads ([Note: background builds] in nvcc_builds.py)."""
+    params = getattr(item, "callspec", None)
+    params = params.params if params is not None else {}
+    name = getattr(item, "originalname", item.name)
+    if name == "test_nvcc_compiles_each_file_without_warnings":
+        builds.start_ptx(_in_place(params["source"], params["arch"]))
+    elif name == "test_nvcc_translation_unit_under_hostile_flags":
+        builds.start_ptx(_unit(params["source"], "sm_90", params["flags"]))
+    elif name == "test_16_bit_outputs_round_in_hardware":
+        builds.start_ptx(_unit(params["source"], params["arch"], HOSTILE_FLAGS["ftz"]))
+    elif name == "test_loader_nvrtc_compile":
+        builds.start_nvrtc(Nvrtc(params["source"], "sm_90", NVRTC_OPTIONS))

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from cuda_support import NVCC, requires_gpu, requires_nvcc, requires_nvrtc
+from nvcc_builds import Builds, Nvrtc
 from test_cuda_launch_abi import DTYPES, _run_every_op
 from zcomm.quant.backends import _cuda_launch as cuda_launch
 from zcomm_cuda import driver_launch, loader
@@ -161,13 +162,24 @@ def test_every_launch_is_packed_at_its_parameters_widths(recorded) -> None:
     assert all(any(name.startswith(family) for name in kernels) for family in families), sorted(kernels)
 
 
+# NVRTC's PTX read below: the loader's compile of the two fastest sources
+NVRTC_COMPILES = [Nvrtc(source, "compute_90", loader.NVRTC_OPTIONS) for source in ("quantize.cu", "dequantize.cu")]
+
+
+def builds_of(item: pytest.Item, builds: Builds) -> None:
+    """Start the compiles ``item`` reads ([Note: background builds] in nvcc_builds.py)."""
+    if getattr(item, "originalname", None) == "test_ptx_params_of_the_loaders_compile_are_the_launches":
+        for job in NVRTC_COMPILES:
+            builds.start_nvrtc(job)
+
+
 @requires_nvrtc
-def test_ptx_params_of_the_loaders_compile_are_the_launches(recorded) -> None:
+def test_ptx_params_of_the_loaders_compile_are_the_launches(recorded, nvcc_builds) -> None:
     """``ptx_params`` of NVRTC's PTX (the loader's compile; the two fastest sources) gives every launched
     kernel of them its parameters as the launches pass them."""
     params = {}
-    for source in ("quantize.cu", "dequantize.cu"):
-        params.update(driver_launch.ptx_params(loader.compile_source(source, "compute_90").ptx))
+    for job in NVRTC_COMPILES:
+        params.update(driver_launch.ptx_params(nvcc_builds.nvrtc(job).ptx))
     launched = {name: tuple(as_ptx(arg) for arg in args) for name, _, _, args in recorded if name in params}
     assert launched == params and len(params) >= 12  # 3 dtypes x 2 widths x 2 ops at least
 

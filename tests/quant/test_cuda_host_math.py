@@ -3,7 +3,8 @@
 tests/quant/cuda_host/host_check.cu is compiled with nvcc as a host program that runs the very
 __host__ __device__ code of the kernels (encoder lanes, decoder runs, sources, packing,
 wire-format math) with loops in place of the GPU's parallelism. Each case writes its input
-to a file, runs the program, and compares the output bytes with ``zcomm.quant``'s
+to a file, has one host_check process (serving every case: tests/quant/host_check_server.py)
+run it, and compares the output bytes with ``zcomm.quant``'s
 reference backend, for the aligned (vector) and misaligned (scalar) paths and for both
 encoder schemes (teams for groups up to ``TEAM_MAX_GROUP`` elements, tiles above: groups of
 several tiles, a short last tile, one group for the whole tensor). The program reports
@@ -17,7 +18,7 @@ import re
 import struct
 import subprocess
 from pathlib import Path
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import numpy as np
 import pytest
@@ -25,6 +26,8 @@ import torch
 
 import zcomm.quant as zq
 from cuda_support import NVCC, REPO, requires_gpu, requires_nvcc
+from host_check_server import HostCheck
+from nvcc_builds import Builds
 from quant_cases import DTYPE_TAG, DTYPES, STRETCH_CASES, make_hard_input, make_payloads
 from zcomm.quant.backends import _cuda_launch as cuda_launch
 
@@ -34,15 +37,30 @@ KERNELS = REPO / "zcomm_cuda" / "kernels"
 SOURCE = Path(__file__).resolve().parent / "cuda_host" / "host_check.cu"
 
 
-@pytest.fixture(scope="module")
-def host_check(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    binary = tmp_path_factory.mktemp("host_check") / "host_check"
-    subprocess.run(
+def _build(builds: Builds) -> Path:
+    binary = builds.folder / "host_check"
+    done = subprocess.run(
         [NVCC, "-std=c++17", "-O1", "-Xcompiler", "-ffp-contract=off", f"-I{KERNELS}", "-o", str(binary), str(SOURCE)],
-        check=True,
         capture_output=True,
+        text=True,
     )
+    assert done.returncode == 0, done.stderr
     return binary
+
+
+def builds_of(item: pytest.Item, builds: Builds) -> None:
+    """The host check's binary is built in the background ([Note: background builds] in nvcc_builds.py)."""
+    if "host_check" in getattr(item, "fixturenames", ()):
+        builds.start(SOURCE, lambda: _build(builds))
+
+
+@pytest.fixture(scope="module")
+def host_check(nvcc_builds: Builds, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostCheck]:
+    """The host check built once, one process serving every case ([Note: host check server])."""
+    binary = nvcc_builds.result(SOURCE, lambda: _build(nvcc_builds))
+    server = HostCheck(binary, tmp_path_factory.mktemp("host_check"))
+    yield server
+    server.close()
 
 
 class Ran(NamedTuple):
@@ -53,14 +71,12 @@ class Ran(NamedTuple):
     teams: bool  # the decoder ran the team layout
 
 
-def _run(binary: Path, tmp_path: Path, args: list[object], data: torch.Tensor) -> Ran:
+def _run(host_check: HostCheck, args: list[object], data: torch.Tensor) -> Ran:
     """Run one op on ``data``'s bytes."""
-    src, dst = tmp_path / "in.bin", tmp_path / "out.bin"
+    src, dst = host_check.scratch / "in.bin", host_check.scratch / "out.bin"
     src.write_bytes(data.contiguous().view(torch.uint8).numpy().tobytes())
-    done = subprocess.run(
-        [str(binary), *map(str, args), str(src), str(dst)], check=True, capture_output=True, text=True
-    )
-    flags = dict(item.split("=") for item in done.stdout.split())
+    dst.unlink(missing_ok=True)  # no earlier case's output is read as this one's
+    flags = dict(item.split("=") for item in host_check.run(*args, src, dst).split())
     return Ran(*(dst.read_bytes(), *(flags[key] == "1" for key in ("vec", "tiles", "regs", "teams"))))
 
 
@@ -115,9 +131,9 @@ QUANT_CASES = [
 
 @pytest.mark.parametrize("misalign", (0, 1))
 @pytest.mark.parametrize("dtype,bits,group_size,numel", QUANT_CASES)
-def test_quantize(host_check, tmp_path, dtype, bits, group_size, numel, misalign):
+def test_quantize(host_check, dtype, bits, group_size, numel, misalign):
     x = make_hard_input(numel, group_size, dtype, bits, seed=numel + group_size)
-    ran = _run(host_check, tmp_path, ["quantize", DTYPE_TAG[dtype], bits, group_size, misalign], x)
+    ran = _run(host_check, ["quantize", DTYPE_TAG[dtype], bits, group_size, misalign], x)
     assert ran.out == _bytes(zq.quantize(x, bits, group_size, backend="reference"))
     assert ran.vec == (not misalign and group_size % 8 == 0 and numel % 8 == 0)
     assert ran.tiles == _tiles(min(group_size, numel))
@@ -127,11 +143,11 @@ def test_quantize(host_check, tmp_path, dtype, bits, group_size, numel, misalign
 @pytest.mark.parametrize("bits", (8, 4))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("numel", (3 * 8192 + 16, 5 * 8192 + 2))
-def test_quantize_one_group_per_tensor(host_check, tmp_path, dtype, bits, numel):
+def test_quantize_one_group_per_tensor(host_check, dtype, bits, numel):
     """``quant_group_size="tensor"``: one group of the whole input, cut into tiles."""
     x = make_hard_input(numel, numel, dtype, bits, seed=numel)
     x[numel // 2] = torch.finfo(dtype).smallest_normal / 8  # one subnormal among many normals
-    ran = _run(host_check, tmp_path, ["quantize", DTYPE_TAG[dtype], bits, numel, 0], x)
+    ran = _run(host_check, ["quantize", DTYPE_TAG[dtype], bits, numel, 0], x)
     assert ran.out == _bytes(zq.quantize(x, bits, numel, backend="reference"))
     assert ran.tiles and ran.vec == (numel % 8 == 0)
 
@@ -163,11 +179,11 @@ def _divisors(wide: bool, slice_numel: int, part_numel: int | None = None) -> st
 @pytest.mark.parametrize("bits", (8, 4))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("numel,perm,num_chunks,group_size", REORDER_CASES)
-def test_reorder_quantize(host_check, tmp_path, dtype, bits, numel, perm, num_chunks, group_size, misalign, wide):
+def test_reorder_quantize(host_check, dtype, bits, numel, perm, num_chunks, group_size, misalign, wide):
     x = make_hard_input(numel, group_size, dtype, bits, seed=numel)
     args = ["reorder", DTYPE_TAG[dtype], bits, group_size, misalign, num_chunks, ",".join(map(str, perm)),
             _divisors(wide, numel // len(perm))]
-    ran = _run(host_check, tmp_path, args, x)
+    ran = _run(host_check, args, x)
     assert ran.out == _bytes(zq.reorder_quantize(x, perm, num_chunks, bits, group_size, backend="reference"))
     chunk, row = numel // num_chunks, zq.payload_nbytes(numel // num_chunks, bits, group_size)
     aligned = group_size % 8 == 0 and chunk % 8 == 0 and (numel // len(perm)) % 8 == 0 and row % _run_bytes(bits) == 0
@@ -203,14 +219,14 @@ INTERLEAVE_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("parts,widths,part_numel,perm,num_chunks,group_size", INTERLEAVE_CASES)
 def test_reorder_quantize_interleaved(
-    host_check, tmp_path, dtype, bits, parts, widths, part_numel, perm, num_chunks, group_size, misalign
+    host_check, dtype, bits, parts, widths, part_numel, perm, num_chunks, group_size, misalign
 ):
     """The interleaved form ([Note: interleaved input]): tensors in separate buffers, read through the table."""
-    _check_interleaved(host_check, tmp_path, dtype, bits, parts, widths, part_numel, perm, num_chunks, group_size,
+    _check_interleaved(host_check, dtype, bits, parts, widths, part_numel, perm, num_chunks, group_size,
                        misalign, wide=False)
 
 
-def _check_interleaved(host_check, tmp_path, dtype, bits, parts, widths, part_numel, perm, num_chunks, group_size,
+def _check_interleaved(host_check, dtype, bits, parts, widths, part_numel, perm, num_chunks, group_size,
                        misalign, wide):
     if bits == 4 and group_size % 2:
         pytest.skip("INT4 needs an even group size")
@@ -218,7 +234,7 @@ def _check_interleaved(host_check, tmp_path, dtype, bits, parts, widths, part_nu
     numel = parts * part_numel
     args = ["interleave", DTYPE_TAG[dtype], bits, group_size, misalign, num_chunks, ",".join(map(str, perm)), parts,
             part_numel, ",".join(map(str, widths)), _divisors(wide, numel // len(perm), part_numel)]  # fmt: skip
-    ran = _run(host_check, tmp_path, args, torch.cat(xs))
+    ran = _run(host_check, args, torch.cat(xs))
     expected = zq.reorder_quantize(
         xs, perm, num_chunks, bits, group_size, parts=parts, part_numel=part_numel, backend="reference"
     )
@@ -240,11 +256,11 @@ def _check_interleaved(host_check, tmp_path, dtype, bits, parts, widths, part_nu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("parts,widths,part_numel,perm,num_chunks,group_size", STRETCH_CASES)
 def test_reorder_stretches(
-    host_check, tmp_path, dtype, bits, parts, widths, part_numel, perm, num_chunks, group_size, misalign, wide
+    host_check, dtype, bits, parts, widths, part_numel, perm, num_chunks, group_size, misalign, wide
 ):
     """Byte identity of InterleavedSource's stretches at slice, part and piece ends and in the fill, with
     tensors at differing alignments (misalign 2), on the 32- and the 64-bit index path."""
-    _check_interleaved(host_check, tmp_path, dtype, bits, parts, widths, part_numel, perm, num_chunks, group_size,
+    _check_interleaved(host_check, dtype, bits, parts, widths, part_numel, perm, num_chunks, group_size,
                        misalign, wide=bool(wide))
 
 
@@ -273,9 +289,8 @@ def test_magic_divisor_is_exact(host_check, wide):
         ns = _numerators(divisor, bound)
         # the formula itself, in Python's integers: mul_high(2n, m) >> l on words of bound + 1 bits
         assert [((2 * n * magic) >> (bound + 1)) >> shift for n in ns] == [n // divisor for n in ns], divisor
-        done = subprocess.run([str(host_check), "divide", str(int(wide)), str(divisor), str(magic), str(shift),
-                               ",".join(map(str, ns))], check=True, capture_output=True, text=True)  # fmt: skip
-        assert list(map(int, done.stdout.split())) == [n // divisor for n in ns], divisor
+        quotients = host_check.run("divide", int(wide), divisor, magic, shift, ",".join(map(str, ns)))
+        assert list(map(int, quotients.split())) == [n // divisor for n in ns], divisor
 
 
 def test_launcher_mirrors_the_register_limit():
@@ -318,10 +333,10 @@ DECODE_CASES = [(bits, gs, n) for bits in (8, 4) for gs in (8, 6) for n in (1, g
 @pytest.mark.parametrize("misalign", (0, 1))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits,group_size,numel", DECODE_CASES)
-def test_dequantize(host_check, tmp_path, dtype, bits, group_size, numel, misalign):
+def test_dequantize(host_check, dtype, bits, group_size, numel, misalign):
     payloads = make_payloads(numel, group_size, bits, k=3, seed=numel)
     args = ["dequantize", DTYPE_TAG[dtype], bits, group_size, misalign, numel, 3]
-    ran = _run(host_check, tmp_path, args, payloads)
+    ran = _run(host_check, args, payloads)
     assert ran.out == _bytes(zq.dequantize(payloads, numel, bits, group_size, dtype, backend="reference"))
     stride = payloads.shape[1]
     aligned = group_size % 8 == 0 and numel % 8 == 0 and stride % _run_bytes(bits) == 0
@@ -352,11 +367,11 @@ REQUANT_CASES = REDUCE_CASES + [
 @pytest.mark.parametrize("divide_by", (1.0, 3.0, 0.1, 4.0, 2.0**-126, 2.0**126))
 @pytest.mark.parametrize("k", (1, 4))
 @pytest.mark.parametrize("bits,group_size,numel", REDUCE_CASES)
-def test_dequant_reduce_store(host_check, tmp_path, bits, group_size, numel, k, divide_by, misalign):
+def test_dequant_reduce_store(host_check, bits, group_size, numel, k, divide_by, misalign):
     payloads = make_payloads(numel, group_size, bits, k=k, seed=numel + k)
     for dtype in DTYPES:
         args = ["reduce", DTYPE_TAG[dtype], bits, group_size, misalign, numel, k, _fp32_hex(divide_by), 0, bits]
-        ran = _run(host_check, tmp_path, args, payloads)
+        ran = _run(host_check, args, payloads)
         expected = zq.dequant_reduce(
             payloads, numel, bits, group_size, dtype=dtype, divide_by=divide_by, backend="reference"
         )
@@ -367,12 +382,12 @@ def test_dequant_reduce_store(host_check, tmp_path, bits, group_size, numel, k, 
 @pytest.mark.parametrize("divide_by", (1.0, 3.0, 4.0, 0.25))
 @pytest.mark.parametrize("k", (1, 4))
 @pytest.mark.parametrize("bits,group_size,numel", REQUANT_CASES)
-def test_dequant_reduce_requantize(host_check, tmp_path, bits, group_size, numel, k, divide_by, misalign):
+def test_dequant_reduce_requantize(host_check, bits, group_size, numel, k, divide_by, misalign):
     """Re-quantized to the input's width and (INT8 in, qgZ's first hop) to the other one."""
     payloads = make_payloads(numel, group_size, bits, k=k, seed=numel + 7 * k)
     for m, out_bits in ((1, bits), (2, bits), (3, bits), (2, 12 - bits)):
         args = ["reduce", "f32", bits, group_size, misalign, numel, k, _fp32_hex(divide_by), m, out_bits]
-        ran = _run(host_check, tmp_path, args, payloads)
+        ran = _run(host_check, args, payloads)
         expected = zq.dequant_reduce(
             payloads, numel, bits, group_size, requant_chunks=m, requant_bits=out_bits, divide_by=divide_by,
             backend="reference",
@@ -468,9 +483,9 @@ REGISTER_QUANT_CASES = [
 
 @pytest.mark.parametrize("misalign", (0, 1))
 @pytest.mark.parametrize("dtype,bits,group_size,numel", REGISTER_QUANT_CASES)
-def test_quantize_register_partitions(host_check, tmp_path, dtype, bits, group_size, numel, misalign):
+def test_quantize_register_partitions(host_check, dtype, bits, group_size, numel, misalign):
     x = _signed_input(numel, group_size, dtype, bits, seed=numel + 3 * group_size)
-    ran = _run(host_check, tmp_path, ["quantize", DTYPE_TAG[dtype], bits, group_size, misalign], x)
+    ran = _run(host_check, ["quantize", DTYPE_TAG[dtype], bits, group_size, misalign], x)
     assert ran.out == _bytes(zq.quantize(x, bits, group_size, backend="reference"))
     assert ran.vec == (not misalign and group_size % 8 == 0 and numel % 8 == 0)
     assert ran.tiles == _tiles(min(group_size, numel))
@@ -506,11 +521,11 @@ REGISTER_REORDER_CASES = [
 @pytest.mark.parametrize("bits", (8, 4))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("numel,perm,num_chunks,group_size", REGISTER_REORDER_CASES)
-def test_reorder_quantize_register_chunks(host_check, tmp_path, dtype, bits, numel, perm, num_chunks, group_size):
+def test_reorder_quantize_register_chunks(host_check, dtype, bits, numel, perm, num_chunks, group_size):
     x = _signed_input(numel, group_size, dtype, bits, seed=numel)
     args = ["reorder", DTYPE_TAG[dtype], bits, group_size, 0, num_chunks, ",".join(map(str, perm)),
             _divisors(False, numel // len(perm))]
-    ran = _run(host_check, tmp_path, args, x)
+    ran = _run(host_check, args, x)
     assert ran.out == _bytes(zq.reorder_quantize(x, perm, num_chunks, bits, group_size, backend="reference"))
     assert ran.vec and ran.regs and not ran.tiles
 
@@ -560,26 +575,29 @@ def _dense_patterns() -> np.ndarray:
     return (signs[:, None, None] | exponents[None, :, None] | mantissas[None, None, :]).ravel()
 
 
-def test_fp16_rounding_dense_sweep(host_check, tmp_path):
+def test_fp16_rounding_dense_sweep(host_check):
     bits = _dense_patterns()
     special = np.array([0x477FE000, 0x477FEFFF, 0x477FF000, 0x477FF001, 0x47800000, 0x33000000, 0x33000001,
                         0x387FC000, 0x387FE000, 0x387FFFFF, 0x38800000, 0x7F800001, 0x7FBFFFFF, 0x7FC00000,
                         0x7FFFFFFF, 0x00000001, 0x007FFFFF], dtype=np.uint32)
     bits = np.concatenate([bits, special, special | np.uint32(1 << 31)])
-    _check_patterns(host_check, tmp_path, bits)
+    _check_patterns(host_check, bits)
 
 
-def _check_patterns(binary: Path, tmp_path: Path, bits: np.ndarray, op: str = "narrow") -> None:
+def _check_patterns(host_check: HostCheck, bits: np.ndarray, op: str = "narrow") -> None:
     """The host check's narrowing `op` ("narrow": fp16, "narrow_bf16") of the fp32 patterns `bits`."""
-    bits.tofile(tmp_path / "in.bin")
-    subprocess.run([str(binary), op, str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
-    _check_narrowed(tmp_path / "out.bin", bits, op)
+    src, dst = host_check.scratch / "in.bin", host_check.scratch / "out.bin"
+    bits.tofile(src)
+    dst.unlink(missing_ok=True)
+    host_check.run(op, src, dst)
+    _check_narrowed(dst, bits, op)
 
 
-def _check_range(binary: Path, tmp_path: Path, first: int, count: int, op: str = "narrow") -> None:
+def _check_range(host_check: HostCheck, first: int, count: int, op: str = "narrow") -> None:
     """As _check_patterns, for the `count` patterns from `first`, made by the host check itself."""
-    out = tmp_path / "out.bin"
-    subprocess.run([str(binary), op, str(first), str(count), str(out)], check=True)
+    out = host_check.scratch / "out.bin"
+    out.unlink(missing_ok=True)
+    host_check.run(op, first, count, out)
     _check_narrowed(out, np.arange(first, first + count, dtype=np.uint32), op)
 
 
@@ -589,16 +607,16 @@ def _check_range(binary: Path, tmp_path: Path, first: int, count: int, op: str =
 # [2^15, 2^16) (65504 the largest finite, 65520 and above to Inf), and Inf and every NaN.
 @pytest.mark.parametrize("sign", (0, 1))
 @pytest.mark.parametrize("exponent", (102, 112, 113, 142, 255))
-def test_fp16_rounding_exhaustive_binades(host_check, tmp_path, exponent, sign):
-    _check_range(host_check, tmp_path, (sign << 31) | (exponent << 23), 1 << 23)
+def test_fp16_rounding_exhaustive_binades(host_check, exponent, sign):
+    _check_range(host_check, (sign << 31) | (exponent << 23), 1 << 23)
 
 
 @pytest.mark.skipif(os.environ.get(EXHAUSTIVE_VARIABLE) != "1",
                     reason=f"all 2**32 fp32 patterns take minutes: set {EXHAUSTIVE_VARIABLE}=1")
-def test_fp16_rounding_every_fp32(host_check, tmp_path):
+def test_fp16_rounding_every_fp32(host_check):
     chunk = 1 << 26
     for first in range(0, 1 << 32, chunk):
-        _check_range(host_check, tmp_path, first, chunk)
+        _check_range(host_check, first, chunk)
 
 
 # ---- The decoders' fp32 -> bf16 rounding ([Note: hardware narrowing] in wire_math.cuh) ----
@@ -676,10 +694,10 @@ def _bf16_dense_patterns() -> np.ndarray:
     return np.concatenate([dense, special, special | np.uint32(1 << 31)])
 
 
-def test_bf16_rounding_dense_sweep(host_check, tmp_path):
+def test_bf16_rounding_dense_sweep(host_check):
     bits = _bf16_dense_patterns()
     assert bits.size % 2 == 0
-    _check_patterns(host_check, tmp_path, bits, "narrow_bf16")
+    _check_patterns(host_check, bits, "narrow_bf16")
 
 
 # Every pattern of the fp32 binades where bf16's rounding meets a boundary: exponent 0 (zero and
@@ -687,16 +705,16 @@ def test_bf16_rounding_dense_sweep(host_check, tmp_path):
 # value, 0x7F7F8000 and above to Inf), 255 (Inf and every NaN).
 @pytest.mark.parametrize("sign", (0, 1))
 @pytest.mark.parametrize("exponent", (0, 254, 255))
-def test_bf16_rounding_exhaustive_binades(host_check, tmp_path, exponent, sign):
-    _check_range(host_check, tmp_path, (sign << 31) | (exponent << 23), 1 << 23, "narrow_bf16")
+def test_bf16_rounding_exhaustive_binades(host_check, exponent, sign):
+    _check_range(host_check, (sign << 31) | (exponent << 23), 1 << 23, "narrow_bf16")
 
 
 @pytest.mark.skipif(os.environ.get(BF16_EXHAUSTIVE_VARIABLE) != "1",
                     reason=f"all 2**32 fp32 patterns take minutes: set {BF16_EXHAUSTIVE_VARIABLE}=1")
-def test_bf16_rounding_every_fp32(host_check, tmp_path):
+def test_bf16_rounding_every_fp32(host_check):
     chunk = 1 << 26
     for first in range(0, 1 << 32, chunk):
-        _check_range(host_check, tmp_path, first, chunk, "narrow_bf16")
+        _check_range(host_check, first, chunk, "narrow_bf16")
 
 
 def test_bf16_nan_halves(host_check, tmp_path):
@@ -709,7 +727,7 @@ def test_bf16_nan_halves(host_check, tmp_path):
     words = np.concatenate([(every[:, None] | (neighbours[None, :] << 16)).ravel(),
                             ((every[:, None] << 16) | neighbours[None, :]).ravel()])
     words.tofile(tmp_path / "in.bin")
-    subprocess.run([str(host_check), "bf16nan", str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
+    host_check.run("bf16nan", tmp_path / "in.bin", tmp_path / "out.bin")
     got = np.fromfile(tmp_path / "out.bin", dtype=np.uint32)
     halves = torch.from_numpy(words.view(np.int16)).view(torch.bfloat16)
     nan = torch.isnan(halves).numpy().reshape(-1, 2)
@@ -788,16 +806,16 @@ NARROW_MODES = {"one": 3, "reciprocal": 1, "division": 2}  # DivisorMode in sour
 @pytest.mark.parametrize("divide_by", (1.0, 4.0, 0.25, 2.0**-126, 2.0**126, 3.0, 0.1))
 @pytest.mark.parametrize("k", (1, 2, 5))
 @pytest.mark.parametrize("bits,out_bits,group_size,numel,chunks", NARROW_CASES)
-def test_requant_register_kernel(host_check, tmp_path, bits, out_bits, group_size, numel, chunks, k, divide_by):
+def test_requant_register_kernel(host_check, bits, out_bits, group_size, numel, chunks, k, divide_by):
     payloads = make_payloads(numel, group_size, bits, k=k, seed=numel + 11 * k)
     magic, shift = cuda_launch.magic_divisor(group_size, False)
-    src, dst = tmp_path / "in.bin", tmp_path / "out.bin"
+    src, dst = host_check.scratch / "in.bin", host_check.scratch / "out.bin"
     src.write_bytes(_bytes(payloads))
+    dst.unlink(missing_ok=True)
     sizes = ",".join(map(str, cuda_launch.narrow_requant_sizes(numel, chunks, group_size, bits, out_bits)))
     args = ["requant_regs", bits, group_size, numel, k, _fp32_hex(divide_by), chunks, out_bits, magic, shift, sizes,
             src, dst]
-    done = subprocess.run([str(host_check), *map(str, args)], check=True, capture_output=True, text=True)
-    flags = dict(item.split("=") for item in done.stdout.split())
+    flags = dict(item.split("=") for item in host_check.run(*args).split())
     assert flags["sizes"] == "1"  # the launcher's sizes are the kernel's ([Note: narrow sizes])
     chunk = numel // chunks
     out_row = zq.payload_nbytes(chunk, out_bits, group_size)
@@ -836,5 +854,4 @@ def test_requant_register_kernel_checks_its_sizes(host_check, tmp_path):
     for wrong in range(4):
         sizes = ",".join(str(v + 4 * (i == wrong)) for i, v in enumerate(good))
         args = ["requant_regs", 8, group_size, numel, 2, _fp32_hex(1.0), chunks, 8, magic, shift, sizes, src, dst]
-        done = subprocess.run([str(host_check), *map(str, args)], check=True, capture_output=True, text=True)
-        assert done.stdout.split() == ["narrow=1", "mode=3", "sizes=0"] and not dst.exists(), wrong
+        assert host_check.run(*args).split() == ["narrow=1", "mode=3", "sizes=0"] and not dst.exists(), wrong

@@ -15,13 +15,13 @@ parameter) is caught as a wrong width or kind.
 from __future__ import annotations
 
 import re
-import subprocess
 
 import numpy as np
 import pytest
 import torch
 
-from cuda_support import NVCC, requires_nvcc
+from cuda_support import requires_nvcc
+from nvcc_builds import Builds, Ptx
 from zcomm.quant import payload_nbytes
 from zcomm.quant.backends import _cuda_launch as cuda_launch
 from zcomm_cuda import loader
@@ -33,16 +33,23 @@ ENCODERS = ("zc_quantize_", "zc_reorder_quantize_", "zc_reorder_interleaved_", "
 PARAM_BYTES = {"u64": 8, "b64": 8, "s64": 8, "u32": 4, "b32": 4, "s32": 4, "f32": 4}
 
 
+# the PTX read: the loader's translation units with its options (also read by test_cuda_compile.py)
+COMPILES = [Ptx(source, True, "sm_90", loader.NVRTC_OPTIONS) for source in loader.KERNEL_SOURCES]
+
+
+def builds_of(item: pytest.Item, builds: Builds) -> None:
+    """Start the compiles ``item`` reads ([Note: background builds] in nvcc_builds.py)."""
+    if "kernel_params" in getattr(item, "fixturenames", ()):
+        for job in COMPILES:
+            builds.start_ptx(job)
+
+
 @pytest.fixture(scope="module")
-def kernel_params(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+def kernel_params(nvcc_builds: Builds) -> dict[str, list[str]]:
     """Kernel name -> its PTX parameter types (e.g. ``["u64", "f32"]``), over all sources."""
     params = {}
-    root = tmp_path_factory.mktemp("abi")
-    for source in loader.KERNEL_SOURCES:
-        unit, ptx = root / source, root / f"{source}.ptx"
-        unit.write_text(loader.expand_includes(loader.KERNEL_DIR / source))
-        subprocess.run([NVCC, "--ptx", "-arch=sm_90", *loader.NVRTC_OPTIONS, "-o", str(ptx), str(unit)], check=True)
-        for name, body in re.findall(r"\.entry\s+(\w+)\(([^)]*)\)", ptx.read_text()):
+    for job in COMPILES:
+        for name, body in re.findall(r"\.entry\s+(\w+)\(([^)]*)\)", nvcc_builds.ptx(job)):
             params[name] = re.findall(r"\.param\s+\.(\w+)\s", body)
     return params
 

@@ -1,11 +1,20 @@
-"""The host path of one op call, counted in Python function calls so a regression shows anywhere.
+"""The host path of one op or collective call, counted in Python function calls so a regression shows anywhere.
 
-Timing depends on the machine; the number of Python frames one call enters does not. Each
-bound is what the path costs today with a little slack, and at most a third of the path
-before the ops were defined with ``Library.define`` and validated once (101 frames for one
-``quantize`` on the ``cpu`` backend: spec objects built three times, the checks run twice,
-``torch.library.custom_op``'s Python wrappers, ctypes pointer objects per array). A change
-that adds frames to every call must raise a bound here, on purpose.
+Timing depends on the machine; the number of Python frames one call enters does not. The bounds
+leave the structure free (which functions, files or caches a call runs through) and catch a
+call that does more:
+
+* an op call (``quantize``, ``dequantize``) enters at most its count today plus a margin of a
+  few frames, and runs no spec object or ``custom_op`` wrapper (the ops are defined with
+  ``Library.define`` and validated once);
+* a collective's call on the caller's thread enters at most ``COLLECTIVE_RATIO`` times the frames
+  of torch's own ``all_reduce`` on the same group (torch's Python wrappers: what any
+  collective call pays); on the worker that runs its chain, at most a margin over today's
+  count of zcomm's frames; and a repeated call (same sizes) at most a third of the frames of
+  the first call of new sizes, which resolves the call's plan: what is resolved once per sizes
+  is not resolved again, wherever it is kept.
+
+A change that adds frames to every call must raise a bound here, on purpose.
 """
 
 from __future__ import annotations
@@ -23,6 +32,12 @@ import zcomm.quant as q
 from frame_count import entered_functions
 
 NUMEL = 1024
+# an op call: today's count plus this many frames (a numpy view built per call costs 3)
+OP_MARGIN = 2
+# a collective's call on the caller's thread: at most this many times the frames of torch's all_reduce
+# (today all_gather_q8 enters 26, reduce_scatter_q4_coalesced 32 and reduce_scatter_q4 with error
+# feedback 32 where all_reduce enters 11, with torch 2.13)
+COLLECTIVE_RATIO = 3.5
 
 
 def _frames(call: Callable[[], object]) -> list[str]:
@@ -42,19 +57,17 @@ def test_quantize_frames() -> None:
     x = torch.randn(NUMEL)
     out = torch.empty(q.payload_nbytes(NUMEL, 8, 256), dtype=torch.uint8)
     entered = _frames(lambda: q.quantize(x, 8, 256, out=out))
-    assert len(entered) <= 16, "\n".join(entered)  # 13; 16 while the backend built numpy views per call
-    # the checks run once: no QuantSpec is built and the op enters its kernel directly; a small
-    # payload is quantized by address ([Note: small quantize by address]): no numpy view is built
+    assert len(entered) <= 13 + OP_MARGIN, "\n".join(entered)
+    # the checks run once: no QuantSpec is built and the op enters its kernel directly
     assert not [name for name in entered if "spec.py" in name or "custom_ops.py" in name], entered
-    assert not [name for name in entered if name.endswith((":shared_array", ":_zero_padding", ":_quantize_into"))]
 
 
 def test_dequantize_frames() -> None:
     rows = q.quantize(torch.randn(NUMEL), 8, 256).view(1, -1).expand(4, -1).contiguous()
     out = torch.empty(4 * NUMEL, dtype=torch.float32)
     entered = _frames(lambda: q.dequantize(rows, NUMEL, 8, 256, torch.float32, out=out))
-    assert len(entered) <= 17, "\n".join(entered)  # 14; 22 while the backend built numpy views per call
-    assert not [name for name in entered if name.endswith((":shared_array", ":kernel_view"))], entered
+    assert len(entered) <= 14 + OP_MARGIN, "\n".join(entered)
+    assert not [name for name in entered if "spec.py" in name or "custom_ops.py" in name], entered
 
 
 def test_reference_backend_is_its_own_namespace() -> None:
@@ -116,26 +129,44 @@ def _chain_frames(call: Callable[[], object]) -> tuple[list[str], list[str]]:
 
 
 def _no_public_ops(entered: list[str]) -> list[str]:
-    """The frames that mean a public op, a spec or the registry ran per call, or that the plan's
-    worker or stats row was looked up again ([Note: held workers], [Note: held stats rows])."""
-    return [name for name in entered if name.startswith(("ops.py", "spec.py", "_registry.py", "custom_ops.py"))
-            or name.endswith((":prologue", ":prologue_coalesced", ":detect", ":_make_shape", ":_ordered_worker",
-                              ":stats_row", ":record"))]
+    """The frames that mean a public op, a spec or the op registry ran per call."""
+    return [name for name in entered if name.startswith(("ops.py", "spec.py", "_registry.py", "custom_ops.py"))]
+
+
+def _torch_frames() -> int:
+    """The frames of torch's own ``all_reduce`` on the default group: what any collective call
+    pays in torch's Python wrappers, the stable measure of the collectives' bounds."""
+    import torch.distributed as dist
+
+    x = torch.zeros(8)
+    return len(_frames(lambda: dist.all_reduce(x)))
+
+
+def _resolved_once(call_of_sizes: Callable[[int], Callable[[], object]]) -> None:
+    """A repeated call of sizes seen before enters at most a third of the frames of the first call
+    of new sizes (``call_of_sizes(numel)`` makes a call of ``numel`` elements)."""
+    call_of_sizes(NUMEL)()  # kernels built, workers started
+    first = len(entered_functions(call_of_sizes(3 * NUMEL + 64)))  # sizes no test has used
+    again = len(entered_functions(call_of_sizes(3 * NUMEL + 64)))
+    assert again <= first / 3, (again, first)
+
+
+def _coalesced(numel: int) -> Callable[[], object]:
+    import zcomm
+
+    sizes = [numel // 8, numel // 4, numel // 4, numel - numel // 8 - 2 * (numel // 4)]
+    inputs, outputs = [torch.randn(n) for n in sizes], list(torch.empty(numel).split(sizes))
+    return lambda: zcomm.reduce_scatter_q4_coalesced(outputs, inputs)
 
 
 def test_reduce_scatter_q4_coalesced_frames(world_of_one) -> None:
-    """A coalesced call of a bucket of 4 tensors: the prologue comes from its cache (one pass
-    over the tensors to build the key, no checks), the plan from its cache, and the chain
-    calls the backend's kernels directly."""
-    import zcomm
-
-    inputs = [torch.randn(n) for n in (100, 200, 300, 424)]
-    flat = torch.empty(NUMEL)
-    outputs = list(flat.split([100, 200, 300, 424]))
-    entered, chain = _chain_frames(lambda: zcomm.reduce_scatter_q4_coalesced(outputs, inputs))
-    assert len(entered) <= 35, "\n".join(entered)  # 31 at the last count; the full prologue per call is ~100
+    """A coalesced call of a bucket of 4 tensors: what the call resolves (checks, plan) is not
+    resolved again, and the chain calls the backend's kernels directly."""
+    entered, chain = _chain_frames(_coalesced(NUMEL))
+    assert len(entered) <= COLLECTIVE_RATIO * _torch_frames(), "\n".join(entered)
     assert not _no_public_ops(entered + chain), entered + chain
-    assert len(chain) <= 25, "\n".join(chain)
+    assert len(chain) <= 25, "\n".join(chain)  # zcomm's frames on the worker: 20 today
+    _resolved_once(_coalesced)
 
 
 def test_reduce_scatter_q4_error_feedback_frames(world_of_one) -> None:
@@ -147,31 +178,29 @@ def test_reduce_scatter_q4_error_feedback_frames(world_of_one) -> None:
     feedback = zcomm.ErrorFeedback()
     entered, chain = _chain_frames(lambda: zcomm.reduce_scatter_q4(out, x, error_feedback=feedback))
     assert feedback.calls == 2
-    assert len(entered) <= 36, "\n".join(entered)  # 32 at the last count
+    assert len(entered) <= COLLECTIVE_RATIO * _torch_frames(), "\n".join(entered)
     assert not _no_public_ops(entered + chain), entered + chain
-    assert "cpu.py:reorder_quantize" in chain and "cpu.py:dequantize" in chain and "cpu.py:quantize" in chain, chain
-    # 34 zcomm frames (47 with numpy views of the small dequantize's tensors); 87 through the public ops
-    assert len(chain) <= 40, "\n".join(chain)
+    assert len(chain) <= 44, "\n".join(chain)  # zcomm's frames on the worker: 35 today, 87 through the public ops
 
 
 def test_all_gather_q8_frames(tmp_path) -> None:
-    """One ``all_gather_q8`` call on a world of one (gloo), on the calling thread: the prologue
-    and the plan come from their caches (no topology detection, no environment read, no
-    checks run again), then the chain is handed to the gather worker (whose frames run on
-    its thread and are not counted here)."""
+    """One ``all_gather_q8`` call on a world of one (gloo), on the calling thread: what the call
+    resolves (topology, environment, checks, plan) is not resolved again, then the chain is
+    handed to the gather worker (whose frames run on its thread and are not counted here)."""
     import torch.distributed as dist
 
     import zcomm
 
+    def gather(numel: int) -> Callable[[], object]:
+        x, out = torch.randn(numel), torch.empty(numel)
+        return lambda: zcomm.all_gather_q8(out, x)
+
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
-        x = torch.randn(NUMEL)
-        out = torch.empty(NUMEL)
-        entered = _frames(lambda: zcomm.all_gather_q8(out, x))
-        assert len(entered) <= 29, "\n".join(entered)  # 25 at the last count; ~31 with the worker and stats looked up per call
-        assert not [name for name in entered if name.endswith((":detect", ":prologue", ":_make_plan", ":get",
-                                                               ":_ordered_worker", ":stats_row", ":record"))
-                    and not name.startswith("weakref.py")], entered
+        entered = _frames(gather(NUMEL))
+        assert len(entered) <= COLLECTIVE_RATIO * _torch_frames(), "\n".join(entered)
+        assert not _no_public_ops(entered), entered
+        _resolved_once(gather)
     finally:
         dist.destroy_process_group()
 

@@ -18,7 +18,8 @@
 // narrowing]).
 //
 // Usage (raw little-endian bytes in and out; MISALIGN=1 shifts every buffer off its
-// vector alignment, forcing the scalar paths):
+// vector alignment, forcing the scalar paths), one command per process, or many through
+// `host_check serve` ([Note: host check server]):
 //   host_check quantize   DTYPE BITS GS MISALIGN IN OUT
 //   host_check reorder    DTYPE BITS GS MISALIGN NUM_CHUNKS PERM(comma-separated) DIVISORS IN OUT
 //   host_check interleave DTYPE BITS GS MISALIGN NUM_CHUNKS PERM PARTS PART_NUMEL WIDTHS DIVISORS IN OUT
@@ -60,6 +61,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iostream>
 #include <iterator>
 #include <sstream>
 #include <string>
@@ -517,7 +519,9 @@ template <class Input, class Narrow2> int run_narrow(u32 count, Input input, con
 const auto kToFp16 = [](float lo, float hi) { return f16x2_bits(lo, hi); };
 const auto kToBf16 = [](float lo, float hi) { return bf16x2_bits(lo, hi); };
 
-int main(int argc, char** argv) {
+// One command, argv[1] naming the op (the usage above); its exit status.
+int run_command(int argc, char** argv) {
+    g_tiles = g_registers = g_teams = false;
     if (argc == 14 && std::string(argv[1]) == "requant_regs") {
         const int bits = std::atoi(argv[2]), out_bits = std::atoi(argv[8]);
         if (bits == 8) return out_bits == 8 ? run_requant_regs<8, 8>(argv) : run_requant_regs<8, 4>(argv);
@@ -576,4 +580,30 @@ int main(int argc, char** argv) {
     }
     std::printf("vec=%d tiles=%d regs=%d teams=%d\n", vec ? 1 : 0, g_tiles ? 1 : 0, g_registers ? 1 : 0, g_teams ? 1 : 0);
     return 0;
+}
+
+// [Note: host check server] `host_check serve` runs commands read from standard input, one a
+// line, their arguments separated by tabs (paths may hold spaces), each as `host_check ARGS...`
+// would run it; after each, the command's output and then a line "\x1e STATUS" (its exit
+// status) on standard output, flushed. One process serves every case of a build: starting a
+// process per case cost more than most cases' work. A case that aborts ends the process, and
+// the test harness (tests/quant/host_check_server.py) starts another for the next case.
+int serve() {
+    for (std::string line; std::getline(std::cin, line);) {
+        std::vector<std::string> args{"host_check"};
+        std::stringstream ss(line);
+        for (std::string item; std::getline(ss, item, '\t');) args.push_back(item);
+        std::vector<char*> argv;
+        for (std::string& arg : args) argv.push_back(arg.data());
+        argv.push_back(nullptr);
+        const int status = run_command(static_cast<int>(args.size()), argv.data());
+        std::printf("\x1e %d\n", status);
+        std::fflush(stdout);
+    }
+    return 0;
+}
+
+int main(int argc, char** argv) {
+    if (argc == 2 && std::string(argv[1]) == "serve") return serve();
+    return run_command(argc, argv);
 }
