@@ -114,8 +114,10 @@ HARDWARE = {  # (tag, arch): (the cvt every narrowing is, cvts per word, the NaN
     ("bf16", "sm_86"): ("cvt.rn.bf16x2.f32", 1, "bf16-prmt"),
     ("bf16", "sm_90"): ("cvt.rn.bf16x2.f32", 1, "bf16-set"),
 }
-# the sources of the decoders, whose kernels store fp16 / bf16 outputs
-DECODERS = tuple(source for source, kernels in EXPECTED_KERNELS.items() if any("dequant" in k for k in kernels))
+# the sources of the decoders, whose kernels store fp16 / bf16 outputs (the re-quantizing
+# kernels store payloads: dequant_reduce_requant.cu has no decoder)
+DECODERS = tuple(source for source, kernels in EXPECTED_KERNELS.items()
+                 if any("dequant" in k and k.split("_")[-2] in TAGS for k in kernels))
 # dequantize's INT8 groups of numbers store without a mask ([Note: NaN groups] in
 # run_decoder.cuh): the four words of the one store8_numbers in their loop
 UNMASKED_WORDS = {"zc_dequantize_f16_int8": 4, "zc_dequantize_bf16_int8": 4}
