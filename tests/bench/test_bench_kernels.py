@@ -1,4 +1,5 @@
-"""bench.kernels: the copy-of-the-same-bytes yardstick, the GPU targets and the device/backend choice.
+"""bench.kernels: the copy-of-the-same-bytes yardstick, the GPU targets, the device/backend choice, the
+modes of the one entry point and the variants' decision table.
 
 Timings are measurements: nothing here asserts how fast anything is.
 """
@@ -8,7 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench import kernels, kernels_sweep
+import bench.kernels as cli
+from bench.kernels import eager as kernels
+from bench.kernels import sweep as kernels_sweep
+from bench.kernels import variants
 
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 
@@ -53,7 +57,7 @@ def test_copy_yardstick_moves_the_same_bytes_and_is_cached(monkeypatch):
 @NO_GPU
 def test_asking_for_cuda_without_a_gpu_is_an_error(capsys):
     with pytest.raises(SystemExit) as info:
-        kernels.main(["--device", "cuda", "--numel", "64"])
+        cli.main(["--device", "cuda", "--numel", "64"])
     assert info.value.code == 2
     assert "torch sees no GPU" in capsys.readouterr().err
 
@@ -61,13 +65,13 @@ def test_asking_for_cuda_without_a_gpu_is_an_error(capsys):
 @NO_GPU
 def test_a_backend_that_runs_on_no_measured_device_is_an_error(capsys):
     with pytest.raises(SystemExit):
-        kernels.main(["--backends", "cuda", "--numel", "64"])
+        cli.main(["--backends", "cuda", "--numel", "64"])
     assert "'cuda' runs on none of the devices measured" in capsys.readouterr().err
 
 
 def test_small_cpu_run_reports_every_op_against_a_copy(tmp_path):
     out = tmp_path / "k.md"
-    report = kernels.main(["--numel", "4096", "--group-size", "32", "--device", "cpu", "--backends", "reference",
+    report = cli.main(["--numel", "4096", "--group-size", "32", "--device", "cpu", "--backends", "reference",
                            "--dtype", "fp32", "bf16", "--repeats", "2", "--output", str(out)])  # fmt: skip
     assert out.read_text() == "\n".join(report) + "\n"
     rows = [line for line in report if line.startswith("| cpu |")]
@@ -79,14 +83,21 @@ def test_small_cpu_run_reports_every_op_against_a_copy(tmp_path):
 
 def test_sweep_flags_need_the_sweep(capsys):
     with pytest.raises(SystemExit):
-        kernels.main(["--quick"])
-    assert "--quick and --json go with --sweep" in capsys.readouterr().err
+        cli.main(["--quick"])
+    assert "--quick and --json go with --sweep or --variants" in capsys.readouterr().err
+
+
+def test_one_mode_at_a_time(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--sweep", "--variants"])
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 @NO_GPU
-def test_sweep_without_a_gpu_is_an_error():
-    with pytest.raises(SystemExit, match="no GPU is visible"):
-        kernels.main(["--sweep", "--quick"])
+@pytest.mark.parametrize("mode", ["--sweep", "--variants", "--ncu"])
+def test_gpu_modes_without_a_gpu_are_an_error(mode):
+    with pytest.raises(SystemExit, match="sees no GPU"):
+        cli.main([mode])
 
 
 def test_sweep_covers_every_op_with_its_bytes():
@@ -114,3 +125,54 @@ def test_sweep_report_marks_each_row_against_its_target():
     lines = kernels_sweep.report(rows, 12.0, "Some GPU")
     assert lines[-1] == "1 of 2 rows meet their target; 1 miss."
     assert lines[4].endswith("| 91% | >= 85% | PASS |") and lines[5].endswith("| 60% | >= 70% | MISS |")
+
+
+def _variant_rows(ratios: dict[str, list[float]], problem: str | None = None) -> list[dict]:
+    rows = []
+    for name, values in ratios.items():
+        cases = [{"shape": f"16M s{i}", "variant us": 10.0, "simpler us": 10.0 * r, "ratio": r,
+                  "variant kernels": ["zc_a"], "simpler kernels": ["zc_b"]} for i, r in enumerate(values)]
+        if problem:
+            cases.append({"shape": "16M broken", "problem": problem})
+        rows.append({"row": name, "variant": "v", "simpler": "s", "cases": cases})
+    return rows
+
+
+def test_variant_decision_keeps_only_a_10_percent_win(monkeypatch):
+    """The decision is the geometric mean of the shapes' ratios against 1.10; a case with a problem
+    leaves its row undecided instead of deciding on the other shapes."""
+    monkeypatch.setattr(variants, "ROWS", tuple(
+        variants.Row(name, "v", "s", lambda n, name=name: [name]) for name in ("wins", "ties", "broken")))
+    ratios = {"wins": [1.2, 1.05], "ties": [1.09, 1.1]}
+
+    def measure_case(case: str, host: bool) -> dict:
+        if case == "broken":
+            return {"shape": case, "problem": "outputs differ"}
+        ratio = ratios[case].pop(0)
+        return {"shape": case, "variant us": 1.0, "simpler us": ratio, "ratio": ratio}
+
+    monkeypatch.setattr(variants, "measure_case", measure_case)
+    monkeypatch.setattr(variants.torch.cuda, "empty_cache", lambda: None)
+    results = variants.measure(quick=False)  # 2 sizes: each row's case list runs twice
+    decisions = {r["row"]: r["decision"] for r in results}
+    assert decisions["wins"] == "keep"  # geo. mean of 1.2 and 1.05 = 1.12
+    assert decisions["ties"] == "remove"  # 1.095
+    assert decisions["broken"].startswith("not decided: outputs differ")
+
+
+def test_variant_report_prints_a_decision_per_row():
+    rows = _variant_rows({"narrow": [1.3], "tiles": [0.9]})
+    for row, decision in zip(rows, ("keep", "remove")):
+        row["geomean"], row["decision"] = row["cases"][0]["ratio"], decision
+    lines = variants.report(rows, "Some GPU", 3.0)
+    decisions = [line for line in lines if line.startswith(("| narrow |", "| tiles |")) and "**" in line]
+    assert decisions == ["| narrow | v | s | 1 | 1.30-1.30 | 1.30 | **keep** |",
+                         "| tiles | v | s | 1 | 0.90-0.90 | 0.90 | **remove** |"]
+
+
+def test_every_variant_row_is_a_row_of_the_table():
+    """docs/kernel-variants.md names every row the GPU decides, by the same name."""
+    from pathlib import Path
+
+    table = (Path(__file__).resolve().parents[2] / "docs" / "kernel-variants.md").read_text()
+    assert all(f"| {row.name} |" in table for row in variants.ROWS), [r.name for r in variants.ROWS]

@@ -1,10 +1,6 @@
 """Kernel benchmark: GB/s of every quantization op on every backend, against a copy of the same bytes.
 
-Run as ``python -m bench.kernels`` (``--help`` for size, dtypes, devices, backends, repeats).
-``python -m bench.kernels --sweep [--quick] [--json PATH] [--output PATH]`` runs instead the
-kernel-only GPU sweep of :mod:`bench.kernels_sweep` (CUDA-graph replay, L2-rotated buffers,
-every op against a copy of the same bytes at 16M/64M/256M elements, group 256/512, bf16/fp32).
-For one input of ``--numel`` elements per dtype and device, each op runs once to warm up
+``python -m bench.kernels`` without a mode (:mod:`bench.kernels`). For one input of ``--numel`` elements per dtype and device, each op runs once to warm up
 (numba compilation or cache load, NVRTC compilation, first-touch page faults) and is then
 timed ``--repeats`` times into preallocated outputs (``out=``); the median is reported. A
 sample is one call on the CPU, timed with the host clock, and the mean of
@@ -290,33 +286,18 @@ def _environment() -> list[str]:
     ]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--numel", type=parse_size, default="64M", help="elements of the input (K/M/G: powers of 1024; default 64M)")
     parser.add_argument("--dtype", nargs="+", choices=sorted(_DTYPES), default=["fp32"], help="one table per dtype")
     parser.add_argument("--device", nargs="+", choices=("cpu", "cuda"), help="default: cpu, and cuda when a GPU is visible")
     parser.add_argument("--backends", nargs="+", choices=sorted(q.backend_device_types()), help="default: every backend that can run")
-    parser.add_argument("--group-size", type=int, default=512)
+    parser.add_argument("--group-size", type=int, default=None, help="default 512 (--ncu: 256)")
     parser.add_argument("--repeats", type=int, default=5, help="timed samples per op (median reported)")
     parser.add_argument("--reference-repeats", type=int, default=1, help="timed calls per reference op on the CPU")
-    parser.add_argument("--output", help="also write the report (markdown) to this file")
-    parser.add_argument("--sweep", action="store_true",
-                        help="instead: the kernel-only GPU sweep of bench.kernels_sweep (16M/64M/256M elements, "
-                        "group 256/512, bf16/fp32, CUDA-graph timing vs a copy of the same bytes)")
-    parser.add_argument("--quick", action="store_true", help="with --sweep: 16M elements only")
-    parser.add_argument("--json", metavar="PATH", help="with --sweep: also write the rows as JSON to PATH")
-    return parser
 
 
-def main(argv: list[str] | None = None) -> list[str]:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if (args.quick or args.json) and not args.sweep:
-        parser.error("--quick and --json go with --sweep")
-    if args.sweep:
-        from bench import kernels_sweep
-
-        return kernels_sweep.main(args.quick, args.json, args.output)
+def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    args.group_size = args.group_size or 512
     if args.numel % (len(_PERM) * _CHUNKS):
         parser.error(f"--numel must be a multiple of {len(_PERM) * _CHUNKS}")
     if args.repeats < 1 or args.reference_repeats < 1:
@@ -349,6 +330,3 @@ def main(argv: list[str] | None = None) -> list[str]:
             f.write("\n".join(report) + "\n")
     return report
 
-
-if __name__ == "__main__":
-    main()

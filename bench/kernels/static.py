@@ -1,6 +1,6 @@
 """Static report of the CUDA kernels: registers, spills, stack and main-loop instructions per element.
 
-Run as ``python -m bench.kernels_static [--before REV] [--arch sm_90] [--out PATH]``. No GPU is
+``python -m bench.kernels --static [--before REV] [--arch sm_90] [--output PATH]``. No GPU is
 needed: the kernels of this tree and of git revision ``REV`` (default: the merge base with
 ``main``) are compiled as the loader compiles them (its translation unit,
 :func:`zcomm_cuda.loader.expand_includes`, with :data:`~zcomm_cuda.loader.NVRTC_OPTIONS`
@@ -60,7 +60,7 @@ from pathlib import Path
 
 from zcomm_cuda import loader
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 _FUNC = re.compile(r"^\s*\.text\.(\w+):")
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
@@ -307,7 +307,7 @@ def render(before: dict, after: dict, rev: str, arch: str) -> str:
         f"# CUDA kernels, static report ({arch}, nvcc {nvcc.splitlines()[-1]}, options"
         f" {' '.join(loader.NVRTC_OPTIONS)})",
         "",
-        f"Made by `python -m bench.kernels_static` on {datetime.date.today().isoformat()}; before = `{rev}`,"
+        f"Made by `python -m bench.kernels --static` on {datetime.date.today().isoformat()}; before = `{rev}`,"
         " after = this tree. Static numbers from the compiler, no GPU (see the script's docstring for how the"
         " main loop is found and counted). `loop/elem`: SASS instructions per element of the vector main"
         " loop(s) on one thread; `div/elem`: fp32 division sequences (FCHK) in them per element (in the"
@@ -336,14 +336,17 @@ def render(before: dict, after: dict, rev: str, arch: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--before", default=None, help="git revision of the 'before' kernels (default: merge-base with main)")
-    parser.add_argument("--arch", default="sm_90")
-    parser.add_argument("--tools", type=Path, default=Path(os.environ.get("ZC_SASS_TOOLS", "/tmp/sasstools")))
-    parser.add_argument("--sources", nargs="+", choices=loader.KERNEL_SOURCES, default=list(loader.KERNEL_SOURCES))
-    parser.add_argument("--out", type=Path, default=None, help="write the markdown report here (default: stdout)")
-    args = parser.parse_args(argv)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--before", default=None, help="--static: git revision of the 'before' kernels "
+                        "(default: merge-base with main)")
+    parser.add_argument("--arch", default="sm_90", help="--static: the architecture compiled for")
+    parser.add_argument("--tools", type=Path, default=Path(os.environ.get("ZC_SASS_TOOLS", "/tmp/sasstools")),
+                        help="--static: where cuobjdump and nvdisasm are (pip install --target DIR)")
+    parser.add_argument("--sources", nargs="+", choices=loader.KERNEL_SOURCES, default=list(loader.KERNEL_SOURCES),
+                        help="--static: the kernel sources to compile")
+
+
+def main(args: argparse.Namespace) -> list[str]:
     rev = args.before or subprocess.run(["git", "-C", str(REPO), "merge-base", "HEAD", "main"], check=True,
                                         capture_output=True, text=True).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
@@ -353,11 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         before = analyse(_checkout(rev, work / "before"), args.arch, args.tools, work / "before", args.sources, "before")
         after = analyse(loader.KERNEL_DIR, args.arch, args.tools, work / "after", args.sources, "after")
     text = render(before, after, rev[:12], args.arch)
-    if args.out:
-        args.out.write_text(text)
+    if args.output:
+        Path(args.output).write_text(text)
     sys.stdout.write(text)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return text.splitlines()

@@ -171,8 +171,6 @@ def report(rows: list[dict], elapsed: float, name: str) -> list[str]:
 
 
 def main(quick: bool, json_path: str | None, output: str | None) -> list[str]:
-    if not torch.cuda.is_available():
-        raise SystemExit("--sweep measures CUDA kernels: no GPU is visible")
     started = time.perf_counter()
     rows = sweep(quick)
     lines = report(rows, time.perf_counter() - started, torch.cuda.get_device_name())
@@ -184,4 +182,31 @@ def main(quick: bool, json_path: str | None, output: str | None) -> list[str]:
     if output:
         with open(output, "w") as f:
             f.write("\n".join(lines) + "\n")
+    return lines
+
+
+def ncu(numel: int, group_size: int) -> list[str]:
+    """One call of every op of the sweep (bf16 and fp32) inside a profiler range, for Nsight Compute.
+
+    The inputs and outputs are all made first (their own quantize calls stay outside the
+    range) and every kernel is compiled by a first call; then ``torch.cuda.profiler`` opens
+    the range around one call of each, each in an NVTX range named after it. Run under
+    ``ncu --clock-control none --profile-from-start off --section SpeedOfLight --section
+    Occupancy --section LaunchStats``: the bottleneck, DRAM and SM shares, registers and
+    occupancy a kernel change is judged by, next to the sweep's GB/s.
+    """
+    calls = [(f"{tag} {label}", factory()) for tag, dtype in DTYPES.items()
+             for _family, label, _nbytes, factory in op_specs(numel, dtype, group_size)]
+    for _label, call in calls:
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for label, call in calls:
+        torch.cuda.nvtx.range_push(label)
+        call()
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    lines = ["profiled, in order: " + "; ".join(label for label, _ in calls)]
+    print(lines[0])
     return lines
