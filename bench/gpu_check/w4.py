@@ -19,8 +19,9 @@ plain ``torch.distributed`` collective in fp64 within a loose analytic bound on 
 quantization error (an INT8 step is absmax/127, an INT4 step absmax/7 per hop), which
 catches a CPU path that is wrong in the same way as the device path. Cases:
 ``all_gather_q8`` (1 and 4 stages), ``reduce_scatter_q4`` and ``reduce_scatter_q4_coalesced``
-(1 and 4 stages, INT4 and INT8 first hop, with and without the Hadamard rotation), bf16
-and fp32, sync and async; then 3 steps of zero_runtime's ZeRO++ (stage 3 with qwZ + hpZ over
+(1 and 4 stages, INT4 and INT8 first hop, with and without the Hadamard rotation; SUM, and
+AVG and PREMUL_SUM through the re-quantizing kernel of the second hop), bf16, fp16 and fp32,
+sync and async; then 3 steps of zero_runtime's ZeRO++ (stage 3 with qwZ + hpZ over
 pairs of ranks + qgZ) on a small GPT on ``--device`` and on the CPU, whose global-batch
 losses must agree within ``ZEROPP_RTOL`` (for why 1e-3, see [Note: CPU/CUDA bounds] in
 ``tests/runtime/test_zero_cuda.py``).
@@ -57,7 +58,9 @@ STEPS = 3
 # (~0.01 sigma); INT4 levels are absmax/7 (~0.17 sigma), two hops of them at most ~0.35.
 GATHER_BOUND, REDUCE_BOUND = 0.05, 0.35
 BACKEND_VARIABLE = "ZCOMM_BACKEND"
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+OPS = ("SUM", "AVG", "PREMUL_SUM")
+PREMUL_FACTOR = 0.3  # not 1 / W: the divisor 1 / 0.3 takes the re-quantizer's division mode
 # torch 2.13 renamed the flat all-gather (the old name warns)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -100,47 +103,65 @@ def _same_bytes(device_out: Sequence[torch.Tensor], cpu_out: Sequence[torch.Tens
     return same, diff
 
 
-def _gather_case(topology, dtype: torch.dtype, stages: int, async_op: bool):
+def _group(on: torch.device, groups: tuple) -> Any:
+    """The group of a call on ``on``: ``groups`` is (the device's group, the CPU's group); None is WORLD."""
+    return groups[1] if on.type == "cpu" else groups[0]
+
+
+def _reduce_op(name: str) -> Any:
+    if name == "PREMUL_SUM":  # what FSDP2 passes after set_gradient_divide_factor
+        return dist._make_nccl_premul_sum(PREMUL_FACTOR)
+    return getattr(dist.ReduceOp, name)
+
+
+def _gather_case(topology, dtype: torch.dtype, stages: int, async_op: bool, groups: tuple):
     import zcomm
 
     x = _inputs(11, 5000, dtype)
+    world = dist.get_world_size()
 
     def run(on: torch.device) -> list[torch.Tensor]:
-        out = torch.empty(WORLD * x.numel(), dtype=dtype, device=on)
-        _wait(zcomm.all_gather_q8(out, x.to(on), None, async_op, pipeline_stages=stages, topology=topology))
+        out = torch.empty(world * x.numel(), dtype=dtype, device=on)
+        _wait(zcomm.all_gather_q8(out, x.to(on), _group(on, groups), async_op, pipeline_stages=stages,
+                                  topology=topology))
         return [out]
 
-    exact = torch.empty(WORLD * x.numel(), dtype=torch.float64)
-    _all_gather_single(exact, x.double())
+    exact = torch.empty(world * x.numel(), dtype=torch.float64)
+    _all_gather_single(exact, x.double(), group=groups[1])
     return run, exact, GATHER_BOUND
 
 
-def _reduce_case(topology, dtype: torch.dtype, stages: int, async_op: bool, *,
-                 coalesced: bool, first_hop_bits: int, hadamard: int | None):  # fmt: skip
+def _reduce_case(topology, dtype: torch.dtype, stages: int, async_op: bool, groups: tuple, *,
+                 coalesced: bool, first_hop_bits: int, hadamard: int | None, op: str = "SUM"):  # fmt: skip
     import zcomm
 
-    numels = (WORLD * 4096, WORLD * 1000, WORLD * 256) if coalesced else (WORLD * 8192,)
+    world = dist.get_world_size()
+    numels = (world * 4096, world * 1000, world * 256) if coalesced else (world * 8192,)
     xs = [_inputs(23 + i, n, dtype) for i, n in enumerate(numels)]
     options = dict(pipeline_stages=stages, topology=topology, first_hop_bits=first_hop_bits, hadamard_block=hadamard)
 
     def run(on: torch.device) -> list[torch.Tensor]:
         ins = [x.to(on) for x in xs]
-        outs = [torch.empty(x.numel() // WORLD, dtype=dtype, device=on) for x in xs]
+        outs = [torch.empty(x.numel() // world, dtype=dtype, device=on) for x in xs]
+        group = _group(on, groups)
         if coalesced:
-            _wait(zcomm.reduce_scatter_q4_coalesced(outs, ins, dist.ReduceOp.SUM, None, async_op, **options))
+            _wait(zcomm.reduce_scatter_q4_coalesced(outs, ins, _reduce_op(op), group, async_op, **options))
         else:
-            _wait(zcomm.reduce_scatter_q4(outs[0], ins[0], dist.ReduceOp.SUM, None, async_op, **options))
+            _wait(zcomm.reduce_scatter_q4(outs[0], ins[0], _reduce_op(op), group, async_op, **options))
         return outs
 
+    scale = {"SUM": 1.0, "AVG": 1.0 / world, "PREMUL_SUM": PREMUL_FACTOR}[op]
     exact = []
     for x in xs:
         total = x.double()
-        dist.all_reduce(total)  # gloo: SUM on fp64, then this rank's slice
-        exact.append(total.view(WORLD, -1)[dist.get_rank()])
+        dist.all_reduce(total, group=groups[1])  # SUM on fp64 over the CPU's group, then this rank's slice
+        exact.append(total.view(world, -1)[dist.get_rank()] * scale)
     return run, torch.cat(exact), REDUCE_BOUND
 
 
-def _cases(dtypes: Sequence[str]) -> list[tuple[str, Callable, dict]]:
+def _cases(dtypes: Sequence[str], ops: Sequence[str] = OPS) -> list[tuple[str, Callable, dict]]:
+    """SUM over every option; AVG and PREMUL_SUM (folded into the fp32 reduction and, on two
+    hops, the re-quantizing kernel's divisor) without the Hadamard rotation, which they share."""
     cases = []
     for short in dtypes:
         dtype = DTYPES[short]
@@ -150,12 +171,33 @@ def _cases(dtypes: Sequence[str]) -> list[tuple[str, Callable, dict]]:
                           dict(dtype=dtype, stages=stages, async_op=async_op)))  # fmt: skip
             for coalesced in (False, True):
                 for bits, hadamard in ((4, None), (8, None), (4, 256)):
-                    name = (f"reduce_scatter_q4{'_coalesced' if coalesced else ''} {short} stages={stages} "
-                            f"first_hop=INT{bits}{' hadamard=256' if hadamard else ''}")  # fmt: skip
-                    cases.append((name, functools.partial(_reduce_case, coalesced=coalesced, first_hop_bits=bits,
-                                                          hadamard=hadamard),
-                                  dict(dtype=dtype, stages=stages, async_op=async_op)))  # fmt: skip
+                    for op in ops if hadamard is None else ("SUM",):
+                        name = (f"reduce_scatter_q4{'_coalesced' if coalesced else ''} {short} stages={stages} "
+                                f"first_hop=INT{bits}{' hadamard=256' if hadamard else ''} {op}")  # fmt: skip
+                        cases.append((name, functools.partial(_reduce_case, coalesced=coalesced, first_hop_bits=bits,
+                                                              hadamard=hadamard, op=op),
+                                      dict(dtype=dtype, stages=stages, async_op=async_op)))  # fmt: skip
     return cases
+
+
+def check_case(make: Callable, options: dict, topology, device: torch.device, cpu_backend: str | None,
+               groups: tuple, launchers: Sequence[str | None] = (None,)) -> tuple[bool, str]:
+    """One case: its calls on ``device`` (under each CUDA kernel launcher of ``launchers``; None:
+    the process's) byte-identical to the same calls on CPU tensors, within its bound of fp64."""
+    run, exact, bound = make(topology, groups=groups, **options)
+    with _backend(cpu_backend):
+        on_cpu = run(torch.device("cpu"))
+    error = _rel_error(torch.cat([t.reshape(-1) for t in on_cpu]), exact)
+    ok, details = error <= bound, []
+    for launcher in launchers:
+        if launcher is not None:
+            from zcomm_cuda import loader
+
+            loader.set_launcher(launcher)
+        same, diff = _same_bytes(run(device), on_cpu)
+        ok &= same
+        details.append(f"{launcher + ': ' if launcher else ''}bytes {'identical' if same else f'DIFFER (max |diff| {diff:.3g})'}")
+    return ok, f"{'; '.join(details)}; rel. error vs fp64 {error:.4f} (bound {bound})"
 
 
 def _collective_checks(device: torch.device, cpu_backend: str | None, dtypes: Sequence[str]) -> list[dict]:
@@ -165,21 +207,14 @@ def _collective_checks(device: torch.device, cpu_backend: str | None, dtypes: Se
     results = []
     for name, make, options in _cases(dtypes):
         try:
-            run, exact, bound = make(topology, **options)
-            on_device = run(device)
-            with _backend(cpu_backend):
-                on_cpu = run(torch.device("cpu"))
-            same, diff = _same_bytes(on_device, on_cpu)
-            error = _rel_error(torch.cat([t.reshape(-1) for t in on_cpu]), exact)
-            ok = same and error <= bound
-            detail = f"bytes {'identical' if same else f'DIFFER (max |diff| {diff:.3g})'}; rel. error vs fp64 {error:.4f} (bound {bound})"
+            ok, detail = check_case(make, options, topology, device, cpu_backend, (None, None))
         except Exception:  # a failing case is reported by name; the others still run
             ok, detail = False, traceback.format_exc(limit=4).strip().splitlines()[-1]
         results.append({"check": name, "ok": ok, "detail": detail})
     return results
 
 
-def _train(device: torch.device, topology) -> list[float]:
+def train_zeropp(device: torch.device, topology, group: Any = None, cpu_group: Any = None) -> list[float]:
     """Global-batch losses of ``STEPS`` steps of ZeRO++ on a small GPT (same weights and batches on every rank)."""
     import zero_runtime
 
@@ -188,39 +223,52 @@ def _train(device: torch.device, topology) -> list[float]:
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(vocab_size=256, seq_len=32, d_model=64, n_heads=4, n_layers=2)).to(device)
     config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "zero_quantized_weights": True,
-                                    "zero_quantized_gradients": True, "zero_hpz_partition_size": LOCAL}}  # fmt: skip
+                                    "zero_quantized_gradients": True, "zero_hpz_partition_size": topology.local_size}}  # fmt: skip
     sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
-    model, opt = zero_runtime.initialize(model, sgd, config, topology=topology)
+    model, opt = zero_runtime.initialize(model, sgd, config, group=group, topology=topology)
     generator = torch.Generator().manual_seed(1)
     losses = []
+    world = dist.get_world_size()
     for _ in range(STEPS):
-        tokens = torch.randint(0, 256, (2 * WORLD, 33), generator=generator)
-        loss = model.loss(tokens.view(WORLD, 2, 33)[dist.get_rank()].to(device))
+        tokens = torch.randint(0, 256, (2 * world, 33), generator=generator)
+        loss = model.loss(tokens.view(world, 2, 33)[dist.get_rank()].to(device))
         opt.backward(loss)
         opt.step()
         losses.append(loss.detach().double().cpu())
-    total = torch.stack(losses)
-    dist.all_reduce(total)
     opt.close()
-    return (total / WORLD).tolist()
+    return global_mean(losses, cpu_group)
+
+
+def global_mean(losses: Sequence[torch.Tensor], group: Any = None) -> list[float]:
+    """Each step's loss averaged over the ranks (fp64 on the CPU, over ``group``: a CPU-capable one)."""
+    total = torch.stack(list(losses))
+    dist.all_reduce(total, group=group)
+    return (total / dist.get_world_size()).tolist()
+
+
+def compare_losses(name: str, on_device: Callable[[], list[float]], on_cpu: Callable[[], list[float]],
+                   cpu_backend: str | None) -> dict:
+    """A check that the per-step losses of a training on the device equal the CPU's within ``ZEROPP_RTOL``."""
+    try:
+        device_losses = on_device()
+        with _backend(cpu_backend):
+            cpu_losses = on_cpu()
+        worst = max(abs(a - b) / abs(b) for a, b in zip(device_losses, cpu_losses))
+        ok = worst <= ZEROPP_RTOL and all(map(math.isfinite, device_losses))
+        detail = (f"losses {['%.5f' % v for v in device_losses]} vs CPU {['%.5f' % v for v in cpu_losses]}; "
+                  f"max rel. diff {worst:.2e} (bound {ZEROPP_RTOL})")
+    except Exception:
+        ok, detail = False, traceback.format_exc(limit=4).strip().splitlines()[-1]
+    return {"check": name, "ok": ok, "detail": detail}
 
 
 def _runtime_check(device: torch.device, cpu_backend: str | None) -> dict:
     import zcomm
 
     topology = zcomm.Topology(world_size=WORLD, local_size=LOCAL)
-    name = f"zero_runtime ZeRO++ (qwZ + hpZ 2 + qgZ), {STEPS} steps, fp32"
-    try:
-        on_device = _train(device, topology)
-        with _backend(cpu_backend):
-            on_cpu = _train(torch.device("cpu"), topology)
-        worst = max(abs(a - b) / abs(b) for a, b in zip(on_device, on_cpu))
-        ok = worst <= ZEROPP_RTOL and all(map(math.isfinite, on_device))
-        detail = (f"losses {['%.5f' % v for v in on_device]} vs CPU {['%.5f' % v for v in on_cpu]}; "
-                  f"max rel. diff {worst:.2e} (bound {ZEROPP_RTOL})")
-    except Exception:
-        ok, detail = False, traceback.format_exc(limit=4).strip().splitlines()[-1]
-    return {"check": name, "ok": ok, "detail": detail}
+    return compare_losses(f"zero_runtime ZeRO++ (qwZ + hpZ 2 + qgZ), {STEPS} steps, fp32",
+                          lambda: train_zeropp(device, topology), lambda: train_zeropp(torch.device("cpu"), topology),
+                          cpu_backend)
 
 
 def _rank_main(rank: int, port: int, device_name: str, cpu_backend: str | None, dtypes: Sequence[str],

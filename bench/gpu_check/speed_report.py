@@ -9,6 +9,7 @@ Layout of ``report.md`` (the tools' JSON and logs sit beside it):
 3. host cost per call: the rows of ``bench.host_cost``'s JSON as they come (its columns
    are its own), one table per device;
 4. kernel GB/s: the rows of ``bench.kernels --sweep``'s JSON (its markdown when there is no JSON);
+   then ``bench.kernels --variants``' decision per row of docs/kernel-variants.md and its shapes;
 5. training: per configuration, the rounds it ran, median step time over rounds and the
    rounds' range, its ratio to zero3's paired per round (median), the largest loss
    difference between its rounds, validation loss, last training loss; then the paired
@@ -27,7 +28,7 @@ from bench.gpu_check.report import environment_table, tail
 from bench.gpu_check.stages import StageResult
 from bench.train.rounds import paired_ratios
 
-from . import plan
+from . import speed_plan as plan
 
 
 def _cell(value: Any) -> str:
@@ -146,11 +147,12 @@ def _training(out_dir: Path) -> list[str]:
     return lines
 
 
-def _printed(log: Path) -> list[str]:
-    """What a part printed (its log), as a block; a line saying it wrote nothing otherwise."""
-    if not log.exists() or not log.read_text().strip():
-        return ["(the part wrote nothing)"]
-    return ["```", log.read_text().rstrip(), "```"]
+def _variants(out_dir: Path) -> list[str]:
+    """bench.kernels --variants' report (its decision table first), its headings one level down."""
+    path = out_dir / "variants.md"
+    if not path.exists():
+        return ["(the variants part wrote no variants.md)"]
+    return ["#" + line if line.startswith("#") else line for line in path.read_text().splitlines()[1:]]
 
 
 def render(*, title: str, results: Sequence[StageResult], absent: Sequence[str], gpu: bool, seconds: float,
@@ -189,11 +191,11 @@ def render(*, title: str, results: Sequence[StageResult], absent: Sequence[str],
         "",
         *(_training(out_dir) if gpu else ["(no GPU: not measured)"]),
         "",
-        "## reorder_quantize: the interleaved form against the flat form",
+        "## Kernel variants against their simpler paths (the decisions of docs/kernel-variants.md)",
         "",
-        *(_printed(out_dir / "reorder-interleaved.log") if gpu else ["(no GPU: not measured)"]),
+        *(_variants(out_dir) if gpu else ["(no GPU: not measured)"]),
     ]
-    failed = [r for r in results if not r.passed]
+    failed = [r for r in results if r.failed]
     if failed:
         lines += ["", "## Log tails of the parts that did not pass"]
         for r in failed:

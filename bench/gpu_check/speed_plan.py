@@ -1,18 +1,31 @@
-"""The parts of ``make gpu-bench``: commands, time limits, and which tools this checkout has.
+"""The parts of the speed report (``make gpu-bench``, ``python -m bench.gpu_check --bench``): commands,
+time limits, and which tools this checkout has.
+
+On a GPU it measures, in one call of about 4 minutes, everything the host path, the kernels
+and training are judged by, each part a subprocess run by gpu-check's stage runner, and
+writes one folder (``report.md``, the tools' JSON, logs): **host cost** per call at world
+size 1 under each CUDA kernel launcher (``python -m bench.host_cost --device cuda --launcher
+cupy,driver``); **training** a ~160M GPT on the one GPU in interleaved rounds (``python -m
+bench.train``); the **kernel sweep** (``python -m bench.kernels --sweep``); the **kernel
+variants** against their simpler paths with a keep/remove decision per row of
+docs/kernel-variants.md (``python -m bench.kernels --variants``). A tool this checkout lacks
+is reported, never skipped in silence; ratios come from numbers of the same run. Without a
+GPU only the CPU host cost runs, and the exit status is 2.
+
 
 [Note: gpu-bench time budget] gpu-bench shares an 8-minute lease with gpu-check (which
-takes up to ``bench.gpu_check.stages.TOTAL_BUDGET_S``), so its limits add up to 215 s of
-``TOTAL_BUDGET_S`` = 225 s, in order of value: host cost (40 s; it took 5 s on an H200
+takes up to ``bench.gpu_check.stages.TOTAL_BUDGET_S``), so its limits add up to 230 s of
+``TOTAL_BUDGET_S`` = 240 s, in order of value: host cost (40 s; it took 5 s on an H200
 with one kernel launcher, and measures both now, about twice the rows),
 the training runs (100 s: six configurations of a 160M GPT in 4 interleaved rounds of 9
 steps, 3 of them warm-up, as the second step after a build still ran up to 1.5x slow on an
 H200; there a configuration's run took about 2-3 s, 1.4 s of it building the engine and the
 first step, so 24 runs take about 60 s), then the kernel sweep,
-one ``bench.kernels --sweep`` process (55 s: every op at 16M, 64M and 256M elements, group
+one ``bench.kernels --sweep`` process (50 s: every op at 16M, 64M and 256M elements, group
 sizes 256 and 512, bf16 and fp32, timed by CUDA-graph replay; 8 s on an H200 after
-gpu-check had compiled the kernels), then ``bench.reorder_interleaved`` at 64M and 256M
-elements (20 s: the interleaved form of reorder_quantize, which the runtime's and FSDP2's
-coalesced reduce-scatters run, next to its flat form and quantize; not yet run on a GPU).
+gpu-check had compiled the kernels), then ``bench.kernels --variants`` (40 s: about 60
+shapes at 16M and 64M elements, each variant and its simpler path, eager; not yet run on a
+GPU, estimated from the sweep's kernel times and NVRTC compiles already cached by gpu-check).
 A part that overruns is killed and reported as timed out; the parts after it still get their time.
 
 The training runs in rounds because one run per configuration could not resolve a 10%
@@ -30,10 +43,10 @@ from pathlib import Path
 
 from bench.gpu_check.stages import Stage
 
-TOTAL_BUDGET_S = 225.0
+TOTAL_BUDGET_S = 240.0
 HOST_COST = "bench.host_cost"
 KERNELS = "bench.kernels"
-REORDER = "bench.reorder_interleaved"
+VARIANTS = "bench.kernels"  # --variants
 TRAIN = "bench.train"
 HOST_COST_SIZES = {"cuda": "1M,16M", "cpu": "1M"}
 # Both CUDA kernel launchers, every row under each in one process: the A/B that decides the
@@ -75,19 +88,21 @@ def _kernels(out_dir: Path, python: str, module: str) -> Stage:
               "group 256 and 512, bf16 and fp32 (CUDA-graph replay)",
         argv=(python, "-m", module, "--sweep", "--json", str(out_dir / "kernels.json"),
               "--output", str(out_dir / "kernels.md")),  # fmt: skip
-        limit_s=55,
+        limit_s=50,
         needs=("cupy",),
     )
 
 
-def _reorder(out_dir: Path, python: str, module: str) -> Stage:
+def _variants(out_dir: Path, python: str, module: str) -> Stage:
     return Stage(
-        name="reorder-interleaved",
-        title=f"{module}: reorder_quantize of 5 tensors interleaved with a zero fill vs its flat form and quantize, "
-              "64M and 256M elements, bf16 and fp32, INT8 and INT4 (eager, CUDA events)",
-        argv=(python, "-m", module, "--sizes", "64M,256M"),
-        limit_s=20,
+        name="kernel-variants",
+        title=f"{module} --variants: each kernel variant and launcher of docs/kernel-variants.md against its simpler "
+              "path on its target shapes (16M and 64M elements), bytes compared, keep when >= 10% faster",
+        argv=(python, "-m", module, "--variants", "--json", str(out_dir / "variants.json"),
+              "--output", str(out_dir / "variants.md")),  # fmt: skip
+        limit_s=40,
         needs=("cupy",),
+        verify=lambda out: [] if (out / "variants.md").exists() else [f"{module} --variants wrote no variants.md"],
     )
 
 
@@ -118,14 +133,14 @@ def _verify_train(out_dir: Path) -> list[str]:
 
 
 def plan(out_dir: Path, *, gpu: bool, python: str = sys.executable, host_cost: str = HOST_COST,
-         kernels: str = KERNELS, train: str = TRAIN, reorder: str = REORDER) -> tuple[list[Stage], list[str]]:  # fmt: skip
+         kernels: str = KERNELS, train: str = TRAIN, variants: str = VARIANTS) -> tuple[list[Stage], list[str]]:  # fmt: skip
     """The parts to run, in order, and a line for each tool this checkout does not have.
 
     Without a GPU only the CPU host cost runs; the module names are parameters so that a
     test can stand in small fakes for the tools.
     """
     stages, absent = [], []
-    for module in (host_cost, kernels, train, reorder) if gpu else (host_cost,):
+    for module in dict.fromkeys((host_cost, kernels, train, variants)) if gpu else (host_cost,):
         if not available(module):
             absent.append(f"`python -m {module}`: not available in this checkout")
     if available(host_cost):
@@ -134,6 +149,6 @@ def plan(out_dir: Path, *, gpu: bool, python: str = sys.executable, host_cost: s
         stages.append(_train(out_dir, python, train))
     if gpu and available(kernels):
         stages.append(_kernels(out_dir, python, kernels))
-    if gpu and available(reorder):
-        stages.append(_reorder(out_dir, python, reorder))
+    if gpu and available(variants):
+        stages.append(_variants(out_dir, python, variants))
     return stages, absent
