@@ -1,6 +1,7 @@
 """Kernel benchmark: GB/s of every quantization op on every backend, against a copy of the same bytes.
 
-``python -m bench.kernels`` without a mode (:mod:`bench.kernels`). For one input of ``--numel`` elements per dtype and device, each op runs once to warm up
+``python -m bench.kernels`` without a mode (:mod:`bench.kernels`). For one input of ``--numel``
+elements per dtype and device, each op runs once to warm up
 (numba compilation or cache load, NVRTC compilation, first-touch page faults) and is then
 timed ``--repeats`` times into preallocated outputs (``out=``); the median is reported. A
 sample is one call on the CPU, timed with the host clock, and the mean of

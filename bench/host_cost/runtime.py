@@ -1,6 +1,6 @@
 """Host cost of a ZeRO training step: what qwZ and qgZ add to stage 3's Python work per step.
 
-Run as ``python -m bench.runtime_host_cost [--configs zero3 zero3+qwz zero3+qgz zeropp]
+``python -m bench.host_cost --runtime [--configs zero3 zero3+qwz zero3+qgz zeropp]
 [--layers 64] [--width 64] [--steps 20] [--rounds 4] [--world 1] [--device cpu] [--json PATH]``.
 
 At world size 1 on a GPU a training step of zero_runtime is host-bound: the GPU work of a
@@ -263,7 +263,7 @@ def _spawned(rank: int, args: argparse.Namespace, tmp: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.host_cost --runtime", description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))
     parser.add_argument("--baseline", default=None, help="default: the first configuration")
     parser.add_argument("--layers", type=int, default=64)
@@ -296,6 +296,3 @@ def main(argv: list[str] | None = None) -> int:
                        "results": {n: vars(r) for n, r in results.items()}}, f, indent=1)
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Host cost benchmark: what one zcomm call costs the host, next to torch's call for the same data.
 
-Run as ``python -m bench.host_cost --device {cpu,cuda} [--sizes 1M,16M] [--launcher cupy,driver] [--json PATH]``. The
+``python -m bench.host_cost --device {cpu,cuda} [--sizes 1M,16M] [--launcher cupy,driver] [--json PATH]``. The
 process is a world of one rank with a process group it creates itself (gloo on CPU, NCCL on
 CUDA) and the collectives' input is bf16 on CUDA, fp32 on CPU. Each row is timed two ways,
 after one warm-up call (numba cache load, NVRTC compile, NCCL setup):
@@ -475,6 +475,3 @@ def _report(device: torch.device, dtype: torch.dtype, rows: list[Row], targets: 
         "launchers": compared,
     }
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

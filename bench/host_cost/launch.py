@@ -1,6 +1,6 @@
 """Launch cost on the host, without a GPU: the Python side of one kernel launch, per launcher.
 
-Run as ``python -m bench.launch_cost [--calls N]``. It times :func:`zcomm_cuda.loader.launch`
+``python -m bench.host_cost --launch-stand-in [--calls N]``. It times :func:`zcomm_cuda.loader.launch`
 for argument tuples shaped like the cuda backend's kernels (the encoders' 6 to 12
 arguments, the decoders' 6 and 7), with every GPU-side call replaced by a stand-in:
 
@@ -70,7 +70,7 @@ def _noop_library(workdir: str) -> ctypes.CDLL:
     """A shared library with one C function of ``cuLaunchKernelEx``'s signature that returns 0."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        raise SystemExit("bench.launch_cost needs a C compiler (cc or gcc) for its no-op cuLaunchKernelEx")
+        raise SystemExit("bench.host_cost --launch-stand-in needs a C compiler (cc or gcc) for its no-op cuLaunchKernelEx")
     source, library = Path(workdir) / "noop.c", Path(workdir) / "libnoop.so"
     source.write_text(NOOP_C)
     subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
@@ -180,7 +180,7 @@ def _measure(calls: int, noop_library: ctypes.CDLL) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.launch_cost", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.host_cost --launch-stand-in", description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=10000, help=f"launches per round ({ROUNDS} rounds, the median)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
@@ -199,6 +199,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {time.perf_counter() - started:.1f} s")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())
