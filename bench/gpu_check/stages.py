@@ -9,7 +9,7 @@ figures are reported, never judged.
 [Note: gpu-check time budget]
 A GPU machine is lent for minutes: the correctness check must finish in under 5 minutes,
 leaving the rest of an 8-minute lease to ``make gpu-bench`` (the measurements: host cost,
-kernel GB/s, training step times; :mod:`bench.gpu_bench`). Each stage has
+kernel GB/s, training step times; ``python -m bench.gpu_check --bench``, :mod:`bench.gpu_check.speed_plan`). Each stage has
 its own limit and the driver also holds a total deadline: a stage gets the smaller of its
 limit and the time left, and one that overruns is killed with its whole process group
 (its pytest or rank children included) and reported as timed out with its log's tail. The

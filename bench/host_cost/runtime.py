@@ -13,7 +13,7 @@ reports rank 0's figures). The engine config is ``bench.train``'s for the
 configuration (:func:`bench.train.configs.zero_runtime_config`) plus the *host-bound shape*
 (:data:`HOST_BOUND_KEYS`): every Linear its own stage-3 unit (``zcomm_stage3_fuse_numel``
 0, ``stage3_param_persistence_threshold`` 0) and its own gradient bucket
-(``reduce_bucket_size`` 1), which is what the 160M GPT of ``bench.gpu_bench`` gets from the
+(``reduce_bucket_size`` 1), which is what the 160M GPT of the speed report (``bench.gpu_check --bench``) gets from the
 defaults (its Linear layers hold 1M-4M parameters each, over the 1M fuse and bucket sizes),
 so the step makes one forward gather per layer and one reduce-scatter per layer, as there.
 
