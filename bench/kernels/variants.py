@@ -362,14 +362,14 @@ def measure(quick: bool) -> list[dict]:
         for n in SIZES[:1] if quick or row.host else SIZES:
             try:
                 cases = row.cases(n)
-            except LookupError as exc:
-                entry["cases"].append({"shape": f"{n >> 20}M", "problem": str(exc)})
+            except Exception as exc:  # a row that cannot be built is reported; the other rows still run
+                entry["cases"].append({"shape": f"{n >> 20}M", "problem": f"{type(exc).__name__}: {exc}"})
                 continue
             for case in cases:
                 try:
                     measured = measure_case(case, row.host)
-                except LookupError as exc:
-                    measured = {"shape": case.shape, "problem": str(exc)}
+                except Exception as exc:  # e.g. LookupError: this tree picks the variant another way
+                    measured = {"shape": case.shape, "problem": f"{type(exc).__name__}: {exc}"}
                 entry["cases"].append({**measured, "shape": f"{n >> 20}M {measured['shape']}" if not row.host
                                        else measured["shape"]})
             del cases

@@ -161,3 +161,37 @@ def test_every_variant_row_is_a_row_of_the_table():
 
     table = (Path(__file__).resolve().parents[2] / "docs" / "kernel-variants.md").read_text()
     assert all(f"| {row.name} |" in table for row in variants.ROWS), [r.name for r in variants.ROWS]
+
+
+def test_forcing_the_simpler_path_names_what_this_tree_reads_and_restores_it():
+    """Every name a row overrides exists in the CUDA backend (a rename fails here, not on a GPU lease), is set
+    inside the block with the launch memos emptied, and is restored after."""
+    import importlib
+
+    from zcomm_cuda import loader
+
+    backend = importlib.import_module(variants.BACKEND)
+    forced = {"narrow_requant": variants._never, "in_registers": variants._never, "WIDE_NUMEL": 0,
+              "TEAM_MAX_GROUP": 1 << 62}
+    before = {name: getattr(backend, name) for name in forced}
+    backend._REQUANT_MEMO[("stale",)] = ()
+    launcher = loader.launcher()
+    with variants._forced({**forced, "launcher": "driver"}):
+        assert {name: getattr(backend, name) for name in forced} == forced and loader.launcher() == "driver"
+        assert backend._REQUANT_MEMO == {}
+    assert {name: getattr(backend, name) for name in forced} == before and loader.launcher() == launcher
+    with pytest.raises(LookupError, match="no_such_switch"):
+        with variants._forced({"no_such_switch": 1}):
+            pass
+
+
+def test_recording_names_each_launched_kernel_and_restores_the_loader(monkeypatch):
+    from zcomm_cuda import loader
+
+    launched = []
+    monkeypatch.setattr(loader, "launch", lambda source, name, *args: launched.append(name))
+    names: list[str] = []
+    with variants._recording(names):
+        loader.launch("quantize.cu", "zc_quantize_bf16_int8", None, 1, 1, ())
+    loader.launch("quantize.cu", "zc_other", None, 1, 1, ())
+    assert names == ["zc_quantize_bf16_int8"] and launched == ["zc_quantize_bf16_int8", "zc_other"]
