@@ -13,26 +13,17 @@ is reported, never skipped in silence; ratios come from numbers of the same run.
 GPU only the CPU host cost runs, and the exit status is 2.
 
 
-[Note: gpu-bench time budget] gpu-bench shares an 8-minute lease with gpu-check (which
-takes up to ``bench.gpu_check.stages.TOTAL_BUDGET_S``), so its limits add up to 230 s of
-``TOTAL_BUDGET_S`` = 240 s, in order of value: host cost (40 s; it took 5 s on an H200
-with one kernel launcher, and measures both now, about twice the rows),
-the training runs (100 s: six configurations of a 160M GPT in 4 interleaved rounds of 9
-steps, 3 of them warm-up, as the second step after a build still ran up to 1.5x slow on an
-H200; there a configuration's run took about 2-3 s, 1.4 s of it building the engine and the
-first step, so 24 runs take about 60 s), then the kernel sweep,
-one ``bench.kernels --sweep`` process (50 s: every op at 16M, 64M and 256M elements, group
-sizes 256 and 512, bf16 and fp32, timed by CUDA-graph replay; 8 s on an H200 after
-gpu-check had compiled the kernels), then ``bench.kernels --variants`` (40 s: about 60
-shapes at 16M and 64M elements, each variant and its simpler path, eager; not yet run on a
-GPU, estimated from the sweep's kernel times and NVRTC compiles already cached by gpu-check).
-A part that overruns is killed and reported as timed out; the parts after it still get their time.
-
-The training runs in rounds because one run per configuration could not resolve a 10%
-target: the same command read fsdp2/zero3 0.98x in one call and 1.35x in another. Four
-rounds (even, so that the forward/backward order of ``bench.train.rounds`` cancels a linear
-drift) give each configuration 24 timed steps and every ratio four paired samples, for
-about three times the old single run's 20 s.
+[Note: gpu-bench time budget] The speed report shares a lease with gpu-check, so its limits
+add up to 230 s of ``TOTAL_BUDGET_S`` = 240 s, in order of value: host cost (40 s, both
+launchers), the training runs (100 s: six configurations of a 160M GPT in 4 interleaved
+rounds of 9 steps, 3 of them warm-up, as the second step after a build can still run slow;
+a configuration's run took 2-3 s on an H200), the kernel sweep (50 s; 8 s on an H200 with
+the kernels compiled) and the kernel variants (40 s, by estimate: about 60 shapes, eager).
+A part that overruns is killed and reported as timed out; the parts after it still run.
+Training runs in rounds because one pass per configuration could not resolve a 10% target
+(the same command read fsdp2/zero3 0.98x and 1.35x): four rounds (even, so that the
+alternating order of ``bench.train.rounds`` cancels a linear drift) give every ratio four
+paired samples.
 """
 
 from __future__ import annotations

@@ -7,26 +7,17 @@ verification (``#wrong`` 0, every W = 4 check byte-identical to the CPU, ...). T
 figures are reported, never judged.
 
 [Note: gpu-check time budget]
-A GPU machine is lent for minutes: the correctness check must finish in under 5 minutes,
-leaving the rest of an 8-minute lease to ``make gpu-bench`` (the measurements: host cost,
-kernel GB/s, training step times; ``python -m bench.gpu_check --bench``, :mod:`bench.gpu_check.speed_plan`). Each stage has
-its own limit and the driver also holds a total deadline: a stage gets the smaller of its
-limit and the time left, and one that overruns is killed with its whole process group
-(its pytest or rank children included) and reported as timed out with its log's tail. The
-stages' limits add up to 300 s (cuda-tests 165, w4 60, collectives 20, driver-launcher 55;
-on an H200 they took about 135, 14 and 5 s, w4 with 29 checks, before its AVG, PREMUL_SUM
-and fp16 cases made them 91, about 2.5 times the work, the last about 40 s by estimate: one process start, one
-NVRTC compile of the four sources, 47 tests), which leaves the rest of ``TOTAL_BUDGET_S`` to
-the environment probe and the report (a test holds the sum below the budget). A machine
-with 2 or more GPUs adds the NCCL stage (:mod:`bench.gpu_check.nccl`, ``NCCL_LIMIT_S``: one
-NVRTC compile per rank, about 400 cases under two launchers) and its time to the budget
-(:func:`budget`); with one GPU the report says the stage was skipped and why. The CUDA tests
-run one pytest process per file, ``TEST_JOBS`` at once on the one GPU
-(:mod:`bench.gpu_check.test_runner`), so that one crash fails one test by name. On the H200
-4 at once took 132 s with 9 files; the host check has grown (about 2,300 cases, the fp16
-rounding sweep), and two files were added (the reordering kernels' index paths, with their
-own NVRTC compile, and the group lifetime), so 6 run at once, the long ones first: a
-16-core machine has the cores, and each NVRTC compile is one core's work.
+A GPU machine is lent for minutes, shared with the speed report (``--bench``,
+:mod:`bench.gpu_check.speed_plan`). Each stage has its own limit and the driver holds a total
+deadline: a stage gets the smaller of its limit and the time left, and one that overruns is
+killed with its whole process group and reported as timed out with its log's tail. The
+limits (cuda-tests 165 s, w4 60, collectives 20, driver-launcher 55; measured on an H200:
+135, 14 and 5 s for the first three when w4 had a third of its checks) leave the rest of
+``TOTAL_BUDGET_S`` to the environment probe and the report (a test holds the sum below the
+budget); 2 or more GPUs add the NCCL stage's ``NCCL_LIMIT_S`` (:func:`budget`). The CUDA
+tests run one pytest process per file, ``TEST_JOBS`` at once, the long ones first
+(:mod:`bench.gpu_check.test_runner`): one crash fails one test by name, and each NVRTC
+compile is one core's work on a machine with cores to spare.
 
 [Note: driver-launcher stage] The last stage runs the CUDA kernel tests again with
 ``ZCOMM_CUDA_LAUNCHER=driver`` (the launcher that is not yet the default, see
@@ -34,8 +25,8 @@ own NVRTC compile, and the group lifetime), so 6 run at once, the long ones firs
 launchers give the same bytes for every kernel, from a worker thread and a graph replay
 too), the backend's stream, synchronization and graph tests, the golden payloads, and the
 unbound one-rank NCCL collectives. It is one pytest process, so the kernels are compiled
-once (NVRTC took most of a CUDA test file's time on the H200), and it comes last, so that
-its failure or overrun cannot cost the other stages their results.
+once, and it comes last, so that its failure or overrun cannot cost the other stages their
+results.
 """
 
 from __future__ import annotations
