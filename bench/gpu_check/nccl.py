@@ -26,11 +26,7 @@ JSON, each check failed where any rank failed it; exit status 0 when every check
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Any, Sequence
@@ -106,16 +102,6 @@ def run_checks(device: torch.device, cpu_group: Any, dtypes: Sequence[str], loca
     return checks
 
 
-def merge(per_rank: Sequence[list[dict]]) -> list[dict]:
-    """Rank 0's checks, each failed where any rank failed it (naming the ranks and the first one's detail)."""
-    merged = []
-    for index, check in enumerate(per_rank[0]):
-        failed = [rank for rank, checks in enumerate(per_rank) if not checks[index]["ok"]]
-        detail = check["detail"] if not failed else f"failed on rank(s) {failed}: {per_rank[failed[0]][index]['detail']}"
-        merged.append({**check, "ok": not failed, "detail": detail})
-    return merged
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check.nccl", description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="rank 0 writes the checks here")
@@ -128,47 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if "LOCAL_RANK" not in os.environ:
-        print("nccl: start it with torchrun (one rank per GPU), e.g. torchrun --standalone --nproc-per-node=2 "
-              "-m bench.gpu_check.nccl", file=sys.stderr)
-        return 2
-    started = time.monotonic()
-    local_rank, local = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    timeout = datetime.timedelta(seconds=args.timeout)
-    if args.device == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = False  # TF32 would round differently from the CPU side
-        dist.init_process_group("nccl", device_id=device, timeout=timeout)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout)
-    cpu_group = dist.new_group(backend="gloo", timeout=timeout)
-    checks = run_checks(device, cpu_group, args.dtypes, local, LAUNCHERS if device.type == "cuda" else (None,))
-    per_rank: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, checks, group=cpu_group)
-    merged = merge(per_rank)
-    if dist.get_rank() != 0:
-        return 0
-    passed = all(c["ok"] for c in merged)
-    for check in merged:
-        print(f"{'ok  ' if check['ok'] else 'FAIL'} {check['check']}: {check['detail']}")
-    seconds = time.monotonic() - started
-    world = len(per_rank)
-    dist_backend = "nccl" if args.device == "cuda" else "gloo"
-    print(f"nccl: {sum(c['ok'] for c in merged)} of {len(merged)} checks passed on {world} ranks over {dist_backend}, "
-          f"{seconds:.0f} s")
-    if args.json:
-        args.json.write_text(json.dumps({"world_size": world, "local_size": local, "backend": dist_backend,
-                                         "seconds": seconds, "checks": merged, "problems": [], "device": args.device,
-                                         "passed": passed}, indent=1) + "\n")
-    return 0 if passed else 1
+
+    def run(device: torch.device, cpu_group: Any) -> list[dict]:
+        launchers = LAUNCHERS if device.type == "cuda" else (None,)
+        return run_checks(device, cpu_group, args.dtypes, int(os.environ["LOCAL_WORLD_SIZE"]), launchers)
+
+    return w4.torchrun_main("nccl", args, "nccl" if args.device == "cuda" else "gloo", run, local_device=True)
 
 
 if __name__ == "__main__":
-    # Every collective is done once the results are gathered: leave without tearing the groups down
-    # (gloo's teardown can abort a rank whose peer left first, [Note: teardown] in tests/spawn_harness.py).
-    status = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    w4.exit_without_teardown(main())

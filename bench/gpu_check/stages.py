@@ -47,6 +47,7 @@ from bench.harness.checkout import REPO, checkout_environment
 
 TOTAL_BUDGET_S = 315.0
 NCCL_LIMIT_S = 150.0
+W4_RANKS = 4  # bench.gpu_check.w4.WORLD (not imported: the driver runs on an interpreter without torch)
 GPU_CHECK_ENV = "ZCOMM_GPU_CHECK"
 # Every stage that runs zcomm's kernels turns on their device-side checks (traps off by default).
 DEVICE_CHECKS = {"ZCOMM_CUDA_DEVICE_CHECKS": "1"}
@@ -354,7 +355,7 @@ def plan(out_dir: Path, *, gpus: int, python: str = sys.executable) -> list[Stag
                   "hierarchical collectives and ZeRO++ steps byte-/loss-equal to the same on CPU tensors (not NCCL)",
             # the CPU side on zcomm's reference backend, which defines the wire format: no numba
             # compile in 4 ranks eats the stage's time, and a GPU machine may lack numba
-            argv=(python, "-m", "bench.gpu_check.w4", "--device", "cuda", "--cpu-backend", "reference",
+            argv=(*_launcher(python, W4_RANKS), "bench.gpu_check.w4", "--device", "cuda", "--cpu-backend", "reference",
                   "--timeout", "52", "--json", str(out_dir / "w4.json")),  # fmt: skip
             limit_s=60,
             needs=("cupy",),

@@ -1,7 +1,7 @@
 """World size 4 on one machine: zcomm's hierarchical collectives and ZeRO++ on 2 nodes x 2 ranks, one device.
 
-``python -m bench.gpu_check.w4 --device {cuda,cpu} --json PATH`` starts 4 rank processes,
-joined in a **gloo** process group and laid out as ``Topology(world_size=4, local_size=2)``
+``torchrun --standalone --nproc-per-node=4 -m bench.gpu_check.w4 --device {cuda,cpu} --json PATH``:
+4 rank processes, joined in a **gloo** process group and laid out as ``Topology(world_size=4, local_size=2)``
 (2 pretend nodes of 2 ranks). One GPU cannot host two ranks of one NCCL communicator
 ("Duplicate GPU detected"), but gloo runs its collectives on CUDA tensors (it stages them
 through the host), also on subgroups; so with ``--device cuda`` every rank keeps its
@@ -28,14 +28,15 @@ losses must agree within ``ZEROPP_RTOL`` (for why 1e-3, see [Note: CPU/CUDA boun
 
 With ``--device cpu`` both sides are CPU tensors: the same launcher, ranks and checks, so a
 CPU machine proves the wiring (the CUDA variant differs only by the device). Exit status
-0 when every check passed, 1 when one failed, 2 when ``--device cuda`` has no GPU. The
-parent waits at most ``--timeout`` seconds and reports ranks that crashed or hung by rank.
+0 when every check passed, 1 when one failed, 2 when ``--device cuda`` has no GPU. A collective
+times out after ``--timeout`` seconds; torchrun names a rank that crashed or raised.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import functools
 import json
 import math
@@ -48,7 +49,6 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 WORLD, LOCAL = 4, 2
 ZEROPP_RTOL = 1e-3
@@ -271,70 +271,62 @@ def _runtime_check(device: torch.device, cpu_backend: str | None) -> dict:
                           cpu_backend)
 
 
-def _rank_main(rank: int, port: int, device_name: str, cpu_backend: str | None, dtypes: Sequence[str],
-               results: Any) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or WORLD) // WORLD))
-    try:
-        store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
-        device = torch.device(device_name, 0) if device_name == "cuda" else torch.device("cpu")
-        # TF32 would make the device side round differently from the CPU side
-        torch.backends.cuda.matmul.allow_tf32 = False
-        checks = _collective_checks(device, cpu_backend, dtypes) + [_runtime_check(device, cpu_backend)]
-        results.put((rank, True, checks))
-        store.add("w4/done", 1)  # [Note: teardown] of tests/spawn_harness.py: leave together, no gloo teardown
-        deadline = time.monotonic() + 30
-        while store.add("w4/done", 0) < WORLD and time.monotonic() < deadline:
-            time.sleep(0.05)
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        # a Queue's put returns before its feeder thread has written: flush it before leaving
-        results.close()
-        results.join_thread()
-        sys.stdout.flush()
-        os._exit(0)
-
-
-def run_ranks(device: str, cpu_backend: str | None, timeout: float,
-              dtypes: Sequence[str] = tuple(DTYPES)) -> tuple[list[dict], list[str]]:
-    """Every rank's checks (rank 0's list, with each check failed where any rank failed it) and problems by rank."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    procs = [context.Process(target=_rank_main, args=(rank, store.port, device, cpu_backend, tuple(dtypes), results), daemon=True)
-             for rank in range(WORLD)]  # fmt: skip
-    for proc in procs:
-        proc.start()
-    reports: dict[int, tuple[bool, Any]] = {}
-    deadline = time.monotonic() + timeout
-    while len(reports) < WORLD and time.monotonic() < deadline:
-        try:
-            rank, ok, value = results.get(timeout=1.0)
-            reports[rank] = (ok, value)
-        except Exception:  # queue.Empty: see whether a rank died without reporting
-            if any(not p.is_alive() and r not in reports for r, p in enumerate(procs)) and results.empty():
-                time.sleep(1.0)
-                if results.empty():
-                    break
-    for proc in procs:
-        proc.join(timeout=max(0.0, min(30.0, deadline - time.monotonic())))
-        if proc.is_alive():
-            proc.kill()
-    problems = []
-    for rank, proc in enumerate(procs):
-        if rank not in reports:
-            problems.append(f"rank {rank} reported nothing (exit code {proc.exitcode}; negative: a signal; None: "
-                            f"killed after the {timeout:.0f} s limit)")  # fmt: skip
-        elif not reports[rank][0]:
-            problems.append(f"rank {rank} raised:\n{reports[rank][1]}")
-    per_rank = [reports[r][1] for r in sorted(reports) if reports[r][0]]
+def merge(per_rank: Sequence[list[dict]]) -> list[dict]:
+    """Rank 0's checks, each failed where any rank failed it (naming the ranks and the first one's detail)."""
     merged = []
-    for index, check in enumerate(per_rank[0] if per_rank else []):
-        failed = [r for r, checks in enumerate(per_rank) if not checks[index]["ok"]]
-        detail = check["detail"] if not failed else f"failed on rank(s) {failed}: " + per_rank[failed[0]][index]["detail"]
-        merged.append({**check, "ok": not failed and len(per_rank) == WORLD, "detail": detail})
-    return merged, problems
+    for index, check in enumerate(per_rank[0]):
+        failed = [rank for rank, checks in enumerate(per_rank) if not checks[index]["ok"]]
+        detail = check["detail"] if not failed else f"failed on rank(s) {failed}: {per_rank[failed[0]][index]['detail']}"
+        merged.append({**check, "ok": not failed, "detail": detail})
+    return merged
+
+
+def torchrun_main(stage: str, args: argparse.Namespace, backend: str, run: Callable[[torch.device, Any], list[dict]],
+                  *, local_device: bool, local_size: int | None = None) -> int:
+    """One rank of a stage started by torchrun: join the ``backend`` world (its collectives time out after
+    ``args.timeout`` s; the CPU group is the world under gloo, else a gloo group of the same ranks), run the checks,
+    gather them; rank 0 prints them and writes ``args.json``. Ranks use ``cuda:LOCAL_RANK`` when
+    ``local_device``, else ``cuda:0`` (several ranks on one GPU). ``local_size``: the ranks per node the
+    checks lay out (default: torchrun's)."""
+    if "LOCAL_RANK" not in os.environ:
+        print(f"{stage}: start it with torchrun, e.g. torchrun --standalone --nproc-per-node=N -m "
+              f"bench.gpu_check.{stage}", file=sys.stderr)  # fmt: skip
+        return 2
+    started = time.monotonic()
+    local_rank, local = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    torch.set_num_threads(max(1, (os.cpu_count() or local) // local))
+    timeout = datetime.timedelta(seconds=args.timeout)
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", local_rank if local_device else 0)
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = False  # TF32 would round differently from the CPU side
+    dist.init_process_group(backend, timeout=timeout, **({"device_id": device} if backend == "nccl" else {}))
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    checks = run(device, cpu_group)
+    per_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, checks, group=cpu_group)
+    if dist.get_rank() != 0:
+        return 0
+    merged, seconds, local = merge(per_rank), time.monotonic() - started, local_size or local
+    passed = bool(merged) and all(c["ok"] for c in merged)
+    for check in merged:
+        print(f"{'ok  ' if check['ok'] else 'FAIL'} {check['check']}: {check['detail']}")
+    print(f"{stage}: {sum(c['ok'] for c in merged)} of {len(merged)} checks passed on {len(per_rank)} ranks "
+          f"({local} per node), device {args.device}, {backend}, {seconds:.0f} s")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({"device": args.device, "world_size": len(per_rank), "local_size": local,
+                                         "backend": backend, "seconds": seconds, "checks": merged, "problems": [],
+                                         "passed": passed}, indent=1) + "\n")  # fmt: skip
+    return 0 if passed else 1
+
+
+def exit_without_teardown(status: int) -> None:
+    """Leave once every collective is done, without tearing the groups down: gloo's teardown can abort
+    a rank whose peer left first ([Note: teardown] in tests/spawn_harness.py)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -342,8 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--cpu-backend", default=None, help="zcomm backend of the CPU side (default: the CPU's)")
     parser.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), default=list(DTYPES))
-    parser.add_argument("--json", type=Path, help="write the checks as JSON")
-    parser.add_argument("--timeout", type=float, default=200.0, help="seconds the ranks may take (default 200)")
+    parser.add_argument("--json", type=Path, help="rank 0 writes the checks here")
+    parser.add_argument("--timeout", type=float, default=200.0, help="seconds a collective may take (default 200)")
     return parser
 
 
@@ -352,22 +344,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("w4: --device cuda, but torch sees no CUDA device", file=sys.stderr)
         return 2
-    start = time.monotonic()
-    checks, problems = run_ranks(args.device, args.cpu_backend, args.timeout, args.dtypes)
-    seconds = time.monotonic() - start
-    for check in checks:
-        print(f"{'ok  ' if check['ok'] else 'FAIL'} {check['check']}: {check['detail']}")
-    for problem in problems:
-        print(f"FAIL {problem}")
-    passed = bool(checks) and not problems and all(c["ok"] for c in checks)
-    print(f"w4: {sum(c['ok'] for c in checks)} of {len(checks)} checks passed on {WORLD} ranks "
-          f"({WORLD // LOCAL} nodes x {LOCAL}), device {args.device}, gloo, {seconds:.0f} s")  # fmt: skip
-    if args.json:
-        args.json.write_text(json.dumps({"device": args.device, "world_size": WORLD, "local_size": LOCAL,
-                                         "backend": "gloo", "seconds": seconds, "checks": checks,
-                                         "problems": problems, "passed": passed}, indent=1) + "\n")  # fmt: skip
-    return 0 if passed else 1
+    if os.environ.get("WORLD_SIZE", str(WORLD)) != str(WORLD):
+        print(f"w4: {WORLD} ranks (torchrun --nproc-per-node={WORLD}), not {os.environ['WORLD_SIZE']}", file=sys.stderr)
+        return 2
+
+    def run(device: torch.device, cpu_group: Any) -> list[dict]:
+        return _collective_checks(device, args.cpu_backend, args.dtypes) + [_runtime_check(device, args.cpu_backend)]
+
+    return torchrun_main("w4", args, "gloo", run, local_device=False, local_size=LOCAL)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

@@ -86,7 +86,8 @@ def test_w4_without_a_gpu_exits_2():
 def test_w4_runs_its_checks_on_four_cpu_ranks(tmp_path):
     out = tmp_path / "w4.json"
     env = checkout_environment({**os.environ, "ZCOMM_BACKEND": "reference"})
-    done = subprocess.run([PY, "-m", "bench.gpu_check.w4", "--device", "cpu", "--cpu-backend", "reference",
+    done = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m",
+                           "bench.gpu_check.w4", "--device", "cpu", "--cpu-backend", "reference",
                            "--dtypes", "bf16", "--timeout", "400", "--json", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=500)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
@@ -100,6 +101,12 @@ def test_w4_runs_its_checks_on_four_cpu_ranks(tmp_path):
         assert any(needle in name for name in names), needle
     assert all("bytes identical" in c["detail"] for c in report["checks"][:-1])
     assert stages._verify_w4(tmp_path) == []
+
+
+def test_w4_stage_starts_its_ranks_with_torchrun(tmp_path):
+    stage = {s.name: s for s in stages.plan(tmp_path, gpus=1)}["w4"]
+    assert stages.W4_RANKS == w4.WORLD and f"--nproc-per-node={w4.WORLD}" in stage.argv
+    assert w4.main(["--device", "cpu"]) == 2  # not under torchrun
 
 
 def test_w4_covers_fp16_and_every_op_through_the_requantizing_hop():
@@ -133,7 +140,7 @@ def test_the_nccl_stage_runs_a_rank_per_gpu_with_timeouts_and_the_flight_recorde
 
 def test_nccl_merges_ranks_and_adds_two_pretend_nodes():
     per_rank = [[{"check": "a", "ok": True, "detail": "x"}], [{"check": "a", "ok": False, "detail": "y"}]]
-    assert nccl.merge(per_rank) == [{"check": "a", "ok": False, "detail": "failed on rank(s) [1]: y"}]
+    assert w4.merge(per_rank) == [{"check": "a", "ok": False, "detail": "failed on rank(s) [1]: y"}]
     assert [label for label, _ in nccl.topologies(8, 8)] == ["detected (1 node(s) x 8)", "2 nodes x 4"]
     assert [label for label, _ in nccl.topologies(8, 4)] == ["detected (2 node(s) x 4)"]
 
