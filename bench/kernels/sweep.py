@@ -59,16 +59,21 @@ def _time_graph(calls: list[Callable[[], object]]) -> float:
             calls[i % len(calls)]()
     graph.replay()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(SAMPLES):
+    return event_seconds(graph.replay, REPLAYS) / LAUNCHES
+
+
+def event_seconds(call: Callable[[], object], repeats: int, samples: int = SAMPLES) -> float:
+    """Median over ``samples`` of the seconds per call of ``repeats`` back-to-back calls between two CUDA events."""
+    found = []
+    for _ in range(samples):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(REPLAYS):
-            graph.replay()
+        for _ in range(repeats):
+            call()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3 / (LAUNCHES * REPLAYS))
-    return sorted(samples)[SAMPLES // 2]
+        found.append(start.elapsed_time(end) / 1e3 / repeats)
+    return sorted(found)[samples // 2]
 
 
 def _copies(nbytes: int) -> int:

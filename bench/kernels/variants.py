@@ -41,6 +41,7 @@ from typing import Callable, Iterator
 import torch
 
 import zcomm.quant as q
+from bench.kernels.sweep import event_seconds
 
 BACKEND = "zcomm.quant.backends._cuda_launch"
 KEEP_RATIO = 1.10
@@ -307,16 +308,7 @@ def _gpu_us(call: Call) -> float:
     for _ in range(2):
         call()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(SAMPLES):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(REPEATS):
-            call()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / REPEATS)
-    return statistics.median(samples)
+    return event_seconds(call, REPEATS, SAMPLES) * 1e6
 
 
 def _host_us(call: Call) -> float:
