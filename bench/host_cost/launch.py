@@ -10,9 +10,8 @@ arguments, the decoders' 6 and 7), with every GPU-side call replaced by a stand-
   with ``cc``): everything but the driver's own work inside ``libcuda``;
 * ``cupy``: zcomm's side of the cupy launcher (kernel and stream lookups, the argument tuple)
   up to the cupy ``Function`` call, which is a Python no-op here: cupy's own work (a C value
-  object per argument, its context check, ``cuLaunchKernel``) is **not** included. On an H200
-  that call alone took 5.4 us per launch with prebuilt arguments (issue 25's profile); the
-  driver launcher replaces all of it.
+  object per argument, its context check, ``cuLaunchKernel``) is **not** included; the driver
+  launcher replaces all of it.
 
 torch's current raw stream and the runtime's current device are C builtins returning 0 in
 both rows, so the two rows differ only by the launchers' own work. Each figure is the median
@@ -20,8 +19,9 @@ of 9 rounds of ``--calls`` calls, the rounds of all columns of a row alternating
 (the block's one ``struct.pack_into``), ``ctypes call`` (the no-op through ``ctypes``) and
 ``empty call`` (a Python lambda, the timing loop's own cost, in every figure) are parts of
 the driver row; ``11-arg call`` is the same no-op called with ``cuLaunchKernel``'s 11
-arguments, what [Note: launch entry point] in :mod:`zcomm_cuda.driver_launch` weighs. The figures say what the Python side costs on this
-machine; the launch's time on a GPU machine is measured by ``bench.host_cost --launcher``.
+arguments, what [Note: launch entry point] in :mod:`zcomm_cuda.driver_launch` weighs. The
+figures say what the Python side costs on this machine; a launch's time on a GPU is measured by
+``bench.host_cost --device cuda --launcher cupy,driver`` and ``bench.kernels --variants``.
 """
 
 from __future__ import annotations
@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['kernel']:34s} {row['arguments']:4d} {row['cupy us']:9.2f} {row['driver us']:10.2f} "
               f"{row['driver us'] / row['cupy us']:12.2f} {row['pack us']:8.2f} {row['ctypes call us']:14.2f} "
               f"{row['11-argument call us']:14.2f} {row['empty call us']:13.2f}")
-    print("# cupy*: zcomm's side only, up to a no-op in place of cupy's Function call (cupy's own work, 5.4 us on an "
-          "H200, is not in it); driver: all of the launcher but the driver's work inside libcuda")  # fmt: skip
+    print("# cupy*: zcomm's side only, up to a no-op in place of cupy's Function call (cupy's own work is not in "
+          "it); driver: all of the launcher but the driver's work inside libcuda")  # fmt: skip
     print(f"# load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"# {time.perf_counter() - started:.1f} s")
     return 0

@@ -12,38 +12,25 @@ nvidia-cuda-nvdisasm``; ``--tools DIR`` or ``$ZC_SASS_TOOLS`` says where).
 Columns, per kernel:
 * ``regs``, ``stack``, ``local`` (spill space): ``cuobjdump -res-usage`` of the cubin;
 * ``sass``: the kernel's SASS instructions (all paths);
-* ``loop/elem``: instructions per element of the kernel's vector main loop(s) for groups of
-  a few hundred elements. Loops are found in the SASS as backward branches; the source
-  function of each instruction comes from ``-lineinfo``, added to every compile (a compile
-  of ``quantize.cu`` without it must give the same resources and instruction counts,
-  checked; compiling everything twice takes too long on a shared 2-core machine). A main
-  loop holds a 128-bit global load or store and an instruction of the hot function:
-  ``RegisterLane`` (the one-read team encoder: its round loop, shuffles unrolled inside),
-  or, where it is absent (the old kernels), the innermost streamed ``lane_absmax`` and
-  ``encode_group_lane`` loops (both run over every element, so their costs add); for the
-  decoders ``decode_group_lane``, else ``decode_run``. Where one function's loop appears
-  several times (inlined into several schemes), the smallest is taken. Each loop's cost is
-  its static body size over the elements one iteration handles on one thread, by design
-  (``_ELEMENTS``: a run of 8, or 16 for the register loop). This counts instructions
-  issued per element by one thread on the vector path, per-group work inside the loop
-  included (for 16-element lanes; wider groups amortize it further), and is a static
-  estimate, not a measurement.
-* ``round/elem``: the encoders' whole team round loop (the smallest loop holding a shuffle
-  and the team functions: per-group work, shuffles, loads, codes, stores, and the code of
-  branches this group size does not take) over the elements one lane handles per round
-  for 256-element groups (``_ROUND_ELEMENTS``). Unlike ``loop/elem`` of the old kernels,
-  which leaves out their per-group work, this compares like with like, but counts code
-  that does not run.
-* ``div/elem``: fp32 division sequences (one ``FCHK`` each) inside the main loops, per element.
-* cold code: instructions inside a main loop whose inlining chain (``nvdisasm -gi``) passes
-  through a :data:`COLD` function run only for rare groups (the register encoder's general
-  rule for a group with a NaN/Inf element or a subnormal scale, and the interleaved source's
-  loads of a group that straddles a stretch end, each behind a branch the other groups jump
-  over). ``loop/elem``, ``round/elem`` and ``div/elem`` leave them out (they
-  count the path of the common groups); ``main loops`` shows them as ``cold N``.
+* ``loop/elem``: instructions per element of the kernel's vector main loop(s), per thread.
+  Loops are backward branches in the SASS; each instruction's source function comes from
+  ``-lineinfo`` (which must not change the code: checked on :data:`CONTROL_SOURCE`). A main
+  loop holds a 128-bit global load or store and an instruction of a :data:`HOT` function: the
+  register encoder's ``RegisterLane`` round loop, or else the streamed encoder's
+  ``lane_absmax`` and ``encode_group_lane`` loops (their costs add); for the decoders
+  ``decode_group_lane``, else ``decode_run``. Where a loop is inlined several times the
+  smallest counts. Its cost is its static body size over the elements one iteration
+  handles on one thread (:data:`_ELEMENTS`): a static estimate, not a measurement.
+* ``round/elem``: the encoders' whole team round loop (shuffles, per-group work, loads,
+  codes, stores, and branches this group size does not take) over the elements one lane
+  handles per round of a 256-element group (:data:`_ROUND_ELEMENTS`): like for like
+  between register and streamed encoders.
+* ``div/elem``: fp32 division sequences (one ``FCHK`` each) in the main loops, per element.
+* cold code: instructions of a main loop whose inlining chain (``nvdisasm -gi``) passes
+  through a :data:`COLD` function, run only for rare groups behind a branch the others jump
+  over; the per-element columns leave them out and ``main loops`` shows them as ``cold N``.
 Where a decoder or a re-quantizing encoder has one loop per divisor kind (``DivisorMode``),
-the smallest is taken: the divisor-1 loop (dequantize, sums); a power-of-two divisor's loop
-has one more multiplication per element, any other divisor's an IEEE division per element.
+the divisor-1 loop counts.
 """
 
 from __future__ import annotations
@@ -68,8 +55,8 @@ _BRA = re.compile(r"\bBRA\b.*?`\((\.L_x_\d+)\)")
 _LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
 CONTROL_SOURCE = "quantize.cu"  # compiled with and without -lineinfo, to check they agree
 HOT = {  # source functions (by the text of their lines) whose loops are a kernel's main loops
-    "encoder_new": ("RegisterLane",),
-    "encoder_old": ("lane_absmax", "encode_group_lane"),
+    "encoder_registers": ("RegisterLane",),
+    "encoder_streamed": ("lane_absmax", "encode_group_lane"),
     "decoder": ("decode_group_lane", "decode_run"),
 }
 # Source functions whose code inside a main loop runs only for rare groups (the register
@@ -248,13 +235,13 @@ def _per_element(kernel: str, loops: list[Loop]) -> tuple[float | None, float | 
     """(instructions per element of the main loops, divisions per element in them, which loops)."""
     decoder = kernel.startswith("zc_dequantize") or (kernel.startswith("zc_dequant_reduce_") and "requant" not in kernel)
     chosen = {}
-    for name in HOT["decoder"] if decoder else HOT["encoder_new"]:
+    for name in HOT["decoder"] if decoder else HOT["encoder_registers"]:
         loop = _pick(loops, name, innermost_only=False)
         if loop:
             chosen[name] = loop
             break
-    if not chosen and not decoder:  # the old encoder: two streamed loops, both over every element
-        for name in HOT["encoder_old"]:
+    if not chosen and not decoder:  # the streamed encoder: two loops, both over every element
+        for name in HOT["encoder_streamed"]:
             loop = _pick(loops, name, innermost_only=True)
             if loop:
                 chosen[name] = loop
