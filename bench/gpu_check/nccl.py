@@ -83,7 +83,7 @@ def run_checks(device: torch.device, cpu_group: Any, dtypes: Sequence[str], loca
     world = dist.get_world_size()
     checks = []
     for label, topology in topologies(world, local):
-        for name, make, options in w4._cases(dtypes):
+        for name, make, options in w4._cases(dtypes, both_modes=True):
             try:
                 ok, detail = w4.check_case(make, options, topology, device, "reference", (None, cpu_group), launchers)
             except Exception:  # a failing case is reported by name; the others still run

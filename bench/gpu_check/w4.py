@@ -159,24 +159,26 @@ def _reduce_case(topology, dtype: torch.dtype, stages: int, async_op: bool, grou
     return run, torch.cat(exact), REDUCE_BOUND
 
 
-def _cases(dtypes: Sequence[str], ops: Sequence[str] = OPS) -> list[tuple[str, Callable, dict]]:
+def _cases(dtypes: Sequence[str], ops: Sequence[str] = OPS, *, both_modes: bool = False) -> list[tuple[str, Callable, dict]]:
     """SUM over every option; AVG and PREMUL_SUM (folded into the fp32 reduction and, on two
-    hops, the re-quantizing kernel's divisor) without the Hadamard rotation, which they share."""
+    hops, the re-quantizing kernel's divisor) without the Hadamard rotation, which they share.
+    4 stages run async and 1 stage sync, or (``both_modes``) each both ways."""
     cases = []
     for short in dtypes:
         dtype = DTYPES[short]
         for stages in (1, 4):
-            async_op = stages == 4
-            cases.append((f"all_gather_q8 {short} stages={stages}", _gather_case,
-                          dict(dtype=dtype, stages=stages, async_op=async_op)))  # fmt: skip
-            for coalesced in (False, True):
-                for bits, hadamard in ((4, None), (8, None), (4, 256)):
-                    for op in ops if hadamard is None else ("SUM",):
-                        name = (f"reduce_scatter_q4{'_coalesced' if coalesced else ''} {short} stages={stages} "
-                                f"first_hop=INT{bits}{' hadamard=256' if hadamard else ''} {op}")  # fmt: skip
-                        cases.append((name, functools.partial(_reduce_case, coalesced=coalesced, first_hop_bits=bits,
-                                                              hadamard=hadamard, op=op),
-                                      dict(dtype=dtype, stages=stages, async_op=async_op)))  # fmt: skip
+            for async_op in (False, True) if both_modes else (stages == 4,):
+                mode = f"stages={stages}{' async' if async_op else ''}"
+                options = dict(dtype=dtype, stages=stages, async_op=async_op)
+                cases.append((f"all_gather_q8 {short} {mode}", _gather_case, options))
+                for coalesced in (False, True):
+                    for bits, hadamard in ((4, None), (8, None), (4, 256)):
+                        for op in ops if hadamard is None else ("SUM",):
+                            name = (f"reduce_scatter_q4{'_coalesced' if coalesced else ''} {short} {mode} "
+                                    f"first_hop=INT{bits}{' hadamard=256' if hadamard else ''} {op}")  # fmt: skip
+                            cases.append((name, functools.partial(_reduce_case, coalesced=coalesced,
+                                                                  first_hop_bits=bits, hadamard=hadamard, op=op),
+                                          options))  # fmt: skip
     return cases
 
 

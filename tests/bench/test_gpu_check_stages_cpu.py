@@ -96,7 +96,7 @@ def test_w4_runs_its_checks_on_four_cpu_ranks(tmp_path):
     assert report["passed"] and (report["world_size"], report["local_size"], report["backend"]) == (4, 2, "gloo")
     # per stage count: 1 gather, 2 reduce forms x (2 first hops x SUM/AVG/PREMUL_SUM + Hadamard); the training
     assert len(names) == 2 * (1 + 2 * 7) + 1 and all(c["ok"] for c in report["checks"])
-    for needle in ("all_gather_q8 bf16 stages=4", "reduce_scatter_q4_coalesced bf16 stages=4 first_hop=INT8",
+    for needle in ("all_gather_q8 bf16 stages=4 async", "reduce_scatter_q4_coalesced bf16 stages=4 async first_hop=INT8",
                    "hadamard=256 SUM", "first_hop=INT4 AVG", "first_hop=INT8 PREMUL_SUM", "zero_runtime ZeRO++"):
         assert any(needle in name for name in names), needle
     assert all("bytes identical" in c["detail"] for c in report["checks"][:-1])
@@ -113,7 +113,7 @@ def test_w4_covers_fp16_and_every_op_through_the_requantizing_hop():
     names = [name for name, _, _ in w4._cases(tuple(w4.DTYPES))]
     for dtype in ("bf16", "fp16", "fp32"):
         for op in w4.OPS:  # the 2 x 2 topology's second hop re-quantizes with each op's divisor
-            assert f"reduce_scatter_q4 {dtype} stages=4 first_hop=INT4 {op}" in names
+            assert f"reduce_scatter_q4 {dtype} stages=4 async first_hop=INT4 {op}" in names
 
 
 def test_the_nccl_stage_is_skipped_with_its_reason_on_one_gpu(tmp_path):
@@ -161,7 +161,8 @@ def test_nccl_stage_runs_its_checks_on_two_cpu_ranks(tmp_path):
     result = json.loads(out.read_text())
     names = [c["check"] for c in result["checks"]]
     assert result["passed"] and result["world_size"] == 2 and all(c["ok"] for c in result["checks"])
-    assert len(names) == 2 * 30 + 2  # w4's 30 bf16 cases on both topologies, then ZeRO++ and FSDP2
+    assert len(names) == 2 * 60 + 2  # w4's 30 bf16 cases, sync and async, on both topologies; ZeRO++; FSDP2
     assert any(name.endswith("2 nodes x 1") and "PREMUL_SUM" in name for name in names)
+    assert any("stages=1 async" in name for name in names) and any("stages=4 first_hop" in name for name in names)
     assert names[-1].startswith("FSDP2 + zcomm.fsdp.enable_zeropp") and names[-2].startswith("zero_runtime ZeRO++")
     assert stages._verify_w4(tmp_path, "nccl") == []
