@@ -21,9 +21,9 @@
 # have no package registry, so it runs the checkout (PYTHONPATH) with the interpreter that
 # holds the machine's CUDA torch and cupy, python3 unless GPU_PYTHON names another. It exits
 # 2 at once on a machine without a GPU; see bench/gpu_check/__init__.py. `make gpu-bench` (the
-# speed report, bench/gpu_bench/) runs the same way; without a GPU it runs its CPU part and
-# exits 2. `make gpu-lease OUTDIR=...` runs both under hard time limits (about 8 minutes in
-# all) and packs their results into OUTDIR (bench/gpu_lease.sh); docs/gpu-check.md.
+# speed report, `python -m bench.gpu_check --bench`) runs the same way; without a GPU it runs its CPU part and
+# exits 2. `make gpu-lease OUTDIR=...` runs both under hard time limits (about 9.5 minutes in
+# all, 12 with the NCCL stage of 2+ GPUs) and packs their results into OUTDIR (bench/gpu_lease.sh); docs/gpu-check.md.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.zcomm-installed
@@ -93,7 +93,7 @@ gpu-check:
 	$(CHECKOUT_PYTHONPATH) $(GPU_PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS)
 
 gpu-bench:
-	$(CHECKOUT_PYTHONPATH) $(GPU_PYTHON) -m bench.gpu_bench $(GPU_BENCH_ARGS)
+	$(CHECKOUT_PYTHONPATH) $(GPU_PYTHON) -m bench.gpu_check --bench $(GPU_BENCH_ARGS)
 
 gpu-lease:
 	GPU_PYTHON=$(GPU_PYTHON) bench/gpu_lease.sh $(OUTDIR)

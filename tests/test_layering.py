@@ -98,7 +98,7 @@ def test_layers_only_import_downwards(module):
 
 
 def test_zcomm_cuda_is_a_leaf_imported_only_by_the_cuda_backend():
-    # bench tools that read the kernels' sources without a GPU (bench.kernels_static) may import it too
+    # bench tools that read the kernels' sources without a GPU (bench.kernels --static) may import it too
     importers = sorted({m for m, names in IMPORTS.items() for n in names
                         if n.split(".")[0] == "zcomm_cuda" and not m.startswith(("zcomm_cuda", "bench."))})
     assert importers and all(m.startswith("zcomm.quant.backends") and "cuda" in m for m in importers), importers

@@ -11,7 +11,7 @@ built per call.
 
 [Note: launch entry point] ``cuLaunchKernelEx`` (CUDA 12.0 on) takes the configuration as a
 struct instead of nine scalar arguments, so the ``ctypes`` call converts 4 arguments, all of
-them plain ints of the block, instead of 11 (``bench.launch_cost`` on a 2-core Xeon: a
+them plain ints of the block, instead of 11 (``bench.host_cost --launch-stand-in`` on a 2-core Xeon: a
 no-op C function called through ``ctypes`` costs 0.33 us with 4 arguments, 1.2 us with 11).
 The configuration fields it reads are those of ``cuLaunchKernel``'s scalars, with no
 launch attributes (``numAttrs`` 0): the two launch the same way.
@@ -31,7 +31,7 @@ parameter's width or the launch raises (a float where an integer goes, an intege
 range, a wrong count; an integer where a float goes is converted as C would): a mismatch
 cannot be misread by the kernel. Every launch packs all values, the sizes that repeat from
 one launch to the next included: one C call whatever the count, where each further value
-costs about 25 ns (``bench.launch_cost``: 0.41 us for 6 values, 0.56 us for 12), less than
+costs about 25 ns (``bench.host_cost --launch-stand-in``: 0.41 us for 6 values, 0.56 us for 12), less than
 telling the constant values from the addresses per call would: ``struct`` writes its pad bytes
 as zeros, so writing the addresses alone takes a ``pack_into`` per run of them besides the
 configuration's (0.53 us for a quantize launch's two runs, against 0.40 us for one pack of all

@@ -112,3 +112,11 @@ def collect(repo: Path) -> dict[str, str]:
         "OS": platform.platform(),
         "checkout": _probe(lambda: _checkout(repo)),
     }
+
+
+def collect_cpu(repo: Path) -> dict[str, str]:
+    """What a run without a GPU reports: torch, python, CPU, checkout."""
+    import torch
+
+    return {"torch": torch.__version__, "python": platform.python_version(), "CPU": _probe(_cpu),
+            "checkout": _probe(lambda: _checkout(repo))}

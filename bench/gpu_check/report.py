@@ -53,14 +53,16 @@ def coverage(gpus: int) -> list[str]:
             "the host).",
             "- **Not covered**: NCCL with W > 1 (rings, peer-to-peer, its stream semantics between ranks), stream "
             "overlap between communication and compute across GPUs, multi-node networking. These need a machine "
-            "with 2 or more GPUs (and several machines for inter-node).",
+            "with 2 or more GPUs, where the nccl stage runs (and several machines for inter-node: docs/gpu-check.md).",
         ]
     else:
         ranks = [
             f"- **Ranks: {gpus} NCCL ranks, one per GPU, on one machine** (torchrun), besides the CUDA tests' own "
             "single-GPU runs.",
             "- Exercised (the stage table says what passed): the kernels and their tests, NCCL collectives between "
-            "the GPUs of this node, zero_runtime stages 1-3 and ZeRO++ across them.",
+            "the GPUs of this node, zero_runtime stages 1-3 and ZeRO++ across them; the nccl stage: every zcomm "
+            "collective over NCCL byte-identical to the CPU, on the node's topology and on 2 pretend nodes, and "
+            "ZeRO++ and FSDP2-adapter steps equal to the CPU's.",
             "- **Not covered**: several nodes (inter-node links, a two-hop `reduce_scatter_q4` whose second hop "
             "crosses nodes); this machine is one node.",
         ]
@@ -91,10 +93,11 @@ def _stages(results: Sequence[StageResult]) -> list[str]:
     return lines
 
 
-def _w4(out_dir: Path) -> list[str]:
-    path = out_dir / "w4.json"
+def _checks(out_dir: Path, name: str = "w4") -> list[str]:
+    """The checks of the w4 or nccl stage, from its JSON."""
+    path = out_dir / f"{name}.json"
     if not path.exists():
-        return ["(no w4.json)"]
+        return [f"(no {name}.json)"]
     report = json.loads(path.read_text())
     lines = [f"{report['world_size']} ranks ({report['world_size'] // report['local_size']} nodes x "
              f"{report['local_size']}) over {report['backend']}, device {report['device']}, {report['seconds']:.0f} s.",
@@ -127,9 +130,12 @@ def render(
     """The whole ``report.md``."""
     out_dir = results[0].log.parent if results else Path(".")
     passed = sum(r.passed for r in results)
-    verdict = "PASSED" if results and passed == len(results) else "FAILED"
+    skipped = [r for r in results if r.status == "skipped"]
+    verdict = "PASSED" if results and not any(r.failed for r in results) else "FAILED"
     lines = [
-        f"# zcomm gpu-check: {verdict} ({passed} of {len(results)} stages passed)",
+        f"# zcomm gpu-check: {verdict} ({passed} of {len(results)} stages passed"
+        f"{f', {len(skipped)} skipped' if skipped else ''})",
+        *[f"\n- {r.stage.name} skipped: {r.stage.skip}" for r in skipped],
         "",
         f"{title}. Command: `{command}`; {seconds:.0f} s of the {budget_s:.0f} s budget.",
         *[line for note in notes for line in ("", note)],
@@ -148,7 +154,12 @@ def render(
         "",
         "## W = 4 on one GPU (gloo; zcomm's kernels and choreography, not NCCL)",
         "",
-        *_guarded(_w4, out_dir),
+        *_guarded(_checks, out_dir),
+        "",
+        "## NCCL, one rank per GPU",
+        "",
+        *(_guarded(lambda out: _checks(out, "nccl"), out_dir) if gpus >= 2
+          else ["(skipped: one GPU; the NCCL stage needs 2 or more, see the stage table)"]),
         "",
         "## Collectives",
         "",

@@ -7,23 +7,17 @@ verification (``#wrong`` 0, every W = 4 check byte-identical to the CPU, ...). T
 figures are reported, never judged.
 
 [Note: gpu-check time budget]
-A GPU machine is lent for minutes: the correctness check must finish in under 5 minutes,
-leaving the rest of an 8-minute lease to ``make gpu-bench`` (the measurements: host cost,
-kernel GB/s, training step times; :mod:`bench.gpu_bench`). Each stage has
-its own limit and the driver also holds a total deadline: a stage gets the smaller of its
-limit and the time left, and one that overruns is killed with its whole process group
-(its pytest or rank children included) and reported as timed out with its log's tail. The
-stages' limits add up to 275 s (cuda-tests 165, w4 35, collectives 20, driver-launcher 55;
-on an H200 they took about 135, 14 and 5 s, the last about 40 s by estimate: one process
-start, one NVRTC compile of the four sources, 47 tests), which leaves the rest of
+A GPU machine is lent for minutes, shared with the speed report (``--bench``,
+:mod:`bench.gpu_check.speed_plan`). Each stage has its own limit and the driver holds a total
+deadline: a stage gets the smaller of its limit and the time left, and one that overruns is
+killed with its whole process group and reported as timed out with its log's tail. The
+limits (cuda-tests 165 s, w4 60, collectives 20, driver-launcher 55; measured on an H200:
+135, 14 and 5 s for the first three when w4 had a third of its checks) leave the rest of
 ``TOTAL_BUDGET_S`` to the environment probe and the report (a test holds the sum below the
-budget). The CUDA tests
-run one pytest process per file, ``TEST_JOBS`` at once on the one GPU
-(:mod:`bench.gpu_check.test_runner`), so that one crash fails one test by name. On the H200
-4 at once took 132 s with 9 files; the host check has grown (about 2,300 cases, the fp16
-rounding sweep), and two files were added (the reordering kernels' index paths, with their
-own NVRTC compile, and the group lifetime), so 6 run at once, the long ones first: a
-16-core machine has the cores, and each NVRTC compile is one core's work.
+budget); 2 or more GPUs add the NCCL stage's ``NCCL_LIMIT_S`` (:func:`budget`). The CUDA
+tests run one pytest process per file, ``TEST_JOBS`` at once, the long ones first
+(:mod:`bench.gpu_check.test_runner`): one crash fails one test by name, and each NVRTC
+compile is one core's work on a machine with cores to spare.
 
 [Note: driver-launcher stage] The last stage runs the CUDA kernel tests again with
 ``ZCOMM_CUDA_LAUNCHER=driver`` (the launcher that is not yet the default, see
@@ -31,8 +25,8 @@ own NVRTC compile, and the group lifetime), so 6 run at once, the long ones firs
 launchers give the same bytes for every kernel, from a worker thread and a graph replay
 too), the backend's stream, synchronization and graph tests, the golden payloads, and the
 unbound one-rank NCCL collectives. It is one pytest process, so the kernels are compiled
-once (NVRTC took most of a CUDA test file's time on the H200), and it comes last, so that
-its failure or overrun cannot cost the other stages their results.
+once, and it comes last, so that its failure or overrun cannot cost the other stages their
+results.
 """
 
 from __future__ import annotations
@@ -51,8 +45,14 @@ from typing import Callable, Mapping, Sequence
 
 from bench.harness.checkout import REPO, checkout_environment
 
-TOTAL_BUDGET_S = 290.0
+TOTAL_BUDGET_S = 315.0
+NCCL_LIMIT_S = 150.0
+W4_RANKS = 4  # bench.gpu_check.w4.WORLD (not imported: the driver runs on an interpreter without torch)
 GPU_CHECK_ENV = "ZCOMM_GPU_CHECK"
+# Every stage that runs zcomm's kernels turns on their device-side checks (traps off by default).
+DEVICE_CHECKS = {"ZCOMM_CUDA_DEVICE_CHECKS": "1"}
+# The NCCL stage's flight recorder: each rank's last collectives dumped when one times out.
+NCCL_TRACE = "nccl_trace_"
 # The CUDA test files gpu-check runs; any that is missing fails the stage by name. The
 # backend sweeps are parametrized by target (``[cpu-on-cpu]``, ``[cuda-on-cuda]``...):
 # CUDA_TESTS_SELECT keeps their GPU targets, whose oracle is the reference backend on the
@@ -109,6 +109,7 @@ class Stage:
         missing: problems known before running (absent test files); they fail the stage.
         verify: reads the stage's outputs in the result folder and returns problems.
         verify_failed_run: also verify after a non-zero exit (to name what failed).
+        skip: why the stage cannot run on this machine (it is reported as skipped, not run).
     """
 
     name: str
@@ -120,11 +121,12 @@ class Stage:
     missing: tuple[str, ...] = ()
     verify: Callable[[Path], list[str]] | None = None
     verify_failed_run: bool = False
+    skip: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StageResult:
-    """``status`` is ``passed``, ``failed``, ``timed out`` or ``not run``."""
+    """``status`` is ``passed``, ``failed``, ``timed out``, ``not run`` or ``skipped`` (not for this machine)."""
 
     stage: Stage
     status: str
@@ -137,6 +139,10 @@ class StageResult:
     @property
     def passed(self) -> bool:
         return self.status == "passed"
+
+    @property
+    def failed(self) -> bool:
+        return self.status not in ("passed", "skipped")
 
 
 def stage_environment(base: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
@@ -176,6 +182,9 @@ def run_stage(stage: Stage, out_dir: Path, deadline: float, base_env: Mapping[st
         return StageResult(stage=stage, status=status, seconds=seconds, limit_s=max(limit, 0.0),
                            returncode=returncode, problems=tuple(problems), log=log)  # fmt: skip
 
+    if stage.skip is not None:
+        log.write_text(f"skipped: {stage.skip}\n")
+        return result("skipped", 0.0, None, [])
     absent = missing_modules(stage.needs)
     if absent:
         problem = (
@@ -265,10 +274,10 @@ def _verify_driver_tests(out_dir: Path) -> list[str]:
             + [f"failed: {name}" for name in failed_tests(path)])  # fmt: skip
 
 
-def _verify_w4(out_dir: Path) -> list[str]:
-    path = out_dir / "w4.json"
+def _verify_w4(out_dir: Path, name: str = "w4") -> list[str]:
+    path = out_dir / f"{name}.json"
     if not path.exists():
-        return ["bench.gpu_check.w4 wrote no w4.json"]
+        return [f"bench.gpu_check.{name} wrote no {name}.json"]
     report = json.loads(path.read_text())
     problems = [f"{c['check']}: {c['detail']}" for c in report["checks"] if not c["ok"]] + list(report["problems"])
     return problems if report["checks"] else ["no check ran", *problems]
@@ -295,13 +304,38 @@ def _launcher(python: str, gpus: int) -> list[str]:
     return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}", "-m"]
 
 
+def budget(gpus: int) -> float:
+    """The whole check's seconds on a machine with ``gpus`` GPUs ([Note: gpu-check time budget])."""
+    return TOTAL_BUDGET_S + (NCCL_LIMIT_S if gpus >= 2 else 0.0)
+
+
+def nccl_stage(out_dir: Path, *, gpus: int, python: str = sys.executable) -> Stage:
+    """One NCCL rank per GPU (:mod:`bench.gpu_check.nccl`), or a skipped stage saying why on fewer than 2."""
+    env = {**DEVICE_CHECKS, "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+           "TORCH_FR_DUMP_TEMP_FILE": str(out_dir / NCCL_TRACE)}
+    return Stage(
+        name="nccl",
+        title=f"NCCL, one rank per GPU ({gpus}): every collective (sync/async, SUM/AVG/PREMUL_SUM, bf16/fp16/fp32, "
+              "1 and 4 stages, cupy and driver launchers) byte-identical to the same call on CPU tensors over gloo; "
+              "ZeRO++ and FSDP2-adapter steps equal to the CPU's; 60 s collective timeout, flight recorder on timeout",
+        argv=(*_launcher(python, max(gpus, 2)), "bench.gpu_check.nccl", "--timeout", "60",
+              "--json", str(out_dir / "nccl.json")),  # fmt: skip
+        limit_s=NCCL_LIMIT_S,
+        needs=("cupy",),
+        env=env,
+        verify=lambda out: _verify_w4(out, "nccl"),
+        verify_failed_run=True,
+        skip=None if gpus >= 2 else f"this machine has {gpus} GPU; the NCCL stage needs 2 or more (one rank per GPU)",
+    )
+
+
 def plan(out_dir: Path, *, gpus: int, python: str = sys.executable) -> list[Stage]:
     """The stages, in order, writing their outputs into ``out_dir``; ``gpus`` ranks for the distributed ones."""
     present = [name for name in CUDA_TESTS if (REPO / name).exists()]
     missing = tuple(f"{name} is missing from this checkout: its tests did not run" for name in CUDA_TESTS if name not in present)
     launch = _launcher(python, gpus)
     driver_present = [name for name in DRIVER_TESTS if (REPO / name).exists()]
-    return [
+    planned = [
         Stage(
             name="cuda-tests",
             title=f"CUDA tests with {GPU_CHECK_ENV}=1 (a skip is a failure, a crash a named failure), one pytest "
@@ -310,7 +344,7 @@ def plan(out_dir: Path, *, gpus: int, python: str = sys.executable) -> list[Stag
                   "--jobs", str(TEST_JOBS), "-k", CUDA_TESTS_SELECT, *present),  # fmt: skip
             limit_s=165,
             needs=("pytest", "cupy"),
-            env={GPU_CHECK_ENV: "1"},
+            env={GPU_CHECK_ENV: "1", **DEVICE_CHECKS},
             missing=missing,
             verify=_verify_tests,
             verify_failed_run=True,
@@ -321,10 +355,11 @@ def plan(out_dir: Path, *, gpus: int, python: str = sys.executable) -> list[Stag
                   "hierarchical collectives and ZeRO++ steps byte-/loss-equal to the same on CPU tensors (not NCCL)",
             # the CPU side on zcomm's reference backend, which defines the wire format: no numba
             # compile in 4 ranks eats the stage's time, and a GPU machine may lack numba
-            argv=(python, "-m", "bench.gpu_check.w4", "--device", "cuda", "--cpu-backend", "reference",
-                  "--timeout", "28", "--json", str(out_dir / "w4.json")),  # fmt: skip
-            limit_s=35,
+            argv=(*_launcher(python, W4_RANKS), "bench.gpu_check.w4", "--device", "cuda", "--cpu-backend", "reference",
+                  "--timeout", "52", "--json", str(out_dir / "w4.json")),  # fmt: skip
+            limit_s=60,
             needs=("cupy",),
+            env=DEVICE_CHECKS,
             verify=_verify_w4,
             verify_failed_run=True,
         ),
@@ -336,8 +371,10 @@ def plan(out_dir: Path, *, gpus: int, python: str = sys.executable) -> list[Stag
                   "--json", str(out_dir / "collectives.json")),  # fmt: skip
             limit_s=20,
             needs=("cupy", "tqdm"),
+            env=DEVICE_CHECKS,
             verify=_verify_collectives,
         ),
+        nccl_stage(out_dir, gpus=gpus, python=python),
         Stage(
             name="driver-launcher",
             title=f"{LAUNCHER_ENV}=driver (cuLaunchKernelEx through ctypes): the CUDA kernel tests in one pytest, "
@@ -346,10 +383,11 @@ def plan(out_dir: Path, *, gpus: int, python: str = sys.executable) -> list[Stag
                   f"--junitxml={out_dir / DRIVER_TESTS_XML}", *driver_present),  # fmt: skip
             limit_s=55,
             needs=("pytest", "cupy"),
-            env={GPU_CHECK_ENV: "1", LAUNCHER_ENV: "driver"},
+            env={GPU_CHECK_ENV: "1", LAUNCHER_ENV: "driver", **DEVICE_CHECKS},
             missing=tuple(f"{name} is missing from this checkout: its tests did not run under the driver launcher"
                           for name in DRIVER_TESTS if name not in driver_present),  # fmt: skip
             verify=_verify_driver_tests,
             verify_failed_run=True,
         ),
     ]
+    return planned

@@ -1,7 +1,7 @@
 """World size 4 on one machine: zcomm's hierarchical collectives and ZeRO++ on 2 nodes x 2 ranks, one device.
 
-``python -m bench.gpu_check.w4 --device {cuda,cpu} --json PATH`` starts 4 rank processes,
-joined in a **gloo** process group and laid out as ``Topology(world_size=4, local_size=2)``
+``torchrun --standalone --nproc-per-node=4 -m bench.gpu_check.w4 --device {cuda,cpu} --json PATH``:
+4 rank processes, joined in a **gloo** process group and laid out as ``Topology(world_size=4, local_size=2)``
 (2 pretend nodes of 2 ranks). One GPU cannot host two ranks of one NCCL communicator
 ("Duplicate GPU detected"), but gloo runs its collectives on CUDA tensors (it stages them
 through the host), also on subgroups; so with ``--device cuda`` every rank keeps its
@@ -19,22 +19,24 @@ plain ``torch.distributed`` collective in fp64 within a loose analytic bound on 
 quantization error (an INT8 step is absmax/127, an INT4 step absmax/7 per hop), which
 catches a CPU path that is wrong in the same way as the device path. Cases:
 ``all_gather_q8`` (1 and 4 stages), ``reduce_scatter_q4`` and ``reduce_scatter_q4_coalesced``
-(1 and 4 stages, INT4 and INT8 first hop, with and without the Hadamard rotation), bf16
-and fp32, sync and async; then 3 steps of zero_runtime's ZeRO++ (stage 3 with qwZ + hpZ over
+(1 and 4 stages, INT4 and INT8 first hop, with and without the Hadamard rotation; SUM, and
+AVG and PREMUL_SUM through the re-quantizing kernel of the second hop), bf16, fp16 and fp32,
+sync and async; then 3 steps of zero_runtime's ZeRO++ (stage 3 with qwZ + hpZ over
 pairs of ranks + qgZ) on a small GPT on ``--device`` and on the CPU, whose global-batch
 losses must agree within ``ZEROPP_RTOL`` (for why 1e-3, see [Note: CPU/CUDA bounds] in
 ``tests/runtime/test_zero_cuda.py``).
 
 With ``--device cpu`` both sides are CPU tensors: the same launcher, ranks and checks, so a
 CPU machine proves the wiring (the CUDA variant differs only by the device). Exit status
-0 when every check passed, 1 when one failed, 2 when ``--device cuda`` has no GPU. The
-parent waits at most ``--timeout`` seconds and reports ranks that crashed or hung by rank.
+0 when every check passed, 1 when one failed, 2 when ``--device cuda`` has no GPU. A collective
+times out after ``--timeout`` seconds; torchrun names a rank that crashed or raised.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import functools
 import json
 import math
@@ -47,7 +49,6 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 WORLD, LOCAL = 4, 2
 ZEROPP_RTOL = 1e-3
@@ -57,7 +58,9 @@ STEPS = 3
 # (~0.01 sigma); INT4 levels are absmax/7 (~0.17 sigma), two hops of them at most ~0.35.
 GATHER_BOUND, REDUCE_BOUND = 0.05, 0.35
 BACKEND_VARIABLE = "ZCOMM_BACKEND"
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+OPS = ("SUM", "AVG", "PREMUL_SUM")
+PREMUL_FACTOR = 0.3  # not 1 / W: the divisor 1 / 0.3 takes the re-quantizer's division mode
 # torch 2.13 renamed the flat all-gather (the old name warns)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -100,62 +103,103 @@ def _same_bytes(device_out: Sequence[torch.Tensor], cpu_out: Sequence[torch.Tens
     return same, diff
 
 
-def _gather_case(topology, dtype: torch.dtype, stages: int, async_op: bool):
+def _group(on: torch.device, groups: tuple) -> Any:
+    """The group of a call on ``on``: ``groups`` is (the device's group, the CPU's group); None is WORLD."""
+    return groups[1] if on.type == "cpu" else groups[0]
+
+
+def _reduce_op(name: str) -> Any:
+    if name == "PREMUL_SUM":  # what FSDP2 passes after set_gradient_divide_factor
+        return dist._make_nccl_premul_sum(PREMUL_FACTOR)
+    return getattr(dist.ReduceOp, name)
+
+
+def _gather_case(topology, dtype: torch.dtype, stages: int, async_op: bool, groups: tuple):
     import zcomm
 
     x = _inputs(11, 5000, dtype)
+    world = dist.get_world_size()
 
     def run(on: torch.device) -> list[torch.Tensor]:
-        out = torch.empty(WORLD * x.numel(), dtype=dtype, device=on)
-        _wait(zcomm.all_gather_q8(out, x.to(on), None, async_op, pipeline_stages=stages, topology=topology))
+        out = torch.empty(world * x.numel(), dtype=dtype, device=on)
+        _wait(zcomm.all_gather_q8(out, x.to(on), _group(on, groups), async_op, pipeline_stages=stages,
+                                  topology=topology))
         return [out]
 
-    exact = torch.empty(WORLD * x.numel(), dtype=torch.float64)
-    _all_gather_single(exact, x.double())
+    exact = torch.empty(world * x.numel(), dtype=torch.float64)
+    _all_gather_single(exact, x.double(), group=groups[1])
     return run, exact, GATHER_BOUND
 
 
-def _reduce_case(topology, dtype: torch.dtype, stages: int, async_op: bool, *,
-                 coalesced: bool, first_hop_bits: int, hadamard: int | None):  # fmt: skip
+def _reduce_case(topology, dtype: torch.dtype, stages: int, async_op: bool, groups: tuple, *,
+                 coalesced: bool, first_hop_bits: int, hadamard: int | None, op: str = "SUM"):  # fmt: skip
     import zcomm
 
-    numels = (WORLD * 4096, WORLD * 1000, WORLD * 256) if coalesced else (WORLD * 8192,)
+    world = dist.get_world_size()
+    numels = (world * 4096, world * 1000, world * 256) if coalesced else (world * 8192,)
     xs = [_inputs(23 + i, n, dtype) for i, n in enumerate(numels)]
     options = dict(pipeline_stages=stages, topology=topology, first_hop_bits=first_hop_bits, hadamard_block=hadamard)
 
     def run(on: torch.device) -> list[torch.Tensor]:
         ins = [x.to(on) for x in xs]
-        outs = [torch.empty(x.numel() // WORLD, dtype=dtype, device=on) for x in xs]
+        outs = [torch.empty(x.numel() // world, dtype=dtype, device=on) for x in xs]
+        group = _group(on, groups)
         if coalesced:
-            _wait(zcomm.reduce_scatter_q4_coalesced(outs, ins, dist.ReduceOp.SUM, None, async_op, **options))
+            _wait(zcomm.reduce_scatter_q4_coalesced(outs, ins, _reduce_op(op), group, async_op, **options))
         else:
-            _wait(zcomm.reduce_scatter_q4(outs[0], ins[0], dist.ReduceOp.SUM, None, async_op, **options))
+            _wait(zcomm.reduce_scatter_q4(outs[0], ins[0], _reduce_op(op), group, async_op, **options))
         return outs
 
+    scale = {"SUM": 1.0, "AVG": 1.0 / world, "PREMUL_SUM": PREMUL_FACTOR}[op]
     exact = []
     for x in xs:
         total = x.double()
-        dist.all_reduce(total)  # gloo: SUM on fp64, then this rank's slice
-        exact.append(total.view(WORLD, -1)[dist.get_rank()])
+        dist.all_reduce(total, group=groups[1])  # SUM on fp64 over the CPU's group, then this rank's slice
+        exact.append(total.view(world, -1)[dist.get_rank()] * scale)
     return run, torch.cat(exact), REDUCE_BOUND
 
 
-def _cases(dtypes: Sequence[str]) -> list[tuple[str, Callable, dict]]:
+def _cases(dtypes: Sequence[str], ops: Sequence[str] = OPS, *, both_modes: bool = False) -> list[tuple[str, Callable, dict]]:
+    """SUM over every option; AVG and PREMUL_SUM (folded into the fp32 reduction and, on two
+    hops, the re-quantizing kernel's divisor) without the Hadamard rotation, which they share.
+    4 stages run async and 1 stage sync, or (``both_modes``) each both ways."""
     cases = []
     for short in dtypes:
         dtype = DTYPES[short]
         for stages in (1, 4):
-            async_op = stages == 4
-            cases.append((f"all_gather_q8 {short} stages={stages}", _gather_case,
-                          dict(dtype=dtype, stages=stages, async_op=async_op)))  # fmt: skip
-            for coalesced in (False, True):
-                for bits, hadamard in ((4, None), (8, None), (4, 256)):
-                    name = (f"reduce_scatter_q4{'_coalesced' if coalesced else ''} {short} stages={stages} "
-                            f"first_hop=INT{bits}{' hadamard=256' if hadamard else ''}")  # fmt: skip
-                    cases.append((name, functools.partial(_reduce_case, coalesced=coalesced, first_hop_bits=bits,
-                                                          hadamard=hadamard),
-                                  dict(dtype=dtype, stages=stages, async_op=async_op)))  # fmt: skip
+            for async_op in (False, True) if both_modes else (stages == 4,):
+                mode = f"stages={stages}{' async' if async_op else ''}"
+                options = dict(dtype=dtype, stages=stages, async_op=async_op)
+                cases.append((f"all_gather_q8 {short} {mode}", _gather_case, options))
+                for coalesced in (False, True):
+                    for bits, hadamard in ((4, None), (8, None), (4, 256)):
+                        for op in ops if hadamard is None else ("SUM",):
+                            name = (f"reduce_scatter_q4{'_coalesced' if coalesced else ''} {short} {mode} "
+                                    f"first_hop=INT{bits}{' hadamard=256' if hadamard else ''} {op}")  # fmt: skip
+                            cases.append((name, functools.partial(_reduce_case, coalesced=coalesced,
+                                                                  first_hop_bits=bits, hadamard=hadamard, op=op),
+                                          options))  # fmt: skip
     return cases
+
+
+def check_case(make: Callable, options: dict, topology, device: torch.device, cpu_backend: str | None,
+               groups: tuple, launchers: Sequence[str | None] = (None,)) -> tuple[bool, str]:
+    """One case: its calls on ``device`` (under each CUDA kernel launcher of ``launchers``; None:
+    the process's) byte-identical to the same calls on CPU tensors, within its bound of fp64."""
+    run, exact, bound = make(topology, groups=groups, **options)
+    with _backend(cpu_backend):
+        on_cpu = run(torch.device("cpu"))
+    error = _rel_error(torch.cat([t.reshape(-1) for t in on_cpu]), exact)
+    ok, details = error <= bound, []
+    for launcher in launchers:
+        if launcher is not None:
+            from zcomm_cuda import loader
+
+            loader.set_launcher(launcher)
+        same, diff = _same_bytes(run(device), on_cpu)
+        ok &= same
+        details.append(f"{launcher + ': ' if launcher else ''}bytes {'identical' if same else f'DIFFER (max |diff| {diff:.3g})'}")
+    return ok, f"{'; '.join(details)}; rel. error vs fp64 {error:.4f} (bound {bound})"
 
 
 def _collective_checks(device: torch.device, cpu_backend: str | None, dtypes: Sequence[str]) -> list[dict]:
@@ -165,21 +209,14 @@ def _collective_checks(device: torch.device, cpu_backend: str | None, dtypes: Se
     results = []
     for name, make, options in _cases(dtypes):
         try:
-            run, exact, bound = make(topology, **options)
-            on_device = run(device)
-            with _backend(cpu_backend):
-                on_cpu = run(torch.device("cpu"))
-            same, diff = _same_bytes(on_device, on_cpu)
-            error = _rel_error(torch.cat([t.reshape(-1) for t in on_cpu]), exact)
-            ok = same and error <= bound
-            detail = f"bytes {'identical' if same else f'DIFFER (max |diff| {diff:.3g})'}; rel. error vs fp64 {error:.4f} (bound {bound})"
+            ok, detail = check_case(make, options, topology, device, cpu_backend, (None, None))
         except Exception:  # a failing case is reported by name; the others still run
             ok, detail = False, traceback.format_exc(limit=4).strip().splitlines()[-1]
         results.append({"check": name, "ok": ok, "detail": detail})
     return results
 
 
-def _train(device: torch.device, topology) -> list[float]:
+def train_zeropp(device: torch.device, topology, group: Any = None, cpu_group: Any = None) -> list[float]:
     """Global-batch losses of ``STEPS`` steps of ZeRO++ on a small GPT (same weights and batches on every rank)."""
     import zero_runtime
 
@@ -188,105 +225,110 @@ def _train(device: torch.device, topology) -> list[float]:
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(vocab_size=256, seq_len=32, d_model=64, n_heads=4, n_layers=2)).to(device)
     config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "zero_quantized_weights": True,
-                                    "zero_quantized_gradients": True, "zero_hpz_partition_size": LOCAL}}  # fmt: skip
+                                    "zero_quantized_gradients": True, "zero_hpz_partition_size": topology.local_size}}  # fmt: skip
     sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
-    model, opt = zero_runtime.initialize(model, sgd, config, topology=topology)
+    model, opt = zero_runtime.initialize(model, sgd, config, group=group, topology=topology)
     generator = torch.Generator().manual_seed(1)
     losses = []
+    world = dist.get_world_size()
     for _ in range(STEPS):
-        tokens = torch.randint(0, 256, (2 * WORLD, 33), generator=generator)
-        loss = model.loss(tokens.view(WORLD, 2, 33)[dist.get_rank()].to(device))
+        tokens = torch.randint(0, 256, (2 * world, 33), generator=generator)
+        loss = model.loss(tokens.view(world, 2, 33)[dist.get_rank()].to(device))
         opt.backward(loss)
         opt.step()
         losses.append(loss.detach().double().cpu())
-    total = torch.stack(losses)
-    dist.all_reduce(total)
     opt.close()
-    return (total / WORLD).tolist()
+    return global_mean(losses, cpu_group)
 
 
-def _runtime_check(device: torch.device, cpu_backend: str | None) -> dict:
-    import zcomm
+def global_mean(losses: Sequence[torch.Tensor], group: Any = None) -> list[float]:
+    """Each step's loss averaged over the ranks (fp64 on the CPU, over ``group``: a CPU-capable one)."""
+    total = torch.stack(list(losses))
+    dist.all_reduce(total, group=group)
+    return (total / dist.get_world_size()).tolist()
 
-    topology = zcomm.Topology(world_size=WORLD, local_size=LOCAL)
-    name = f"zero_runtime ZeRO++ (qwZ + hpZ 2 + qgZ), {STEPS} steps, fp32"
+
+def compare_losses(name: str, on_device: Callable[[], list[float]], on_cpu: Callable[[], list[float]],
+                   cpu_backend: str | None) -> dict:
+    """A check that the per-step losses of a training on the device equal the CPU's within ``ZEROPP_RTOL``."""
     try:
-        on_device = _train(device, topology)
+        device_losses = on_device()
         with _backend(cpu_backend):
-            on_cpu = _train(torch.device("cpu"), topology)
-        worst = max(abs(a - b) / abs(b) for a, b in zip(on_device, on_cpu))
-        ok = worst <= ZEROPP_RTOL and all(map(math.isfinite, on_device))
-        detail = (f"losses {['%.5f' % v for v in on_device]} vs CPU {['%.5f' % v for v in on_cpu]}; "
+            cpu_losses = on_cpu()
+        worst = max(abs(a - b) / abs(b) for a, b in zip(device_losses, cpu_losses))
+        ok = worst <= ZEROPP_RTOL and all(map(math.isfinite, device_losses))
+        detail = (f"losses {['%.5f' % v for v in device_losses]} vs CPU {['%.5f' % v for v in cpu_losses]}; "
                   f"max rel. diff {worst:.2e} (bound {ZEROPP_RTOL})")
     except Exception:
         ok, detail = False, traceback.format_exc(limit=4).strip().splitlines()[-1]
     return {"check": name, "ok": ok, "detail": detail}
 
 
-def _rank_main(rank: int, port: int, device_name: str, cpu_backend: str | None, dtypes: Sequence[str],
-               results: Any) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or WORLD) // WORLD))
-    try:
-        store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
-        device = torch.device(device_name, 0) if device_name == "cuda" else torch.device("cpu")
-        # TF32 would make the device side round differently from the CPU side
-        torch.backends.cuda.matmul.allow_tf32 = False
-        checks = _collective_checks(device, cpu_backend, dtypes) + [_runtime_check(device, cpu_backend)]
-        results.put((rank, True, checks))
-        store.add("w4/done", 1)  # [Note: teardown] of tests/spawn_harness.py: leave together, no gloo teardown
-        deadline = time.monotonic() + 30
-        while store.add("w4/done", 0) < WORLD and time.monotonic() < deadline:
-            time.sleep(0.05)
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        # a Queue's put returns before its feeder thread has written: flush it before leaving
-        results.close()
-        results.join_thread()
-        sys.stdout.flush()
-        os._exit(0)
+def _runtime_check(device: torch.device, cpu_backend: str | None) -> dict:
+    import zcomm
+
+    topology = zcomm.Topology(world_size=WORLD, local_size=LOCAL)
+    return compare_losses(f"zero_runtime ZeRO++ (qwZ + hpZ 2 + qgZ), {STEPS} steps, fp32",
+                          lambda: train_zeropp(device, topology), lambda: train_zeropp(torch.device("cpu"), topology),
+                          cpu_backend)
 
 
-def run_ranks(device: str, cpu_backend: str | None, timeout: float,
-              dtypes: Sequence[str] = tuple(DTYPES)) -> tuple[list[dict], list[str]]:
-    """Every rank's checks (rank 0's list, with each check failed where any rank failed it) and problems by rank."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    procs = [context.Process(target=_rank_main, args=(rank, store.port, device, cpu_backend, tuple(dtypes), results), daemon=True)
-             for rank in range(WORLD)]  # fmt: skip
-    for proc in procs:
-        proc.start()
-    reports: dict[int, tuple[bool, Any]] = {}
-    deadline = time.monotonic() + timeout
-    while len(reports) < WORLD and time.monotonic() < deadline:
-        try:
-            rank, ok, value = results.get(timeout=1.0)
-            reports[rank] = (ok, value)
-        except Exception:  # queue.Empty: see whether a rank died without reporting
-            if any(not p.is_alive() and r not in reports for r, p in enumerate(procs)) and results.empty():
-                time.sleep(1.0)
-                if results.empty():
-                    break
-    for proc in procs:
-        proc.join(timeout=max(0.0, min(30.0, deadline - time.monotonic())))
-        if proc.is_alive():
-            proc.kill()
-    problems = []
-    for rank, proc in enumerate(procs):
-        if rank not in reports:
-            problems.append(f"rank {rank} reported nothing (exit code {proc.exitcode}; negative: a signal; None: "
-                            f"killed after the {timeout:.0f} s limit)")  # fmt: skip
-        elif not reports[rank][0]:
-            problems.append(f"rank {rank} raised:\n{reports[rank][1]}")
-    per_rank = [reports[r][1] for r in sorted(reports) if reports[r][0]]
+def merge(per_rank: Sequence[list[dict]]) -> list[dict]:
+    """Rank 0's checks, each failed where any rank failed it (naming the ranks and the first one's detail)."""
     merged = []
-    for index, check in enumerate(per_rank[0] if per_rank else []):
-        failed = [r for r, checks in enumerate(per_rank) if not checks[index]["ok"]]
-        detail = check["detail"] if not failed else f"failed on rank(s) {failed}: " + per_rank[failed[0]][index]["detail"]
-        merged.append({**check, "ok": not failed and len(per_rank) == WORLD, "detail": detail})
-    return merged, problems
+    for index, check in enumerate(per_rank[0]):
+        failed = [rank for rank, checks in enumerate(per_rank) if not checks[index]["ok"]]
+        detail = check["detail"] if not failed else f"failed on rank(s) {failed}: {per_rank[failed[0]][index]['detail']}"
+        merged.append({**check, "ok": not failed, "detail": detail})
+    return merged
+
+
+def torchrun_main(stage: str, args: argparse.Namespace, backend: str, run: Callable[[torch.device, Any], list[dict]],
+                  *, local_device: bool, local_size: int | None = None) -> int:
+    """One rank of a stage started by torchrun: join the ``backend`` world (its collectives time out after
+    ``args.timeout`` s; the CPU group is the world under gloo, else a gloo group of the same ranks), run the checks,
+    gather them; rank 0 prints them and writes ``args.json``. Ranks use ``cuda:LOCAL_RANK`` when
+    ``local_device``, else ``cuda:0`` (several ranks on one GPU). ``local_size``: the ranks per node the
+    checks lay out (default: torchrun's)."""
+    if "LOCAL_RANK" not in os.environ:
+        print(f"{stage}: start it with torchrun, e.g. torchrun --standalone --nproc-per-node=N -m "
+              f"bench.gpu_check.{stage}", file=sys.stderr)  # fmt: skip
+        return 2
+    started = time.monotonic()
+    local_rank, local = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    torch.set_num_threads(max(1, (os.cpu_count() or local) // local))
+    timeout = datetime.timedelta(seconds=args.timeout)
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", local_rank if local_device else 0)
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = False  # TF32 would round differently from the CPU side
+    dist.init_process_group(backend, timeout=timeout, **({"device_id": device} if backend == "nccl" else {}))
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    checks = run(device, cpu_group)
+    per_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, checks, group=cpu_group)
+    if dist.get_rank() != 0:
+        return 0
+    merged, seconds, local = merge(per_rank), time.monotonic() - started, local_size or local
+    passed = bool(merged) and all(c["ok"] for c in merged)
+    for check in merged:
+        print(f"{'ok  ' if check['ok'] else 'FAIL'} {check['check']}: {check['detail']}")
+    print(f"{stage}: {sum(c['ok'] for c in merged)} of {len(merged)} checks passed on {len(per_rank)} ranks "
+          f"({local} per node), device {args.device}, {backend}, {seconds:.0f} s")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({"device": args.device, "world_size": len(per_rank), "local_size": local,
+                                         "backend": backend, "seconds": seconds, "checks": merged, "problems": [],
+                                         "passed": passed}, indent=1) + "\n")  # fmt: skip
+    return 0 if passed else 1
+
+
+def exit_without_teardown(status: int) -> None:
+    """Leave once every collective is done, without tearing the groups down: gloo's teardown can abort
+    a rank whose peer left first ([Note: teardown] in tests/spawn_harness.py)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -294,8 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--cpu-backend", default=None, help="zcomm backend of the CPU side (default: the CPU's)")
     parser.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), default=list(DTYPES))
-    parser.add_argument("--json", type=Path, help="write the checks as JSON")
-    parser.add_argument("--timeout", type=float, default=200.0, help="seconds the ranks may take (default 200)")
+    parser.add_argument("--json", type=Path, help="rank 0 writes the checks here")
+    parser.add_argument("--timeout", type=float, default=200.0, help="seconds a collective may take (default 200)")
     return parser
 
 
@@ -304,22 +346,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("w4: --device cuda, but torch sees no CUDA device", file=sys.stderr)
         return 2
-    start = time.monotonic()
-    checks, problems = run_ranks(args.device, args.cpu_backend, args.timeout, args.dtypes)
-    seconds = time.monotonic() - start
-    for check in checks:
-        print(f"{'ok  ' if check['ok'] else 'FAIL'} {check['check']}: {check['detail']}")
-    for problem in problems:
-        print(f"FAIL {problem}")
-    passed = bool(checks) and not problems and all(c["ok"] for c in checks)
-    print(f"w4: {sum(c['ok'] for c in checks)} of {len(checks)} checks passed on {WORLD} ranks "
-          f"({WORLD // LOCAL} nodes x {LOCAL}), device {args.device}, gloo, {seconds:.0f} s")  # fmt: skip
-    if args.json:
-        args.json.write_text(json.dumps({"device": args.device, "world_size": WORLD, "local_size": LOCAL,
-                                         "backend": "gloo", "seconds": seconds, "checks": checks,
-                                         "problems": problems, "passed": passed}, indent=1) + "\n")  # fmt: skip
-    return 0 if passed else 1
+    if os.environ.get("WORLD_SIZE", str(WORLD)) != str(WORLD):
+        print(f"w4: {WORLD} ranks (torchrun --nproc-per-node={WORLD}), not {os.environ['WORLD_SIZE']}", file=sys.stderr)
+        return 2
+
+    def run(device: torch.device, cpu_group: Any) -> list[dict]:
+        return _collective_checks(device, args.cpu_backend, args.dtypes) + [_runtime_check(device, args.cpu_backend)]
+
+    return torchrun_main("w4", args, "gloo", run, local_device=False, local_size=LOCAL)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

@@ -164,6 +164,8 @@ def _configs(*configs: TrainConfig) -> dict[str, TrainConfig]:
     return {config.name: config for config in configs}
 
 
+_ZEROPP = dict(quantized_weights=True, hpz=True, quantized_gradients=True)  # qwZ + hpZ + qgZ
+
 CONFIGS: dict[str, TrainConfig] = _configs(
     TrainConfig(name="zero1", engine="zero", stage=1, summary="ZeRO stage 1: optimizer states partitioned"),
     TrainConfig(name="zero2", engine="zero", stage=2, summary="ZeRO stage 2: + gradients partitioned"),
@@ -177,32 +179,11 @@ CONFIGS: dict[str, TrainConfig] = _configs(
     TrainConfig(name="zero3+qwz", engine="zero", quantized_weights=True, summary="stage 3 + INT8 weight all-gather"),
     TrainConfig(name="zero3+hpz", engine="zero", hpz=True, summary="stage 3 + per-node secondary weights"),
     TrainConfig(name="zero3+qgz", engine="zero", quantized_gradients=True, summary="stage 3 + INT4 2-hop grad RS"),
-    TrainConfig(
-        name="zeropp",
-        engine="zero",
-        quantized_weights=True,
-        hpz=True,
-        quantized_gradients=True,
-        summary="ZeRO++: qwZ + hpZ + qgZ",
-    ),
-    TrainConfig(
-        name="zeropp-tensorscale",
-        engine="zero",
-        quantized_weights=True,
-        hpz=True,
-        quantized_gradients=True,
-        quant_group_size=TENSOR_SCALE,
-        summary="ZeRO++ with one scale per tensor (Figure 14 ablation)",
-    ),
-    TrainConfig(
-        name="zeropp-g128",
-        engine="zero",
-        quantized_weights=True,
-        hpz=True,
-        quantized_gradients=True,
-        quant_group_size=128,
-        summary="ZeRO++ with 128 elements per quantization scale",
-    ),
+    TrainConfig(name="zeropp", engine="zero", **_ZEROPP, summary="ZeRO++: qwZ + hpZ + qgZ"),
+    TrainConfig(name="zeropp-tensorscale", engine="zero", **_ZEROPP, quant_group_size=TENSOR_SCALE,
+                summary="ZeRO++ with one scale per tensor (Figure 14 ablation)"),
+    TrainConfig(name="zeropp-g128", engine="zero", **_ZEROPP, quant_group_size=128,
+                summary="ZeRO++ with 128 elements per quantization scale"),
     *(
         TrainConfig(name=f"{name}-packed", engine="zero", quantized_weights=qwz, hpz=hpz, quantized_gradients=qgz,
                     align_quant_blocks=False, summary=f"{name} with parameters packed without gaps")
@@ -218,27 +199,18 @@ CONFIGS: dict[str, TrainConfig] = _configs(
     ),
     TrainConfig(name="zero3+qgz-loco", engine="zero", quantized_gradients=True, loco=True,
                 summary="stage 3 + qgZ with LoCo error feedback"),
-    TrainConfig(name="zeropp-loco", engine="zero", quantized_weights=True, hpz=True, quantized_gradients=True,
-                loco=True, summary="ZeRO++ with LoCo error feedback on qgZ"),
-    TrainConfig(name="zeropp-int8hop", engine="zero", quantized_weights=True, hpz=True, quantized_gradients=True,
-                first_hop_bits=8, summary="ZeRO++ with qgZ's intra-node hop in INT8 (SDP4Bit's two-level scheme)"),
-    TrainConfig(name="zeropp-hadamard", engine="zero", quantized_weights=True, hpz=True, quantized_gradients=True,
-                hadamard_block=256,
+    TrainConfig(name="zeropp-loco", engine="zero", **_ZEROPP, loco=True, summary="ZeRO++ with LoCo error feedback on qgZ"),
+    TrainConfig(name="zeropp-int8hop", engine="zero", **_ZEROPP, first_hop_bits=8,
+                summary="ZeRO++ with qgZ's intra-node hop in INT8 (SDP4Bit's two-level scheme)"),
+    TrainConfig(name="zeropp-hadamard", engine="zero", **_ZEROPP, hadamard_block=256,
                 summary="ZeRO++ with qgZ's gradients Hadamard-rotated in blocks of 256 (SDP4Bit's smoothing)"),
     TrainConfig(name="fsdp2", engine="fsdp2", summary="torch fully_shard, bf16 MixedPrecisionPolicy"),
     TrainConfig(name="fsdp2-hpz", engine="fsdp2", hpz=True, summary="fully_shard, reshard_after_forward=ranks/node"),
     TrainConfig(name="fsdp2-qwz", engine="fsdp2", quantized_weights=True, summary="fully_shard + zcomm.fsdp qwZ"),
     TrainConfig(name="fsdp2-qgz", engine="fsdp2", quantized_gradients=True, summary="fully_shard + zcomm.fsdp qgZ"),
-    TrainConfig(
-        name="fsdp2-zeropp",
-        engine="fsdp2",
-        quantized_weights=True,
-        hpz=True,
-        quantized_gradients=True,
-        summary="ZeRO++ inside FSDP2: zcomm.fsdp.enable_zeropp + reshard_after_forward=ranks/node",
-    ),
-    TrainConfig(name="fsdp2-zeropp-int4hop", engine="fsdp2", quantized_weights=True, hpz=True,
-                quantized_gradients=True, first_hop_bits=4,
+    TrainConfig(name="fsdp2-zeropp", engine="fsdp2", **_ZEROPP,
+                summary="ZeRO++ inside FSDP2: zcomm.fsdp.enable_zeropp + reshard_after_forward=ranks/node"),
+    TrainConfig(name="fsdp2-zeropp-int4hop", engine="fsdp2", **_ZEROPP, first_hop_bits=4,
                 summary="fsdp2-zeropp with qgZ's intra-node hop in INT4 (the ZeRO++ paper's)"),
     TrainConfig(name="ddp", engine="ddp", stage=0, summary="torch DistributedDataParallel, fp32 all-reduce"),
     TrainConfig(name="ddp-bf16hook", engine="ddp", stage=0, ddp_hook="bf16",
@@ -248,15 +220,9 @@ CONFIGS: dict[str, TrainConfig] = _configs(
     TrainConfig(name="deepspeed-z2", engine="deepspeed", stage=2, summary="DeepSpeed ZeRO-2 (needs deepspeed)"),
     TrainConfig(name="deepspeed-z3", engine="deepspeed", summary="DeepSpeed ZeRO-3 (needs deepspeed)"),
     TrainConfig(name="deepspeed-z3-hpz", engine="deepspeed", hpz=True, summary="DeepSpeed ZeRO-3 + hpZ"),
-    TrainConfig(
-        name="deepspeed-zeropp",
-        engine="deepspeed",
-        quantized_weights=True,
-        hpz=True,
-        quantized_gradients=True,
-        summary="DeepSpeed ZeRO-3 with its own ZeRO++ keys (qwZ + hpZ + qgZ)",
-        fails_on_cpu="DeepSpeed's ZeRO++ quantizer is CUDA-only, it has no CPU build",
-    ),
+    TrainConfig(name="deepspeed-zeropp", engine="deepspeed", **_ZEROPP,
+                summary="DeepSpeed ZeRO-3 with its own ZeRO++ keys (qwZ + hpZ + qgZ)",
+                fails_on_cpu="DeepSpeed's ZeRO++ quantizer is CUDA-only, it has no CPU build"),
 )
 
 

@@ -1,4 +1,5 @@
-"""``make gpu-bench`` on a CPU machine: the CPU part runs, the GPU parts are planned right.
+"""``make gpu-bench`` (``python -m bench.gpu_check --bench``) on a CPU machine: the CPU part runs, the GPU
+parts are planned right.
 
 The host-cost tool is written by others; here a small stand-in with its declared CLI
 (``--device {cpu,cuda} --sizes LIST --json PATH``) checks the wiring: the command the plan
@@ -13,8 +14,10 @@ import os
 import pytest
 import torch
 
-from bench import kernels
-from bench.gpu_bench import driver, plan, report
+import bench.kernels as kernels
+from bench.gpu_check import driver
+from bench.gpu_check import speed_plan as plan
+from bench.gpu_check import speed_report as report
 from bench.train import cli as train_cli
 from bench.train.models import TinyGPT
 
@@ -45,7 +48,7 @@ def fake_tool(tmp_path, monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_on_a_cpu_machine_the_cpu_part_runs_and_the_exit_says_no_gpu(tmp_path, fake_tool):
     out = tmp_path / "bench"
-    assert driver.main(["--out", str(out)], host_cost=fake_tool) == driver.EXIT_NO_GPU
+    assert driver.main(["--bench", "--out", str(out)], host_cost=fake_tool) == driver.EXIT_NO_GPU
     text = (out / "report.md").read_text()
     assert text.startswith("# zcomm gpu-bench: COMPLETE, CPU part only (no GPU) (1 of 1 parts passed)")
     assert "| op | size | device | host_us | sync_us |" in text and "| quantize | 1M | cpu | 1.5 | 2.25 |" in text
@@ -57,7 +60,7 @@ def test_on_a_cpu_machine_the_cpu_part_runs_and_the_exit_says_no_gpu(tmp_path, f
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_a_missing_tool_is_named_and_fails_the_run(tmp_path):
     out = tmp_path / "bench"
-    assert driver.main(["--out", str(out)], host_cost="no_such_tool_zcomm") == driver.EXIT_FAILED
+    assert driver.main(["--bench", "--out", str(out)], host_cost="no_such_tool_zcomm") == driver.EXIT_FAILED
     text = (out / "report.md").read_text()
     assert "INCOMPLETE" in text.splitlines()[0]
     assert "`python -m no_such_tool_zcomm`: not available in this checkout" in text
@@ -72,8 +75,8 @@ def test_the_gpu_plan_fits_its_budget_and_its_commands_parse(tmp_path, fake_tool
     stages, absent = plan.plan(tmp_path, gpu=True, host_cost=fake_tool)
     assert absent == []
     names = [s.name for s in stages]
-    assert names == ["host-cost-cuda", "train", "kernels", "reorder-interleaved"]
-    assert sum(s.limit_s for s in stages) + 10 <= plan.TOTAL_BUDGET_S <= 3.8 * 60
+    assert names == ["host-cost-cuda", "train", "kernels", "kernel-variants"]
+    assert sum(s.limit_s for s in stages) + 10 <= plan.TOTAL_BUDGET_S <= 4 * 60
     host = _args(stages[0], fake_tool)
     assert host[:4] == ["--device", "cuda", "--sizes", "1M,16M"] and host[4] == "--json"
     assert host[-2:] == ["--launcher", "cupy,driver"]
@@ -89,6 +92,14 @@ def test_the_gpu_plan_fits_its_budget_and_its_commands_parse(tmp_path, fake_tool
     assert 140e6 < params < 180e6
     sweep = kernels.build_parser().parse_args(_args(stages[2], "bench.kernels"))
     assert sweep.sweep and not sweep.quick and sweep.json.endswith("kernels.json")
+    variants = kernels.build_parser().parse_args(_args(stages[3], "bench.kernels"))
+    assert variants.variants and not variants.quick and variants.output.endswith("variants.md")
+
+
+def test_the_variants_decisions_are_reported(tmp_path):
+    (tmp_path / "variants.md").write_text("# Kernel variants on X\n\n## Decisions\n\n| row | decision |\n| a | **keep** |\n")
+    assert report._variants(tmp_path) == ["", "### Decisions", "", "| row | decision |", "| a | **keep** |"]
+    assert report._variants(tmp_path / "none") == ["(the variants part wrote no variants.md)"]
 
 
 def test_report_tables_from_rows_and_training():

@@ -107,10 +107,13 @@ def test_a_stage_whose_modules_are_missing_fails_without_running(tmp_path):
 def test_the_plan_fits_the_budget_and_names_missing_test_files(tmp_path, monkeypatch):
     monkeypatch.setattr(stages, "CUDA_TESTS", (*stages.CUDA_TESTS[:1], "tests/test_not_there.py"))
     plan = stages.plan(tmp_path, gpus=1)
-    assert [s.name for s in plan] == ["cuda-tests", "w4", "collectives", "driver-launcher"]
-    assert sum(s.limit_s for s in plan) + 15 <= stages.TOTAL_BUDGET_S <= 300
+    assert [s.name for s in plan] == ["cuda-tests", "w4", "collectives", "nccl", "driver-launcher"]
+    assert sum(s.limit_s for s in plan if s.skip is None) + 15 <= stages.budget(1) <= 315
+    several = stages.plan(tmp_path, gpus=2)
+    assert sum(s.limit_s for s in several) + 15 <= stages.budget(2) <= 485 - 15  # gpu_lease.sh's hard limit
     tests = plan[0]
-    assert tests.env == {stages.GPU_CHECK_ENV: "1"}
+    assert tests.env == {stages.GPU_CHECK_ENV: "1", "ZCOMM_CUDA_DEVICE_CHECKS": "1"}
+    assert all(s.env.get("ZCOMM_CUDA_DEVICE_CHECKS") == "1" for s in plan)
     assert "tests/test_not_there.py" not in tests.argv and stages.CUDA_TESTS[0] in tests.argv
     assert tests.missing == ("tests/test_not_there.py is missing from this checkout: its tests did not run",)
 
@@ -314,7 +317,7 @@ def test_report_shows_the_w4_checks(tmp_path):
               {"check": "zero_runtime ZeRO++", "ok": False, "detail": "losses differ"}]
     (tmp_path / "w4.json").write_text(json.dumps({"device": "cuda", "world_size": 4, "local_size": 2, "backend": "gloo",
                                                   "seconds": 31.0, "checks": checks, "problems": ["rank 3 raised"]}))
-    lines = report._w4(tmp_path)
+    lines = report._checks(tmp_path)
     assert lines[0] == "4 ranks (2 nodes x 2) over gloo, device cuda, 31 s."
     assert "| all_gather_q8 bf16 stages=4 | ok | bytes identical |" in lines
     assert "| zero_runtime ZeRO++ | FAILED | losses differ |" in lines and lines[-1] == "- rank 3 raised"

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from bench import host_cost
+from bench.host_cost import calls as host_cost
 from cuda_support import REPO
 
 EXPECTED_ROWS = {

@@ -1,4 +1,4 @@
-"""bench.launch_cost on CPU: both launchers timed with their stand-ins, every column measured.
+"""bench.host_cost --launch-stand-in on CPU: both launchers timed with their stand-ins, every column measured.
 
 A smoke run with a few calls per round; the numbers are not checked beyond being measured,
 and the loader is left as it was (its lookups restored, the launcher unchanged).
@@ -10,11 +10,11 @@ import shutil
 
 import pytest
 
-from bench import launch_cost
+from bench.host_cost import launch as launch_cost
 from zcomm_cuda import loader
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="bench.launch_cost compiles its no-op cuLaunchKernelEx with cc")
+                                reason="bench.host_cost --launch-stand-in compiles its no-op cuLaunchKernelEx with cc")
 
 
 def test_every_kernel_row_is_measured_and_the_loader_restored(capsys) -> None:
@@ -29,3 +29,13 @@ def test_every_kernel_row_is_measured_and_the_loader_restored(capsys) -> None:
                                                         "11-argument call us")), row
         assert row["kernel"] in out
     assert {name: getattr(loader, name) for name in before} == before
+
+
+
+def test_the_one_entry_point_runs_each_mode(capsys):
+    from bench import host_cost
+
+    assert host_cost.main(["--launch-stand-in", "--calls", "5"]) == 0
+    assert capsys.readouterr().out.startswith("# launch cost, Python side, no GPU")
+    with pytest.raises(SystemExit, match="two modes"):
+        host_cost.main(["--runtime", "--launch-stand-in"])

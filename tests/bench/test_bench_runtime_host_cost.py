@@ -1,10 +1,10 @@
-"""``python -m bench.runtime_host_cost`` runs, prints a row per configuration and writes what it measured."""
+"""``python -m bench.host_cost --runtime`` runs, prints a row per configuration and writes what it measured."""
 
 from __future__ import annotations
 
 import json
 
-from bench import runtime_host_cost
+from bench.host_cost import runtime as runtime_host_cost
 
 
 def test_prints_a_row_per_config_and_writes_the_counts(tmp_path, capsys):

@@ -1,10 +1,12 @@
-"""gpu-check's crash-proof test runner and its W = 4 stage, run on the CPU.
+"""gpu-check's crash-proof test runner, its W = 4 stage and its NCCL stage's planning and wiring, run on the CPU.
 
 The runner is given a stand-in test file whose second test kills its own process with
 SIGSEGV: the crash must become one named failure and every other test must still run and
 be counted. The W = 4 stage runs with ``--device cpu``: the same launcher, ranks and checks
 as on a GPU, with CPU tensors on both sides (and zcomm's reference backend, so that no
-numba compile is timed here).
+numba compile is timed here). The NCCL stage is planned for 1 and 4 GPUs (skipped with its
+reason on one; torchrun with a rank per GPU, short timeouts and the flight recorder on
+several), and its module runs under torchrun with ``--device cpu`` (gloo on both sides).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from bench.gpu_check import stages, test_runner, w4
+from bench.gpu_check import nccl, report, stages, test_runner, w4
 from bench.harness.checkout import REPO, checkout_environment
 
 PY = sys.executable
@@ -84,16 +86,83 @@ def test_w4_without_a_gpu_exits_2():
 def test_w4_runs_its_checks_on_four_cpu_ranks(tmp_path):
     out = tmp_path / "w4.json"
     env = checkout_environment({**os.environ, "ZCOMM_BACKEND": "reference"})
-    done = subprocess.run([PY, "-m", "bench.gpu_check.w4", "--device", "cpu", "--cpu-backend", "reference",
+    done = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m",
+                           "bench.gpu_check.w4", "--device", "cpu", "--cpu-backend", "reference",
                            "--dtypes", "bf16", "--timeout", "400", "--json", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=500)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text())
     names = [c["check"] for c in report["checks"]]
     assert report["passed"] and (report["world_size"], report["local_size"], report["backend"]) == (4, 2, "gloo")
-    assert len(names) == 15 and all(c["ok"] for c in report["checks"])
-    for needle in ("all_gather_q8 bf16 stages=4", "reduce_scatter_q4_coalesced bf16 stages=4 first_hop=INT8",
-                   "hadamard=256", "zero_runtime ZeRO++"):
+    # per stage count: 1 gather, 2 reduce forms x (2 first hops x SUM/AVG/PREMUL_SUM + Hadamard); the training
+    assert len(names) == 2 * (1 + 2 * 7) + 1 and all(c["ok"] for c in report["checks"])
+    for needle in ("all_gather_q8 bf16 stages=4 async", "reduce_scatter_q4_coalesced bf16 stages=4 async first_hop=INT8",
+                   "hadamard=256 SUM", "first_hop=INT4 AVG", "first_hop=INT8 PREMUL_SUM", "zero_runtime ZeRO++"):
         assert any(needle in name for name in names), needle
     assert all("bytes identical" in c["detail"] for c in report["checks"][:-1])
     assert stages._verify_w4(tmp_path) == []
+
+
+def test_w4_stage_starts_its_ranks_with_torchrun(tmp_path):
+    stage = {s.name: s for s in stages.plan(tmp_path, gpus=1)}["w4"]
+    assert stages.W4_RANKS == w4.WORLD and f"--nproc-per-node={w4.WORLD}" in stage.argv
+    assert w4.main(["--device", "cpu"]) == 2  # not under torchrun
+
+
+def test_w4_covers_fp16_and_every_op_through_the_requantizing_hop():
+    names = [name for name, _, _ in w4._cases(tuple(w4.DTYPES))]
+    for dtype in ("bf16", "fp16", "fp32"):
+        for op in w4.OPS:  # the 2 x 2 topology's second hop re-quantizes with each op's divisor
+            assert f"reduce_scatter_q4 {dtype} stages=4 async first_hop=INT4 {op}" in names
+
+
+def test_the_nccl_stage_is_skipped_with_its_reason_on_one_gpu(tmp_path):
+    stage = {s.name: s for s in stages.plan(tmp_path, gpus=1)}["nccl"]
+    assert stage.skip == "this machine has 1 GPU; the NCCL stage needs 2 or more (one rank per GPU)"
+    result = stages.run_stage(stage, tmp_path, deadline=float("inf"))
+    assert result.status == "skipped" and not result.failed and not result.passed
+    assert "skipped: this machine has 1 GPU" in result.log.read_text()
+    text = report.render(title="t", results=[result], environment={}, gpus=1, seconds=1.0, budget_s=300.0, command="c")
+    assert text.startswith("# zcomm gpu-check: PASSED (0 of 1 stages passed, 1 skipped)")
+    assert "- nccl skipped: this machine has 1 GPU; the NCCL stage needs 2 or more" in text
+
+
+def test_the_nccl_stage_runs_a_rank_per_gpu_with_timeouts_and_the_flight_recorder(tmp_path):
+    stage = {s.name: s for s in stages.plan(tmp_path, gpus=4)}["nccl"]
+    assert stage.skip is None and "--nproc-per-node=4" in stage.argv and "torch.distributed.run" in stage.argv
+    args = nccl.build_parser().parse_args(list(stage.argv[stage.argv.index("bench.gpu_check.nccl") + 1:]))
+    assert args.device == "cuda" and args.timeout < stage.limit_s and args.json == tmp_path / "nccl.json"
+    assert stage.env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(stage.env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    assert stage.env["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / stages.NCCL_TRACE)
+    assert stage.env["ZCOMM_CUDA_DEVICE_CHECKS"] == "1"
+    assert stages.budget(4) == stages.budget(1) + stage.limit_s
+
+
+def test_nccl_merges_ranks_and_adds_two_pretend_nodes():
+    per_rank = [[{"check": "a", "ok": True, "detail": "x"}], [{"check": "a", "ok": False, "detail": "y"}]]
+    assert w4.merge(per_rank) == [{"check": "a", "ok": False, "detail": "failed on rank(s) [1]: y"}]
+    assert [label for label, _ in nccl.topologies(8, 8)] == ["detected (1 node(s) x 8)", "2 nodes x 4"]
+    assert [label for label, _ in nccl.topologies(8, 4)] == ["detected (2 node(s) x 4)"]
+
+
+def test_nccl_needs_torchrun(capsys):
+    assert nccl.main(["--device", "cpu"]) == 2
+    assert "torchrun" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_nccl_stage_runs_its_checks_on_two_cpu_ranks(tmp_path):
+    out = tmp_path / "nccl.json"
+    env = checkout_environment({**os.environ, "ZCOMM_BACKEND": "reference", "OMP_NUM_THREADS": "1"})
+    done = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                           "bench.gpu_check.nccl", "--device", "cpu", "--dtypes", "bf16", "--json", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    names = [c["check"] for c in result["checks"]]
+    assert result["passed"] and result["world_size"] == 2 and all(c["ok"] for c in result["checks"])
+    assert len(names) == 2 * 60 + 2  # w4's 30 bf16 cases, sync and async, on both topologies; ZeRO++; FSDP2
+    assert any(name.endswith("2 nodes x 1") and "PREMUL_SUM" in name for name in names)
+    assert any("stages=1 async" in name for name in names) and any("stages=4 first_hop" in name for name in names)
+    assert names[-1].startswith("FSDP2 + zcomm.fsdp.enable_zeropp") and names[-2].startswith("zero_runtime ZeRO++")
+    assert stages._verify_w4(tmp_path, "nccl") == []

@@ -4,7 +4,7 @@ At world size 1 on a GPU a step is host-bound, so what qwZ and qgZ add to stage 
 Python work their collectives do per unit and per bucket. Counted here (deterministic on any
 machine) on a model of many small Linear layers, each its own stage-3 unit and gradient
 bucket (as the Linear layers of the 160M GPT are with the runtime's defaults; the shape of
-``bench.runtime_host_cost``):
+``bench.host_cost --runtime``):
 
 * on the training thread, a qwZ or qgZ step enters no more Python functions than a stage-3
   step: the runtime holds zcomm's prepared calls (no prologue, plan look-up or spec per call);
@@ -12,7 +12,7 @@ bucket (as the Linear layers of the 160M GPT are with the runtime's defaults; th
   thread) enters a bounded number of zcomm functions per unit or bucket.
 
 Each bound is today's count with a little slack; a change that adds work per unit must raise
-it on purpose. Timing is ``bench.runtime_host_cost``'s job.
+it on purpose. Timing is ``bench.host_cost --runtime``'s job.
 """
 
 from __future__ import annotations

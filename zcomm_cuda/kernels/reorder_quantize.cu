@@ -33,7 +33,7 @@
 // [Note: register kernel] A kernel runs with the registers of its most demanding path. The
 // interleaved source's general paths (streamed teams, tiles), which the compiler unrolls
 // around its loads, need more than the register scheme (it cost the kernel a block per SM
-// when they shared one; bench.kernels_static shows both kernels). So the common case, the
+// when they shared one; bench.kernels --static shows both kernels). So the common case, the
 // register scheme on 32-bit indices, has a kernel of its own (`_regs`), which runs
 // encode_rounds<true> only (group_absmax and pass unused: the scheme is one launch): the
 // launcher picks it when in_registers() holds, which it decides from the sizes and the

@@ -69,7 +69,7 @@ ZC_HD void decode_group_lane(const SegmentLayout<T, BITS>& layout, i64 segment, 
             // (rare) takes the general loop below, which writes the canonical NaN. The bytes are
             // the general loop's: the conversions agree on numbers. Other divisors could make a
             // NaN from numbers (Inf / Inf), so they keep the general loop. Measured on sm_90
-            // (bench.kernels_static), register counts decided the shape: one loop with a
+            // (bench.kernels --static), register counts decided the shape: one loop with a
             // per-group mask cost the INT8 kernels 6-8 registers (40 -> 46-48, a block fewer
             // per SM), and for INT4 codes even the two loops cost 2-7 (40 -> 42-47), so INT4
             // keeps the general loop only.

@@ -230,7 +230,7 @@ ZC_HD u16 f16_bits_software(float f) {
 // hardware, two elements per instruction: cvt.rn.f16x2.f32 and cvt.rn.bf16x2.f32 (sm_80 and
 // later) put RN(lo) in the low half and RN(hi) in the high half. Before sm_80 fp16 takes two
 // cvt.rn.f16.f32 and bf16 keeps the software path (PTX has no bf16 conversion there). In
-// dequantize's INT8 loop on sm_90 (bench.kernels_static) the software paths cost about 24
+// dequantize's INT8 loop on sm_90 (bench.kernels --static) the software paths cost about 24
 // (fp16) and 7.5 (bf16) instructions per element, the hardware ones 1.5 with their fix-ups.
 // Finite values and Inf: IEEE 754 round-to-nearest-even gives each fp32 that is not a NaN
 // exactly one result, and .rn is that rounding (PTX ISA: "rounding to nearest, with ties to

@@ -1,5 +1,0 @@
-import sys
-
-from .driver import main
-
-sys.exit(main())

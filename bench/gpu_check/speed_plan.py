@@ -1,0 +1,145 @@
+"""The parts of the speed report (``make gpu-bench``, ``python -m bench.gpu_check --bench``): commands,
+time limits, and which tools this checkout has.
+
+On a GPU it measures, in one call of about 4 minutes, everything the host path, the kernels
+and training are judged by, each part a subprocess run by gpu-check's stage runner, and
+writes one folder (``report.md``, the tools' JSON, logs): **host cost** per call at world
+size 1 under each CUDA kernel launcher (``python -m bench.host_cost --device cuda --launcher
+cupy,driver``); **training** a ~160M GPT on the one GPU in interleaved rounds (``python -m
+bench.train``); the **kernel sweep** (``python -m bench.kernels --sweep``); the **kernel
+variants** against their simpler paths with a keep/remove decision per row of
+docs/kernel-variants.md (``python -m bench.kernels --variants``). A tool this checkout lacks
+is reported, never skipped in silence; ratios come from numbers of the same run. Without a
+GPU only the CPU host cost runs, and the exit status is 2.
+
+
+[Note: gpu-bench time budget] The speed report shares a lease with gpu-check, so its limits
+add up to 230 s of ``TOTAL_BUDGET_S`` = 240 s, in order of value: host cost (40 s, both
+launchers), the training runs (100 s: six configurations of a 160M GPT in 4 interleaved
+rounds of 9 steps, 3 of them warm-up, as the second step after a build can still run slow;
+a configuration's run took 2-3 s on an H200), the kernel sweep (50 s; 8 s on an H200 with
+the kernels compiled) and the kernel variants (40 s, by estimate: about 60 shapes, eager).
+A part that overruns is killed and reported as timed out; the parts after it still run.
+Training runs in rounds because one pass per configuration could not resolve a 10% target
+(the same command read fsdp2/zero3 0.98x and 1.35x): four rounds (even, so that the
+alternating order of ``bench.train.rounds`` cancels a linear drift) give every ratio four
+paired samples.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from bench.gpu_check.stages import Stage
+
+TOTAL_BUDGET_S = 240.0
+HOST_COST = "bench.host_cost"
+KERNELS = "bench.kernels"
+VARIANTS = "bench.kernels"  # --variants
+TRAIN = "bench.train"
+HOST_COST_SIZES = {"cuda": "1M,16M", "cpu": "1M"}
+# Both CUDA kernel launchers, every row under each in one process: the A/B that decides the
+# default ([Note: launcher choice] in zcomm_cuda/loader.py); it doubles the part's rows.
+HOST_COST_LAUNCHERS = "cupy,driver"
+TRAIN_CONFIGS = ("zero3", "zeropp", "zero3+qwz", "zero3+qgz", "fsdp2", "fsdp2-zeropp")
+GPT_160M = ("--d-model", "1024", "--n-layers", "12", "--n-heads", "16", "--seq-len", "512", "--batch", "8")
+TRAIN_STEPS, TRAIN_WARMUP, TRAIN_ROUNDS = 9, 3, 4
+# The paired step-time ratios the training table prints: (configuration, the one it is compared with).
+TRAIN_PAIRS = (("zero3+qwz", "zero3"), ("zeropp", "zero3"), ("fsdp2-zeropp", "fsdp2"), ("fsdp2", "zero3"))
+
+
+def available(module: str) -> bool:
+    """Whether this checkout (and interpreter) has ``module``."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _host_cost(out_dir: Path, python: str, device: str, module: str) -> Stage:
+    launchers = ("--launcher", HOST_COST_LAUNCHERS) if device == "cuda" else ()
+    return Stage(
+        name=f"host-cost-{device}",
+        title=f"{module} on {device}, world size 1, {HOST_COST_SIZES[device]} elements: host enqueue and synchronized "
+              "time per call of each zcomm op next to torch's"
+              + (f", under each CUDA kernel launcher ({HOST_COST_LAUNCHERS}) side by side" if launchers else ""),
+        argv=(python, "-m", module, "--device", device, "--sizes", HOST_COST_SIZES[device],
+              "--json", str(out_dir / f"host_cost_{device}.json"), *launchers),  # fmt: skip
+        limit_s=40,
+        verify=lambda out, d=device: [] if (out / f"host_cost_{d}.json").exists() else [f"{module} wrote no JSON"],
+    )
+
+
+def _kernels(out_dir: Path, python: str, module: str) -> Stage:
+    return Stage(
+        name="kernels",
+        title=f"{module} --sweep: cuda kernels' GB/s vs a device copy of the same bytes, 16M/64M/256M elements, "
+              "group 256 and 512, bf16 and fp32 (CUDA-graph replay)",
+        argv=(python, "-m", module, "--sweep", "--json", str(out_dir / "kernels.json"),
+              "--output", str(out_dir / "kernels.md")),  # fmt: skip
+        limit_s=50,
+        needs=("cupy",),
+    )
+
+
+def _variants(out_dir: Path, python: str, module: str) -> Stage:
+    return Stage(
+        name="kernel-variants",
+        title=f"{module} --variants: each kernel variant and launcher of docs/kernel-variants.md against its simpler "
+              "path on its target shapes (16M and 64M elements), bytes compared, keep when >= 10% faster",
+        argv=(python, "-m", module, "--variants", "--json", str(out_dir / "variants.json"),
+              "--output", str(out_dir / "variants.md")),  # fmt: skip
+        limit_s=40,
+        needs=("cupy",),
+        verify=lambda out: [] if (out / "variants.md").exists() else [f"{module} --variants wrote no variants.md"],
+    )
+
+
+def _train(out_dir: Path, python: str, module: str) -> Stage:
+    return Stage(
+        name="train",
+        title=f"{module}: GPT ~160M (d_model 1024, 12 layers, 16 heads, seq 512, batch 8, bf16) on one GPU, "
+              f"{TRAIN_ROUNDS} interleaved rounds of {TRAIN_STEPS} steps ({TRAIN_WARMUP} warm-up): "
+              f"{', '.join(TRAIN_CONFIGS)}",
+        argv=(python, "-m", module, "--configs", *TRAIN_CONFIGS, *GPT_160M, "--dtype", "bf16",
+              "--steps", str(TRAIN_STEPS), "--warmup", str(TRAIN_WARMUP), "--rounds", str(TRAIN_ROUNDS),
+              "--baseline", "zero3", "--eval-batches", "2", "--json", str(out_dir / "train.json")),  # fmt: skip
+        limit_s=100,
+        needs=("cupy", "numpy"),
+        verify=_verify_train,
+    )
+
+
+def _verify_train(out_dir: Path) -> list[str]:
+    import json
+
+    path = out_dir / "train.json"
+    if not path.exists():
+        return ["bench.train wrote no train.json"]
+    rows = {row["config"]: row for row in json.loads(path.read_text())["results"]}
+    return [f"{name}: {rows[name]['status']} ({rows[name]['note']})" if name in rows else f"{name}: no result"
+            for name in TRAIN_CONFIGS if name not in rows or rows[name]["status"] != "ok"]  # fmt: skip
+
+
+def plan(out_dir: Path, *, gpu: bool, python: str = sys.executable, host_cost: str = HOST_COST,
+         kernels: str = KERNELS, train: str = TRAIN, variants: str = VARIANTS) -> tuple[list[Stage], list[str]]:  # fmt: skip
+    """The parts to run, in order, and a line for each tool this checkout does not have.
+
+    Without a GPU only the CPU host cost runs; the module names are parameters so that a
+    test can stand in small fakes for the tools.
+    """
+    stages, absent = [], []
+    for module in dict.fromkeys((host_cost, kernels, train, variants)) if gpu else (host_cost,):
+        if not available(module):
+            absent.append(f"`python -m {module}`: not available in this checkout")
+    if available(host_cost):
+        stages.append(_host_cost(out_dir, python, "cuda" if gpu else "cpu", host_cost))
+    if gpu and available(train):
+        stages.append(_train(out_dir, python, train))
+    if gpu and available(kernels):
+        stages.append(_kernels(out_dir, python, kernels))
+    if gpu and available(variants):
+        stages.append(_variants(out_dir, python, variants))
+    return stages, absent

@@ -1,0 +1,201 @@
+"""Launch cost on the host, without a GPU: the Python side of one kernel launch, per launcher.
+
+``python -m bench.host_cost --launch-stand-in [--calls N]``. It times :func:`zcomm_cuda.loader.launch`
+for argument tuples shaped like the cuda backend's kernels (the encoders' 6 to 12
+arguments, the decoders' 6 and 7), with every GPU-side call replaced by a stand-in:
+
+* ``driver``: the whole driver launcher (:mod:`zcomm_cuda.driver_launch`): the kernel and
+  per-thread block lookups, the packing of configuration and arguments, and a real ``ctypes``
+  call of ``cuLaunchKernelEx``'s signature into a C function that returns 0 (compiled here
+  with ``cc``): everything but the driver's own work inside ``libcuda``;
+* ``cupy``: zcomm's side of the cupy launcher (kernel and stream lookups, the argument tuple)
+  up to the cupy ``Function`` call, which is a Python no-op here: cupy's own work (a C value
+  object per argument, its context check, ``cuLaunchKernel``) is **not** included; the driver
+  launcher replaces all of it.
+
+torch's current raw stream and the runtime's current device are C builtins returning 0 in
+both rows, so the two rows differ only by the launchers' own work. Each figure is the median
+of 9 rounds of ``--calls`` calls, the rounds of all columns of a row alternating; ``pack``
+(the block's one ``struct.pack_into``), ``ctypes call`` (the no-op through ``ctypes``) and
+``empty call`` (a Python lambda, the timing loop's own cost, in every figure) are parts of
+the driver row; ``11-arg call`` is the same no-op called with ``cuLaunchKernel``'s 11
+arguments, what [Note: launch entry point] in :mod:`zcomm_cuda.driver_launch` weighs. The
+figures say what the Python side costs on this machine; a launch's time on a GPU is measured by
+``bench.host_cost --device cuda --launcher cupy,driver`` and ``bench.kernels --variants``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import functools
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from zcomm_cuda import driver_launch, loader
+
+ROUNDS = 9
+DEVICE = torch.device("cuda", 0)
+_P, _I = 0x7F00_0000_0000, np.int64(1 << 20)  # an address goes as a Python int ([Note: launch arguments])
+# kernel -> (source, PTX parameter types, arguments) shaped like the cuda backend's launches
+CASES: dict[str, tuple[str, tuple[str, ...], tuple[Any, ...]]] = {
+    "zc_quantize_bf16_int8": ("quantize.cu", ("u64", "u64", "u64", "u64", "u64", "u32"),
+                              (_P, _I, np.int64(256), _P, 0, np.int32(0))),
+    "zc_dequantize_bf16_int8": ("dequantize.cu", ("u64",) * 6, (_P, _I, _I, np.int64(256), np.int64(4), _P)),
+    "zc_dequant_reduce_bf16_int4": ("dequant_reduce.cu", ("u64",) * 5 + ("f32", "u64"),
+                                    (_P, _I, _I, np.int64(256), np.int64(4), np.float32(4.0), _P)),
+    "zc_reorder_interleaved_bf16_int4": ("reorder_quantize.cu", ("u64",) * 11 + ("u32",),
+                                         (_P, np.int64(4), _I, _P, _I, _I, np.int64(4), np.int64(256), _I, _P,
+                                          0, np.int32(0))),
+}  # fmt: skip
+NOOP_C = (
+    "int zc_noop_launch(void *config, void *function, void **params, void **extra) { return 0; }\n"
+    "int zc_noop_launch11(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,\n"
+    "                     unsigned shared, void *stream, void **params, void **extra) { return 0; }\n"
+)
+
+
+def _noop_library(workdir: str) -> ctypes.CDLL:
+    """A shared library with one C function of ``cuLaunchKernelEx``'s signature that returns 0."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise SystemExit("bench.host_cost --launch-stand-in needs a C compiler (cc or gcc) for its no-op cuLaunchKernelEx")
+    source, library = Path(workdir) / "noop.c", Path(workdir) / "libnoop.so"
+    source.write_text(NOOP_C)
+    subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    return ctypes.CDLL(str(library))
+
+
+class _StandInDriver:
+    """What :class:`driver_launch.Driver` binds, with the launch a C no-op (the rest is never called here)."""
+
+    def __init__(self, noop: ctypes.CDLL) -> None:
+        for name in ("cuLaunchKernelEx", "cuGetErrorString", "cuGetErrorName", "cuCtxGetCurrent", "cuCtxSetCurrent",
+                     "cuCtxGetDevice", "cuDeviceGet", "cuDevicePrimaryCtxRetain"):  # fmt: skip
+            setattr(self, name, noop["zc_noop_launch"])  # a function object of its own: Driver sets its argtypes
+
+
+class _Driver(driver_launch.Driver):
+    def ensure_context(self, device: int) -> None:  # no context to make current without a GPU
+        pass
+
+
+@contextlib.contextmanager
+def _stand_ins(noop: ctypes.CDLL) -> Iterator[None]:
+    """The loader's GPU-side lookups replaced for the duration; restored after."""
+    driver = _Driver(_StandInDriver(noop))
+    kernels = {(source, name, 0): driver_launch.DriverKernel(name=name, function=0, params=params, device=0,
+                                                             driver=driver)
+               for name, (source, params, _) in CASES.items()}  # fmt: skip
+
+    def cupy_call(grid: tuple, block: tuple, args: tuple, shared: int, stream: Any) -> None:
+        pass
+
+    saved = {name: getattr(loader, name) for name in ("_DRIVER_KERNELS", "kernel", "current_raw_stream",
+                                                      "_current_device", "_STREAMS", "_use_driver")}  # fmt: skip
+    loader._DRIVER_KERNELS = kernels
+    loader.kernel = functools.lru_cache(maxsize=None)(lambda source, name, index: cupy_call)
+    loader.current_raw_stream = abs  # abs(0): the handle 0, from a C builtin as torch's is
+    loader._current_device = int  # int(): device 0, from a C builtin as cupy's getDevice is
+    loader._STREAMS = {(0, 0): object()}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(loader, name, value)
+
+
+def _round(call: Callable[[], None], calls: int) -> float:
+    """Mean us per call of ``calls`` calls."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def _compare(calls_by_name: dict[str, Callable[[], None]], calls: int) -> dict[str, float]:
+    """Median us per call of each of ``calls_by_name``, their rounds alternating (a busy machine's drift hits
+    every row alike)."""
+    for call in calls_by_name.values():
+        call()
+    rounds: dict[str, list[float]] = {name: [] for name in calls_by_name}
+    for _ in range(ROUNDS):
+        for name, call in calls_by_name.items():
+            rounds[name].append(_round(call, calls))
+    return {name: statistics.median(values) for name, values in rounds.items()}
+
+
+def _launch_with(launcher: str, source: str, name: str, args: tuple) -> Callable[[], None]:
+    def call() -> None:
+        loader._use_driver = launcher == "driver"  # set_launcher without its validation, inside the timing
+        loader.launch(source, name, DEVICE, 1056, 256, args)
+
+    return call
+
+
+def measure(calls: int) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as workdir:
+        noop_library = _noop_library(workdir)
+        with _stand_ins(noop_library):
+            return _measure(calls, noop_library)
+
+
+def _eleven_argument_call(library: ctypes.CDLL) -> Callable[[], None]:
+    """A no-op called as ``cuLaunchKernel`` would be (function, 6 dimensions, shared bytes, stream, params, extra)."""
+    function = library["zc_noop_launch11"]
+    function.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    function.restype = ctypes.c_int
+    return lambda: function(0, 1056, 1, 1, 256, 1, 1, 0, 0, 1, None)
+
+
+def _measure(calls: int, noop_library: ctypes.CDLL) -> list[dict[str, Any]]:
+    rows = []
+    noop = loader._DRIVER_KERNELS[next(iter(loader._DRIVER_KERNELS))].driver.launch_kernel_ex
+    eleven = _eleven_argument_call(noop_library)
+    for name, (source, _, args) in CASES.items():
+        target = loader._DRIVER_KERNELS[(source, name, 0)]
+        target.launch(1056, 256, 0, args)  # this thread's block
+        block = target.block()
+        timed = _compare({
+            "cupy us": _launch_with("cupy", source, name, args),
+            "driver us": _launch_with("driver", source, name, args),
+            "pack us": lambda: block.write(1056, 256, 0, args),
+            "ctypes call us": lambda: noop(1, 0, 1, None),
+            "11-argument call us": eleven,
+            "empty call us": lambda: None,
+        }, calls)  # fmt: skip
+        rows.append({"kernel": name, "arguments": len(args), **timed})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.host_cost --launch-stand-in", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=10000, help=f"launches per round ({ROUNDS} rounds, the median)")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    rows = measure(args.calls)
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}"
+    print(f"# launch cost, Python side, no GPU ({machine}); us per launch, median of {ROUNDS} x {args.calls}")
+    print(f"{'kernel':34s} {'args':>4s} {'cupy* us':>9s} {'driver us':>10s} {'driver/cupy*':>12s} {'pack us':>8s} "
+          f"{'ctypes call us':>14s} {'11-arg call us':>14s} {'empty call us':>13s}")  # fmt: skip
+    for row in rows:
+        print(f"{row['kernel']:34s} {row['arguments']:4d} {row['cupy us']:9.2f} {row['driver us']:10.2f} "
+              f"{row['driver us'] / row['cupy us']:12.2f} {row['pack us']:8.2f} {row['ctypes call us']:14.2f} "
+              f"{row['11-argument call us']:14.2f} {row['empty call us']:13.2f}")
+    print("# cupy*: zcomm's side only, up to a no-op in place of cupy's Function call (cupy's own work is not in "
+          "it); driver: all of the launcher but the driver's work inside libcuda")  # fmt: skip
+    print(f"# load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"# {time.perf_counter() - started:.1f} s")
+    return 0
+

@@ -1,0 +1,298 @@
+"""Host cost of a ZeRO training step: what qwZ and qgZ add to stage 3's Python work per step.
+
+``python -m bench.host_cost --runtime [--configs zero3 zero3+qwz zero3+qgz zeropp]
+[--layers 64] [--width 64] [--steps 20] [--rounds 4] [--world 1] [--device cpu] [--json PATH]``.
+
+At world size 1 on a GPU a training step of zero_runtime is host-bound: the GPU work of a
+160M GPT is small next to the Python work the runtime does per unit (a gather) and per
+bucket (a reduce-scatter). That Python work is the same code on a CPU, so it is measured
+here, on a model whose compute is negligible: an MLP of ``--layers`` Linear layers of
+``--width`` features (``bench.train.models.MLP``) on a batch of ``--batch`` rows, fp32,
+world size 1 (gloo, one process; ``--world N`` spawns N gloo ranks on this machine, one node, and
+reports rank 0's figures). The engine config is ``bench.train``'s for the
+configuration (:func:`bench.train.configs.zero_runtime_config`) plus the *host-bound shape*
+(:data:`HOST_BOUND_KEYS`): every Linear its own stage-3 unit (``zcomm_stage3_fuse_numel``
+0, ``stage3_param_persistence_threshold`` 0) and its own gradient bucket
+(``reduce_bucket_size`` 1), which is what the 160M GPT of the speed report (``bench.gpu_check --bench``) gets from the
+defaults (its Linear layers hold 1M-4M parameters each, over the 1M fuse and bucket sizes),
+so the step makes one forward gather per layer and one reduce-scatter per layer, as there.
+
+Two measurements per configuration, after ``--warmup`` steps:
+
+* **calls per step**: the Python functions the step enters (``sys.setprofile`` "call"
+  events; C functions not counted), deterministic on any machine, split by phase (forward,
+  backward, optimizer step, zero_grad) and by thread: the training thread, and zcomm's CPU
+  worker threads (on CUDA the collectives' chains are queued from the training thread
+  instead, so the worker's count shows host work a GPU run does on the training thread).
+  The functions a configuration enters per step that ``zero3`` does not (or more often)
+  are listed with their counts.
+* **wall time per step**: the median step over ``--steps`` steps, in ``--rounds`` rounds that
+  alternate the order of the configurations; the ratio to ``--baseline`` is the median of
+  the per-round ratios (both step times of one ratio measured in the same round).
+
+``--device cuda`` runs the same on GPUs (NCCL, rank r on GPU r, each step timed to the end of
+its GPU work): there the quantized collectives' chains run on the training thread, so its call
+counts are the host path of a GPU step, with one gap: autograd runs a CUDA backward on a device
+thread of its own, which a profile function set from Python does not reach (it is a C++ thread
+taking the GIL per call), so on CUDA the backward column counts only the training thread's part;
+the heading says so. Forward, optimizer step and the step times are complete.
+
+Nothing here asserts: it prints what it measured (and ``--json`` writes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+import zero_runtime
+from bench.train.configs import select_configs, zero_runtime_config
+from bench.train.models import MLP
+
+DEFAULT_CONFIGS = ("zero3", "zero3+qwz", "zero3+qgz", "zeropp")
+HOST_BOUND_KEYS = {"zcomm_stage3_fuse_numel": 0, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 1}
+PHASES = ("forward", "backward", "step", "zero_grad")
+
+
+class _CallCounter:
+    """Counts the Python "call" events of every thread while ``phase`` is set.
+
+    Installed in this thread with ``sys.setprofile`` and in threads started later with
+    ``threading.setprofile`` (zcomm's CPU workers start at the first collective, so the
+    counter is installed before the engine is built)."""
+
+    def __init__(self) -> None:
+        self.phase: str | None = None
+        self.removed = False
+        self.main = threading.get_ident()
+        self.counts: collections.Counter[tuple[str, str, str]] = collections.Counter()  # (phase, thread, fn)
+
+    def __call__(self, frame, event, arg) -> None:
+        if self.removed:
+            sys.setprofile(None)  # a worker thread drops the counter at its next event
+            return
+        if event != "call" or self.phase is None:
+            return
+        code = frame.f_code
+        thread = "main" if threading.get_ident() == self.main else "worker"
+        self.counts[(self.phase, thread, f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}")] += 1
+
+    def install(self) -> None:
+        sys.setprofile(self)
+        threading.setprofile(self)
+
+    def remove(self) -> None:
+        self.removed = True
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+
+
+@dataclass
+class Engine:
+    name: str
+    model: torch.nn.Module
+    opt: Any
+    batch: torch.Tensor
+    target: torch.Tensor
+
+    def phases(self) -> list[tuple[str, Callable[[], object]]]:
+        state: dict[str, torch.Tensor] = {}
+
+        def forward() -> None:
+            state["loss"] = torch.nn.functional.mse_loss(self.model(self.batch), self.target)
+
+        return [("forward", forward), ("backward", lambda: self.opt.backward(state["loss"])),
+                ("step", self.opt.step), ("zero_grad", self.opt.zero_grad)]
+
+    def step(self) -> None:
+        for _, run in self.phases():
+            run()
+
+    def close(self) -> None:
+        self.opt.close()
+
+
+def build(name: str, args: argparse.Namespace) -> Engine:
+    (config,) = select_configs([name])
+    # one node of ``--world`` ranks: hpZ (in zeropp) over all of them
+    engine_config = zero_runtime_config(config, local_size=args.world, bf16=False, gradient_clipping=0.0)
+    engine_config["zero_optimization"].update(HOST_BOUND_KEYS)
+    torch.manual_seed(0)
+    device = _device(args)
+    model = MLP(d_in=args.width, d_hidden=args.width, d_out=args.width, depth=args.layers).to(device)
+    model, opt = zero_runtime.initialize(model, lambda params: torch.optim.AdamW(params, lr=1e-3), engine_config)
+    generator = torch.Generator().manual_seed(1)
+    batch = torch.randn(args.batch, args.width, generator=generator).to(device)
+    target = torch.randn(args.batch, args.width, generator=generator).to(device)
+    return Engine(name, model, opt, batch, target)
+
+
+def _device(args: argparse.Namespace) -> torch.device:
+    """This rank's device: the CPU, or (``--device cuda``) the GPU of its rank."""
+    if args.device == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", dist.get_rank() if dist.is_initialized() else 0)
+
+
+@dataclass
+class Result:
+    name: str
+    calls: dict[str, dict[str, int]] = field(default_factory=dict)  # phase -> thread -> calls per step
+    functions: dict[str, float] = field(default_factory=dict)  # "thread fn" -> calls per step
+    step_ms: list[float] = field(default_factory=list)  # per round: the median step
+
+
+def count_calls(engine: Engine, counter: _CallCounter, steps: int) -> Result:
+    """Calls per step by phase and thread, and per function, over ``steps`` steps."""
+    counter.counts.clear()
+    for _ in range(steps):
+        for phase, run in engine.phases():
+            counter.phase = phase
+            run()
+            counter.phase = None
+        time.sleep(0.01)  # let a worker's last calls of the step land in the step's phase
+    result = Result(engine.name)
+    functions: collections.Counter[str] = collections.Counter()
+    for (phase, thread, fn), n in counter.counts.items():
+        result.calls.setdefault(phase, {}).setdefault(thread, 0)
+        result.calls[phase][thread] += n
+        functions[f"{thread} {fn}"] += n
+    result.calls = {phase: {t: n // steps for t, n in threads.items()} for phase, threads in result.calls.items()}
+    result.functions = {fn: n / steps for fn, n in functions.items()}
+    return result
+
+
+def time_steps(engine: Engine, steps: int) -> float:
+    """The median step in ms; on CUDA each step is timed to the end of its GPU work."""
+    sync = torch.cuda.synchronize if engine.batch.is_cuda else (lambda: None)
+    times = []
+    for _ in range(steps):
+        sync()
+        start = time.perf_counter()
+        engine.step()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _total(result: Result, thread: str | None = None) -> int:
+    return sum(n for threads in result.calls.values() for t, n in threads.items() if thread in (None, t))
+
+
+def _machine(args: argparse.Namespace) -> str:
+    cpu = f"CPU {platform.processor() or platform.machine()}"
+    return f"{torch.cuda.get_device_name(0)}, {cpu}" if args.device == "cuda" else cpu
+
+
+def report(results: dict[str, Result], baseline: str, args: argparse.Namespace) -> str:
+    lines = [f"# zero_runtime host cost per step: MLP of {args.layers} Linear({args.width}, {args.width}), batch "
+             f"{args.batch}, fp32, world size {args.world} (rank 0's figures), {_machine(args)}, "
+             f"1 torch thread per rank, load average {os.getloadavg()[0]:.2f}",
+             f"# engine: bench.train's config + {HOST_BOUND_KEYS}",
+             "# backward counts: the training thread only (autograd's CUDA device thread is not profiled)"
+             if args.device == "cuda" else "# backward counts: complete (a CPU backward runs on the training thread)", "",
+             "| config | calls/step main | calls/step worker | " + " | ".join(f"{p} main/worker" for p in PHASES)
+             + " | step ms (median of rounds) | min | max | ratio to " + baseline + " |",
+             "|---|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|---:|---:|"]
+    base = results[baseline]
+    for name, result in results.items():
+        per_phase = " | ".join(f"{result.calls.get(p, {}).get('main', 0)}/{result.calls.get(p, {}).get('worker', 0)}"
+                               for p in PHASES)
+        ratios = [a / b for a, b in zip(result.step_ms, base.step_ms)]
+        timing = (f"{statistics.median(result.step_ms):.2f} | {min(result.step_ms):.2f} | {max(result.step_ms):.2f} | "
+                  f"{statistics.median(ratios):.3f}" if ratios else "n/a | | | ")
+        lines.append(f"| {name} | {_total(result, 'main')} | {_total(result, 'worker')} | {per_phase} | {timing} |")
+    for name, result in results.items():
+        if name == baseline:
+            continue
+        extra = sorted(((n - base.functions.get(fn, 0.0), fn) for fn, n in result.functions.items()
+                        if n - base.functions.get(fn, 0.0) >= 1), reverse=True)
+        lines += ["", f"## {name}: functions entered per step beyond {baseline} "
+                  f"({sum(d for d, _ in extra):.0f} calls; top {args.top})"]
+        lines += [f"    {d:8.1f}  {fn}" for d, fn in extra[: args.top]]
+    return "\n".join(lines)
+
+
+def _rank(rank: int, args: argparse.Namespace, tmp: str) -> dict[str, Result]:
+    """Every configuration's calls per step and its step times on this rank of ``args.world``."""
+    torch.set_num_threads(1)
+    backend = "gloo"
+    if args.device == "cuda":  # no device_id bound, as bench.harness.dist_env does: set_device instead
+        torch.cuda.set_device(rank)
+        backend = "nccl"
+    dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=args.world)
+    try:
+        counter = _CallCounter()
+        counter.install()
+        engines = {name: build(name, args) for name in args.configs}
+        results = {}
+        for name, engine in engines.items():
+            for _ in range(args.warmup):
+                engine.step()
+            results[name] = count_calls(engine, counter, args.count_steps)
+        counter.remove()
+        for r in range(args.rounds):
+            order = list(engines) if r % 2 == 0 else list(reversed(engines))
+            for name in order:
+                results[name].step_ms.append(time_steps(engines[name], args.steps))
+        for engine in engines.values():
+            engine.close()
+    finally:
+        dist.destroy_process_group()
+    return results
+
+
+def _spawned(rank: int, args: argparse.Namespace, tmp: str) -> None:
+    results = _rank(rank, args, tmp)
+    if rank == 0:
+        with open(f"{tmp}/results.json", "w") as f:
+            json.dump({name: vars(result) for name, result in results.items()}, f)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.host_cost --runtime", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))
+    parser.add_argument("--baseline", default=None, help="default: the first configuration")
+    parser.add_argument("--layers", type=int, default=64)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--count-steps", type=int, default=2, help="steps whose calls are counted")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--world", type=int, default=1, help="ranks on this machine (rank 0's figures)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: NCCL, each rank on its GPU, steps timed to the end of their GPU work")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    baseline = args.baseline or args.configs[0]
+    if baseline not in args.configs:
+        parser.error(f"--baseline {baseline} is not in --configs")
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.world == 1:
+            results = _rank(0, args, tmp)
+        else:
+            torch.multiprocessing.start_processes(_spawned, args=(args, tmp), nprocs=args.world, start_method="spawn")
+            with open(f"{tmp}/results.json") as f:
+                results = {name: Result(**fields) for name, fields in json.load(f).items()}
+    print(report(results, baseline, args))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "host_bound_keys": HOST_BOUND_KEYS, "load_average": os.getloadavg(),
+                       "results": {n: vars(r) for n, r in results.items()}}, f, indent=1)
+    return 0
+

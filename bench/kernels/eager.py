@@ -1,0 +1,228 @@
+"""The kernel benchmark's default mode: GB/s of every quantization op on the CPU backends, against a copy.
+
+``python -m bench.kernels [--numel 64M] [--dtype fp32 bf16] [--backends cpu reference]
+[--group-size 512] [--repeats 5] [--reference-repeats 1] [--output PATH]``. The GPU's kernels
+are measured by ``--sweep`` (CUDA-graph replay), not here. For one input of ``--numel``
+elements per dtype, each op runs once to warm up (numba compilation or its cache's load,
+first-touch page faults) and is then timed ``--repeats`` times into preallocated outputs
+(``out=``) with the host clock; the median is reported. The reference backend, which
+compiles nothing and allocates its temporaries on every call anyway, gets no warm-up and
+``--reference-repeats`` samples, as its calls on 64M elements take seconds.
+
+``GB/s = (bytes read + bytes written) / time``. The yardstick of a row is a ``copy_``
+between two preallocated byte buffers that reads and writes as many bytes as the op (half
+each way): ``vs copy`` is the op's GB/s over that copy's. ``clone`` of the input and a
+preallocated ``copy_`` of it are rows too. The run ends with the CPU targets from this run's
+medians, each PASS or MISS: measurements, not tests. A backend that cannot load here is
+skipped with its reason; one named on the command line that cannot run is an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+import zcomm.quant as q
+from bench.harness.flags import parse_size
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_PERM = (7, 6, 5, 4, 3, 2, 1, 0)  # reorder_quantize: 8 slices reversed, as a ring all-to-all would
+_CHUNKS = 4  # reorder_quantize and requant chunk count; dequant_reduce sums 4 payloads
+
+
+@dataclass
+class Row:
+    backend: str
+    op: str
+    seconds: float
+    nbytes: int
+    copy_seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9
+
+    @property
+    def vs_copy(self) -> float:
+        """This op's bandwidth over a copy of the same bytes' (= copy time / op time)."""
+        return self.copy_seconds / self.seconds
+
+
+class _Timer:
+    """Median seconds per call of a function, and of copies of given byte counts."""
+
+    def __init__(self, repeats: int) -> None:
+        self.repeats = repeats
+        self._copies: dict[int, float] = {}
+
+    def seconds(self, fn: Callable[[], object], *, repeats: int | None = None, warm_up: bool = True) -> float:
+        if warm_up:
+            fn()
+        samples = []
+        for _ in range(self.repeats if repeats is None else repeats):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    def copy_seconds(self, nbytes: int) -> float:
+        """A ``copy_`` that reads ``nbytes // 2`` bytes and writes as many."""
+        if nbytes not in self._copies:
+            source = torch.empty(nbytes // 2, dtype=torch.uint8).fill_(1)
+            self._copies[nbytes] = self.seconds(functools.partial(torch.empty_like(source).copy_, source))
+        return self._copies[nbytes]
+
+
+def _op_cases(x: torch.Tensor, backend: str, group_size: int) -> list[tuple[str, Callable[[], object], int]]:
+    """(op label, call with preallocated output, bytes read + written) for every op."""
+    n, elem, kw = x.numel(), x.element_size(), dict(backend=backend)
+    cases = []
+    for bits in (8, 4):
+        nbytes, chunk_bytes = q.payload_nbytes(n, bits, group_size), q.payload_nbytes(n // _CHUNKS, bits, group_size)
+        payload = q.quantize(x, bits, group_size, **kw)
+        rows, out_payload = payload.expand(_CHUNKS, -1).contiguous(), torch.empty_like(payload)
+        chunks, values, sums = torch.empty(_CHUNKS, chunk_bytes, dtype=torch.uint8), torch.empty_like(x), torch.empty(n)
+        cases += [
+            (f"quantize INT{bits}", lambda b=bits, o=out_payload: q.quantize(x, b, group_size, out=o, **kw), n * elem + nbytes),
+            (f"dequantize INT{bits}", lambda b=bits, p=payload, o=values: q.dequantize(p, n, b, group_size, x.dtype, out=o, **kw),
+             nbytes + n * elem),
+            (f"reorder_quantize INT{bits} ({len(_PERM)} slices, {_CHUNKS} chunks)",
+             lambda b=bits, o=chunks: q.reorder_quantize(x, _PERM, _CHUNKS, b, group_size, out=o, **kw),
+             n * elem + _CHUNKS * chunk_bytes),
+            (f"dequant_reduce INT{bits} k={_CHUNKS} -> fp32",
+             lambda b=bits, p=rows, o=sums: q.dequant_reduce(p, n, b, group_size, out=o, **kw), _CHUNKS * nbytes + 4 * n),
+            (f"dequant_reduce INT{bits} k={_CHUNKS} -> requant m={_CHUNKS}",
+             lambda b=bits, p=rows, o=chunks: q.dequant_reduce(p, n, b, group_size, requant_chunks=_CHUNKS, out=o, **kw),
+             _CHUNKS * nbytes + _CHUNKS * chunk_bytes),
+        ]  # fmt: skip
+    return cases
+
+
+def _backends(wanted: list[str] | None) -> tuple[list[str], list[str]]:
+    """(the CPU backends to run, printed reasons for those skipped); a ``wanted`` one that cannot run raises."""
+    status, run, skipped = q.available_backends(), [], []
+    for name in wanted or ():
+        if "cpu" not in q.backend_device_types()[name]:
+            raise ValueError(f"backend {name!r} does not run on the CPU: the GPU's kernels are measured by --sweep")
+    for name, devices in q.backend_device_types().items():
+        if "cpu" not in devices or (wanted is not None and name not in wanted):
+            continue
+        if status[name] == "ok":
+            run.append(name)
+        elif wanted is not None:
+            raise ValueError(f"backend {name!r} was asked for but is {status[name]}")
+        else:
+            skipped.append(f"{name}: {status[name]}")
+    return run, skipped
+
+
+def _measure(args: argparse.Namespace, dtype: str, backends: list[str]) -> list[Row]:
+    timer = _Timer(args.repeats)
+    x = torch.randn(args.numel).to(_DTYPES[dtype])
+    copy_bytes = 2 * x.numel() * x.element_size()
+
+    def row(backend: str, op: str, seconds: float, nbytes: int) -> Row:
+        return Row(backend, op, seconds, nbytes, timer.copy_seconds(nbytes))
+
+    rows = [row("torch", "clone", timer.seconds(x.clone), copy_bytes),
+            row("torch", "copy_ (preallocated)", timer.seconds(functools.partial(torch.empty_like(x).copy_, x)), copy_bytes)]
+    for backend in backends:
+        slow = backend == "reference"
+        for op, fn, nbytes in _op_cases(x, backend, args.group_size):
+            rows.append(row(backend, op, timer.seconds(fn, repeats=args.reference_repeats if slow else None,
+                                                       warm_up=not slow), nbytes))  # fmt: skip
+            print(f"  timed {dtype} {backend:9s} {op}", flush=True)
+    return rows
+
+
+def _check(label: str, value: float, target: str, ok: bool) -> str:
+    return f"| {label} | {value:.2f} | {target} | {'PASS' if ok else 'MISS'} |"
+
+
+def _target_lines(rows: list[Row], dtype: str) -> list[str]:
+    """The cpu backend's targets, from this run's medians."""
+    by_key = {(r.backend, r.op): r.seconds for r in rows}
+    clone, copy = by_key[("torch", "clone")], by_key[("torch", "copy_ (preallocated)")]
+    lines = []
+    for bits in (8, 4):
+        cpu, ref = by_key.get(("cpu", f"quantize INT{bits}")), by_key.get(("reference", f"quantize INT{bits}"))
+        reduce = by_key.get(("cpu", f"dequant_reduce INT{bits} k={_CHUNKS} -> fp32"))
+        if cpu is not None:
+            lines.append(_check(f"cpu quantize INT{bits} time / clone time", cpu / clone, "<= 1.5", cpu / clone <= 1.5))
+        if cpu is not None and ref is not None:
+            lines.append(_check(f"reference / cpu quantize INT{bits} time (speedup)", ref / cpu, ">= 4", ref / cpu >= 4))
+        if reduce is not None:
+            lines.append(_check(f"cpu dequant_reduce INT{bits} of {_CHUNKS} payloads time / clone time", reduce / clone,
+                                "<= 2", reduce / clone <= 2))  # fmt: skip
+    for op in ("quantize INT8", "quantize INT4", f"dequant_reduce INT8 k={_CHUNKS} -> fp32"):
+        if ("cpu", op) in by_key:
+            lines.append(f"| (info, no target) cpu {op} time / copy_ time | {by_key[('cpu', op)] / copy:.2f} | - | - |")
+    return [f"| {dtype} {line[2:]}" for line in lines]
+
+
+def _table(rows: list[Row], dtype: str) -> list[str]:
+    return ["| device | dtype | backend | op | median ms | GB/s | vs copy |", "|---|---|---|---|---:|---:|---:|",
+            *[f"| cpu | {dtype} | {r.backend} | {r.op} | {r.seconds * 1e3:.3f} | {r.gbps:.2f} | {r.vs_copy:.0%} |"
+              for r in rows]]  # fmt: skip
+
+
+def _environment() -> list[str]:
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        model = next((l.split(":", 1)[1].strip() for l in lscpu.splitlines() if l.startswith("Model name")), "?")
+    except (OSError, subprocess.CalledProcessError):
+        model = "? (lscpu unavailable)"
+    try:
+        import numba
+
+        numba_line = f"numba {numba.__version__} ({numba.config.NUMBA_NUM_THREADS} threads, {numba.threading_layer()})"
+    except (ImportError, ValueError) as exc:  # no numba, or no parallel kernel ran
+        numba_line = f"numba: {exc}"
+    return [f"- CPU: {model}, {torch.get_num_threads()} torch threads, {numba_line}",
+            f"- python {platform.python_version()}, torch {torch.__version__}"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--numel", type=parse_size, default="64M", help="elements of the input (K/M/G: powers of 1024; default 64M)")
+    parser.add_argument("--dtype", nargs="+", choices=sorted(_DTYPES), default=["fp32"], help="one table per dtype")
+    parser.add_argument("--backends", nargs="+", choices=sorted(q.backend_device_types()),
+                        help="default: every CPU backend that can run")
+    parser.add_argument("--group-size", type=int, default=None, help="default 512 (--ncu: 256)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed samples per op (median reported)")
+    parser.add_argument("--reference-repeats", type=int, default=1, help="timed calls per reference op")
+
+
+def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    args.group_size = args.group_size or 512
+    if args.numel % (len(_PERM) * _CHUNKS):
+        parser.error(f"--numel must be a multiple of {len(_PERM) * _CHUNKS}")
+    if args.repeats < 1 or args.reference_repeats < 1:
+        parser.error("--repeats and --reference-repeats must be >= 1")
+    try:
+        backends, skipped = _backends(args.backends)
+    except ValueError as exc:
+        parser.error(str(exc))
+    report = [f"# zcomm kernel benchmark: {args.numel} elements ({', '.join(args.dtype)}), group_size {args.group_size}",
+              "", "GB/s = (bytes read + bytes written) / median time; each op writes into preallocated outputs.",
+              "vs copy = the op's GB/s / the GB/s of a preallocated copy_ that reads and writes as many bytes.",
+              f"Medians of {args.repeats} calls after one warm-up call (host clock); the reference: "
+              f"{args.reference_repeats} timed calls, no warm-up. The GPU's kernels: --sweep.", ""]  # fmt: skip
+    targets = ["| target (this run) | measured | target | result |", "|---|---:|---|---|"]
+    for dtype in args.dtype:
+        rows = _measure(args, dtype, backends)
+        report += _table(rows, dtype) + [""]
+        targets += _target_lines(rows, dtype)
+    report += [f"Skipped: {reason}" for reason in skipped] + [""] + _environment() + [""] + targets
+    print("\n".join(report))
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write("\n".join(report) + "\n")
+    return report
