@@ -122,6 +122,61 @@ def kernel(op: str, backend: str) -> Callable[..., None]:
     return _KERNELS.get((op, backend)) or _load_kernel(op, backend)
 
 
+# [Note: planned kernels] A collective calls each op with arguments its plan fixes, so its plan
+# asks each backend for the op's kernel *planned* for those calls (:func:`plan_kernel`), with
+# each call's arguments named by a *use*: the tuple the backend plans by (below). A backend with
+# nothing to resolve per sizes (``cpu``, ``reference``) returns its kernel itself; the ``cuda``
+# backend resolves every use's launch then (compiles, loads and sizes the kernels, uploads their
+# tables, runs the host checks: [Note: launch plans] in zcomm.quant.backends._cuda_launch), so
+# nothing is compiled or resolved between a collective's hops and a failure raises before any
+# hop is issued. A planned kernel is called with the op's arguments, in the schema's order, as
+# the kernel itself is. The public ops reach the same launch plans through ``torch.ops.zcomm``.
+_PLANNERS: dict[str, Callable[[str, torch.device, Sequence[tuple]], Callable[..., None]]] = {}
+
+
+def plans_kernels(backend: str) -> Callable[[Callable], Callable]:
+    """Decorator: register ``planner(op, device, uses)`` as ``backend``'s planner ([Note: planned kernels])."""
+    assert backend in _registry.backend_device_types(), backend
+
+    def register(planner: Callable) -> Callable:
+        _PLANNERS[backend] = planner
+        return planner
+
+    return register
+
+
+def plan_kernel(op: str, backend: str, device: torch.device, uses: Sequence[tuple]) -> Callable[..., None]:
+    """``backend``'s kernel for ``op``, planned for the calls ``uses`` names on ``device`` (loading the
+    backend on first use; [Note: planned kernels])."""
+    fn = kernel(op, backend)
+    planner = _PLANNERS.get(backend)
+    return fn if planner is None else planner(op, device, uses)
+
+
+def quantize_use(numel: int, bits: int, group_size: int, dtype: torch.dtype) -> tuple:
+    """The use of ``quantize`` on ``numel`` elements of ``dtype``."""
+    return (numel, bits, group_size, dtype)
+
+
+def dequantize_use(rows: int, numel: int, bits: int, group_size: int, dtype: torch.dtype) -> tuple:
+    """The use of ``dequantize`` (or ``dequant_reduce``, whose divisor is the call's) of ``rows``
+    payloads of ``numel`` elements into ``dtype``."""
+    return (rows, numel, bits, group_size, dtype)
+
+
+def reorder_use(tensors: int, flat: bool, parts: int, part_numel: int, perm: tuple[int, ...], num_chunks: int,
+                bits: int, group_size: int, dtype: torch.dtype) -> tuple:
+    """The use of ``reorder_quantize`` on ``tensors`` tensors of ``dtype`` (``flat``: one tensor that
+    fills its parts)."""
+    return (tensors, flat, parts, part_numel, perm, num_chunks, bits, group_size, dtype)
+
+
+def requant_use(rows: int, numel: int, bits: int, out_bits: int, group_size: int, divide_by: float,
+                chunks: int) -> tuple:
+    """The use of ``dequant_reduce_requant`` of ``rows`` payloads into ``chunks`` rows."""
+    return (rows, numel, bits, out_bits, group_size, divide_by, chunks)
+
+
 def _trampoline(op: str, backend: str) -> Callable[..., None]:
     """The dispatch-key kernel of ``op`` for ``backend``: its registered function, looked up per call."""
     key = (op, backend)
