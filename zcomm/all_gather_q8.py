@@ -50,15 +50,17 @@ hop); chunk ``c``'s intra-node hop starts as soon as its inter-node hop delivere
 chunk ``c``'s dequantization waits until chunk ``c + 1``'s intra-node hop is started. Each
 hop's send buffer stays referenced with its receive buffer until the hop's ``wait()``.
 
-[Note: qwZ direct kernels] The chain calls the backend's ``quantize`` and ``dequantize``
-kernels (the functions behind ``torch.ops.zcomm``, :func:`zcomm.quant._contract.kernel`)
-directly, not the public ops: the plan already resolved what the public ops check on every
-call (the spec and its int group size, the payload sizes, the backend: ``backend=`` is not
-an option here, so ``$ZCOMM_BACKEND``, then the device), and the prologue checked the
-tensors ([Note: prologue once]). Each call then skips the ops' checks, the backend choice
-and the dispatcher, and the kernels get exactly the contract's arguments: contiguous 1-D
-inputs, payloads of the planned size, non-empty (a call of empty inputs writes nothing and
-sends nothing, on every rank alike). ``$ZCOMM_BACKEND`` is read when a plan is made: a plan keeps its backend.
+[Note: qwZ direct kernels] The chain calls the plan's ``quantize`` and ``dequantize``
+kernels directly, not the public ops: the plan ([Note: one plan per call] in
+:mod:`zcomm._plan`) already checked the tensors and resolved what the public ops check on
+every call (the spec and its int group size, the payload sizes, the backend: ``backend=`` is
+not an option here, so ``$ZCOMM_BACKEND``, then the device), and planned both kernels for
+every chunk ([Note: planned kernels] in :mod:`zcomm.quant._contract`: on CUDA each launch is
+resolved then, before the first hop). Each call then skips the ops' checks, the backend
+choice and the dispatcher, and the kernels get exactly the contract's arguments: contiguous
+1-D inputs, payloads of the planned size, non-empty (a call of empty inputs writes nothing
+and sends nothing, on every rank alike). ``$ZCOMM_BACKEND`` is read when a plan is made: a
+plan keeps its backend.
 
 [Note: hop order] Steps 1-4 run as one chain (:mod:`zcomm._chain_runner`) of the
 ``"gather"`` kind: on its own private groups and, on CPU, on the FIFO worker of the

@@ -46,17 +46,18 @@ elements: step 1 reads the zeros from nowhere ([Note: interleaved input] in
 stage's part goes through a ``q``-element buffer on its way into ``output``. Any ``numel``
 works and the collective is never swapped for an unquantized one.
 
-[Note: qgZ direct kernels] The chain calls the backend's ``reorder_quantize``,
-``dequant_reduce`` and ``dequant_reduce_requant`` kernels (the functions behind
-``torch.ops.zcomm``, :func:`zcomm.quant._contract.kernel`) directly, into buffers of the
-sizes the plan computed: the plan resolved the spec, the permutation, the row sizes, the
-backend (``$ZCOMM_BACKEND`` when the plan was made, then the device) and checked the options
-once, and the prologue checked the tensors (once per call shape, for the coalesced form too:
-[Note: prologue once] in :mod:`zcomm._prologue`), so the public ops' checks, backend choice
-and dispatch are not repeated per call and per stage. Error feedback's steps use the same
+[Note: qgZ direct kernels] The chain calls the plan's ``reorder_quantize``,
+``dequant_reduce`` and ``dequant_reduce_requant`` kernels directly, not the public ops, into
+buffers of the sizes the plan computed: the plan ([Note: one plan per call] in
+:mod:`zcomm._plan`) checked the tensors and the options once, resolved the spec, the
+permutation, the row sizes and the backend (``$ZCOMM_BACKEND`` when the plan was made, then
+the device), and planned each kernel for the calls the chain makes ([Note: planned kernels]
+in :mod:`zcomm.quant._contract`: on CUDA every launch is resolved then, before the first
+hop). So the public ops' checks, backend choice and dispatch are not repeated per call and
+per stage, and nothing is compiled between hops. Error feedback's steps use the same planned
 kernels (and the plan's ``quantize`` and ``dequantize`` for its stored errors: [Note:
-feedback kernels] in :mod:`zcomm._error_feedback`). The kernels get the contract's
-arguments exactly.
+feedback kernels] in :mod:`zcomm._error_feedback`). The kernels get the contract's arguments
+exactly.
 
 [Note: an INT8 first hop] ``first_hop_bits=8`` (after SDP4Bit's two-level scheme, arXiv
 2410.15526: 8 bits inside the node, 4 across) quantizes step 1 to INT8 and makes step 3 read
@@ -174,7 +175,7 @@ def reduce_scatter_q4(
         pipeline_stages: chunks overlapping intra- and inter-node hops (default
             :func:`default_pipeline_stages`).
         topology: which ranks share a node (default: :meth:`Topology.detect`, run once per group
-            and call shape: [Note: prologue once] in :mod:`zcomm._prologue`).
+            and call shape, when its plan is made: [Note: one plan per call] in :mod:`zcomm._plan`).
         error_feedback: LoCo state of the stream of reductions this call belongs to (None:
             stateless); see :class:`zcomm.ErrorFeedback`.
         first_hop_bits: 4 (ZeRO++) or 8: the intra-node hop in INT8, the inter-node hop

@@ -16,7 +16,7 @@ from zcomm import _fsdp_blocks
 
 NUMEL = 1024
 # what a call that resolves its arguments again would enter
-_RESOLVING = (":prologue", ":prologue_once", ":prologue_coalesced", ":prologue_coalesced_once", ":cached_plan",
+_RESOLVING = (":prologue", ":prologue_coalesced", ":_plan_of_call", ":find_plan", ":lookup",
               ":_make_plan", ":detect", ":_divisor", ":prepare_all_gather_q8",
               ":prepare_reduce_scatter_q4_coalesced")
 

@@ -838,3 +838,35 @@ def test_requant_register_kernel_checks_its_sizes(host_check, tmp_path):
         args = ["requant_regs", 8, group_size, numel, 2, _fp32_hex(1.0), chunks, 8, magic, shift, sizes, src, dst]
         done = subprocess.run([str(host_check), *map(str, args)], check=True, capture_output=True, text=True)
         assert done.stdout.split() == ["narrow=1", "mode=3", "sizes=0"] and not dst.exists(), wrong
+
+
+def test_requant_launch_checks_name_the_kernels_invariants():
+    """The narrow kernel's device check (``divisor_mode(divisor) != MODE || !sizes.describe(...)``
+    in requant_rounds.cuh) is made on the host when its launch is resolved
+    (``check_narrow_requant``): a LaunchCheckError naming the invariant, never a trap."""
+    numel, chunks, group_size = 3 * 1344, 3, 256
+    good = cuda_launch.narrow_requant_sizes(numel, chunks, group_size, 8, 4)
+    for divide_by, tag in ((1.0, "one"), (2.0, "pow2"), (0.25, "pow2"), (3.0, "div"), (2.0**127, "div")):
+        cuda_launch.check_narrow_requant(tag, np.float32(divide_by), good, numel, chunks, group_size, 8, 4)
+        for other in {"one", "pow2", "div"} - {tag}:
+            with pytest.raises(cuda_launch.LaunchCheckError, match=r"divisor_mode\(divisor\) == MODE"):
+                cuda_launch.check_narrow_requant(other, np.float32(divide_by), good, numel, chunks, group_size, 8, 4)
+    for wrong in range(4):
+        sizes = tuple(v + 4 * (i == wrong) for i, v in enumerate(good))
+        with pytest.raises(cuda_launch.LaunchCheckError, match=r"sizes\.describe\(rows, layout\)"):
+            cuda_launch.check_narrow_requant("one", np.float32(1.0), sizes, numel, chunks, group_size, 8, 4)
+    with pytest.raises(cuda_launch.LaunchCheckError, match=r"sizes\.describe"):  # chunks that do not divide numel
+        cuda_launch.check_narrow_requant("one", np.float32(1.0), good, numel + 1, chunks, group_size, 8, 4)
+
+
+def test_requant_launch_plan_runs_the_checks(monkeypatch):
+    """Resolving dequant_reduce_requant's launch plan runs the checks with the sizes it will pass."""
+    from cuda_fakes import fake_launch_plans
+
+    fake_launch_plans(monkeypatch)
+    device = torch.device("cuda", 0)
+    launch = cuda_launch.resolve("dequant_reduce_requant", device, (2, 3 * 1344, 8, 4, 256, 2.0, 3))
+    assert launch.narrow_name == "zc_dequant_reduce_requant_regs_pow2_int8_int4"
+    monkeypatch.setattr(cuda_launch, "narrow_requant_sizes", lambda *args: (1344, 6, 0, 0))
+    with pytest.raises(cuda_launch.LaunchCheckError, match=r"sizes\.describe"):
+        cuda_launch.resolve("dequant_reduce_requant", device, (2, 3 * 1344, 8, 4, 256, 2.0, 3))
