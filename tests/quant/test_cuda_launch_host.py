@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from cuda_support import requires_gpu
-from zcomm.quant.backends import _cuda_launch as cuda_launch
 from zcomm_cuda import loader
 
 
@@ -60,7 +59,7 @@ def test_device_tables_outside_and_inside_a_capture() -> None:
     same addresses and stream, and a capture reads it only once its upload was seen complete
     (else CaptureError), keeping it for replays ([Note: device tables])."""
     from zcomm.quant._capture import CaptureError
-    from zcomm.quant.backends._cuda_tables import HeldTable, device_perm
+    from zcomm.quant.backends._cuda_tables import HeldTable, device_perm, interleaved_table
 
     device = torch.device("cuda", torch.cuda.current_device())
     perm = device_perm((2, 0, 1), device)
@@ -83,4 +82,4 @@ def test_device_tables_outside_and_inside_a_capture() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert captured.tolist() == [1, 0]
-    assert first.tolist()[:6] == cuda_launch.interleaved_table(xs, 2)[:6]
+    assert first.tolist()[:6] == interleaved_table(xs, 2)[:6]

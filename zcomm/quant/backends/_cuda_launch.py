@@ -1,8 +1,8 @@
 """The ``cuda`` backend's kernels: the contract of :mod:`zcomm.quant._contract` on CUDA tensors.
 
 [Note: launch plans] A launch of a kernel is resolved once for the sizes it serves, into a
-*launch plan* (:class:`QuantizeLaunch`, :class:`DequantizeLaunch`, :class:`ReorderLaunch`,
-:class:`ReduceLaunch`, :class:`RequantLaunch`): the kernel compiled, loaded and looked up
+*launch plan* (:class:`QuantizeLaunch`, :class:`DequantizeLaunch` (also ``dequant_reduce``'s),
+:class:`ReorderLaunch`, :class:`RequantLaunch`): the kernel compiled, loaded and looked up
 (:func:`resolve_kernel`), its grid sized, its size arguments made as the kernel's numpy
 scalars, its device-resident tables uploaded and its host checks run
 (:func:`check_narrow_requant`). A call then only reads its tensors' addresses and launches.
@@ -44,7 +44,7 @@ from zcomm_cuda import loader
 from .. import _capture, wire_format
 from .._bounded_cache import BoundedCache
 from .._contract import dequantize_use, quantize_use, reorder_use
-from ._cuda_tables import HeldTable, device_perm, interleaved_table
+from ._cuda_tables import HeldTable, device_perm
 
 THREADS = 256
 WARPS_PER_BLOCK = THREADS // 32
@@ -202,12 +202,10 @@ def _resolve_dequantize(device: torch.device, rows: int, numel: int, bits: int, 
     return _decoder("dequantize.cu", name, device, rows * -(-numel // RUN), _sizes(row_nbytes, numel, group_size, rows))
 
 
-ReduceLaunch = DequantizeLaunch  # the divisor follows the sizes, made per call from the call's float
-
-
 def _resolve_dequant_reduce(device: torch.device, rows: int, numel: int, bits: int, group_size: int,
                             dtype: torch.dtype) -> DequantizeLaunch:
-    """``dequant_reduce``'s kernel, grid and the arguments between its input address and its divisor."""
+    """``dequant_reduce``'s kernel, grid and the arguments between its input address and its divisor
+    (the divisor is the call's float, made the kernels' fp32 per call)."""
     name = _name("zc_dequant_reduce_{}_int{}", dtype, bits)
     row_nbytes = wire_format.payload_nbytes(numel, bits, group_size)
     return _decoder("dequant_reduce.cu", name, device, -(-numel // RUN), _sizes(row_nbytes, numel, group_size, rows))
@@ -557,5 +555,3 @@ def plan_kernel(op: str, device: torch.device, uses: Sequence[tuple]) -> Planned
     """``op``'s kernel planned for ``uses`` on ``device``: every launch resolved now ([Note: launch plans])."""
     return _PLANNED[op](op, device, uses)
 
-
-__all__ = ["interleaved_table", "plan_kernel"]
