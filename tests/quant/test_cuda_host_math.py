@@ -290,22 +290,30 @@ def test_magic_divisor_rejects_divisors_past_its_range():
 
 
 @pytest.mark.parametrize("flat", (True, False), ids=("perm", "interleaved"))
-def test_reorder_index_path_is_chosen_by_size(flat):
+def test_reorder_index_path_is_chosen_by_size(flat, monkeypatch):
     """Inputs of up to 2^31 elements take the 32-bit kernels, larger ones the 64-bit (``_wide``) ones,
     with the multipliers of their path ([Note: magic division]); sizes only, nothing allocated."""
+    from cuda_fakes import fake_launch_plans
+
+    fake_launch_plans(monkeypatch)
     for parts, part_numel, wide in ((2, 2**30, False), (4, 2**30, True), (3, 2**31 + 8, True), (1, 96, False)):
         slices, chunks, group = 2, 2, 256
-        key = (torch.bfloat16, 8, 0, flat, 1 if flat else 3, parts, part_numel, slices, chunks, group, 0)
-        name, registers_name, jobs, extent, slice_args, part_args, layout = cuda_launch._resolve_reorder(key)
+        launch = cuda_launch._resolve_reorder(torch.device("cuda", 0), 1 if flat else 3, flat, parts, part_numel,
+                                              (1, 0), chunks, 8, group, torch.bfloat16)
         kind = "quantize" if flat else "interleaved"
-        assert name == f"zc_reorder_{kind}{'_wide' if wide else ''}_bf16_int8", (parts, part_numel)
-        # the register scheme's own kernel: interleaved, 32-bit indices (row bytes 0: any multiple of a run)
-        assert registers_name == (None if flat or wide else "zc_reorder_interleaved_regs_bf16_int8")
+        assert launch.encoder.name == f"zc_reorder_{kind}{'_wide' if wide else ''}_bf16_int8", (parts, part_numel)
+        # the register scheme's own kernel: interleaved, 32-bit indices, rows of whole runs
         numel = parts * part_numel
-        assert [int(a) for a in slice_args] == [numel // slices, *cuda_launch.magic_divisor(numel // slices, wide)]
-        assert [int(a) for a in part_args] == [3 if not flat else 1, part_numel,
-                                               *cuda_launch.magic_divisor(part_numel, wide)]  # fmt: skip
-        assert (jobs, extent) == (-(-numel // chunks // group) * chunks, min(group, numel // chunks))
+        row_nbytes = zq.payload_nbytes(numel // chunks, 8, group)
+        held = not flat and not wide and cuda_launch.in_registers(numel // chunks, group, 8, row_nbytes, 0)
+        registers = None if launch.registers is None else launch.registers.name
+        assert registers == ("zc_reorder_interleaved_regs_bf16_int8" if held else None)
+        assert held or flat or wide or parts == 1
+        assert [int(a) for a in launch.slice_args] == [numel // slices,
+                                                       *cuda_launch.magic_divisor(numel // slices, wide)]
+        assert [int(a) for a in launch.part_args] == [3 if not flat else 1, part_numel,
+                                                      *cuda_launch.magic_divisor(part_numel, wide)]  # fmt: skip
+        assert launch.encoder.jobs == -(-numel // chunks // group) * chunks
 
 
 # 8 / 256 / 512: the team layout (one lane per group, 16 and 32 lanes); 6: runs (scalar);
