@@ -6,7 +6,7 @@ resolved (outside any capture, when a collective's plan is made):
 
 * the permutation of ``reorder_quantize``: uploaded synchronously when the launch is resolved,
   so it is on the device before any call, readable from every stream, and never written or
-  freed while the launch plan lives. Resolved under capture (a public op first called inside
+  freed (one copy per permutation and device, kept for the process). Resolved under capture (a public op first called inside
   a graph), it is uploaded by the graph from a pinned host copy kept for the process, and
   the launch plan is not kept ([Note: capture] in :mod:`zcomm.quant._capture`);
 * the interleaved form's table of the tensors' addresses (:class:`HeldTable`). It depends on
@@ -27,16 +27,25 @@ from .. import _capture
 
 # pinned host copies of permutations uploaded inside a capture: the graph reads them on every replay
 _GRAPH_PERMS: list[torch.Tensor] = []
+# (perm, device index) -> its device copy, kept for the process: a launch plan dropped from a cache
+# may still have kernels in flight on another stream than the one the copy was allocated on, so
+# the copy is never freed (one per distinct permutation: a few per topology)
+_DEVICE_PERMS: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
 
 
 def device_perm(perm: Sequence[int], device: torch.device) -> torch.Tensor:
-    """``perm`` as an int64 tensor on ``device``, made once per launch plan ([Note: device tables])."""
-    host = torch.tensor(perm, dtype=torch.int64)
+    """``perm`` as an int64 tensor on ``device``, uploaded when a launch is resolved ([Note: device tables])."""
+    key = (tuple(perm), device.index)
+    kept = _DEVICE_PERMS.get(key)
+    if kept is not None:
+        return kept
+    host = torch.tensor(key[0], dtype=torch.int64)
     if _capture.capturing():
         host = host.pin_memory()
         _GRAPH_PERMS.append(host)
         return host.to(device, non_blocking=True)
-    return host.to(device)
+    kept = _DEVICE_PERMS[key] = host.to(device)
+    return kept
 
 
 def interleaved_table(xs: Sequence[torch.Tensor], parts: int) -> list[int]:
@@ -105,7 +114,8 @@ class HeldTable:
                 self.done = self.uploaded.query()
             return self.tensor
         self.tensor = _device_table(xs, parts)
-        self.uploaded = torch.cuda.Event()
+        if self.uploaded is None:  # one event, recorded again after each upload
+            self.uploaded = torch.cuda.Event()
         self.uploaded.record()
         self.addresses, self.stream, self.done = addresses, stream, False
         return self.tensor
