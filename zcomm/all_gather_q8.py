@@ -149,9 +149,7 @@ def all_gather_q8(
     group = group if group is not None else dist.group.WORLD
     plan = None
     if type(output) is torch.Tensor and type(input) is torch.Tensor and output.is_contiguous() and input.is_contiguous():
-        plan = find_plan(group, ("all_gather_q8", topology, output.numel(), input.numel(), output.dtype, input.dtype,
-                                 output.device, input.device, type(group_size), group_size, type(pipeline_stages),
-                                 pipeline_stages))
+        plan = find_plan(group, _key(output, input, topology, group_size, pipeline_stages))
     if plan is None:
         plan = _plan_of_call(group, output, input, topology, group_size, pipeline_stages)
     plan.stats.add(*plan.bytes_sent)
@@ -213,6 +211,13 @@ def prepare_all_gather_q8(
     return PreparedAllGatherQ8(plan, group, signature)
 
 
+def _key(output: torch.Tensor, input: torch.Tensor, topology: Topology | None,
+         group_size: int | Literal["tensor"] | None, pipeline_stages: int | None) -> tuple:
+    """The plan key of a call ([Note: one plan per call] in :mod:`zcomm._plan`): each option with its type."""
+    return ("all_gather_q8", topology, output.numel(), input.numel(), output.dtype, input.dtype, output.device,
+            input.device, type(group_size), group_size, type(pipeline_stages), pipeline_stages)
+
+
 def _plan_of_call(
     group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor, topology: Topology | None,
     group_size: int | Literal["tensor"] | None, pipeline_stages: int | None,
@@ -222,8 +227,7 @@ def _plan_of_call(
     if isinstance(output, torch.Tensor):
         check_plannable(output.device, "all_gather_q8")
     info = prologue(output, input, group, topology, gather=True, quantized=True)
-    key = ("all_gather_q8", topology, output.numel(), input.numel(), output.dtype, input.dtype, output.device,
-           input.device, type(group_size), group_size, type(pipeline_stages), pipeline_stages)
+    key = _key(output, input, topology, group_size, pipeline_stages)
     plan = find_plan(group, key)
     return plan if plan is not None else keep_plan(group, key, _make_plan(
         group, info, output, input, group_size, pipeline_stages))

@@ -189,12 +189,10 @@ def reduce_scatter_q4(
     group = group if group is not None else dist.group.WORLD
     if error_feedback is not None:
         _check_feedback(error_feedback)
-    options = (type(group_size), group_size, type(pipeline_stages), pipeline_stages, type(first_hop_bits),
-               first_hop_bits, type(hadamard_block), hadamard_block, error_feedback is not None)
+    options = _options(group_size, pipeline_stages, first_hop_bits, hadamard_block, error_feedback is not None)
     plan = None
     if type(output) is torch.Tensor and type(input) is torch.Tensor and output.is_contiguous() and input.is_contiguous():
-        plan = find_plan(group, ("reduce_scatter_q4", topology, output.numel(), input.numel(), output.dtype,
-                                 input.dtype, output.device, input.device, options))
+        plan = find_plan(group, _key(output, input, topology, options))
     if plan is None:
         plan = _plan_of_call(group, [output], [input], topology, options, coalesced=False)
     return _run(plan, _divisor(op, plan.info.world_size), error_feedback, [output], [input], async_op)
@@ -235,8 +233,7 @@ def reduce_scatter_q4_coalesced(
     group = group if group is not None else dist.group.WORLD
     if error_feedback is not None:
         _check_feedback(error_feedback)
-    options = (type(group_size), group_size, type(pipeline_stages), pipeline_stages, type(first_hop_bits),
-               first_hop_bits, type(hadamard_block), hadamard_block, error_feedback is not None)
+    options = _options(group_size, pipeline_stages, first_hop_bits, hadamard_block, error_feedback is not None)
     key = coalesced_key(outputs, inputs, False, topology)
     plan = None if key is None else find_plan(group, (key, options))
     if plan is None:
@@ -247,6 +244,21 @@ def reduce_scatter_q4_coalesced(
 def _check_feedback(feedback: ErrorFeedback | None) -> None:
     if feedback is not None and type(feedback) is not ErrorFeedback and not isinstance(feedback, ErrorFeedback):
         raise TypeError(f"error_feedback must be a zcomm.ErrorFeedback or None, got {type(feedback).__name__}")
+
+
+def _options(group_size: int | Literal["tensor"] | None, pipeline_stages: int | None, first_hop_bits: int,
+             hadamard_block: int | None, with_feedback: bool) -> tuple:
+    """A call's options in its plan key: each with its type (and whether there is error feedback),
+    so a call with an invalid option never finds a plan and reaches the check."""
+    return (type(group_size), group_size, type(pipeline_stages), pipeline_stages, type(first_hop_bits), first_hop_bits,
+            type(hadamard_block), hadamard_block, with_feedback)
+
+
+def _key(output: torch.Tensor, input: torch.Tensor, topology: Topology | None, options: tuple) -> tuple:
+    """The plan key of a call of the flat form ([Note: one plan per call] in :mod:`zcomm._plan`);
+    the coalesced form's is ``(coalesced_key(...), options)``."""
+    return ("reduce_scatter_q4", topology, output.numel(), input.numel(), output.dtype, input.dtype, output.device,
+            input.device, options)
 
 
 def _plan_of_call(group: dist.ProcessGroup, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
@@ -268,8 +280,7 @@ def _plan_of_call(group: dist.ProcessGroup, outputs: Sequence[torch.Tensor], inp
     else:
         output, input = outputs[0], inputs[0]
         info = prologue(output, input, group, topology, gather=False, quantized=True)
-        key = ("reduce_scatter_q4", topology, output.numel(), input.numel(), output.dtype, input.dtype, output.device,
-               input.device, options)
+        key = _key(output, input, topology, options)
     plan = find_plan(group, key)
     if plan is None:
         group_size, pipeline_stages, first_hop_bits, hadamard_block = options[1:8:2]
@@ -357,8 +368,7 @@ def prepare_reduce_scatter_q4_coalesced(
     group = group if group is not None else dist.group.WORLD
     if not isinstance(with_error_feedback, bool):
         raise TypeError(f"with_error_feedback must be a bool, got {with_error_feedback!r}")
-    options = (type(group_size), group_size, type(pipeline_stages), pipeline_stages, type(first_hop_bits),
-               first_hop_bits, type(hadamard_block), hadamard_block, with_error_feedback)
+    options = _options(group_size, pipeline_stages, first_hop_bits, hadamard_block, with_error_feedback)
     plan = _plan_of_call(group, outputs, inputs, topology, options, coalesced=True)
     key = coalesced_key(outputs, inputs, False, topology)
     if key is None:
