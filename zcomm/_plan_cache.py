@@ -1,20 +1,22 @@
-"""Prepared plans of the quantized collectives, cached per process group and call shape, and
-the one bounded cache zcomm keeps such things in.
+"""The cache of the quantized collectives' plans, per process group and call shape, and the one
+bounded cache zcomm keeps such things in.
 
-A collective's plan (its quantization spec resolved to an int group size, its private
-subgroups, its pipeline chunks, the bytes it sends) depends only on the group, its topology,
-the sizes and element width of the tensors and the call's options, never on the data. A
-training step calls the same collective on the same shapes over and over, so each
-collective resolves its plan once per such key and looks it up afterwards: the host work per
-call is the tensor checks of the prologue, a dictionary lookup and the chain itself.
+A collective's plan (:mod:`zcomm._plan`: its checked tensors and options, its private
+subgroups, its pipeline chunks, the bytes it sends, its planned kernels) depends only on the
+group, its topology, the sizes, dtypes and devices of the tensors and the call's options,
+never on the data. A training step calls the same collective on the same shapes over and
+over, so each collective makes its plan once per such key and looks it up afterwards: the
+host work per call is a dictionary lookup and the chain itself ([Note: one plan per call]).
+This is the one cache keyed on a call's sizes.
 
 * :class:`BoundedCache` (defined in :mod:`zcomm.quant._bounded_cache`, the layer below, whose
-  spec cache uses it too): a dict of at most ``limit`` entries, the oldest dropped first, whose
-  :meth:`~BoundedCache.get_or_make` makes a missing value on demand (one per FSDP2 comm holds
-  its prepared calls: [Note: a comm's prepared calls] in :mod:`zcomm.fsdp`);
+  spec cache and the cuda backend's op launch plans use it too): a dict of at most ``limit``
+  entries, the oldest dropped first, whose :meth:`~BoundedCache.get_or_make` makes a missing
+  value on demand (one per FSDP2 comm holds its prepared calls: [Note: a comm's prepared
+  calls] in :mod:`zcomm.fsdp`);
 * :class:`GroupCache`: one :class:`BoundedCache` per live process group, held weakly in the
-  group: the plans here (:func:`cached_plan`), the checked call shapes of the prologue
-  ([Note: prologue once] in :mod:`zcomm._prologue`).
+  group: the plans (:data:`_PLANS`, through :func:`zcomm._plan.find_plan` and
+  :func:`zcomm._plan.keep_plan`).
 
 [Note: plan cache lifetime] Plans are kept per caller's ``ProcessGroup`` object, and only
 as long as that object lives: once a group is destroyed and the caller drops it, its plans
@@ -24,15 +26,15 @@ value that refers to its key keeps the key alive for good. So nothing a
 :class:`GroupCache` holds refers to its group. A plan holds what the group resolved to (its
 rank, size and topology in a :class:`~zcomm._contract.GroupInfo`, which has no group; its
 private subgroups; its CPU worker; its stats row), never the group; the collectives pass
-the group they were called with to :func:`cached_plan` and to the plan's maker, which uses
-it and lets it go. That costs nothing per call (the caller's argument is at hand), where a
-plan holding a ``weakref`` to its group would resolve it on every call. What the plans hold
+the group they were called with to the lookup and to the plan's maker, which uses it and
+lets it go. That costs nothing per call (the caller's argument is at hand), where a plan
+holding a ``weakref`` to its group would resolve it on every call. What the plans hold
 goes with them: the workers' threads exit once no plan holds their executor
 ([Note: held workers] in :mod:`zcomm._chain_runner`), and the private subgroups are
 destroyed with their parent ([Note: cache lifetime] in :mod:`zcomm._groups`). A prepared
 call (:func:`zcomm.prepare_all_gather_q8`, :func:`zcomm.prepare_reduce_scatter_q4_coalesced`)
-is the caller's and holds its group: while the caller keeps it, the group, its subgroups and
-workers stay; no cache here holds a prepared call.
+is the caller's and holds its group and plan: while the caller keeps it, the group, its
+subgroups and workers stay; no cache here holds a prepared call.
 
 Each group keeps at most :data:`MAX_PLANS` plans (the oldest is dropped first), so a caller
 that sweeps through many shapes cannot grow the cache without bound. Keys hold the types of

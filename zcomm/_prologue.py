@@ -2,6 +2,9 @@
 
 :func:`prologue` checks one (output, input) pair, :func:`prologue_coalesced` the lists of a
 coalesced collective (pairwise as :func:`prologue` does, and one dtype and device for all).
+The quantized collectives run them when they make a call's plan, not on the calls that find
+one ([Note: one plan per call] in :mod:`zcomm._plan`); :func:`coalesced_key` is the part of
+a coalesced call's plan key its tensors make.
 
 Errors name the argument and what was found: ``ValueError`` for tensors or settings a
 collective cannot work with, ``TypeError`` for arguments of the wrong kind. The
@@ -17,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from ._contract import GroupInfo
-from ._plan_cache import GroupCache
 from .quant import SUPPORTED_DTYPES
 from .topology import Topology
 
@@ -43,77 +45,16 @@ def prologue(
     return info
 
 
-# resolved group -> call shape -> the GroupInfo a full prologue returned for it; dropped with
-# the group ([Note: plan cache lifetime] in zcomm._plan_cache: a GroupInfo does not hold its group)
-_MAX_CHECKED = 256
-_CHECKED = GroupCache(_MAX_CHECKED)
-
-
-def prologue_once(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    topology: Topology | None,
-    *,
-    gather: bool,
-) -> GroupInfo:
-    """:func:`prologue` of a quantized collective, run in full once per call shape.
-
-    [Note: prologue once] A training step calls a collective with the same group, topology
-    argument, sizes, dtypes and devices over and over; the group's rank, size and topology
-    cannot change for a live group object, and the tensor checks depend only on those
-    properties. So the first call of such a shape runs :func:`prologue` and remembers its
-    result; a later call whose tensors are plain contiguous ``torch.Tensor`` objects with
-    the same sizes, dtypes and devices gets it back after a dictionary lookup (anything
-    else, e.g. a tensor subclass, runs the full prologue again). With ``topology=None`` the
-    topology is thus detected once per group and shape: the local-size variables
-    (:data:`zcomm.topology.LOCAL_SIZE_VARIABLES`) are read then, not on every call; set
-    them before the first collective on a group (a new group reads them again). Arguments
-    that cannot be a cache key (an unhashable ``topology``, a ``group`` that is not a
-    process group) always go through the full prologue, which says what is wrong with them.
-    """
-    world = group if group is not None else dist.group.WORLD
-    if type(output) is torch.Tensor and type(input) is torch.Tensor and output.is_contiguous() and input.is_contiguous():
-        key = (gather, topology, output.numel(), input.numel(), output.dtype, input.dtype, output.device, input.device)
-        info = _CHECKED.lookup(world, key)
-        if info is None:
-            info = _CHECKED.remember(world, key, prologue(output, input, group, topology, gather=gather, quantized=True))
-        return info
-    return prologue(output, input, group, topology, gather=gather, quantized=True)
-
-
-def prologue_coalesced_once(
-    outputs: Sequence[torch.Tensor],
-    inputs: Sequence[torch.Tensor],
-    group: dist.ProcessGroup | None,
-    topology: Topology | None,
-    *,
-    gather: bool,
-) -> GroupInfo:
-    """:func:`prologue_coalesced`, run in full once per call shape ([Note: prologue once]).
-
-    The shape of a coalesced call is every pair's sizes, in order, with the one dtype and
-    device they share. A later call whose lists are lists or tuples of plain contiguous
-    ``torch.Tensor`` objects of one dtype and device, with the same sizes, gets the first
-    call's result back after building that key (one pass over the tensors, no checks raised
-    from it: any tensor that does not fit the key sends the call through the full prologue,
-    which raises for the exact reason).
-    """
-    world = group if group is not None else dist.group.WORLD
-    key = coalesced_key(outputs, inputs, gather, topology)
-    if key is None:
-        return prologue_coalesced(outputs, inputs, group, topology, gather=gather)
-    info = _CHECKED.lookup(world, key)
-    if info is None:
-        info = _CHECKED.remember(world, key, prologue_coalesced(outputs, inputs, group, topology, gather=gather))
-    return info
-
-
 def coalesced_key(
     outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], gather: bool, topology: Topology | None
 ) -> tuple | None:
-    """The cache key of a coalesced call's tensors, or None where they are not all plain
-    contiguous tensors of one dtype and device in lists or tuples of one non-zero length."""
+    """The plan key of a coalesced call's tensors, or None where they are not all plain contiguous
+    tensors of one dtype and device in lists or tuples of one non-zero length.
+
+    The shape of a coalesced call is every pair's sizes, in order, with the one dtype and
+    device they share: one pass over the tensors, no checks raised from it (any tensor that
+    does not fit the key sends the call through the full checks, which raise for the exact
+    reason)."""
     if type(outputs) not in (list, tuple) or type(inputs) not in (list, tuple):
         return None
     if not inputs or len(outputs) != len(inputs) or type(inputs[0]) is not torch.Tensor:

@@ -50,15 +50,17 @@ hop); chunk ``c``'s intra-node hop starts as soon as its inter-node hop delivere
 chunk ``c``'s dequantization waits until chunk ``c + 1``'s intra-node hop is started. Each
 hop's send buffer stays referenced with its receive buffer until the hop's ``wait()``.
 
-[Note: qwZ direct kernels] The chain calls the backend's ``quantize`` and ``dequantize``
-kernels (the functions behind ``torch.ops.zcomm``, :func:`zcomm.quant._contract.kernel`)
-directly, not the public ops: the plan already resolved what the public ops check on every
-call (the spec and its int group size, the payload sizes, the backend: ``backend=`` is not
-an option here, so ``$ZCOMM_BACKEND``, then the device), and the prologue checked the
-tensors ([Note: prologue once]). Each call then skips the ops' checks, the backend choice
-and the dispatcher, and the kernels get exactly the contract's arguments: contiguous 1-D
-inputs, payloads of the planned size, non-empty (a call of empty inputs writes nothing and
-sends nothing, on every rank alike). ``$ZCOMM_BACKEND`` is read when a plan is made: a plan keeps its backend.
+[Note: qwZ direct kernels] The chain calls the plan's ``quantize`` and ``dequantize``
+kernels directly, not the public ops: the plan ([Note: one plan per call] in
+:mod:`zcomm._plan`) already checked the tensors and resolved what the public ops check on
+every call (the spec and its int group size, the payload sizes, the backend: ``backend=`` is
+not an option here, so ``$ZCOMM_BACKEND``, then the device), and planned both kernels for
+every chunk ([Note: planned kernels] in :mod:`zcomm.quant._contract`: on CUDA each launch is
+resolved then, before the first hop). Each call then skips the ops' checks, the backend
+choice and the dispatcher, and the kernels get exactly the contract's arguments: contiguous
+1-D inputs, payloads of the planned size, non-empty (a call of empty inputs writes nothing
+and sends nothing, on every rank alike). ``$ZCOMM_BACKEND`` is read when a plan is made: a
+plan keeps its backend.
 
 [Note: hop order] Steps 1-4 run as one chain (:mod:`zcomm._chain_runner`) of the
 ``"gather"`` kind: on its own private groups and, on CPU, on the FIFO worker of the
@@ -70,22 +72,22 @@ the chain, async calls return its handle.
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Literal, NamedTuple
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from . import quant
 from ._contract import GroupInfo, Handle
-from ._chain_runner import Runner, chain_worker, run_chain
+from ._chain_runner import chain_worker, run_chain
 from ._groups import node_groups
 from ._hop_release import start_hop
 from ._pipeline import GATHER_STAGE_BYTES, check_stages, default_stages
-from ._plan_cache import cached_plan
-from ._prologue import prologue, prologue_once
+from ._plan import Plan, check_plannable, find_plan, keep_plan, plan_kernels
+from ._prologue import prologue
 from ._torch_compat import all_gather_single
-from .comm_stats import StatsRow, stats_row
-from .quant import _contract, _registry
+from .comm_stats import stats_row
+from .quant._contract import dequantize_use, quantize_use
 from .topology import Topology
 
 __all__ = ["GATHER_STAGE_BYTES", "PreparedAllGatherQ8", "all_gather_q8", "default_pipeline_stages",
@@ -97,22 +99,17 @@ _BITS = 8
 _Hop = tuple[torch.Tensor | None, torch.Tensor, dist.Work | None]
 
 
-class _Plan(NamedTuple):
-    """Everything the chain needs, resolved once per group, sizes and options (``_make_plan``)."""
+class GatherPlan(Plan):
+    """qwZ's plan ([Note: one plan per call] in :mod:`zcomm._plan`): what :class:`~zcomm._plan.Plan`
+    holds, and the hops, chunks and payload sizes."""
+
+    __slots__ = ("hops", "hop_sizes", "group_size", "bounds", "chunk_nbytes")
 
     hops: tuple[dist.ProcessGroup, ...]  # the inter-node group, then the intra-node group, where they have peers
     hop_sizes: tuple[int, ...]  # each hop's group size
-    topology: Topology
     group_size: int  # concrete: "tensor" resolved for this payload
     bounds: tuple[int, ...]  # chunk c is input elements [bounds[c], bounds[c + 1])
-    bytes_sent: tuple[int, int]  # (intra, inter) per call, for comm_stats
     chunk_nbytes: tuple[int, ...]  # the payload bytes of each chunk
-    # the backend's quantize and dequantize kernels, called directly ([Note: qwZ direct kernels])
-    quantize: Callable[..., None]
-    dequantize: Callable[..., None]
-    # resolved once, used per call: [Note: held stats rows], [Note: held workers]
-    stats: StatsRow
-    worker: Runner
 
 
 def default_pipeline_stages(output_nbytes: int, num_groups: int, topology: Topology) -> int:
@@ -147,17 +144,14 @@ def all_gather_q8(
             one stage per group is used (``"tensor"``, or a group of one rank: one stage). The
             output is the same for every value.
         topology: which ranks share a node (default: :meth:`Topology.detect`, run once per group
-            and call shape: [Note: prologue once] in :mod:`zcomm._prologue`).
+            and call shape, when its plan is made: [Note: one plan per call] in :mod:`zcomm._plan`).
     """
     group = group if group is not None else dist.group.WORLD
-    info = prologue_once(output, input, group, topology, gather=True)
-    numel, device = input.numel(), input.device
-    # each option with its type, as _plan_cache.typed makes them (inline: no call per option); the
-    # topology by its local size, which with the group's size (the prologue checked the topology's
-    # against it) is all of it, and an int hashes without the Python call a Topology's hash is
-    key = ("all_gather_q8", info.topology.local_size, numel, output.dtype, device, type(group_size), group_size,
-           type(pipeline_stages), pipeline_stages)
-    plan = cached_plan(group, key, partial(_make_plan, group, info, numel, output, group_size, pipeline_stages))
+    plan = None
+    if type(output) is torch.Tensor and type(input) is torch.Tensor and output.is_contiguous() and input.is_contiguous():
+        plan = find_plan(group, _key(output, input, topology, group_size, pipeline_stages))
+    if plan is None:
+        plan = _plan_of_call(group, output, input, topology, group_size, pipeline_stages)
     plan.stats.add(*plan.bytes_sent)
     return run_chain(partial(_chain, plan, output, input), (output, input), async_op, plan.worker)
 
@@ -175,7 +169,7 @@ class PreparedAllGatherQ8:
 
     __slots__ = ("_plan", "_group", "_signature")
 
-    def __init__(self, plan: _Plan, group: dist.ProcessGroup, signature: tuple) -> None:
+    def __init__(self, plan: GatherPlan, group: dist.ProcessGroup, signature: tuple) -> None:
         self._plan, self._group, self._signature = plan, group, signature
 
     def __call__(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Handle | None:
@@ -210,26 +204,45 @@ def prepare_all_gather_q8(
     zcomm's private subgroups (a collective step), so every rank prepares at the same point of
     its sequence of collectives."""
     group = group if group is not None else dist.group.WORLD
-    info = prologue(output, input, group, topology, gather=True, quantized=True)
+    plan = _plan_of_call(group, output, input, topology, group_size, pipeline_stages)
     if type(output) is not torch.Tensor or type(input) is not torch.Tensor:
         raise ValueError("a prepared all_gather_q8 needs plain torch.Tensor objects")
-    numel, device = input.numel(), input.device
-    key = ("all_gather_q8", info.topology.local_size, numel, output.dtype, device, type(group_size), group_size,
-           type(pipeline_stages), pipeline_stages)
-    plan = cached_plan(group, key, partial(_make_plan, group, info, numel, output, group_size, pipeline_stages))
-    signature = (output.numel(), numel, output.dtype, input.dtype, output.device, device)
+    signature = (output.numel(), input.numel(), output.dtype, input.dtype, output.device, input.device)
     return PreparedAllGatherQ8(plan, group, signature)
 
 
-def _make_plan(
-    group: dist.ProcessGroup, info: GroupInfo, numel: int, output: torch.Tensor,
+def _key(output: torch.Tensor, input: torch.Tensor, topology: Topology | None,
+         group_size: int | Literal["tensor"] | None, pipeline_stages: int | None) -> tuple:
+    """The plan key of a call ([Note: one plan per call] in :mod:`zcomm._plan`): each option with its type."""
+    return ("all_gather_q8", topology, output.numel(), input.numel(), output.dtype, input.dtype, output.device,
+            input.device, type(group_size), group_size, type(pipeline_stages), pipeline_stages)
+
+
+def _plan_of_call(
+    group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor, topology: Topology | None,
     group_size: int | Literal["tensor"] | None, pipeline_stages: int | None,
-) -> _Plan:
-    """The plan of a call on ``group`` with these sizes and options; it does not hold ``group``
-    ([Note: plan cache lifetime] in :mod:`zcomm._plan_cache`)."""
+) -> GatherPlan:
+    """The plan of a call that did not find one by its key: the tensors checked (the prologue raises
+    for the exact reason), then the plan of their key, found or made and kept ([Note: one plan per call])."""
+    if isinstance(output, torch.Tensor):
+        check_plannable(output.device, "all_gather_q8")
+    info = prologue(output, input, group, topology, gather=True, quantized=True)
+    key = _key(output, input, topology, group_size, pipeline_stages)
+    plan = find_plan(group, key)
+    return plan if plan is not None else keep_plan(group, key, _make_plan(
+        group, info, output, input, group_size, pipeline_stages))
+
+
+def _make_plan(
+    group: dist.ProcessGroup, info: GroupInfo, output: torch.Tensor, input: torch.Tensor,
+    group_size: int | Literal["tensor"] | None, pipeline_stages: int | None,
+) -> GatherPlan:
+    """The plan of a checked call on ``group`` (``info``: what the prologue resolved) with these
+    tensors and options; it does not hold ``group`` ([Note: plan cache lifetime] in
+    :mod:`zcomm._plan_cache`)."""
     check_stages(pipeline_stages)
+    numel, device = input.numel(), input.device
     output_nbytes = output.numel() * output.element_size()
-    backend = _registry.select(None, output.device)
     concrete_group_size = quant.QuantSpec(bits=_BITS, group_size=group_size).group_size_for(numel)
     groups = node_groups(group, info.topology, "gather")
     hops = tuple(hop for hop in (groups.inter, groups.intra) if hop is not None)
@@ -239,13 +252,17 @@ def _make_plan(
     # whole groups per chunk; with no hop at all (one rank) there is nothing to overlap
     stages = min(pipeline_stages, max(1, num_groups)) if hops else 1
     bounds = _chunk_bounds(numel, concrete_group_size, stages)
+    chunks = [hi - lo for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
     chunk_nbytes = tuple(quant.payload_nbytes(hi - lo, _BITS, concrete_group_size) for lo, hi in zip(bounds, bounds[1:]))
-    plan = _Plan(
-        hops, tuple(dist.get_world_size(hop) for hop in hops), info.topology, concrete_group_size, bounds, (0, 0), chunk_nbytes,
-        _contract.kernel("quantize", backend), _contract.kernel("dequantize", backend), stats_row("all_gather_q8"),
-        chain_worker(group, info.topology, "gather", output.device),
+    world_size = info.topology.world_size
+    uses = {"quantize": [quantize_use(n, _BITS, concrete_group_size, input.dtype) for n in chunks],
+            "dequantize": [dequantize_use(world_size, n, _BITS, concrete_group_size, output.dtype) for n in chunks]}
+    return GatherPlan(
+        info=info, hops=hops, hop_sizes=tuple(dist.get_world_size(hop) for hop in hops), group_size=concrete_group_size,
+        bounds=bounds, chunk_nbytes=chunk_nbytes, bytes_sent=_bytes_sent(info.topology, chunk_nbytes),
+        kernels=plan_kernels(device, uses), stats=stats_row("all_gather_q8"),
+        worker=chain_worker(group, info.topology, "gather", device),
     )
-    return plan._replace(bytes_sent=_bytes_sent(plan))
 
 
 def _chunk_bounds(numel: int, group_size: int, stages: int) -> tuple[int, ...]:
@@ -254,15 +271,15 @@ def _chunk_bounds(numel: int, group_size: int, stages: int) -> tuple[int, ...]:
     return tuple(min(numel, stage * num_groups // stages * group_size) for stage in range(stages)) + (numel,)
 
 
-def _bytes_sent(plan: _Plan) -> tuple[int, int]:
+def _bytes_sent(topology: Topology, chunk_nbytes: tuple[int, ...]) -> tuple[int, int]:
     """(intra, inter) bytes this rank sends (comm_stats model): each chunk's payload to the ``N - 1``
     other nodes, then the ``N`` payloads of its inter-node hop to the node's ``L - 1`` other ranks."""
-    payload_bytes = sum(plan.chunk_nbytes)
-    num_nodes, local_size = plan.topology.num_nodes, plan.topology.local_size
+    payload_bytes = sum(chunk_nbytes)
+    num_nodes, local_size = topology.num_nodes, topology.local_size
     return (local_size - 1) * num_nodes * payload_bytes, (num_nodes - 1) * payload_bytes
 
 
-def _chain(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:
+def _chain(plan: GatherPlan, output: torch.Tensor, input: torch.Tensor) -> None:
     """Steps 1-4 of the module docstring, on this thread (or enqueued on the current CUDA stream)."""
     if input.requires_grad:  # parameters: read detached, as the public ops do
         input = input.detach()
@@ -274,7 +291,7 @@ def _chain(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:
         _gather_pipelined(plan, output.view(-1), input.view(-1))
 
 
-def _gather_whole(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:
+def _gather_whole(plan: GatherPlan, output: torch.Tensor, input: torch.Tensor) -> None:
     """Unpipelined: one payload through both hops, then one dequantize of all ``W`` rows in rank order."""
     num_nodes, local_size, numel = plan.topology.num_nodes, plan.topology.local_size, input.numel()
     # ``wait()`` returns only after its hop has read ``gathered`` (see [Note: qwZ buffer lifetime])
@@ -291,17 +308,17 @@ def _gather_whole(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> Non
         in_rank_order = gathered.view(world_size, row_bytes)
     else:
         in_rank_order = gathered.view(local_size, num_nodes, row_bytes).transpose(0, 1).reshape(world_size, row_bytes)
-    plan.dequantize(in_rank_order, numel, _BITS, plan.group_size, output)
+    plan.kernels.dequantize(in_rank_order, numel, _BITS, plan.group_size, output)
 
 
-def _quantize(plan: _Plan, chunk: torch.Tensor, nbytes: int) -> torch.Tensor:
+def _quantize(plan: GatherPlan, chunk: torch.Tensor, nbytes: int) -> torch.Tensor:
     """The payload of the non-empty 1-D ``chunk`` ([Note: qwZ direct kernels])."""
     payload = torch.empty(nbytes, dtype=torch.uint8, device=chunk.device)
-    plan.quantize(chunk, _BITS, plan.group_size, payload)
+    plan.kernels.quantize(chunk, _BITS, plan.group_size, payload)
     return payload
 
 
-def _gather_pipelined(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:
+def _gather_pipelined(plan: GatherPlan, output: torch.Tensor, input: torch.Tensor) -> None:
     """The chunks' hops overlapped as [Note: qwZ pipeline] says; ``output`` and ``input`` flat."""
     chunks = list(zip(plan.bounds, plan.bounds[1:]))
     first_hop, first_size = plan.hops[0], plan.hop_sizes[0]
@@ -321,7 +338,7 @@ def _gather_pipelined(plan: _Plan, output: torch.Tensor, input: torch.Tensor) ->
         _finish_chunk(plan, chunk, hop, output)
 
 
-def _finish_chunk(plan: _Plan, chunk: tuple[int, int], hop: _Hop, output: torch.Tensor) -> None:
+def _finish_chunk(plan: GatherPlan, chunk: tuple[int, int], hop: _Hop, output: torch.Tensor) -> None:
     """Wait for ``chunk``'s last hop and dequantize every rank's payload into its place in ``output``.
 
     One multi-row dequantize per chunk: the ``W`` rows, in rank order, into a ``W x chunk``
@@ -337,7 +354,7 @@ def _finish_chunk(plan: _Plan, chunk: tuple[int, int], hop: _Hop, output: torch.
     # arrival order [local rank][node] -> rank order [node][local rank] (a copy of the payload bytes)
     rows = gathered.view(topology.local_size, topology.num_nodes, -1).transpose(0, 1).reshape(world_size, -1)
     values = torch.empty(world_size * (hi - lo), dtype=output.dtype, device=output.device)
-    plan.dequantize(rows, hi - lo, _BITS, plan.group_size, values)
+    plan.kernels.dequantize(rows, hi - lo, _BITS, plan.group_size, values)
     output.view(world_size, numel)[:, lo:hi].copy_(values.view(world_size, hi - lo))
 
 

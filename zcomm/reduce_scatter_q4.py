@@ -46,17 +46,18 @@ elements: step 1 reads the zeros from nowhere ([Note: interleaved input] in
 stage's part goes through a ``q``-element buffer on its way into ``output``. Any ``numel``
 works and the collective is never swapped for an unquantized one.
 
-[Note: qgZ direct kernels] The chain calls the backend's ``reorder_quantize``,
-``dequant_reduce`` and ``dequant_reduce_requant`` kernels (the functions behind
-``torch.ops.zcomm``, :func:`zcomm.quant._contract.kernel`) directly, into buffers of the
-sizes the plan computed: the plan resolved the spec, the permutation, the row sizes, the
-backend (``$ZCOMM_BACKEND`` when the plan was made, then the device) and checked the options
-once, and the prologue checked the tensors (once per call shape, for the coalesced form too:
-[Note: prologue once] in :mod:`zcomm._prologue`), so the public ops' checks, backend choice
-and dispatch are not repeated per call and per stage. Error feedback's steps use the same
+[Note: qgZ direct kernels] The chain calls the plan's ``reorder_quantize``,
+``dequant_reduce`` and ``dequant_reduce_requant`` kernels directly, not the public ops, into
+buffers of the sizes the plan computed: the plan ([Note: one plan per call] in
+:mod:`zcomm._plan`) checked the tensors and the options once, resolved the spec, the
+permutation, the row sizes and the backend (``$ZCOMM_BACKEND`` when the plan was made, then
+the device), and planned each kernel for the calls the chain makes ([Note: planned kernels]
+in :mod:`zcomm.quant._contract`: on CUDA every launch is resolved then, before the first
+hop). So the public ops' checks, backend choice and dispatch are not repeated per call and
+per stage, and nothing is compiled between hops. Error feedback's steps use the same planned
 kernels (and the plan's ``quantize`` and ``dequantize`` for its stored errors: [Note:
-feedback kernels] in :mod:`zcomm._error_feedback`). The kernels get the contract's
-arguments exactly.
+feedback kernels] in :mod:`zcomm._error_feedback`). The kernels get the contract's arguments
+exactly.
 
 [Note: an INT8 first hop] ``first_hop_bits=8`` (after SDP4Bit's two-level scheme, arXiv
 2410.15526: 8 bits inside the node, 4 across) quantizes step 1 to INT8 and makes step 3 read
@@ -89,24 +90,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
-from typing import Callable, Literal, NamedTuple
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from . import quant
 from ._contract import GroupInfo, Handle
-from ._chain_runner import Runner, chain_worker, run_chain
-from ._error_feedback import ErrorFeedback, reordered_input
+from ._chain_runner import chain_worker, run_chain
+from ._error_feedback import _STORE_BITS, ErrorFeedback, _identity, reordered_input
 from ._hadamard import check_hadamard_block, rotate_back_, rotated_input
 from ._groups import NodeGroups, node_groups
 from ._hop_release import start_hop
 from ._pipeline import MAX_DEFAULT_STAGES, STAGE_BYTES, check_stages, default_stages
-from ._plan_cache import cached_plan
-from ._prologue import coalesced_key, prologue_coalesced, prologue_coalesced_once, prologue_once
+from ._plan import Plan, check_plannable, find_plan, keep_plan, plan_kernels
+from ._prologue import coalesced_key, prologue, prologue_coalesced
 from ._slice_reorder import first_hop_rows, reorder_permutation
-from .comm_stats import StatsRow, stats_row
-from .quant import _contract, _registry
+from .comm_stats import stats_row
+from .quant._contract import dequantize_use, quantize_use, reorder_use, requant_use
 from .topology import Topology
 
 __all__ = [
@@ -117,22 +118,13 @@ __all__ = [
 _BITS = 4
 
 
-class _Kernels(NamedTuple):
-    """The backend's kernels the chain calls ([Note: qgZ direct kernels]); the first three
-    serve every call, ``quantize`` and ``dequantize`` also error feedback's buffers."""
+class ReducePlan(Plan):
+    """qgZ's plan ([Note: one plan per call] in :mod:`zcomm._plan`): what :class:`~zcomm._plan.Plan`
+    holds, and the stages, the slice order and the rows' sizes."""
 
-    reorder_quantize: Callable[..., None]
-    dequant_reduce: Callable[..., None]
-    dequant_reduce_requant: Callable[..., None]
-    quantize: Callable[..., None]
-    dequantize: Callable[..., None]
+    __slots__ = ("groups", "stages", "part", "group_size", "first_bits", "perm", "num_rows", "row_nbytes",
+                 "requant_nbytes", "hadamard_block", "feedback_geometry")
 
-
-class _Shape(NamedTuple):
-    """What a call's group, sizes and options fix, resolved and checked once (``_make_shape``;
-    [Note: plan cache lifetime] in :mod:`zcomm._plan_cache`)."""
-
-    info: GroupInfo  # what the group resolved to; never the group ([Note: plan cache lifetime])
     groups: NodeGroups
     stages: int
     part: int  # q: elements of each stage's part of one slice
@@ -140,15 +132,10 @@ class _Shape(NamedTuple):
     first_bits: int  # bits of step 1's rows (see [Note: an INT8 first hop])
     perm: tuple[int, ...]  # step 1's slice order (zcomm._slice_reorder)
     num_rows: int  # step 1's payload rows
-    bytes_sent: tuple[int, int]  # (intra, inter) per call, for comm_stats
-    kernels: _Kernels  # the backend's, called directly ([Note: qgZ direct kernels])
     row_nbytes: int  # bytes of one of step 1's payload rows
     requant_nbytes: int  # bytes of one of step 3's re-quantized rows
     hadamard_block: int | None  # see [Note: Hadamard smoothing] in zcomm._hadamard
     feedback_geometry: tuple[int, ...]  # what an ErrorFeedback is bound to
-    # resolved once, used per call: [Note: held stats rows], [Note: held workers]
-    stats: StatsRow
-    worker: Runner
 
 
 def default_pipeline_stages(input_nbytes: int, slice_numel: int, topology: Topology) -> int:
@@ -188,7 +175,7 @@ def reduce_scatter_q4(
         pipeline_stages: chunks overlapping intra- and inter-node hops (default
             :func:`default_pipeline_stages`).
         topology: which ranks share a node (default: :meth:`Topology.detect`, run once per group
-            and call shape: [Note: prologue once] in :mod:`zcomm._prologue`).
+            and call shape, when its plan is made: [Note: one plan per call] in :mod:`zcomm._plan`).
         error_feedback: LoCo state of the stream of reductions this call belongs to (None:
             stateless); see :class:`zcomm.ErrorFeedback`.
         first_hop_bits: 4 (ZeRO++) or 8: the intra-node hop in INT8, the inter-node hop
@@ -200,9 +187,15 @@ def reduce_scatter_q4(
             copy of the input and ``log2(block)`` passes over it. Not with ``error_feedback``.
     """
     group = group if group is not None else dist.group.WORLD
-    info = prologue_once(output, input, group, topology, gather=False)
-    return _start(group, info, [output], [input], op, async_op, group_size, pipeline_stages, error_feedback,
-                  first_hop_bits, hadamard_block)
+    if error_feedback is not None:
+        _check_feedback(error_feedback)
+    options = _options(group_size, pipeline_stages, first_hop_bits, hadamard_block, error_feedback is not None)
+    plan = None
+    if type(output) is torch.Tensor and type(input) is torch.Tensor and output.is_contiguous() and input.is_contiguous():
+        plan = find_plan(group, _key(output, input, topology, options))
+    if plan is None:
+        plan = _plan_of_call(group, [output], [input], topology, options, coalesced=False)
+    return _run(plan, _divisor(op, plan.info.world_size), error_feedback, [output], [input], async_op)
 
 
 def reduce_scatter_q4_coalesced(
@@ -238,36 +231,14 @@ def reduce_scatter_q4_coalesced(
             default stage count apply to the interleaved input, ``"tensor"`` to its rows).
     """
     group = group if group is not None else dist.group.WORLD
-    info = prologue_coalesced_once(outputs, inputs, group, topology, gather=False)
-    return _start(group, info, list(outputs), list(inputs), op, async_op, group_size, pipeline_stages, error_feedback,
-                  first_hop_bits, hadamard_block)
-
-
-def _start(
-    group: dist.ProcessGroup,
-    info: GroupInfo,
-    outputs: list[torch.Tensor],
-    inputs: list[torch.Tensor],
-    op: dist.ReduceOp,
-    async_op: bool,
-    group_size: int | Literal["tensor"] | None,
-    pipeline_stages: int | None,
-    feedback: ErrorFeedback | None,
-    first_hop_bits: int,
-    hadamard_block: int | None,
-) -> Handle | None:
-    """Plan the collective of the checked pairs (the flat form's slice: every output in turn) and run it.
-
-    The options are checked when their plan is made: the key holds each option with its type
-    (and whether there is error feedback), so a call with an invalid option never finds a plan
-    and reaches the check ([Note: plan cache lifetime]).
-    """
-    divide_by = _divisor(op, info.world_size)
-    if feedback is not None:
-        _check_feedback(feedback)
-    shape = _resolve(group, info, outputs, inputs, group_size, pipeline_stages, first_hop_bits, hadamard_block,
-                     feedback is not None)
-    return _run(shape, divide_by, feedback, outputs, inputs, async_op)
+    if error_feedback is not None:
+        _check_feedback(error_feedback)
+    options = _options(group_size, pipeline_stages, first_hop_bits, hadamard_block, error_feedback is not None)
+    key = coalesced_key(outputs, inputs, False, topology)
+    plan = None if key is None else find_plan(group, (key, options))
+    if plan is None:
+        plan = _plan_of_call(group, outputs, inputs, topology, options, coalesced=True)
+    return _run(plan, _divisor(op, plan.info.world_size), error_feedback, list(outputs), list(inputs), async_op)
 
 
 def _check_feedback(feedback: ErrorFeedback | None) -> None:
@@ -275,38 +246,60 @@ def _check_feedback(feedback: ErrorFeedback | None) -> None:
         raise TypeError(f"error_feedback must be a zcomm.ErrorFeedback or None, got {type(feedback).__name__}")
 
 
-def _resolve(
-    group: dist.ProcessGroup, info: GroupInfo, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-    group_size: int | Literal["tensor"] | None, pipeline_stages: int | None, first_hop_bits: int,
-    hadamard_block: int | None, with_feedback: bool,
-) -> _Shape:
-    """The plan of the checked pairs on ``group`` with these options, from the cache or made (and checked) now."""
-    slice_numel = 0
-    for output in outputs:
-        slice_numel += output.numel()
-    element_size = inputs[0].element_size()
-    device = inputs[0].device
-    # each option with its type, as _plan_cache.typed makes them (inline: no call per option); the
-    # topology by its local size, as all_gather_q8's key has it
-    key = ("reduce_scatter_q4", info.topology.local_size, slice_numel, element_size, device, type(group_size), group_size,
-           type(pipeline_stages), pipeline_stages, type(first_hop_bits), first_hop_bits, type(hadamard_block),
-           hadamard_block, with_feedback)
-    return cached_plan(group, key, partial(
-        _make_shape, group, info, slice_numel, slice_numel * info.world_size * element_size, group_size, pipeline_stages,
-        first_hop_bits, hadamard_block, with_feedback, device))
+def _options(group_size: int | Literal["tensor"] | None, pipeline_stages: int | None, first_hop_bits: int,
+             hadamard_block: int | None, with_feedback: bool) -> tuple:
+    """A call's options in its plan key: each with its type (and whether there is error feedback),
+    so a call with an invalid option never finds a plan and reaches the check."""
+    return (type(group_size), group_size, type(pipeline_stages), pipeline_stages, type(first_hop_bits), first_hop_bits,
+            type(hadamard_block), hadamard_block, with_feedback)
 
 
-def _run(shape: _Shape, divide_by: float, feedback: ErrorFeedback | None, outputs: Sequence[torch.Tensor],
+def _key(output: torch.Tensor, input: torch.Tensor, topology: Topology | None, options: tuple) -> tuple:
+    """The plan key of a call of the flat form ([Note: one plan per call] in :mod:`zcomm._plan`);
+    the coalesced form's is ``(coalesced_key(...), options)``."""
+    return ("reduce_scatter_q4", topology, output.numel(), input.numel(), output.dtype, input.dtype, output.device,
+            input.device, options)
+
+
+def _plan_of_call(group: dist.ProcessGroup, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                  topology: Topology | None, options: tuple, *, coalesced: bool) -> ReducePlan:
+    """The plan of a call that did not find one by its key: the tensors checked (the prologue raises
+    for the exact reason), then the plan of their key, found or made (the options checked) and kept
+    ([Note: one plan per call] in :mod:`zcomm._plan`).
+
+    ``options`` holds each option with its type (and whether there is error feedback), so a call
+    with an invalid option never finds a plan and reaches the check.
+    """
+    first = inputs[0] if isinstance(inputs, Sequence) and inputs else None
+    if isinstance(first, torch.Tensor):
+        check_plannable(first.device, "reduce_scatter_q4")
+    if coalesced:
+        info = prologue_coalesced(outputs, inputs, group, topology, gather=False)
+        key = coalesced_key(outputs, inputs, False, topology)
+        key = None if key is None else (key, options)
+    else:
+        output, input = outputs[0], inputs[0]
+        info = prologue(output, input, group, topology, gather=False, quantized=True)
+        key = _key(output, input, topology, options)
+    plan = find_plan(group, key)
+    if plan is None:
+        group_size, pipeline_stages, first_hop_bits, hadamard_block = options[1:8:2]
+        plan = keep_plan(group, key, _make_plan(group, info, list(outputs), list(inputs), group_size, pipeline_stages,
+                                                first_hop_bits, hadamard_block, options[-1]))
+    return plan
+
+
+def _run(plan: ReducePlan, divide_by: float, feedback: ErrorFeedback | None, outputs: Sequence[torch.Tensor],
          inputs: Sequence[torch.Tensor], async_op: bool) -> Handle | None:
     """Run the planned collective on checked tensors: count it, then hand its chain to the runner."""
     if feedback is not None:
-        feedback.bind(shape.feedback_geometry)
-    shape.stats.add(*shape.bytes_sent)
-    if shape.stages * shape.part == 0:
+        feedback.bind(plan.feedback_geometry)
+    plan.stats.add(*plan.bytes_sent)
+    if plan.stages * plan.part == 0:
         return Handle(finish=lambda: None, ready=lambda: True) if async_op else None
     flat = [input if input.dim() == 1 else input.view(-1) for input in inputs]
-    chain = partial(_chain, shape, divide_by, feedback, outputs, flat)
-    return run_chain(chain, (*outputs, *inputs), async_op, shape.worker)
+    chain = partial(_chain, plan, divide_by, feedback, outputs, flat)
+    return run_chain(chain, (*outputs, *inputs), async_op, plan.worker)
 
 
 class PreparedReduceScatterQ4:
@@ -322,7 +315,7 @@ class PreparedReduceScatterQ4:
     live as long as the object; [Note: plan cache lifetime] in :mod:`zcomm._plan_cache`),
     topology, op and options, and tensors of the same count,
     sizes, dtype and device, plain and contiguous. Each call revalidates only the tensors,
-    cheaply: one pass building the key the prologue cache would build
+    cheaply: one pass building the key the collective's plan lookup would build
     (:func:`zcomm._prologue.coalesced_key`), compared with the prepared one, ``ValueError``
     when it differs (never a silent re-plan: the contract was broken), and the error feedback's
     presence and geometry (the state object may be replaced, e.g. by a checkpoint load). The
@@ -331,11 +324,11 @@ class PreparedReduceScatterQ4:
     holds and the caller cannot change.
     """
 
-    __slots__ = ("_shape", "_group", "_divide_by", "_key", "_with_feedback")
+    __slots__ = ("_plan", "_group", "_divide_by", "_key", "_with_feedback")
 
-    def __init__(self, shape: _Shape, group: dist.ProcessGroup, divide_by: float, key: tuple,
+    def __init__(self, plan: ReducePlan, group: dist.ProcessGroup, divide_by: float, key: tuple,
                  with_feedback: bool) -> None:
-        self._shape, self._group, self._divide_by, self._key = shape, group, divide_by, key
+        self._plan, self._group, self._divide_by, self._key = plan, group, divide_by, key
         self._with_feedback = with_feedback
 
     def __call__(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], *, async_op: bool = False,
@@ -349,7 +342,7 @@ class PreparedReduceScatterQ4:
                              " error feedback")
         if error_feedback is not None:
             _check_feedback(error_feedback)
-        return _run(self._shape, self._divide_by, error_feedback, outputs, inputs, async_op)
+        return _run(self._plan, self._divide_by, error_feedback, outputs, inputs, async_op)
 
 
 def prepare_reduce_scatter_q4_coalesced(
@@ -373,16 +366,14 @@ def prepare_reduce_scatter_q4_coalesced(
     collective step), so every rank prepares at the same point of its sequence of collectives.
     """
     group = group if group is not None else dist.group.WORLD
-    info = prologue_coalesced(outputs, inputs, group, topology, gather=False)
+    if not isinstance(with_error_feedback, bool):
+        raise TypeError(f"with_error_feedback must be a bool, got {with_error_feedback!r}")
+    options = _options(group_size, pipeline_stages, first_hop_bits, hadamard_block, with_error_feedback)
+    plan = _plan_of_call(group, outputs, inputs, topology, options, coalesced=True)
     key = coalesced_key(outputs, inputs, False, topology)
     if key is None:
         raise ValueError("a prepared reduce_scatter_q4 needs lists or tuples of plain torch.Tensor objects")
-    divide_by = _divisor(op, info.world_size)
-    if not isinstance(with_error_feedback, bool):
-        raise TypeError(f"with_error_feedback must be a bool, got {with_error_feedback!r}")
-    shape = _resolve(group, info, list(outputs), list(inputs), group_size, pipeline_stages, first_hop_bits,
-                     hadamard_block, with_error_feedback)
-    return PreparedReduceScatterQ4(shape, group, divide_by, key, with_error_feedback)
+    return PreparedReduceScatterQ4(plan, group, _divisor(op, plan.info.world_size), key, with_error_feedback)
 
 
 def _divisor(op: dist.ReduceOp, world_size: int) -> float:
@@ -405,11 +396,13 @@ def check_first_hop_bits(bits: int, name: str = "first_hop_bits") -> None:
         raise ValueError(f"{name} must be 4 or 8, got {bits!r}")
 
 
-def _make_shape(
-    group: dist.ProcessGroup, info: GroupInfo, slice_numel: int, input_nbytes: int, group_size: int | Literal["tensor"] | None,
-    pipeline_stages: int | None, first_hop_bits: int, hadamard_block: int | None, with_feedback: bool,
-    device: torch.device,
-) -> _Shape:
+def _make_plan(
+    group: dist.ProcessGroup, info: GroupInfo, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+    group_size: int | Literal["tensor"] | None, pipeline_stages: int | None, first_hop_bits: int,
+    hadamard_block: int | None, with_feedback: bool,
+) -> ReducePlan:
+    """The plan of the checked pairs (``info``: what the prologue resolved) on ``group`` with these
+    options, which are checked here; it does not hold ``group`` ([Note: plan cache lifetime])."""
     check_stages(pipeline_stages)
     check_first_hop_bits(first_hop_bits)
     if first_hop_bits == 8 and with_feedback:
@@ -419,25 +412,66 @@ def _make_shape(
         raise ValueError("hadamard_block cannot be combined with error_feedback (its errors would mix rotated and "
                          "unrotated values if the block changed between calls)")
     spec = quant.QuantSpec(bits=_BITS, group_size=group_size)
-    backend = _registry.select(None, device)
-    kernels = _Kernels(*(_contract.kernel(op, backend) for op in _Kernels._fields))
+    slice_numel = sum(output.numel() for output in outputs)
+    first, device = inputs[0], inputs[0].device
     topology = info.topology
     # step 1's rows cross nodes when there is one rank per node: INT4 then
     first_bits = _BITS if topology.local_size == 1 else first_hop_bits
     stages = pipeline_stages if pipeline_stages is not None else (
-        default_pipeline_stages(input_nbytes, slice_numel, topology))
+        default_pipeline_stages(slice_numel * info.world_size * first.element_size(), slice_numel, topology))
     part = -(-slice_numel // stages)
     # "tensor": one group as long as the longest payload row (the intra hop's, N parts), so one per row
     concrete_group_size = spec.group_size_for(topology.num_nodes * part)
     perm = reorder_permutation(topology.num_nodes, topology.local_size, stages)
     num_rows = first_hop_rows(topology.num_nodes, topology.local_size, stages)
-    bytes_sent = _bytes_sent(topology, stages, part, concrete_group_size, first_bits)
-    row_nbytes = quant.payload_nbytes(topology.world_size * stages * part // num_rows, first_bits, concrete_group_size)
-    requant_nbytes = quant.payload_nbytes(part, _BITS, concrete_group_size)
-    geometry = (stages * part, info.world_size, topology.num_nodes, stages, concrete_group_size)
-    return _Shape(info, node_groups(group, topology, "reduce"), stages, part, concrete_group_size, first_bits,
-                  perm, num_rows, bytes_sent, kernels, row_nbytes, requant_nbytes, hadamard_block, geometry,
-                  stats_row("reduce_scatter_q4"), chain_worker(group, topology, "reduce", device))
+    uses = kernel_uses(topology, stages, part, concrete_group_size, first_bits, perm, num_rows, len(inputs),
+                       len(inputs) == 1 and first.numel() == topology.world_size * stages * part,
+                       torch.float32 if hadamard_block is not None else first.dtype, with_feedback)
+    return ReducePlan(
+        info=info, groups=node_groups(group, topology, "reduce"), stages=stages, part=part,
+        group_size=concrete_group_size, first_bits=first_bits, perm=perm, num_rows=num_rows,
+        bytes_sent=_bytes_sent(topology, stages, part, concrete_group_size, first_bits),
+        kernels=plan_kernels(device, uses) if stages * part else None,
+        row_nbytes=quant.payload_nbytes(topology.world_size * stages * part // num_rows, first_bits, concrete_group_size),
+        requant_nbytes=quant.payload_nbytes(part, _BITS, concrete_group_size), hadamard_block=hadamard_block,
+        feedback_geometry=(stages * part, info.world_size, topology.num_nodes, stages, concrete_group_size),
+        stats=stats_row("reduce_scatter_q4"), worker=chain_worker(group, topology, "reduce", device),
+    )
+
+
+def kernel_uses(topology: Topology, stages: int, part: int, group_size: int, first_bits: int, perm: tuple[int, ...],
+                num_rows: int, tensors: int, flat: bool, dtype: torch.dtype, with_feedback: bool) -> dict[str, list]:
+    """Every kernel call the chain makes, as the uses its plan's kernels are planned for ([Note:
+    planned kernels] in :mod:`zcomm.quant._contract`): step 1 on ``tensors`` inputs (``flat``: one
+    that fills its parts) of ``dtype`` (fp32 when rotated, which the output's reduction also is),
+    step 3 and step 5, and error feedback's stored errors and compensated rows."""
+    num_nodes, world_size = topology.num_nodes, topology.world_size
+    fp32, numel, two_hops = torch.float32, world_size * stages * part, num_nodes > 1 and topology.local_size > 1
+    stage_rows = num_rows // stages
+    uses: dict[str, list] = {op: [] for op in ("quantize", "dequantize", "reorder_quantize", "dequant_reduce",
+                                               "dequant_reduce_requant")}
+    last_bits = first_bits if num_nodes == 1 else _BITS
+    uses["dequant_reduce"].append(dequantize_use(num_nodes if two_hops else stage_rows, part, last_bits, group_size,
+                                                 dtype))
+    if not with_feedback:
+        uses["reorder_quantize"].append(reorder_use(tensors, flat, world_size, stages * part, perm, num_rows, first_bits,
+                                                    group_size, dtype))
+        if two_hops:
+            uses["dequant_reduce_requant"].append(requant_use(stage_rows, num_nodes * part, first_bits, _BITS,
+                                                              group_size, 1.0, num_nodes))
+        return uses
+    # [Note: feedback kernels] in zcomm._error_feedback: each hop's stored errors, the compensated rows
+    compensated = [(numel, num_rows)] + ([(num_nodes * part, num_nodes)] if two_hops else [])
+    for hop_numel in (numel, num_nodes * stages * part)[: len(compensated)]:
+        uses["dequantize"].append(dequantize_use(1, hop_numel, _STORE_BITS, group_size, fp32))
+        uses["quantize"].append(quantize_use(hop_numel, _STORE_BITS, group_size, fp32))
+    for values, rows in compensated:
+        uses["reorder_quantize"].append(reorder_use(1, True, 1, values, _identity(rows), rows, _BITS, group_size,
+                                                    fp32))
+        uses["dequantize"].append(dequantize_use(rows, values // rows, _BITS, group_size, fp32))
+    if two_hops:
+        uses["dequant_reduce"].append(dequantize_use(stage_rows, num_nodes * part, _BITS, group_size, fp32))
+    return uses
 
 
 def _bytes_sent(topology: Topology, k: int, q: int, group_size: int, first_bits: int) -> tuple[int, int]:
@@ -449,7 +483,7 @@ def _bytes_sent(topology: Topology, k: int, q: int, group_size: int, first_bits:
     return intra, inter
 
 
-def _chain(plan: _Shape, divide_by: float, feedback: ErrorFeedback | None, outputs: list[torch.Tensor],
+def _chain(plan: ReducePlan, divide_by: float, feedback: ErrorFeedback | None, outputs: list[torch.Tensor],
            inputs: list[torch.Tensor]) -> None:
     """Steps 1-5 of the module docstring, on this thread (or enqueued on the current CUDA stream)."""
     topology, k, q = plan.info.topology, plan.stages, plan.part
@@ -486,7 +520,7 @@ def _chain(plan: _Shape, divide_by: float, feedback: ErrorFeedback | None, outpu
             output.view(-1).copy_(piece)
 
 
-def _feedback_errors(plan: _Shape, feedback: ErrorFeedback, device: torch.device) -> list[torch.Tensor]:
+def _feedback_errors(plan: ReducePlan, feedback: ErrorFeedback, device: torch.device) -> list[torch.Tensor]:
     """This call's fp32 errors: hop 1's over the whole reordered input, hop 2's over the
     node sums this rank re-quantizes (none with one node or one rank per node)."""
     topology, k, q = plan.info.topology, plan.stages, plan.part
@@ -529,7 +563,7 @@ def _flat_view(outputs: list[torch.Tensor], numel: int) -> torch.Tensor | None:
     return first.as_strided((numel,), (1,))
 
 
-def _pipeline(plan: _Shape, divide_by: float, feedback: ErrorFeedback | None, rows: torch.Tensor,
+def _pipeline(plan: ReducePlan, divide_by: float, feedback: ErrorFeedback | None, rows: torch.Tensor,
               out_parts: Sequence[torch.Tensor], errors: list[torch.Tensor] | None) -> None:
     """Run the ``k`` stages' hops on ``rows`` (from step 1), writing stage ``s`` to ``out_parts[s]``.
 
@@ -570,7 +604,7 @@ def _pipeline(plan: _Shape, divide_by: float, feedback: ErrorFeedback | None, ro
         reduce(received, part, last_bits, group_size, divide_by, out_parts[done])
 
 
-def _node_sum_rows(plan: _Shape, feedback: ErrorFeedback | None, hop: tuple[torch.Tensor, dist.Work], stage: int,
+def _node_sum_rows(plan: ReducePlan, feedback: ErrorFeedback | None, hop: tuple[torch.Tensor, dist.Work], stage: int,
                    errors: list[torch.Tensor] | None) -> torch.Tensor:
     """Stage ``stage``'s ``N`` rows for the inter-node hop once its intra hop delivered: the
     node's sum re-quantized to INT4 (step 3), compensated by hop 2's error with feedback."""

@@ -1,7 +1,7 @@
 """zcomm's per-group state goes with its group ([Note: plan cache lifetime] in zcomm._plan_cache).
 
 After ``destroy_process_group(g)`` and the caller's last reference to ``g`` dropped, nothing
-zcomm made for ``g`` may keep it alive: its plans, its checked call shapes and its detected
+zcomm made for ``g`` may keep it alive: its plans (with the checked call shapes) and its detected
 topology are gone, its CPU workers' threads exit, and the private subgroups zcomm created
 for it are destroyed (torch keeps a group in its registry until it is destroyed, so a
 subgroup nobody destroys would hold its sockets and threads for the rest of the process).
@@ -36,7 +36,7 @@ import torch.distributed as dist
 import zcomm
 from cuda_support import requires_gpu
 from spawn_harness import run_distributed
-from zcomm import _chain_runner, _groups, _plan_cache, _prologue, _torch_compat, topology as topology_module
+from zcomm import _chain_runner, _groups, _plan_cache, _torch_compat, topology as topology_module
 from zcomm.all_gather_q8 import prepare_all_gather_q8
 from zcomm.reduce_scatter_q4 import prepare_reduce_scatter_q4_coalesced
 
@@ -46,7 +46,7 @@ SIZES = (100, 200, 300, 424)
 
 def _cache_sizes() -> dict[str, int]:
     """How many groups each of zcomm's per-group caches holds an entry for."""
-    return {"plans": len(_plan_cache._PLANS), "checked": len(_prologue._CHECKED), "groups": len(_groups._GROUPS),
+    return {"plans": len(_plan_cache._PLANS), "groups": len(_groups._GROUPS),
             "workers": len(_chain_runner._WORKERS), "hostnames": len(topology_module._DETECTED_BY_HOSTNAME)}
 
 
@@ -175,13 +175,11 @@ def test_a_live_group_keeps_its_plans(gloo_world) -> None:
     zcomm.all_gather_q8(full, x, group)
     zcomm.reduce_scatter_q4(out, x, group=group)
     plans = dict(_plan_cache._PLANS[group])
-    checked = dict(_prologue._CHECKED[group])
     threads = _worker_threads(group)
     gc.collect()
     zcomm.all_gather_q8(full, x, group)
     zcomm.reduce_scatter_q4(out, x, group=group)
     assert len(plans) == 2 and all(_plan_cache._PLANS[group][key] is plan for key, plan in plans.items())
-    assert len(checked) == 2 and all(_prologue._CHECKED[group][key] is info for key, info in checked.items())
     assert _worker_threads(group) == threads and all(thread.is_alive() for thread in threads)
 
 
@@ -220,10 +218,10 @@ def test_a_closed_engine_lets_its_group_go(gloo_world) -> None:
 
 def _hops_destroyed_with_their_group(rank: int, world_size: int) -> tuple[int, int]:
     """On 2 nodes of one rank: qwZ's and qgZ's inter-node subgroups, destroyed with their parent."""
-    before = len(_plan_cache._PLANS), len(_prologue._CHECKED), len(_groups._GROUPS), len(_chain_runner._WORKERS)
+    before = len(_plan_cache._PLANS), len(_groups._GROUPS), len(_chain_runner._WORKERS)
     dead, threads, subgroups = _destroy_and_drop(lambda: dist.new_group([0, 1]), _use_everything)
     assert dead() is None, [type(referrer).__name__ for referrer in gc.get_referrers(dead())]
-    after = len(_plan_cache._PLANS), len(_prologue._CHECKED), len(_groups._GROUPS), len(_chain_runner._WORKERS)
+    after = len(_plan_cache._PLANS), len(_groups._GROUPS), len(_chain_runner._WORKERS)
     assert after == before, (before, after)
     for thread in threads:
         thread.join(timeout=30)

@@ -121,7 +121,7 @@ def test_collectives_resolve_their_plan_once(gloo_world, monkeypatch: pytest.Mon
         return run
 
     monkeypatch.setattr(qwz, "_make_plan", counting("gather", qwz._make_plan))
-    monkeypatch.setattr(qgz, "_make_shape", counting("reduce", qgz._make_shape))
+    monkeypatch.setattr(qgz, "_make_plan", counting("reduce", qgz._make_plan))
     x = torch.randn(1000)
     full, out = torch.empty(1000), torch.empty(1000)
     for _ in range(3):

@@ -114,7 +114,7 @@ def test_plans_hold_their_worker_and_stats_row(gloo_world) -> None:
     reduce = prepare_reduce_scatter_q4_coalesced(list(flat.split(SIZES)), inputs)
     one = Topology(world_size=1, local_size=1)
     assert gather._plan.worker is _chain_runner._ordered_worker(dist.group.WORLD, one, "gather")
-    assert reduce._shape.worker is _chain_runner._ordered_worker(dist.group.WORLD, one, "reduce")
+    assert reduce._plan.worker is _chain_runner._ordered_worker(dist.group.WORLD, one, "reduce")
     zcomm.reset_comm_stats()
     gather(out, x)
     zcomm.all_gather_q8(out, x)

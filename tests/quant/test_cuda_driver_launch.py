@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 
+from cuda_fakes import fake_launch_plans
 from cuda_support import NVCC, requires_gpu, requires_nvcc, requires_nvrtc
 from nvcc_builds import Builds, Nvrtc
 from test_cuda_launch_abi import DTYPES, _run_every_op
@@ -123,10 +124,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int, tuple
     launches = []
     monkeypatch.setattr(loader, "launch", lambda source, name, device, blocks, threads, args:
                         launches.append((name, blocks, threads, tuple(args))))  # fmt: skip
-    monkeypatch.setattr(cuda_launch, "_max_blocks", lambda device, source, name: 1056)
-    monkeypatch.setattr(cuda_launch, "_device_perm", lambda perm, device: torch.tensor(perm, dtype=torch.int64))
-    monkeypatch.setattr(cuda_launch, "_device_table", lambda xs, parts: torch.tensor(
-        cuda_launch.interleaved_table(xs, parts), dtype=torch.int64))  # fmt: skip
+    fake_launch_plans(monkeypatch)
     for bits in (8, 4):
         for group_size in (64, 10_000):
             for dtype in DTYPES:

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from cuda_fakes import fake_launch_plans
 from cuda_support import requires_nvcc
 from nvcc_builds import Builds, Ptx
 from zcomm.quant import payload_nbytes
@@ -61,13 +62,7 @@ def launches(monkeypatch) -> list[tuple[str, str, tuple]]:
         recorded.append((source, name, tuple(args)))
 
     monkeypatch.setattr(loader, "launch", record)
-    monkeypatch.setattr(cuda_launch, "_max_blocks", lambda device, source, name: 1056)
-    monkeypatch.setattr(cuda_launch, "_device_perm", lambda perm, device: torch.tensor(perm, dtype=torch.int64))
-
-    def table(xs, parts):
-        return torch.tensor(cuda_launch.interleaved_table(xs, parts), dtype=torch.int64)
-
-    monkeypatch.setattr(cuda_launch, "_device_table", table)
+    fake_launch_plans(monkeypatch)
     return recorded
 
 
@@ -122,7 +117,6 @@ def _run_every_op(bits: int, dtype: torch.dtype, group_size: int) -> None:
 def test_launch_arguments_match_kernel_parameters(kernel_params, launches, monkeypatch, bits, group_size, wide):
     if wide:  # the reordering kernels' 64-bit index path, which real sizes take above 2^31 elements
         monkeypatch.setattr(cuda_launch, "WIDE_NUMEL", 0)
-        monkeypatch.setattr(cuda_launch, "_REORDER_MEMO", {})
     for dtype in DTYPES:
         _run_every_op(bits, dtype, group_size)
     encoder_launches = sum(name.startswith(ENCODERS) for _, name, _ in launches)

@@ -4,8 +4,8 @@
   one per launch (checked on CPU with a stand-in cupy);
 * ``loader.current_raw_stream`` (torch's private ``_cuda_getCurrentRawStream``) gives the
   handle of the public ``torch.cuda.current_stream`` (GPU);
-* the permutation reaches the device once per (perm, device) in eager calls; first seen
-  inside a CUDA graph capture it is uploaded by the graph and not cached (GPU).
+* a launch plan's permutation and interleaved table are device-resident; a capture reads a
+  table only once its upload was seen complete, else raises (GPU).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from cuda_support import requires_gpu
-from zcomm.quant.backends import _cuda_launch as cuda_launch
 from zcomm_cuda import loader
 
 
@@ -54,24 +53,33 @@ def test_raw_stream_is_torchs_current_stream() -> None:
 
 
 @requires_gpu
-def test_permutation_uploaded_once_outside_a_capture(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Eager: one device copy per (perm, device), the same tensor on every later call, also on
-    another stream. First seen inside a capture: a graph-owned copy, not cached."""
-    monkeypatch.setattr(cuda_launch, "_DEVICE_PERMS", {})
+def test_device_tables_outside_and_inside_a_capture() -> None:
+    """A launch plan's permutation is on the device when the plan is made (readable from any
+    stream); made inside a capture, it is the graph's. The interleaved table is reused for the
+    same addresses and stream, and a capture reads it only once its upload was seen complete
+    (else CaptureError), keeping it for replays ([Note: device tables])."""
+    from zcomm.quant._capture import CaptureError
+    from zcomm.quant.backends._cuda_tables import HeldTable, device_perm, interleaved_table
+
     device = torch.device("cuda", torch.cuda.current_device())
-    first = cuda_launch._device_perm((2, 0, 1), device)
-    assert first.device == device and first.tolist() == [2, 0, 1]
-    assert cuda_launch._device_perm([2, 0, 1], device) is first
+    perm = device_perm((2, 0, 1), device)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        assert cuda_launch._device_perm((2, 0, 1), device) is first
+        assert perm.device == device and perm.tolist() == [2, 0, 1]
+    xs = [torch.zeros(8, device=device), torch.zeros(16, device=device)]
+    held = HeldTable()
+    first = held.for_tensors(xs, 2)
+    assert held.for_tensors(xs, 2) is first
     torch.cuda.synchronize()
-    assert cuda_launch._device_perm((2, 0, 1), device) is first  # the warm-up call sees the upload done
+    assert held.for_tensors(xs, 2) is first and held.done
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = cuda_launch._device_perm((1, 0), device)
-        assert cuda_launch._device_perm((2, 0, 1), device) is first  # seen complete: read directly
-    assert ((1, 0), device.index) not in cuda_launch._DEVICE_PERMS
+        captured = device_perm((1, 0), device)
+        assert held.for_tensors(xs, 2) is first
+        with pytest.raises(CaptureError, match="outside the capture"):
+            held.for_tensors(xs[::-1], 2)
+    assert held.captured == [first]
     graph.replay()
     torch.cuda.synchronize()
     assert captured.tolist() == [1, 0]
+    assert first.tolist()[:6] == interleaved_table(xs, 2)[:6]

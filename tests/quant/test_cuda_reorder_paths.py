@@ -28,7 +28,7 @@ def wide(request, monkeypatch) -> bool:
     """Which index path the launcher picks; records the kernel names it launches."""
     if request.param:
         monkeypatch.setattr(cuda_launch, "WIDE_NUMEL", 0)
-    monkeypatch.setattr(cuda_launch, "_REORDER_MEMO", {})
+    monkeypatch.setattr(cuda_launch, "OP_PLANS", cuda_launch.BoundedCache(cuda_launch.MAX_OP_PLANS))
     return request.param
 
 
@@ -36,9 +36,9 @@ def _names(monkeypatch) -> list[str]:
     names: list[str] = []
     encode = cuda_launch._encode
 
-    def spy(source, name, *args):
-        names.append(name)
-        return encode(source, name, *args)
+    def spy(encoder, args):
+        names.append(encoder.name)
+        return encode(encoder, args)
 
     monkeypatch.setattr(cuda_launch, "_encode", spy)
     return names

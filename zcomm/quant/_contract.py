@@ -42,7 +42,7 @@ namespace is fixed when the graph is traced.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Mapping, Sequence, TypeVar
 
 import torch
 from torch import Tensor
@@ -120,6 +120,62 @@ def _load_kernel(op: str, backend: str) -> Callable[..., None]:
 def kernel(op: str, backend: str) -> Callable[..., None]:
     """The function ``backend`` registered for ``op`` (loading the backend on first use)."""
     return _KERNELS.get((op, backend)) or _load_kernel(op, backend)
+
+
+# [Note: planned kernels] A collective calls each op with arguments its plan fixes, so its plan
+# asks the backend for each op's kernel *planned* for those calls (:func:`plan_kernels`), with
+# each call's arguments named by a *use*: the tuple the backend plans by (below). A backend with
+# nothing to resolve per sizes (``cpu``, ``reference``) gives its kernels themselves; the ``cuda``
+# backend loads the sources all the ops need together (compiling them in parallel when its disk
+# cache lacks them) and resolves every use's launch then (sizes the kernels, uploads their
+# tables, runs the host checks: [Note: launch plans] in zcomm.quant.backends._cuda_launch), so
+# nothing is compiled or resolved between a collective's hops and a failure raises before any
+# hop is issued. A planned kernel is called with the op's arguments, in the schema's order, as
+# the kernel itself is. The public ops reach the same launch plans through ``torch.ops.zcomm``.
+_PLANNERS: dict[str, Callable[[torch.device, Mapping[str, Sequence[tuple]]], dict[str, Callable[..., None]]]] = {}
+
+
+def plans_kernels(backend: str) -> Callable[[Callable], Callable]:
+    """Decorator: register ``planner(device, uses)`` as ``backend``'s planner ([Note: planned kernels])."""
+    assert backend in _registry.backend_device_types(), backend
+
+    def register(planner: Callable) -> Callable:
+        _PLANNERS[backend] = planner
+        return planner
+
+    return register
+
+
+def plan_kernels(backend: str, device: torch.device, uses: Mapping[str, Sequence[tuple]]) -> dict[str, Callable[..., None]]:
+    """``backend``'s kernel for each op of ``uses`` (op -> the uses of its calls), planned for those
+    calls on ``device`` (loading the backend on first use; [Note: planned kernels])."""
+    kernels = {op: kernel(op, backend) for op in uses}
+    planner = _PLANNERS.get(backend)
+    return kernels if planner is None else planner(device, uses)
+
+
+def quantize_use(numel: int, bits: int, group_size: int, dtype: torch.dtype) -> tuple:
+    """The use of ``quantize`` on ``numel`` elements of ``dtype``."""
+    return (numel, bits, group_size, dtype)
+
+
+def dequantize_use(rows: int, numel: int, bits: int, group_size: int, dtype: torch.dtype) -> tuple:
+    """The use of ``dequantize`` (or ``dequant_reduce``, whose divisor is the call's) of ``rows``
+    payloads of ``numel`` elements into ``dtype``."""
+    return (rows, numel, bits, group_size, dtype)
+
+
+def reorder_use(tensors: int, flat: bool, parts: int, part_numel: int, perm: tuple[int, ...], num_chunks: int,
+                bits: int, group_size: int, dtype: torch.dtype) -> tuple:
+    """The use of ``reorder_quantize`` on ``tensors`` tensors of ``dtype`` (``flat``: one tensor that
+    fills its parts)."""
+    return (tensors, flat, parts, part_numel, perm, num_chunks, bits, group_size, dtype)
+
+
+def requant_use(rows: int, numel: int, bits: int, out_bits: int, group_size: int, divide_by: float,
+                chunks: int) -> tuple:
+    """The use of ``dequant_reduce_requant`` of ``rows`` payloads into ``chunks`` rows."""
+    return (rows, numel, bits, out_bits, group_size, divide_by, chunks)
 
 
 def _trampoline(op: str, backend: str) -> Callable[..., None]:

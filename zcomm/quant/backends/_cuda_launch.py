@@ -1,32 +1,50 @@
 """The ``cuda`` backend's kernels: the contract of :mod:`zcomm.quant._contract` on CUDA tensors.
 
-Each function picks the kernel of :mod:`zcomm_cuda` by dtype and bits, sizes the grid, and
-launches it on torch's current stream (:func:`zcomm_cuda.loader.launch`). Arguments arrive
-as the contract states them (validated, contiguous, non-empty, on one CUDA device, outputs
-preallocated). Nothing here synchronizes the host, so every op can be captured in a CUDA
-graph. This module imports without cupy or a GPU (the loader imports cupy when it first
-compiles), so the launch arithmetic is tested anywhere; :mod:`zcomm.quant.backends.cuda`
-registers these functions once the backend can run.
+[Note: launch plans] A launch of a kernel is resolved once for the sizes it serves, into a
+*launch plan* (:class:`QuantizeLaunch`, :class:`DequantizeLaunch` (also ``dequant_reduce``'s),
+:class:`ReorderLaunch`, :class:`RequantLaunch`): the kernel compiled, loaded and looked up
+(:func:`resolve_kernel`), its grid sized, its size arguments made as the kernel's numpy
+scalars, its device-resident tables uploaded and its host checks run
+(:func:`check_narrow_requant`). A call then only reads its tensors' addresses and launches.
+Resolution is the only place a kernel is compiled or loaded: it raises there, before
+anything is launched, when NVRTC, cupy or a check fails.
+
+Launch plans are held by the plans that use them, never in a cache of their own here:
+
+* a collective's plan (:mod:`zcomm._plan`) holds one :class:`PlannedKernel` per op, made by
+  :func:`plan_kernel` when the plan is made, with the launch plan of every argument set the
+  collective calls the op with: every kernel it will launch is resolved before its first hop;
+* a public op (:mod:`zcomm.quant.ops` through ``torch.ops.zcomm``) finds the launch plan of
+  its arguments in :data:`OP_PLANS`, the one :class:`~zcomm.quant._bounded_cache.BoundedCache`
+  of op calls, resolved on the first call of those arguments.
+
+Both reach the kernel through the same launch plan and :func:`zcomm_cuda.loader.launch`,
+on torch's current stream. Arguments arrive as the contract states them (validated,
+contiguous, non-empty, on one CUDA device, outputs preallocated). Nothing a call does
+synchronizes the host. This module imports without cupy or a GPU (the loader imports cupy
+when it first compiles), so the launch arithmetic is tested anywhere;
+:mod:`zcomm.quant.backends.cuda` registers the op functions once the backend can run.
 
 Grid sizing: the kernels walk their work grid-stride, so the grid is the work size capped
 at one full wave: as many blocks as every multiprocessor holds resident at once, from the
-occupancy the kernel's registers allow (:func:`_max_blocks`; [Note: one wave]). The
+occupancy the kernel's registers allow (:func:`resolve_kernel`; [Note: one wave]). The
 encoder kernels run one of two schemes chosen from the group size
 (:func:`encoder_passes`; [Note: large groups] in kernels/group_encoder.cuh).
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 from zcomm_cuda import loader
 
-from .. import wire_format
-
+from .. import _capture, wire_format
+from .._bounded_cache import BoundedCache
+from .._contract import dequantize_use, quantize_use, reorder_use
+from ._cuda_tables import HeldTable, device_perm
 
 THREADS = 256
 WARPS_PER_BLOCK = THREADS // 32
@@ -38,25 +56,13 @@ TILE_THREADS = 256  # kTileThreads: the block size of the tile passes
 TILE_ELEMS = 8192  # kTileElems: elements per tile
 TEAMS, TILE_ABSMAX, TILE_ENCODE = 0, 1, 2  # EncoderPass
 assert TILE_THREADS == THREADS
+WIDE_NUMEL = 2**31  # above this many elements the reordering kernels index with 64 bits ([Note: magic division])
+REGISTER_MAX_GROUP = 32 * 8 * 4  # kRegisterMaxGroup (team_walk.cuh): 32 lanes of kRunsPerLane runs of 8
+_RUN_BYTES = {8: 8, 4: 4}  # bytes of 8 codes (Codes8<BITS>::kWords words)
 
 _DTYPE_TAG = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-
-# perm -> the same perm as a pinned int64 CPU tensor, never freed; see [Note: perm lifetime].
-_PINNED_PERMS: dict[tuple[int, ...], torch.Tensor] = {}
-
-
-class _DevicePerm:
-    """A permutation's device copy: the tensor, the event after its upload, whether that has run."""
-
-    __slots__ = ("tensor", "uploaded", "stream", "done")
-
-    def __init__(self, tensor: torch.Tensor, uploaded: torch.cuda.Event, stream: int) -> None:
-        self.tensor, self.uploaded, self.stream, self.done = tensor, uploaded, stream, False
-
-
-# (perm, device index) -> its device copy, never freed; see [Note: perm lifetime].
-_DEVICE_PERMS: dict[tuple[tuple[int, ...], int], _DevicePerm] = {}
-
+_MODE_TAG = {"one": "one", "reciprocal": "pow2", "division": "div"}
+_MODE_OF_TAG = {tag: mode for mode, tag in _MODE_TAG.items()}
 
 # [Note: launch arguments] cupy passes numpy scalars by value at their own width, and a Python
 # int as a 64-bit integer whatever the kernel declares (cupy's argument conversion makes it a
@@ -65,35 +71,34 @@ _DEVICE_PERMS: dict[tuple[tuple[int, ...], int], _DevicePerm] = {}
 # returns, into the kernels' 64-bit pointer parameters, where both launchers pass them exactly
 # (cupy's int64 of an address below 2^63 has the address's bytes; the driver launcher packs an
 # int into a 64-bit slot as unsigned, [Note: parameter layout] in zcomm_cuda.driver_launch), and
-# zcomm builds no numpy scalar per address (about 0.2 us each; the driver launcher packs the int
-# as it is, cupy's converts it itself). tests/quant/test_cuda_launch_abi.py
+# zcomm builds no numpy scalar per address (about 0.2 us each). tests/quant/test_cuda_launch_abi.py
 # holds every launch to this. The integer arguments that depend only on the call's sizes are
-# looked up from ``_sizes`` (made once per sizes), so only the addresses are new per launch.
+# made once, in the launch plan ([Note: launch plans]), so only the addresses are new per launch.
 _PASSES = (np.int32(TEAMS), np.int32(TILE_ABSMAX), np.int32(TILE_ENCODE))
 
 
-@lru_cache(maxsize=1024)
+class LaunchCheckError(RuntimeError):
+    """A kernel's own invariant does not hold for the arguments a launch plan resolved: raised when
+    the launch is resolved, before anything runs, instead of a device trap that poisons the rank."""
+
+
 def _sizes(*values: int) -> tuple[np.int64, ...]:
-    """``values`` as the kernels' int64 arguments, made once per distinct tuple ([Note: launch arguments])."""
+    """``values`` as the kernels' int64 arguments ([Note: launch arguments])."""
     return tuple(np.int64(value) for value in values)
 
 
-# (source, kernel name, device index) -> the kernel's grid cap; see [Note: one wave]
-_MAX_BLOCKS: dict[tuple[str, str, int], int] = {}
-# (op, float dtype, bits...) -> the kernel's name, built once
-_NAMES: dict[tuple, str] = {}
-
-
 def _name(template: str, *key: object) -> str:
-    """``template`` formatted with ``key`` (a dtype becomes its tag), made once per key."""
-    name = _NAMES.get((template, *key))
-    if name is None:
-        name = _NAMES[(template, *key)] = template.format(*(_DTYPE_TAG.get(k, k) for k in key))
-    return name
+    """``template`` formatted with ``key`` (a dtype becomes its tag)."""
+    return template.format(*(_DTYPE_TAG.get(k, k) for k in key))
 
 
-def _max_blocks(device: torch.device, source: str, name: str) -> int:
-    """The grid cap of kernel ``name``: one wave of resident blocks on every multiprocessor.
+# (source, kernel name, device index) -> the kernel's grid cap; see [Note: one wave]. Keyed by the
+# kernel and the device, never by a call's sizes: it is the compiled module's property.
+_MAX_BLOCKS: dict[tuple[str, str, int], int] = {}
+
+
+def resolve_kernel(source: str, name: str, index: int) -> int:
+    """Compile (on first use), load and look up kernel ``name`` on device ``index``; its grid cap.
 
     [Note: one wave] A grid-stride kernel does the same work per block, so a grid of a few
     blocks per SM more than are resident runs in waves, the last one partly empty: with 8
@@ -101,22 +106,18 @@ def _max_blocks(device: torch.device, source: str, name: str) -> int:
     blocks per SM; with 6 resident (40 registers), the second holds 2, a third of the SM.
     Capping the grid at the resident count runs it in one full wave.
     """
-    blocks = _MAX_BLOCKS.get((source, name, device.index))
+    blocks = _MAX_BLOCKS.get((source, name, index))
     if blocks is None:
-        index = loader.device_index(device)
-        blocks = _resident_blocks(source, name, index) * loader.multiprocessor_count(index)
-        if device.index is not None:  # "cuda" alone means whichever device is current: not cached
-            _MAX_BLOCKS[(source, name, index)] = blocks
+        function = loader.kernel(source, name, index)
+        blocks = _MAX_BLOCKS[(source, name, index)] = _occupancy(function, name, index) * loader.multiprocessor_count(index)
     return blocks
 
 
-@lru_cache(maxsize=None)
-def _resident_blocks(source: str, name: str, index: int) -> int:
-    """Blocks of :data:`THREADS` threads of kernel ``name`` resident on one SM (CUDA occupancy, cached)."""
+def _occupancy(function: Any, name: str, index: int) -> int:
+    """Blocks of :data:`THREADS` threads of ``function`` resident on one SM (CUDA occupancy)."""
     import cupy
     from cupy_backends.cuda.api import driver
 
-    function = loader.kernel(source, name, index)
     with cupy.cuda.Device(index):
         blocks = driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, THREADS, 0)
     if blocks < 1:
@@ -142,190 +143,228 @@ def encoder_passes(jobs: int, group_extent: int, max_blocks: int) -> list[tuple[
     return [(TILE_ABSMAX, blocks), (TILE_ENCODE, blocks)]
 
 
-_MAX_MEMO = 4096  # entries of each launch memo before it is emptied (a caller sweeping sizes)
-# (kernel name, device index, jobs, group extent) -> its launches (encoder_passes), resolved once
-# per sizes as the decoders' are ([Note: decoder launch memo])
-_ENCODER_PASSES: dict[tuple[str, int, int, int], list[tuple[int, int]]] = {}
+class Encoder(NamedTuple):
+    """An encoder kernel's launches, resolved ([Note: launch plans])."""
+
+    source: str
+    name: str
+    device: torch.device
+    passes: tuple[tuple[int, np.int32], ...]  # (blocks, pass argument) per launch
+    jobs: int  # groups: the tile scheme's absmax temporary has one int32 per group
+    tiles: bool
 
 
-def _encode(source: str, name: str, device: torch.device, jobs: int, group_extent: int, args: Sequence[Any]) -> None:
-    """Run encoder kernel ``name`` with ``args`` (all but its last two, group_absmax and pass).
+def _encoder(source: str, name: str, device: torch.device, jobs: int, group_extent: int) -> Encoder:
+    passes = encoder_passes(jobs, group_extent, resolve_kernel(source, name, device.index))
+    return Encoder(source, name, device, tuple((blocks, _PASSES[p]) for p, blocks in passes), jobs, passes[0][0] != TEAMS)
+
+
+def _encode(encoder: Encoder, args: tuple) -> None:
+    """Run ``encoder`` with ``args`` (all but its last two, group_absmax and pass).
 
     The tile scheme's per-group absmax lives in a zeroed temporary allocated on the current
     stream, which both passes use in stream order (see [Note: large groups]).
     """
-    key = (name, device.index, jobs, group_extent)
-    passes = _ENCODER_PASSES.get(key)
-    if passes is None:
-        passes = _remember(_ENCODER_PASSES, key, device, encoder_passes(jobs, group_extent,
-                                                                        _max_blocks(device, source, name)))
-    absmax = torch.zeros(jobs, dtype=torch.int32, device=device) if passes[0][0] != TEAMS else None
+    absmax = torch.zeros(encoder.jobs, dtype=torch.int32, device=encoder.device) if encoder.tiles else None
     absmax_ptr = 0 if absmax is None else absmax.data_ptr()
-    for encoder_pass, blocks in passes:
-        loader.launch(source, name, device, blocks, THREADS, (*args, absmax_ptr, _PASSES[encoder_pass]))
+    for blocks, encoder_pass in encoder.passes:
+        loader.launch(encoder.source, encoder.name, encoder.device, blocks, THREADS, (*args, absmax_ptr, encoder_pass))
 
 
-def _decoder_blocks(device: torch.device, source: str, name: str, runs: int) -> int:
-    return _cap(-(-runs // THREADS), _max_blocks(device, source, name))
+class QuantizeLaunch(NamedTuple):
+    encoder: Encoder
+    sizes: tuple  # numel, group_size
 
 
-def _pinned_perm(key: tuple[int, ...]) -> torch.Tensor:
-    host = _PINNED_PERMS.get(key)
-    if host is None:
-        host = _PINNED_PERMS[key] = torch.tensor(key, dtype=torch.int64).pin_memory()
-    return host
+def _resolve_quantize(device: torch.device, numel: int, bits: int, group_size: int, dtype: torch.dtype) -> QuantizeLaunch:
+    name = _name("zc_quantize_{}_int{}", dtype, bits)
+    encoder = _encoder("quantize.cu", name, device, -(-numel // group_size), min(group_size, numel))
+    return QuantizeLaunch(encoder, _sizes(numel, group_size))
 
 
-def _device_perm(perm: Sequence[int], device: torch.device) -> torch.Tensor:
-    """``perm`` as an int64 tensor on ``device``: uploaded once per (perm, device), then looked up.
-
-    [Note: perm lifetime] The kernel reads the permutation from device memory. The first
-    eager call for a (perm, device) copies it on the current stream from a pinned host copy
-    (``non_blocking``: a cudaMemcpyAsync, no host synchronization), records an event after
-    the copy, and keeps the device tensor and the pinned source for the life of the process:
-    neither is written again nor freed, so torch's caching allocator never hands their memory
-    to anyone else. A later call on the upload's stream is ordered after the copy by the
-    stream; a call on another stream makes that stream wait for the event until the event
-    has been seen complete (``query``, which does not block), after which the copy is simply
-    there. Under CUDA-graph capture a copy whose completion has not been seen is not used
-    (waiting on an event recorded outside the capture is not capturable): the call uploads a
-    stream-ordered temporary from the pinned copy instead, which becomes a copy node of the
-    graph, reading pinned memory that stays valid for every replay, and the temporary belongs
-    to the graph's memory pool. A copy seen complete is read by the captured kernels directly.
-    """
-    index = device.index if device.index is not None else loader.device_index(device)
-    key = perm if type(perm) is tuple else tuple(perm)
-    cached = _DEVICE_PERMS.get((key, index))
-    if cached is not None and cached.done:  # the common case: uploaded, and seen complete
-        return cached.tensor
-    capturing = torch.cuda.is_current_stream_capturing()
-    if cached is None:
-        if capturing:
-            return _pinned_perm(key).to(device, non_blocking=True)
-        stream = torch.cuda.current_stream(index)
-        tensor = _pinned_perm(key).to(device, non_blocking=True)
-        uploaded = torch.cuda.Event()
-        uploaded.record(stream)
-        _DEVICE_PERMS[(key, index)] = _DevicePerm(tensor, uploaded, stream.cuda_stream)
-        return tensor
-    if not cached.done:
-        if capturing:
-            return _pinned_perm(key).to(device, non_blocking=True)
-        cached.done = cached.uploaded.query()
-        if not cached.done and loader.current_raw_stream(index) != cached.stream:
-            torch.cuda.current_stream(index).wait_event(cached.uploaded)
-    return cached.tensor
+class DequantizeLaunch(NamedTuple):
+    source: str
+    name: str
+    device: torch.device
+    blocks: int
+    sizes: tuple  # the arguments between the two addresses
 
 
-def quantize(x: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> None:
-    numel = x.numel()
-    _encode(
-        "quantize.cu",
-        _name("zc_quantize_{}_int{}", x.dtype, bits),
-        x.device,
-        -(-numel // group_size),  # num_groups
-        min(group_size, numel),
-        (x.data_ptr(), *_sizes(numel, group_size), out.data_ptr()),
-    )
+def _decoder(source: str, name: str, device: torch.device, runs: int, sizes: tuple) -> DequantizeLaunch:
+    return DequantizeLaunch(source, name, device, _cap(-(-runs // THREADS), resolve_kernel(source, name, device.index)),
+                            sizes)
 
 
-# [Note: decoder launch memo] The decoders run once per pipeline stage or chunk with the same
-# sizes every call, so what their launch needs besides the two addresses (kernel name, grid,
-# size arguments, fp32 divisor) is resolved once per (op, sizes, dtype, bits, device index) and
-# looked up after: one dictionary lookup instead of the name, grid and argument helpers per
-# launch. Only devices with an index are remembered (``cuda`` alone follows the current device),
-# and the memo is emptied when it reaches _MAX_MEMO entries (a caller sweeping sizes).
-_DECODER_MEMO: dict[tuple, tuple[str, int, tuple]] = {}
-
-
-def _remember(memo: dict[tuple, Any], key: tuple, device: torch.device, value: Any) -> Any:
-    """Keep ``value`` for ``key`` in the launch memo ``memo`` and return it ([Note: decoder launch
-    memo]): only for a device with an index, and the memo is emptied first when full."""
-    if device.index is not None:
-        if len(memo) >= _MAX_MEMO:
-            memo.clear()
-        memo[key] = value
-    return value
-
-
-def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, out: torch.Tensor) -> None:
-    rows, row_nbytes = payloads.shape
-    device = payloads.device
-    key = ("dequantize", device.index, out.dtype, bits, rows, row_nbytes, numel, group_size)
-    resolved = _DECODER_MEMO.get(key)
-    if resolved is None:
-        resolved = _remember(_DECODER_MEMO, key, device,
-                             _resolve_dequantize(device, rows, row_nbytes, numel, bits, group_size, out.dtype))
-    name, blocks, sizes = resolved
-    loader.launch("dequantize.cu", name, device, blocks, THREADS, (payloads.data_ptr(), *sizes, out.data_ptr()))
-
-
-def _resolve_dequantize(device: torch.device, rows: int, row_nbytes: int, numel: int, bits: int, group_size: int,
-                        dtype: torch.dtype) -> tuple[str, int, tuple]:
+def _resolve_dequantize(device: torch.device, rows: int, numel: int, bits: int, group_size: int,
+                        dtype: torch.dtype) -> DequantizeLaunch:
     name = _name("zc_dequantize_{}_int{}", dtype, bits)
-    blocks = _decoder_blocks(device, "dequantize.cu", name, rows * -(-numel // RUN))
-    return name, blocks, _sizes(row_nbytes, numel, group_size, rows)
+    row_nbytes = wire_format.payload_nbytes(numel, bits, group_size)
+    return _decoder("dequantize.cu", name, device, rows * -(-numel // RUN), _sizes(row_nbytes, numel, group_size, rows))
 
 
-def reorder_quantize(
-    xs: list[torch.Tensor],
-    parts: int,
-    part_numel: int,
-    perm: Sequence[int],
-    num_chunks: int,
-    bits: int,
-    group_size: int,
-    out: torch.Tensor,
-) -> None:
-    """One tensor that fills its parts is read through the permutation alone; otherwise
-    the interleaved kernel reads the tensors through a table ([Note: interleaved table]), or,
-    when the encoder holds its groups in registers, that scheme's own kernel ([Note: register
-    kernel] in kernels/reorder_quantize.cu). Inputs of more than :data:`WIDE_NUMEL` elements
-    take the kernels' 64-bit index path. Everything but the addresses and the output's
-    alignment is resolved once per sizes (:func:`_resolve_reorder`)."""
-    x = xs[0]
-    flat = len(xs) == 1 and x.numel() == parts * part_numel
-    key = (x.dtype, bits, x.device.index, flat, len(xs), parts, part_numel, len(perm), num_chunks, group_size,
-           out.shape[1])
-    resolved = _REORDER_MEMO.get(key)
-    if resolved is None:
-        resolved = _remember(_REORDER_MEMO, key, x.device, _resolve_reorder(key))
-    name, registers_name, jobs, extent, slice_args, part_args, layout = resolved
-    device_perm = _device_perm(perm, x.device)
-    if flat:
-        source = (x.data_ptr(), device_perm.data_ptr(), *slice_args)
-    else:
-        source = (_device_table(xs, parts).data_ptr(), *part_args, device_perm.data_ptr(), *slice_args)
-        if registers_name is not None and out.data_ptr() % _RUN_BYTES[bits] == 0:  # [Note: register kernel]
-            name = registers_name
-    _encode("reorder_quantize.cu", name, x.device, jobs, extent, (*source, *layout, out.data_ptr()))
+def _resolve_dequant_reduce(device: torch.device, rows: int, numel: int, bits: int, group_size: int,
+                            dtype: torch.dtype) -> DequantizeLaunch:
+    """``dequant_reduce``'s kernel, grid and the arguments between its input address and its divisor
+    (the divisor is the call's float, made the kernels' fp32 per call)."""
+    name = _name("zc_dequant_reduce_{}_int{}", dtype, bits)
+    row_nbytes = wire_format.payload_nbytes(numel, bits, group_size)
+    return _decoder("dequant_reduce.cu", name, device, -(-numel // RUN), _sizes(row_nbytes, numel, group_size, rows))
 
 
-# (dtype, bits, device index, flat, tensors, parts, part_numel, len(perm), num_chunks, group_size,
-# row bytes) -> reorder_quantize's kernel name, jobs, group extent and size arguments
-_REORDER_MEMO: dict[tuple, tuple] = {}
-WIDE_NUMEL = 2**31  # above this many elements the reordering kernels index with 64 bits ([Note: magic division])
+class ReorderLaunch(NamedTuple):
+    """``reorder_quantize``'s launches: the flat or interleaved kernel, and the interleaved form's
+    register kernel where the sizes allow it (taken per call when the output is aligned)."""
+
+    flat: bool
+    encoder: Encoder
+    registers: Encoder | None
+    perm: torch.Tensor  # the permutation, device-resident ([Note: device tables] in _cuda_tables)
+    slice_args: tuple
+    part_args: tuple
+    layout: tuple
+    run_bytes: int
+    table: HeldTable | None  # the interleaved form's table of addresses
 
 
-def _resolve_reorder(key: tuple) -> tuple:
-    dtype, bits, _, flat, tensors, parts, part_numel, slices, num_chunks, group_size, row_nbytes = key
+def _resolve_reorder(device: torch.device, tensors: int, flat: bool, parts: int, part_numel: int,
+                     perm: tuple[int, ...], num_chunks: int, bits: int, group_size: int,
+                     dtype: torch.dtype) -> ReorderLaunch:
     numel = parts * part_numel
     chunk = numel // num_chunks
     wide = numel > WIDE_NUMEL
+    row_nbytes = wire_format.payload_nbytes(chunk, bits, group_size)
     kind = ("quantize" if flat else "interleaved") + ("_wide" if wide else "")
-    name = _name("zc_reorder_{}_{}_int{}", kind, dtype, bits)
-    registers_name = None
+    jobs, extent = -(-chunk // group_size) * num_chunks, min(group_size, chunk)
+    encoder = _encoder("reorder_quantize.cu", _name("zc_reorder_{}_{}_int{}", kind, dtype, bits), device, jobs, extent)
+    registers = None
     if not flat and not wide and in_registers(chunk, group_size, bits, row_nbytes, out_ptr=0):
-        registers_name = _name("zc_reorder_interleaved_regs_{}_int{}", dtype, bits)
+        registers = _encoder("reorder_quantize.cu", _name("zc_reorder_interleaved_regs_{}_int{}", dtype, bits), device,
+                             jobs, extent)
+    slices = len(perm)
     slice_args = (np.int64(numel // slices), *_magic_args(numel // slices, wide))
     part_args = (np.int64(tensors), np.int64(part_numel), *_magic_args(part_numel, wide))
-    layout = _sizes(chunk, num_chunks, group_size, row_nbytes)
-    jobs = -(-chunk // group_size) * num_chunks
-    return name, registers_name, jobs, min(group_size, chunk), slice_args, part_args, layout
+    return ReorderLaunch(flat, encoder, registers, device_perm(perm, device), slice_args, part_args,
+                         _sizes(chunk, num_chunks, group_size, row_nbytes), _RUN_BYTES[bits],
+                         None if flat else HeldTable())
 
 
-REGISTER_MAX_GROUP = 32 * 8 * 4  # kRegisterMaxGroup (team_walk.cuh): 32 lanes of kRunsPerLane runs of 8
-_RUN_BYTES = {8: 8, 4: 4}  # bytes of 8 codes (Codes8<BITS>::kWords words)
+def _reorder(launch: ReorderLaunch, xs: list[torch.Tensor], parts: int, out: torch.Tensor) -> None:
+    """Run ``launch`` on ``xs`` into ``out``: one tensor that fills its parts is read through the
+    permutation alone; otherwise the interleaved kernel reads the tensors through a table
+    ([Note: interleaved table]), or, when the encoder holds its groups in registers and ``out``
+    is aligned, that scheme's own kernel ([Note: register kernel] in kernels/reorder_quantize.cu)."""
+    if launch.flat:
+        _encode(launch.encoder, (xs[0].data_ptr(), launch.perm.data_ptr(), *launch.slice_args, *launch.layout,
+                                 out.data_ptr()))
+        return
+    table = launch.table.for_tensors(xs, parts)
+    encoder = launch.encoder
+    if launch.registers is not None and out.data_ptr() % launch.run_bytes == 0:  # [Note: register kernel]
+        encoder = launch.registers
+    _encode(encoder, (table.data_ptr(), *launch.part_args, launch.perm.data_ptr(), *launch.slice_args, *launch.layout,
+                      out.data_ptr()))
+
+
+class RequantLaunch(NamedTuple):
+    """``dequant_reduce_requant``'s launches: the general encoder and, where the sizes allow, the
+    register scheme's kernel for the divisor's mode ([Note: narrow requant]), taken per call when
+    both buffers are aligned to their runs."""
+
+    encoder: Encoder
+    sizes: tuple
+    narrow_source: str
+    narrow_name: str | None
+    narrow_blocks: int
+    narrow_sizes: tuple
+    narrow_tail: tuple
+    in_run: int
+    out_run: int
+
+
+def _resolve_requant(device: torch.device, rows: int, numel: int, bits: int, out_bits: int, group_size: int,
+                     divide_by: float, chunks: int) -> RequantLaunch:
+    chunk = numel // chunks
+    jobs = -(-chunk // group_size) * chunks
+    row_nbytes = wire_format.payload_nbytes(numel, bits, group_size)
+    chunk_nbytes = wire_format.payload_nbytes(chunk, out_bits, group_size)
+    # the general kernel is a translation unit of its own; the narrow ones sit with dequant_reduce's
+    encoder = _encoder("dequant_reduce_requant.cu", _name("zc_dequant_reduce_requant_int{}_int{}", bits, out_bits),
+                       device, jobs, min(group_size, chunk))
+    source = "dequant_reduce.cu"
+    divisor = np.float32(divide_by)
+    sizes = (*_sizes(row_nbytes, numel, group_size, rows), divisor, *_sizes(chunks, chunk_nbytes))
+    narrow_name, narrow_blocks, narrow_sizes, narrow_tail = None, 0, (), ()
+    if narrow_requant(numel, chunk, group_size, bits, out_bits, row_nbytes, chunk_nbytes):
+        mode_tag = _MODE_TAG[divisor_mode(divisor)]
+        narrow_name = _name("zc_dequant_reduce_requant_regs_{}_int{}_int{}", mode_tag, bits, out_bits)
+        narrow_tail = narrow_requant_sizes(numel, chunks, group_size, bits, out_bits)
+        check_narrow_requant(mode_tag, divisor, narrow_tail, numel, chunks, group_size, bits, out_bits)
+        narrow_sizes = (*_sizes(row_nbytes, numel, group_size), *_magic_args(group_size, False), np.int64(rows),
+                        divisor, *_sizes(chunks, chunk_nbytes))
+        narrow_blocks = _cap(-(-jobs // WARPS_PER_BLOCK), resolve_kernel(source, narrow_name, device.index))
+        narrow_tail = _sizes(*narrow_tail)
+    return RequantLaunch(encoder, sizes, source, narrow_name, narrow_blocks, narrow_sizes, narrow_tail, _RUN_BYTES[bits],
+                         _RUN_BYTES[out_bits])
+
+
+def _requant(launch: RequantLaunch, payloads: torch.Tensor, out: torch.Tensor) -> None:
+    src, dst = payloads.data_ptr(), out.data_ptr()
+    if launch.narrow_name is not None and src % launch.in_run == 0 and dst % launch.out_run == 0:
+        loader.launch(launch.narrow_source, launch.narrow_name, launch.encoder.device, launch.narrow_blocks, THREADS,
+                      (src, *launch.narrow_sizes, dst, *launch.narrow_tail))
+        return
+    _encode(launch.encoder, (src, *launch.sizes, dst))
+
+
+def check_narrow_requant(mode_tag: str, divisor: np.float32, sizes: Sequence[int], numel: int, chunks: int,
+                         group_size: int, bits: int, out_bits: int) -> None:
+    """The invariants the narrow re-quantizing kernel checks on the device ([Note: narrow sizes] in
+    kernels/requant_rounds.cuh), checked on the host when its launch is resolved:
+    ``divisor_mode(divisor) == MODE`` (the kernel of a mode divides only as that mode says) and
+    ``sizes.describe(rows, layout)`` (its size arguments are those the kernel would compute from
+    its other arguments). Raises :class:`LaunchCheckError` naming the invariant that fails."""
+    mode = divisor_mode(divisor)
+    if _MODE_TAG[mode] != mode_tag:
+        raise LaunchCheckError(f"narrow re-quantizing kernel: invariant divisor_mode(divisor) == MODE fails: divisor "
+                               f"{float(divisor)!r} has mode {mode!r}, the kernel's is {_MODE_OF_TAG.get(mode_tag)!r}")
+    chunk = numel // chunks
+    expected = (chunk, -(-chunk // group_size), wire_format.scales_offset(numel, bits),
+                wire_format.scales_offset(chunk, out_bits))
+    if numel % chunks or tuple(int(v) for v in sizes) != expected:
+        raise LaunchCheckError(
+            f"narrow re-quantizing kernel: invariant sizes.describe(rows, layout) fails: the launch's sizes (chunk "
+            f"elements, groups per chunk, input and output scales offsets) are {tuple(int(v) for v in sizes)}, the "
+            f"kernel computes {expected} for numel={numel}, chunks={chunks}, group_size={group_size}, bits={bits}, "
+            f"out_bits={out_bits}")
+
+
+def narrow_requant_sizes(numel: int, chunks: int, group_size: int, bits: int, out_bits: int) -> tuple[int, ...]:
+    """The narrow kernel's sizes ([Note: narrow sizes] in kernels/requant_rounds.cuh): a chunk's
+    elements and groups, and the scales' offsets in an input row and in an output row."""
+    chunk = numel // chunks
+    return (chunk, wire_format.num_groups(chunk, group_size), wire_format.scales_offset(numel, bits),
+            wire_format.scales_offset(chunk, out_bits))
+
+
+def narrow_requant(numel: int, chunk: int, group_size: int, bits: int, out_bits: int, row_nbytes: int,
+                   chunk_nbytes: int) -> bool:
+    """Whether the re-quantizing kernel of the register scheme on 32-bit indices serves these sizes
+    ([Note: narrow requant]), given that both buffers are aligned to their runs (checked per call):
+    the encoder holds its groups in registers (:func:`in_registers`), the input rows have whole runs
+    (PayloadRows::can_vectorize), and every element index is below :data:`WIDE_NUMEL`."""
+    return (numel <= WIDE_NUMEL and in_registers(chunk, group_size, out_bits, chunk_nbytes, out_ptr=0)
+            and row_nbytes % _RUN_BYTES[bits] == 0)
+
+
+def divisor_mode(divisor: np.float32) -> str:
+    """sources.cuh's divisor_mode of an fp32 divisor: ``"one"`` for 1, ``"reciprocal"`` for a power
+    of two whose reciprocal is a normal float ([Note: exact reciprocal] in wire_math.cuh), else
+    ``"division"``."""
+    word = int(np.float32(divisor).view(np.uint32))
+    if word == 0x3F800000:
+        return "one"
+    exponent = (word >> 23) & 0xFF
+    return "reciprocal" if word & 0x7FFFFF == 0 and 0 < exponent <= 253 else "division"
 
 
 def in_registers(chunk: int, group_size: int, bits: int, row_nbytes: int, out_ptr: int) -> bool:
@@ -358,142 +397,177 @@ def _magic_args(divisor: int, wide: bool) -> tuple[np.uint64, np.int32]:
     return np.uint64(magic), np.int32(shift)
 
 
-def interleaved_table(xs: Sequence[torch.Tensor], parts: int) -> list[int]:
-    """InterleavedSource's table (sources.cuh): per tensor its address, its piece of a part, where that
-    piece ends; then zeros, which hold the fill's 16-byte-aligned run of 8 (32 bytes) when the table
-    starts on a 16-byte boundary, as device allocations do."""
-    table, end = [], 0
-    for x in xs:
-        width = x.numel() // parts
-        end += width
-        table += [x.data_ptr(), width, end]
-    return table + [0] * 5
+# ---- a call's use ([Note: planned kernels] in zcomm.quant._contract) -> its launch plan ----
+
+def _reorder_use(xs: Sequence[torch.Tensor], parts: int, part_numel: int, perm: Sequence[int], num_chunks: int,
+                 bits: int, group_size: int) -> tuple:
+    x = xs[0]
+    flat = len(xs) == 1 and x.numel() == parts * part_numel
+    return reorder_use(len(xs), flat, parts, part_numel, perm if type(perm) is tuple else tuple(perm), num_chunks,
+                       bits, group_size, x.dtype)
 
 
-def _device_table(xs: Sequence[torch.Tensor], parts: int) -> torch.Tensor:
-    """The interleaved kernel's table on the tensors' device, uploaded on the current stream.
+# op -> the name of its resolver here (looked up when called, so that a test may replace one)
+_RESOLVE = {"quantize": "_resolve_quantize", "dequantize": "_resolve_dequantize", "reorder_quantize": "_resolve_reorder",
+            "dequant_reduce": "_resolve_dequant_reduce", "dequant_reduce_requant": "_resolve_requant"}
 
-    [Note: interleaved table] The table holds the tensors' addresses, so it is made per call:
-    a pinned host tensor from torch's caching host allocator, copied with
-    ``non_blocking=True`` (no host synchronization). The allocator records the copy on the
-    stream and does not hand the pinned block out again before the copy has run, so
-    dropping the host tensor here is safe. Unlike the permutation's pinned copy, which is
-    kept ([Note: perm lifetime]), a per-call host buffer cannot be replayed by a CUDA graph: the
-    interleaved form is not graph-capturable; one tensor that fills its parts never needs it.
-    The device copy is a fresh allocation of the caching allocator, so it starts on a 16-byte
-    boundary (the zero run after the entries relies on that, see InterleavedSource).
+
+def resolve(op: str, device: torch.device, use: tuple) -> Any:
+    """The launch plan of ``op`` for the call named by ``use`` on ``device`` ([Note: launch plans])."""
+    if device.index is None:  # "cuda" alone: the current device, resolved now
+        device = torch.device(device.type, loader.device_index(device))
+    return globals()[_RESOLVE[op]](device, *use)
+
+
+# ---- the public ops' route: one BoundedCache of launch plans ----
+# (op, device index, use) -> the launch plan; the public ops' calls are planned once per arguments
+# and kept here (at most MAX_OP_PLANS, the oldest dropped first). ``cuda`` without an index
+# (whichever device is current) and launch plans resolved under CUDA-graph capture (whose
+# permutation belongs to the graph, [Note: device tables]) are not kept.
+MAX_OP_PLANS = 1024
+OP_PLANS = BoundedCache(MAX_OP_PLANS)
+
+
+def _op_plan(op: str, device: torch.device, use: tuple) -> Any:
+    key = (op, device.index, use)
+    launch = OP_PLANS.get(key)
+    if launch is None:
+        launch = resolve(op, device, use)
+        if device.index is not None and not _capture.capturing():
+            OP_PLANS.remember(key, launch)
+    return launch
+
+
+def quantize(x: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> None:
+    launch = _op_plan("quantize", x.device, (x.numel(), bits, group_size, x.dtype))
+    _encode(launch.encoder, (x.data_ptr(), *launch.sizes, out.data_ptr()))
+
+
+def dequantize(payloads: torch.Tensor, numel: int, bits: int, group_size: int, out: torch.Tensor) -> None:
+    launch = _op_plan("dequantize", payloads.device, (payloads.shape[0], numel, bits, group_size, out.dtype))
+    loader.launch(launch.source, launch.name, launch.device, launch.blocks, THREADS,
+                  (payloads.data_ptr(), *launch.sizes, out.data_ptr()))
+
+
+def reorder_quantize(xs: list[torch.Tensor], parts: int, part_numel: int, perm: Sequence[int], num_chunks: int,
+                     bits: int, group_size: int, out: torch.Tensor) -> None:
+    launch = _op_plan("reorder_quantize", xs[0].device,
+                      _reorder_use(xs, parts, part_numel, perm, num_chunks, bits, group_size))
+    _reorder(launch, xs, parts, out)
+
+
+def dequant_reduce(payloads: torch.Tensor, numel: int, bits: int, group_size: int, divide_by: float,
+                   out: torch.Tensor) -> None:
+    """Sum (and divide) ``k`` payload rows and store the floats, in one kernel. The divisor goes
+    as the kernels' fp32 (round to nearest even, as the wire format says: ``acc / float32(divide_by)``)."""
+    launch = _op_plan("dequant_reduce", payloads.device, (payloads.shape[0], numel, bits, group_size, out.dtype))
+    loader.launch(launch.source, launch.name, launch.device, launch.blocks, THREADS,
+                  (payloads.data_ptr(), *launch.sizes, np.float32(divide_by), out.data_ptr()))
+
+
+def dequant_reduce_requant(payloads: torch.Tensor, numel: int, bits: int, out_bits: int, group_size: int,
+                           divide_by: float, out: torch.Tensor) -> None:
+    """Sum (and divide) ``k`` payload rows and re-quantize the sum into ``out``'s rows, in one pass
+    ([Note: narrow requant] in kernels/requant_rounds.cuh picks the kernel)."""
+    launch = _op_plan("dequant_reduce_requant", payloads.device,
+                      (payloads.shape[0], numel, bits, out_bits, group_size, divide_by, out.shape[0]))
+    _requant(launch, payloads, out)
+
+
+# ---- a collective plan's route: planned kernels ----
+
+class PlannedKernel:
+    """One op's kernel, planned for the argument sets a collective calls it with.
+
+    Called with the op's arguments (the contract's, in the schema's order), it finds the
+    launch plan of those arguments among those resolved when the collective's plan was made
+    and launches it. Arguments no launch plan was made for are resolved then and kept here
+    (the plan's uses are finite): that can compile between a collective's hops, so a
+    collective lists every use it makes (tests/collectives/test_plan_kernels.py checks that
+    none is missed).
     """
-    host = torch.tensor(interleaved_table(xs, parts), dtype=torch.int64).pin_memory()
-    return host.to(xs[0].device, non_blocking=True)
+
+    __slots__ = ("op", "device", "launches")
+
+    def __init__(self, op: str, device: torch.device, uses: Sequence[tuple]) -> None:
+        self.op, self.device = op, device
+        self.launches = {use: resolve(op, device, use) for use in uses}
+
+    def _launch(self, use: tuple) -> Any:
+        launch = self.launches.get(use)
+        if launch is None:
+            launch = self.launches[use] = resolve(self.op, self.device, use)
+        return launch
 
 
-@lru_cache(maxsize=256)
-def _fp32(divide_by: float) -> np.float32:
-    """``divide_by`` as the kernels' fp32 argument, made once per value ([Note: launch arguments]).
+class _PlannedQuantize(PlannedKernel):
+    __slots__ = ()
 
-    The divisor is rounded to fp32 here (round to nearest even, as the wire format says:
-    ``acc / float32(divide_by)``); a Python float would reach the kernel as a double.
-    """
-    return np.float32(divide_by)
-
-
-def dequant_reduce(
-    payloads: torch.Tensor, numel: int, bits: int, group_size: int, divide_by: float, out: torch.Tensor
-) -> None:
-    """Sum (and divide) ``k`` payload rows and store the floats, in one kernel."""
-    rows, row_nbytes = payloads.shape
-    device = payloads.device
-    key = ("dequant_reduce", device.index, out.dtype, bits, rows, row_nbytes, numel, group_size, divide_by)
-    resolved = _DECODER_MEMO.get(key)
-    if resolved is None:
-        resolved = _remember(_DECODER_MEMO, key, device, _resolve_dequant_reduce(
-            device, rows, row_nbytes, numel, bits, group_size, divide_by, out.dtype))
-    name, blocks, sizes = resolved
-    loader.launch("dequant_reduce.cu", name, device, blocks, THREADS, (payloads.data_ptr(), *sizes, out.data_ptr()))
+    def __call__(self, x: torch.Tensor, bits: int, group_size: int, out: torch.Tensor) -> None:
+        launch = self.launches.get((x.numel(), bits, group_size, x.dtype)) or self._launch(
+            quantize_use(x.numel(), bits, group_size, x.dtype))
+        _encode(launch.encoder, (x.data_ptr(), *launch.sizes, out.data_ptr()))
 
 
-def _resolve_dequant_reduce(device: torch.device, rows: int, row_nbytes: int, numel: int, bits: int,
-                            group_size: int, divide_by: float, dtype: torch.dtype) -> tuple[str, int, tuple]:
-    """``dequant_reduce``'s kernel name, grid and the arguments between its two addresses."""
-    name = _name("zc_dequant_reduce_{}_int{}", dtype, bits)
-    blocks = _decoder_blocks(device, "dequant_reduce.cu", name, -(-numel // RUN))
-    return name, blocks, (*_sizes(row_nbytes, numel, group_size, rows), _fp32(divide_by))
+class _PlannedDequantize(PlannedKernel):
+    __slots__ = ()
+
+    def __call__(self, payloads: torch.Tensor, numel: int, bits: int, group_size: int, out: torch.Tensor) -> None:
+        launch = self.launches.get((payloads.shape[0], numel, bits, group_size, out.dtype)) or self._launch(
+            dequantize_use(payloads.shape[0], numel, bits, group_size, out.dtype))
+        loader.launch(launch.source, launch.name, launch.device, launch.blocks, THREADS,
+                      (payloads.data_ptr(), *launch.sizes, out.data_ptr()))
 
 
-def dequant_reduce_requant(
-    payloads: torch.Tensor, numel: int, bits: int, out_bits: int, group_size: int, divide_by: float, out: torch.Tensor
-) -> None:
-    """Sum (and divide) ``k`` payload rows and re-quantize the sum into ``out``'s rows, in one pass.
+class _PlannedReorder(PlannedKernel):
+    __slots__ = ()
 
-    When the encoder holds its groups in registers and the sizes fit 32-bit indices, the
-    register scheme's own kernel for the divisor's mode runs ([Note: narrow requant] in
-    kernels/requant_rounds.cuh); otherwise the general kernel (kernels/dequant_reduce_requant.cu,
-    a module of its own). Everything but the addresses
-    and their alignment is resolved once per sizes (:func:`_resolve_requant`)."""
-    rows, row_nbytes = payloads.shape
-    chunks, chunk_nbytes = out.shape
-    key = (payloads.device.index, rows, row_nbytes, numel, bits, out_bits, group_size, divide_by, chunks, chunk_nbytes)
-    resolved = _REQUANT_MEMO.get(key)
-    if resolved is None:
-        resolved = _remember(_REQUANT_MEMO, key, payloads.device, _resolve_requant(key, payloads.device))
-    name, narrow_name, narrow_blocks, jobs, extent, sizes, narrow_sizes, narrow_tail = resolved
-    src, dst = payloads.data_ptr(), out.data_ptr()
-    if narrow_name is not None and src % _RUN_BYTES[bits] == 0 and dst % _RUN_BYTES[out_bits] == 0:
-        loader.launch("dequant_reduce.cu", narrow_name, payloads.device, narrow_blocks, THREADS,
-                      (src, *narrow_sizes, dst, *narrow_tail))
-        return
-    _encode("dequant_reduce_requant.cu", name, payloads.device, jobs, extent, (src, *sizes, dst))
+    def __call__(self, xs: list[torch.Tensor], parts: int, part_numel: int, perm: Sequence[int], num_chunks: int,
+                 bits: int, group_size: int, out: torch.Tensor) -> None:
+        use = _reorder_use(xs, parts, part_numel, perm, num_chunks, bits, group_size)
+        _reorder(self.launches.get(use) or self._launch(use), xs, parts, out)
 
 
-# (device index, rows, row bytes, numel, bits, out_bits, group_size, divide_by, chunks, chunk bytes)
-# -> dequant_reduce_requant's kernel names, the narrow kernel's grid, jobs, group extent and size
-# arguments
-_REQUANT_MEMO: dict[tuple, tuple] = {}
-_MODE_TAG = {"one": "one", "reciprocal": "pow2", "division": "div"}
+class _PlannedReduce(PlannedKernel):
+    __slots__ = ()
+
+    def __call__(self, payloads: torch.Tensor, numel: int, bits: int, group_size: int, divide_by: float,
+                 out: torch.Tensor) -> None:
+        launch = self.launches.get((payloads.shape[0], numel, bits, group_size, out.dtype)) or self._launch(
+            dequantize_use(payloads.shape[0], numel, bits, group_size, out.dtype))
+        loader.launch(launch.source, launch.name, launch.device, launch.blocks, THREADS,
+                      (payloads.data_ptr(), *launch.sizes, np.float32(divide_by), out.data_ptr()))
 
 
-def _resolve_requant(key: tuple, device: torch.device) -> tuple:
-    _, rows, row_nbytes, numel, bits, out_bits, group_size, divide_by, chunks, chunk_nbytes = key
-    chunk = numel // chunks
-    jobs = -(-chunk // group_size) * chunks
-    name = _name("zc_dequant_reduce_requant_int{}_int{}", bits, out_bits)
-    divisor = _fp32(divide_by)
-    sizes = (*_sizes(row_nbytes, numel, group_size, rows), divisor, *_sizes(chunks, chunk_nbytes))
-    narrow_name, narrow_blocks, narrow_sizes, narrow_tail = None, 0, (), ()
-    if narrow_requant(numel, chunk, group_size, bits, out_bits, row_nbytes, chunk_nbytes):
-        narrow_name = _name("zc_dequant_reduce_requant_regs_{}_int{}_int{}", _MODE_TAG[divisor_mode(divisor)], bits,
-                            out_bits)
-        narrow_sizes = (*_sizes(row_nbytes, numel, group_size), *_magic_args(group_size, False), np.int64(rows),
-                        divisor, *_sizes(chunks, chunk_nbytes))
-        narrow_tail = _sizes(*narrow_requant_sizes(numel, chunks, group_size, bits, out_bits))
-        narrow_blocks = _cap(-(-jobs // WARPS_PER_BLOCK), _max_blocks(device, "dequant_reduce.cu", narrow_name))
-    return (name, narrow_name, narrow_blocks, jobs, min(group_size, chunk), sizes, narrow_sizes, narrow_tail)
+class _PlannedRequant(PlannedKernel):
+    __slots__ = ()
+
+    def __call__(self, payloads: torch.Tensor, numel: int, bits: int, out_bits: int, group_size: int,
+                 divide_by: float, out: torch.Tensor) -> None:
+        use = (payloads.shape[0], numel, bits, out_bits, group_size, divide_by, out.shape[0])
+        _requant(self.launches.get(use) or self._launch(use), payloads, out)
 
 
-def narrow_requant_sizes(numel: int, chunks: int, group_size: int, bits: int, out_bits: int) -> tuple[int, ...]:
-    """The narrow kernel's sizes ([Note: narrow sizes] in kernels/requant_rounds.cuh): a chunk's
-    elements and groups, and the scales' offsets in an input row and in an output row."""
-    chunk = numel // chunks
-    return (chunk, wire_format.num_groups(chunk, group_size), wire_format.scales_offset(numel, bits),
-            wire_format.scales_offset(chunk, out_bits))
+_PLANNED = {"quantize": _PlannedQuantize, "dequantize": _PlannedDequantize, "reorder_quantize": _PlannedReorder,
+            "dequant_reduce": _PlannedReduce, "dequant_reduce_requant": _PlannedRequant}
 
 
-def narrow_requant(numel: int, chunk: int, group_size: int, bits: int, out_bits: int, row_nbytes: int,
-                   chunk_nbytes: int) -> bool:
-    """Whether the re-quantizing kernel of the register scheme on 32-bit indices serves these sizes
-    ([Note: narrow requant]), given that both buffers are aligned to their runs (checked per call):
-    the encoder holds its groups in registers (:func:`in_registers`), the input rows have whole runs
-    (PayloadRows::can_vectorize), and every element index is below :data:`WIDE_NUMEL`."""
-    return (numel <= WIDE_NUMEL and in_registers(chunk, group_size, out_bits, chunk_nbytes, out_ptr=0)
-            and row_nbytes % _RUN_BYTES[bits] == 0)
+# op -> the sources its launch plans may launch from (dequant_reduce_requant: the narrow kernels, or
+# the general one when a call's addresses are not aligned for them)
+OP_SOURCES = {"quantize": ("quantize.cu",), "dequantize": ("dequantize.cu",),
+              "reorder_quantize": ("reorder_quantize.cu",), "dequant_reduce": ("dequant_reduce.cu",),
+              "dequant_reduce_requant": ("dequant_reduce.cu", "dequant_reduce_requant.cu")}
 
 
-def divisor_mode(divisor: np.float32) -> str:
-    """sources.cuh's divisor_mode of an fp32 divisor: ``"one"`` for 1, ``"reciprocal"`` for a power
-    of two whose reciprocal is a normal float ([Note: exact reciprocal] in wire_math.cuh), else
-    ``"division"``."""
-    word = int(np.float32(divisor).view(np.uint32))
-    if word == 0x3F800000:
-        return "one"
-    exponent = (word >> 23) & 0xFF
-    return "reciprocal" if word & 0x7FFFFF == 0 and 0 < exponent <= 253 else "division"
+def load_sources(sources: Sequence[str], device: torch.device) -> None:
+    """Compile or load ``sources`` for ``device`` in parallel ([Note: one plan per call] in zcomm._plan)."""
+    loader.load_modules(sources, loader.device_index(device) if device.index is None else device.index)
+
+
+def plan_kernels(device: torch.device, uses: Mapping[str, Sequence[tuple]]) -> dict[str, PlannedKernel]:
+    """Each op's kernel planned for its ``uses`` on ``device``: the sources all of them need loaded
+    first, together (a cold compile of a step's sources runs in parallel, not one op after another),
+    then every launch resolved ([Note: launch plans])."""
+    load_sources(list(dict.fromkeys(source for op in uses for source in OP_SOURCES[op])), device)
+    return {op: _PLANNED[op](op, device, op_uses) for op, op_uses in uses.items()}
+

@@ -1,4 +1,4 @@
-"""The ``cuda`` backend: the CUDA kernels of :mod:`zcomm_cuda`, registered for the five ops.
+"""The ``cuda`` backend: the CUDA kernels of :mod:`zcomm_cuda`, registered for the five ops, and their planner ([Note: planned kernels]).
 
 Importing this module is what selecting ``backend="cuda"`` does on first use. When the
 backend cannot run here it raises ``ImportError`` naming what is missing (cupy, its NVRTC
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from zcomm_cuda import unavailable_reason
 
-from .._contract import SCHEMAS, implements
+from .._contract import SCHEMAS, implements, plans_kernels
 
 _REASON = unavailable_reason()
 if _REASON is not None:
@@ -22,3 +22,4 @@ from . import _cuda_launch  # noqa: E402  (needs the checks above to have passed
 
 for _op in SCHEMAS:
     implements(_op, "cuda")(getattr(_cuda_launch, _op))
+plans_kernels("cuda")(_cuda_launch.plan_kernels)
