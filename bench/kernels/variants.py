@@ -16,7 +16,7 @@ The simpler path is another public call where one exists (the unfused ops; ``tor
 then the flat kernel). Where the CUDA backend picks the variant by size (the narrow
 re-quantizers, the interleaved register kernel, the 32-bit index kernels, the tile scheme),
 the bound or predicate it reads is overridden for the simpler side's calls
-(:func:`_forced`, on ``zcomm.quant.backends._cuda_launch``, emptying its launch memos
+(:func:`_forced`, on ``zcomm.quant.backends._cuda_launch``, emptying its launch plans
 before and after). A tree without that name reports the row as not measured, naming it.
 
 Timing is eager, because the interleaved kernel uploads its table per call and cannot be
@@ -254,10 +254,14 @@ ROWS = (
 )
 
 
+# the backend's caches of resolved launches: emptied around a forced path, so that neither side
+# of a comparison finds a launch plan the other resolved
+_LAUNCH_CACHES = ("OP_PLANS",)
+
+
 def _clear_memos(module: object) -> None:
-    for name, value in vars(module).items():
-        if isinstance(value, dict) and (name.endswith("_MEMO") or name == "_ENCODER_PASSES"):
-            value.clear()
+    for name in _LAUNCH_CACHES:
+        getattr(module, name).clear()
 
 
 @contextlib.contextmanager

@@ -165,7 +165,7 @@ def test_every_variant_row_is_a_row_of_the_table():
 
 def test_forcing_the_simpler_path_names_what_this_tree_reads_and_restores_it():
     """Every name a row overrides exists in the CUDA backend (a rename fails here, not on a GPU lease), is set
-    inside the block with the launch memos emptied, and is restored after."""
+    inside the block with the launch plans emptied, and is restored after."""
     import importlib
 
     from zcomm_cuda import loader
@@ -174,11 +174,11 @@ def test_forcing_the_simpler_path_names_what_this_tree_reads_and_restores_it():
     forced = {"narrow_requant": variants._never, "in_registers": variants._never, "WIDE_NUMEL": 0,
               "TEAM_MAX_GROUP": 1 << 62}
     before = {name: getattr(backend, name) for name in forced}
-    backend._REQUANT_MEMO[("stale",)] = ()
+    backend.OP_PLANS[("stale",)] = ()
     launcher = loader.launcher()
     with variants._forced({**forced, "launcher": "driver"}):
         assert {name: getattr(backend, name) for name in forced} == forced and loader.launcher() == "driver"
-        assert backend._REQUANT_MEMO == {}
+        assert backend.OP_PLANS == {}
     assert {name: getattr(backend, name) for name in forced} == before and loader.launcher() == launcher
     with pytest.raises(LookupError, match="no_such_switch"):
         with variants._forced({"no_such_switch": 1}):
