@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -122,27 +123,50 @@ class SideStream:
     [Note: CUDA streams] Sync calls run on the current stream (NCCL's ``work.wait()`` makes
     it wait for each hop). Async calls run on the kind's side stream of the device, which
     first waits for the current stream; ``wait()`` makes the current stream wait for the
-    chain's end event. The call's tensors are recorded on the side stream so the allocator
-    keeps them until then. Chains of the two kinds use different NCCL communicators ([Note:
-    kinds]) and different side streams, so a gather's hops are not serialized behind a
-    reduce-scatter's. One kind's async chains share its side stream and so run in the order
-    they were issued, as its NCCL communicator runs their hops anyway (and as the CPU
-    worker runs them: [Note: worker ordering]).
+    chain's end event. The call's tensors are kept referenced until that event has
+    completed ([Note: side-stream buffers by events]). Chains of the two kinds use different
+    NCCL communicators ([Note: kinds]) and different side streams, so a gather's hops are not
+    serialized behind a reduce-scatter's. One kind's async chains share its side stream and so
+    run in the order they were issued, as its NCCL communicator runs their hops anyway (and as
+    the CPU worker runs them: [Note: worker ordering]).
 
     [Note: side stream per kind] The stream is made on the first async call and kept for the
     process: each async call then costs a cross-stream wait (one event), a switch of the
     current stream to the side stream and back (``torch.cuda.set_stream``, which affects
-    only the calling thread), the end event and the tensors' ``record_stream``, instead of a
-    new stream object and torch's ``torch.cuda.stream`` context per call. The wait is
-    ``wait_stream``, which records a new event per call: an event shared between calls could
-    be re-recorded by another thread between one call's record and its wait.
+    only the calling thread) and the end event, instead of a new stream object and torch's
+    ``torch.cuda.stream`` context per call. The wait is ``wait_stream``, which records a new
+    event per call: an event shared between calls could be re-recorded by another thread
+    between one call's record and its wait.
+
+    [Note: side streams keep the current device] ``torch.cuda.set_stream`` also makes the
+    stream's device the current device. The chain runs with it (its kernels and allocations
+    belong there), and the caller's current device is restored afterwards when it was
+    another one: an async collective on a tensor of one GPU never moves a caller, whose
+    later ``torch.cuda.current_device()`` (NCCL's object collectives, ``barrier``) would
+    otherwise name the wrong GPU.
+
+    [Note: side-stream buffers by events] The call's tensors (allocated by the caller on its
+    stream, used by the chain on the side stream) are not ``record_stream``-ed on the side
+    stream: a block recorded so is handed out again only after all the work queued on the
+    side stream *when it is freed* has finished, so a unit freed while the next units'
+    gathers are queued (stage 3 with prefetching) stays reserved until those finish, and the
+    peak grows with the prefetch depth (FSDP1's problem, which FSDP2 solved this way). The
+    side stream keeps each call's tensors referenced, with its end event, until a later call
+    or ``wait()`` finds the event completed (the events of one stream complete in order, so
+    only the oldest is queried). A caller that frees a tensor after ``wait()`` on the stream
+    it allocated the tensor on (as the ZeRO runtime does, also by resizing the storage) frees
+    it behind the chain's end; one that drops it early loses nothing: the reference held
+    here keeps the block until the chain has finished on the GPU.
     """
 
-    __slots__ = ("device", "_stream")
+    __slots__ = ("device", "_stream", "_pending", "_lock")
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._stream: torch.cuda.Stream | None = None
+        # (end event, the call's tensors) of chains whose end has not been seen to complete, oldest first
+        self._pending: deque[tuple[torch.cuda.Event, Sequence[torch.Tensor]]] = deque()
+        self._lock = threading.Lock()
 
     def run(self, chain: Chain, tensors: Sequence[torch.Tensor]) -> Handle:
         """Enqueue ``chain()`` on the side stream behind the current stream's work, without blocking the host."""
@@ -153,18 +177,34 @@ class SideStream:
                 if self._stream is None:
                     self._stream = torch.cuda.Stream(device=device)
             side = self._stream
+        previous = torch.cuda.current_device()
         current = torch.cuda.current_stream(device)
         side.wait_stream(current)
-        torch.cuda.set_stream(side)
+        torch.cuda.set_stream(side)  # also makes ``device`` current: [Note: side streams keep the current device]
         try:
             chain()
             done = torch.cuda.Event()
             done.record(side)
         finally:
             torch.cuda.set_stream(current)
-        for tensor in tensors:
-            tensor.record_stream(side)
-        return Handle(finish=lambda: torch.cuda.current_stream(device).wait_event(done), ready=done.query)
+            if previous != device.index:
+                torch.cuda.set_device(previous)
+        self._release_finished()
+        with self._lock:
+            self._pending.append((done, tensors))
+
+        def finish() -> None:
+            torch.cuda.current_stream(device).wait_event(done)
+            self._release_finished()
+
+        return Handle(finish=finish, ready=done.query)
+
+    def _release_finished(self) -> None:
+        """Drop the tensors of the chains whose end event completed ([Note: side-stream buffers by events])."""
+        pending = self._pending
+        with self._lock:
+            while pending and pending[0][0].query():
+                pending.popleft()
 
 
 # what runs a plan's chains: the CPU worker of its (group, topology, kind), or the side stream of its (CUDA device, kind)

@@ -308,22 +308,31 @@ def _then_unpad(
     returned handle's ``wait()``.
 
     [Note: staged buffer lifetime] The collective keeps both staged buffers alive for its own
-    work (on CUDA it records them on its side stream). The copy out reads ``staged`` after the
-    collective: at once on the calling stream for a synchronous call; for an asynchronous one
-    in ``wait()``, which holds ``staged`` until then and enqueues the collective's tail and the
-    copy on the waiting stream, in that order. That stream may not be the one ``staged`` was
-    allocated on (FSDP2 waits on its compute stream for a gather issued on its all-gather
-    stream), so ``staged`` is recorded on it, and the allocator keeps it until the copy ran.
+    work ([Note: side-stream buffers by events] in :mod:`zcomm._chain_runner`). The copy out
+    reads ``staged`` after the collective: at once on the calling stream for a synchronous
+    call; for an asynchronous one in ``wait()``, which holds ``staged`` until then and enqueues
+    the collective's tail and the copy on the waiting stream, in that order. That stream may
+    not be the one ``staged`` was allocated on (FSDP2 waits on its compute stream for a gather
+    issued on its all-gather stream). Then, as FSDP2 does with its own all-gather buffers, an
+    event recorded after the copy is waited for by the allocating stream before ``staged`` can
+    be freed (its reference goes with this handle), so no later allocation on that stream
+    reuses the block before the copy has read it; ``record_stream`` would instead keep the
+    block until all work queued on the waiting stream at the free had finished.
     """
     if result is None:
         layout.unpad(staged, out, rows=rows)
         return None
+    allocated_on = torch.cuda.current_stream(staged.device) if staged.is_cuda else None
 
     def finish() -> None:
         result.wait()
-        if staged.is_cuda:
-            staged.record_stream(torch.cuda.current_stream(staged.device))
         layout.unpad(staged, out, rows=rows)
+        if allocated_on is not None:
+            consumer = torch.cuda.current_stream(staged.device)
+            if consumer != allocated_on:
+                copied = torch.cuda.Event()
+                copied.record(consumer)
+                allocated_on.wait_event(copied)
 
     return Handle(finish=finish, ready=result.is_completed)
 
