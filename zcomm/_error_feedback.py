@@ -130,19 +130,67 @@ class ErrorFeedback:
             stored[f"hop{i}"] = payload
         self._stored = stored
 
+    def compensate_input(self, reordered: torch.Tensor, error: torch.Tensor, rows: torch.Tensor, group_size: int,
+                         kernels: Any) -> None:
+        """Hop 1: quantize ``x + error`` into ``rows`` (2-D uint8, every stage's rows) and update
+        ``error`` (fp32, 1-D) in place, where ``x`` is ``reordered`` (:func:`reordered_view`),
+        chunk by chunk ([Note: feedback in chunks])."""
+        stages, per_stage = reordered.shape[:2]
+        row_shape = reordered.shape[2:]
+        row_numel = error.numel() // (stages * per_stage)
+        chunk = _chunk_rows(stages * per_stage, per_stage)
+        buffers = torch.empty((2, chunk * row_numel), dtype=torch.float32, device=error.device)
+        for stage in range(stages):
+            for first in range(0, per_stage, chunk):
+                count = min(chunk, per_stage - first)
+                row, numel = stage * per_stage + first, count * row_numel
+                values = buffers[0, :numel]
+                values.view(count, *row_shape).copy_(reordered[stage, first : first + count])
+                self._compensate(values, error[row * row_numel : row * row_numel + numel], rows[row : row + count],
+                                 buffers[1, :numel], group_size, kernels)
+
     def compensate_quantize(self, values: torch.Tensor, error: torch.Tensor, num_rows: int,
                             group_size: int, kernels: Any) -> torch.Tensor:
-        """Quantize ``values + error`` (fp32, 1-D) into ``num_rows`` INT4 payloads and update ``error`` in place."""
-        compensated = values.add_(error)
-        numel = compensated.numel()
+        """Hop 2: quantize ``values + error`` (fp32, 1-D; ``values`` is the caller's scratch and is
+        overwritten) into ``num_rows`` INT4 payloads and update ``error`` in place, chunk by chunk."""
+        numel = values.numel()
         row = numel // num_rows
-        rows = torch.empty((num_rows, _nbytes(row, _BITS, group_size)), dtype=torch.uint8,
-                           device=compensated.device)
-        kernels.reorder_quantize([compensated], 1, numel, _identity(num_rows), num_rows, _BITS, group_size, rows)
-        restored = torch.empty(numel, dtype=torch.float32, device=compensated.device)
-        kernels.dequantize(rows, row, _BITS, group_size, restored)
-        error.mul_(self.err_beta).add_(compensated.sub_(restored), alpha=1.0 - self.err_beta)
+        rows = torch.empty((num_rows, _nbytes(row, _BITS, group_size)), dtype=torch.uint8, device=values.device)
+        chunk = _chunk_rows(num_rows, num_rows)
+        restored = torch.empty(chunk * row, dtype=torch.float32, device=values.device)
+        for first in range(0, num_rows, chunk):
+            count = min(chunk, num_rows - first)
+            lo, hi = first * row, (first + count) * row
+            self._compensate(values[lo:hi], error[lo:hi], rows[first : first + count], restored[: hi - lo], group_size,
+                             kernels)
         return rows
+
+    def _compensate(self, values: torch.Tensor, error: torch.Tensor, rows: torch.Tensor, restored: torch.Tensor,
+                    group_size: int, kernels: Any) -> None:
+        """``rows`` (whole payloads) = ``values + error`` quantized; ``error`` updated; ``values`` and
+        ``restored`` (fp32 scratch of the same size) overwritten."""
+        compensated = values.add_(error)
+        num_rows = rows.shape[0]
+        kernels.reorder_quantize([compensated], 1, compensated.numel(), _identity(num_rows), num_rows, _BITS,
+                                 group_size, rows)
+        kernels.dequantize(rows, compensated.numel() // num_rows, _BITS, group_size, restored)
+        error.mul_(self.err_beta).add_(compensated.sub_(restored), alpha=1.0 - self.err_beta)
+
+
+# [Note: feedback in chunks] Error feedback needs, besides the fp32 error itself, the compensated
+# values ``y = x + e`` and their quantized-and-restored image, both fp32. Every payload row is
+# quantized and restored on its own, and every element's update reads only its own ``x``, ``e``
+# and restored value, so the work is done over chunks of whole rows (about 1/_CHUNKS of them,
+# within one stage), through two fp32 scratch buffers of one chunk reused for every chunk: the
+# bytes and the error are those of the whole tensor at once, the temporaries a fraction of it.
+# The reordered input is never built either: each chunk copies its rows from a strided view of
+# the input (converting to fp32 on the way).
+_CHUNKS = 4
+
+
+def _chunk_rows(num_rows: int, per_stage: int) -> int:
+    """Rows per chunk: about ``num_rows / _CHUNKS``, at least one, at most a stage's ``per_stage``."""
+    return max(1, min(per_stage, num_rows // _CHUNKS))
 
 
 @lru_cache(maxsize=256)
@@ -157,30 +205,30 @@ def _identity(num_rows: int) -> tuple[int, ...]:
     return tuple(range(num_rows))
 
 
-def reordered_input(inputs: Sequence[torch.Tensor], num_nodes: int, local_size: int, stages: int,
-                    slice_numel: int) -> torch.Tensor:
-    """The fp32 input hop 1 quantizes, built explicitly: every input's slice ``r`` end to end,
-    zero-filled to ``slice_numel``, cut into ``stages`` parts and reordered as
-    :func:`zcomm._slice_reorder.reorder_permutation` orders them (what the reorder kernel reads in
-    place on the path without feedback).
+def reordered_view(inputs: Sequence[torch.Tensor], num_nodes: int, local_size: int, stages: int,
+                   slice_numel: int) -> torch.Tensor:
+    """The input hop 1 quantizes, as a view ``[stage][row of the stage][row's elements]`` in the
+    inputs' dtype: every input's slice ``r`` end to end, zero-filled to ``slice_numel``, cut into
+    ``stages`` parts and reordered as :func:`zcomm._slice_reorder.reorder_permutation` orders them
+    (what the reorder kernel reads in place on the path without feedback). Its rows are step 1's
+    payload rows: ``local_size`` rows of ``(num_nodes, part)`` per stage, or with one rank per
+    node ``num_nodes`` rows of ``part``.
 
     That order, stage-major, then destination local rank, then destination node, is a transpose
-    of the ``(node, local rank, stage, part)`` view of the input, so the reordering is one
-    strided copy (which also converts to fp32), with no index tensor to upload.
+    of the ``(node, local rank, stage, part)`` view of the input: no copy, no index tensor. Only
+    a bucket of several inputs, or a slice not cut into equal parts, is first laid out
+    (zero-filled) in one buffer of the inputs' dtype.
     """
     world_size = num_nodes * local_size
     first = inputs[0]
     if len(inputs) == 1 and first.numel() == world_size * slice_numel:
         virtual = first
     else:
-        virtual = torch.zeros(world_size, slice_numel, dtype=torch.float32, device=first.device)
+        virtual = torch.zeros(world_size, slice_numel, dtype=first.dtype, device=first.device)
         offset = 0
         for tensor in inputs:
             piece = tensor.view(world_size, -1)
             virtual[:, offset : offset + piece.shape[1]] = piece
             offset += piece.shape[1]
-    part = slice_numel // stages
-    values = torch.empty(world_size * slice_numel, dtype=torch.float32, device=first.device)
-    values.view(stages, local_size, num_nodes, part).copy_(
-        virtual.view(num_nodes, local_size, stages, part).permute(2, 1, 0, 3))
-    return values
+    ordered = virtual.view(num_nodes, local_size, stages, slice_numel // stages).permute(2, 1, 0, 3)
+    return ordered if local_size > 1 else ordered[:, 0]
