@@ -60,7 +60,13 @@ def start_hop(
     """``collective(received, send, group=group, async_op=True)``; on CPU, the two tensors are noted for
     :func:`settle` ([Note: hop release])."""
     if not received.is_cuda:
-        _CHAIN.hops += ((received, tensor_use_count(received)), (send, tensor_use_count(send)))
+        # [Note: hop tensors go with their hop] the earlier hops' tensors gloo has let go of are
+        # dropped here, not at the chain's end: what the chain still uses it holds itself, and a
+        # chain of many hops (a pipelined collective) never holds every hop's buffers at once
+        hops = _CHAIN.hops
+        if hops:
+            hops[:] = [(tensor, before) for tensor, before in hops if tensor_use_count(tensor) > before]
+        hops += ((received, tensor_use_count(received)), (send, tensor_use_count(send)))
     return collective(received, send, group=group, async_op=True)
 
 

@@ -35,8 +35,9 @@ form's; only the payloads' alignment padding can add a few bytes per chunk. The 
 
 Buffers: the ``P``-byte payload, the ``N * P`` bytes gathered by step 2 and the ``W * P``
 bytes gathered by step 3 (all ``uint8``, per chunk; with several nodes of several ranks,
-also a copy of them in rank order for step 4's single dequantize; pipelined, also the
-chunk's ``W`` dequantized rows, copied into their places in ``output`` by one strided copy)
+also a copy of them in rank order for step 4's single dequantize; pipelined, instead the
+chunk's ``W`` dequantized rows, copied into their places in ``output`` by one strided copy,
+see [Note: qwZ chunk decode])
 live for one call; ``output`` is written only in step 4.
 
 [Note: qwZ buffer lifetime] The chain keeps each hop's send buffer referenced until that hop's
@@ -327,11 +328,16 @@ def _gather_pipelined(plan: GatherPlan, output: torch.Tensor, input: torch.Tenso
         for (lo, hi), nbytes in zip(chunks, plan.chunk_nbytes)
     ]
     in_flight: list[tuple[tuple[int, int], _Hop]] = []
-    for chunk, (_, received, work) in zip(chunks, first):
+    for chunk in chunks:
+        # popped, so that a chunk's payload goes once its hop delivered, not with the call
+        sent, received, work = first.pop(0)
         work.wait()
+        del sent
         second = (_start_gather(received, plan.hops[1], plan.hop_sizes[1]) if len(plan.hops) > 1
                   else (None, received, None))
+        del received
         in_flight.append((chunk, second))
+        del second
         if len(in_flight) == 2:
             _finish_chunk(plan, *in_flight.pop(0), output)
     for chunk, hop in in_flight:
@@ -341,21 +347,25 @@ def _gather_pipelined(plan: GatherPlan, output: torch.Tensor, input: torch.Tenso
 def _finish_chunk(plan: GatherPlan, chunk: tuple[int, int], hop: _Hop, output: torch.Tensor) -> None:
     """Wait for ``chunk``'s last hop and dequantize every rank's payload into its place in ``output``.
 
-    One multi-row dequantize per chunk: the ``W`` rows, in rank order, into a ``W x chunk``
-    buffer, then one strided copy into the chunk's column of ``output`` viewed as ``W`` rows of
-    ``numel`` (each row of ``output`` is one rank's input). A call per rank would cost ``W``
-    op calls per chunk on the host.
+    [Note: qwZ chunk decode] One multi-row dequantize per chunk (a call per rank would cost
+    ``W`` op calls per chunk on the host): the ``W`` rows as they arrived, ``[local rank][node]``,
+    into a ``W x chunk`` buffer, then one strided copy that puts each row in its rank's place,
+    the chunk's column of ``output`` viewed as ``[node][local rank]`` rows of ``numel`` (each
+    row of ``output`` is one rank's input). The copy reorders the rows, so the payload bytes
+    are never copied into rank order. The buffer stays: the kernels' contract writes a
+    contiguous ``out``, and the chunk's column of ``output`` is ``W`` rows ``numel`` apart.
     """
     _, gathered, work = hop
     if work is not None:
         work.wait()
     (lo, hi), topology, numel = chunk, plan.topology, plan.bounds[-1]
-    world_size = topology.world_size
-    # arrival order [local rank][node] -> rank order [node][local rank] (a copy of the payload bytes)
-    rows = gathered.view(topology.local_size, topology.num_nodes, -1).transpose(0, 1).reshape(world_size, -1)
-    values = torch.empty(world_size * (hi - lo), dtype=output.dtype, device=output.device)
+    num_nodes, local_size = topology.num_nodes, topology.local_size
+    rows = gathered.view(topology.world_size, -1)
+    values = torch.empty(topology.world_size * (hi - lo), dtype=output.dtype, device=output.device)
     plan.kernels.dequantize(rows, hi - lo, _BITS, plan.group_size, values)
-    output.view(world_size, numel)[:, lo:hi].copy_(values.view(world_size, hi - lo))
+    del rows, gathered, hop
+    arrived = values.view(local_size, num_nodes, hi - lo).transpose(0, 1)
+    output.view(num_nodes, local_size, numel)[:, :, lo:hi].copy_(arrived)
 
 
 def _start_gather(send: torch.Tensor, group: dist.ProcessGroup, size: int) -> _Hop:

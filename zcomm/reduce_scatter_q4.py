@@ -72,9 +72,10 @@ nodes). Not combined with error feedback (its stored errors model INT4 hops).
 
 Error feedback (LoCo, :class:`zcomm.ErrorFeedback`, opt-in per call): steps 1 and 3
 quantize the values plus the error the same stream left behind, then update that error
-(see :mod:`zcomm._error_feedback`). Step 1 then builds the reordered input in fp32 (one
-staging buffer of the input's size) and step 3 sums in fp32 before it re-quantizes; rows,
-groups and bytes on the wire are those of the path without feedback.
+(see :mod:`zcomm._error_feedback`). Step 1 then reads the reordered input chunk by chunk
+into fp32 scratch of a fraction of its size ([Note: feedback in chunks]), the fp32 error
+itself being the one buffer of the input's size, and step 3 sums in fp32 before it
+re-quantizes; rows, groups and bytes on the wire are those of the path without feedback.
 
 Coalesced (:func:`reduce_scatter_q4_coalesced`, after
 ``torch.distributed.reduce_scatter_tensor_coalesced``): ``T`` pairs reduced as one
@@ -98,7 +99,7 @@ import torch.distributed as dist
 from . import quant
 from ._contract import GroupInfo, Handle
 from ._chain_runner import chain_worker, run_chain
-from ._error_feedback import _STORE_BITS, ErrorFeedback, _identity, reordered_input
+from ._error_feedback import _STORE_BITS, ErrorFeedback, _identity, reordered_view
 from ._hadamard import check_hadamard_block, rotate_back_, rotated_input
 from ._groups import NodeGroups, node_groups
 from ._hop_release import start_hop
@@ -499,8 +500,10 @@ def _chain(plan: ReducePlan, divide_by: float, feedback: ErrorFeedback | None, o
         )
     else:
         errors = _feedback_errors(plan, feedback, inputs[0].device)
-        values = reordered_input(inputs, topology.num_nodes, topology.local_size, k, k * q)
-        rows = feedback.compensate_quantize(values, errors[0], plan.num_rows, plan.group_size, plan.kernels)
+        rows = torch.empty((plan.num_rows, plan.row_nbytes), dtype=torch.uint8, device=inputs[0].device)
+        reordered = reordered_view(inputs, topology.num_nodes, topology.local_size, k, k * q)
+        feedback.compensate_input(reordered, errors[0], rows, plan.group_size, plan.kernels)
+        del reordered
     sizes = [output.numel() for output in outputs]
     result = None if block is not None else _flat_view(outputs, sum(sizes))
     staged = result is None
@@ -567,11 +570,20 @@ def _pipeline(plan: ReducePlan, divide_by: float, feedback: ErrorFeedback | None
               out_parts: Sequence[torch.Tensor], errors: list[torch.Tensor] | None) -> None:
     """Run the ``k`` stages' hops on ``rows`` (from step 1), writing stage ``s`` to ``out_parts[s]``.
 
-    [Note: hop overlap] All intra hops are issued first (their group runs them in order);
-    stage ``s``'s inter hop is issued as soon as its intra hop is reduced, and its final
-    reduction waits until stage ``s+1``'s inter hop is issued, so the inter-node link
-    carries stage ``s`` while the intra-node link carries stage ``s+1``. Every receive
-    buffer stays referenced (``intra``, ``in_flight``) until its reduction has consumed it.
+    [Note: hop overlap] The intra hops of the first two stages are issued first (their group
+    runs them in order), and stage ``s + 2``'s as soon as stage ``s``'s has been reduced, so the
+    intra-node link has the next stage to carry while this one is reduced ([Note: qgZ in-flight
+    bound]). Stage ``s``'s inter hop is issued as soon as its intra hop is reduced, and its
+    final reduction waits until stage ``s+1``'s inter hop is issued, so the inter-node link
+    carries stage ``s`` while the intra-node link carries stage ``s+1``. Every receive buffer
+    stays referenced until its reduction has consumed it.
+
+    [Note: qgZ in-flight bound] Issuing every stage's intra hop up front would hold ``k``
+    receive buffers (as many bytes as step 1's rows) for the whole call. Two stages at once (the
+    one being reduced, the next on the wire) keep the intra-node link as busy: a hop on that
+    group cannot start before the previous one has finished anyway, and the next is queued
+    before this stage's reduction begins, so the link idles only if a hop is shorter than a
+    reduction, when more hops queued would not help either.
     """
     k, num_nodes, local_size = plan.stages, plan.info.topology.num_nodes, plan.info.topology.local_size
     # each stage's rows: one view per stage from one unbind (one stage: the rows themselves)
@@ -579,29 +591,44 @@ def _pipeline(plan: ReducePlan, divide_by: float, feedback: ErrorFeedback | None
     # the rows every stage reduces last are step 1's width when the node is the whole group, else INT4
     reduce, last_bits = plan.kernels.dequant_reduce, plan.first_bits if num_nodes == 1 else _BITS
     part, group_size = plan.part, plan.group_size
-    intra: list[tuple[torch.Tensor, dist.Work]] = []
+    intra: list[tuple[torch.Tensor, dist.Work]] = []  # the intra hops in flight, oldest first
     if local_size > 1:
-        intra = [_all_to_all(stage_rows[s], plan.groups.intra) for s in range(k)]
+        intra = [_all_to_all(stage_rows[s], plan.groups.intra) for s in range(min(k, 2))]
     if num_nodes == 1:
         for s in range(k):
             if intra:
-                received, work = intra[s]
+                received, work = intra.pop(0)
                 work.wait()
             else:
-                received = stage_rows[s]
+                received, work = stage_rows[s], None
             reduce(received, part, last_bits, group_size, divide_by, out_parts[s])
+            del received, work  # a gloo Work holds its tensors
+            _issue_intra(plan, stage_rows, intra, s + 2)
         return
     in_flight: list[tuple[int, torch.Tensor, dist.Work]] = []
     for s in range(k):
-        sent = stage_rows[s] if not intra else _node_sum_rows(plan, feedback, intra[s], s, errors)
+        if intra:
+            sent = _node_sum_rows(plan, feedback, intra.pop(0), s, errors)
+            _issue_intra(plan, stage_rows, intra, s + 2)
+        else:
+            sent = stage_rows[s]
         in_flight.append((s, *_all_to_all(sent, plan.groups.inter)))
+        del sent
         if len(in_flight) == 2:
             done, received, work = in_flight.pop(0)
             work.wait()
             reduce(received, part, last_bits, group_size, divide_by, out_parts[done])
+            del received, work
     for done, received, work in in_flight:
         work.wait()
         reduce(received, part, last_bits, group_size, divide_by, out_parts[done])
+
+
+def _issue_intra(plan: ReducePlan, stage_rows: Sequence[torch.Tensor], intra: list[tuple[torch.Tensor, dist.Work]],
+                 stage: int) -> None:
+    """Start ``stage``'s intra hop, if there is such a stage and an intra hop ([Note: qgZ in-flight bound])."""
+    if plan.info.topology.local_size > 1 and stage < len(stage_rows):
+        intra.append(_all_to_all(stage_rows[stage], plan.groups.intra))
 
 
 def _node_sum_rows(plan: ReducePlan, feedback: ErrorFeedback | None, hop: tuple[torch.Tensor, dist.Work], stage: int,
