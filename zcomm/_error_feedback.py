@@ -193,6 +193,14 @@ def _chunk_rows(num_rows: int, per_stage: int) -> int:
     return max(1, min(per_stage, num_rows // _CHUNKS))
 
 
+def chunk_row_counts(num_rows: int, per_stage: int) -> tuple[int, ...]:
+    """The row counts of the chunks a compensation of ``num_rows`` rows, ``per_stage`` to a stage,
+    quantizes at once: the chunk, and a stage's last, shorter chunk if there is one (what a
+    plan lists as the kernels' uses, [Note: feedback kernels])."""
+    chunk = _chunk_rows(num_rows, per_stage)
+    return (chunk,) if per_stage % chunk == 0 else (chunk, per_stage % chunk)
+
+
 @lru_cache(maxsize=256)
 def _nbytes(numel: int, bits: int, group_size: int) -> int:
     """``quant.payload_nbytes``, looked up: a stream of reductions asks for the same few sizes."""

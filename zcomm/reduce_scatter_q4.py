@@ -99,7 +99,7 @@ import torch.distributed as dist
 from . import quant
 from ._contract import GroupInfo, Handle
 from ._chain_runner import chain_worker, run_chain
-from ._error_feedback import _STORE_BITS, ErrorFeedback, _identity, reordered_view
+from ._error_feedback import _STORE_BITS, ErrorFeedback, _identity, chunk_row_counts, reordered_view
 from ._hadamard import check_hadamard_block, rotate_back_, rotated_input
 from ._groups import NodeGroups, node_groups
 from ._hop_release import start_hop
@@ -466,10 +466,13 @@ def kernel_uses(topology: Topology, stages: int, part: int, group_size: int, fir
     for hop_numel in (numel, num_nodes * stages * part)[: len(compensated)]:
         uses["dequantize"].append(dequantize_use(1, hop_numel, _STORE_BITS, group_size, fp32))
         uses["quantize"].append(quantize_use(hop_numel, _STORE_BITS, group_size, fp32))
-    for values, rows in compensated:
-        uses["reorder_quantize"].append(reorder_use(1, True, 1, values, _identity(rows), rows, _BITS, group_size,
-                                                    fp32))
-        uses["dequantize"].append(dequantize_use(rows, values // rows, _BITS, group_size, fp32))
+    # hop 1 compensates a stage's rows in chunks, hop 2 the node's sum ([Note: feedback in chunks])
+    for (values, rows), per_stage in zip(compensated, (num_rows // stages, num_nodes)):
+        row_numel = values // rows
+        for count in chunk_row_counts(rows, per_stage):
+            uses["reorder_quantize"].append(reorder_use(1, True, 1, count * row_numel, _identity(count), count, _BITS,
+                                                        group_size, fp32))
+            uses["dequantize"].append(dequantize_use(count, row_numel, _BITS, group_size, fp32))
     if two_hops:
         uses["dequant_reduce"].append(dequantize_use(stage_rows, num_nodes * part, _BITS, group_size, fp32))
     return uses
