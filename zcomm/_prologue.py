@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ._contract import GroupInfo
+from ._device_guard import check_distinct_gpus
 from .quant import SUPPORTED_DTYPES
 from .topology import Topology
 
@@ -40,7 +41,7 @@ def prologue(
     All-gather: ``output.numel() == world_size * input.numel()``; reduce-scatter: the reverse.
     Quantized collectives also need contiguous fp32/bf16/fp16 tensors of one dtype and device.
     """
-    info = _resolve_group(group, topology)
+    info = _resolve_group(group, topology, _device_of(input))
     _check_tensors(output, input, world_size=info.world_size, gather=gather, quantized=quantized)
     return info
 
@@ -80,7 +81,7 @@ def prologue_coalesced(
 ) -> GroupInfo:
     """:func:`prologue` for the lists of a quantized coalesced collective: ``outputs[i]`` and
     ``inputs[i]`` are checked as one pair, and every tensor must share ``inputs[0]``'s dtype and device."""
-    info = _resolve_group(group, topology)
+    info = _resolve_group(group, topology, _device_of(inputs[0] if isinstance(inputs, Sequence) and inputs else None))
     for name, tensors in (("outputs", outputs), ("inputs", inputs)):
         if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
             raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
@@ -98,7 +99,14 @@ def prologue_coalesced(
     return info
 
 
-def _resolve_group(group: dist.ProcessGroup | None, topology: Topology | None) -> GroupInfo:
+def _device_of(tensor: object) -> torch.device | None:
+    return tensor.device if isinstance(tensor, torch.Tensor) else None
+
+
+def _resolve_group(group: dist.ProcessGroup | None, topology: Topology | None,
+                   device: torch.device | None) -> GroupInfo:
+    """The caller's group resolved; on CUDA tensors (``device``) also the rank's GPU checked once per
+    group, before any collective ([Note: device guards] in :mod:`zcomm._device_guard`)."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
     group = group if group is not None else dist.group.WORLD
@@ -106,8 +114,10 @@ def _resolve_group(group: dist.ProcessGroup | None, topology: Topology | None) -
     if rank < 0:
         raise ValueError("this rank is not a member of the given group")
     world_size = dist.get_world_size(group)
+    if device is not None and device.type == "cuda":
+        check_distinct_gpus(group, device)
     if topology is None:
-        topology = Topology.detect(group)
+        topology = Topology.detect(group, device=device)
     elif not isinstance(topology, Topology):
         raise TypeError(f"topology must be a zcomm.Topology or None, got {type(topology).__name__}")
     if topology.world_size != world_size:

@@ -170,3 +170,9 @@ def new_named_group(name: str, global_ranks: list[int], *, like: dist.ProcessGro
     # what new_group adds after the helper: the rank mapping get_rank(group) and friends read
     c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(global_ranks)}
     return pg
+
+
+def group_store(group: dist.ProcessGroup) -> dist.Store:
+    """The store ``group``'s members met at (torch keeps one per group, under the group's own key
+    prefix), for zcomm's once-per-group checks ([Note: device guards] in :mod:`zcomm._device_guard`)."""
+    return c10d._world.pg_map[group][1]

@@ -394,15 +394,16 @@ def enable_zeropp(
     units = [(name, sub) for name, sub in module.named_modules() if isinstance(sub, FSDPModule)]
     if not units:
         raise ValueError(f"{type(module).__name__} holds no FSDPModule: apply fully_shard before enable_zeropp")
-    groups = [(name, sub, _shard_group(name, sub)) for name, sub in units]
+    groups = [(name, sub, *_shard_group(name, sub)) for name, sub in units]
     align = _block_align(quantized_weights, quantized_gradients, group_size, hadamard_block) if align_blocks else 1
     topologies: dict[dist.ProcessGroup, _GroupTopologies] = {}
     aligned: dict[str, bool] = {}
-    for name, sub, group in groups:
+    for name, sub, group, device in groups:
         if group is None:  # a unit with no parameters of its own communicates nothing
             continue
-        if group not in topologies:
-            topologies[group] = _GroupTopologies(group, topology if topology is not None else Topology.detect(group))
+        if group not in topologies:  # detected on the parameters' GPU ([Note: device guards] in zcomm._device_guard)
+            found = topology if topology is not None else Topology.detect(group, device=device)
+            topologies[group] = _GroupTopologies(group, found)
         label = name or type(sub).__name__
         layout = aligned_layout(shard_numels(sub), align=align)
         aligned[label] = layout is not None
@@ -427,17 +428,18 @@ def _block_align(
     return block_align(sizes + ([hadamard_block] if hadamard_block is not None else []))
 
 
-def _shard_group(name: str, unit: nn.Module) -> dist.ProcessGroup | None:
-    """The process group ``unit``'s own parameters are sharded on (None if it has none); ValueError for HSDP."""
+def _shard_group(name: str, unit: nn.Module) -> tuple[dist.ProcessGroup | None, torch.device | None]:
+    """The process group ``unit``'s own parameters are sharded on and their device ((None, None) if
+    it has none); ValueError for HSDP."""
     inner = [sub for sub in unit.modules() if sub is not unit and isinstance(sub, FSDPModule)]
     nested = {id(p) for sub in inner for p in sub.parameters()}
     own = [p for p in unit.parameters() if id(p) not in nested]
     if not own:
-        return None
+        return None, None
     mesh = own[0].device_mesh
     if mesh.ndim != 1:
         raise ValueError(
             f"module {name or type(unit).__name__!r} is sharded on a {mesh.ndim}-D mesh (HSDP): FSDP2's replicate "
             "all-reduce cannot be replaced, so zcomm.fsdp supports 1-D meshes only"
         )
-    return mesh.get_group()
+    return mesh.get_group(), own[0].device

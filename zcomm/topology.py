@@ -19,8 +19,10 @@ import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
+from ._device_guard import object_collective_device
 from .quant._env import positive_int_from_env
 
 __all__ = ["LOCAL_SIZE_VARIABLES", "Topology"]
@@ -104,20 +106,23 @@ class Topology:
         return cls(world_size=len(node_ids), local_size=sizes.pop())
 
     @classmethod
-    def detect(cls, group: dist.ProcessGroup | None = None) -> Topology:
+    def detect(cls, group: dist.ProcessGroup | None = None, *, device: torch.device | None = None) -> Topology:
         """The topology of ``group`` (default: the world) as this launch placed its ranks.
 
         The first set variable of :data:`LOCAL_SIZE_VARIABLES` gives the *world's* local size
         (ranks per node); a global rank ``g`` is then on node ``g // local_size``, and the
         members of ``group`` are mapped through that. Without any of them, the members
         exchange host names (a collective on ``group``: every member must call this in the
-        same order; the result is cached per group).
+        same order; the result is cached per group). On an NCCL group that exchange runs on
+        this rank's GPU: ``device`` (the device of the tensors it serves), else the group's
+        bound device, else the current one, and raises ``RuntimeError`` naming the fix when
+        two ranks of a host would share a GPU ([Note: device guards] in :mod:`zcomm._device_guard`).
         """
         group = group if group is not None else dist.group.WORLD
         global_ranks = dist.get_process_group_ranks(group)
         found = _local_size_from_env()
         if found is None:
-            return _detect_by_hostname(group)
+            return _detect_by_hostname(group, device)
         variable, local_size = found
         world_size = dist.get_world_size()
         if world_size % local_size:
@@ -136,9 +141,10 @@ def _local_size_from_env() -> tuple[str, int] | None:
     return None
 
 
-def _detect_by_hostname(group: dist.ProcessGroup) -> Topology:
+def _detect_by_hostname(group: dist.ProcessGroup, device: torch.device | None) -> Topology:
     if group not in _DETECTED_BY_HOSTNAME:
         hosts: list[str | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        with object_collective_device(group, device):
+            dist.all_gather_object(hosts, socket.gethostname(), group=group)
         _DETECTED_BY_HOSTNAME[group] = Topology.from_node_ids(hosts)
     return _DETECTED_BY_HOSTNAME[group]

@@ -159,7 +159,7 @@ def build_comm_plan(config: ZeroConfig, group: dist.ProcessGroup, topology: zcom
     # Detected once here, collectively, rather than inside a backward hook.
     if topology is None:
         with current_device(device):
-            topology = zcomm.Topology.detect(group)
+            topology = zcomm.Topology.detect(group, device=device if device.type == "cuda" else None)
     plain = PlainAllGather(group, topology)
     forward: AllGather = plain
     if config.weight_delta_bits is not None:
