@@ -87,12 +87,16 @@ def count_sharing(store: dist.Store, world_size: int, key: str) -> int:
     """How many of the ``world_size`` ranks meeting at ``store`` registered ``key`` (this rank included).
 
     Every rank adds itself under its key, then to an arrival count; the last to arrive opens
-    the gate every rank waits on, after which the counts are final."""
-    store.add(f"{_PREFIX}/{key}", 1)
-    if store.add(f"{_PREFIX}/arrived", 1) == world_size:
-        store.set(f"{_PREFIX}/all", b"1")
-    store.wait([f"{_PREFIX}/all"])
-    return store.add(f"{_PREFIX}/{key}", 0)
+    the gate every rank waits on, after which the counts are final. A group re-created under
+    the same name meets at the same store keys again: each meeting counts under its own
+    generation (every ``world_size`` arrivals make one), so earlier meetings are not counted."""
+    generation = (store.add(f"{_PREFIX}/arrivals", 1) - 1) // world_size
+    base = f"{_PREFIX}/{generation}"
+    store.add(f"{base}/{key}", 1)
+    if store.add(f"{base}/arrived", 1) == world_size:
+        store.set(f"{base}/all", b"1")
+    store.wait([f"{base}/all"])
+    return store.add(f"{base}/{key}", 0)
 
 
 def _gpu_key(device: torch.device) -> str:

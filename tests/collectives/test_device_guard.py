@@ -19,9 +19,9 @@ import zcomm
 from zcomm import _device_guard, topology as topology_module
 
 
-def _ranks_meeting(keys: list[str]) -> list[object]:
+def _ranks_meeting(keys: list[str], store: dist.Store | None = None) -> list[object]:
     """``count_sharing`` run by one thread per key on one store: each rank's count, or its error."""
-    store = dist.HashStore()
+    store = store if store is not None else dist.HashStore()
     results: list[object] = [None] * len(keys)
 
     def rank(index: int) -> None:
@@ -41,6 +41,9 @@ def _ranks_meeting(keys: list[str]) -> list[object]:
 def test_store_count_sees_ranks_sharing_a_gpu_only_after_every_rank_arrived() -> None:
     assert _ranks_meeting(["a/0", "a/1", "b/0", "b/1"]) == [1, 1, 1, 1]
     assert _ranks_meeting(["a/0", "a/0", "b/0", "b/1"]) == [2, 2, 1, 1]  # srun without set_device on host a
+    store = dist.HashStore()  # a group re-created under its name meets at the same keys: counted anew
+    for _ in range(3):
+        assert _ranks_meeting(["a/0", "a/1"], store) == [1, 1]
 
 
 @pytest.fixture
