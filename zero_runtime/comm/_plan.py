@@ -26,14 +26,24 @@ parameters, which ``initialize`` checks the group's backend supports.
 [Note: gradient group] Gradient buckets are reduce-scattered during backward while stage 3
 gathers the parameters backward needs next. Collectives on one process group run in the
 order they were issued (NCCL runs a communicator's kernels on one stream; gloo queues a
-group's work for its own threads; zcomm's CPU chains run on one worker per group), so a
-gather issued after a bucket's reduce-scatter on the same group would wait for it although
-it does not need its result. In stage 3 the reduce-scatters therefore run on a group of
-their own over the same ranks (``zcomm.consecutive_group(group, world_size)``, created once
-per group; hpZ over the whole world would share it), and gathers queue only behind
-gathers. qgZ's private intra- and inter-node groups, and its CPU worker, are derived from
-the gradient group, so its hops do not queue behind qwZ's either. Stages 1 and 2 gather
-only after the reductions and keep one group.
+group's work for its own threads), so a gather issued after a bucket's plain reduce-scatter
+on the same group would wait for it although it does not need its result. In stage 3 the
+plain reduce-scatters therefore run on a group of their own over the same ranks
+(``zcomm.consecutive_group(group, world_size)``, created once per group; hpZ over the whole
+world would share it), and gathers queue only behind gathers. qgZ needs no such group: its
+hops never run on the group it is given but on zcomm's private subgroups of the reduce kind
+(and, on CPU, on that kind's own worker), which no gather uses ([Note: kinds] in
+``zcomm._contract``), so it takes the plan's group. Stages 1 and 2 gather only after the
+reductions and keep one group.
+
+[Note: communicators per rank] Every process group is a communicator with its own buffers
+(NCCL) or connections and threads (gloo). A stage-3 ZeRO++ rank on several nodes holds the
+world, zcomm's intra- and inter-node groups of each kind (four: gathers and reductions must
+not share an order, and on CPU each kind's worker thread must be the only user of its groups)
+and hpZ's block; the gradient group above exists only for the plain reduce-scatter. Groups
+with the same ranks as another remain where they carry a different order: the gather kind's
+intra-node group and hpZ's block of a node (qwZ's chains vs. the runtime's own backward
+gathers, issued from different threads on CPU), the world and a kind's group on one node.
 
 [Note: object collectives on NCCL] ``broadcast_object_list``, ``all_gather_object`` and
 ``barrier`` on an NCCL group stage their bytes on ``torch.cuda.current_device()``, which is
@@ -171,7 +181,7 @@ def build_comm_plan(config: ZeroConfig, group: dist.ProcessGroup, topology: zcom
     if config.hpz_partition_size > 1:
         backward = HpzGather(group, topology, partition_size=config.hpz_partition_size, primary=plain)
     gradients = group
-    if config.stage == 3:  # see [Note: gradient group]
+    if config.stage == 3 and not config.quantized_gradients:  # see [Note: gradient group]
         gradients = zcomm.consecutive_group(group, dist.get_world_size(group))
     reduce: ReduceScatter = PlainReduceScatter(gradients, topology)
     if config.quantized_gradients:

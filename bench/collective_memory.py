@@ -1,0 +1,234 @@
+"""Peak temporary bytes of each zcomm collective call, as a multiple of its output, on CPU.
+
+Run as ``python -m bench.collective_memory`` (``--help``). ``--world-size`` gloo ranks on this
+machine (default 4, laid out as ``--local-size`` ranks per node: 2 x 2) run each case once to
+warm up (plans, private subgroups, workers, kernels) and then once measured. Reported per
+case: the largest rank's peak of *temporary* bytes during the measured call, in bytes and
+as a multiple of the call's output (and of its input for the reduce-scatters, whose output is
+``1/W`` of it).
+
+What counts as temporary ([Note: counting temporaries]): every tensor storage that a torch
+op creates during the call, on the calling thread or on zcomm's worker thread of the
+collective's kind (where a CPU chain runs), from its creation until it is freed. The call's
+own input and output, and state that existed before (an ``ErrorFeedback``'s stored buffers),
+are not temporaries; their new replacements are (the stored errors the call writes are
+counted while both old and new are alive). Buffers that gloo or numba allocate outside torch
+are not seen. The numbers are exact byte counts, not timings, so they do not depend on the
+machine's load.
+
+[Note: counting temporaries] A ``TorchDispatchMode`` (:class:`LiveBytes`) sees every op; a
+storage seen first as an op's *output* was created by the call, one seen first as an
+*argument* existed before. Each created storage's bytes are added to the live total and
+subtracted by a finalizer on its storage object, which torch keeps alive exactly as long as
+the storage itself (the Python object is preserved with its C++ storage). A dispatch mode is
+per thread, so the mode is entered on the caller's thread and around every task queued on a
+``ThreadPoolExecutor`` during the call (zcomm's CPU chains run on such a FIFO worker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import zcomm
+
+CASES = ("all_gather_q8", "all_gather_q8_pipelined", "reduce_scatter_q4", "reduce_scatter_q4_pipelined",
+         "reduce_scatter_q4_feedback", "reduce_scatter_q4_coalesced")
+
+
+class LiveBytes(TorchDispatchMode):
+    """The live bytes of the storages torch ops created since :meth:`reset`, and their peak
+    ([Note: counting temporaries]); shared by every thread that entered it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._seen: dict[int, bool] = {}  # id of a live storage object -> created under the mode
+        self.live = 0
+        self.peak = 0
+
+    def reset(self) -> None:
+        with self._lock:
+            self.peak = self.live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor):
+                self._note(leaf, created=False)
+        result = func(*args, **kwargs)
+        for leaf in tree_leaves(result):
+            if isinstance(leaf, torch.Tensor):
+                self._note(leaf, created=True)
+        return result
+
+    def _note(self, tensor: torch.Tensor, *, created: bool) -> None:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        with self._lock:
+            if key in self._seen:
+                return
+            self._seen[key] = created
+            nbytes = storage.nbytes() if created else 0
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._gone, key, nbytes)
+
+    def _gone(self, key: int, nbytes: int) -> None:
+        with self._lock:
+            self._seen.pop(key, None)
+            self.live -= nbytes
+
+
+@contextlib.contextmanager
+def traced_workers(tracker: LiveBytes):
+    """While open, every task queued on a ``ThreadPoolExecutor`` (zcomm's CPU chains run on one per
+    group and kind) runs inside ``tracker``: a dispatch mode is per thread ([Note: counting temporaries])."""
+    submit = ThreadPoolExecutor.submit
+
+    def traced_submit(self, fn, /, *args, **kwargs):
+        def traced(*args, **kwargs):
+            with tracker:
+                return fn(*args, **kwargs)
+
+        return submit(self, traced, *args, **kwargs)
+
+    ThreadPoolExecutor.submit = traced_submit
+    try:
+        yield
+    finally:
+        ThreadPoolExecutor.submit = submit
+
+
+def measure(call, group: dist.ProcessGroup, tracker: LiveBytes) -> int:
+    """Peak temporary bytes of ``call()`` (after one warm-up call), on this rank."""
+    call()
+    dist.barrier(group)
+    with traced_workers(tracker), tracker:
+        tracker.reset()
+        base = tracker.live
+        call()
+        peak = tracker.peak - base
+    return peak
+
+
+def _cases(rank: int, world: int, topology: zcomm.Topology, numel: int, dtype: torch.dtype):
+    """name -> (call, output bytes, input bytes) on this rank."""
+    torch.manual_seed(rank)
+    shard = torch.randn(numel, dtype=dtype)
+    gathered = torch.empty(world * numel, dtype=dtype)
+    full = torch.randn(world * numel, dtype=dtype)
+    part = torch.empty(numel, dtype=dtype)
+    pieces = [numel // 4, numel // 4, numel - numel // 2]
+    ins = [torch.randn(world * n, dtype=dtype) for n in pieces]
+    outs = list(torch.empty(numel, dtype=dtype).split(pieces))
+    feedback = zcomm.ErrorFeedback()
+    gather = dict(topology=topology)
+    avg = dist.ReduceOp.AVG
+    cases = {
+        "all_gather_q8": (lambda: zcomm.all_gather_q8(gathered, shard, pipeline_stages=1, **gather), gathered, shard),
+        "all_gather_q8_pipelined": (lambda: zcomm.all_gather_q8(gathered, shard, pipeline_stages=4, **gather),
+                                    gathered, shard),
+        "reduce_scatter_q4": (lambda: zcomm.reduce_scatter_q4(part, full, avg, pipeline_stages=1, **gather), part, full),
+        "reduce_scatter_q4_pipelined": (lambda: zcomm.reduce_scatter_q4(part, full, avg, pipeline_stages=4, **gather),
+                                        part, full),
+        "reduce_scatter_q4_feedback": (lambda: zcomm.reduce_scatter_q4(part, full, avg, pipeline_stages=4,
+                                                                       error_feedback=feedback, **gather), part, full),
+        "reduce_scatter_q4_coalesced": (lambda: zcomm.reduce_scatter_q4_coalesced(outs, ins, avg, pipeline_stages=4,
+                                                                                  **gather), outs, ins),
+    }
+    return {name: (call, _nbytes(out), _nbytes(inp)) for name, (call, out, inp) in cases.items()}
+
+
+def _nbytes(tensors) -> int:
+    tensors = tensors if isinstance(tensors, (list, tuple)) else [tensors]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def rank_peaks(rank: int, world: int, local_size: int, numel: int, dtype: torch.dtype, names) -> dict:
+    """{case: (peak temporary bytes, output bytes, input bytes)} of this rank."""
+    topology = zcomm.Topology(world_size=world, local_size=local_size)
+    group = dist.group.WORLD
+    tracker = LiveBytes()
+    cases = _cases(rank, world, topology, numel, dtype)
+    return {name: (measure(cases[name][0], group, tracker), *cases[name][1:]) for name in names}
+
+
+def _rank(rank: int, world: int, port: int, args: dict, queue) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    try:
+        queue.put((rank, rank_peaks(rank, world, **args)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
+        queue.put((rank, exc))
+    dist.barrier()
+    os._exit(0)
+
+
+def run(*, world: int, local_size: int, numel: int, dtype: torch.dtype, names=CASES) -> dict:
+    """{case: (peak temporary bytes, output bytes, input bytes)}, the largest rank's peak per case."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    args = dict(local_size=local_size, numel=numel, dtype=dtype, names=tuple(names))
+    procs = [context.Process(target=_rank, args=(r, world, port, args, queue), daemon=True) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        results = [queue.get(timeout=600) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    worst: dict = {}
+    for _, found in results:
+        if isinstance(found, BaseException):
+            raise found
+        for name, (peak, out_bytes, in_bytes) in found.items():
+            if name not in worst or peak > worst[name][0]:
+                worst[name] = (peak, out_bytes, in_bytes)
+    return {name: worst[name] for name in names}
+
+
+def table(results: dict) -> str:
+    lines = ["| call | peak temporary bytes | x output | x input |", "|---|---:|---:|---:|"]
+    for name, (peak, out_bytes, in_bytes) in results.items():
+        lines.append(f"| {name} | {peak:,} | {peak / out_bytes:.2f} | {peak / in_bytes:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--local-size", type=int, default=2)
+    parser.add_argument("--numel", type=int, default=1 << 18, help="elements of each rank's shard (gather input, "
+                        "reduce-scatter output)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    args = parser.parse_args(argv)
+    results = run(world=args.world_size, local_size=args.local_size, numel=args.numel,
+                  dtype=getattr(torch, args.dtype), names=args.cases)
+    print(f"world {args.world_size} ({args.world_size // args.local_size} nodes x {args.local_size}), "
+          f"{args.numel} {args.dtype} elements per shard")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
