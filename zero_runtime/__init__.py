@@ -1,12 +1,13 @@
-"""zero_runtime: ZeRO stages 1-3 for an unmodified PyTorch model on torch.distributed.
+"""zero_runtime: ZeRO stages 0-3 for an unmodified PyTorch model on torch.distributed.
 
     model, opt = zero_runtime.initialize(model, functools.partial(torch.optim.AdamW, lr=1e-3), config)
     loss = model(batch)...; opt.backward(loss); opt.step()
 
 Stage 3 takes the ZeRO++ options (``zero_quantized_weights``, ``zero_hpz_partition_size``,
 ``zero_quantized_gradients``, ``zcomm_quant_group_size``; see ``ZeroConfig``), stages 1 and 2
-all but hpZ, and ``zcomm_weight_delta_bits`` (4-bit weight differences after each step):
-they change only the communication objects of the run's comm plan.
+all but hpZ, and ``zcomm_weight_delta_bits`` (4-bit weight differences after each step), stage
+0 (plain data parallelism) qgZ alone, as ``zcomm.all_reduce_q4``: they change only the
+communication objects of the run's comm plan.
 
 ``Init()`` builds a model with its parameters partitioned as each module is constructed.
 ``GatheredParameters(params, modifier_rank=None)`` makes partitioned parameters full for a

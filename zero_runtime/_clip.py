@@ -20,13 +20,14 @@ import torch
 from .comm._plan import CommPlan
 
 
-def global_grad_norm(grads: Sequence[torch.Tensor], plan: CommPlan) -> torch.Tensor:
+def global_grad_norm(grads: Sequence[torch.Tensor], plan: CommPlan, *, partitioned: bool = True) -> torch.Tensor:
     """The 2-norm of the concatenation of every rank's ``grads`` (inf/nan if any is), as a
-    0-dim fp64 tensor on ``plan.device``."""
+    0-dim fp64 tensor on ``plan.device``. ``partitioned`` False: every rank holds the same
+    whole gradient (stage 0), whose local norm is the global one, with no collective."""
     local = torch.zeros(1, dtype=torch.float64, device=plan.device)
     for grad in grads:
         local += grad.double().pow(2).sum()
-    return plan.all_reduce_sum(local).sqrt()[0]
+    return (plan.all_reduce_sum(local) if partitioned else local).sqrt()[0]
 
 
 def clip_by_norm_(grads: Sequence[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:

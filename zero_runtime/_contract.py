@@ -101,7 +101,8 @@ class ReduceScatter(Comm, abc.ABC):
     @abc.abstractmethod
     def __call__(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], *, bucket: int) -> Handle:
         """Start averaging each of ``inputs`` over the ranks into ``outputs[i]``, this rank's
-        ``1 / world_size`` slice of ``inputs[i]``. After the handle's ``wait()`` the outputs
+        ``1 / world_size`` slice of ``inputs[i]`` (in stage 0, a partition of one, the whole of
+        it: an all-reduce). After the handle's ``wait()`` the outputs
         hold the mean over the ranks (the gradient of the global-batch mean); how and in which
         precision it divides is the implementation's (see [Note: gloo and SUM] in ``comm._plan``).
         ``inputs`` stay alive and unmodified until then. ``bucket`` names the gradient bucket,

@@ -134,7 +134,7 @@ class GatheredParameters:
         with torch.no_grad():
             for unit in self.units:
                 plan.broadcast(unit.full, self.modifier_rank)
-                lo, hi = unit.layout.shard_range(plan.rank)
+                lo, hi = unit.shard_range()
                 if unit.partitioned:
                     unit.shard.copy_(unit.full[lo:hi])
                     unit.mark_gathered()

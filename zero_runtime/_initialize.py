@@ -1,8 +1,8 @@
-"""``initialize``: wrap a model and an optimizer into ZeRO stage 1, 2 or 3 (``zero_runtime.initialize``).
+"""``initialize``: wrap a model and an optimizer into ZeRO stage 0, 1, 2 or 3 (``zero_runtime.initialize``).
 
 It checks the model and the process group, builds the comm plan (``comm._plan``), groups the
 trainable parameters into flat units (``_partition``; per optimizer group, by size for
-stages 1-2 and stage 3's persistent parameters, by module for stage 3's partitioned ones),
+stages 0-2 and stage 3's persistent parameters, by module for stage 3's partitioned ones),
 builds the torch optimizer over their fp32 master shards and hands everything to
 ``ZeroOptimizer``.
 """
@@ -150,9 +150,11 @@ def _optimizer_groups(optimizer: OptimizerSpec, names: Mapping[nn.Parameter, str
 
 def _build_units(model: nn.Module, groups: Sequence[Sequence[nn.Parameter]], names: Mapping[nn.Parameter, str],
                  config: ZeroConfig, plan: CommPlan, dtype: torch.dtype) -> list[FlatUnit]:
-    """Per optimizer group: stages 1-2 by size; stage 3 by module for the partitioned
-    parameters and by size for the persistent ones (``param_persistence_threshold``)."""
+    """Per optimizer group: stages 0-2 by size; stage 3 by module for the partitioned
+    parameters and by size for the persistent ones (``param_persistence_threshold``). Stage 0's
+    units have one shard, the whole buffer, split for its all-reduce into a slice per rank."""
     position = {param: i for i, param in enumerate(names)}
+    shards, rank = (1, 0) if config.stage == 0 else (plan.world_size, plan.rank)
     units: list[FlatUnit] = []
     for group_index, params in enumerate(groups):
         whole = params
@@ -167,9 +169,9 @@ def _build_units(model: nn.Module, groups: Sequence[Sequence[nn.Parameter]], nam
                 continue
             materialize(bucket, plan.group)
             units.append(FlatUnit(index=len(units), group_index=group_index, names=[names[p] for p in bucket],
-                                  params=bucket, world_size=plan.world_size, rank=plan.rank, dtype=dtype,
+                                  params=bucket, world_size=shards, rank=rank, dtype=dtype,
                                   partition_params=partition, position=min(position[p] for p in bucket),
-                                  align=config.quant_block_align()))
+                                  align=config.quant_block_align(), slices=plan.world_size))
     return units
 
 

@@ -66,7 +66,10 @@ def measure(state: TrainingState, *, secondary_bytes: int, error_feedback_bytes:
     moved = state.param_offload is not None and state.param_offload.moves_shards
     params += 0 if moved else shards
     offloaded_params = state.param_offload.held_bytes() if moved else 0
-    grads = sum(_nbytes(u.full_grad) if state.stage == 1 else _nbytes(u.grad_shard) for u in units)
+    # Stage 1 reduces from full gradient buffers it keeps, stage 0 keeps them and whole reduced
+    # gradients (see [Note: stage 0] in ``comm._all_reduce``); stages 2 and 3 keep only shards.
+    grads = sum((_nbytes(u.full_grad) if state.stage in (0, 1) else 0) + (_nbytes(u.grad_shard) if state.stage != 1 else 0)
+                for u in units)
     if state.offload is not None:
         states, offloaded = 0, state.offload.held_bytes()
     else:

@@ -3,7 +3,8 @@
 A ``FlatUnit`` is the runtime's bucket: a group of parameters of one optimizer group laid out
 by one ``FlatLayout``. A *partitioned* unit (stage 3, parameters above the persistence
 threshold) frees its parameters between uses; any other unit keeps them whole on every
-rank and re-assembles them after each optimizer step. It owns
+rank and re-assembles them after each optimizer step (stage 0's units are laid out with one
+shard, the whole buffer, which every rank holds and updates: nothing to re-assemble). It owns
 
 * ``full``   the flat parameter buffer in the compute dtype; while it is allocated every
   parameter's ``.data`` is a view of it. A partitioned unit frees it between uses;
@@ -59,11 +60,13 @@ class GatherState(enum.Enum):
 class FlatUnit:
     def __init__(self, *, index: int, group_index: int, names: Sequence[str], params: Sequence[nn.Parameter],
                  world_size: int, rank: int, dtype: torch.dtype, partition_params: bool, position: int,
-                 frozen: bool = False, align: int = 1) -> None:
-        """``position``: where the unit's first parameter comes in the model's parameter
-        order; its gradients are final about when that parameter's are (see ``comm._grad_reduce``).
-        ``align``: the alignment wanted, granted when cheap (``aligned_layout``; see
-        [Note: parameter-aligned blocks] in ``_flat_buffer``)."""
+                 frozen: bool = False, align: int = 1, slices: int | None = None) -> None:
+        """``world_size`` / ``rank``: the shards of the layout and which one this rank holds
+        (1 and 0 in stage 0). ``position``: where the unit's first parameter comes in the
+        model's parameter order; its gradients are final about when that parameter's are (see
+        ``comm._grad_reduce``). ``align``: the alignment wanted, granted when cheap
+        (``aligned_layout``; see [Note: parameter-aligned blocks] in ``_flat_buffer``), with
+        the total split into ``slices`` (``FlatLayout``)."""
         assert params and len(names) == len(params)
         assert not frozen or (partition_params and not any(p.requires_grad for p in params))
         self.frozen = frozen
@@ -74,8 +77,9 @@ class FlatUnit:
         self.names = tuple(names)
         self.params = tuple(params)
         self.dtype = dtype
-        self.layout = aligned_layout([p.shape for p in params], world_size=world_size, align=align)
-        lo, hi = self.layout.shard_range(rank)
+        self.layout = aligned_layout([p.shape for p in params], world_size=world_size, align=align, slices=slices)
+        self.shard_rank = rank
+        lo, hi = self.shard_range()
         with torch.no_grad():
             flat32 = self.layout.flatten([p.detach() for p in params], dtype=torch.float32)
             self.master = None if frozen else nn.Parameter(flat32[lo:hi].clone())
@@ -100,6 +104,10 @@ class FlatUnit:
         self.backward_holds = 0  # frozen units: calls whose backward still needs it
         if partition_params:
             self.free_full()
+
+    def shard_range(self) -> tuple[int, int]:
+        """Where this rank's shard (``shard``, ``master``, ``grad_shard``) lies in ``full``."""
+        return self.layout.shard_range(self.shard_rank)
 
     @property
     def full_nbytes(self) -> int:

@@ -2,7 +2,8 @@
 
 It owns the training state (``TrainingState``: the flat units, the torch optimizer over
 their fp32 master shards, the loss scaler, the step counters), the gradient reducer and
-(stage 3) the parameter scheduler and module hooks. A training step is
+(stage 3) the parameter scheduler and module hooks. Stage 0 runs the same machinery over a
+partition of one (see [Note: stage 0] in ``comm._all_reduce``). A training step is
 ``opt.backward(loss)`` then ``opt.step()`` for every micro-batch; with
 ``gradient_accumulation_steps = n`` the update happens on every n-th ``step()``
 (DeepSpeed's accumulation-boundary semantics) and the loss is divided by n in ``backward``.
@@ -141,7 +142,7 @@ class ZeroOptimizer:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (scaled for fp16 and divided for accumulation), then the
-        gradient reduce-scatter of this micro-step."""
+        gradient reduce-scatter (stage 0: all-reduce) of this micro-step."""
         if self.closed:
             raise RuntimeError("backward() on a closed engine: close() removed its gradient hooks")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -152,15 +153,15 @@ class ZeroOptimizer:
             raise RuntimeError("backward() called twice without step() in between; call step() after "
                                "every backward (it only updates on accumulation boundaries)")
         factor = self.scaler.scale / self.config.gradient_accumulation_steps
-        overlap = (self.config.offload_optimizer.zcomm_overlap_step
-                   and (self.micro_step + 1) % self.config.gradient_accumulation_steps == 0)
+        boundary = (self.micro_step + 1) % self.config.gradient_accumulation_steps == 0
+        overlap = self.config.offload_optimizer.zcomm_overlap_step and boundary
         if overlap:
             self._require_unpinned()
             self.offload.begin_step()
         try:
+            self.reducer.begin_backward(boundary=boundary)
             (loss * factor if factor != 1.0 else loss).backward()
             self.micro_step += 1
-            boundary = self.micro_step % self.config.gradient_accumulation_steps == 0
             self.reducer.finish(reduce=self.config.stage >= 2 or boundary)
         except BaseException:  # the window's gradients are dropped; a half-applied update: see abort_step
             self.reducer.abandon()
@@ -235,7 +236,8 @@ class ZeroOptimizer:
         (skip the step) if that norm is not finite.
 
         The norm is one all-reduce over every rank's shard, so every rank takes the same
-        decision (see [Note: loss-scale handling] in ``_loss_scaler``). Only the dynamic scaler
+        decision (see [Note: loss-scale handling] in ``_loss_scaler``); in stage 0 every rank
+        holds the same whole gradient and computes it alone. Only the dynamic scaler
         reads the norm on the host (see [Note: host syncs] in ``_host_sync``); clipping alone
         stays on the device, like ``torch.nn.utils.clip_grad_norm_``, and so does not detect a
         non-finite norm.
@@ -243,7 +245,7 @@ class ZeroOptimizer:
         clip = self.config.gradient_clipping > 0
         if not (clip or self.scaler.dynamic):
             return True
-        norm = global_grad_norm(grads, self.plan)
+        norm = global_grad_norm(grads, self.plan, partitioned=self.config.stage != 0)
         if self.scaler.dynamic:
             finite = _host_sync.read_flag(torch.isfinite(norm))
             self.scaler.update(overflow=not finite)
@@ -265,7 +267,8 @@ class ZeroOptimizer:
     def sync_params_from_masters(self) -> None:
         """Write the fp32 masters into the compute-dtype parameters: partitioned units
         (stage 3) update their shards (the next forward gathers them); units kept whole
-        (stages 1 and 2, stage 3's persistent ones) all-gather their full buffers. With an
+        (stages 1 and 2, stage 3's persistent ones) all-gather their full buffers; stage 0's,
+        whose shard is the whole buffer, are written in place. With an
         offloaded optimizer the step already wrote the masters in the compute dtype
         (``offload.compute_copy``, the shard itself on a CPU run): that is the source.
 
@@ -285,12 +288,13 @@ class ZeroOptimizer:
             self.scheduler.free_all()
             self.hooks.end_of_outside_uses()
         offload, param_offload = self.offload, self.param_offload  # properties: read once, not per unit
+        whole = self.config.stage == 0
         with torch.no_grad():
             handles = []
             gather = self.plan.forward_gather
             for unit in self.units:
                 source = unit.master if offload is None else offload.compute_copy[unit.index]
-                if unit.partitioned:
+                if unit.partitioned or whole:
                     if source is unit.shard:
                         continue
                     if param_offload is None:

@@ -19,6 +19,9 @@ gaps (``zcomm_align_quant_blocks`` false, where a quantization block may straddl
 defaults, :data:`LOCO_PARAM`); ``*-int8hop`` sends qgZ's intra-node hop in INT8
 (``zcomm_qgz_first_hop_bits: 8``, after SDP4Bit; the runtime's default is the paper's INT4).
 ``deepspeed-zeropp`` hands DeepSpeed its own ZeRO++ keys, to show what DeepSpeed does with them.
+``zero0`` is zero_runtime's stage 0 (plain data parallelism, DeepSpeed's default: gradient
+buckets all-reduced with ``dist.all_reduce``), ``zero0-q`` the same with qgZ's all-reduce
+(``zcomm.all_reduce_q4``: INT4 two-hop reduce-scatter, INT8 gather), DDP's peers below.
 ``zero2-q`` is stage 2 with qgZ and qwZ's INT8 gather after the step; ``zero2-qwd`` and
 ``zero1-qwd`` send 4-bit weight differences instead (``zcomm_weight_delta_bits: 4``, after
 SDP4Bit); ``deepspeed-z2`` is DeepSpeed's stage 2, their peer.
@@ -73,7 +76,8 @@ class TrainConfig:
         engine: ``zero`` (this project's zero_runtime), ``fsdp2`` (torch ``fully_shard``, with
             ``zcomm.fsdp.enable_zeropp`` for qwZ / qgZ), ``deepspeed`` or ``ddp`` (torch
             ``DistributedDataParallel``, replicated: stage 0).
-        stage: ZeRO stage 1-3 (FSDP2 is always fully sharded, i.e. stage 3); 0 for DDP.
+        stage: ZeRO stage 0-3 (0: zero_runtime's plain data parallelism; FSDP2 is always fully
+            sharded, i.e. stage 3); 0 for DDP.
         quantized_weights: qwZ, INT8 blocked all-gather of weights in forward.
         hpz: secondary weight partition inside each node (FSDP2: ``reshard_after_forward``
             set to the ranks per node).
@@ -120,8 +124,10 @@ class TrainConfig:
         if self.engine == "ddp":
             self._check_ddp()
             return
-        if self.stage not in (1, 2, 3):
-            raise ValueError(f"{self.name}: stage must be 1, 2 or 3, got {self.stage}")
+        if self.stage not in (1, 2, 3) and not (self.stage == 0 and self.engine == "zero"):
+            raise ValueError(f"{self.name}: stage must be 1, 2 or 3 (0 for zero_runtime), got {self.stage}")
+        if self.stage == 0 and self.quantized_weights:
+            raise ValueError(f"{self.name}: qwZ has no parameter gather to quantize at stage 0")
         if self.ddp_hook is not None:
             raise ValueError(f"{self.name}: ddp_hook is an option of the ddp engine")
         if self.hpz and self.stage != 3:
@@ -167,6 +173,10 @@ def _configs(*configs: TrainConfig) -> dict[str, TrainConfig]:
 _ZEROPP = dict(quantized_weights=True, hpz=True, quantized_gradients=True)  # qwZ + hpZ + qgZ
 
 CONFIGS: dict[str, TrainConfig] = _configs(
+    TrainConfig(name="zero0", engine="zero", stage=0,
+                summary="ZeRO stage 0: plain data parallelism, gradient buckets all-reduced"),
+    TrainConfig(name="zero0-q", engine="zero", stage=0, quantized_gradients=True,
+                summary="stage 0 + qgZ: buckets all-reduced by zcomm.all_reduce_q4 (INT4 2-hop RS, INT8 gather)"),
     TrainConfig(name="zero1", engine="zero", stage=1, summary="ZeRO stage 1: optimizer states partitioned"),
     TrainConfig(name="zero2", engine="zero", stage=2, summary="ZeRO stage 2: + gradients partitioned"),
     TrainConfig(name="zero3", engine="zero", stage=3, summary="ZeRO stage 3: + parameters partitioned"),

@@ -128,6 +128,23 @@ def test_ddp_configs_train_two_ranks(tmp_path: Path, checkout_env: dict[str, str
     assert result["meta"]["engine_configs"]["ddp-zcomm"]["ddp_hook"] == "zcomm"
 
 
+def test_zero_stage0_configs_train_two_ranks(tmp_path: Path, checkout_env: dict[str, str]) -> None:
+    # zero_runtime's stage 0, plain and with qgZ's all-reduce (2 nodes x 1): each trains and
+    # holds the whole model; qgZ changes the gradients.
+    args = ["--configs", "zero0", "zero0-q", "--model", "tinygpt", *TINY]
+    result, _ = _launch(args, tmp_path, checkout_env, local_size=1)
+    rows = {row["config"]: row for row in result["results"]}
+    params = result["meta"]["params"]["tinygpt"]
+    for config in ("zero0", "zero0-q"):
+        _check_trained(rows[config], steps=4)
+        # whole parameters, two whole gradient buffers (bf16) and fp32 masters and AdamW moments
+        assert 18 * params <= rows[config]["memory_bytes"], (config, rows[config]["memory_bytes"], params)
+    assert rows["zero0-q"]["train_losses"][0] == rows["zero0"]["train_losses"][0]
+    assert rows["zero0-q"]["train_losses"] != rows["zero0"]["train_losses"]
+    assert result["meta"]["engine_configs"]["zero0-q"]["zero_optimization"] == {
+        "stage": 0, "zero_quantized_gradients": True}
+
+
 def test_zero_configs_two_ranks(tmp_path: Path, checkout_env: dict[str, str]) -> None:
     args = ["--impl", "zero", "--stage", "1", "2", "3", "--model", "tinygpt", "hf-gpt2", *TINY]
     result, _ = _launch(args, tmp_path, checkout_env)

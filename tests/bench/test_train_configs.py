@@ -41,6 +41,9 @@ def test_zero_runtime_configs_carry_exactly_the_zeropp_keys() -> None:
     assert tensorscale["zero_optimization"]["zcomm_quant_group_size"] == "tensor"
     g128 = zero_runtime_config(CONFIGS["zeropp-g128"], local_size=2, bf16=True, gradient_clipping=0.0)
     assert g128["zero_optimization"]["zcomm_quant_group_size"] == 128
+    stage0 = {name: zero_runtime_config(CONFIGS[name], local_size=2, bf16=True, gradient_clipping=0.0)
+              ["zero_optimization"] for name in ("zero0", "zero0-q")}
+    assert stage0 == {"zero0": {"stage": 0}, "zero0-q": {"stage": 0, "zero_quantized_gradients": True}}
     stage12 = {name: zero_runtime_config(CONFIGS[name], local_size=2, bf16=True, gradient_clipping=0.0)
                ["zero_optimization"] for name in ("zero2-q", "zero2-qwd", "zero1-qwd")}
     quantized = {"zero_quantized_weights": True, "zero_quantized_gradients": True}
@@ -92,6 +95,10 @@ def test_invalid_configurations_are_rejected() -> None:
         TrainConfig(name="x", engine="zero", stage=2, hpz=True, summary="")
     with pytest.raises(ValueError, match="FSDP2 is always stage 3"):
         TrainConfig(name="x", engine="fsdp2", stage=2, summary="")
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3 \\(0 for zero_runtime\\)"):
+        TrainConfig(name="x", engine="fsdp2", stage=0, summary="")
+    with pytest.raises(ValueError, match="qwZ has no parameter gather"):
+        TrainConfig(name="x", engine="zero", stage=0, quantized_weights=True, summary="")
     with pytest.raises(ValueError, match="quant_group_size"):
         TrainConfig(name="x", engine="zero", quant_group_size="tensor", summary="")
     with pytest.raises(ValueError, match="unknown configuration"):

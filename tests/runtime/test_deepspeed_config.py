@@ -130,7 +130,6 @@ def test_without_batch_sizes_accumulation_stays_as_given():
     ({"prescale_gradients": True}, "prescale_gradients = True is not supported"),
     ({"communication_data_type": "fp16"}, "communication_data_type = 'fp16' is not supported"),
     ({"zero_optimization": {"stage": 3, "mics_shard_size": 8}}, "mics_shard_size = 8 is not supported"),
-    ({"zero_optimization": False}, "stage 0"),
     ({"steps_per_prnt": 10, "wall_clock_breakdown": False},
      "unknown config keys: steps_per_prnt \\(did you mean steps_per_print\\?\\)$"),
 ])

@@ -1,9 +1,10 @@
 """Loading a checkpoint saved at another world size, stage or bucketing.
 
 [Note: resharding a checkpoint] When a checkpoint's ranks, stage or units (``fingerprint``)
-differ from the run's, every rank reads all the saved rank files (each checked against
-``meta.json`` and loaded with ``weights_only``, as ``consolidate`` does), rebuilds each
-trained parameter's full fp32 master and each element-wise optimizer state (Adam's
+differ from the run's, every rank reads all the saved rank files, each checked against
+``meta.json`` and loaded with ``weights_only`` as ``consolidate`` does (of a stage-0
+checkpoint, whose every file holds the whole state, rank 0's alone: ``saved_shards``),
+rebuilds each trained parameter's full fp32 master and each element-wise optimizer state (Adam's
 ``exp_avg``/``exp_avg_sq``, or any state shaped like a master shard) under the parameter's
 name from the saved layouts, and cuts its own shard of each of this run's units out of
 them, padding zero (aligned layouts included). Values are copied, never recomputed, so the
@@ -35,12 +36,20 @@ from .._flat_buffer import FlatLayout
 from .._partition import optimizer_indices
 
 
+def saved_shards(meta: dict[str, Any]) -> int:
+    """How many rank files, from rank 0 on, hold the saved state between them: 1 for stage 0,
+    whose every file holds all of it; the world size otherwise (and in checkpoints that
+    predate the key)."""
+    return meta.get("shards", meta["world_size"])
+
+
 def _saved_layout(meta: dict[str, Any], entry: list, align: int | None) -> FlatLayout:
     """The layout a saved unit had: ``entry`` is its fingerprint entry (``[..., numel,
     slots]``), ``align`` its recorded alignment (None in checkpoints that predate it: then it
     must have been packed)."""
     numel, slots = entry[-2], entry[-1]
-    layout = FlatLayout([shape for _, shape in slots], world_size=meta["world_size"], align=align or 1)
+    layout = FlatLayout([shape for _, shape in slots], world_size=saved_shards(meta), align=align or 1,
+                        slices=meta["world_size"])
     if layout.numel != numel:
         raise CheckpointError(f"a saved unit of {numel} elements does not match its recorded layout "
                               f"({layout.numel}); the checkpoint predates recorded alignments and cannot be resharded")
@@ -50,7 +59,8 @@ def _saved_layout(meta: dict[str, Any], entry: list, align: int | None) -> FlatL
 def saved_unit_views(root: Path, meta: dict[str, Any], files: list[dict[str, Any]], *,
                      frozen: bool = False) -> list[tuple[FlatLayout, list[torch.Tensor]]]:
     """Per saved unit (trained, or with ``frozen`` stage 3's frozen ones), its saved layout and
-    its parameters' full values: views of the rank files' shards laid end to end."""
+    its parameters' full values: views of the shards of ``files`` (the first
+    ``saved_shards(meta)`` rank files) laid end to end."""
     entries = meta["frozen_fingerprint" if frozen else "fingerprint"]
     aligns = meta.get("frozen_aligns" if frozen else "aligns") or [None] * len(entries)
     field = "frozen_shards" if frozen else "masters"
@@ -93,8 +103,8 @@ def _optimizer_order(group_indices: list[int]) -> list[int]:
 
 
 def resharded_rank_state(state, plan, root: Path, meta: dict[str, Any], files: list[dict[str, Any]]) -> dict[str, Any]:
-    """A ``rank_state``-shaped dict for this rank of this run, built from all the saved ``files``
-    of a checkpoint written at another layout (see [Note: resharding a checkpoint]); the caller
+    """A ``rank_state``-shaped dict for this rank of this run, built from the saved ``files``
+    (the first ``saved_shards(meta)``) of a checkpoint written at another layout (see [Note: resharding a checkpoint]); the caller
     has checked that the trained parameters match (``parameter_mismatch``)."""
     saved_fp = meta["fingerprint"]
     first = files[0]
@@ -139,7 +149,7 @@ def resharded_rank_state(state, plan, root: Path, meta: dict[str, Any], files: l
 
     new_masters, new_state = [], {}
     for unit, our_index in zip(state.units, optimizer_indices(state.optimizer, state.units)):
-        start, end = unit.layout.shard_range(plan.rank)
+        start, end = unit.shard_range()
         new_masters.append(unit.layout.flatten([masters[n] for n in unit.names], dtype=torch.float32)[start:end].clone())
         drawn = [scalars[n] for n in unit.names]
         if all(d is None for d in drawn):

@@ -199,6 +199,7 @@ def save(state: TrainingState, plan: CommPlan, directory: str | os.PathLike,
     infos = plan.all_gather_objects(info)
     if rank == 0:
         meta = {"format": FORMAT, "tag": tag, "world_size": plan.world_size, "stage": state.stage,
+                "shards": _shards(state, plan),
                 "fingerprint": fingerprint(state), "global_step": state.global_step, "files": infos,
                 "frozen_fingerprint": [[u.layout.numel, _slots(u)] for u in state.frozen_units],
                 "aligns": [u.layout.align for u in state.units],
@@ -206,6 +207,12 @@ def save(state: TrainingState, plan: CommPlan, directory: str | os.PathLike,
                 "model_keys": keys}
         _write_atomic(root / META, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
     plan.barrier()
+
+
+def _shards(state: TrainingState, plan: CommPlan) -> int:
+    """How many rank files together hold the state: every rank's in stages 1-3, rank 0's alone
+    in stage 0, where every rank holds the whole state (see [Note: stage 0] in ``comm._all_reduce``)."""
+    return 1 if state.stage == 0 else plan.world_size
 
 
 def _read_meta(root: Path) -> dict[str, Any]:
@@ -250,7 +257,7 @@ def consolidate(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     if meta.get("model_keys") is None:
         raise CheckpointError(f"{root} was saved without the model's keys (by an older zero_runtime); it cannot be "
                               "consolidated offline: load it in a run and call full_state_dict()")
-    files = [_read_rank_file(root, meta, rank) for rank in range(meta["world_size"])]
+    files = [_read_rank_file(root, meta, rank) for rank in range(_reshard.saved_shards(meta))]
     views = {"unit": [unit for _, unit in _reshard.saved_unit_views(root, meta, files)],
              "frozen": [unit for _, unit in _reshard.saved_unit_views(root, meta, files, frozen=True)]}
     out = {}
@@ -276,7 +283,7 @@ def _read_rank_state(state: TrainingState, plan: CommPlan, root: Path) -> dict[s
     problem = _reshard.parameter_mismatch(meta["fingerprint"], ours)
     if problem:  # before reading every rank's file
         raise CheckpointError(f"checkpoint {root}: {problem}")
-    files = [_read_rank_file(root, meta, rank) for rank in range(meta["world_size"])]
+    files = [_read_rank_file(root, meta, rank) for rank in range(_reshard.saved_shards(meta))]
     saved = _reshard.resharded_rank_state(state, plan, root, meta, files)
     if state.offload is not None:
         problem = state.offload.state_problem(saved["optimizer"])
@@ -315,8 +322,11 @@ def full_state_dict(state: TrainingState, plan: CommPlan, model: torch.nn.Module
                 source = unit.shard
             else:
                 source = unit.master.detach() if offloaded is None else offloaded[unit.index].to(plan.device)
-            flat = torch.empty(unit.layout.numel, dtype=source.dtype, device=source.device)
-            plan.exact_all_gather(flat, source)
+            if unit.layout.world_size == 1:  # one shard, the whole unit (stage 0, or a run of one rank)
+                flat = source
+            else:
+                flat = torch.empty(unit.layout.numel, dtype=source.dtype, device=source.device)
+                plan.exact_all_gather(flat, source)
         for param, view in zip(unit.params, unit.layout.views(flat)):
             full_of[param] = view.clone()
     if plan.rank != 0:

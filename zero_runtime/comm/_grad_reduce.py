@@ -15,7 +15,10 @@ bucket ``k`` is launched (async) as soon as all its units' gradients are final a
 ``0..k-1`` are launched, so each reduce-scatter overlaps the rest of backward; should a model finish
 its gradients in another order, a bucket waits for the ones before it, never the other way.
 Stage 1 keeps full gradients and reduce-scatters them once per optimizer step, at the end
-of the accumulation boundary's backward. ``finish`` launches what is left in the same
+of the accumulation boundary's backward. Stage 0 keeps them too and all-reduces them once
+per optimizer step, launching each bucket during the boundary's backward (with
+``overlap_comm``) as stages 2 and 3 do in every backward (see [Note: stage 0] in
+``comm._all_reduce``). ``finish`` launches what is left in the same
 order, waits for all handles, and adds each rank's averaged slice (the gradient of the
 global-batch mean: the ``ReduceScatter`` averages) into the units' ``grad_shard``.
 
@@ -39,8 +42,8 @@ for the oldest and adds its output into the units' ``grad_shard``, so a backward
 gradients of a few buckets at a time, never the whole model's (with every bucket in flight
 until ``finish``, a 354M-parameter GPT-2 held all 1.4 GB of its fp32 gradients at the end
 of backward). When the network is slower than backward this makes backward wait for it,
-which it would do at ``finish`` anyway. Stage 1 keeps every ``full_grad`` and zeroes it
-after each reduction. All of them, and each bucket's output, come from the reduce-scatter's
+which it would do at ``finish`` anyway. Stages 0 and 1 keep every ``full_grad`` and zero
+it after each reduction. All of them, and each bucket's output, come from the reduce-scatter's
 ``allocate`` (see [Note: comm buffers] in ``_contract``).
 """
 
@@ -70,14 +73,16 @@ class GradReducer:
     def __init__(self, *, units: Sequence[FlatUnit], plan: CommPlan, stage: int, bucket_numel: int,
                  overlap: bool = True, on_unit_ready: Callable[[FlatUnit], None] | None = None,
                  on_shards_final: Callable[[tuple[FlatUnit, ...]], None] | None = None) -> None:
-        """``overlap`` (``overlap_comm``): stages 2 and 3 launch buckets during backward.
+        """``overlap`` (``overlap_comm``): stages 2 and 3 launch buckets during backward, stage 0
+        during the backward of an accumulation boundary (``begin_backward``).
         ``on_unit_ready(unit)``: all of ``unit``'s parameter gradients were accumulated.
         ``on_shards_final(units)``: a bucket's reduced slices were added into its units'
         ``grad_shard`` (on a non-boundary micro-step of accumulation they are partial sums)."""
         self.units = list(units)
         self.plan = plan
         self.eager = stage >= 2 and overlap
-        self.keep_full_grads = stage == 1
+        self._eager_at_boundary = stage == 0 and overlap
+        self.keep_full_grads = stage in (0, 1)
         self.on_unit_ready = on_unit_ready
         self.on_shards_final = on_shards_final
         self.buckets = bucket_units(self.units, bucket_numel)
@@ -97,6 +102,13 @@ class GradReducer:
             for slot_index, param in enumerate(unit.params):
                 if param.requires_grad:
                     self._hook_handles.append(param.register_post_accumulate_grad_hook(self._hook(unit, slot_index)))
+
+    def begin_backward(self, *, boundary: bool) -> None:
+        """Called before each backward: ``boundary`` says whether it ends an accumulation
+        window. Stage 0 launches buckets during that backward only; the backward passes before
+        it only add into the full gradient buffers."""
+        if self._eager_at_boundary:
+            self.eager = boundary
 
     def remove_hooks(self) -> None:
         """Detach this reducer from the parameters: their gradients no longer reach it."""
@@ -161,7 +173,7 @@ class GradReducer:
 
     def finish(self, *, reduce: bool) -> None:
         """End of a backward: with ``reduce``, launch every bucket not yet launched; then wait
-        and accumulate. Stage 1 passes ``reduce=False`` on non-boundary micro-steps."""
+        and accumulate. Stages 0 and 1 pass ``reduce=False`` on non-boundary micro-steps."""
         if reduce:
             while self.launched < len(self.buckets):
                 self._launch_next()

@@ -16,7 +16,10 @@ through (contracts in ``_contract``), chosen by ``build_comm_plan``:
   shard over a block of consecutive ranks after forward and gathers from it in backward
   over the block's own group);
 * ``reduce_scatter``: ``PlainReduceScatter``, or qgZ's ``QuantizedReduceScatter``
-  (``zcomm.reduce_scatter_q4`` per bucket), on the plan's gradient group.
+  (``zcomm.reduce_scatter_q4`` per bucket), on the plan's gradient group. In stage 0 it is
+  the all-reduce of a partition of one, ``PlainAllReduce`` or qgZ's ``QuantizedAllReduce``
+  (``zcomm.all_reduce_q4`` per bucket; see [Note: stage 0] in ``comm._all_reduce``), and the
+  gathers are never called for the step: every rank updates its whole copy.
 
 It also runs the few small collectives that are not parameters or gradients (norms,
 checkpoint flags and tags, the exact fp32 gather that consolidates weights). ``device`` is
@@ -74,6 +77,7 @@ import zcomm
 from zcomm.quant import QuantSpec
 
 from .._contract import AllGather, ReduceScatter
+from ._all_reduce import PlainAllReduce, QuantizedAllReduce
 from ._hpz_gather import HpzGather
 from ._plain import PlainAllGather, PlainReduceScatter
 from ._quantized import QuantizedAllGather, QuantizedReduceScatter
@@ -183,12 +187,15 @@ def build_comm_plan(config: ZeroConfig, group: dist.ProcessGroup, topology: zcom
     gradients = group
     if config.stage == 3 and not config.quantized_gradients:  # see [Note: gradient group]
         gradients = zcomm.consecutive_group(group, dist.get_world_size(group))
-    reduce: ReduceScatter = PlainReduceScatter(gradients, topology)
+    reduce: ReduceScatter = (PlainAllReduce if config.stage == 0 else PlainReduceScatter)(gradients, topology)
     if config.quantized_gradients:
-        reduce = QuantizedReduceScatter(gradients, topology,
-                                        spec=QuantSpec(bits=4, group_size=config.quant_group_size),
-                                        loco=config.loco and (config.loco.err_beta, config.loco.reset_T),
-                                        first_hop_bits=config.qgz_first_hop_bits,
-                                        hadamard_block=config.qgz_hadamard_block)
+        options = dict(spec=QuantSpec(bits=4, group_size=config.quant_group_size),
+                       loco=config.loco and (config.loco.err_beta, config.loco.reset_T),
+                       first_hop_bits=config.qgz_first_hop_bits, hadamard_block=config.qgz_hadamard_block)
+        if config.stage == 0:
+            reduce = QuantizedAllReduce(gradients, topology, **options,
+                                        gather_spec=QuantSpec(bits=8, group_size=config.quant_group_size))
+        else:
+            reduce = QuantizedReduceScatter(gradients, topology, **options)
     return CommPlan(group=group, forward_gather=forward, backward_gather=backward, reduce_scatter=reduce,
                     device=device, topology=topology)

@@ -102,12 +102,16 @@ class QuantizedReduceScatter(ReduceScatter):
         self.feedback: dict[int, zcomm.ErrorFeedback] = {}
         self._prepared: dict[int, PreparedReduceScatterQ4] = {}  # see [Note: runtime-held plans]
 
+    def error_feedback(self, bucket: int) -> zcomm.ErrorFeedback | None:
+        """``bucket``'s LoCo state (made by its first reduction), or None without LoCo."""
+        if self.loco is None:
+            return None
+        if bucket not in self.feedback:
+            self.feedback[bucket] = zcomm.ErrorFeedback(*self.loco)
+        return self.feedback[bucket]
+
     def __call__(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], *, bucket: int) -> Handle:
-        feedback = None
-        if self.loco is not None:
-            if bucket not in self.feedback:
-                self.feedback[bucket] = zcomm.ErrorFeedback(*self.loco)
-            feedback = self.feedback[bucket]
+        feedback = self.error_feedback(bucket)
         prepared = self._prepared.get(bucket)
         if prepared is None:
             prepared = self._prepared[bucket] = prepare_reduce_scatter_q4_coalesced(

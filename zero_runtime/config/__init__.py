@@ -5,7 +5,7 @@
 runtime implements, under DeepSpeed's own key names (``_deepspeed_json``): every other key
 is an error that lists them (each with the nearest known key), Hugging Face's ``"auto"``
 anywhere is an error naming its key path, and a config without ``zero_optimization.stage``
-(DeepSpeed's stage 0) is an error rather than some other stage. The sections' own configs
+runs DeepSpeed's default, stage 0 (plain data parallelism). The sections' own configs
 live with their owners (offload, activation checkpointing) and are re-exported here.
 """
 

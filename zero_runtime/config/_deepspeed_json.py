@@ -5,8 +5,9 @@ key names (the key maps below), and rejects every other key with one error that 
 all, each with the nearest known key: a misspelt key must never silently fall back to a
 default and change training. For the same reason it never runs a config differently from
 how DeepSpeed would read it: Hugging Face's ``"auto"`` anywhere is an error naming its key
-path, DeepSpeed's legacy ``"zero_optimization": true`` is stage 1 and ``false`` (stage 0)
-is refused, and DeepSpeed's performance hints are accepted only where they change nothing
+path, a config without ``zero_optimization.stage`` is DeepSpeed's stage 0 (plain data
+parallelism), DeepSpeed's legacy ``"zero_optimization": true`` is stage 1 and ``false``
+stage 0, and DeepSpeed's performance hints are accepted only where they change nothing
 here (reported by name). The values themselves are validated by ``ZeroConfig``.
 """
 
@@ -15,8 +16,6 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .._config_keys import describe_unknown
-
-# DeepSpeed key -> ZeroConfig/LossScaleConfig field, per section.
 
 # DeepSpeed key -> ZeroConfig/LossScaleConfig field, per section.
 _ZERO_KEYS = {
@@ -82,22 +81,13 @@ _DEFAULT_ONLY = {
 }
 
 
-# DeepSpeed's stage 0, and what to write instead, for the errors that refuse it.
-STAGE_0 = ("stage 0 (plain data parallelism: every rank keeps the whole model, its gradients and optimizer "
-            "states, and gradients are all-reduced)")
-_SET_STAGE = "set zero_optimization.stage to 1, 2 or 3 (stage 1 partitions only the optimizer states)"
-
-
 def _legacy_zero_flag(config: Mapping[str, Any]) -> Mapping[str, Any]:
     """DeepSpeed's old ``"zero_optimization": true`` (its getting-started example) is stage 1;
-    false is its stage 0 (plain data parallelism), which this runtime does not have."""
+    false is its stage 0 (plain data parallelism)."""
     flag = config.get("zero_optimization")
     if not isinstance(flag, bool):
         return config
-    if not flag:
-        raise ValueError(f"zero_optimization false is DeepSpeed's {STAGE_0}, which zero_runtime does not "
-                         f"implement; {_SET_STAGE}")
-    return {**config, "zero_optimization": {"stage": 1}}
+    return {**config, "zero_optimization": {"stage": 1 if flag else 0}}
 
 
 def _deepspeed_extras(config: Mapping[str, Any]) -> set[str]:
@@ -173,7 +163,8 @@ def read(config: Mapping[str, Any]) -> tuple[dict[str, Any], set[str]]:
     arguments of ``LossScaleConfig``), and the dotted names of the keys accepted and ignored.
 
     Raises ValueError or TypeError for "auto", unknown keys, hints at other than their
-    default, a missing stage, and bf16 and fp16 both on."""
+    default, and bf16 and fp16 both on. Without ``zero_optimization.stage`` the stage is
+    DeepSpeed's default, 0 (``ZeroConfig``'s default)."""
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be a mapping, got {type(config).__name__}")
     _reject_hf_auto(config)
@@ -182,9 +173,6 @@ def read(config: Mapping[str, Any]) -> tuple[dict[str, Any], set[str]]:
     zero = _section(config, "zero_optimization")
     bf16, fp16 = _section(config, "bf16"), _section(config, "fp16")
     _reject_unknown(config, zero, bf16, fp16, ignored)
-    if "stage" not in zero:
-        raise ValueError(f"zero_optimization.stage is not set: DeepSpeed would run {STAGE_0}, which "
-                         f"zero_runtime does not implement; {_SET_STAGE}")
     if bf16.get("enabled") and fp16.get("enabled"):
         raise ValueError("bf16.enabled and fp16.enabled are both true; pick one")
     kwargs: dict[str, Any] = {_ZERO_KEYS[k]: v for k, v in zero.items() if k in _ZERO_KEYS}

@@ -20,7 +20,6 @@ from zcomm import check_first_hop_bits, check_hadamard_block
 from zcomm.quant import QuantSpec
 
 from . import _deepspeed_json, _optim_spec
-from ._deepspeed_json import STAGE_0
 from .._config_keys import unknown_keys_error
 from ..activation_checkpointing import ActivationCheckpointingConfig
 from ..offload._config import (DEFAULT_SUB_GROUP_SIZE, AioConfig, OffloadOptimizerConfig, OffloadParamConfig,
@@ -141,27 +140,29 @@ class ZeroConfig:
     DeepSpeed config (``_deepspeed_json``; see [Note: DeepSpeed keys] there).
     """
 
-    stage: int
-    """1, 2 or 3; no default: DeepSpeed's default is stage 0, plain data parallelism, which
-    this runtime does not implement, so a config that leaves the stage out is refused rather
-    than run at another stage than DeepSpeed would."""
+    stage: int = 0
+    """0, 1, 2 or 3; DeepSpeed's default, 0, is plain data parallelism: every rank keeps the
+    whole model, its gradients and optimizer states, and the gradients are all-reduced
+    (see ``comm._all_reduce``). Stage 1 partitions the optimizer states, 2 also the gradients, 3 also
+    the parameters."""
     precision: Precision = "fp32"
     """The training dtype: ``bf16.enabled`` / ``fp16.enabled`` in DeepSpeed's JSON."""
     reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE
-    """At most this many gradient elements are reduce-scattered by one collective (a unit
-    larger than that is a bucket alone; DeepSpeed's meaning). Stages 2 and 3 launch a bucket
+    """At most this many gradient elements are reduce-scattered (stage 0: all-reduced) by one
+    collective (a unit larger than that is a bucket alone; DeepSpeed's meaning). Stages 2 and 3 launch a bucket
     during backward as soon as the gradients of all its units are final; buckets are fixed at
     start-up, in the order gradients become final, so every rank issues them in the same
-    order. Stages 1 and 2 also size their flat units by it (see [Note: default unit and
-    bucket sizes])."""
+    order. Stage 0 does so in the backward of each accumulation boundary only (the micro-steps
+    before it accumulate locally). Stages 0-2 also size their flat units by it (see [Note:
+    default unit and bucket sizes])."""
     overlap_comm: bool = True
     """False launches the buckets only once backward is over, in the same order, so no
-    reduce-scatter overlaps backward; no effect in stage 1. DeepSpeed's key and meaning, but
+    reduce-scatter (all-reduce) overlaps backward; no effect in stage 1. DeepSpeed's key and meaning, but
     true by default in every stage, where DeepSpeed's is true for stage 3 only."""
     prefetch_bucket_size: int = DEFAULT_PREFETCH_BUCKET_SIZE
     """``stage3_prefetch_bucket_size``: at most this many elements are being gathered ahead of
     their use; 0 turns prefetching off. DeepSpeed's ``stage3_*`` keys are accepted, and have
-    no effect, in stages 1 and 2, as in DeepSpeed; see [Note: stage-3 residency] in
+    no effect, in stages 0-2, as in DeepSpeed; see [Note: stage-3 residency] in
     ``_stage3``."""
     param_persistence_threshold: int = DEFAULT_PARAM_PERSISTENCE_THRESHOLD
     """``stage3_param_persistence_threshold``: parameters of at most this many elements are
@@ -209,8 +210,10 @@ class ZeroConfig:
     forward and backward gathers from it. It must divide the world size and line up with
     nodes, checked when the runtime starts."""
     quantized_gradients: bool = False
-    """``zero_quantized_gradients`` (qgZ; stages 1-3): gradient buckets are reduce-scattered
-    with zcomm's INT4 ``reduce_scatter_q4_coalesced`` (averaged in fp32)."""
+    """``zero_quantized_gradients`` (qgZ): gradient buckets are reduce-scattered with zcomm's
+    INT4 ``reduce_scatter_q4_coalesced`` (averaged in fp32); in stage 0 they are all-reduced
+    with ``zcomm.all_reduce_q4`` (that reduce-scatter, then the averaged slices gathered in
+    INT8 by ``all_gather_q8``)."""
     weight_delta_bits: int | None = None
     """``zcomm_weight_delta_bits``, 4 or 8 (stages 1 and 2, with ``zero_quantized_weights``):
     after each step every rank sends the blocked INT4 (or INT8) difference between its
@@ -219,8 +222,8 @@ class ZeroConfig:
     ``comm._weight_delta``). None sends INT8 values (qwZ)."""
     quant_group_size: QuantGroupSize = None
     """``zcomm_quant_group_size``: elements per quantization scale of both quantized
-    collectives (see ``QuantGroupSize``); valid for both widths, and set only with one of
-    them on."""
+    collectives (see ``QuantGroupSize``; in stage 0 both halves of qgZ's all-reduce); valid
+    for both widths, and set only with one of them on."""
     fuse_numel: int | None = None
     """``zcomm_stage3_fuse_numel``: a module whose subtree holds at most this many partitioned
     elements is gathered as one unit (e.g. a whole transformer block); 0 gives one unit per
@@ -269,6 +272,7 @@ class ZeroConfig:
             _optim_spec.check_optimizer(self.optimizer)
         if self.scheduler is not None:
             _optim_spec.check_scheduler(self.scheduler)
+        self._check_stage0()
         self._check_zeropp()
         if self.offload_param.enabled and self.stage != 3:
             raise ValueError(f"zero_optimization.offload_param (device {self.offload_param.device!r}) needs "
@@ -288,9 +292,8 @@ class ZeroConfig:
             object.__setattr__(self, "loco", LocoConfig.parse(self.loco))
 
     def _check_basics(self) -> None:
-        if self.stage not in (1, 2, 3):
-            raise ValueError(f"zero_optimization.stage must be 1, 2 or 3, got {self.stage!r}"
-                             + (f": {STAGE_0} is not implemented by zero_runtime" if self.stage == 0 else ""))
+        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {self.stage!r}")
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {self.precision!r}")
         if self.gradient_clipping < 0:
@@ -302,6 +305,25 @@ class ZeroConfig:
                           ("align_quant_blocks", "zcomm_align_quant_blocks")):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{key} must be true or false, got {getattr(self, name)!r}")
+
+    def _check_stage0(self) -> None:
+        """Stage 0 keeps every parameter whole on every rank and updates it there: the keys that
+        change how parameters are gathered or where optimizer states live have nothing to act on."""
+        if self.stage != 0:
+            return
+        reasons = {
+            "zero_quantized_weights": (self.quantized_weights, "no parameter is gathered: every rank updates its "
+                                       "own whole copy"),
+            "zcomm_weight_delta_bits": (self.weight_delta_bits is not None, "no parameter is gathered, so no "
+                                        "difference is sent"),
+            "zero_hpz_partition_size": (self.hpz_partition_size != 1, "no parameter is partitioned or gathered"),
+            "offload_optimizer": (self.offload_optimizer.enabled, "the optimizer states are not partitioned; "
+                                  "offloading is implemented for the partitioned states of stages 1-3"),
+        }
+        for key, (given, why) in reasons.items():
+            if given:
+                raise ValueError(f"zero_optimization.{key} is not supported at zero_optimization.stage 0 (plain data "
+                                 f"parallelism): {why}; use stage 1, 2 or 3 for it")
 
     def _check_zeropp(self) -> None:
         """The ZeRO++ options: hpZ in stage 3 only, weight differences in stages 1 and 2, and the
@@ -434,11 +456,13 @@ class ZeroConfig:
     def quant_block_align(self) -> int:
         """Elements every parameter offset and shard size of a flat unit is a multiple of: the
         least common multiple of the group sizes of the quantized collectives that are on
-        (1: nothing quantized, ``"tensor"`` scales, or ``align_quant_blocks`` off)."""
+        (1: nothing quantized, ``"tensor"`` scales, or ``align_quant_blocks`` off). Stage 0's
+        qgZ all-reduce gathers its averaged slices in INT8, so its groups count too."""
         if not self.align_quant_blocks or self.quant_group_size == "tensor":
             return 1
         weight_bits = self.weight_delta_bits or 8
-        widths = [bits for bits, on in ((weight_bits, self.quantized_weights), (4, self.quantized_gradients)) if on]
+        gathers_int8 = self.quantized_weights or (self.stage == 0 and self.quantized_gradients)
+        widths = [bits for bits, on in ((weight_bits, gathers_int8), (4, self.quantized_gradients)) if on]
         return math.lcm(1, *(QuantSpec(bits=bits, group_size=self.quant_group_size).group_size for bits in widths))
 
     def zeropp_options(self) -> list[str]:
