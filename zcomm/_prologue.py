@@ -38,7 +38,7 @@ def prologue(
     All-gather: ``output.numel() == world_size * input.numel()``; reduce-scatter: the reverse.
     Quantized collectives also need contiguous fp32/bf16/fp16 tensors of one dtype and device.
     """
-    info = _resolve_group(group, topology)
+    info = resolve_group(group, topology)
     _check_tensors(output, input, world_size=info.world_size, gather=gather, quantized=quantized)
     return info
 
@@ -139,7 +139,7 @@ def prologue_coalesced(
 ) -> GroupInfo:
     """:func:`prologue` for the lists of a quantized coalesced collective: ``outputs[i]`` and
     ``inputs[i]`` are checked as one pair, and every tensor must share ``inputs[0]``'s dtype and device."""
-    info = _resolve_group(group, topology)
+    info = resolve_group(group, topology)
     for name, tensors in (("outputs", outputs), ("inputs", inputs)):
         if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
             raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
@@ -157,7 +157,8 @@ def prologue_coalesced(
     return info
 
 
-def _resolve_group(group: dist.ProcessGroup | None, topology: Topology | None) -> GroupInfo:
+def resolve_group(group: dist.ProcessGroup | None, topology: Topology | None) -> GroupInfo:
+    """This rank, the size and the ``topology`` (default: detected) of ``group`` (default: world)."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
     group = group if group is not None else dist.group.WORLD

@@ -43,7 +43,7 @@ MAX_CHAIN_CALLS = {"gather": 14, "reduce": 20}
 # per call: in zeropp, where every collective of the step is quantized, none may run)
 ONCE = ("prepare_all_gather_q8", "prepare_reduce_scatter_q4_coalesced", "_make_plan", "_make_shape", "cached_plan",
         "group_size_for", "__post_init__")
-PROLOGUE = ("prologue", "prologue_once", "prologue_coalesced", "_check_tensors", "_resolve_group")
+PROLOGUE = ("prologue", "prologue_once", "prologue_coalesced", "_check_tensors", "resolve_group")
 
 
 class _Counter:
