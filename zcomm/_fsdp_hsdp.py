@@ -28,10 +28,11 @@ unquantized one then sums and divides by ``R`` itself.
 Streams: FSDP2 runs the hook on its all-reduce stream (on CUDA; on CPU there are no
 streams and the hook just runs, blocking the backward for the cross-node reduction), after
 that stream waited for the reduce-scatter, and reads ``reduce_output`` on the same stream
-afterwards, so the hook works synchronously on the current stream. [Note: reduce output on
-two streams] FSDP2 allocated ``reduce_output`` on its reduce-scatter stream; the hook
-records it on the all-reduce stream, so that the allocator does not hand its memory to the
-next unit's reduce-scatter while this all-reduce may still read or write it.
+afterwards, so the hook works synchronously on the current stream.
+
+[Note: reduce output on two streams] FSDP2 allocated ``reduce_output`` on its reduce-scatter
+stream; the hook records it on the all-reduce stream, so that the allocator does not hand
+its memory to the next unit's reduce-scatter while this all-reduce may still read or write it.
 
 [Note: replicate state per unit] Each unit's hook keeps its own prepared all-reduces (one
 per reduce-output numel, dtype, device and op, in a bounded cache, as the FSDP2 comms do)
