@@ -13,7 +13,7 @@
 * :func:`all_reduce_q4`: drop-in for ``torch.distributed.all_reduce`` (in place, AVG by
   default): qgZ's hierarchical INT4 reduce-scatter, then the reduced slices gathered in INT8;
   :func:`prepare_all_reduce_q4` (:class:`PreparedAllReduceQ4`) for fixed shapes.
-* :func:`all_gather_into_tensor`, :func:`reduce_scatter_tensor`: the unquantized ones, counted;
+* :func:`all_gather_into_tensor`, :func:`reduce_scatter_tensor`, :func:`all_reduce`: the unquantized ones, counted;
   :func:`all_gather_hierarchical`: an unquantized all-gather in qwZ's two hops (for payloads
   a caller encoded itself).
 * :class:`ErrorFeedback`: LoCo error feedback, an explicit state a caller may pass to
@@ -39,7 +39,7 @@ from .all_gather_q8 import PreparedAllGatherQ8, all_gather_q8, prepare_all_gathe
 from .all_reduce_q4 import PreparedAllReduceQ4, all_reduce_q4, prepare_all_reduce_q4
 from .comm_stats import OpStats, comm_stats, reset_comm_stats
 from .hierarchical_gather import all_gather_hierarchical
-from .plain_collectives import all_gather_into_tensor, reduce_scatter_tensor
+from .plain_collectives import all_gather_into_tensor, all_reduce, reduce_scatter_tensor
 from .reduce_scatter_q4 import (PreparedReduceScatterQ4, check_first_hop_bits, check_hadamard_block,
                                 prepare_reduce_scatter_q4_coalesced, reduce_scatter_q4, reduce_scatter_q4_coalesced)
 from .topology import Topology
@@ -55,6 +55,7 @@ __all__ = [
     "all_gather_hierarchical",
     "all_gather_into_tensor",
     "all_gather_q8",
+    "all_reduce",
     "all_reduce_q4",
     "check_first_hop_bits",
     "check_hadamard_block",

@@ -30,7 +30,13 @@ and pinned by ``tests/collectives/test_fsdp_zeropp.py``:
   ``r``'s shards of the gradients, over the parameters that have one in that backward. The
   group is ``FSDPModule._get_fsdp_state()._fsdp_param_group`` (an attribute in 2.11, a
   property over ``_fsdp_param_groups`` in 2.13, None for a unit without parameters); only
-  :func:`shard_numels` reads it.
+  :func:`param_group` reads it;
+* HSDP (:mod:`zcomm._fsdp_hsdp`, 2.13's ``foreach_reduce``): on a 1-D mesh,
+  ``set_all_reduce_hook(hook)`` makes FSDP2 call ``hook(reduce_output)`` after every
+  reduce-scatter of the unit, on its all-reduce stream, before its division after the
+  reduce-scatter (if any) and the copy into ``.grad``; the param group's
+  ``gradient_divide_factor`` (None unless set) and ``force_sum_reduction_for_comms`` say how
+  FSDP2 divides, and ``_all_reduce_hook`` holds the hook (None unless set).
 """
 
 from __future__ import annotations
@@ -81,10 +87,21 @@ def torch_problem(version: str = torch.__version__, import_error: str | None = N
     return None
 
 
+def param_group(unit: FSDPModule):
+    """FSDP2's ``FSDPParamGroup`` of ``unit`` (None for a unit without parameters of its own)."""
+    return unit._get_fsdp_state()._fsdp_param_group
+
+
+def all_reduce_hook(unit: FSDPModule):
+    """The all-reduce hook installed on ``unit`` (None if none, or if it has no parameters)."""
+    group = param_group(unit)
+    return None if group is None else group._all_reduce_hook
+
+
 def shard_numels(unit: FSDPModule) -> tuple[int, ...]:
     """Elements of each parameter's padded shard in ``unit``'s flat FSDP2 buffers, in their
     order there (empty for a unit without parameters of its own)."""
-    group = unit._get_fsdp_state()._fsdp_param_group
+    group = param_group(unit)
     if group is None:
         return ()
     return tuple(param.padded_sharded_param_size.numel() for param in group.fsdp_params)

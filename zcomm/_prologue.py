@@ -41,7 +41,7 @@ def prologue(
     All-gather: ``output.numel() == world_size * input.numel()``; reduce-scatter: the reverse.
     Quantized collectives also need contiguous fp32/bf16/fp16 tensors of one dtype and device.
     """
-    info = _resolve_group(group, topology, _device_of(input))
+    info = resolve_group(group, topology, _device_of(input))
     _check_tensors(output, input, world_size=info.world_size, gather=gather, quantized=quantized)
     return info
 
@@ -81,7 +81,7 @@ def prologue_coalesced(
 ) -> GroupInfo:
     """:func:`prologue` for the lists of a quantized coalesced collective: ``outputs[i]`` and
     ``inputs[i]`` are checked as one pair, and every tensor must share ``inputs[0]``'s dtype and device."""
-    info = _resolve_group(group, topology, _device_of(inputs[0] if isinstance(inputs, Sequence) and inputs else None))
+    info = resolve_group(group, topology, _device_of(inputs[0] if isinstance(inputs, Sequence) and inputs else None))
     for name, tensors in (("outputs", outputs), ("inputs", inputs)):
         if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
             raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
@@ -103,8 +103,8 @@ def _device_of(tensor: object) -> torch.device | None:
     return tensor.device if isinstance(tensor, torch.Tensor) else None
 
 
-def _resolve_group(group: dist.ProcessGroup | None, topology: Topology | None,
-                   device: torch.device | None) -> GroupInfo:
+def resolve_group(group: dist.ProcessGroup | None, topology: Topology | None,
+                  device: torch.device | None = None) -> GroupInfo:
     """The caller's group resolved; on CUDA tensors (``device``) also the rank's GPU checked once per
     group, before any collective ([Note: device guards] in :mod:`zcomm._device_guard`)."""
     if not dist.is_initialized():

@@ -51,7 +51,22 @@ Host cost: each comm resolves a quantized call once per group, sizes, dtypes, de
 (reduce-scatter) op value and keeps that prepared call for the next steps (see [Note: a
 comm's prepared calls]).
 
-HSDP (a 2-D mesh) is rejected: FSDP2's replicate all-reduce is not replaceable.
+HSDP (sharded inside each node, replicated across nodes) with zcomm's collectives: shard
+on the 1-D shard mesh and pass the replicate group, the ranks that hold this rank's shard
+index on the other replicas; the rows of a 2-D mesh give both::
+
+    mesh = init_device_mesh("cuda", (nodes, ranks_per_node), mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    zcomm.fsdp.enable_zeropp(model, replicate_group=mesh.get_group("replicate"))
+
+Each unit then gets qwZ and qgZ inside the node as above and, through FSDP2's all-reduce
+hook, its reduce-scatter output all-reduced across the replicas by :func:`zcomm.all_reduce_q4`
+(``quantized_all_reduce=False``: unquantized, counted), averaged so that every rank ends
+with the world mean, as plain HSDP (see :mod:`zcomm._fsdp_hsdp`). A module sharded on a
+2-D mesh is rejected: there FSDP2 runs its own replicate all-reduce, which nobody can
+replace, before any hook.
 """
 
 from __future__ import annotations
@@ -67,7 +82,10 @@ from torch import nn
 
 from ._contract import Handle
 from ._fsdp_blocks import BlockLayout, aligned_layout, block_align
-from ._fsdp_compat import AllGather, FSDPModule, ReduceScatter, as_work, shard_numels, torch_problem
+from ._fsdp_compat import (
+    AllGather, FSDPModule, ReduceScatter, all_reduce_hook, as_work, param_group, shard_numels, torch_problem,
+)
+from ._fsdp_hsdp import ReplicateAllReduce, check_replicate_group
 from ._plan_cache import BoundedCache
 from .all_gather_q8 import all_gather_q8, prepare_all_gather_q8
 from .plain_collectives import all_gather_into_tensor, reduce_scatter_tensor
@@ -78,7 +96,7 @@ from .reduce_scatter_q4 import (
 )
 from .topology import Topology
 
-__all__ = ["ZeroppAllGather", "ZeroppReduceScatter", "enable_zeropp"]
+__all__ = ["ReplicateAllReduce", "ZeroppAllGather", "ZeroppReduceScatter", "all_reduce_hooks", "enable_zeropp"]
 
 GroupSize = int | Literal["tensor"] | None
 
@@ -347,6 +365,10 @@ def enable_zeropp(
     align_blocks: bool = True,
     first_hop_bits: int = 8,
     hadamard_block: int | None = None,
+    replicate_group: dist.ProcessGroup | None = None,
+    replicate_topology: Topology | None = None,
+    quantized_all_reduce: bool = True,
+    error_feedback: bool = False,
 ) -> dict[str, bool]:
     """Install zcomm's collectives on ``module`` and every ``FSDPModule`` below it (after ``fully_shard``).
 
@@ -365,6 +387,20 @@ def enable_zeropp(
         align_blocks: keep quantization blocks inside one parameter (or, failing that, keep
             small parameters out of large ones' blocks) where that adds at most 1/32 of a
             unit's elements (see the module docstring); False packs them.
+        first_hop_bits, hadamard_block: qgZ's (:func:`zcomm.reduce_scatter_q4`), for the
+            reduce-scatter and the replicate all-reduce.
+        replicate_group: HSDP: the ranks holding this rank's shard index in every replica
+            (one per node, typically ``mesh.get_group("replicate")`` of a 2-D mesh whose
+            ``"shard"`` rows the modules are sharded on); each unit's reduced gradient shard
+            is then all-reduced over it (see the module docstring). None: no replication.
+        replicate_topology: which ranks of ``replicate_group`` share a node (default:
+            :meth:`zcomm.Topology.detect` on that group).
+        quantized_all_reduce: the replicate all-reduce by :func:`zcomm.all_reduce_q4`
+            (INT4 reduction, INT8 gather); False: unquantized, counted as ``all_reduce``.
+        error_feedback: LoCo error feedback (:class:`zcomm.ErrorFeedback`) for the INT4
+            reduction of the replicate all-reduce, one state per unit
+            (:func:`all_reduce_hooks` reaches them). Not with ``hadamard_block``, nor with
+            ``first_hop_bits=8`` where replicas share a node.
 
     Returns:
         for every unit with parameters of its own (by module name; the root by its class
@@ -375,7 +411,13 @@ def enable_zeropp(
         ValueError: ``first_hop_bits`` is not 4 or 8; ``hadamard_block`` is not None or a power
             of two, or is given without ``quantized_gradients``; the installed torch has no
             supported FSDP2 comm API; ``module`` holds no ``FSDPModule``; a module is sharded on
-            a 2-D mesh (HSDP), whose replicate all-reduce FSDP2 does not let anyone replace.
+            a 2-D mesh (HSDP), whose replicate all-reduce FSDP2 does not let anyone replace;
+            ``replicate_group`` does not pair this rank with the ranks holding its shards
+            (:func:`zcomm._fsdp_hsdp.check_replicate_group`); a unit already has an all-reduce
+            hook that is not zcomm's; ``replicate_topology``, ``quantized_all_reduce=False`` or
+            ``error_feedback`` without ``replicate_group``, or ``error_feedback`` with what it
+            cannot model.
+        TypeError: an argument of the wrong type (``replicate_group`` not a ``ProcessGroup``).
     """
     problem = torch_problem()
     if problem is not None:
@@ -383,7 +425,8 @@ def enable_zeropp(
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     flags = (("quantized_weights", quantized_weights), ("quantized_gradients", quantized_gradients),
-             ("align_blocks", align_blocks))  # fmt: skip
+             ("align_blocks", align_blocks), ("quantized_all_reduce", quantized_all_reduce),
+             ("error_feedback", error_feedback))  # fmt: skip
     for name, flag in flags:
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
@@ -395,6 +438,8 @@ def enable_zeropp(
     if not units:
         raise ValueError(f"{type(module).__name__} holds no FSDPModule: apply fully_shard before enable_zeropp")
     groups = [(name, sub, *_shard_group(name, sub)) for name, sub in units]
+    replicate = _replicate_setup(groups, replicate_group, replicate_topology, quantized_all_reduce, error_feedback,
+                                 first_hop_bits, hadamard_block)
     align = _block_align(quantized_weights, quantized_gradients, group_size, hadamard_block) if align_blocks else 1
     topologies: dict[dist.ProcessGroup, _GroupTopologies] = {}
     aligned: dict[str, bool] = {}
@@ -412,7 +457,69 @@ def enable_zeropp(
         sub.set_custom_reduce_scatter(ZeroppReduceScatter(topologies[group], quantized=quantized_gradients,
                                                           first_hop_bits=first_hop_bits, hadamard_block=hadamard_block,
                                                           **common))  # fmt: skip
+        if replicate is not None:
+            replicas, replica_topology, first_bits = replicate
+            # no stream: FSDP2 runs the hook on its own all-reduce stream ([Note: reduce output on two streams])
+            sub.set_all_reduce_hook(ReplicateAllReduce(
+                sub, replicas, replica_topology, quantized=quantized_all_reduce, group_size=group_size,
+                first_hop_bits=first_bits, hadamard_block=hadamard_block, error_feedback=error_feedback,
+                warn=_WarnOnce(label)))
+        elif isinstance(all_reduce_hook(sub), ReplicateAllReduce):  # an earlier call's: this one replicates nothing
+            param_group(sub)._all_reduce_hook = None
     return aligned
+
+
+def all_reduce_hooks(module: nn.Module) -> dict[str, ReplicateAllReduce]:
+    """The replicate all-reduce hooks :func:`enable_zeropp` installed in ``module``'s units, by
+    unit name (the root by its class name), e.g. to checkpoint their ``feedback``."""
+    return {name or type(sub).__name__: hook for name, sub in module.named_modules()
+            if isinstance(sub, FSDPModule) and isinstance(hook := all_reduce_hook(sub), ReplicateAllReduce)}
+
+
+def _replicate_setup(
+    groups: list[tuple[str, nn.Module, dist.ProcessGroup | None, torch.device | None]],
+    replicate_group: dist.ProcessGroup | None,
+    replicate_topology: Topology | None,
+    quantized_all_reduce: bool,
+    error_feedback: bool,
+    first_hop_bits: int,
+    hadamard_block: int | None,
+) -> tuple[dist.ProcessGroup, Topology, int] | None:
+    """The replicate group, its topology and its all-reduce's first hop width, once checked
+    against the units' shard groups (None without HSDP)."""
+    if replicate_group is None:
+        for name, value in (("replicate_topology", replicate_topology is not None),
+                            ("quantized_all_reduce=False", not quantized_all_reduce),
+                            ("error_feedback", error_feedback)):  # fmt: skip
+            if value:
+                raise ValueError(f"{name} applies to the replicate all-reduce: it needs replicate_group")
+        return None
+    if not hasattr(FSDPModule, "set_all_reduce_hook"):
+        raise ValueError(f"torch {torch.__version__}'s FSDPModule has no set_all_reduce_hook: HSDP with zcomm "
+                         "needs it")
+    if replicate_topology is not None and not isinstance(replicate_topology, Topology):
+        raise TypeError(f"replicate_topology must be a zcomm.Topology or None, got {type(replicate_topology).__name__}")
+    if error_feedback and not quantized_all_reduce:
+        raise ValueError("error_feedback corrects the quantized all-reduce: it needs quantized_all_reduce=True")
+    sharded = [(name or type(sub).__name__, sub, group) for name, sub, group, _ in groups if group is not None]
+    device = next((device for *_, group, device in groups if group is not None), None)
+    check_replicate_group(sharded, replicate_group, device)
+    for label, sub, _ in sharded:
+        hook = all_reduce_hook(sub)
+        if hook is not None and not isinstance(hook, ReplicateAllReduce):
+            raise ValueError(f"module {label!r} already has an all-reduce hook ({hook!r}); zcomm's replicate "
+                             "all-reduce would replace it: install one or the other")
+    topology = (replicate_topology if replicate_topology is not None
+                else Topology.detect(replicate_group, device=device))  # on the parameters' GPU
+    if topology.world_size != replicate_group.size():
+        raise ValueError(f"replicate_topology is for {topology.world_size} ranks but replicate_group has "
+                         f"{replicate_group.size()}")
+    # with one replica per node the reduction has no intra-node hop and first_hop_bits means nothing to it
+    first_bits = first_hop_bits if topology.local_size > 1 else 4
+    if error_feedback and (first_bits == 8 or hadamard_block is not None):
+        raise ValueError("error_feedback cannot be combined with hadamard_block, nor with first_hop_bits=8 where "
+                         "replicas share a node (the error feedback models INT4 hops of unrotated values)")
+    return replicate_group, topology, first_bits
 
 
 def _block_align(
@@ -440,6 +547,7 @@ def _shard_group(name: str, unit: nn.Module) -> tuple[dist.ProcessGroup | None, 
     if mesh.ndim != 1:
         raise ValueError(
             f"module {name or type(unit).__name__!r} is sharded on a {mesh.ndim}-D mesh (HSDP): FSDP2's replicate "
-            "all-reduce cannot be replaced, so zcomm.fsdp supports 1-D meshes only"
+            "all-reduce cannot be replaced, so zcomm.fsdp takes 1-D meshes only; for HSDP shard on the 1-D shard "
+            "mesh (mesh['shard']) and pass enable_zeropp(..., replicate_group=mesh.get_group('replicate'))"
         )
     return mesh.get_group(), own[0].device

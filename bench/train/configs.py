@@ -28,7 +28,11 @@ SDP4Bit); ``deepspeed-z2`` is DeepSpeed's stage 2, their peer.
 ``fsdp2-qwz``, ``fsdp2-qgz`` and ``fsdp2-zeropp`` are FSDP2 with zcomm's collectives installed by
 ``zcomm.fsdp.enable_zeropp`` (hpZ being FSDP2's ``reshard_after_forward=<ranks per node>``;
 qgZ's intra-node hop INT8, the adapter's default); ``fsdp2-zeropp-int4hop`` is the same with
-the ZeRO++ paper's INT4 intra-node hop. ``ddp``, ``ddp-bf16hook`` and ``ddp-zcomm`` are torch's
+the ZeRO++ paper's INT4 intra-node hop. ``hsdp`` is FSDP2's own hybrid sharding (a 2-D mesh:
+sharded inside each node, replicated across nodes, its gradients all-reduced across nodes by
+``torch.distributed``); ``hsdp-zeropp`` shards the same way on the node's 1-D mesh and lets
+``zcomm.fsdp.enable_zeropp(replicate_group=...)`` add qwZ and qgZ inside the node and the
+quantized all-reduce (``zcomm.all_reduce_q4``) across nodes. ``ddp``, ``ddp-bf16hook`` and ``ddp-zcomm`` are torch's
 DistributedDataParallel (no sharding: stage 0) with its own fp32 all-reduce, torch's
 ``bf16_compress_hook`` and ``zcomm.ddp.quantized_allreduce_hook`` (INT8 intra-node hop, as
 the FSDP2 adapter's default).
@@ -97,6 +101,8 @@ class TrainConfig:
             INT8 values.
         ddp_hook: DDP's communication hook: None (DDP's fp32 all-reduce), ``"bf16"`` (torch's
             ``bf16_compress_hook``) or ``"zcomm"`` (``zcomm.ddp.quantized_allreduce_hook``).
+        hsdp: FSDP2 sharded inside each node and replicated across nodes (FSDP2's 2-D mesh, or
+            with qwZ / qgZ zcomm's replicate all-reduce, quantized with qgZ).
         summary: one line for ``--help`` and TRAINING.md.
         fails_on_cpu: why the engine is known to raise for this configuration on a CPU (the
             row then reads "expected failure" with this reason), or None.
@@ -115,6 +121,7 @@ class TrainConfig:
     hadamard_block: int | None = None
     weight_delta_bits: int | None = None
     ddp_hook: DDPHook | None = None
+    hsdp: bool = False
     summary: str
     fails_on_cpu: str | None = None
 
@@ -150,6 +157,8 @@ class TrainConfig:
             raise ValueError(f"{self.name}: the Hadamard rotation is an option of zero_runtime's qgZ")
         if self.engine == "fsdp2" and self.stage != 3:
             raise ValueError(f"{self.name}: FSDP2 is always stage 3")
+        if self.hsdp and (self.engine != "fsdp2" or self.hpz):
+            raise ValueError(f"{self.name}: HSDP is an FSDP2 layout, sharded inside the node already (no hpZ)")
 
     def _check_ddp(self) -> None:
         """DDP replicates everything (stage 0); its only options are the hook and, for zcomm's, the first hop."""
@@ -157,7 +166,7 @@ class TrainConfig:
             raise ValueError(f"{self.name}: DDP is stage 0 (replicated), got stage {self.stage}")
         if self.ddp_hook not in (None, "bf16", "zcomm"):
             raise ValueError(f"{self.name}: ddp_hook must be None, 'bf16' or 'zcomm', got {self.ddp_hook!r}")
-        zeropp = (self.quantized_weights, self.hpz, self.quantized_gradients, self.loco,
+        zeropp = (self.quantized_weights, self.hpz, self.quantized_gradients, self.loco, self.hsdp,
                   self.quant_group_size is not None, self.hadamard_block is not None, not self.align_quant_blocks,
                   self.weight_delta_bits is not None)
         if any(zeropp):
@@ -222,6 +231,10 @@ CONFIGS: dict[str, TrainConfig] = _configs(
                 summary="ZeRO++ inside FSDP2: zcomm.fsdp.enable_zeropp + reshard_after_forward=ranks/node"),
     TrainConfig(name="fsdp2-zeropp-int4hop", engine="fsdp2", **_ZEROPP, first_hop_bits=4,
                 summary="fsdp2-zeropp with qgZ's intra-node hop in INT4 (the ZeRO++ paper's)"),
+    TrainConfig(name="hsdp", engine="fsdp2", hsdp=True,
+                summary="FSDP2 HSDP: 2-D mesh, sharded inside the node, replicated across nodes"),
+    TrainConfig(name="hsdp-zeropp", engine="fsdp2", hsdp=True, quantized_weights=True, quantized_gradients=True,
+                summary="HSDP with zcomm: qwZ + qgZ inside the node, zcomm.all_reduce_q4 across nodes"),
     TrainConfig(name="ddp", engine="ddp", stage=0, summary="torch DistributedDataParallel, fp32 all-reduce"),
     TrainConfig(name="ddp-bf16hook", engine="ddp", stage=0, ddp_hook="bf16",
                 summary="DDP with torch's bf16_compress_hook (buckets all-reduced in bf16)"),
@@ -322,6 +335,8 @@ def engine_config(
         return {"autocast": "bf16" if bf16 else None, "ddp_hook": config.ddp_hook,
                 "first_hop_bits": config.first_hop_bits, "gradient_clipping": gradient_clipping}
     settings: dict[str, Any] = {"param_dtype": "bf16" if bf16 else "fp32", "hpz": config.hpz}
+    if config.hsdp:
+        settings["hsdp"] = True
     if config.quantized_weights or config.quantized_gradients:
         settings["enable_zeropp"] = {
             "quantized_weights": config.quantized_weights,
@@ -329,4 +344,6 @@ def engine_config(
             "group_size": config.quant_group_size,
             "first_hop_bits": config.first_hop_bits,  # None: enable_zeropp's default
         }
+        if config.hsdp:
+            settings["enable_zeropp"].update(replicate_group="replicate", quantized_all_reduce=config.quantized_gradients)
     return {**settings, "gradient_clipping": gradient_clipping}

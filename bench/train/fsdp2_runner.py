@@ -9,6 +9,9 @@ FSDP2's form of hpZ is ``reshard_after_forward`` given as an int: after forward 
 keeps its weights sharded over that many ranks (the ranks of one node), so the backward
 all-gather stays inside the node. qwZ and qgZ (``fsdp2-qwz``, ``fsdp2-qgz``, ``fsdp2-zeropp``) are
 zcomm's collectives installed on every unit by ``zcomm.fsdp.enable_zeropp``.
+HSDP (``hsdp``, ``hsdp-zeropp``): a 2-D mesh (replicate = nodes, shard = ranks per node);
+FSDP2's own HSDP shards on all of it, zcomm's on its ``"shard"`` rows with the
+``"replicate"`` group passed to ``enable_zeropp``.
 
 Peak memory: ``torch.cuda.max_memory_allocated`` on GPU; on CPU, where torch keeps no
 allocator statistics, the model-state bytes this rank holds (sharded parameters, gradients
@@ -58,21 +61,33 @@ class FSDP2Runner:
         self.spec = spec
         self.device = device
         self.gradient_clipping = gradient_clipping
-        mesh = init_device_mesh(device.type, (world_size,))
+        zeropp = config.quantized_weights or config.quantized_gradients
+        options: dict = {}
+        if config.hsdp:
+            nodes = world_size // local_size
+            hybrid = init_device_mesh(device.type, (nodes, local_size), mesh_dim_names=("replicate", "shard"))
+            mesh = hybrid["shard"] if zeropp else hybrid
+            topology = zcomm.Topology(world_size=local_size, local_size=local_size)
+            options = dict(replicate_group=hybrid.get_group("replicate"), quantized_all_reduce=config.quantized_gradients,
+                           replicate_topology=zcomm.Topology(world_size=nodes, local_size=1))
+        else:
+            mesh = init_device_mesh(device.type, (world_size,))
+            topology = zcomm.Topology(world_size=world_size, local_size=local_size)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
         reshard = reshard_after_forward(config, local_size=local_size, world_size=world_size)
         self.model = spec.build().to(device)
         for block in spec.blocks(self.model):
             fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
         fully_shard(self.model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-        if config.quantized_weights or config.quantized_gradients:
+        if zeropp:
             zcomm.fsdp.enable_zeropp(
                 self.model,
                 quantized_weights=config.quantized_weights,
                 quantized_gradients=config.quantized_gradients,
                 group_size=config.quant_group_size,
-                topology=zcomm.Topology(world_size=world_size, local_size=local_size),
+                topology=topology,
                 **({} if config.first_hop_bits is None else {"first_hop_bits": config.first_hop_bits}),
+                **options,
             )
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
         self.peak_bytes = 0

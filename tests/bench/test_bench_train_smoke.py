@@ -112,6 +112,20 @@ def test_fsdp2_zeropp_trains_two_ranks(tmp_path: Path, checkout_env: dict[str, s
     assert result["meta"]["engine_configs"]["fsdp2-zeropp"]["enable_zeropp"]["quantized_weights"] is True
 
 
+def test_hsdp_configs_train_two_ranks(tmp_path: Path, checkout_env: dict[str, str]) -> None:
+    # Two "nodes" of one rank: FSDP2's own HSDP (2-D mesh) and zcomm's (1-D shard mesh and the
+    # quantized all-reduce across nodes) both train; HSDP in fp32 is fsdp2's math, so their
+    # losses agree to fp32 rounding, and zcomm's quantized all-reduce changes them.
+    args = ["--configs", "fsdp2", "hsdp", "hsdp-zeropp", "--model", "tinygpt", "--dtype", "fp32", *TINY]
+    result, _ = _launch(args, tmp_path, checkout_env, local_size=1)
+    rows = {row["config"]: row for row in result["results"]}
+    for config in ("hsdp", "hsdp-zeropp"):
+        _check_trained(rows[config], steps=4)
+    assert rows["hsdp"]["train_losses"] == pytest.approx(rows["fsdp2"]["train_losses"], rel=1e-5)
+    assert rows["hsdp-zeropp"]["train_losses"] != rows["hsdp"]["train_losses"]
+    assert result["meta"]["engine_configs"]["hsdp-zeropp"]["enable_zeropp"]["replicate_group"] == "replicate"
+
+
 def test_ddp_configs_train_two_ranks(tmp_path: Path, checkout_env: dict[str, str]) -> None:
     # DDP plain, with torch's bf16 hook and with zcomm's hook: each trains and holds the whole model;
     # the hooks change the gradients (the losses differ from plain DDP's after the first step).

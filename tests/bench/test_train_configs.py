@@ -88,6 +88,12 @@ def test_deepspeed_config_has_its_batch_and_optimizer_keys() -> None:
     int4hop = engine_config(CONFIGS["fsdp2-zeropp-int4hop"], local_size=2, bf16=True, gradient_clipping=1.0,
                             micro_batch=2)  # fmt: skip
     assert int4hop["enable_zeropp"]["first_hop_bits"] == 4
+    hsdp = engine_config(CONFIGS["hsdp"], local_size=2, bf16=True, gradient_clipping=1.0, micro_batch=2)
+    assert hsdp == {"param_dtype": "bf16", "hpz": False, "hsdp": True, "gradient_clipping": 1.0}
+    hsdp_zeropp = engine_config(CONFIGS["hsdp-zeropp"], local_size=2, bf16=True, gradient_clipping=1.0, micro_batch=2)
+    assert hsdp_zeropp["hsdp"] is True and hsdp_zeropp["enable_zeropp"] == {
+        "quantized_weights": True, "quantized_gradients": True, "group_size": None, "first_hop_bits": None,
+        "replicate_group": "replicate", "quantized_all_reduce": True}
 
 
 def test_invalid_configurations_are_rejected() -> None:
@@ -101,6 +107,12 @@ def test_invalid_configurations_are_rejected() -> None:
         TrainConfig(name="x", engine="zero", stage=0, quantized_weights=True, summary="")
     with pytest.raises(ValueError, match="quant_group_size"):
         TrainConfig(name="x", engine="zero", quant_group_size="tensor", summary="")
+    with pytest.raises(ValueError, match="HSDP is an FSDP2 layout"):
+        TrainConfig(name="x", engine="zero", hsdp=True, summary="")
+    with pytest.raises(ValueError, match="HSDP is an FSDP2 layout"):
+        TrainConfig(name="x", engine="fsdp2", hsdp=True, hpz=True, summary="")
+    with pytest.raises(ValueError, match="ZeRO\\+\\+ options are not DDP's"):
+        TrainConfig(name="x", engine="ddp", stage=0, hsdp=True, summary="")
     with pytest.raises(ValueError, match="unknown configuration"):
         select_configs(["zero3", "zero4"])
     with pytest.raises(ValueError, match="more than once"):

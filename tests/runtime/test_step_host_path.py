@@ -49,7 +49,7 @@ OPS = {"gather": "all_gather_q8", "reduce": "reduce_scatter_q4"}  # comm_stats' 
 # per call: in zeropp, where every collective of the step is quantized, none may run)
 ONCE = ("prepare_all_gather_q8", "prepare_reduce_scatter_q4_coalesced", "_make_plan", "_plan_of_call", "plan_kernels",
         "group_size_for", "__post_init__")
-PROLOGUE = ("prologue", "prologue_coalesced", "_check_tensors", "_resolve_group")
+PROLOGUE = ("prologue", "prologue_coalesced", "_check_tensors", "resolve_group")
 
 
 class _Counter:

@@ -1,0 +1,71 @@
+"""zcomm.fsdp's HSDP: sharded inside each node, replicated across nodes by the quantized all-reduce.
+
+The spawned checks live in ``fsdp_hsdp_cases.py`` (against FSDP2's own HSDP on a 2-D mesh, with
+bounds derived there); here what one process can check: the argument errors raised before
+any communication.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import fsdp_hsdp_cases
+import zcomm
+import zcomm.fsdp
+from spawn_harness import run_distributed
+
+CHECKS = ("exact", "gradients", "division", "stats", "tracking", "error_feedback", "errors")
+
+
+def test_hsdp_with_zcomm_against_plain_hsdp():
+    """2 nodes x 2 ranks: every check of fsdp_hsdp_cases on every rank."""
+    results = run_distributed(fsdp_hsdp_cases.rank_main, 4, args=(2, CHECKS), timeout=900, pg_timeout=300)
+    assert results == [list(CHECKS)] * 4
+
+
+def _one_rank_unit() -> nn.Module:
+    model = nn.Linear(4, 4)
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    return model
+
+
+def test_bad_replicate_arguments(gloo_world):
+    model = _one_rank_unit()
+    for option in ({"replicate_topology": zcomm.Topology(world_size=1, local_size=1)},
+                   {"quantized_all_reduce": False}, {"error_feedback": True}):  # fmt: skip
+        with pytest.raises(ValueError, match="applies to the replicate all-reduce: it needs replicate_group"):
+            zcomm.fsdp.enable_zeropp(model, **option)
+    with pytest.raises(TypeError, match="replicate_group must be a torch.distributed.ProcessGroup, got str"):
+        zcomm.fsdp.enable_zeropp(model, replicate_group="replicate")
+    with pytest.raises(TypeError, match="quantized_all_reduce must be a bool"):
+        zcomm.fsdp.enable_zeropp(model, replicate_group=dist.group.WORLD, quantized_all_reduce=1)
+    with pytest.raises(ValueError, match="error_feedback corrects the quantized all-reduce"):
+        zcomm.fsdp.enable_zeropp(model, replicate_group=dist.group.WORLD, quantized_all_reduce=False,
+                                 error_feedback=True)  # fmt: skip
+    with pytest.raises(ValueError, match="error_feedback cannot be combined with hadamard_block"):
+        zcomm.fsdp.enable_zeropp(model, replicate_group=dist.group.WORLD, error_feedback=True, hadamard_block=64,
+                                 align_blocks=False)  # fmt: skip
+    with pytest.raises(ValueError, match="replicate_topology is for 2 ranks but replicate_group has 1"):
+        zcomm.fsdp.enable_zeropp(model, replicate_group=dist.group.WORLD,
+                                 replicate_topology=zcomm.Topology(world_size=2, local_size=1))  # fmt: skip
+
+
+def test_one_replica_is_a_plain_fsdp_step(gloo_world):
+    """A replicate group of one rank (this one) passes the checks; its all-reduce leaves the gradients as they are."""
+    grads = []
+    for replicated in (False, True):
+        torch.manual_seed(0)
+        model = _one_rank_unit()
+        if replicated:
+            zcomm.fsdp.enable_zeropp(model, replicate_group=dist.group.WORLD, quantized_all_reduce=False)
+            assert list(zcomm.fsdp.all_reduce_hooks(model)) == ["FSDPLinear"]  # the root by its class name
+        zcomm.reset_comm_stats()
+        model(torch.ones(3, 4)).sum().backward()
+        grads.append(model.weight.grad.full_tensor())
+    assert torch.equal(*grads)
+    assert zcomm.comm_stats()["all_reduce"].calls == 1
