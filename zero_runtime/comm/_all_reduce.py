@@ -55,8 +55,9 @@ from ._quantized import QuantizedReduceScatter
 
 
 class PlainAllReduce(ReduceScatter):
-    """Stage 0's unquantized gradient reduction: ``dist.all_reduce`` SUM of each bucket, then
-    a division by the world size (see the module docstring)."""
+    """Stage 0's unquantized gradient reduction: ``dist.all_reduce`` SUM of each bucket (through
+    ``zcomm.all_reduce``, which counts a ring's bytes in ``comm_stats``), then a division by the
+    world size (see the module docstring)."""
 
     def __init__(self, group: dist.ProcessGroup, topology: zcomm.Topology) -> None:
         self.group = group
@@ -64,7 +65,7 @@ class PlainAllReduce(ReduceScatter):
 
     def __call__(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], *, bucket: int) -> Handle:
         staged = _stage(self, outputs, inputs)
-        work = dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        work = zcomm.all_reduce(staged, op=dist.ReduceOp.SUM, group=self.group, async_op=True, topology=self.topology)
         return _AllReduced(work, staged, outputs, divide_by=dist.get_world_size(self.group))
 
 

@@ -12,7 +12,7 @@ anything is launched, when NVRTC, cupy or a check fails.
 Launch plans are held by the plans that use them, never in a cache of their own here:
 
 * a collective's plan (:mod:`zcomm._plan`) holds one :class:`PlannedKernel` per op, made by
-  :func:`plan_kernel` when the plan is made, with the launch plan of every argument set the
+  :func:`plan_kernels` when the plan is made (the sources of all its ops loaded together), with the launch plan of every argument set the
   collective calls the op with: every kernel it will launch is resolved before its first hop;
 * a public op (:mod:`zcomm.quant.ops` through ``torch.ops.zcomm``) finds the launch plan of
   its arguments in :data:`OP_PLANS`, the one :class:`~zcomm.quant._bounded_cache.BoundedCache`
