@@ -70,6 +70,9 @@ CUDA_TESTS = (
     "tests/quant/test_wire_format.py",
     "tests/quant/test_cuda_launch_host.py",
     "tests/collectives/test_group_lifetime.py",
+    "tests/collectives/test_all_reduce_q4_cuda.py",
+    "tests/collectives/test_fsdp_zeropp.py",
+    "tests/quant/test_cuda_kernel_cache.py",
 )
 CUDA_TESTS_SELECT = "not on-cpu"
 TESTS_DIR = "cuda-tests"

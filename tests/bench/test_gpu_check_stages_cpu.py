@@ -166,3 +166,20 @@ def test_nccl_stage_runs_its_checks_on_two_cpu_ranks(tmp_path):
     assert any("stages=1 async" in name for name in names) and any("stages=4 first_hop" in name for name in names)
     assert names[-1].startswith("FSDP2 + zcomm.fsdp.enable_zeropp") and names[-2].startswith("zero_runtime ZeRO++")
     assert stages._verify_w4(tmp_path, "nccl") == []
+
+
+def test_every_gpu_test_file_runs_in_a_stage():
+    """A test file that skips without a GPU runs in gpu-check's tests stage or its driver-launcher
+    stage; otherwise its GPU cases would never run anywhere."""
+    gpu_marks = ("requires_gpu", "requires_nvrtc", "requires_cuda_device", "torch.cuda.is_available()")
+    staged = {*stages.CUDA_TESTS, *stages.DRIVER_TESTS}
+    unstaged = []
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        relative = path.relative_to(REPO).as_posix()
+        if relative.startswith("tests/bench/") or relative == "tests/test_cuda_support.py":
+            continue  # the benches' own tests and the marks' tests run their GPU parts through gpu-check itself
+        if relative == "tests/runtime/test_zero_fake_cuda.py":
+            continue  # fake CUDA tensors: it steps aside where a real device is
+        if any(mark in path.read_text() for mark in gpu_marks) and relative not in staged:
+            unstaged.append(relative)
+    assert not unstaged, f"GPU tests that no gpu-check stage runs: {unstaged}"
