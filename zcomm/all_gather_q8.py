@@ -76,8 +76,8 @@ import torch
 import torch.distributed as dist
 
 from . import quant
-from ._contract import GroupInfo, Handle
 from ._chain_runner import Runner, chain_worker, run_chain
+from ._contract import GroupInfo, Handle
 from ._groups import node_groups
 from ._hop_release import start_hop
 from ._pipeline import GATHER_STAGE_BYTES, check_stages, default_stages

@@ -73,7 +73,10 @@ from .all_gather_q8 import all_gather_q8, prepare_all_gather_q8
 from .plain_collectives import all_gather_into_tensor, reduce_scatter_tensor
 from .quant import SUPPORTED_DTYPES, QuantSpec
 from .reduce_scatter_q4 import (
-    check_first_hop_bits, check_hadamard_block, default_pipeline_stages, prepare_reduce_scatter_q4_coalesced,
+    check_first_hop_bits,
+    check_hadamard_block,
+    default_pipeline_stages,
+    prepare_reduce_scatter_q4_coalesced,
     reduce_scatter_q4,
 )
 from .topology import Topology

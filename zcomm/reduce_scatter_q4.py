@@ -95,11 +95,11 @@ import torch
 import torch.distributed as dist
 
 from . import quant
-from ._contract import GroupInfo, Handle
 from ._chain_runner import Runner, chain_worker, run_chain
+from ._contract import GroupInfo, Handle
 from ._error_feedback import ErrorFeedback, reordered_input
-from ._hadamard import check_hadamard_block, rotate_back_, rotated_input
 from ._groups import NodeGroups, node_groups
+from ._hadamard import check_hadamard_block, rotate_back_, rotated_input
 from ._hop_release import start_hop
 from ._pipeline import MAX_DEFAULT_STAGES, STAGE_BYTES, check_stages, default_stages
 from ._plan_cache import cached_plan

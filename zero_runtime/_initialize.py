@@ -19,11 +19,10 @@ from torch.utils._pytree import tree_map
 
 import zcomm
 
-from .config import _optim_spec
-from .comm._plan import CommPlan, build_comm_plan
 from ._partition import FlatUnit, group_by_module, group_by_size, trainable_named_parameters
 from ._partitioned_init import is_partitioned, materialize, partitioned_parameters
-from .config import ZeroConfig, resolve_config
+from .comm._plan import CommPlan, build_comm_plan
+from .config import ZeroConfig, _optim_spec, resolve_config
 from .optimizer import ZeroOptimizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

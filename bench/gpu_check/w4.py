@@ -219,7 +219,6 @@ def _collective_checks(device: torch.device, cpu_backend: str | None, dtypes: Se
 def train_zeropp(device: torch.device, topology, group: Any = None, cpu_group: Any = None) -> list[float]:
     """Global-batch losses of ``STEPS`` steps of ZeRO++ on a small GPT (same weights and batches on every rank)."""
     import zero_runtime
-
     from bench.train.models import GPTConfig, TinyGPT
 
     torch.manual_seed(0)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from bench.harness.checkout import REPO
+
 TINY = ["--steps", "4", "--warmup", "1", "--batch", "4", "--seq-len", "16", "--d-model", "32", "--n-layers", "1",
         "--eval-every", "2", "--eval-batches", "1"]
 

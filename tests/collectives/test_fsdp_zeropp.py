@@ -20,9 +20,9 @@ from torch import nn
 import fsdp_cases
 import zcomm
 import zcomm.fsdp
-from spawn_harness import run_distributed
 import zcomm.quant as quant
 import zcomm_cuda
+from spawn_harness import run_distributed
 from zcomm import _fsdp_blocks, _fsdp_compat
 from zero_runtime import _flat_buffer
 

@@ -44,8 +44,15 @@ import torch
 import torch.distributed as dist
 
 from zero_harness import run
-from zero_workloads import (global_batch, local_slice, loss_of, make_model, make_optimizer, optimizer_state_placement,
-                            state_dicts_equal)
+from zero_workloads import (
+    global_batch,
+    local_slice,
+    loss_of,
+    make_model,
+    make_optimizer,
+    optimizer_state_placement,
+    state_dicts_equal,
+)
 
 FP32_RTOL, FP16_RTOL, ZEROPP_RTOL = 1e-4, 1e-2, 1e-3
 STEPS = 4

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from scale_cases import LAYOUTS, case_id, cases, fake_rank, op_bytes, payload_bytes, ring_bytes
 
 import zcomm
+from scale_cases import LAYOUTS, case_id, cases, fake_rank, op_bytes, payload_bytes, ring_bytes
 from zcomm._groups import node_groups
 
 CASES = cases()

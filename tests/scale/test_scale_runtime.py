@@ -15,11 +15,11 @@ import functools
 
 import pytest
 import torch
-from scale_cases import LAYOUTS, case_id, cases, fake_rank, op_bytes, payload_bytes, ring_bytes
 from torch import nn
 
 import zcomm
 import zero_runtime
+from scale_cases import LAYOUTS, case_id, cases, fake_rank, op_bytes, payload_bytes, ring_bytes
 
 HPZ_SIZES = (2, 3, 4, 8, 16)
 STAGE3 = {"stage": 3, "zcomm_stage3_fuse_numel": 0, "stage3_param_persistence_threshold": 0,

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from ._error import CheckpointError
 from .._flat_buffer import FlatLayout
 from .._partition import optimizer_indices
+from ._error import CheckpointError
 
 
 def _saved_layout(meta: dict[str, Any], entry: list, align: int | None) -> FlatLayout:

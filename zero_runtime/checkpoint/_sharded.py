@@ -38,11 +38,11 @@ from typing import Any
 import torch
 
 from .. import _host_sync
-from . import _reshard
-from ._error import CheckpointError
+from .._state import TrainingState
 from ..comm._plan import CommPlan
 from ..offload._params import resident
-from .._state import TrainingState
+from . import _reshard
+from ._error import CheckpointError
 
 FORMAT = "zero_runtime.sharded/1"
 META = "meta.json"

@@ -51,9 +51,8 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from .._contract import Handle
-from ._plan import CommPlan
 from .._partition import FlatUnit
-
+from ._plan import CommPlan
 
 MAX_IN_FLIGHT = 2  # buckets; see [Note: gradient buffer lifetimes]
 

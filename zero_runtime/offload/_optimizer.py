@@ -44,12 +44,12 @@ from typing import Any
 
 import torch
 
-from ._params import ParamOffload, resident
 from .._partition import FlatUnit, optimizer_indices
-from ._swap_stream import SwapStream
-from .swap_file import SwapFile, aligned_buffer, round_up
 from ..config import ZeroConfig
+from ._params import ParamOffload, resident
+from ._swap_stream import SwapStream
 from .cpu_adam import AdamHyper, adam_step
+from .swap_file import SwapFile, aligned_buffer, round_up
 
 _STATES = ("exp_avg", "exp_avg_sq")
 

@@ -27,7 +27,6 @@ from zcomm_cuda import loader
 
 from .. import wire_format
 
-
 THREADS = 256
 WARPS_PER_BLOCK = THREADS // 32
 RUN = 8  # elements per vector run in the kernels (vector_io.cuh)
