@@ -239,7 +239,8 @@ def _make_plan(
     # whole groups per chunk; with no hop at all (one rank) there is nothing to overlap
     stages = min(pipeline_stages, max(1, num_groups)) if hops else 1
     bounds = _chunk_bounds(numel, concrete_group_size, stages)
-    chunk_nbytes = tuple(quant.payload_nbytes(hi - lo, _BITS, concrete_group_size) for lo, hi in zip(bounds, bounds[1:]))
+    chunk_nbytes = tuple(quant.payload_nbytes(hi - lo, _BITS, concrete_group_size)
+                         for lo, hi in zip(bounds, bounds[1:], strict=False))
     plan = _Plan(
         hops, tuple(dist.get_world_size(hop) for hop in hops), info.topology, concrete_group_size, bounds, (0, 0), chunk_nbytes,
         _contract.kernel("quantize", backend), _contract.kernel("dequantize", backend), stats_row("all_gather_q8"),
@@ -279,7 +280,7 @@ def _gather_whole(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> Non
     num_nodes, local_size, numel = plan.topology.num_nodes, plan.topology.local_size, input.numel()
     # ``wait()`` returns only after its hop has read ``gathered`` (see [Note: qwZ buffer lifetime])
     gathered = _quantize(plan, input, plan.chunk_nbytes[0])
-    for hop, size in zip(plan.hops, plan.hop_sizes):
+    for hop, size in zip(plan.hops, plan.hop_sizes, strict=True):
         _, gathered, work = _start_gather(gathered, hop, size)
         work.wait()
     world_size = plan.topology.world_size
@@ -303,14 +304,14 @@ def _quantize(plan: _Plan, chunk: torch.Tensor, nbytes: int) -> torch.Tensor:
 
 def _gather_pipelined(plan: _Plan, output: torch.Tensor, input: torch.Tensor) -> None:
     """The chunks' hops overlapped as [Note: qwZ pipeline] says; ``output`` and ``input`` flat."""
-    chunks = list(zip(plan.bounds, plan.bounds[1:]))
+    chunks = list(zip(plan.bounds, plan.bounds[1:], strict=False))
     first_hop, first_size = plan.hops[0], plan.hop_sizes[0]
     first = [
         _start_gather(_quantize(plan, input[lo:hi], nbytes), first_hop, first_size)
-        for (lo, hi), nbytes in zip(chunks, plan.chunk_nbytes)
+        for (lo, hi), nbytes in zip(chunks, plan.chunk_nbytes, strict=True)
     ]
     in_flight: list[tuple[tuple[int, int], _Hop]] = []
-    for chunk, (_, received, work) in zip(chunks, first):
+    for chunk, (_, received, work) in zip(chunks, first, strict=True):
         work.wait()
         second = (_start_gather(received, plan.hops[1], plan.hop_sizes[1]) if len(plan.hops) > 1
                   else (None, received, None))

@@ -482,7 +482,7 @@ def _chain(plan: _Shape, divide_by: float, feedback: ErrorFeedback | None, outpu
     if block is not None:
         rotate_back_(result, sizes, block)
     if staged:
-        for output, piece in zip(outputs, result.split(sizes)):
+        for output, piece in zip(outputs, result.split(sizes), strict=True):
             output.view(-1).copy_(piece)
 
 

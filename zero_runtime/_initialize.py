@@ -141,7 +141,7 @@ def _optimizer_groups(optimizer: OptimizerSpec, names: Mapping[nn.Parameter, str
             raise ValueError(f"trainable parameters in no optimizer group: {', '.join(missing)}")
         hparams = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         cls = type(optimizer)
-        return groups, lambda masters: cls([{"params": m, **h} for m, h in zip(masters, hparams)])
+        return groups, lambda masters: cls([{"params": m, **h} for m, h in zip(masters, hparams, strict=True)])
     if not callable(optimizer):
         raise TypeError("optimizer must be a callable taking a list of parameters, or a torch optimizer")
     return [list(names)], lambda masters: optimizer(masters[0])

@@ -214,7 +214,7 @@ class ZeroOptimizer:
         elif self.offload is not None:
             self.offload.step(grads)
         else:
-            for unit, grad in zip(self.units, grads):
+            for unit, grad in zip(self.units, grads, strict=True):
                 unit.master.grad = grad
             self.optimizer.step()
             for unit in self.units:

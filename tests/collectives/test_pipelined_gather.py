@@ -34,7 +34,7 @@ def _chunk_numels(numel: int, group_size: int, stages: int) -> list[int]:
     groups = -(-numel // group_size)
     stages = min(stages, groups)
     bounds = [min(numel, s * groups // stages * group_size) for s in range(stages)] + [numel]
-    return [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+    return [hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)]
 
 
 def _check(rank: int, world: int, topology: zcomm.Topology, index: int, case: tuple) -> None:

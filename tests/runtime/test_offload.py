@@ -156,7 +156,7 @@ def test_gathered_parameters_edits_reach_offloaded_masters(tmp_path, single_proc
     (name, value), *_ = results["none"][0].items()
     assert torch.equal(value, torch.full_like(value, 0.25)), name
     for device in ("cpu", "nvme"):
-        for got, want in zip(results[device], results["none"]):
+        for got, want in zip(results[device], results["none"], strict=True):
             assert state_dicts_equal(got, want), device
 
 

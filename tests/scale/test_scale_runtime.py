@@ -76,7 +76,7 @@ def _check_layout(opt: zero_runtime.ZeroOptimizer, world: int, rank: int) -> int
     assert [u.names for u in opt.units] == [("vec",), ("lin1.weight", "lin1.bias"), ("norm.weight", "norm.bias"),
                                            ("lin2.weight",)]
     total = 0
-    for unit, numel in zip(opt.units, UNIT_NUMELS):
+    for unit, numel in zip(opt.units, UNIT_NUMELS, strict=True):
         padded = -(-numel // world) * world
         assert unit.layout.align == 1 and unit.layout.numel == padded
         assert unit.shard.numel() == unit.master.numel() == padded // world
