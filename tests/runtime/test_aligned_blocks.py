@@ -104,7 +104,7 @@ def test_quantized_shard_error_is_bounded_by_each_parameters_own_scale(bits, gro
             payload = quant.quantize(flat[lo:hi], bits, group_size, backend="reference")
             restored[lo:hi] = quant.dequantize(payload, hi - lo, bits, group_size, torch.float32, backend="reference")
         excess = 0.0
-        for param, view, original in zip(params, layout.views(restored), params, strict=True):
+        for view, original in zip(layout.views(restored), params, strict=True):
             bound = original.abs().max().item() / qmax / 2 * (1 + 1e-5)
             excess = max(excess, ((view - original).abs().max().item() - bound))
         return excess

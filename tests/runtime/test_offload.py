@@ -62,7 +62,7 @@ def _train(rank: int, world: int, root: str) -> dict:
             # the first saved half-way (into a fresh runtime, so everything is reloaded).
             out[name, device] = train_save_resume(
                 kind, _config(zero, extra, device, swap_dir), rank, world, os.path.join(root, f"ckpt-{name}-{device}"),
-                STEPS, at_start=lambda opt: {"files": mine(swap_dir)},
+                STEPS, at_start=lambda opt, swap_dir=swap_dir: {"files": mine(swap_dir)},
                 after_training=lambda opt: {"report": opt.memory_report(),
                                             "numel": sum(u.layout.shard_numel for u in opt.units)})
             out[name, device]["left"] = mine(swap_dir)

@@ -167,11 +167,13 @@ def _overlap(rank: int, world: int) -> dict:
         model, opt = _initialize("gpt", {"zero_optimization": {**FREE_AFTER_USE, "reduce_bucket_size": 3000,
                                                                "overlap_comm": overlap}})
         launched[overlap] = []
-        model.tok.register_full_backward_pre_hook(lambda *_: launched[overlap].append(opt.reducer.launched))
+        model.tok.register_full_backward_pre_hook(
+            lambda *_, hits=launched[overlap], opt=opt: hits.append(opt.reducer.launched))
         if overlap:
             in_flight = []
             for module in model.modules():
-                module.register_full_backward_pre_hook(lambda *_: in_flight.append(len(opt.reducer._in_flight)))
+                module.register_full_backward_pre_hook(
+                    lambda *_, in_flight=in_flight, opt=opt: in_flight.append(len(opt.reducer._in_flight)))
         zero_steps("gpt", model, opt, rank, world, range(2))
     group, gradients = opt.plan.group, opt.plan.reduce_scatter.group
     return {"launched": launched[True], "not_overlapped": launched[False], "in_flight": in_flight,

@@ -154,7 +154,8 @@ def _traffic(rank: int) -> dict:
                        ("ZeRO++", OPTIONS["ZeRO++"]), ("ZeRO++ defaults", OPTIONS["ZeRO++ defaults"])):
         model, opt = _initialize(zero, precision="bf16")
         launched = []
-        model.tok.register_full_backward_pre_hook(lambda *_: launched.append(opt.reducer.launched))
+        model.tok.register_full_backward_pre_hook(
+            lambda *_, launched=launched, opt=opt: launched.append(opt.reducer.launched))
         zero_steps("gpt", model, opt, rank, WORLD, range(1))
         out[name] = _step_by_phase(model, opt, rank, 1)
         if name == "ZeRO++":
