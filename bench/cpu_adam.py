@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
             step()
             samples[name].append(time.perf_counter() - start)
     identical = all(torch.equal(a, b) for a, b in zip(rows["zero_runtime.cpu_adam"].state(),
-                                                      rows["torch AdamW foreach=False"].state()))
+                                                      rows["torch AdamW foreach=False"].state(), strict=True))
     _report(args, samples, deepspeed_note, identical)
 
 

@@ -40,8 +40,14 @@ from .all_reduce_q4 import PreparedAllReduceQ4, all_reduce_q4, prepare_all_reduc
 from .comm_stats import OpStats, comm_stats, reset_comm_stats
 from .hierarchical_gather import all_gather_hierarchical
 from .plain_collectives import all_gather_into_tensor, all_reduce, reduce_scatter_tensor
-from .reduce_scatter_q4 import (PreparedReduceScatterQ4, check_first_hop_bits, check_hadamard_block,
-                                prepare_reduce_scatter_q4_coalesced, reduce_scatter_q4, reduce_scatter_q4_coalesced)
+from .reduce_scatter_q4 import (
+                                PreparedReduceScatterQ4,
+                                check_first_hop_bits,
+                                check_hadamard_block,
+                                prepare_reduce_scatter_q4_coalesced,
+                                reduce_scatter_q4,
+                                reduce_scatter_q4_coalesced,
+)
 from .topology import Topology
 
 __all__ = [

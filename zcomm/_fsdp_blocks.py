@@ -82,7 +82,7 @@ class BlockLayout:
         width = self.row_numel(stages)
         staged = torch.zeros(rows, width, dtype=flat.dtype, device=flat.device)
         source = flat.view(rows, self.numel)
-        for offset, aligned, n in zip(self.offsets, self.aligned_offsets, self.numels):
+        for offset, aligned, n in zip(self.offsets, self.aligned_offsets, self.numels, strict=True):
             staged[:, aligned : aligned + n].copy_(source[:, offset : offset + n])
         return staged.view(-1)
 
@@ -90,7 +90,7 @@ class BlockLayout:
         """Write the aligned ``staged`` (``rows`` rows) back into ``out`` in FSDP2's layout."""
         source = staged.view(rows, -1)
         target = out.view(rows, self.numel)
-        for offset, aligned, n in zip(self.offsets, self.aligned_offsets, self.numels):
+        for offset, aligned, n in zip(self.offsets, self.aligned_offsets, self.numels, strict=True):
             target[:, offset : offset + n].copy_(source[:, aligned : aligned + n])
 
 

@@ -41,8 +41,6 @@ and pinned by ``tests/collectives/test_fsdp_zeropp.py``:
 
 from __future__ import annotations
 
-import abc
-
 import torch
 import torch.distributed as dist
 
@@ -63,10 +61,12 @@ except ImportError as exc:  # an older torch: stand-ins, so that check_torch() c
     class FSDPModule:  # type: ignore[no-redef]
         """Stand-in: nothing is an instance of it."""
 
-    class AllGather(abc.ABC):  # type: ignore[no-redef]
+    # Plain bases, not ABCs: nothing is abstract in a stand-in (check_torch() refuses this torch
+    # before a comm is made), it only lets zcomm.fsdp's classes be defined.
+    class AllGather:  # type: ignore[no-redef]
         """Stand-in for torch's abstract all-gather comm."""
 
-    class ReduceScatter(abc.ABC):  # type: ignore[no-redef]
+    class ReduceScatter:  # type: ignore[no-redef]
         """Stand-in for torch's abstract reduce-scatter comm."""
 
 

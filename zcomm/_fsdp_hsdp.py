@@ -167,10 +167,10 @@ def check_replicate_group(
     everyone: list[list | None] = [None] * replicate_group.size()
     with object_collective_device(replicate_group, device):
         dist.all_gather_object(everyone, mine, group=replicate_group)
-    for peer, theirs in zip(dist.get_process_group_ranks(replicate_group), everyone):
+    for peer, theirs in zip(dist.get_process_group_ranks(replicate_group), everyone, strict=True):
         if theirs == mine:
             continue
-        ours, other = next(((a, b) for a, b in zip(mine, theirs) if a != b), (mine, theirs))
+        ours, other = next(((a, b) for a, b in zip(mine, theirs, strict=False) if a != b), (mine, theirs))
         raise ValueError(
             f"rank {peer} of replicate_group shards the model otherwise than rank {me}: (module, shard index, "
             f"shard group size, parameter shard sizes) {other} there, {ours} here; replicate_group must pair "

@@ -55,8 +55,8 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 from ._contract import Kind
-from .topology import Topology
 from ._torch_compat import creates_by_split, is_registered, new_named_group, split_subgroups
+from .topology import Topology
 
 
 class NodeGroups(NamedTuple):

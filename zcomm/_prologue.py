@@ -87,7 +87,7 @@ def prologue_coalesced(
             raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
     if not inputs or len(outputs) != len(inputs):
         raise ValueError(f"outputs and inputs must be non-empty and of one length, got {len(outputs)} and {len(inputs)}")
-    for index, (output, input) in enumerate(zip(outputs, inputs)):
+    for index, (output, input) in enumerate(zip(outputs, inputs, strict=True)):
         try:
             _check_tensors(output, input, world_size=info.world_size, gather=gather, quantized=True)
         except (TypeError, ValueError) as exc:

@@ -79,8 +79,8 @@ import torch
 import torch.distributed as dist
 
 from . import quant
-from ._contract import GroupInfo, Handle
 from ._chain_runner import chain_worker, run_chain
+from ._contract import GroupInfo, Handle
 from ._groups import node_groups
 from ._hop_release import start_hop
 from ._pipeline import GATHER_STAGE_BYTES, check_stages, default_stages
@@ -253,8 +253,8 @@ def _make_plan(
     # whole groups per chunk; with no hop at all (one rank) there is nothing to overlap
     stages = min(pipeline_stages, max(1, num_groups)) if hops else 1
     bounds = _chunk_bounds(numel, concrete_group_size, stages)
-    chunks = [hi - lo for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
-    chunk_nbytes = tuple(quant.payload_nbytes(hi - lo, _BITS, concrete_group_size) for lo, hi in zip(bounds, bounds[1:]))
+    chunks = [hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo]
+    chunk_nbytes = tuple(quant.payload_nbytes(hi - lo, _BITS, concrete_group_size) for lo, hi in zip(bounds, bounds[1:], strict=False))
     world_size = info.topology.world_size
     uses = {"quantize": [quantize_use(n, _BITS, concrete_group_size, input.dtype) for n in chunks],
             "dequantize": [dequantize_use(world_size, n, _BITS, concrete_group_size, output.dtype) for n in chunks]}
@@ -297,7 +297,7 @@ def _gather_whole(plan: GatherPlan, output: torch.Tensor, input: torch.Tensor) -
     num_nodes, local_size, numel = plan.topology.num_nodes, plan.topology.local_size, input.numel()
     # ``wait()`` returns only after its hop has read ``gathered`` (see [Note: qwZ buffer lifetime])
     gathered = _quantize(plan, input, plan.chunk_nbytes[0])
-    for hop, size in zip(plan.hops, plan.hop_sizes):
+    for hop, size in zip(plan.hops, plan.hop_sizes, strict=True):
         _, gathered, work = _start_gather(gathered, hop, size)
         work.wait()
     world_size = plan.topology.world_size
@@ -321,11 +321,11 @@ def _quantize(plan: GatherPlan, chunk: torch.Tensor, nbytes: int) -> torch.Tenso
 
 def _gather_pipelined(plan: GatherPlan, output: torch.Tensor, input: torch.Tensor) -> None:
     """The chunks' hops overlapped as [Note: qwZ pipeline] says; ``output`` and ``input`` flat."""
-    chunks = list(zip(plan.bounds, plan.bounds[1:]))
+    chunks = list(zip(plan.bounds, plan.bounds[1:], strict=False))
     first_hop, first_size = plan.hops[0], plan.hop_sizes[0]
     first = [
         _start_gather(_quantize(plan, input[lo:hi], nbytes), first_hop, first_size)
-        for (lo, hi), nbytes in zip(chunks, plan.chunk_nbytes)
+        for (lo, hi), nbytes in zip(chunks, plan.chunk_nbytes, strict=True)
     ]
     in_flight: list[tuple[tuple[int, int], _Hop]] = []
     for chunk in chunks:

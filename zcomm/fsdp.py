@@ -83,7 +83,14 @@ from torch import nn
 from ._contract import Handle
 from ._fsdp_blocks import BlockLayout, aligned_layout, block_align
 from ._fsdp_compat import (
-    AllGather, FSDPModule, ReduceScatter, all_reduce_hook, as_work, param_group, shard_numels, torch_problem,
+    AllGather,
+    FSDPModule,
+    ReduceScatter,
+    all_reduce_hook,
+    as_work,
+    param_group,
+    shard_numels,
+    torch_problem,
 )
 from ._fsdp_hsdp import ReplicateAllReduce, check_replicate_group
 from ._plan_cache import BoundedCache
@@ -91,7 +98,10 @@ from .all_gather_q8 import all_gather_q8, prepare_all_gather_q8
 from .plain_collectives import all_gather_into_tensor, reduce_scatter_tensor
 from .quant import SUPPORTED_DTYPES, QuantSpec
 from .reduce_scatter_q4 import (
-    check_first_hop_bits, check_hadamard_block, default_pipeline_stages, prepare_reduce_scatter_q4_coalesced,
+    check_first_hop_bits,
+    check_hadamard_block,
+    default_pipeline_stages,
+    prepare_reduce_scatter_q4_coalesced,
     reduce_scatter_q4,
 )
 from .topology import Topology

@@ -97,11 +97,11 @@ import torch
 import torch.distributed as dist
 
 from . import quant
-from ._contract import GroupInfo, Handle
 from ._chain_runner import chain_worker, run_chain
+from ._contract import GroupInfo, Handle
 from ._error_feedback import _STORE_BITS, ErrorFeedback, _identity, chunk_row_counts, reordered_view
-from ._hadamard import check_hadamard_block, rotate_back_, rotated_input
 from ._groups import NodeGroups, node_groups
+from ._hadamard import check_hadamard_block, rotate_back_, rotated_input
 from ._hop_release import start_hop
 from ._pipeline import MAX_DEFAULT_STAGES, STAGE_BYTES, check_stages, default_stages
 from ._plan import Plan, check_plannable, find_plan, keep_plan, plan_kernels
@@ -467,7 +467,7 @@ def kernel_uses(topology: Topology, stages: int, part: int, group_size: int, fir
         uses["dequantize"].append(dequantize_use(1, hop_numel, _STORE_BITS, group_size, fp32))
         uses["quantize"].append(quantize_use(hop_numel, _STORE_BITS, group_size, fp32))
     # hop 1 compensates a stage's rows in chunks, hop 2 the node's sum ([Note: feedback in chunks])
-    for (values, rows), per_stage in zip(compensated, (num_rows // stages, num_nodes)):
+    for (values, rows), per_stage in zip(compensated, (num_rows // stages, num_nodes)[: len(compensated)], strict=True):
         row_numel = values // rows
         for count in chunk_row_counts(rows, per_stage):
             uses["reorder_quantize"].append(reorder_use(1, True, 1, count * row_numel, _identity(count), count, _BITS,
@@ -522,7 +522,7 @@ def _chain(plan: ReducePlan, divide_by: float, feedback: ErrorFeedback | None, o
     if block is not None:
         rotate_back_(result, sizes, block)
     if staged:
-        for output, piece in zip(outputs, result.split(sizes)):
+        for output, piece in zip(outputs, result.split(sizes), strict=True):
             output.view(-1).copy_(piece)
 
 

@@ -120,7 +120,7 @@ def slot_codes(name: str, params: Sequence[str], args: Sequence[Any]) -> str:
     if len(args) != len(params):
         raise TypeError(f"{name} takes {len(params)} arguments (.{', .'.join(params)}), the launch passed {len(args)}")
     codes = []
-    for position, (param, arg) in enumerate(zip(params, args)):
+    for position, (param, arg) in enumerate(zip(params, args, strict=True)):
         kind = _PTX_TYPES.get(param)
         if kind is None:
             raise TypeError(f"{name}: parameter {position} is .{param}, which the driver launcher cannot pack")

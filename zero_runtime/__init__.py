@@ -22,11 +22,11 @@ Public modules: ``config`` (``ZeroConfig``, ``LossScaleConfig``; the DeepSpeed J
 ``_contract`` holds the contracts between them.
 """
 
-from .checkpoint._sharded import CheckpointError
 from ._gathered import GatheredParameters
 from ._initialize import initialize
-from ._partitioned_init import Init
 from ._memory import MemoryReport
+from ._partitioned_init import Init
+from .checkpoint._sharded import CheckpointError
 from .config import LossScaleConfig, ZeroConfig
 from .optimizer import ZeroOptimizer
 from .tiled_linear import TiledLinear

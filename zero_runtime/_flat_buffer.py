@@ -91,7 +91,7 @@ class FlatLayout:
         """A new zero-padded flat buffer holding ``tensors`` (shaped like the slots), on their device."""
         assert tensors, "nothing to flatten: the buffer's device comes from its tensors"
         flat = torch.zeros(self.numel, dtype=dtype, device=tensors[0].device)
-        for view, tensor in zip(self.views(flat), tensors):
+        for view, tensor in zip(self.views(flat), tensors, strict=True):
             view.copy_(tensor)
         return flat
 

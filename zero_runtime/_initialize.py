@@ -19,11 +19,10 @@ from torch.utils._pytree import tree_map
 
 import zcomm
 
-from .config import _optim_spec
-from .comm._plan import CommPlan, build_comm_plan
 from ._partition import FlatUnit, group_by_module, group_by_size, trainable_named_parameters
 from ._partitioned_init import is_partitioned, materialize, partitioned_parameters
-from .config import ZeroConfig, resolve_config
+from .comm._plan import CommPlan, build_comm_plan
+from .config import ZeroConfig, _optim_spec, resolve_config
 from .optimizer import ZeroOptimizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -142,7 +141,7 @@ def _optimizer_groups(optimizer: OptimizerSpec, names: Mapping[nn.Parameter, str
             raise ValueError(f"trainable parameters in no optimizer group: {', '.join(missing)}")
         hparams = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         cls = type(optimizer)
-        return groups, lambda masters: cls([{"params": m, **h} for m, h in zip(masters, hparams)])
+        return groups, lambda masters: cls([{"params": m, **h} for m, h in zip(masters, hparams, strict=True)])
     if not callable(optimizer):
         raise TypeError("optimizer must be a callable taking a list of parameters, or a torch optimizer")
     return [list(names)], lambda masters: optimizer(masters[0])

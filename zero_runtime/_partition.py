@@ -133,7 +133,7 @@ class FlatUnit:
         self.state = GatherState.FREE
 
     def _point_params_at_full(self) -> None:
-        for param, view in zip(self.params, self._views):
+        for param, view in zip(self.params, self._views, strict=True):
             param.data = view
 
 

@@ -169,7 +169,7 @@ class _GatherOnUse(TorchFunctionMode):
             result = func(*args, **kwargs)
         finally:
             with torch.no_grad():
-                for tensor, version in zip(touched, versions):
+                for tensor, version in zip(touched, versions, strict=True):
                     record = getattr(tensor, _ATTR)
                     if not overwrite or tensor._version != version:  # an initializer that wrote nothing
                         record.cut(tensor.data)                      # keeps the slice it had

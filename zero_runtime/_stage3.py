@@ -59,9 +59,9 @@ from typing import Iterable, NamedTuple, Sequence
 import torch
 
 from ._contract import Phase
+from ._partition import FlatUnit, GatherState
 from .comm._plan import CommPlan
 from .offload._params import ParamOffload
-from ._partition import FlatUnit, GatherState
 
 
 class Use(NamedTuple):

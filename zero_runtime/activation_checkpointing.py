@@ -187,12 +187,12 @@ class _CheckpointFunction(torch.autograd.Function):
                 inputs.append(item)
         with torch.random.fork_rng(devices=ctx.devices):
             torch.set_rng_state(ctx.rng[0])
-            for device, state in zip(ctx.devices, ctx.rng[1]):
+            for device, state in zip(ctx.devices, ctx.rng[1], strict=True):
                 torch.cuda.set_rng_state(state, device)
             with torch.enable_grad():
                 outputs = ctx.function(*inputs)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        pairs = [(o, g) for o, g in zip(outputs, grads) if isinstance(o, torch.Tensor) and o.requires_grad]
+        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if isinstance(o, torch.Tensor) and o.requires_grad]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         for release in ctx.releases:  # the recomputation no longer needs the slots

@@ -72,11 +72,11 @@ class WarmupLR:
         if self.last_batch_iteration < 0:
             return list(self.min_lrs)
         gamma = self._gamma()
-        return [lo + (hi - lo) * gamma for lo, hi in zip(self.min_lrs, self.max_lrs)]
+        return [lo + (hi - lo) * gamma for lo, hi in zip(self.min_lrs, self.max_lrs, strict=True)]
 
     def _apply(self) -> list[float]:
         lrs = self.get_lr()
-        for group, lr in zip(self.optimizer.param_groups, lrs):
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
         return lrs
 

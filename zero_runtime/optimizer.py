@@ -18,21 +18,21 @@ import torch
 from torch import nn
 
 from . import _gathered, _host_sync
-from .checkpoint import _sharded
-from ._contract import Phase
 from ._clip import clip_by_norm_, global_grad_norm
-from .comm._plan import CommPlan
-from .comm._grad_reduce import GradReducer
+from ._contract import Phase
 from ._loss_scaler import LossScaler, make_scaler
 from ._memory import MemoryReport, measure
-from .offload._optimizer import OptimizerOffload
-from .offload._params import ParamOffload, resident
 from ._param_hooks import ModuleHooks
 from ._partition import FlatUnit
 from ._stage3 import ParamScheduler
-from .activation_checkpointing import Checkpointer
 from ._state import TrainingState
+from .activation_checkpointing import Checkpointer
+from .checkpoint import _sharded
+from .comm._grad_reduce import GradReducer
+from .comm._plan import CommPlan
 from .config import ZeroConfig
+from .offload._optimizer import OptimizerOffload
+from .offload._params import ParamOffload, resident
 
 
 class ZeroOptimizer:
@@ -215,7 +215,7 @@ class ZeroOptimizer:
         elif self.offload is not None:
             self.offload.step(grads)
         else:
-            for unit, grad in zip(self.units, grads):
+            for unit, grad in zip(self.units, grads, strict=True):
                 unit.master.grad = grad
             self.optimizer.step()
             for unit in self.units:

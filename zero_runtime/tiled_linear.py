@@ -60,8 +60,8 @@ class TiledLinear(nn.Module):
         """Copy ``linear``'s weight (and bias) into the tiles."""
         rows = torch.split(linear.weight, self.out_sizes, dim=0)
         biases = torch.split(linear.bias, self.out_sizes) if linear.bias is not None else [None] * len(rows)
-        for row_tiles, block, bias in zip(self.tiles, rows, biases):
-            for tile, part in zip(row_tiles, torch.split(block, self.in_sizes, dim=1)):
+        for row_tiles, block, bias in zip(self.tiles, rows, biases, strict=True):
+            for tile, part in zip(row_tiles, torch.split(block, self.in_sizes, dim=1), strict=True):
                 tile.weight.copy_(part)
             if bias is not None:
                 row_tiles[0].bias.copy_(bias)
@@ -71,7 +71,7 @@ class TiledLinear(nn.Module):
         outputs = []
         for row_tiles in self.tiles:
             y = row_tiles[0](inputs[0])
-            for tile, part in zip(row_tiles[1:], inputs[1:]):
+            for tile, part in zip(row_tiles[1:], inputs[1:], strict=True):
                 y = y + tile(part)
             outputs.append(y)
         return torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]

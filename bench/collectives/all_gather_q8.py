@@ -9,10 +9,9 @@ from __future__ import annotations
 import functools
 
 import zcomm
-from zcomm.quant import DEFAULT_GROUP_SIZE
-
 from bench.harness import checking
 from bench.harness.collective import Buffers, Call, Check, Collective
+from zcomm.quant import DEFAULT_GROUP_SIZE
 
 
 def prepare(buffers: Buffers) -> tuple[Call, Check]:

@@ -16,10 +16,9 @@ import torch
 import torch.distributed as dist
 
 import zcomm
-from zcomm.quant import DEFAULT_GROUP_SIZE
-
 from bench.harness import checking
 from bench.harness.collective import Buffers, Call, Check, Collective
+from zcomm.quant import DEFAULT_GROUP_SIZE
 
 from .all_reduce import exact_chunks
 

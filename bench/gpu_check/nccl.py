@@ -51,9 +51,9 @@ def topologies(world: int, local: int) -> list[tuple[str, Any]]:
 
 def train_fsdp2(device: torch.device, mesh: Any, topology: Any, cpu_group: Any) -> list[float]:
     """Per-step global losses of FSDP2 (one unit per block and the root) with zcomm's collectives."""
-    import zcomm.fsdp
     from torch.distributed.fsdp import fully_shard
 
+    import zcomm.fsdp
     from bench.train.models import GPTConfig, TinyGPT
 
     torch.manual_seed(0)
@@ -77,8 +77,9 @@ def train_fsdp2(device: torch.device, mesh: Any, topology: Any, cpu_group: Any) 
 
 def run_checks(device: torch.device, cpu_group: Any, dtypes: Sequence[str], local: int,
                launchers: Sequence[str | None] = LAUNCHERS) -> list[dict]:
-    import zcomm
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    import zcomm
 
     world = dist.get_world_size()
     checks = []

@@ -96,7 +96,7 @@ def _rel_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
 def _same_bytes(device_out: Sequence[torch.Tensor], cpu_out: Sequence[torch.Tensor]) -> tuple[bool, float]:
     """Whether the outputs are byte-identical, and their largest absolute difference."""
     same, diff = True, 0.0
-    for a, b in zip(device_out, cpu_out):
+    for a, b in zip(device_out, cpu_out, strict=True):
         a = a.cpu()
         same &= torch.equal(a.view(torch.uint8), b.view(torch.uint8))
         diff = max(diff, float((a.double() - b.double()).abs().max()))
@@ -219,7 +219,6 @@ def _collective_checks(device: torch.device, cpu_backend: str | None, dtypes: Se
 def train_zeropp(device: torch.device, topology, group: Any = None, cpu_group: Any = None) -> list[float]:
     """Global-batch losses of ``STEPS`` steps of ZeRO++ on a small GPT (same weights and batches on every rank)."""
     import zero_runtime
-
     from bench.train.models import GPTConfig, TinyGPT
 
     torch.manual_seed(0)
@@ -255,7 +254,7 @@ def compare_losses(name: str, on_device: Callable[[], list[float]], on_cpu: Call
         device_losses = on_device()
         with _backend(cpu_backend):
             cpu_losses = on_cpu()
-        worst = max(abs(a - b) / abs(b) for a, b in zip(device_losses, cpu_losses))
+        worst = max(abs(a - b) / abs(b) for a, b in zip(device_losses, cpu_losses, strict=True))
         ok = worst <= ZEROPP_RTOL and all(map(math.isfinite, device_losses))
         detail = (f"losses {['%.5f' % v for v in device_losses]} vs CPU {['%.5f' % v for v in cpu_losses]}; "
                   f"max rel. diff {worst:.2e} (bound {ZEROPP_RTOL})")

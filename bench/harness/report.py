@@ -88,7 +88,7 @@ def format_row(row: Row) -> str:
         row.compression,
         wire,
     )
-    return "  " + "  ".join(f"{value:>{width}{fmt}}" for value, (_, width, fmt) in zip(values, _COLUMNS))
+    return "  " + "  ".join(f"{value:>{width}{fmt}}" for value, (_, width, fmt) in zip(values, _COLUMNS, strict=True))
 
 
 def write_json(rows: Iterable[Row], path: str) -> None:

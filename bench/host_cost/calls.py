@@ -52,10 +52,10 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import pstats
 import json
 import os
 import platform
+import pstats
 import statistics
 import sys
 import tempfile

@@ -211,7 +211,7 @@ def report(results: dict[str, Result], baseline: str, args: argparse.Namespace) 
     for name, result in results.items():
         per_phase = " | ".join(f"{result.calls.get(p, {}).get('main', 0)}/{result.calls.get(p, {}).get('worker', 0)}"
                                for p in PHASES)
-        ratios = [a / b for a, b in zip(result.step_ms, base.step_ms)]
+        ratios = [a / b for a, b in zip(result.step_ms, base.step_ms, strict=True)]
         timing = (f"{statistics.median(result.step_ms):.2f} | {min(result.step_ms):.2f} | {max(result.step_ms):.2f} | "
                   f"{statistics.median(ratios):.3f}" if ratios else "n/a | | | ")
         lines.append(f"| {name} | {_total(result, 'main')} | {_total(result, 'worker')} | {per_phase} | {timing} |")

@@ -180,7 +180,7 @@ def _fused_reorder(n: int) -> list[Case]:
         for bits in (8, 4):
             a, b = _chunks(n, bits), _chunks(n, bits)
 
-            def unfused(b=b, bits=bits) -> None:
+            def unfused(b=b, bits=bits, x=x, moved=moved) -> None:
                 torch.index_select(x.view(PARTS, -1), 0, perm, out=moved)
                 for i, piece in enumerate(moved.view(CHUNKS, -1)):
                     q.quantize(piece, bits, GROUP, out=b[i], backend="cuda")

@@ -9,8 +9,8 @@ from bench.harness.precision import DTYPE_CHOICES
 from .configs import CONFIGS, TrainConfig, configs_from_impl, select_configs
 from .data import VOCAB_SIZE
 from .loop import LoopSettings
-from .rounds import RoundPlan
 from .models import MODELS, GPTConfig
+from .rounds import RoundPlan
 
 DEFAULT_CONFIGS = ("zero3", "zeropp", "fsdp2")
 DESCRIPTION = "The same training under several ZeRO/ZeRO++/FSDP2/DeepSpeed setups (see bench/TRAINING.md)."

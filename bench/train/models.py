@@ -33,7 +33,7 @@ class MLP(nn.Module):
     def __init__(self, d_in: int = 32, d_hidden: int = 64, d_out: int = 8, depth: int = 3) -> None:
         super().__init__()
         dims = [d_in] + [d_hidden] * (depth - 1) + [d_out]
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:], strict=True))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers[:-1]:

@@ -89,7 +89,7 @@ def _number(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
 def _pad(cells: list[str], columns: tuple[tuple[str, int], ...] = COLUMNS) -> str:
     return "  ".join(
         cell.ljust(width) if index == 0 else cell.rjust(width)
-        for index, (cell, (_, width)) in enumerate(zip(cells, columns))
+        for index, (cell, (_, width)) in enumerate(zip(cells, columns, strict=False))
     )
 
 
@@ -220,9 +220,9 @@ def write_plots(directory: str | Path, rows: list[ConfigResult], title: str) -> 
     labels = [f"{row.config} ({row.model})" if several_models else row.config for row in done]
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for row, label in zip(done, labels):
+    for row, label in zip(done, labels, strict=True):
         (line,) = ax.plot(range(1, len(row.train_losses) + 1), row.train_losses, label=f"{label} train", lw=1)
-        steps, losses = zip(*row.val_curve)
+        steps, losses = zip(*row.val_curve, strict=True)
         ax.plot(steps, losses, "o", color=line.get_color(), label=f"{label} val", ms=4)
     ax.set(xlabel="step", ylabel="loss (nats/byte)", title=f"Loss vs step: {title}")
     ax.legend(fontsize="small", ncol=2)

@@ -78,7 +78,7 @@ def _loss_max_diff(records: list[RoundRecord]) -> float | None:
     if len(records) < 2:
         return None
     first = records[0]
-    diffs = [abs(a - b) for other in records[1:] for a, b in zip(first.losses(), other.losses())]
+    diffs = [abs(a - b) for other in records[1:] for a, b in zip(first.losses(), other.losses(), strict=True)]
     return max(diffs, default=0.0)
 
 

@@ -39,8 +39,8 @@ from .ddp_runner import DDPRunner
 from .deepspeed_runner import DeepSpeedRunner
 from .fsdp2_runner import FSDP2Runner
 from .loop import ConfigResult, LoopSettings, RoundRecord, run_config
-from .progress import StepProgress
 from .models import GPTConfig, ModelSpec, model_spec
+from .progress import StepProgress
 from .report import RunFacts, format_report, write_json, write_plots
 from .rounds import RoundPlan, attach_ratios, combine
 from .runner import EngineFailed, Runner, Unavailable

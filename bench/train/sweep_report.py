@@ -147,7 +147,7 @@ def _interpolate_rate(target_s: float, points: list[tuple[float, float]]) -> tup
     slower than ``target_s``, ("<", slowest rate) when it is already faster at the slowest."""
     if target_s >= points[0][1]:
         return "<", points[0][0]
-    for (r0, t0), (r1, t1) in zip(points, points[1:]):
+    for (r0, t0), (r1, t1) in zip(points, points[1:], strict=False):
         if t1 <= target_s <= t0 and t0 != t1:
             frac = (math.log(t0) - math.log(target_s)) / (math.log(t0) - math.log(t1))
             return "=", math.exp(math.log(r0) + frac * (math.log(r1) - math.log(r0)))
@@ -231,7 +231,7 @@ def write_plot(path: Path, runs: list[RateRun], title: str) -> Path:
         points = [(run.link_bps * 1e-6, step_s(run, config)) for run in runs
                   if run.link_bps is not None and step_s(run, config) is not None]  # fmt: skip
         if points:
-            xs, ys = zip(*points)
+            xs, ys = zip(*points, strict=True)
             ax.plot(xs, ys, "o-", label=config)
     for run in runs:
         if run.link_bps is not None:

@@ -23,6 +23,7 @@ from bench.collectives import cli as collectives_cli
 from bench.collectives.catalog import ALL_OPS
 from bench.gpu_check import driver, report, stages, test_runner, w4
 from bench.harness.checkout import REPO
+
 PY = sys.executable
 
 

@@ -147,7 +147,7 @@ def test_variant_decision_keeps_only_a_10_percent_win(monkeypatch):
 
 def test_variant_report_prints_a_decision_per_row():
     rows = _variant_rows({"narrow": [1.3], "tiles": [0.9]})
-    for row, decision in zip(rows, ("keep", "remove")):
+    for row, decision in zip(rows, ("keep", "remove"), strict=True):
         row["geomean"], row["decision"] = row["cases"][0]["ratio"], decision
     lines = variants.report(rows, "Some GPU", 3.0)
     decisions = [line for line in lines if line.startswith(("| narrow |", "| tiles |")) and "**" in line]

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from bench.harness.checkout import REPO
+
 TINY = ["--steps", "4", "--warmup", "1", "--batch", "4", "--seq-len", "16", "--d-model", "32", "--n-layers", "1",
         "--eval-every", "2", "--eval-batches", "1"]
 
@@ -52,7 +53,7 @@ def _launch(args: list[str], tmp_path: Path, base_env: dict[str, str], *, world_
             for other in procs:
                 other.kill()
             raise
-    for proc, output in zip(procs, outputs):
+    for proc, output in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, output
     return json.loads((tmp_path / "out.json").read_text()), outputs[0]
 
@@ -259,7 +260,7 @@ def test_rounds_pair_each_round_and_repeat_the_same_losses(tmp_path: Path, check
         assert row["median_step_s"] == statistics.median(steps)
         assert (row["min_step_s"], row["max_step_s"]) == (min(steps), max(steps))
     zero3, fsdp2 = rows["zero3"]["rounds"], rows["fsdp2"]["rounds"]
-    paired = [f["median_step_s"] / z["median_step_s"] for f, z in zip(fsdp2, zero3)]
+    paired = [f["median_step_s"] / z["median_step_s"] for f, z in zip(fsdp2, zero3, strict=True)]
     assert rows["fsdp2"]["paired_ratios"] == pytest.approx(paired, rel=1e-12)
     assert rows["fsdp2"]["ratio_to_baseline"] == pytest.approx(statistics.median(paired), rel=1e-12)
     assert (rows["fsdp2"]["ratio_min"], rows["fsdp2"]["ratio_max"]) == pytest.approx((min(paired), max(paired)))

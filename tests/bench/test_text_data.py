@@ -48,7 +48,7 @@ def test_split_depends_only_on_the_name() -> None:
     assert first == [is_validation_file(name, 0.2) for name in names]
     assert 10 < sum(first) < 70
     # A larger fraction only moves files into validation, never out of it.
-    assert all(is_validation_file(n, 0.5) for n, v in zip(names, first) if v)
+    assert all(is_validation_file(n, 0.5) for n, v in zip(names, first, strict=True) if v)
 
 
 def test_corpus_is_deterministic_and_skips_non_sources(tmp_path: Path) -> None:
@@ -74,7 +74,7 @@ def test_batches_are_windows_of_their_own_stream(tmp_path: Path) -> None:
     val = corpus.val_batches(batch=4, num_batches=3)
     assert len(val) == 3 and all(b.shape == (4, 17) for b in val)
     assert all(bytes(row.tolist()) in val_bytes for b in val for row in b)
-    assert all(torch.equal(a, b) for a, b in zip(val, corpus.val_batches(batch=4, num_batches=3)))
+    assert all(torch.equal(a, b) for a, b in zip(val, corpus.val_batches(batch=4, num_batches=3), strict=True))
 
 
 def test_stdlib_validation_windows_come_from_validation_files(stdlib_corpus: ByteCorpus) -> None:

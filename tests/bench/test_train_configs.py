@@ -5,13 +5,19 @@ from __future__ import annotations
 import pytest
 
 from bench.train.cli import build_parser, check_grad_clip, chosen_configs
-from bench.train.configs import (CONFIGS, DEEPSPEED_STAGE3_DEFAULTS,
-                                 TrainConfig, deepspeed_config, engine_config, select_configs,
-                                 zero_runtime_config)  # fmt: skip
-from zero_runtime.config import ZeroConfig
+from bench.train.configs import (
+    CONFIGS,
+    DEEPSPEED_STAGE3_DEFAULTS,
+    TrainConfig,
+    deepspeed_config,
+    engine_config,
+    select_configs,
+    zero_runtime_config,  # fmt: skip
+)
 from bench.train.fsdp2_runner import reshard_after_forward
 from bench.train.loop import ConfigResult, LoopSettings
 from bench.train.report import format_table
+from zero_runtime.config import ZeroConfig
 
 
 def test_zero_runtime_configs_carry_exactly_the_zeropp_keys() -> None:

@@ -116,7 +116,7 @@ def check_exact(rank: int, mesh, topology: zcomm.Topology, cases) -> None:
         stats = zcomm.comm_stats()
         case = (bf16, reshard, op)
         assert ours[0] == plain[0], (case, ours[0], plain[0])
-        assert all(torch.equal(a, b) for a, b in zip(ours[1], plain[1])), case
+        assert all(torch.equal(a, b) for a, b in zip(ours[1], plain[1], strict=True)), case
         assert stats["all_gather_into_tensor"].calls > 0 and stats["reduce_scatter_tensor"].calls == 3 * STEPS, stats
         assert "all_gather_q8" not in stats and "reduce_scatter_q4" not in stats, stats
 
@@ -160,7 +160,7 @@ def check_gradients(rank: int, mesh, topology: zcomm.Topology) -> None:
             grads.append([p.grad.full_tensor() * rescale for p in model.parameters()])
         assert zcomm.comm_stats()["reduce_scatter_q4"].calls == 3, zcomm.comm_stats()
         bound = bound_g * scale + 1e-5 * bound_g
-        err = max((q - p).abs().max().item() for p, q in zip(*grads))
+        err = max((q - p).abs().max().item() for p, q in zip(*grads, strict=True))
         assert err <= bound, (op, err, bound)
         assert err > 0, op  # the gradients did go through INT4
 
@@ -175,7 +175,7 @@ def _weight_bound(full: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Te
 
 def _check_unsharded(unit: nn.Module, params: list[nn.Parameter], full: list[torch.Tensor], dtype) -> None:
     names = [n for n, _ in unit.named_parameters()]
-    for (name, expected), bound in zip(zip(names, full), _weight_bound(full, dtype)):
+    for (name, expected), bound in zip(zip(names, full, strict=True), _weight_bound(full, dtype), strict=True):
         got = unit.get_parameter(name).detach()
         assert got.dtype == dtype, (name, got.dtype)
         err = (got.float() - expected.to(dtype).float()).abs()
@@ -250,7 +250,7 @@ def check_tracking(rank: int, mesh, topology: zcomm.Topology) -> None:
         model = _build(mesh, bf16=bf16, reshard=topology.local_size)
         zcomm.fsdp.enable_zeropp(model, topology=topology)
         ours, _ = _train(model, rank)
-        worst = max(abs(a - b) / abs(b) for a, b in zip(ours, plain))
+        worst = max(abs(a - b) / abs(b) for a, b in zip(ours, plain, strict=True))
         assert worst <= LOSS_TRACKING, (bf16, worst, ours, plain)
         assert ours != plain  # quantized, not passed through
 
@@ -289,7 +289,7 @@ def check_uint8_fallback(rank: int, mesh, topology: zcomm.Topology) -> None:
                 outputs.append(model(_batch(step, rank)[0]))
                 outputs[-1].sum().backward()
         results.append([out.detach() for out in outputs])
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
     fallback = [w for w in caught if "uint8" in str(w.message)]
     assert len(fallback) == 1 and issubclass(fallback[0].category, RuntimeWarning), [str(w.message) for w in caught]
     stats = zcomm.comm_stats()
@@ -307,7 +307,7 @@ def check_fp64_fallback(rank: int, mesh, topology: zcomm.Topology) -> None:
             for step in range(2):
                 model(_batch(step, rank)[0].double()).sum().backward()
         results.append([p.grad.full_tensor() for p in model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
     fallback = sorted(str(w.message).split(" of module")[0] for w in caught if "torch.float64" in str(w.message))
     assert fallback == ["zcomm.fsdp: gradient reduce-scatter", "zcomm.fsdp: weight all-gather"], fallback
     stats = zcomm.comm_stats()
@@ -379,7 +379,7 @@ def check_aligned_layout(rank: int, mesh, topology: zcomm.Topology) -> None:
     numels, offsets, row = _expected_row(world)
     assert (row - sum(numels)) <= sum(numels) / 32, "the test's unit must be cheap to align"
     owner = torch.full((row,), -1)
-    for index, (offset, n) in enumerate(zip(offsets, numels)):
+    for index, (offset, n) in enumerate(zip(offsets, numels, strict=True)):
         owner[offset : offset + n] = index
     assert all(len(set(owner[s : s + group_size].tolist()) - {-1}) <= 1 for s in range(0, row, group_size))
     seen: dict[str, list[torch.Tensor]] = {"gather": [], "reduce": []}
@@ -420,11 +420,11 @@ def check_aligned_layout(rank: int, mesh, topology: zcomm.Topology) -> None:
     assert len(seen["gather"]) == 2 and len(seen["reduce"]) == 2, {k: len(v) for k, v in seen.items()}
     staged = seen["gather"][0]
     assert staged.numel() == row, (staged.numel(), row)
-    for offset, shard in zip(offsets, shards):
+    for offset, shard in zip(offsets, shards, strict=True):
         assert torch.equal(staged[offset : offset + shard.numel()], shard)
     for rows in (staged.view(1, row), seen["reduce"][0].view(world, row)):
         assert bool((rows[:, owner < 0] == 0).all())
-    assert all(abs(a - b) <= LOSS_TRACKING * abs(b) for a, b in zip(losses[1], losses[0])), losses
+    assert all(abs(a - b) <= LOSS_TRACKING * abs(b) for a, b in zip(losses[1], losses[0], strict=True)), losses
     # a frozen parameter leaves FSDP2's reduce-scatter buffer: that one runs packed, and says so once
     model = _wide_unit(mesh)
     model.lin2.bias.requires_grad_(False)
@@ -455,7 +455,7 @@ def check_aligned_error(rank: int, mesh, topology: zcomm.Topology) -> None:
 
     def rank_input(source: int) -> list[torch.Tensor]:  # per parameter: (world rows, numel) of one rank
         gen = torch.Generator().manual_seed(100 + source)
-        return [torch.randn(world, n, generator=gen) * m for n, m in zip(numels, _WIDE_MAGNITUDES)]
+        return [torch.randn(world, n, generator=gen) * m for n, m in zip(numels, _WIDE_MAGNITUDES, strict=True)]
 
     inputs = [rank_input(source) for source in range(world)]
     expected = [sum(inp[p][rank].double() for inp in inputs) / world for p in range(len(numels))]
@@ -471,8 +471,9 @@ def check_aligned_error(rank: int, mesh, topology: zcomm.Topology) -> None:
                                               layout=layout)  # fmt: skip
         out = torch.empty(sum(numels))
         comm(output_tensor=out, input_tensor=own.clone(), group=mesh.get_group(), op=dist.ReduceOp.AVG)
-        errors[align] = [(got.double() - exp).abs().max().item() for got, exp in zip(out.split(numels), expected)]
-    assert all(e <= b for e, b in zip(errors[True], bounds)), (errors[True], bounds)
+        errors[align] = [(got.double() - exp).abs().max().item()
+                         for got, exp in zip(out.split(numels), expected, strict=True)]
+    assert all(e <= b for e, b in zip(errors[True], bounds, strict=True)), (errors[True], bounds)
     assert errors[False][1] > bounds[1], (errors[False], bounds)  # the Linear bias beside the LayerNorm weight
 
 

@@ -77,7 +77,7 @@ def check_exact(rank: int, meshes: _Meshes) -> None:
         ours = _train(model, rank)
         stats = zcomm.comm_stats()
         assert ours[0] == plain[0], (bf16, ours[0], plain[0])
-        assert all(torch.equal(a, b) for a, b in zip(ours[1], plain[1])), bf16
+        assert all(torch.equal(a, b) for a, b in zip(ours[1], plain[1], strict=True)), bf16
         units = len(_units(model))
         assert stats["all_reduce"].calls == units * STEPS and stats["all_reduce"].intra_bytes == 0, stats
         assert stats["reduce_scatter_tensor"].calls == units * STEPS, stats
@@ -150,7 +150,7 @@ def check_gradients(rank: int, meshes: _Meshes) -> None:
             # each parameter's local shard is the start of its padded shard in the unit's flat row
             name, offset = hooks[id(hook)], 0
             pieces = zip(_local_grads(units[name]), _local_grads(plain_units[name]),
-                         _fsdp_compat.shard_numels(units[name]))  # fmt: skip
+                         _fsdp_compat.shard_numels(units[name]), strict=True)  # fmt: skip
             for ours, theirs, padded in pieces:
                 window = slice(offset, offset + ours.numel())
                 limit = bound[window] + reference_rounding[window]
@@ -167,7 +167,7 @@ def check_tracking(rank: int, meshes: _Meshes) -> None:
         plain, _ = _train(_build(meshes.mesh, bf16=bf16), rank)
         model = meshes.zeropp(_build(meshes.shard, bf16=bf16))
         ours, params = _train(model, rank)
-        worst = max(abs(a - b) / abs(b) for a, b in zip(ours, plain))
+        worst = max(abs(a - b) / abs(b) for a, b in zip(ours, plain, strict=True))
         assert worst <= LOSS_TRACKING, (bf16, worst, ours, plain)
         assert ours != plain
         for p in params:  # every replica holds the same weights
@@ -256,7 +256,7 @@ def check_error_feedback(rank: int, meshes: _Meshes) -> None:
     plain, _ = _train(_build(meshes.mesh, bf16=False), rank, steps=2)
     model = meshes.zeropp(_build(meshes.shard, bf16=False), error_feedback=True)
     ours, _ = _train(model, rank, steps=2)
-    assert max(abs(a - b) / abs(b) for a, b in zip(ours, plain)) <= LOSS_TRACKING, (ours, plain)
+    assert max(abs(a - b) / abs(b) for a, b in zip(ours, plain, strict=True)) <= LOSS_TRACKING, (ours, plain)
     hooks = zcomm.fsdp.all_reduce_hooks(model)
     assert len(hooks) == len(_units(model)), hooks
     feedback = [f for hook in hooks.values() for f in hook.feedback.values()]
@@ -282,7 +282,7 @@ def check_errors(rank: int, meshes: _Meshes) -> None:
     _raises(lambda: meshes.zeropp(model), ValueError, "replicate_group=mesh.get_group('replicate')")
     model = _build(meshes.shard, bf16=False)
     for wrong in (meshes.shard.get_group(), dist.group.WORLD):
-        _raises(lambda: zcomm.fsdp.enable_zeropp(model, replicate_group=wrong), ValueError,
+        _raises(lambda wrong=wrong: zcomm.fsdp.enable_zeropp(model, replicate_group=wrong), ValueError,
                 "of the shard group of module")  # fmt: skip
     # pairs across nodes that hold different shard indices: node 0's local rank l with node 1's 1 - l
     assert meshes.nodes == 2 and meshes.local == 2

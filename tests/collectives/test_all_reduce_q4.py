@@ -164,7 +164,7 @@ def _check_async_in_flight(group: dist.ProcessGroup, topology: zcomm.Topology) -
     last = zcomm.all_reduce_q4(got[2], group=group, topology=topology, pipeline_stages=2, async_op=True)
     last.wait()
     first.wait()
-    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
 def _four_rank_main(rank: int, world: int) -> int:

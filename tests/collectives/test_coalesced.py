@@ -61,7 +61,7 @@ def _check_coalesced(rank: int, world: int, topology: zcomm.Topology, index: int
     handle = zcomm.reduce_scatter_q4_coalesced(outputs, inputs, op, async_op=case["async_op"], **kwargs)
     if case["async_op"]:
         handle.wait()
-    for i, (got, want) in enumerate(zip(outputs, expected)):
+    for i, (got, want) in enumerate(zip(outputs, expected, strict=True)):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (topology, case, i)
     assert zcomm.comm_stats()["reduce_scatter_q4"] == flat_stats, case
 
@@ -138,7 +138,7 @@ def _check_avg_is_one_fp32_division(rank: int, world: int, topology: zcomm.Topol
                                           topology=topology)  # fmt: skip
         zcomm.reduce_scatter_q4_coalesced(summed, [x.float() for x in inputs], dist.ReduceOp.SUM,
                                           pipeline_stages=stages, topology=topology)  # fmt: skip
-        for got, total in zip(averaged, summed):
+        for got, total in zip(averaged, summed, strict=True):
             expected = (total / torch.tensor(float(world))).to(torch.bfloat16)
             assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), stages
 

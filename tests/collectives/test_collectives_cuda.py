@@ -179,7 +179,7 @@ def test_cuda_path_gives_the_cpu_paths_bytes(monkeypatch, backend):
             hadamard = 64 if index % 2 else None  # torch's elementwise IEEE ops: the same bits on both
             on_gpu = _both_collectives(case, dist.group.WORLD, "cuda", hadamard)
             on_cpu = _both_collectives(case, twin, "cpu", hadamard)
-            for name, gpu, cpu in zip(("reduce_scatter_q4", "all_gather_q8"), on_gpu, on_cpu):
+            for name, gpu, cpu in zip(("reduce_scatter_q4", "all_gather_q8"), on_gpu, on_cpu, strict=True):
                 assert torch.equal(gpu.cpu().view(torch.uint8), cpu.view(torch.uint8)), (name, case)
     finally:
         dist.destroy_process_group()

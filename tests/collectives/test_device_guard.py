@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 import zcomm
-from zcomm import _device_guard, topology as topology_module
+from zcomm import _device_guard
+from zcomm import topology as topology_module
 
 
 def _ranks_meeting(keys: list[str], store: dist.Store | None = None) -> list[object]:

@@ -90,7 +90,7 @@ def _run(rank: int, world: int, local_size: int) -> dict:
         "mean_error": mean_error.mean().item(),
         "mean_error_max": mean_error.max().item(),
         "bound": 2 * max_e / (T * (1 - BETA)),
-        "replay_equal": all(torch.equal(a, b) for a, b in zip(replay, outs[T // 2 + 1 :])),
+        "replay_equal": all(torch.equal(a, b) for a, b in zip(replay, outs[T // 2 + 1 :], strict=False)),
         "fresh_equal": all(torch.equal(out, stateless) for out in fresh_outs),
         "other_geometry": other_geometry,
         "nbytes": feedback.nbytes,

@@ -9,9 +9,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from frame_count import entered_functions
 import zcomm
 import zcomm.fsdp
+from frame_count import entered_functions
 from zcomm import _fsdp_blocks
 
 NUMEL = 1024

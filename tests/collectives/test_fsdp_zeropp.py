@@ -20,9 +20,9 @@ from torch import nn
 import fsdp_cases
 import zcomm
 import zcomm.fsdp
-from spawn_harness import run_distributed
 import zcomm.quant as quant
 import zcomm_cuda
+from spawn_harness import run_distributed
 from zcomm import _fsdp_blocks, _fsdp_compat
 from zero_runtime import _flat_buffer
 
@@ -99,7 +99,7 @@ ROW_MAGNITUDES = [0.02, 0.01, 1.0, 0.05, 0.02, 0.01]
 def _owners(layout: _fsdp_blocks.BlockLayout, stages: int = 1) -> torch.Tensor:
     """Per element of an aligned row, the index of the parameter it holds, -1 for padding."""
     owner = torch.full((layout.row_numel(stages),), -1)
-    for index, (offset, n) in enumerate(zip(layout.aligned_offsets, layout.numels)):
+    for index, (offset, n) in enumerate(zip(layout.aligned_offsets, layout.numels, strict=True)):
         owner[offset : offset + n] = index
     return owner
 
@@ -174,7 +174,7 @@ def test_large_parameters_keep_their_own_int4_scale_when_small_ones_are_packed()
     of about 0.02: 83% of the weight's absmax here); staged, each Linear weight is within half
     a scale of its own absmax (1/14 of it)."""
     torch.manual_seed(0)
-    params = [torch.randn(n) * m for n, m in zip(SMALL_ROW, SMALL_MAGNITUDES)]
+    params = [torch.randn(n) * m for n, m in zip(SMALL_ROW, SMALL_MAGNITUDES, strict=True)]
 
     def roundtrip(row: torch.Tensor) -> torch.Tensor:
         return quant.dequantize(quant.quantize(row, 4, 256, backend="reference"), row.numel(), 4, 256,
@@ -200,7 +200,7 @@ def test_per_parameter_error_drops_with_aligned_blocks(bits):
     layout guarantees; packed as FSDP2 lays it out, the small Linear bias next to the LayerNorm
     weight loses most of its precision (worst parameter: error / own absmax)."""
     torch.manual_seed(0)
-    params = [torch.randn(n) * m for n, m in zip(ROW, ROW_MAGNITUDES)]
+    params = [torch.randn(n) * m for n, m in zip(ROW, ROW_MAGNITUDES, strict=True)]
     qmax, group_size = quant.QMAX[bits], 256
 
     def roundtrip(row: torch.Tensor) -> torch.Tensor:
@@ -208,7 +208,7 @@ def test_per_parameter_error_drops_with_aligned_blocks(bits):
         return quant.dequantize(payload, row.numel(), bits, group_size, torch.float32, backend="reference")
 
     def worst_relative_error(restored: list[torch.Tensor]) -> float:
-        return max(((r - p).abs().max() / p.abs().max()).item() for r, p in zip(restored, params))
+        return max(((r - p).abs().max() / p.abs().max()).item() for r, p in zip(restored, params, strict=True))
 
     packed = roundtrip(torch.cat(params)).split(ROW)
     layout = _fsdp_blocks.BlockLayout(ROW, align=group_size)
@@ -331,7 +331,7 @@ def test_aligned_staging_on_cuda(monkeypatch, backend):
         group = dist.group.WORLD
         topologies = zcomm.fsdp._GroupTopologies(group, zcomm.Topology(world_size=1, local_size=1))
         gen = torch.Generator().manual_seed(0)
-        params = [(torch.randn(n, generator=gen) * m).to(device) for n, m in zip(ROW, ROW_MAGNITUDES)]
+        params = [(torch.randn(n, generator=gen) * m).to(device) for n, m in zip(ROW, ROW_MAGNITUDES, strict=True)]
         flat = torch.cat(params)
         layout = _fsdp_blocks.aligned_layout(ROW, align=256)
         assert layout is not None
@@ -360,7 +360,8 @@ def test_aligned_staging_on_cuda(monkeypatch, backend):
                 current.wait_event(done)
             for result, bits in ((gathered, 8), (reduced, 4)):
                 relative = [
-                    ((got - p).abs().max() / p.abs().max()).item() for got, p in zip(result.split(ROW), params)
+                    ((got - p).abs().max() / p.abs().max()).item()
+                    for got, p in zip(result.split(ROW), params, strict=True)
                 ]
                 within = max(relative) <= 1 / quant.QMAX[bits] / 2 * (1 + 1e-4)  # + rounding of a fused kernel
                 assert within == align, (align, async_op, bits, relative)

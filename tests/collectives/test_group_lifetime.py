@@ -24,19 +24,20 @@ from __future__ import annotations
 
 import gc
 import threading
-import weakref
 import traceback
+import weakref
 from collections.abc import Callable
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import zcomm
 from cuda_support import requires_gpu
 from spawn_harness import run_distributed
-from zcomm import _chain_runner, _groups, _plan_cache, _torch_compat, topology as topology_module
+from zcomm import _chain_runner, _groups, _plan_cache, _torch_compat
+from zcomm import topology as topology_module
 from zcomm.all_gather_q8 import prepare_all_gather_q8
 from zcomm.reduce_scatter_q4 import prepare_reduce_scatter_q4_coalesced
 

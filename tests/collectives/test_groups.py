@@ -31,7 +31,8 @@ import torch.distributed as dist
 import zcomm
 from collective_checks import cases, check_case, check_plain_collectives
 from spawn_harness import run_distributed
-from zcomm import _groups as groups, _torch_compat as torch_compat
+from zcomm import _groups as groups
+from zcomm import _torch_compat as torch_compat
 from zcomm.topology import LOCAL_SIZE_VARIABLES
 
 TIMEOUT = timedelta(seconds=60)

@@ -20,9 +20,9 @@ import torch.distributed as dist
 import zcomm
 from collective_checks import DTYPES, make_inputs
 from collective_oracles import payload_bytes
+from spawn_harness import run_distributed
 from zcomm.all_gather_q8 import GATHER_STAGE_BYTES, default_pipeline_stages
 from zcomm.reduce_scatter_q4 import MAX_DEFAULT_STAGES
-from spawn_harness import run_distributed
 
 SIZES = (1, 13, 4099, 3 * 2048 + 5)
 GROUP_SIZES = (None, 6, 30, "tensor")
@@ -34,7 +34,7 @@ def _chunk_numels(numel: int, group_size: int, stages: int) -> list[int]:
     groups = -(-numel // group_size)
     stages = min(stages, groups)
     bounds = [min(numel, s * groups // stages * group_size) for s in range(stages)] + [numel]
-    return [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+    return [hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)]
 
 
 def _check(rank: int, world: int, topology: zcomm.Topology, index: int, case: tuple) -> None:

@@ -26,7 +26,7 @@ def _rows(items, count):
 def _reduce(rows):
     """Element-wise "sum" of equally long rows: each position gathers its labels, which must agree on (dest, stage)."""
     reduced = []
-    for position in zip(*rows):
+    for position in zip(*rows, strict=True):
         labels = [label for entry in position for label in (entry if isinstance(entry, list) else [entry])]
         assert len({label[1:] for label in labels}) == 1, f"mixed destinations/stages summed: {labels}"
         reduced.append(labels)

@@ -91,7 +91,7 @@ def test_nvcc_translation_unit_under_hostile_flags(nvcc_builds, source, flags):
 def _entries(ptx: str) -> dict[str, list[str]]:
     """Each kernel's instruction lines, by name."""
     parts = re.split(r"\.entry\s+(\w+)\(", ptx)
-    return {name: _instructions(body) for name, body in zip(parts[1::2], parts[2::2])}
+    return {name: _instructions(body) for name, body in zip(parts[1::2], parts[2::2], strict=True)}
 
 
 # The decoders' narrowing stores ([Note: hardware narrowing] in wire_math.cuh): per output tag

@@ -25,8 +25,8 @@ import types
 import numpy as np
 import pytest
 import torch
-
 from cuda_fakes import fake_launch_plans
+
 from cuda_support import NVCC, requires_gpu, requires_nvcc, requires_nvrtc
 from nvcc_builds import Builds, Nvrtc
 from test_cuda_launch_abi import DTYPES, _run_every_op
@@ -515,18 +515,18 @@ def test_both_launchers_write_the_same_bytes(restore_launcher) -> None:
         loader.set_launcher("cupy")
         expected = _every_op(x)
         loader.set_launcher("driver")
-        assert [torch.equal(a, b) for a, b in zip(_every_op(x), expected)] == [True] * len(expected), dtype
+        assert [torch.equal(a, b) for a, b in zip(_every_op(x), expected, strict=True)] == [True] * len(expected), dtype
     x = torch.randn(1 << 16, device="cuda").to(torch.bfloat16)
     loader.set_launcher("cupy")
     expected = _every_op(x)
     loader.set_launcher("driver")
-    assert [torch.equal(a, b) for a, b in zip(_every_op(x), expected)] == [True] * len(expected)
+    assert [torch.equal(a, b) for a, b in zip(_every_op(x), expected, strict=True)] == [True] * len(expected)
     from_worker = []
     worker = threading.Thread(target=lambda: from_worker.extend(_every_op(x)))
     worker.start()
     worker.join()
     torch.cuda.synchronize()
-    assert [torch.equal(a, b) for a, b in zip(from_worker, expected)] == [True] * len(expected)
+    assert [torch.equal(a, b) for a, b in zip(from_worker, expected, strict=True)] == [True] * len(expected)
     static = x.clone()
     _every_op(static, interleaved=False)  # warm: plans, permutation upload
     torch.cuda.synchronize()
@@ -538,7 +538,7 @@ def test_both_launchers_write_the_same_bytes(restore_launcher) -> None:
     torch.cuda.synchronize()
     loader.set_launcher("cupy")
     again = _every_op(x.flip(0), interleaved=False)
-    assert [torch.equal(a, b) for a, b in zip(captured, again)] == [True] * len(again)
+    assert [torch.equal(a, b) for a, b in zip(captured, again, strict=True)] == [True] * len(again)
 
 
 @requires_gpu

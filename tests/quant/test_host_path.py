@@ -19,9 +19,8 @@ A change that adds frames to every call must raise a bound here, on purpose.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import sys
+from types import SimpleNamespace
 from typing import Callable
 
 import pytest

@@ -64,9 +64,9 @@ def _train(checkpointer: Checkpointer | None, steps: int = 3):
 def test_bit_identical_to_no_checkpointing(option):
     want_outs, want_grads = _train(None)
     outs, grads = _train(Checkpointer(OPTIONS[option]))
-    assert all(torch.equal(a, b) for a, b in zip(outs, want_outs))
-    for got, want in zip(grads, want_grads):
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(outs, want_outs, strict=True))
+    for got, want in zip(grads, want_grads, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_no_grad_runs_plainly():

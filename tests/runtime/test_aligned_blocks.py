@@ -93,7 +93,7 @@ def test_quantized_shard_error_is_bounded_by_each_parameters_own_scale(bits, gro
     does not coarsen its 0.02-sized neighbours. The packed layout breaks that bound."""
     torch.manual_seed(0)
     magnitudes = [1.0, 0.01, 0.02, 0.5, 0.02, 3.0, 0.001, 1.0, 0.02, 10.0]
-    params = [torch.randn(s) * m for s, m in zip(SHAPES, magnitudes)]
+    params = [torch.randn(s) * m for s, m in zip(SHAPES, magnitudes, strict=True)]
     qmax = quant.QMAX[bits]
 
     def worst_excess(layout: FlatLayout) -> float:
@@ -104,7 +104,7 @@ def test_quantized_shard_error_is_bounded_by_each_parameters_own_scale(bits, gro
             payload = quant.quantize(flat[lo:hi], bits, group_size, backend="reference")
             restored[lo:hi] = quant.dequantize(payload, hi - lo, bits, group_size, torch.float32, backend="reference")
         excess = 0.0
-        for param, view, original in zip(params, layout.views(restored), params):
+        for view, original in zip(layout.views(restored), params, strict=True):
             bound = original.abs().max().item() / qmax / 2 * (1 + 1e-5)
             excess = max(excess, ((view - original).abs().max().item() - bound))
         return excess

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from zero_harness import run
-from zero_workloads import global_batch, local_slice, loss_of, make_model
 from zero_runtime import ZeroConfig
 from zero_runtime.lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from zero_workloads import global_batch, local_slice, loss_of, make_model
 
 # From DeepSpeed's documentation (deepspeed.ai/docs/config-json and the ZeRO tutorial), as written.
 DOCS_GETTING_STARTED = {

@@ -145,10 +145,10 @@ def test_lora_trains_only_the_adapters_under_stage3_and_zeropp():
             assert mine["report"].optimizer_states <= 3 * (adapter_numel / WORLD + 64) * 4
         if name == "zeropp":
             # Quantized weights and gradients: close to the oracle, not equal.
-            for got, want in zip(losses, oracle_losses):
+            for got, want in zip(losses, oracle_losses, strict=True):
                 assert abs(got - want) <= 0.02 * want
         else:
-            for got, want in zip(losses, oracle_losses):
+            for got, want in zip(losses, oracle_losses, strict=True):
                 assert abs(got - want) <= 1e-5 * want
             for key, value in oracle_weights.items():
                 torch.testing.assert_close(weights[key], value, rtol=0, atol=2e-5, msg=f"{name} {key}")

@@ -50,8 +50,9 @@ def _train(model, opt, rank: int, steps: range) -> None:
 
 
 def _gathered_gpt2(rank: int, world: int, root: str) -> dict:
-    import zero_runtime
     from transformers import GPT2LMHeadModel
+
+    import zero_runtime
 
     model, opt = zero_runtime.initialize(_gpt2(), lambda p: torch.optim.AdamW(p, lr=LR, weight_decay=0.0), CONFIG)
     _train(model, opt, rank, range(STEPS))

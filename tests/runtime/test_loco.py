@@ -95,7 +95,7 @@ def test_loco_buffers_are_counted_checkpointed_and_used():
         assert r["zeroed"] != r["continued"], rank
         assert r["loco"][0] == r["stateless"][0], rank  # every error starts at zero
         assert r["loco"][1:] != r["stateless"][1:], rank
-        for ours, theirs in zip(r["loco"], r["stateless"]):
+        for ours, theirs in zip(r["loco"], r["stateless"], strict=True):
             assert abs(ours - theirs) < 0.05 * theirs
 
 

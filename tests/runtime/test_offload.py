@@ -62,7 +62,7 @@ def _train(rank: int, world: int, root: str) -> dict:
             # the first saved half-way (into a fresh runtime, so everything is reloaded).
             out[name, device] = train_save_resume(
                 kind, _config(zero, extra, device, swap_dir), rank, world, os.path.join(root, f"ckpt-{name}-{device}"),
-                STEPS, at_start=lambda opt: {"files": mine(swap_dir)},
+                STEPS, at_start=lambda opt, swap_dir=swap_dir: {"files": mine(swap_dir)},
                 after_training=lambda opt: {"report": opt.memory_report(),
                                             "numel": sum(u.layout.shard_numel for u in opt.units)})
             out[name, device]["left"] = mine(swap_dir)
@@ -156,7 +156,7 @@ def test_gathered_parameters_edits_reach_offloaded_masters(tmp_path, single_proc
     (name, value), *_ = results["none"][0].items()
     assert torch.equal(value, torch.full_like(value, 0.25)), name
     for device in ("cpu", "nvme"):
-        for got, want in zip(results[device], results["none"]):
+        for got, want in zip(results[device], results["none"], strict=True):
             assert state_dicts_equal(got, want), device
 
 

@@ -98,14 +98,14 @@ def test_units_are_updated_during_backward(tmp_path, single_process, device):
     before = [u.shard.clone() for u in opt.units]
     opt.backward(loss_of("gpt", model, _batch()))
     assert opt.offload.in_step
-    moved = sum(not torch.equal(u.shard, b) for u, b in zip(opt.units, before))
+    moved = sum(not torch.equal(u.shard, b) for u, b in zip(opt.units, before, strict=True))
     assert moved >= len(opt.units) // 2, (moved, len(opt.units))
     if device == "nvme":
         stream = opt.offload._step.stream
         assert 0 < stream.updated < len(stream.items) and stream.read_next > stream.updated
     opt.step()
     assert not opt.offload.in_step
-    assert all(not torch.equal(u.shard, b) for u, b in zip(opt.units, before))
+    assert all(not torch.equal(u.shard, b) for u, b in zip(opt.units, before, strict=True))
     opt.close()
 
 

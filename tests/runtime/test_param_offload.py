@@ -61,7 +61,7 @@ def _train(rank: int, world: int, root: str) -> dict:
             ckpt = os.path.join(root, f"ckpt-{name}-{param}-{optimizer}")
             out[name, param, optimizer] = train_save_resume(
                 "gpt", _config(zero, extra, param, optimizer, swap_dir), rank, world, ckpt, STEPS,
-                at_start=lambda opt: {"files": _mine(swap_dir, rank)}, after_training=after_training)
+                at_start=lambda opt, swap_dir=swap_dir: {"files": _mine(swap_dir, rank)}, after_training=after_training)
             out[name, param, optimizer]["left"] = _mine(swap_dir, rank)
     return out
 

@@ -46,8 +46,8 @@ def test_public_module_still_imports_with_its_names(module):
 def test_a_name_reached_by_two_paths_is_one_object():
     """A re-export is the object itself, not a copy: isinstance and identity checks hold."""
     import zero_runtime
-    import zero_runtime.config
     import zero_runtime.checkpoint.export
+    import zero_runtime.config
     import zero_runtime.offload.swap_file
 
     assert zero_runtime.ZeroConfig is zero_runtime.config.ZeroConfig

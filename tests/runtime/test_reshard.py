@@ -62,7 +62,8 @@ def _shards(opt) -> list[dict]:
     out = []
     for unit in opt.units:
         state = opt.optimizer.state[unit.master]
-        out.append({"slots": [(n, s.offset, s.numel, tuple(s.shape)) for n, s in zip(unit.names, unit.layout.slots)],
+        slots = zip(unit.names, unit.layout.slots, strict=True)
+        out.append({"slots": [(n, s.offset, s.numel, tuple(s.shape)) for n, s in slots],
                     "numel": unit.layout.numel, "range": unit.layout.shard_range(opt.plan.rank),
                     "master": unit.master.detach().clone(), "step": float(state["step"]),
                     **{k: state[k].detach().clone() for k in STATES}})
@@ -111,7 +112,7 @@ def _load(rank: int, world: int, root: str) -> dict:
         with pytest.raises(CheckpointError) as info:
             opt.load_checkpoint(Path(root) / "ckpt")
         out["other-model"] = str(info.value)
-        out["untouched"] = all(torch.equal(b, u.master) for b, u in zip(before, opt.units))
+        out["untouched"] = all(torch.equal(b, u.master) for b, u in zip(before, opt.units, strict=True))
     model, opt = _initialize(world)
     opt.load_checkpoint(Path(root) / "ckpt")
     out["loaded"] = _shards(opt)

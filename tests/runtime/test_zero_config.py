@@ -9,8 +9,8 @@ import pytest
 
 from zcomm import Topology
 from zero_runtime import ZeroConfig
-from zero_runtime.estimate import hpz_estimate, main, stage_estimate
 from zero_runtime.comm._hpz_gather import hpz_block_topology
+from zero_runtime.estimate import hpz_estimate, main, stage_estimate
 
 
 def test_deepspeed_dict_maps_to_fields(tmp_path):

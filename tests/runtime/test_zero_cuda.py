@@ -44,8 +44,15 @@ import torch
 import torch.distributed as dist
 
 from zero_harness import run
-from zero_workloads import (global_batch, local_slice, loss_of, make_model, make_optimizer, optimizer_state_placement,
-                            state_dicts_equal)
+from zero_workloads import (
+    global_batch,
+    local_slice,
+    loss_of,
+    make_model,
+    make_optimizer,
+    optimizer_state_placement,
+    state_dicts_equal,
+)
 
 FP32_RTOL, FP16_RTOL, ZEROPP_RTOL = 1e-4, 1e-2, 1e-3
 STEPS = 4
@@ -174,7 +181,7 @@ def _checkpoint(rank: int, world: int, device: torch.device, group: dist.Process
     loaded = optimizer_state_placement(resumed_opt.optimizer)
     resumed = steps(model, resumed_opt, range(2, 4))
     return {"continued": torch.stack(continued).cpu(), "resumed": torch.stack(resumed).cpu(),
-            "same_masters": all(torch.equal(a, u.master) for a, u in zip(masters, resumed_opt.units)),
+            "same_masters": all(torch.equal(a, u.master) for a, u in zip(masters, resumed_opt.units, strict=True)),
             "never_loaded": optimizer_state_placement(opt.optimizer), "loaded": loaded,
             "resumed_step_tensors": optimizer_state_placement(resumed_opt.optimizer)}
 

@@ -111,11 +111,12 @@ def test_stages_match_single_process_training(world, references):
         losses, weights = results[name]
         ref_losses, ref_weights = references[name]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0,
-                                   msg=lambda m: f"{name}: {m}")
+                                   msg=lambda m, name=name: f"{name}: {m}")
         assert weights.keys() == ref_weights.keys()
         for key in ref_weights:
             got, want = _comparable(key, weights[key]), _comparable(key, ref_weights[key])
-            torch.testing.assert_close(got, want, rtol=0, atol=2e-5, msg=lambda m: f"{name} {key}: {m}")
+            torch.testing.assert_close(got, want, rtol=0, atol=2e-5,
+                                       msg=lambda m, name=name, key=key: f"{name} {key}: {m}")
     same = ["gpt-s3-noprefetch"]
     if world == 2:  # accumulation sums micro-batch means: another summation order
         same = [name for name, _, _, extra in CASES[world]

@@ -59,7 +59,7 @@ def _fp16_overflow(rank: int, world: int) -> dict:
         opt.step()
         if handle is not None:
             handle.remove()
-        unchanged = all(torch.equal(b, u.master) for b, u in zip(before, opt.units))
+        unchanged = all(torch.equal(b, u.master) for b, u in zip(before, opt.units, strict=True))
         log.append((opt.last_step_skipped, opt.loss_scale, unchanged, opt.global_step))
     return {"log": log}
 
@@ -167,11 +167,13 @@ def _overlap(rank: int, world: int) -> dict:
         model, opt = _initialize("gpt", {"zero_optimization": {**FREE_AFTER_USE, "reduce_bucket_size": 3000,
                                                                "overlap_comm": overlap}})
         launched[overlap] = []
-        model.tok.register_full_backward_pre_hook(lambda *_: launched[overlap].append(opt.reducer.launched))
+        model.tok.register_full_backward_pre_hook(
+            lambda *_, hits=launched[overlap], opt=opt: hits.append(opt.reducer.launched))
         if overlap:
             in_flight = []
             for module in model.modules():
-                module.register_full_backward_pre_hook(lambda *_: in_flight.append(len(opt.reducer._in_flight)))
+                module.register_full_backward_pre_hook(
+                    lambda *_, in_flight=in_flight, opt=opt: in_flight.append(len(opt.reducer._in_flight)))
         zero_steps("gpt", model, opt, rank, world, range(2))
     group, gradients = opt.plan.group, opt.plan.reduce_scatter.group
     return {"launched": launched[True], "not_overlapped": launched[False], "in_flight": in_flight,
@@ -250,7 +252,7 @@ def _resume(rank: int, world: int, root: str) -> dict:
             opt.load_checkpoint(Path(root) / f"{name}-truncated")
         except CheckpointError as err:
             results[f"{name}-truncated"] = str(err)
-        results[f"{name}-untouched"] = all(torch.equal(a, u.master) for a, u in zip(initial, opt.units))
+        results[f"{name}-untouched"] = all(torch.equal(a, u.master) for a, u in zip(initial, opt.units, strict=True))
         other = "mlp-s2-fp16" if name == "gpt-s3-bf16" else "gpt-s3-bf16"
         try:
             opt.load_checkpoint(Path(root) / other)
@@ -328,7 +330,7 @@ def test_memory_report_matches_formulas_within_padding(runs):
             pad = padded - psi
             slack = (2 * pad, 2 * pad, 12 * pad + 8 * units)  # padding, plus Adam's step counters
             assert report[3] == 0  # no hpZ secondary without ZeRO++
-            for got, want, extra in zip(report[:3], formulas[name], slack):
+            for got, want, extra in zip(report[:3], formulas[name], slack, strict=True):
                 assert want <= got <= want + extra, (name, report, formulas[name])
 
 

@@ -20,8 +20,7 @@ import pytest
 import torch
 
 from zero_harness import run
-from zero_workloads import (grouped_optimizer, make_model, make_optimizer, reference_run, state_dicts_equal,
-                            zero_steps)
+from zero_workloads import grouped_optimizer, make_model, make_optimizer, reference_run, state_dicts_equal, zero_steps
 
 STEPS = 12
 CASES = [  # (name, model, config without the optimizer, single-process oracle's options)
@@ -133,11 +132,11 @@ def test_stage0_matches_single_process_training(two_ranks, references):
         got, (ref_losses, ref_weights) = results[name], references[name]
         assert got["stage"] == 0, name
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0,
-                                   msg=lambda m: f"{name}: {m}")
+                                   msg=lambda m, name=name: f"{name}: {m}")
         assert got["weights"].keys() == ref_weights.keys()
         for key in ref_weights:
             torch.testing.assert_close(_comparable(key, got["weights"][key]), _comparable(key, ref_weights[key]),
-                                       rtol=0, atol=2e-5, msg=lambda m: f"{name} {key}: {m}")
+                                       rtol=0, atol=2e-5, msg=lambda m, name=name, key=key: f"{name} {key}: {m}")
 
 
 @pytest.mark.slow
@@ -151,10 +150,10 @@ def test_a_config_without_a_stage_is_stage_0_and_two_ranks_compute_stage_1s_bits
 def test_every_rank_holds_the_same_whole_weights(two_ranks):
     for name in two_ranks[0]["cases"]:
         mine, other = two_ranks[0]["cases"][name]["full"], two_ranks[1]["cases"][name]["full"]
-        assert all(torch.equal(a, b) for a, b in zip(mine, other)), name
+        assert all(torch.equal(a, b) for a, b in zip(mine, other, strict=True)), name
     for precision in ("bf16", "fp16"):
         mine, other = two_ranks[0]["precisions"][precision]["full"], two_ranks[1]["precisions"][precision]["full"]
-        assert all(torch.equal(a, b) for a, b in zip(mine, other)), precision
+        assert all(torch.equal(a, b) for a, b in zip(mine, other, strict=True)), precision
 
 
 @pytest.mark.slow
@@ -174,7 +173,7 @@ def test_bf16_and_fp16_train_like_fp32(two_ranks):
     for precision, expected in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
         got = two_ranks[0]["precisions"][precision]
         assert got["dtype"] == expected
-        assert all(abs(a - b) <= 0.02 * b for a, b in zip(got["losses"], fp32)), (precision, got["losses"], fp32)
+        assert all(abs(a - b) <= 0.02 * b for a, b in zip(got["losses"], fp32, strict=True)), (precision, got["losses"], fp32)
     fp16 = two_ranks[0]["precisions"]["fp16"]
     # dynamic scaling from 2**20: the first steps overflow and are skipped, then it trains
     assert 0 < fp16["skipped"] < STEPS and fp16["loss_scale"] < 2 ** 20
@@ -256,7 +255,7 @@ def test_qgz_all_reduce_tracks_plain_stage_0(quantized):
     plain = quantized[0]["plain"]["losses"]
     for name in Q_CASES:
         losses = quantized[0][name]["losses"]
-        assert all(abs(a - b) <= 0.02 * b for a, b in zip(losses, plain)), (name, losses, plain)
+        assert all(abs(a - b) <= 0.02 * b for a, b in zip(losses, plain, strict=True)), (name, losses, plain)
         if name != "plain":
             assert losses != plain, f"{name}: nothing was quantized"
 
@@ -266,13 +265,13 @@ def test_qgz_all_reduce_leaves_the_same_weights_on_every_rank(quantized):
     for name in Q_CASES:
         first = quantized[0][name]["full"]
         for later in quantized[1:]:
-            assert all(torch.equal(a, b) for a, b in zip(first, later[name]["full"])), name
+            assert all(torch.equal(a, b) for a, b in zip(first, later[name]["full"], strict=True)), name
 
 
 @pytest.mark.slow
 def test_comm_stats_count_the_all_reduce_q4_bytes(quantized):
     plain_inter = quantized_inter = 0
-    for rank, out in enumerate(quantized):
+    for out in quantized:
         plain = out["plain"]["stats"]
         # zcomm.all_reduce counts a ring's bytes
         assert plain.keys() == {"all_reduce"} and plain["all_reduce"][0] == STEPS_Q * out["plain"]["buckets"], plain
@@ -301,7 +300,7 @@ def test_comm_stats_count_the_all_reduce_q4_bytes(quantized):
 @pytest.mark.slow
 def test_qgz_units_are_padded_to_aligned_slices(quantized):
     for name in Q_CASES:
-        for numel, align in zip(quantized[0][name]["numel"], quantized[0][name]["aligned"]):
+        for numel, align in zip(quantized[0][name]["numel"], quantized[0][name]["aligned"], strict=True):
             assert numel % (WORLD_Q * align) == 0, (name, numel, align)
     assert any(align > 1 for align in quantized[0]["qgZ"]["aligned"])
 

@@ -154,7 +154,8 @@ def _traffic(rank: int) -> dict:
                        ("ZeRO++", OPTIONS["ZeRO++"]), ("ZeRO++ defaults", OPTIONS["ZeRO++ defaults"])):
         model, opt = _initialize(zero, precision="bf16")
         launched = []
-        model.tok.register_full_backward_pre_hook(lambda *_: launched.append(opt.reducer.launched))
+        model.tok.register_full_backward_pre_hook(
+            lambda *_, launched=launched, opt=opt: launched.append(opt.reducer.launched))
         zero_steps("gpt", model, opt, rank, WORLD, range(1))
         out[name] = _step_by_phase(model, opt, rank, 1)
         if name == "ZeRO++":
@@ -381,7 +382,7 @@ def test_qgz_gradients_within_the_int4_bound_and_averaged_over_the_world(results
         bounds = numerics["grad_absmax"].sum(dim=0) / 7 / WORLD * (1 + 1e-4)
         errors = []
         would_catch_node_count = False
-        for unit, (got, want) in enumerate(zip(numerics["qgz_grads"], numerics["plain_grads"])):
+        for unit, (got, want) in enumerate(zip(numerics["qgz_grads"], numerics["plain_grads"], strict=True)):
             error = (got - want).abs().max().item()
             assert error <= bounds[unit], (rank, unit, error, bounds[unit].item())
             errors.append(error)
@@ -399,7 +400,7 @@ def test_qwz_gathered_weights_within_the_int8_bound(results):
         quantized = False
         for unit, got in numerics["gathered"].items():
             exact = numerics["exact_flat"][unit]
-            for got_shard, exact_shard in zip(got.chunk(WORLD), exact.chunk(WORLD)):
+            for got_shard, exact_shard in zip(got.chunk(WORLD), exact.chunk(WORLD), strict=True):
                 bound = exact_shard.abs().max().item() / 254 * (1 + 1e-4)
                 assert (got_shard - exact_shard).abs().max().item() <= bound, unit
             quantized |= not torch.equal(got, exact)

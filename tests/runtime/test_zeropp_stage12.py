@@ -106,8 +106,9 @@ def _restarts(rank: int, root: str) -> dict:
 
 def _exact_against_masters(opt) -> bool:
     """Every unit's own shard of the full buffer is exactly its master in the compute dtype."""
+    ranges = [u.layout.shard_range(opt.plan.rank) for u in opt.units]
     return all(torch.equal(unit.full[lo:hi], unit.master.to(unit.full.dtype))
-               for unit, (lo, hi) in zip(opt.units, (u.layout.shard_range(opt.plan.rank) for u in opt.units)))
+               for unit, (lo, hi) in zip(opt.units, ranges, strict=True))
 
 
 def _long_run(rank: int) -> dict:
@@ -185,14 +186,15 @@ def test_every_rank_holds_the_same_weights_bit_for_bit(results):
         for key in results[0][precision]:
             first = results[0][precision][key]["full"]
             for rank_results in results[1:]:
-                assert all(torch.equal(a, b) for a, b in zip(first, rank_results[precision][key]["full"])), key
+                full = rank_results[precision][key]["full"]
+                assert all(torch.equal(a, b) for a, b in zip(first, full, strict=True)), key
 
 
 @pytest.mark.slow
 def test_quantized_runs_track_plain_stage_1_and_2(results):
     for (stage, name), run_ in results[0]["fp32"].items():
         plain = results[0]["fp32"][(stage, "plain")]["losses"]
-        assert all(abs(a - b) <= 0.02 * abs(b) for a, b in zip(run_["losses"], plain)), (stage, name)
+        assert all(abs(a - b) <= 0.02 * abs(b) for a, b in zip(run_["losses"], plain, strict=True)), (stage, name)
         if name != "plain":
             assert run_["losses"] != plain, f"{name}: nothing was quantized"
 
@@ -203,7 +205,7 @@ def test_weights_within_qwz_bound_of_the_owners_masters(results):
         for (stage, name), run_ in rank_results["fp32"].items():
             if "delta" not in name and "qwZ" not in name:
                 continue
-            for full, master, (lo, hi) in zip(run_["full"], run_["masters"], run_["ranges"]):
+            for full, master, (lo, hi) in zip(run_["full"], run_["masters"], run_["ranges"], strict=True):
                 bound = torch.nn.functional.pad(master, (0, -master.numel() % GROUP)).view(-1, GROUP)
                 bound = bound.abs().amax(dim=1).repeat_interleave(GROUP)[:master.numel()] / 254 * (1 + 1e-4)
                 assert ((full[lo:hi] - master).abs() <= bound + 1e-12).all(), (stage, name)
@@ -240,7 +242,8 @@ def test_loads_and_edits_restart_from_exact_values(results):
         assert restarts["after_checkpoint"] and restarts["after_state_dict"] and restarts["after_edit"]
     for later in results[1:]:
         got = later["restarts"]["after_edit_step"]["full"]
-        assert all(torch.equal(a, b) for a, b in zip(results[0]["restarts"]["after_edit_step"]["full"], got))
+        first = results[0]["restarts"]["after_edit_step"]["full"]
+        assert all(torch.equal(a, b) for a, b in zip(first, got, strict=True))
 
 
 @pytest.mark.slow

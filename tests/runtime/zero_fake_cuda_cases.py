@@ -12,7 +12,6 @@ and control flow are).
 from __future__ import annotations
 
 import functools
-
 import tempfile
 from typing import Any, Callable
 

@@ -15,9 +15,9 @@ import json
 
 import pytest
 import torch
-from scale_cases import payload_bytes
 from torch import nn
 
+from scale_cases import payload_bytes
 from zero_runtime import estimate
 from zero_runtime._dry_run import dry_run
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from scale_cases import LAYOUTS, case_id, cases, fake_rank, op_bytes, payload_bytes, ring_bytes
 
 import zcomm
+from scale_cases import LAYOUTS, case_id, cases, fake_rank, op_bytes, payload_bytes, ring_bytes
 from zcomm._groups import node_groups
 
 CASES = cases()
@@ -138,14 +138,14 @@ def test_coalesced_and_prepared_forms(case):
         zcomm.reduce_scatter_q4_coalesced(outputs, inputs, op=dist.ReduceOp.AVG, topology=topology)
         one = _qgz_expected(world, local, 1, 5)
         assert op_bytes("reduce_scatter_q4") == (1, *one)
-        for output, input in zip(outputs, inputs):
+        for output, input in zip(outputs, inputs, strict=True):
             _check_mean(output, input, world)
         prepared = zcomm.prepare_reduce_scatter_q4_coalesced(outputs, inputs, op=dist.ReduceOp.AVG, topology=topology)
         for _ in range(2):
             outputs = [torch.full((2,), float("nan")), torch.full((3,), float("nan"))]
             prepared(outputs, inputs)
         assert op_bytes("reduce_scatter_q4") == (3, 3 * one[0], 3 * one[1])
-        for output, input in zip(outputs, inputs):
+        for output, input in zip(outputs, inputs, strict=True):
             _check_mean(output, input, world)
         shard = torch.randn(7)
         gather = zcomm.prepare_all_gather_q8(torch.empty(world * 7), shard, topology=topology)

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scale_cases import case_id, cases, fake_rank, op_bytes, payload_bytes
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import zcomm
 import zcomm.fsdp
+from scale_cases import case_id, cases, fake_rank, op_bytes, payload_bytes
 
 # (dim 0, elements per row) of a block's parameters: Linear(12, 10), LayerNorm(10), Linear(10, 12)
 BLOCK_PARAMS = ((10, 12), (10, 1), (10, 1), (10, 1), (12, 10), (12, 1))

@@ -15,11 +15,11 @@ import functools
 
 import pytest
 import torch
-from scale_cases import LAYOUTS, case_id, cases, fake_rank, op_bytes, payload_bytes, ring_bytes
 from torch import nn
 
 import zcomm
 import zero_runtime
+from scale_cases import LAYOUTS, case_id, cases, fake_rank, op_bytes, payload_bytes, ring_bytes
 
 HPZ_SIZES = (2, 3, 4, 8, 16)
 STAGE3 = {"stage": 3, "zcomm_stage3_fuse_numel": 0, "stage3_param_persistence_threshold": 0,
@@ -76,7 +76,7 @@ def _check_layout(opt: zero_runtime.ZeroOptimizer, world: int, rank: int) -> int
     assert [u.names for u in opt.units] == [("vec",), ("lin1.weight", "lin1.bias"), ("norm.weight", "norm.bias"),
                                            ("lin2.weight",)]
     total = 0
-    for unit, numel in zip(opt.units, UNIT_NUMELS):
+    for unit, numel in zip(opt.units, UNIT_NUMELS, strict=True):
         padded = -(-numel // world) * world
         assert unit.layout.align == 1 and unit.layout.numel == padded
         assert unit.shard.numel() == unit.master.numel() == padded // world

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from ._error import CheckpointError
 from .._flat_buffer import FlatLayout
 from .._partition import optimizer_indices
+from ._error import CheckpointError
 
 
 def saved_shards(meta: dict[str, Any]) -> int:
@@ -65,7 +65,7 @@ def saved_unit_views(root: Path, meta: dict[str, Any], files: list[dict[str, Any
     aligns = meta.get("frozen_aligns" if frozen else "aligns") or [None] * len(entries)
     field = "frozen_shards" if frozen else "masters"
     out = []
-    for i, (entry, align) in enumerate(zip(entries, aligns)):
+    for i, (entry, align) in enumerate(zip(entries, aligns, strict=True)):
         layout = _saved_layout(meta, entry, align)
         flat = torch.cat([f[field][i] for f in files])
         if flat.numel() != layout.numel:
@@ -119,9 +119,9 @@ def resharded_rank_state(state, plan, root: Path, meta: dict[str, Any], files: l
     masters: dict[str, torch.Tensor] = {}  # parameter name -> full fp32 master
     elementwise: dict[str, dict[str, torch.Tensor]] = {}  # name -> state key -> full tensor
     scalars: dict[str, dict[str, torch.Tensor] | None] = {}  # name -> its saved unit's scalar states (None: no state)
-    for i, (entry, (layout, views)) in enumerate(zip(saved_fp, saved_unit_views(root, meta, files))):
+    for i, (entry, (layout, views)) in enumerate(zip(saved_fp, saved_unit_views(root, meta, files), strict=True)):
         names = [name for name, _ in entry[-1]]
-        masters.update(zip(names, views))
+        masters.update(zip(names, views, strict=True))
         entries = [f["optimizer"].get("state", {}).get(saved_index[i]) for f in files]
         if all(e is None for e in entries):
             for name in names:
@@ -142,13 +142,13 @@ def resharded_rank_state(state, plan, root: Path, meta: dict[str, Any], files: l
             if whole.shape != (layout.numel,):
                 raise CheckpointError(f"{root}: optimizer state {key!r} of unit {i} is neither a scalar nor "
                                       "shaped like the master shards; it cannot be resharded")
-            for name, view in zip(names, layout.views(whole)):
+            for name, view in zip(names, layout.views(whole), strict=True):
                 elementwise.setdefault(name, {})[key] = view
         for name in names:
             scalars[name] = unit_scalars
 
     new_masters, new_state = [], {}
-    for unit, our_index in zip(state.units, optimizer_indices(state.optimizer, state.units)):
+    for unit, our_index in zip(state.units, optimizer_indices(state.optimizer, state.units), strict=True):
         start, end = unit.shard_range()
         new_masters.append(unit.layout.flatten([masters[n] for n in unit.names], dtype=torch.float32)[start:end].clone())
         drawn = [scalars[n] for n in unit.names]
@@ -167,7 +167,7 @@ def resharded_rank_state(state, plan, root: Path, meta: dict[str, Any], files: l
             entry[key] = full[start:end].clone()
         new_state[our_index] = entry
     current = state.optimizer.state_dict()["param_groups"]
-    param_groups = [{**saved, "params": ours["params"]} for saved, ours in zip(groups, current)]
+    param_groups = [{**saved, "params": ours["params"]} for saved, ours in zip(groups, current, strict=True)]
 
     if any(f.get("reduce_scatter") for f in files):
         warnings.warn(f"{root}: LoCo's error-feedback buffers are per gradient bucket and rank and are not resharded; "

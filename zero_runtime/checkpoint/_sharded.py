@@ -38,11 +38,11 @@ from typing import Any
 import torch
 
 from .. import _host_sync
-from . import _reshard
-from ._error import CheckpointError
+from .._state import TrainingState
 from ..comm._plan import CommPlan
 from ..offload._params import resident
-from .._state import TrainingState
+from . import _reshard
+from ._error import CheckpointError
 
 FORMAT = "zero_runtime.sharded/1"
 META = "meta.json"
@@ -57,7 +57,7 @@ def fingerprint(state: TrainingState) -> list[list[Any]]:
 def _slots(unit) -> list[list[Any]]:
     """Names and shapes of a unit's parameters, from its layout: a freed stage-3
     parameter's own ``.shape`` is (0,)."""
-    return [[name, list(slot.shape)] for name, slot in zip(unit.names, unit.layout.slots)]
+    return [[name, list(slot.shape)] for name, slot in zip(unit.names, unit.layout.slots, strict=True)]
 
 
 def rank_state(state: TrainingState, plan: CommPlan) -> dict[str, Any]:
@@ -98,7 +98,8 @@ def validate_rank_state(state: TrainingState, plan: CommPlan, saved: Any) -> dic
         raise CheckpointError("state was written for another model or bucketing (parameter names, shapes or "
                               "bucket sizes differ)")
     masters = saved["masters"]
-    if len(masters) != len(state.units) or any(m.shape != (u.layout.shard_numel,) for m, u in zip(masters, state.units)):
+    if len(masters) != len(state.units) or any(m.shape != (u.layout.shard_numel,)
+                                               for m, u in zip(masters, state.units, strict=True)):
         raise CheckpointError("master shard shapes do not match this run")
     groups = saved["optimizer"].get("param_groups", [])
     if [len(g["params"]) for g in groups] != [len(g["params"]) for g in state.optimizer.param_groups]:
@@ -124,7 +125,7 @@ def apply_rank_state(state: TrainingState, plan: CommPlan, saved: dict[str, Any]
     else:
         state.optimizer.load_state_dict(saved["optimizer"])
         with torch.no_grad():
-            for unit, master in zip(state.units, saved["masters"]):
+            for unit, master in zip(state.units, saved["masters"], strict=True):
                 unit.master.copy_(master)
     state.scaler.load_state_dict(saved["scaler"])
     if state.lr_scheduler is not None:
@@ -327,7 +328,7 @@ def full_state_dict(state: TrainingState, plan: CommPlan, model: torch.nn.Module
             else:
                 flat = torch.empty(unit.layout.numel, dtype=source.dtype, device=source.device)
                 plan.exact_all_gather(flat, source)
-        for param, view in zip(unit.params, unit.layout.views(flat)):
+        for param, view in zip(unit.params, unit.layout.views(flat), strict=True):
             full_of[param] = view.clone()
     if plan.rank != 0:
         return {}

@@ -123,6 +123,6 @@ class _AllReduced:
         if self._divide_by != 1:
             self._staged.div_(self._divide_by)
         if len(self._outputs) > 1:
-            for output, part in zip(self._outputs, self._staged.split([o.numel() for o in self._outputs])):
+            for output, part in zip(self._outputs, self._staged.split([o.numel() for o in self._outputs]), strict=True):
                 output.copy_(part)
         self._work = self._staged = None

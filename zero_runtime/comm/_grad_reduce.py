@@ -54,9 +54,8 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from .._contract import Handle
-from ._plan import CommPlan
 from .._partition import FlatUnit
-
+from ._plan import CommPlan
 
 MAX_IN_FLIGHT = 2  # buckets; see [Note: gradient buffer lifetimes]
 
@@ -164,7 +163,7 @@ class GradReducer:
         """Wait for a bucket's collective and add this rank's slices into the units' ``grad_shard``."""
         flight.handle.wait()
         shards = _split(flight.output, flight.shard_numels)
-        for unit, shard in zip(flight.units, shards):
+        for unit, shard in zip(flight.units, shards, strict=True):
             unit.grad_shard.add_(shard)
             if self.keep_full_grads:
                 unit.full_grad.zero_()

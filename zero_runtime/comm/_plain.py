@@ -70,6 +70,7 @@ class _MeanOnWait:
         self._work.wait()
         self._staged_out.div_(self._world)
         if len(self._outputs) > 1:
-            for output, part in zip(self._outputs, self._staged_out.split([o.numel() for o in self._outputs])):
+            parts = self._staged_out.split([o.numel() for o in self._outputs])
+            for output, part in zip(self._outputs, parts, strict=True):
                 output.copy_(part)
         self._work = self._staged_in = self._staged_out = None

@@ -77,12 +77,12 @@ import zcomm
 from zcomm.quant import QuantSpec
 
 from .._contract import AllGather, ReduceScatter
+from ..config import ZeroConfig
 from ._all_reduce import PlainAllReduce, QuantizedAllReduce
 from ._hpz_gather import HpzGather
 from ._plain import PlainAllGather, PlainReduceScatter
 from ._quantized import QuantizedAllGather, QuantizedReduceScatter
 from ._weight_delta import WeightDeltaAllGather
-from ..config import ZeroConfig
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -48,8 +48,12 @@ import torch
 import torch.distributed as dist
 
 import zcomm
-from zcomm import (PreparedAllGatherQ8, PreparedReduceScatterQ4, prepare_all_gather_q8,
-                   prepare_reduce_scatter_q4_coalesced)
+from zcomm import (
+    PreparedAllGatherQ8,
+    PreparedReduceScatterQ4,
+    prepare_all_gather_q8,
+    prepare_reduce_scatter_q4_coalesced,
+)
 from zcomm.quant import QuantSpec
 
 from .._contract import AllGather, Handle, Phase, ReduceScatter

@@ -11,12 +11,30 @@ live with their owners (offload, activation checkpointing) and are re-exported h
 
 from .._config_keys import describe_unknown, unknown_keys_error
 from ..activation_checkpointing import ActivationCheckpointingConfig
-from ..offload._config import (DEFAULT_SUB_GROUP_SIZE, AioConfig, OffloadOptimizerConfig, OffloadParamConfig,
-                               aio_config, integral_count, offload_optimizer_config, offload_param_config)
-from ._zero_config import (DEFAULT_FUSE_NUMEL, DEFAULT_MAX_LIVE_PARAMETERS, DEFAULT_MAX_REUSE_DISTANCE,
-                           DEFAULT_PARAM_PERSISTENCE_THRESHOLD, DEFAULT_PREFETCH_BUCKET_SIZE,
-                           DEFAULT_REDUCE_BUCKET_SIZE, LocoConfig, LossScaleConfig, Precision, QuantGroupSize,
-                           ZeroConfig, resolve_config)
+from ..offload._config import (
+    DEFAULT_SUB_GROUP_SIZE,
+    AioConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    aio_config,
+    integral_count,
+    offload_optimizer_config,
+    offload_param_config,
+)
+from ._zero_config import (
+    DEFAULT_FUSE_NUMEL,
+    DEFAULT_MAX_LIVE_PARAMETERS,
+    DEFAULT_MAX_REUSE_DISTANCE,
+    DEFAULT_PARAM_PERSISTENCE_THRESHOLD,
+    DEFAULT_PREFETCH_BUCKET_SIZE,
+    DEFAULT_REDUCE_BUCKET_SIZE,
+    LocoConfig,
+    LossScaleConfig,
+    Precision,
+    QuantGroupSize,
+    ZeroConfig,
+    resolve_config,
+)
 
 __all__ = ["ZeroConfig", "LossScaleConfig", "LocoConfig", "OffloadOptimizerConfig", "OffloadParamConfig", "AioConfig",
            "ActivationCheckpointingConfig", "Precision", "QuantGroupSize", "resolve_config",

@@ -26,8 +26,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..lr_schedules import SCHEDULES
 from .._config_keys import did_you_mean, unknown_keys_error
+from ..lr_schedules import SCHEDULES
 
 _DEEPSPEED_ONLY_OPTIMIZERS = ("lamb", "onebitadam", "onebitlamb", "zerooneadam", "lion", "muadam", "muadamw",
                               "musgd", "muon", "adamw8bit")

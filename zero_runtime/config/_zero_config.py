@@ -19,11 +19,19 @@ from typing import Any, Literal, Mapping
 from zcomm import check_first_hop_bits, check_hadamard_block
 from zcomm.quant import QuantSpec
 
-from . import _deepspeed_json, _optim_spec
 from .._config_keys import unknown_keys_error
 from ..activation_checkpointing import ActivationCheckpointingConfig
-from ..offload._config import (DEFAULT_SUB_GROUP_SIZE, AioConfig, OffloadOptimizerConfig, OffloadParamConfig,
-                               aio_config, integral_count, offload_optimizer_config, offload_param_config)
+from ..offload._config import (
+    DEFAULT_SUB_GROUP_SIZE,
+    AioConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    aio_config,
+    integral_count,
+    offload_optimizer_config,
+    offload_param_config,
+)
+from . import _deepspeed_json, _optim_spec
 
 Precision = Literal["fp32", "bf16", "fp16"]
 # Elements per quantization scale, as ``zcomm.quant.QuantSpec.group_size`` takes it: an int

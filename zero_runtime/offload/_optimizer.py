@@ -44,12 +44,12 @@ from typing import Any
 
 import torch
 
-from ._params import ParamOffload, resident
 from .._partition import FlatUnit, optimizer_indices
-from ._swap_stream import SwapStream
-from .swap_file import SwapFile, aligned_buffer, round_up
 from ..config import ZeroConfig
+from ._params import ParamOffload, resident
+from ._swap_stream import SwapStream
 from .cpu_adam import AdamHyper, adam_step
+from .swap_file import SwapFile, aligned_buffer, round_up
 
 _STATES = ("exp_avg", "exp_avg_sq")
 
@@ -202,7 +202,7 @@ class OptimizerOffload:
         buffers allow without waiting on reads it just started."""
         step = self._step
         assert step is not None, "add() outside begin_step()/end_step()"
-        for unit, grad in zip(units, grads):
+        for unit, grad in zip(units, grads, strict=True):
             assert unit.index not in step.grads, "a unit was updated twice in one step"
             step.grads[unit.index] = self._host_grad(unit, grad)
         subgroups = [sg for unit in units for sg in self._by_unit[unit.index]]
@@ -239,8 +239,8 @@ class OptimizerOffload:
         self._update_in_memory(step.pending)
         self._step = None
         now = [_hyper(self.optimizer, u.group_index) for u in self.units]
-        return sorted({name for old, new in zip(step.hypers, now) for name in (f.name for f in fields(AdamHyper))
-                       if getattr(old, name) != getattr(new, name)})
+        return sorted({name for old, new in zip(step.hypers, now, strict=True)
+                       for name in (f.name for f in fields(AdamHyper)) if getattr(old, name) != getattr(new, name)})
 
     def abort_step(self) -> None:
         """After an exception between ``begin_step`` and ``end_step``: a step that updated
@@ -283,7 +283,7 @@ class OptimizerOffload:
         out = [[torch.empty(u.layout.shard_numel) for _ in range(3)] for u in self.units]
         for sg in self.subgroups:
             self._io(sg, self.buffers[0], write=False).wait()
-            for target, source in zip(out[sg.unit], self._region(self.buffers[0], sg)):
+            for target, source in zip(out[sg.unit], self._region(self.buffers[0], sg), strict=True):
                 target[sg.lo : sg.hi].copy_(source)
         return out
 
@@ -297,7 +297,7 @@ class OptimizerOffload:
         index = optimizer_indices(self.optimizer, self.units)
         states = self.unit_states()
         state = {}
-        for unit, (_, exp_avg, exp_avg_sq) in zip(self.units, states):
+        for unit, (_, exp_avg, exp_avg_sq) in zip(self.units, states, strict=True):
             if self.steps[unit.index]:
                 state[index[unit.index]] = {"step": torch.tensor(float(self.steps[unit.index])),
                                             "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
@@ -310,24 +310,24 @@ class OptimizerOffload:
             if self._step.stream is not None:
                 self._step.stream.settle()
             self._step = None
-        for group, saved_group in zip(self.optimizer.param_groups, saved["param_groups"]):
+        for group, saved_group in zip(self.optimizer.param_groups, saved["param_groups"], strict=True):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
         index = optimizer_indices(self.optimizer, self.units)
-        for unit, master in zip(self.units, masters):
+        for unit, master in zip(self.units, masters, strict=True):
             entry = saved["state"].get(index[unit.index])
             self.steps[unit.index] = int(entry["step"]) if entry else 0
             values = [master.float()] + [entry[k].float() if entry else torch.zeros_like(master) for k in _STATES]
             if self.swap is None:
-                for key, value in zip(("master", *_STATES), values):
+                for key, value in zip(("master", *_STATES), values, strict=True):
                     self.host[unit.index][key].copy_(value)
                 continue
             for sg in (sg for sg in self.subgroups if sg.unit == unit.index):
-                for target, value in zip(self._region(self.buffers[0], sg), values):
+                for target, value in zip(self._region(self.buffers[0], sg), values, strict=True):
                     target.copy_(value[sg.lo : sg.hi])
                 self._io(sg, self.buffers[0], write=True).wait()
         if self._pinned:  # the last write-back may still read compute_copy (see [Note: write-back copies])
             torch.cuda.synchronize()
-        for unit, master in zip(self.units, masters):
+        for unit, master in zip(self.units, masters, strict=True):
             with resident(self.param_offload, [unit] if self._writes_offloaded_shard(unit) else [], overwrite=True):
                 self.compute_copy[unit.index].copy_(master)
 

@@ -88,7 +88,7 @@ def _call_vssqrt(typingctx, address, count, source, target):
 
     def codegen(context, builder, signature, args):
         fn = builder.inttoptr(args[0], _SQRT_FN.as_pointer())
-        ptrs = [builder.inttoptr(arg, ty) for arg, ty in zip(args[1:], _SQRT_FN.args)]
+        ptrs = [builder.inttoptr(arg, ty) for arg, ty in zip(args[1:], _SQRT_FN.args, strict=True)]
         builder.call(fn, ptrs)
         return context.get_dummy_value()
 

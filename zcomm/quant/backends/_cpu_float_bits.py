@@ -29,7 +29,6 @@ so the kernels are recompiled with the new helpers.
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 from llvmlite import ir

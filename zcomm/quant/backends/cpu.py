@@ -52,8 +52,8 @@ import torch
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .._threads import use_thread_share as _use_thread_share
 from .._contract import implements
+from .._threads import use_thread_share as _use_thread_share
 from ..wire_format import ALIGN, QMAX, SMALLEST_NORMAL_F32, SUBNORMAL_PRESCALE
 from ._cpu_float_bits import (
     F32_CANONICAL_NAN_BITS,
