@@ -147,3 +147,18 @@ def test_contract_modules_have_one_name():
     so that a reader looks for them in one place."""
     assert [m for m in SOURCES if m.rsplit(".", 1)[-1] == "_api"] == []
     assert {"zcomm._contract", "zcomm.quant._contract", "zero_runtime._contract"} <= set(SOURCES)
+
+
+def test_isort_knows_every_test_helper_imported_by_bare_name():
+    """pyproject's known-first-party lists each helper module under tests/ (imported by bare name),
+    so ruff sorts them with this repository's imports ([tool.ruff.lint.isort])."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["ruff"]["lint"]["isort"]
+                 ["known-first-party"])
+    helpers = {path.stem for path in [*REPO.glob("tests/*.py"), *REPO.glob("tests/*/*.py")]
+               if not path.stem.startswith("test_") and path.stem not in ("conftest", "__init__")}
+    imported = {name for name in helpers if any(
+        f"from {name} import" in text or f"import {name}\n" in text
+        for text in (path.read_text() for path in REPO.glob("tests/**/test_*.py")))}
+    assert imported - listed == set(), f"add to [tool.ruff.lint.isort] known-first-party: {sorted(imported - listed)}"

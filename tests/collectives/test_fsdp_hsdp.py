@@ -7,7 +7,6 @@ any communication.
 
 from __future__ import annotations
 
-import fsdp_hsdp_cases
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+import fsdp_hsdp_cases
 import zcomm
 import zcomm.fsdp
 from spawn_harness import run_distributed

@@ -20,11 +20,11 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from cuda_fakes import fake_launch_plans
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import zcomm
+from cuda_fakes import fake_launch_plans
 from zcomm import _hop_release
 from zcomm.quant import _capture, _contract, _registry
 from zcomm.quant.backends import _cuda_launch as cuda_launch

@@ -25,8 +25,8 @@ import types
 import numpy as np
 import pytest
 import torch
-from cuda_fakes import fake_launch_plans
 
+from cuda_fakes import fake_launch_plans
 from cuda_support import NVCC, requires_gpu, requires_nvcc, requires_nvrtc
 from nvcc_builds import Builds, Nvrtc
 from test_cuda_launch_abi import DTYPES, _run_every_op

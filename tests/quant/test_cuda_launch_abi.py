@@ -19,8 +19,8 @@ import re
 import numpy as np
 import pytest
 import torch
-from cuda_fakes import fake_launch_plans
 
+from cuda_fakes import fake_launch_plans
 from cuda_support import requires_nvcc
 from nvcc_builds import Builds, Ptx
 from zcomm.quant import payload_nbytes
