@@ -162,3 +162,10 @@ def test_isort_knows_every_test_helper_imported_by_bare_name():
         f"from {name} import" in text or f"import {name}\n" in text
         for text in (path.read_text() for path in REPO.glob("tests/**/test_*.py")))}
     assert imported - listed == set(), f"add to [tool.ruff.lint.isort] known-first-party: {sorted(imported - listed)}"
+
+
+def test_test_files_have_unique_names():
+    """pytest imports test files without packages by their base name: two of one name in different
+    folders stop the whole suite's collection."""
+    names = sorted(path.name for path in REPO.glob("tests/**/test_*.py"))
+    assert not {name for name in names if names.count(name) > 1}

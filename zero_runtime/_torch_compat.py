@@ -7,7 +7,7 @@ rank's input (so values stay finite, but are no real job's), and whose subgroups
 arithmetic are those of a real world. torch registers the
 ``"fake"`` backend when ``torch.testing._internal.distributed.fake_pg`` is imported and offers
 no public way to reach it; its ``FakeStore`` is the store it is initialised with (torchtitan's
-dry runs do the same). ``tests/runtime/test_torch_compat.py`` pins what the dry run relies on:
+dry runs do the same). ``tests/runtime/test_zero_torch_compat.py`` pins what the dry run relies on:
 the import, the backend name, subgroups and the collectives zcomm issues.
 
 """

@@ -2,7 +2,7 @@
 
 Every expected number is computed here from the topology and the wire format
 (``conftest.payload_bytes``), not read from zcomm. Values: the fake backend delivers this
-rank's own rows to every hop (pinned in ``tests/runtime/test_torch_compat.py``), so qwZ's
+rank's own rows to every hop (pinned in ``tests/runtime/test_zero_torch_compat.py``), so qwZ's
 output is W copies of this rank's dequantized input, and qgZ's AVG is the mean over the ``W``
 slices of this rank's input, within the two INT4 roundings' bound: each hop moves an element
 by at most half its group's scale, ``absmax / 14`` of what it quantizes (hop 1 per source,
