@@ -40,15 +40,23 @@ _LOCK = threading.Lock()
 _PREFIX = "zcomm/gpu"
 
 
+def _backends(group: dist.ProcessGroup) -> dict[str, str]:
+    """Device type -> the backend that runs its work on ``group`` (``"nccl"`` alone: every device)."""
+    parts = [part.split(":") for part in str(dist.get_backend(group)).lower().split(",")]
+    return {part[0]: part[-1] for part in parts} if all(len(part) == 2 for part in parts) else {"*": parts[0][-1]}
+
+
 def uses_nccl(group: dist.ProcessGroup) -> bool:
-    """Whether ``group`` runs its CUDA work on NCCL."""
-    return "nccl" in str(dist.get_backend(group)).lower()
+    """Whether ``group`` runs its CUDA work on NCCL (torch's ``nccl`` backend by that name; another
+    backend, a test's fake one included, is not NCCL)."""
+    backends = _backends(group)
+    return backends.get("cuda", backends.get("*")) == "nccl"
 
 
 def _object_collective_device_needed(group: dist.ProcessGroup) -> bool:
     """Whether torch's object collectives on ``group`` stage their bytes on a GPU (an NCCL-only group)."""
-    backend = str(dist.get_backend(group)).lower()
-    return "nccl" in backend and "cpu" not in backend
+    backends = _backends(group)
+    return uses_nccl(group) and "cpu" not in backends
 
 
 def rank_device(group: dist.ProcessGroup, device: torch.device | None = None) -> torch.device:
@@ -101,7 +109,8 @@ def count_sharing(store: dist.Store, world_size: int, key: str) -> int:
 
 def _gpu_key(device: torch.device) -> str:
     """The host and the GPU: its UUID where torch reports one, else its index."""
-    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    # no CUDA runtime here (fake CUDA tensors in the CPU tests): the index alone
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None) if torch.cuda.is_available() else None
     return f"{socket.gethostname()}/{uuid if uuid is not None else device.index}"
 
 

@@ -119,8 +119,8 @@ class SimNetwork:
             _run("ip", "-n", ns, "link", "set", UPLINK, "addrgenmode", "none")
             _run("ip", "-n", ns, "addr", "add", f"{self.node_addr(node)}/24", "dev", UPLINK)
             _run("ip", "-n", ns, "link", "set", UPLINK, "up")
-            self._plan(ns, UPLINK)
-            self._plan(self.bridge_ns, port)
+            self._shape(ns, UPLINK)
+            self._shape(self.bridge_ns, port)
 
     def counters(self, node: int) -> tuple[int, int]:
         """``(tx_bytes, rx_bytes)`` of node ``node``'s uplink."""

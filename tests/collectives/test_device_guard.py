@@ -147,3 +147,15 @@ def test_a_collective_on_cuda_tensors_checks_the_gpus_before_any_communication(m
         assert keys == ["host/1", "host/1"]
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend,nccl,object_on_gpu", [
+    ("nccl", True, True), ("cpu:gloo,cuda:nccl", True, False), ("gloo", False, False),
+    ("cpu:gloo,cuda:gloo", False, False), ("zero_fake_nccl", False, False), ("cuda:zero_fake_nccl", False, False),
+])
+def test_which_groups_are_nccl(monkeypatch, backend, nccl, object_on_gpu) -> None:
+    """NCCL is torch's backend of that name, for CUDA work; object collectives stage on a GPU only
+    where no CPU backend is mapped. A backend whose name merely contains "nccl" is not NCCL."""
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    assert _device_guard.uses_nccl(None) is nccl
+    assert _device_guard._object_collective_device_needed(None) is object_on_gpu

@@ -328,8 +328,9 @@ def full_state_dict(state: TrainingState, plan: CommPlan, model: torch.nn.Module
             else:
                 flat = torch.empty(unit.layout.numel, dtype=source.dtype, device=source.device)
                 plan.exact_all_gather(flat, source)
-        for param, view in zip(unit.params, unit.layout.views(flat), strict=True):
-            full_of[param] = view.clone()
+            # copied while resident: an offloaded frozen unit's shard is freed when the block ends
+            for param, view in zip(unit.params, unit.layout.views(flat), strict=True):
+                full_of[param] = view.clone()
     if plan.rank != 0:
         return {}
     out = {}
