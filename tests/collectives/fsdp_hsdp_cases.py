@@ -20,7 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import zcomm
 import zcomm.fsdp
 from collective_oracles import UNIT_ROUNDOFF, all_reduce_volume, ring_volume
-from fsdp_cases import LOSS_TRACKING, LR, STEPS, _loss, _Net, _units
+from fsdp_cases import LOSS_TRACKING, STEPS, _loss, _Net, _train, _units
 from zcomm import _fsdp_compat, _fsdp_hsdp
 from zcomm.quant import DEFAULT_GROUP_SIZE
 
@@ -52,18 +52,6 @@ def _build(mesh, *, bf16: bool) -> nn.Module:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
-
-
-def _train(model: nn.Module, rank: int, steps: int = STEPS) -> tuple[list[float], list[torch.Tensor]]:
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for step in range(steps):
-        loss = _loss(model, step, rank)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, [p.full_tensor() for p in model.parameters()]
 
 
 def check_exact(rank: int, meshes: _Meshes) -> None:
