@@ -32,9 +32,11 @@ import contextlib
 import os
 import socket
 import threading
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from queue import Empty
 
 import torch
 import torch.distributed as dist
@@ -175,11 +177,37 @@ def _rank(rank: int, world: int, port: int, args: dict, queue) -> None:
         queue.put((rank, rank_peaks(rank, world, **args)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
         queue.put((rank, exc))
+    # put() hands the result to a feeder thread: flushed before os._exit, which would kill it
+    queue.close()
+    queue.join_thread()
     dist.barrier()
     os._exit(0)
 
 
-def run(*, world: int, local_size: int, numel: int, dtype: torch.dtype, names=CASES) -> dict:
+def _results(queue, procs, timeout: float) -> list:
+    """Every rank's ``(rank, result)``; RuntimeError if a rank exits without one or ``timeout`` passes."""
+    results, deadline = [], time.monotonic() + timeout
+    while len(results) < len(procs):
+        try:
+            results.append(queue.get(timeout=1.0))
+            continue
+        except Empty:
+            pass
+        reported = {rank for rank, _ in results}
+        gone = [rank for rank, proc in enumerate(procs) if rank not in reported and proc.exitcode is not None]
+        if gone:  # its result, flushed before it exited, may still be on its way through the pipe
+            try:
+                results.append(queue.get(timeout=5.0))
+                continue
+            except Empty:
+                pass
+            raise RuntimeError(f"rank(s) {gone} exited (codes {[procs[r].exitcode for r in gone]}) without a result")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no result from rank(s) {sorted(set(range(len(procs))) - reported)} in {timeout:.0f} s")
+    return results
+
+
+def run(*, world: int, local_size: int, numel: int, dtype: torch.dtype, names=CASES, timeout: float = 600) -> dict:
     """{case: (peak temporary bytes, output bytes, input bytes)}, the largest rank's peak per case."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -191,7 +219,7 @@ def run(*, world: int, local_size: int, numel: int, dtype: torch.dtype, names=CA
     for proc in procs:
         proc.start()
     try:
-        results = [queue.get(timeout=600) for _ in procs]
+        results = _results(queue, procs, timeout)
     finally:
         for proc in procs:
             proc.join(timeout=30)
