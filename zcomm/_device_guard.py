@@ -46,17 +46,20 @@ def _backends(group: dist.ProcessGroup) -> dict[str, str]:
     return {part[0]: part[-1] for part in parts} if all(len(part) == 2 for part in parts) else {"*": parts[0][-1]}
 
 
+def _cuda_on_nccl(backends: dict[str, str]) -> bool:
+    return backends.get("cuda", backends.get("*")) == "nccl"
+
+
 def uses_nccl(group: dist.ProcessGroup) -> bool:
     """Whether ``group`` runs its CUDA work on NCCL (torch's ``nccl`` backend by that name; another
     backend, a test's fake one included, is not NCCL)."""
-    backends = _backends(group)
-    return backends.get("cuda", backends.get("*")) == "nccl"
+    return _cuda_on_nccl(_backends(group))
 
 
 def _object_collective_device_needed(group: dist.ProcessGroup) -> bool:
     """Whether torch's object collectives on ``group`` stage their bytes on a GPU (an NCCL-only group)."""
     backends = _backends(group)
-    return uses_nccl(group) and "cpu" not in backends
+    return _cuda_on_nccl(backends) and "cpu" not in backends
 
 
 def rank_device(group: dist.ProcessGroup, device: torch.device | None = None) -> torch.device:

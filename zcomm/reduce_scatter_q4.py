@@ -462,12 +462,15 @@ def kernel_uses(topology: Topology, stages: int, part: int, group_size: int, fir
                                                               group_size, 1.0, num_nodes))
         return uses
     # [Note: feedback kernels] in zcomm._error_feedback: each hop's stored errors, the compensated rows
-    compensated = [(numel, num_rows)] + ([(num_nodes * part, num_nodes)] if two_hops else [])
-    for hop_numel in (numel, num_nodes * stages * part)[: len(compensated)]:
+    # per hop with feedback: its stored error's numel, and the values, rows and rows per stage it
+    # compensates (hop 1 a stage's rows in chunks, hop 2 the node's sum: [Note: feedback in chunks])
+    hops = [(numel, numel, num_rows, num_rows // stages)]
+    if two_hops:
+        hops.append((num_nodes * stages * part, num_nodes * part, num_nodes, num_nodes))
+    for hop_numel, *_ in hops:
         uses["dequantize"].append(dequantize_use(1, hop_numel, _STORE_BITS, group_size, fp32))
         uses["quantize"].append(quantize_use(hop_numel, _STORE_BITS, group_size, fp32))
-    # hop 1 compensates a stage's rows in chunks, hop 2 the node's sum ([Note: feedback in chunks])
-    for (values, rows), per_stage in zip(compensated, (num_rows // stages, num_nodes)[: len(compensated)], strict=True):
+    for _, values, rows, per_stage in hops:
         row_numel = values // rows
         for count in chunk_row_counts(rows, per_stage):
             uses["reorder_quantize"].append(reorder_use(1, True, 1, count * row_numel, _identity(count), count, _BITS,

@@ -257,13 +257,13 @@ def load_modules(sources: Iterable[str], device_index: int) -> None:
     """Compile (or read from the disk cache) and load each of ``sources`` for device ``device_index``
     now, the sources not loaded yet in parallel threads, as :func:`fill` does; a failure raises here."""
     sources = list(dict.fromkeys(sources))
-    if len(sources) > 1:
+    if len(sources) == 1:
+        _module(sources[0], device_index)
+    elif sources:
         workers = max(1, min(len(sources), len(os.sched_getaffinity(0))))
         with ThreadPoolExecutor(max_workers=workers) as pool:
             for _ in pool.map(lambda source: _module(source, device_index), sources):
                 pass
-    for source in sources:
-        _module(source, device_index)
 
 
 @lru_cache(maxsize=None)
