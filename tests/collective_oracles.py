@@ -51,13 +51,13 @@ def ring_volume(chunk_bytes: int, rank: int, world: int, local_size: int) -> tup
     return (sent, 0) if same_node else (0, sent)
 
 
-def qwz_volume(numel: int, nodes: int, local: int, group_size: int) -> tuple[int, int]:
-    """(intra, inter) bytes per rank of all_gather_q8.
+def qwz_volume(numel: int, nodes: int, local: int, group_size: int, *, bits: int = 8) -> tuple[int, int]:
+    """(intra, inter) bytes per rank of all_gather_q8 (``bits`` 4: all_reduce_q4's INT4 gather).
 
     Its own INT8 payload to the N-1 other nodes (one rank each), then the N payloads of its
     local rank's column to the node's L-1 other ranks.
     """
-    payload = payload_bytes(numel, 8, group_size)
+    payload = payload_bytes(numel, bits, group_size)
     return (local - 1) * nodes * payload, (nodes - 1) * payload
 
 
@@ -159,15 +159,16 @@ def all_reduce_bound(
     divide_by: float,
     exact: torch.Tensor,
     first_bits: int = 4,
+    gather_bits: int = 8,
 ) -> torch.Tensor:
     """Per-element bound of |all_reduce_q4 output - exact| for fp64 ``inputs`` (W, M).
 
     all_reduce_q4 is reduce_scatter_q4 of the inputs zero-padded to ``W * m`` (``m = ceil(M / W)``),
     then an all-gather of each rank's reduced slice ``y_r``: exact (``gather_group_size`` None) or
-    one INT8 quantization of ``y_r`` in groups restarting at each slice's start, and one more
-    rounding to the output dtype. With ``R`` the reduce-scatter's bound, ``|y| <= |exact| + R``
-    bounds the INT8 scale ``s <= max_group(|exact| + R) / 127`` and the gather adds
-    ``g = s/2 + 2^-22 (|y| + s)``, then ``u (|exact| + R + g)``.
+    one INT8 (``gather_bits`` 4: INT4) quantization of ``y_r`` in groups restarting at each slice's
+    start, and one more rounding to the output dtype. With ``R`` the reduce-scatter's bound,
+    ``|y| <= |exact| + R`` bounds the scale ``s <= max_group(|exact| + R) / qmax`` (127 or 7) and
+    the gather adds ``g = s/2 + 2^-22 (|y| + s)``, then ``u (|exact| + R + g)``.
     """
     world = nodes * local
     numel = inputs.shape[1]
@@ -185,15 +186,17 @@ def all_reduce_bound(
     if gather_group_size is None:
         return reduce_bound.reshape(-1)[:numel]
     largest = slices.abs() + reduce_bound  # (W, m): |y| per element, bounded
-    scale = _group_max(largest, gather_group_size) / 127 * (1 + _FP32_SLACK)
+    scale = _group_max(largest, gather_group_size) / {8: 127, 4: 7}[gather_bits] * (1 + _FP32_SLACK)
     gather_error = _one_quantization_error(largest, scale)
     total = reduce_bound + gather_error + UNIT_ROUNDOFF[dtype] * (largest + gather_error)
     return total.reshape(-1)[:numel]
 
 
 def all_reduce_volume(numel: int, nodes: int, local: int, stages: int, group_size: int,
-                      gather_group_size: int, *, first_bits: int = 4) -> dict[str, tuple[int, int]]:
-    """comm_stats rows of one all_reduce_q4 call with the INT8 gather: its reduce-scatter's and its gather's."""
+                      gather_group_size: int, *, first_bits: int = 4, gather_bits: int = 8) -> dict[str, tuple[int, int]]:
+    """comm_stats rows of one all_reduce_q4 call with a quantized gather: its reduce-scatter's and its
+    gather's (``all_gather_q8``, or with ``gather_bits`` 4 the ``all_gather_hierarchical`` of INT4 bytes)."""
     slice_numel = _ceil_div(numel, nodes * local)
+    gather = "all_gather_q8" if gather_bits == 8 else "all_gather_hierarchical"
     return {"reduce_scatter_q4": qgz_volume(slice_numel, nodes, local, stages, group_size, first_bits=first_bits),
-            "all_gather_q8": qwz_volume(slice_numel, nodes, local, gather_group_size)}
+            gather: qwz_volume(slice_numel, nodes, local, gather_group_size, bits=gather_bits)}

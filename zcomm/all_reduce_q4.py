@@ -9,8 +9,10 @@ over a flat view of the tensor of ``M`` elements, cut into ``W`` slices of ``m =
    node sums across nodes, and the sums are taken in fp32, so rank ``r`` ends with slice
    ``r`` reduced (divided by ``W`` for AVG) in the tensor's dtype;
 2. :func:`zcomm.all_gather_q8` of those slices back into the tensor: each slice crosses the
-   nodes once as blocked INT8, then the node-local gather (``gather_bits=None``: the plain
-   :func:`zcomm.all_gather_into_tensor`, unquantized, flat ring).
+   nodes once as blocked INT8, then the node-local gather. ``gather_bits=4`` sends each slice
+   as blocked INT4 instead (its quantization, then :func:`zcomm.all_gather_hierarchical` of the
+   bytes, inter-node first, then one dequantization of every slice); ``gather_bits=None``
+   gathers with the plain :func:`zcomm.all_gather_into_tensor`, unquantized, on a flat ring.
 
 Every rank dequantizes every slice, its own included, from the same payload, so every rank
 ends with the same bits, as ``dist.all_reduce`` guarantees (a DDP replica must not drift).
@@ -19,11 +21,12 @@ Bytes (the comm_stats model; ``P_b(n)`` is the payload of ``n`` elements at ``b`
 its fp32 scales): each rank sends ``(N-1) (P_4(m) + P_8(m))``, about ``1.5 (N-1) m`` bytes,
 across nodes, so a node's uplink carries about ``1.5 L (N-1) m`` where a bf16 ring
 all-reduce in rank order makes the node's boundary rank send ``4 (W-1) m``: 0.25x on 2 nodes x
-2 ranks, 0.2x on 2 x 8 (an INT4 gather would make it 0.17x on 2 x 2, but qwZ's gather is
-INT8). ``gather_bits=None`` gathers in the tensor's dtype on a flat ring (``2 (W-1) m``
-bytes in bf16 from the boundary rank). An all_reduce_q4 call shows up in
-:func:`zcomm.comm_stats` as one ``reduce_scatter_q4`` call and one ``all_gather_q8`` (or
-``all_gather_into_tensor``) call, with those collectives' own byte figures.
+2 ranks, 0.2x on 2 x 8. ``gather_bits=4`` sends ``(N-1) (P_4(m) + P_4(m))``, about ``1.06 (N-1)
+m`` bytes: 0.18x on 2 x 2, 0.14x on 2 x 8. ``gather_bits=None`` gathers in the tensor's dtype
+on a flat ring (``2 (W-1) m`` bytes in bf16 from the boundary rank). An all_reduce_q4 call
+shows up in :func:`zcomm.comm_stats` as one ``reduce_scatter_q4`` call and one
+``all_gather_q8`` (``all_gather_hierarchical`` with ``gather_bits=4``, ``all_gather_into_tensor``
+with None) call, with those collectives' own byte figures.
 
 Error (per element ``j`` in slice ``r``; ``d`` the divisor, 1 for SUM and ``W`` for AVG):
 ``|out_j - exact_j| <= R_j + G_j`` where
@@ -33,12 +36,13 @@ Error (per element ``j`` in slice ``r``; ``d`` the divisor, 1 for SUM and ``W`` 
   ``first_hop_bits=8``), plus over the ``N`` nodes half the INT4 group scale of that node's
   fp32 partial sum, all divided by ``d``, then fp32 sums and one rounding to the dtype;
 * ``G_j`` is the gather's: half the INT8 group scale of the reduced slice (``absmax / 127 /
-  2`` over the ``gather_group_size`` elements of ``j``'s group), then one more rounding to the
-  dtype (``G_j = 0`` with ``gather_bits=None``).
+  2`` over the ``gather_group_size`` elements of ``j``'s group; ``absmax / 7 / 2`` with
+  ``gather_bits=4``), then one more rounding to the dtype (``G_j = 0`` with ``gather_bits=None``).
 
-So the gather's term is at most ``1/254`` of the largest reduced value of the group, a
-little over a third of the INT4 hops' single-source term. tests/collective_oracles.py derives
-it from the wire format and tests/collectives/test_all_reduce_q4.py checks it against fp64.
+So the INT8 gather's term is at most ``1/254`` of the largest reduced value of the group, a
+little over a third of the INT4 hops' single-source term; the INT4 gather's is ``1/14`` of it,
+18 times more, for half the gather's bytes. tests/collective_oracles.py derives the bound from
+the wire format and tests/collectives/test_all_reduce_q4.py checks it against fp64.
 
 Padding: when ``W`` does not divide ``M`` the tensor is copied into a zero-padded buffer of
 ``W * m`` elements and the result copied back (``W - 1`` elements of padding at most); when
@@ -68,14 +72,15 @@ from ._chain_runner import SideStream
 from ._contract import Handle
 from ._error_feedback import ErrorFeedback
 from .all_gather_q8 import PreparedAllGatherQ8, all_gather_q8, prepare_all_gather_q8
+from .hierarchical_gather import all_gather_hierarchical
 from .plain_collectives import all_gather_into_tensor
-from .quant import SUPPORTED_DTYPES
+from .quant import SUPPORTED_DTYPES, QuantSpec, dequantize, quantize
 from .reduce_scatter_q4 import PreparedReduceScatterQ4, prepare_reduce_scatter_q4_coalesced, reduce_scatter_q4
 from .topology import Topology
 
 __all__ = ["PreparedAllReduceQ4", "all_reduce_q4", "prepare_all_reduce_q4"]
 
-GatherBits = Literal[8] | None
+GatherBits = Literal[4, 8] | None
 # reduce(output, input, async_op) and gather(output, input), both forms' steps 1 and 2
 _Reduce = Callable[[torch.Tensor, torch.Tensor, bool], Handle | None]
 _Gather = Callable[[torch.Tensor, torch.Tensor], None]
@@ -107,10 +112,12 @@ def all_reduce_q4(
         async_op: return a :class:`zcomm.Handle`; ``tensor`` is valid after its ``wait()``
             ([Note: all-reduce async]).
         group_size: elements per INT4 scale of the reduce-scatter (its ``group_size``).
-        gather_bits: 8 (the reduced slices gathered as blocked INT8 by :func:`zcomm.all_gather_q8`)
-            or None (gathered unquantized by :func:`zcomm.all_gather_into_tensor`: the
-            reduce-scatter's error only, for twice the gather's bytes in bf16).
-        gather_group_size: elements per INT8 scale of the gather (its ``group_size``).
+        gather_bits: 8 (the reduced slices gathered as blocked INT8 by :func:`zcomm.all_gather_q8`),
+            4 (blocked INT4 through :func:`zcomm.all_gather_hierarchical`: half the gather's
+            bytes, 18 times its error bound) or None (gathered unquantized by
+            :func:`zcomm.all_gather_into_tensor`: the reduce-scatter's error only, for twice
+            the INT8 gather's bytes in bf16).
+        gather_group_size: elements per scale of the quantized gather (its ``group_size``).
         pipeline_stages: the reduce-scatter's (default :func:`zcomm.reduce_scatter_q4.default_pipeline_stages`);
             the gather pipelines by its own default.
         topology: which ranks share a node (default: detected).
@@ -210,8 +217,8 @@ def _check_call(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGrou
         raise ValueError("tensor must be contiguous")
     if not (op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or getattr(op, "op", None) == dist.ReduceOp.PREMUL_SUM):
         raise ValueError(f"op must be ReduceOp.SUM, ReduceOp.AVG or ReduceOp.PREMUL_SUM(factor), got {op}")
-    if gather_bits is not None and (isinstance(gather_bits, bool) or gather_bits != 8):
-        raise ValueError(f"gather_bits must be 8 or None, got {gather_bits!r}")
+    if gather_bits is not None and (isinstance(gather_bits, bool) or gather_bits not in (4, 8)):
+        raise ValueError(f"gather_bits must be 4, 8 or None, got {gather_bits!r}")
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     if world < 1:
@@ -230,13 +237,32 @@ def _gather_step(group: dist.ProcessGroup, gather_bits: GatherBits, group_size: 
     if gather_bits == 8:
         def gather(output: torch.Tensor, input: torch.Tensor) -> None:
             all_gather_q8(output, input, group, group_size=group_size, topology=topology)
+    elif gather_bits == 4:
+        spec = QuantSpec(bits=4, group_size=group_size)
+
+        def gather(output: torch.Tensor, input: torch.Tensor) -> None:
+            _gather_int4(output, input, group, spec, topology)
     else:
         if group_size is not None:
-            raise ValueError("gather_group_size applies to the INT8 gather: pass it with gather_bits=8 only")
+            raise ValueError("gather_group_size applies to a quantized gather: pass it with gather_bits 4 or 8 only")
 
         def gather(output: torch.Tensor, input: torch.Tensor) -> None:
             all_gather_into_tensor(output, input, group, topology=topology)
     return gather
+
+
+def _gather_int4(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, spec: QuantSpec,
+                 topology: Topology | None) -> None:
+    """Step 2 with ``gather_bits=4``: every rank's slice ``input`` as blocked INT4 (groups restart
+    at each slice's start), gathered as bytes and dequantized, every slice from the same
+    payload on every rank, so every rank ends with the same bits."""
+    numel = input.numel()
+    group_size = spec.group_size_for(numel)
+    payload = quantize(input, 4, group_size)
+    received = torch.empty(output.numel() // max(numel, 1) * payload.numel(), dtype=torch.uint8, device=input.device)
+    all_gather_hierarchical(received, payload, group, topology=topology)
+    if numel:
+        dequantize(received.view(-1, payload.numel()), numel, 4, group_size, output.dtype, out=output)
 
 
 def _gather_call(gather: PreparedAllGatherQ8 | _Gather) -> _Gather:

@@ -83,7 +83,7 @@ class QuantizedAllReduceState:
 
     group: dist.ProcessGroup | None = None
     group_size: int | Literal["tensor"] | None = None
-    gather_bits: Literal[8] | None = 8
+    gather_bits: Literal[4, 8] | None = 8
     gather_group_size: int | Literal["tensor"] | None = None
     pipeline_stages: int | None = None
     topology: Topology | None = None
@@ -103,11 +103,11 @@ class QuantizedAllReduceState:
         if self.topology is not None and not isinstance(self.topology, Topology):
             raise TypeError(f"topology must be a zcomm.Topology or None, got {type(self.topology).__name__}")
         quant.QuantSpec(bits=4, group_size=self.group_size)
-        if self.gather_bits is not None and (isinstance(self.gather_bits, bool) or self.gather_bits != 8):
-            raise ValueError(f"gather_bits must be 8 or None, got {self.gather_bits!r}")
+        if self.gather_bits is not None and (isinstance(self.gather_bits, bool) or self.gather_bits not in (4, 8)):
+            raise ValueError(f"gather_bits must be 4, 8 or None, got {self.gather_bits!r}")
         if self.gather_bits is None and self.gather_group_size is not None:
-            raise ValueError("gather_group_size applies to the INT8 gather: pass it with gather_bits=8 only")
-        quant.QuantSpec(bits=8, group_size=self.gather_group_size)
+            raise ValueError("gather_group_size applies to a quantized gather: pass it with gather_bits 4 or 8 only")
+        quant.QuantSpec(bits=self.gather_bits or 8, group_size=self.gather_group_size)
         stages = self.pipeline_stages
         if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
             raise ValueError(f"pipeline_stages must be an int >= 1 or None, got {stages!r}")

@@ -87,9 +87,10 @@ def sum_bound(terms: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return gamma * torch.stack(terms).abs().sum(dim=0)
 
 
-def q8_bound(exact: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """Bound for one rank's block of an INT8 all-gather (``exact`` = that rank's input, fp64)."""
-    half_step = block_absmax(exact, group_size, neighbours=False) / QMAX8 / 2
+def q8_bound(exact: torch.Tensor, group_size: int, dtype: torch.dtype, *, qmax: int = QMAX8) -> torch.Tensor:
+    """Bound for one rank's block of an INT8 all-gather (``exact`` = that rank's input, fp64); with
+    ``qmax=QMAX4`` of an INT4 one."""
+    half_step = block_absmax(exact, group_size, neighbours=False) / qmax / 2
     u = UNIT_ROUNDOFF[dtype]
     return half_step + u * (exact.abs() + half_step) + _FP32_SLACK * (exact.abs() + half_step)
 

@@ -36,7 +36,8 @@ def test_mpirun_two_ranks(tmp_path, checkout_env):
     assert all(tuple(row) == JSON_KEYS for row in rows)
     baselines = {"all_gather", "reduce_scatter", "all_to_all", "all_reduce"}
     expected = baselines | {"all_gather_q8", "reduce_scatter_q4:stages=1", "reduce_scatter_q4:stages=2",
-                            "all_reduce_q4:stages=1", "all_reduce_q4:stages=2"}
+                            "all_reduce_q4:stages=1", "all_reduce_q4:stages=2", "all_reduce_q4_g4:stages=1",
+                            "all_reduce_q4_g4:stages=2"}
     assert {row["op"] for row in rows} == expected
     assert sorted({row["size_bytes"] for row in rows}) == [4096, 16384]
     for row in rows:

@@ -34,7 +34,7 @@ def _cases(seed: int):
     for index, (dtype, op, async_op) in enumerate(product(DTYPES, OPS, (False, True))):
         yield dict(dtype=dtype, op=op, async_op=async_op, numel=sizes[index % len(sizes)], stages=1 + index % 3,
                    group_size=rng.choice(GROUP_SIZES), gather_group_size=rng.choice((None, 8, 30, "tensor")),
-                   gather_bits=None if index % 4 == 3 else 8, first_hop_bits=8 if index % 3 == 2 else 4,
+                   gather_bits=(8, 4, 8, None)[index % 4], first_hop_bits=8 if index % 3 == 2 else 4,
                    detect=index % 2 == 0, seed=seed * 100 + index)
 
 
@@ -68,16 +68,18 @@ def _check_case(case: dict, group: dist.ProcessGroup, topology: zcomm.Topology) 
     slice_numel = -(-numel // world)
     part = -(-slice_numel // stages)
     rs_gs = _oracle_group_size(case["group_size"], "reduce_scatter_q4", longest_row=topology.num_nodes * part)
-    ag_gs = _oracle_group_size(case["gather_group_size"], "all_gather_q8", longest_row=slice_numel)
+    ag_gs = _oracle_group_size(case["gather_group_size"], "all_gather_q8" if case["gather_bits"] == 8
+                               else "reduce_scatter_q4", longest_row=slice_numel)
     first_bits = case["first_hop_bits"] if topology.local_size > 1 else 4
     bound = all_reduce_bound(inputs.double(), nodes=topology.num_nodes, local=topology.local_size, stages=stages,
                              group_size=rs_gs, gather_group_size=ag_gs if case["gather_bits"] else None, dtype=dtype,
-                             divide_by=divide_by, exact=exact, first_bits=first_bits)
+                             divide_by=divide_by, exact=exact, first_bits=first_bits,
+                             gather_bits=case["gather_bits"] or 8)
     _assert_within("all_reduce_q4", case, tensor.view(-1).double() - exact, bound)
     assert _same_on_every_rank(tensor, group), case
     stats = zcomm.comm_stats()
     expected = all_reduce_volume(numel, topology.num_nodes, topology.local_size, stages, rs_gs, ag_gs,
-                                 first_bits=first_bits)
+                                 first_bits=first_bits, gather_bits=case["gather_bits"] or 8)
     if case["gather_bits"] is None:
         expected = {"reduce_scatter_q4": expected["reduce_scatter_q4"],
                     "all_gather_into_tensor": ring_volume(slice_numel * tensor.element_size(), rank, world,
@@ -90,7 +92,7 @@ def _check_prepared(group: dist.ProcessGroup, topology: zcomm.Topology) -> None:
     """The prepared form gives the collective's bits, with and without error feedback, and rejects other shapes."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     options = dict(group_size=32, pipeline_stages=2, topology=topology)
-    for gather_bits, numel in ((8, 1001), (None, 1000)):
+    for gather_bits, numel in ((8, 1001), (4, 1003), (None, 1000)):
         prepared = zcomm.prepare_all_reduce_q4(torch.empty(numel, dtype=torch.bfloat16), dist.ReduceOp.AVG, group,
                                                gather_bits=gather_bits, **options)
         for seed in range(2):
@@ -205,9 +207,9 @@ def test_argument_errors(gloo_world):
         zcomm.all_reduce_q4(torch.zeros(4, 4).t())
     with pytest.raises(ValueError, match="op must be"):
         zcomm.all_reduce_q4(torch.zeros(4), dist.ReduceOp.MAX)
-    with pytest.raises(ValueError, match="gather_bits must be 8 or None"):
-        zcomm.all_reduce_q4(torch.zeros(4), gather_bits=4)
-    with pytest.raises(ValueError, match="gather_group_size applies to the INT8 gather"):
+    with pytest.raises(ValueError, match="gather_bits must be 4, 8 or None"):
+        zcomm.all_reduce_q4(torch.zeros(4), gather_bits=2)
+    with pytest.raises(ValueError, match="gather_group_size applies to a quantized gather"):
         zcomm.all_reduce_q4(torch.zeros(4), gather_bits=None, gather_group_size=8)
     with pytest.raises(ValueError, match="first_hop_bits"):
         zcomm.all_reduce_q4(torch.zeros(4), first_hop_bits=2)

@@ -221,8 +221,8 @@ def test_ddp_hook_against_plain_ddp_and_the_fp64_oracle():
 
 
 def test_state_checks_its_options():
-    with pytest.raises(ValueError, match="gather_bits must be 8 or None"):
-        zcomm.ddp.QuantizedAllReduceState(gather_bits=4)
+    with pytest.raises(ValueError, match="gather_bits must be 4, 8 or None"):
+        zcomm.ddp.QuantizedAllReduceState(gather_bits=2)
     with pytest.raises(ValueError, match="first_hop_bits must be 4 or 8"):
         zcomm.ddp.QuantizedAllReduceState(first_hop_bits=2)
     with pytest.raises(ValueError, match="error_feedback cannot be combined"):
