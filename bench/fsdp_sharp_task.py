@@ -30,7 +30,10 @@ adds at most 1/32 of its elements; the row says how many units were). ``--hidden
 11%, so its small pieces are packed together; at 96 / 1024 full alignment adds 1.4%);
 ``--group-size N`` adds fsdp2-zeropp and the runtime with ``N`` elements per scale, and
 ``--hadamard-block B`` both with qgZ's Hadamard smoothing in blocks of ``B`` (each at its
-default first hop and at INT8).
+default first hop and at INT8). ``--hsdp`` adds HSDP: ``hsdp`` (FSDP2 on a 2-D mesh, replicate
+= nodes, shard = ranks per node) and ``hsdp-zeropp`` (sharded on the 1-D node mesh with
+``enable_zeropp(replicate_group=...)``: qwZ and qgZ inside the node, ``zcomm.all_reduce_q4``
+across nodes), with the gap of ``hsdp-zeropp`` to ``hsdp``.
 """
 
 from __future__ import annotations
@@ -106,6 +109,23 @@ def _fsdp2(args, topology: zcomm.Topology, zeropp: bool, **settings) -> tuple[nn
     return model, torch.optim.AdamW(model.parameters(), lr=LR), f"{sum(aligned.values())}/{len(aligned)}"
 
 
+def _hsdp(args, topology: zcomm.Topology, zeropp: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """HSDP on ``args``' model: FSDP2's own on a 2-D mesh, or with ``zeropp`` sharded on the node's
+    row of that mesh and ``enable_zeropp`` all-reducing each unit's gradient shard across nodes."""
+    nodes, local = topology.num_nodes, topology.local_size
+    hybrid = init_device_mesh("cpu", (nodes, local), mesh_dim_names=("replicate", "shard"))
+    mesh = hybrid["shard"] if zeropp else hybrid
+    model = _model(args)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if zeropp:
+        zcomm.fsdp.enable_zeropp(model, topology=zcomm.Topology(world_size=local, local_size=local),
+                                 replicate_group=hybrid.get_group("replicate"),
+                                 replicate_topology=zcomm.Topology(world_size=nodes, local_size=1))
+    return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+
 def _train_fsdp2(model: nn.Module, opt: torch.optim.Optimizer, batch) -> list[float]:
     losses = []
     for _ in range(STEPS):
@@ -149,6 +169,7 @@ def main() -> None:
                         help="also run fsdp2-zeropp and the runtime with qgZ's Hadamard smoothing in blocks of this size")
     parser.add_argument("--group-size", type=int, default=None,
                         help="also run fsdp2-zeropp and the runtime with this many elements per scale")
+    parser.add_argument("--hsdp", action="store_true", help="also run hsdp and hsdp-zeropp (2 or more nodes)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -192,6 +213,9 @@ def _rows(args, topology: zcomm.Topology, batch) -> dict[str, list[float]]:
         rows[f"zeropp (our runtime) hadamard_block={block}, first hop INT8"] = _train_runtime(
             args, topology, batch, zcomm_qgz_hadamard_block=block, **int8_hop
         )
+    if args.hsdp:
+        rows["hsdp"] = _train_fsdp2(*_hsdp(args, topology, zeropp=False), batch)
+        rows["hsdp-zeropp"] = _train_fsdp2(*_hsdp(args, topology, zeropp=True), batch)
     return rows
 
 
@@ -205,6 +229,9 @@ def _report(args, rows: dict[str, list[float]], topology: zcomm.Topology) -> Non
     for name, losses in rows.items():
         gap = (losses[-1] - plain) / plain
         print(f"| {name} | " + " | ".join(f"{v:.4f}" for v in losses) + f" | {gap:+.2%} |")
+    if "hsdp" in rows:
+        plain = rows["hsdp"][-1]
+        print(f"hsdp-zeropp's final loss vs hsdp: {(rows['hsdp-zeropp'][-1] - plain) / plain:+.2%}")
 
 
 if __name__ == "__main__":
