@@ -16,6 +16,10 @@ owns, and the ranks combine their sums:
   differences the error is one quantization of one step's difference, so this ratio stays
   flat over a run instead of growing (SDP4Bit's argument); for qwZ it is the quantization of
   the weights themselves, so it is larger and follows the weights' size.
+- **cos(error, update)**: the cosine between ``reference - master`` and the step's update: near
+  0 when the error has no direction, near -1 when the reference lags behind the master along
+  the way the weights move (a difference too small for its group's step is held back until
+  the carried error reaches it).
 
 Per window of steps the table shows the largest worst/bound, the mean and largest of the two
 ratios, and the share of weight-difference groups that fell back to INT8 values. Launch as
@@ -53,20 +57,23 @@ class Window:
     worst_over_bound: float = 0.0
     error_over_weights: list[float] = field(default_factory=list)
     error_over_update: list[float] = field(default_factory=list)
+    error_update_cosine: list[float] = field(default_factory=list)
     groups: int = 0
     fallback_groups: int = 0
 
     def row(self) -> str:
         weights, update = self.error_over_weights, self.error_over_update
         fallback = f"{self.fallback_groups / self.groups:.2%}" if self.groups else "-"
+        cosine = self.error_update_cosine
         return (f"| {self.first}-{self.last} | {self.worst_over_bound:.3f} | {sum(weights) / len(weights):.2e} | "
-                f"{max(weights):.2e} | {sum(update) / len(update):.3f} | {max(update):.3f} | {fallback} |")
+                f"{max(weights):.2e} | {sum(update) / len(update):.3f} | {max(update):.3f} | "
+                f"{sum(cosine) / len(cosine):+.3f} | {fallback} |")
 
 
 def _sums(runner: ZeroRunner, previous: list[torch.Tensor]) -> torch.Tensor:
-    """This rank's [squared error, squared weights, squared update, worst error / bound]."""
+    """This rank's [squared error, squared weights, squared update, error . update, worst error / bound]."""
     opt = runner.opt
-    error2 = weights2 = update2 = worst = 0.0
+    error2 = weights2 = update2 = dot = worst = 0.0
     for unit, before in zip(opt.units, previous, strict=True):
         lo, hi = unit.layout.shard_range(opt.plan.rank)
         want = unit.master.to(unit.full.dtype).float()
@@ -79,8 +86,10 @@ def _sums(runner: ZeroRunner, previous: list[torch.Tensor]) -> torch.Tensor:
         worst = max(worst, (error / (half_step + rounding).clamp_min(torch.finfo(torch.float32).tiny)).max().item())
         error2 += error.square().sum().item()
         weights2 += want.square().sum().item()
-        update2 += (unit.master.float() - before).square().sum().item()
-    return torch.tensor([error2, weights2, update2, worst], dtype=torch.float64)
+        update = unit.master.float() - before
+        update2 += update.square().sum().item()
+        dot += ((got - want) * update).sum().item()
+    return torch.tensor([error2, weights2, update2, dot, worst], dtype=torch.float64)
 
 
 def _group_counts(runner: ZeroRunner) -> tuple[int, int]:
@@ -109,14 +118,15 @@ def measure(name: str, args: argparse.Namespace, ctx: dist_env.DistContext, corp
             tokens = corpus.train_batch(step, batch=args.batch, seed=args.seed)
             runner.train_step(rank_slice(tokens, ctx.env.rank, ctx.env.world_size).to(ctx.device))
             sums = _sums(runner, previous)
-            dist.all_reduce(sums[:3])
-            dist.all_reduce(sums[3:], op=dist.ReduceOp.MAX)
-            error2, weights2, update2, worst = sums.tolist()
+            dist.all_reduce(sums[:4])
+            dist.all_reduce(sums[4:], op=dist.ReduceOp.MAX)
+            error2, weights2, update2, dot, worst = sums.tolist()
             window = windows[-1]
             window.worst_over_bound = max(window.worst_over_bound, worst)
             window.error_over_weights.append((error2 / weights2) ** 0.5)
             if step > 0 and update2 > 0:  # the first step's gather is exact and has no update before it
                 window.error_over_update.append((error2 / update2) ** 0.5)
+                window.error_update_cosine.append(dot / (error2 * update2) ** 0.5 if error2 else 0.0)
             after = _group_counts(runner)
             window.groups += after[0] - counts[0]
             window.fallback_groups += after[1] - counts[1]
@@ -155,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, windows in results.items():
             print(f"\n{name}: bf16 weights, {ctx.env.num_nodes} nodes x {ctx.env.local_size} ranks, seed {args.seed}\n")
             print("| steps | worst / bound | error / weights (mean) | (max) | error / update (mean) | (max) "
-                  "| groups fallen back |")
-            print("|---|---:|---:|---:|---:|---:|---:|")
+                  "| cos(error, update) | groups fallen back |")
+            print("|---|---:|---:|---:|---:|---:|---:|---:|")
             for window in windows:
                 print(window.row())
         if args.json:

@@ -31,6 +31,7 @@ def test_windows_hold_the_bound_and_differences_beat_int8_values(one_rank):
         assert [(w.first, w.last) for w in windows] == [(1, 4), (5, 6)]
         assert all(0 < w.worst_over_bound <= 1 for w in windows), windows
         assert all(len(w.error_over_weights) == w.last - w.first + 1 for w in windows)
+        assert all(-1 <= c <= 1 for w in windows for c in w.error_update_cosine)
     int8, delta = (sum(w.error_over_weights[-1] for w in results[name]) for name in ("zero2-q", "zero2-qwd"))
     assert delta < int8, (delta, int8)
     assert sum(w.groups for w in results["zero2-qwd"]) > 0  # steps 2-6 sent differences
