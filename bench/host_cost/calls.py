@@ -226,10 +226,7 @@ def _prepared_rows(timer: Timer, numel: int, full: torch.Tensor, shard: torch.Te
     from zcomm.reduce_scatter_q4 import prepare_reduce_scatter_q4_coalesced
 
     gather = prepare_all_gather_q8(full, shard)
-    world = dist.get_world_size()
-    sizes = [numel // BUCKET] * (BUCKET - 1) + [numel - numel // BUCKET * (BUCKET - 1)]
-    inputs = [piece.contiguous() for piece in grads.view(world, numel).split(sizes, dim=1)]
-    outputs = list(out.split(sizes))
+    inputs, outputs = _bucket(grads, out)
     reduce = prepare_reduce_scatter_q4_coalesced(outputs, inputs, op=dist.ReduceOp.AVG)
     return [
         Row("all_gather_q8 prepared", numel, *timer.measure(lambda: gather(full, shard)), "all_gather_q8",
@@ -239,14 +236,17 @@ def _prepared_rows(timer: Timer, numel: int, full: torch.Tensor, shard: torch.Te
     ]
 
 
-def _bucket_calls(grads: torch.Tensor, out: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """The runtime's qgZ calls on ``grads``' elements: one coalesced call over a bucket of
-    :data:`BUCKET` tensors (``grads`` cut rank-major, outputs pieces of ``out``), and one call
-    with error feedback."""
+def _bucket(grads: torch.Tensor, out: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A bucket of :data:`BUCKET` tensors on ``grads``' elements: inputs ``grads`` cut rank-major, outputs pieces of ``out``."""
     world, numel = dist.get_world_size(), out.numel()
     sizes = [numel // BUCKET] * (BUCKET - 1) + [numel - numel // BUCKET * (BUCKET - 1)]
-    inputs = [piece.contiguous() for piece in grads.view(world, numel).split(sizes, dim=1)]
-    outputs = list(out.split(sizes))
+    return [piece.contiguous() for piece in grads.view(world, numel).split(sizes, dim=1)], list(out.split(sizes))
+
+
+def _bucket_calls(grads: torch.Tensor, out: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The runtime's qgZ calls on ``grads``' elements: one coalesced call over a :func:`_bucket`, and one call
+    with error feedback."""
+    inputs, outputs = _bucket(grads, out)
     feedback = zcomm.ErrorFeedback()
     return {
         f"reduce_scatter_q4_coalesced x{BUCKET}": lambda: zcomm.reduce_scatter_q4_coalesced(

@@ -406,16 +406,12 @@ def report(results: list[dict], name: str, seconds: float) -> list[str]:
     return lines
 
 
-def main(quick: bool, json_path: str | None, output: str | None) -> list[str]:
+def main(quick: bool, json_path: str | None) -> list[str]:
     started = time.perf_counter()
     results = measure(quick)
     lines = report(results, torch.cuda.get_device_name(), time.perf_counter() - started)
-    print("\n".join(lines))
     if json_path:
         with open(json_path, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, keep_ratio=KEEP_RATIO,
                            rows=results), f, indent=1)
-    if output:
-        with open(output, "w") as f:
-            f.write("\n".join(lines) + "\n")
     return lines
