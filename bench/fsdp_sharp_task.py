@@ -106,11 +106,12 @@ def _fsdp2(args, topology: zcomm.Topology, zeropp: bool, **settings) -> tuple[nn
     return model, torch.optim.AdamW(model.parameters(), lr=LR), f"{sum(aligned.values())}/{len(aligned)}"
 
 
-def _train_fsdp2(model: nn.Module, opt: torch.optim.Optimizer, batch) -> list[float]:
+def _train(model: nn.Module, opt, batch, backward=torch.Tensor.backward) -> list[float]:
+    """The global loss of each of ``STEPS`` steps on ``batch`` (``backward``: the runtime's ``opt.backward``)."""
     losses = []
     for _ in range(STEPS):
         loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
-        loss.backward()
+        backward(loss)
         opt.step()
         opt.zero_grad()
         losses.append(_mean(loss))
@@ -123,14 +124,7 @@ def _train_runtime(args, topology: zcomm.Topology, batch, **settings) -> list[fl
                "zero_hpz_partition_size": topology.local_size, **settings}
     model, opt = zero_runtime.initialize(_model(args), functools.partial(torch.optim.AdamW, lr=LR),
                                          {"zero_optimization": section}, topology=topology)
-    losses = []
-    for _ in range(STEPS):
-        loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(_mean(loss))
-    return losses
+    return _train(model, opt, batch, opt.backward)
 
 
 def _mean(loss: torch.Tensor) -> float:
@@ -168,7 +162,7 @@ def _rows(args, topology: zcomm.Topology, batch) -> dict[str, list[float]]:
 
     def fsdp2(name: str, zeropp: bool, **settings) -> None:
         model, opt, aligned = _fsdp2(args, topology, zeropp, **settings)
-        rows[name + (f" (units aligned: {aligned})" if zeropp else "")] = _train_fsdp2(model, opt, batch)
+        rows[name + (f" (units aligned: {aligned})" if zeropp else "")] = _train(model, opt, batch)
 
     int8_hop = {"zcomm_qgz_first_hop_bits": 8}
     fsdp2("fsdp2", zeropp=False)
