@@ -29,22 +29,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import socket
 import threading
-import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
-from queue import Empty
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import zcomm
+from bench.harness.ranks import spawn
 
 CASES = ("all_gather_q8", "all_gather_q8_pipelined", "reduce_scatter_q4", "reduce_scatter_q4_pipelined",
          "reduce_scatter_q4_feedback", "reduce_scatter_q4_coalesced")
@@ -168,71 +163,11 @@ def rank_peaks(rank: int, world: int, local_size: int, numel: int, dtype: torch.
     return {name: (measure(cases[name][0], group, tracker), *cases[name][1:]) for name in names}
 
 
-def _rank(rank: int, world: int, port: int, args: dict, queue) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
-    try:
-        queue.put((rank, rank_peaks(rank, world, **args)))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
-        queue.put((rank, exc))
-    # put() hands the result to a feeder thread: flushed before os._exit, which would kill it
-    queue.close()
-    queue.join_thread()
-    dist.barrier()
-    os._exit(0)
-
-
-def _results(queue, procs, timeout: float) -> list:
-    """Every rank's ``(rank, result)``; RuntimeError if a rank exits without one or ``timeout`` passes."""
-    results, deadline = [], time.monotonic() + timeout
-    while len(results) < len(procs):
-        try:
-            results.append(queue.get(timeout=1.0))
-            continue
-        except Empty:
-            pass
-        reported = {rank for rank, _ in results}
-        gone = [rank for rank, proc in enumerate(procs) if rank not in reported and proc.exitcode is not None]
-        if gone:  # its result, flushed before it exited, may still be on its way through the pipe
-            try:
-                results.append(queue.get(timeout=5.0))
-                continue
-            except Empty:
-                pass
-            raise RuntimeError(f"rank(s) {gone} exited (codes {[procs[r].exitcode for r in gone]}) without a result")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no result from rank(s) {sorted(set(range(len(procs))) - reported)} in {timeout:.0f} s")
-    return results
-
-
 def run(*, world: int, local_size: int, numel: int, dtype: torch.dtype, names=CASES, timeout: float = 600) -> dict:
     """{case: (peak temporary bytes, output bytes, input bytes)}, the largest rank's peak per case."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    args = dict(local_size=local_size, numel=numel, dtype=dtype, names=tuple(names))
-    procs = [context.Process(target=_rank, args=(r, world, port, args, queue), daemon=True) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    try:
-        results = _results(queue, procs, timeout)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    worst: dict = {}
-    for _, found in results:
-        if isinstance(found, BaseException):
-            raise found
-        for name, (peak, out_bytes, in_bytes) in found.items():
-            if name not in worst or peak > worst[name][0]:
-                worst[name] = (peak, out_bytes, in_bytes)
-    return {name: worst[name] for name in names}
+    names = tuple(names)
+    per_rank = spawn(rank_peaks, world, local_size, numel, dtype, names, timeout=timeout)
+    return {name: max((found[name] for found in per_rank), key=lambda row: row[0]) for name in names}
 
 
 def table(results: dict) -> str:

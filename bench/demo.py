@@ -1,28 +1,10 @@
 """``make demo``: the project's main job on a simulated 2-node x 2-rank cluster at 200 Mbit/s.
 
-``python -m bench.demo`` (or ``training``) trains the same TinyGPT on the same real text
-under ZeRO-3, ZeRO++ (qwZ + hpZ + qgZ), torch FSDP2 and DeepSpeed ZeRO-3, one after another
-in one launch, and also hands DeepSpeed its own ZeRO++ keys to show what it does with them
-(on a CPU it raises: the row says "expected failure" and why, once). Each configuration
-prints one progress line (step i of n, seconds so far, an estimate of the rest). Then
-``bench.train``'s table, which states the CPU, the precision (bf16 only where the hardware
-computes in it, else fp32 for every configuration) and each row's wire share, with one line
-explaining each column, and the measured speedup and inter-node byte ratio of ZeRO++ over
-each other configuration and of our ZeRO-3 over DeepSpeed's. DeepSpeed is optional
-(``make peers``): without it its rows say so and the rest runs. Every engine gets the same
-optimizer, precision, batch and gradient clipping. The model shape (3.2M parameters, a
-global batch of 4 sequences x 64 tokens) is the regime ZeRO++ is for: a small per-GPU batch
-on a slow inter-node link, where communication dominates the step.
-
-The results are kept in a folder named at the end (``--out DIR``; default
-``demo-results/<UTC time>/`` under the current directory): ``train.json`` (every row and the
-run's facts), ``results.md`` (the table, one line per column, the ratios), ``demo.png``
-(step time and inter-node bytes per configuration) and ``bench.train``'s
-``loss_vs_step.png`` and ``step_time.png``.
-
-``python -m bench.demo collectives`` runs the collectives suite instead: bf16, 1 MiB to
-64 MiB, torch's collectives against zcomm's, ``reduce_scatter_q4`` with one and with four
-pipeline stages (a few minutes; printed, not kept).
+``python -m bench.demo`` (or ``training``) trains the same TinyGPT under ZeRO-3, ZeRO++, FSDP2
+and DeepSpeed (with and without its own ZeRO++ keys) in one ``bench.train`` launch and keeps
+its results in ``--out DIR`` (default ``demo-results/<UTC time>/``): what it runs, what the
+folder holds and what DeepSpeed's rows say is docs/benchmarks.md ("make demo").
+``python -m bench.demo collectives`` runs the collectives suite instead (printed, not kept).
 
 Without root or iproute2 either job warns and runs under mpirun on plain loopback, with
 ``ZCOMM_LOCAL_SIZE=2`` so zcomm still sees two nodes (but no link is limited or counted).

@@ -126,11 +126,12 @@ def _hsdp(args, topology: zcomm.Topology, zeropp: bool) -> tuple[nn.Module, torc
     return model, torch.optim.AdamW(model.parameters(), lr=LR)
 
 
-def _train_fsdp2(model: nn.Module, opt: torch.optim.Optimizer, batch) -> list[float]:
+def _train(model: nn.Module, opt, batch, backward=torch.Tensor.backward) -> list[float]:
+    """The global loss of each of ``STEPS`` steps on ``batch`` (``backward``: the runtime's ``opt.backward``)."""
     losses = []
     for _ in range(STEPS):
         loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
-        loss.backward()
+        backward(loss)
         opt.step()
         opt.zero_grad()
         losses.append(_mean(loss))
@@ -143,14 +144,7 @@ def _train_runtime(args, topology: zcomm.Topology, batch, **settings) -> list[fl
                "zero_hpz_partition_size": topology.local_size, **settings}
     model, opt = zero_runtime.initialize(_model(args), functools.partial(torch.optim.AdamW, lr=LR),
                                          {"zero_optimization": section}, topology=topology)
-    losses = []
-    for _ in range(STEPS):
-        loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(_mean(loss))
-    return losses
+    return _train(model, opt, batch, opt.backward)
 
 
 def _mean(loss: torch.Tensor) -> float:
@@ -189,7 +183,7 @@ def _rows(args, topology: zcomm.Topology, batch) -> dict[str, list[float]]:
 
     def fsdp2(name: str, zeropp: bool, **settings) -> None:
         model, opt, aligned = _fsdp2(args, topology, zeropp, **settings)
-        rows[name + (f" (units aligned: {aligned})" if zeropp else "")] = _train_fsdp2(model, opt, batch)
+        rows[name + (f" (units aligned: {aligned})" if zeropp else "")] = _train(model, opt, batch)
 
     int8_hop = {"zcomm_qgz_first_hop_bits": 8}
     fsdp2("fsdp2", zeropp=False)
@@ -214,8 +208,8 @@ def _rows(args, topology: zcomm.Topology, batch) -> dict[str, list[float]]:
             args, topology, batch, zcomm_qgz_hadamard_block=block, **int8_hop
         )
     if args.hsdp:
-        rows["hsdp"] = _train_fsdp2(*_hsdp(args, topology, zeropp=False), batch)
-        rows["hsdp-zeropp"] = _train_fsdp2(*_hsdp(args, topology, zeropp=True), batch)
+        rows["hsdp"] = _train(*_hsdp(args, topology, zeropp=False), batch)
+        rows["hsdp-zeropp"] = _train(*_hsdp(args, topology, zeropp=True), batch)
     return rows
 
 

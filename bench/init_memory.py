@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from bench.harness.process_memory import MALLOC_ENV, status_bytes
-from bench.harness.rank_exit import leave
+from bench.harness.ranks import spawn
 
 
 def _build(shape: dict, mode: str):
@@ -44,13 +42,12 @@ def _build(shape: dict, mode: str):
     return GPT2LMHeadModel(config)
 
 
-def _rank(rank: int, world_size: int, port: int, shape: dict, mode: str, queue) -> None:
+def _rank(rank: int, world_size: int, shape: dict, mode: str) -> tuple[int, int, float]:
+    """(peak, kept growth of the resident set in bytes, seconds) of building the model on this rank."""
     from transformers import GPT2Config, GPT2LMHeadModel  # noqa: F401  (loaded before the baseline)
 
     import zero_runtime  # noqa: F401
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     dist.barrier()
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # resets VmHWM to the current resident set
@@ -60,29 +57,8 @@ def _rank(rank: int, world_size: int, port: int, shape: dict, mode: str, queue) 
     seconds = time.perf_counter() - start
     peak, kept = status_bytes("VmHWM") - base, status_bytes("VmRSS") - base
     dist.barrier()
-    queue.put((rank, peak, kept, seconds))
-    queue.close()
-    queue.join_thread()  # the result is in the pipe before the process leaves
     del model
-    dist.destroy_process_group()
-    leave(0)
-
-
-def _run(world_size: int, shape: dict, mode: str) -> list[tuple[int, int, int, float]]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world_size, port, shape, mode, queue)) for r in range(world_size)]
-    for proc in procs:
-        proc.start()
-    results = [queue.get(timeout=1800) for _ in procs]
-    for proc in procs:
-        proc.join()
-        if proc.exitcode:
-            raise RuntimeError(f"a rank of mode {mode} exited with {proc.exitcode}")
-    return sorted(results)
+    return peak, kept, seconds
 
 
 def _module_sizes(shape: dict) -> tuple[int, int, int]:
@@ -112,20 +88,20 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# Building an HF GPT-2 ({total / 1e6:.1f}M parameters, fp32) on {args.world_size} gloo ranks\n")
     print(f"shape: {shape}; largest module: {largest / 1e6:.1f}M parameters ({largest * size / mib:.0f} MiB); "
           f"torch {torch.__version__}; one thread per rank\n")
-    rows = {mode: _run(args.world_size, shape, mode) for mode in ("meta", "plain", "init")}
+    rows = {mode: spawn(_rank, args.world_size, shape, mode, timeout=1800) for mode in ("meta", "plain", "init")}
     print("| mode | peak MiB (max rank) | kept MiB (max rank) | build s (max rank) |")
     print("|---|---|---|---|")
     for mode, results in rows.items():
-        print(f"| {mode} | {max(r[1] for r in results) / mib:.0f} | {max(r[2] for r in results) / mib:.0f} | "
-              f"{max(r[3] for r in results):.1f} |")
-    overhead = max(r[1] for r in rows["meta"])
+        print(f"| {mode} | {max(r[0] for r in results) / mib:.0f} | {max(r[1] for r in results) / mib:.0f} | "
+              f"{max(r[2] for r in results):.1f} |")
+    overhead = max(r[0] for r in rows["meta"])
     budget = (largest + (total - largest) / args.world_size) * size
-    peak = max(r[1] for r in rows["init"])
+    peak = max(r[0] for r in rows["init"])
     verdict = "PASS" if peak <= budget + overhead else "MISS"
     print(f"\ntarget: Init peak <= largest module + 1/{args.world_size} of the rest + overhead = "
           f"{budget / mib:.0f} + {overhead / mib:.0f} MiB; measured {peak / mib:.0f} MiB: {verdict} "
-          f"(plain construction: {max(r[1] for r in rows['plain']) / mib:.0f} MiB, "
-          f"{max(r[1] for r in rows['plain']) / peak:.2f}x Init's peak)")
+          f"(plain construction: {max(r[0] for r in rows['plain']) / mib:.0f} MiB, "
+          f"{max(r[0] for r in rows['plain']) / peak:.2f}x Init's peak)")
 
 
 if __name__ == "__main__":

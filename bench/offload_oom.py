@@ -31,11 +31,9 @@ each round after its own ``dd`` probe (a shared disk's speed drifts), and the ov
 step is compared with the plain one round by round. Gradient shards stay in memory in every mode. Cgroups and swap files are
 removed at the end.
 
-Every job runs with glibc's ``mmap`` threshold fixed (``MALLOC_ENV``; see [Note: glibc's mmap
-threshold] in ``bench.harness.process_memory``). With glibc's default dynamic threshold a
-GPT-2 medium block's shards came from its heap and stayed resident after they were freed:
-both jobs then peaked near 6 GB per rank, and offload saved almost nothing of the resident
-set. Long-running CPU jobs want the same setting, or jemalloc / tcmalloc.
+Every job runs with glibc's ``mmap`` threshold fixed (``MALLOC_ENV``; [Note: glibc's mmap
+threshold] in ``bench.harness.process_memory``): with glibc's default, GPT-2 medium's freed shards
+stayed resident and offload saved almost nothing of the resident set.
 """
 
 from __future__ import annotations
@@ -45,18 +43,18 @@ import functools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median_high
 
 import torch
 
 from bench.harness.flags import parse_size
 from bench.harness.process_memory import MALLOC_ENV, status_bytes
-from bench.harness.rank_exit import leave
+from bench.harness.ranks import spawn
 from bench.nvme_swap import dd_rate
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
@@ -80,14 +78,12 @@ def _config(mode: str, nvme_path: str, sub_group_size: int, param_buffers: int, 
     return {"zero_optimization": zero, "aio": {"queue_depth": queue_depth}}
 
 
-def _rank(rank: int, world_size: int, port: int, args: argparse.Namespace, out: str) -> None:
-    import torch.distributed as dist
+def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
+    """This rank's training: its parameter count, step times and I/O counters."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import zero_runtime
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     config = _config(args.worker, args.nvme_path, args.sub_group_size, args.param_buffers, args.aio_queue_depth)
     torch.manual_seed(0)
     with zero_runtime.Init(config):
@@ -109,38 +105,21 @@ def _rank(rank: int, world_size: int, port: int, args: argparse.Namespace, out: 
                       "loss": loss.item()})
     report = opt.memory_report()
     swap = opt.param_offload
-    opt.close()
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump({"params": params, "steps": steps, "peak_rss": status_bytes("VmHWM"),
-                   "offloaded_bytes": report.offloaded_optimizer_states,
-                   "offloaded_param_bytes": report.offloaded_parameters,
-                   "param_read_bytes": swap.bytes_read if swap else 0,
-                   "param_written_bytes": swap.bytes_written if swap else 0}, f)
-    dist.destroy_process_group()
-    leave(0)
+    opt.close()  # the swap files go before the rank leaves without finalization
+    return {"params": params, "steps": steps, "peak_rss": status_bytes("VmHWM"),
+            "offloaded_bytes": report.offloaded_optimizer_states, "offloaded_param_bytes": report.offloaded_parameters,
+            "param_read_bytes": swap.bytes_read if swap else 0, "param_written_bytes": swap.bytes_written if swap else 0}
 
 
 def _worker(args: argparse.Namespace) -> int:
-    """The job: ``--world-size`` ranks; the first rank to fail ends the others."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, args.world_size, port, args, args.json)) for r in range(args.world_size)]
-    for proc in procs:
-        proc.start()
-    while any(proc.is_alive() for proc in procs):
-        if any(proc.exitcode not in (None, 0) for proc in procs):
-            for proc in procs:
-                proc.kill()
-            break
-        time.sleep(0.5)
-    for proc in procs:
-        proc.join()
-    codes = [proc.exitcode for proc in procs]
-    return next((code for code in codes if code), 0)
+    """The job: ``--world-size`` ranks, their results in ``--json``; a failed rank ends the others."""
+    try:
+        ranks = spawn(_rank, args.world_size, args, timeout=args.timeout)
+    except Exception as exc:  # noqa: BLE001 - the job failed; the parent reports its stderr
+        print(f"bench.offload_oom: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    Path(args.json).write_text(json.dumps(ranks))
+    return 0
 
 
 def _cgroup_value(group: Path, name: str) -> int:
@@ -168,8 +147,7 @@ def _run_job(mode: str, args: argparse.Namespace, limit: int | None, scratch: Pa
         proc = subprocess.run(command, preexec_fn=preexec, env=env, capture_output=True, text=True,
                               timeout=args.timeout)
         wall = time.perf_counter() - start
-        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(args.world_size)
-                 if Path(f"{out}.{r}").exists()]
+        ranks = json.loads(Path(out).read_text()) if Path(out).exists() else []
         result = {"mode": mode, "limit": limit, "exit": proc.returncode, "wall_s": wall, "ranks": ranks,
                   "stderr_tail": proc.stderr[-1500:]}
         if group is not None:
@@ -204,11 +182,6 @@ def _shape(args: argparse.Namespace) -> dict:
 _TIMINGS = ("total_s", "forward_backward_s", "step_s")
 
 
-def _median(values: list[float]) -> float:
-    values = sorted(values)
-    return values[len(values) // 2]
-
-
 def _completed(job: dict, args: argparse.Namespace) -> bool:
     return job["exit"] == 0 and len(job["ranks"]) == args.world_size
 
@@ -216,7 +189,7 @@ def _completed(job: dict, args: argparse.Namespace) -> bool:
 def _medians(job: dict) -> dict[str, float] | None:
     """Per timing, the median over every rank's steps after the first (None with one step)."""
     later = [step for rank in job["ranks"] for step in rank["steps"][1:]]
-    return {key: _median([step[key] for step in later]) for key in _TIMINGS} if later else None
+    return {key: median_high([step[key] for step in later]) for key in _TIMINGS} if later else None
 
 
 def _report(results: list[dict], args: argparse.Namespace, disks: list[dict[str, float]]) -> None:
@@ -271,7 +244,7 @@ def _target(results: list[dict], args: argparse.Namespace, disks: list[dict[str,
             print(f"\nrun {job['repeat']}, {mode}: compute = the unlimited `none` step {compute:.1f} s; I/O = "
                   f"{read / 1e9:.2f} GB read and {written / 1e9:.2f} GB written per step (all ranks) at that run's "
                   f"dd rates = {io:.1f} s; measured {measured:.1f} s = {ratios[-1]:.2f}x")
-        ratio = _median(ratios)
+        ratio = median_high(ratios)
         print(f"\ntarget for {mode}: NVMe step <= 1.25x max(compute, I/O): median over "
               f"{len(ratios)} run(s) {ratio:.2f}x: {'PASS' if ratio <= 1.25 else 'MISS'}")
     _paired(results, args)
@@ -287,7 +260,7 @@ def _paired(results: list[dict], args: argparse.Namespace) -> None:
     ratios = [a / b for a, b in pairs if a and b]
     if ratios:
         print(f"\nnvme-param-overlap / nvme-param step time, per run: {', '.join(f'{x:.2f}' for x in ratios)} "
-              f"(median {_median(ratios):.2f})")
+              f"(median {median_high(ratios):.2f})")
 
 
 def _io_per_step(job: dict, args: argparse.Namespace) -> tuple[float, float]:

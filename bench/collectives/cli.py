@@ -88,12 +88,12 @@ class BenchConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.collectives", description=__doc__)
-    parser.add_argument("-b", "--minbytes", type=parse_size, default="32M", help="smallest size (bytes, K/M/G)")
-    parser.add_argument("-e", "--maxbytes", type=parse_size, default="32M", help="largest size (bytes, K/M/G)")
-    parser.add_argument("-f", "--stepfactor", type=int, default=2, help="multiply the size by this each step")
+    parser.add_argument("-b", "--minbytes", dest="min_bytes", type=parse_size, default="32M", help="smallest size (bytes, K/M/G)")
+    parser.add_argument("-e", "--maxbytes", dest="max_bytes", type=parse_size, default="32M", help="largest size (bytes, K/M/G)")
+    parser.add_argument("-f", "--stepfactor", dest="factor", type=int, default=2, help="multiply the size by this each step")
     parser.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size")
-    parser.add_argument("-w", "--warmup_iters", type=int, default=5, help="untimed warm-up iterations per size")
-    parser.add_argument("-d", "--datatype", choices=tuple(DTYPES), default="float")
+    parser.add_argument("-w", "--warmup_iters", dest="warmup", type=int, default=5, help="untimed warm-up iterations per size")
+    parser.add_argument("-d", "--datatype", dest="dtype", choices=tuple(DTYPES), default="float")
     parser.add_argument("--ops", default=",".join(ALL_OPS), help=f"comma-separated subset of {','.join(ALL_OPS)}")
     parser.add_argument("--stages", type=parse_stages, default="auto",
                         help="pipeline_stages of reduce_scatter_q4 and all_reduce_q4: auto or e.g. 1,2,4")
@@ -110,23 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_config(argv: Sequence[str] | None = None) -> BenchConfig:
     """Parse ``argv``; invalid values exit through argparse with the config's message."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    fields = vars(parser.parse_args(argv))  # the parser's dests are BenchConfig's fields
+    fields["ops"] = tuple(op.strip() for op in fields["ops"].split(",") if op.strip())
     try:
-        return BenchConfig(
-            min_bytes=args.minbytes,
-            max_bytes=args.maxbytes,
-            factor=args.stepfactor,
-            iters=args.iters,
-            warmup=args.warmup_iters,
-            dtype=args.datatype,
-            ops=tuple(op.strip() for op in args.ops.split(",") if op.strip()),
-            stages=args.stages,
-            group_size=args.group_size,
-            seed=args.seed,
-            device=args.device,
-            backend=args.backend,
-            json_path=args.json_path,
-            plot_path=args.plot_path,
-        )
+        return BenchConfig(**fields)
     except ValueError as exc:
         parser.error(str(exc))

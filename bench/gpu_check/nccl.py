@@ -1,26 +1,13 @@
 """gpu-check's NCCL stage: one rank per GPU, every collective byte-identical to the same call on CPU tensors.
 
-``torchrun --nproc-per-node=G -m bench.gpu_check.nccl --json PATH`` (gpu-check runs it on a
-machine with 2 or more GPUs; on two machines ``torchrun --nnodes 2 ...``, docs/gpu-check.md).
-Each rank binds its GPU (``LOCAL_RANK``), joins an NCCL process group whose collectives time
-out after ``--timeout`` seconds, and a gloo group over the same ranks for the CPU side.
-
-Checks, on every rank: each case of :func:`bench.gpu_check.w4._cases` (``all_gather_q8``;
-``reduce_scatter_q4`` and ``_coalesced``; sync and async; SUM, AVG and PREMUL_SUM; bf16, fp16
-and fp32; 1 and 4 stages; INT4 and INT8 first hop; the Hadamard rotation) on each topology
-(the one zcomm detects, and 2 pretend nodes of G/2 ranks so that the second hop and the
-re-quantizing kernel run over NCCL even on one machine), called on CUDA tensors over NCCL
-under each CUDA kernel launcher (cupy, driver), must give the bytes of the same call on CPU
-tensors over gloo (zcomm's reference backend, which defines the wire format), and the CPU's
-result must lie within the analytic bound of an fp64 collective. Then ``STEPS`` steps of
-zero_runtime's ZeRO++ and of FSDP2 with ``zcomm.fsdp.enable_zeropp`` on the GPUs must give the
-CPU's losses within ``ZEROPP_RTOL``.
-
-A hang: gpu-check's environment for this stage sets ``TORCH_NCCL_TRACE_BUFFER_SIZE``,
-``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` and ``TORCH_FR_DUMP_TEMP_FILE=<result folder>/nccl_trace_``
-(torch appends the rank), so a collective that outlives ``--timeout`` leaves each rank's flight
-recorder (its last collectives, their state and sizes) beside the report. Rank 0 writes the
-JSON, each check failed where any rank failed it; exit status 0 when every check passed.
+``torchrun --nproc-per-node=G -m bench.gpu_check.nccl --json PATH`` (on two machines
+``torchrun --nnodes 2 ...``; what it covers and its flight recorder: docs/gpu-check.md). Each
+rank binds its GPU (``LOCAL_RANK``), joins an NCCL group whose collectives time out after
+``--timeout`` seconds, and a gloo group of the same ranks for the CPU side. Every case of
+:func:`bench.gpu_check.w4._cases`, on zcomm's detected topology and on 2 pretend nodes (so
+the second hop runs over NCCL on one machine), under each CUDA kernel launcher, is checked
+as w4 checks it (:func:`bench.gpu_check.w4.check_case`, the CPU side on the reference
+backend); then ZeRO++ and FSDP2 with ``zcomm.fsdp.enable_zeropp`` against the CPU's losses.
 """
 
 from __future__ import annotations
@@ -35,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from bench.gpu_check import w4
+from bench.harness.rank_exit import leave
 
 LAUNCHERS = ("cupy", "driver")
 
@@ -124,4 +112,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    w4.exit_without_teardown(main())
+    leave(main())

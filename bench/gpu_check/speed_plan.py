@@ -1,17 +1,9 @@
 """The parts of the speed report (``make gpu-bench``, ``python -m bench.gpu_check --bench``): commands,
 time limits, and which tools this checkout has.
 
-On a GPU it measures, in one call of about 4 minutes, everything the host path, the kernels
-and training are judged by, each part a subprocess run by gpu-check's stage runner, and
-writes one folder (``report.md``, the tools' JSON, logs): **host cost** per call at world
-size 1 under each CUDA kernel launcher (``python -m bench.host_cost --device cuda --launcher
-cupy,driver``); **training** a ~160M GPT on the one GPU in interleaved rounds (``python -m
-bench.train``); the **kernel sweep** (``python -m bench.kernels --sweep``); the **kernel
-variants** against their simpler paths with a keep/remove decision per row of
-docs/kernel-variants.md (``python -m bench.kernels --variants``). A tool this checkout lacks
-is reported, never skipped in silence; ratios come from numbers of the same run. Without a
-GPU only the CPU host cost runs, and the exit status is 2.
-
+Each part is a subprocess run by gpu-check's stage runner; what each measures: docs/gpu-check.md
+("make gpu-bench"). A tool this checkout lacks is reported, never skipped in silence; ratios
+come from numbers of the same run. Without a GPU only the CPU host cost runs (status 2).
 
 [Note: gpu-bench time budget] The speed report shares a lease with gpu-check, so its limits
 add up to 230 s of ``TOTAL_BUDGET_S`` = 240 s, in order of value: host cost (40 s, both

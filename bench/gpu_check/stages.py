@@ -257,24 +257,23 @@ def failed_tests(path: Path, limit: int = 30) -> list[str]:
     return names[:limit] + ([f"... and {len(names) - limit} more"] if len(names) > limit else [])
 
 
-def _verify_tests(out_dir: Path) -> list[str]:
-    path = tests_xml(out_dir)
+def _verify_junit(path: Path, absent: str) -> list[str]:
+    """A pytest stage's problems from its JUnit file: none ran, a test crashed its process (the
+    test runner's merged file only), a test failed; ``absent`` when there is no file."""
     if not path.exists():
-        return ["the test runner wrote no cuda-tests.xml"]
-    counts = junit_counts(path)
+        return [absent]
     crashed = crashed_tests(path)
     failed = [name for name in failed_tests(path) if name.split("::", 1)[-1] not in crashed]
-    return (([] if counts["tests"] else ["pytest ran no test"]) + [f"crashed its process: {name}" for name in crashed]
+    return (([] if junit_counts(path)["tests"] else ["pytest ran no test"]) + [f"crashed its process: {name}" for name in crashed]
             + [f"failed: {name}" for name in failed])  # fmt: skip
 
 
+def _verify_tests(out_dir: Path) -> list[str]:
+    return _verify_junit(tests_xml(out_dir), "the test runner wrote no cuda-tests.xml")
+
+
 def _verify_driver_tests(out_dir: Path) -> list[str]:
-    path = out_dir / DRIVER_TESTS_XML
-    if not path.exists():
-        return [f"pytest wrote no {DRIVER_TESTS_XML} (it died before the end: see the log)"]
-    counts = junit_counts(path)
-    return (([] if counts["tests"] else ["pytest ran no test"])
-            + [f"failed: {name}" for name in failed_tests(path)])  # fmt: skip
+    return _verify_junit(out_dir / DRIVER_TESTS_XML, f"pytest wrote no {DRIVER_TESTS_XML} (it died before the end: see the log)")
 
 
 def _verify_w4(out_dir: Path, name: str = "w4") -> list[str]:

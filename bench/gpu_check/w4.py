@@ -1,35 +1,20 @@
 """World size 4 on one machine: zcomm's hierarchical collectives and ZeRO++ on 2 nodes x 2 ranks, one device.
 
-``torchrun --standalone --nproc-per-node=4 -m bench.gpu_check.w4 --device {cuda,cpu} --json PATH``:
-4 rank processes, joined in a **gloo** process group and laid out as ``Topology(world_size=4, local_size=2)``
-(2 pretend nodes of 2 ranks). One GPU cannot host two ranks of one NCCL communicator
-("Duplicate GPU detected"), but gloo runs its collectives on CUDA tensors (it stages them
-through the host), also on subgroups; so with ``--device cuda`` every rank keeps its
-tensors on ``cuda:0`` and zcomm's CUDA kernels run on them, with W > 1: both hops of the
-two-hop reduce-scatter, the tensor-slice reordering, the pipelined stages, hpZ blocks,
-stream ordering between zcomm's streams and the caller's. What this does not exercise is
-NCCL itself (its rings, peer-to-peer copies, its stream semantics): the collectives stage
-of gpu-check covers NCCL at world size 1 only.
+``torchrun --standalone --nproc-per-node=4 -m bench.gpu_check.w4 --device {cuda,cpu} --json PATH``
+(gpu-check's w4 stage; its cases and what it covers: docs/gpu-check.md). One GPU cannot host
+two ranks of one NCCL communicator, but gloo runs its collectives on CUDA tensors (staged
+through the host), so the 4 ranks join a **gloo** group as ``Topology(world_size=4,
+local_size=2)`` and keep their tensors on ``cuda:0``, where zcomm's CUDA kernels run with W > 1.
 
-Oracle: each rank runs every collective twice on the same group, once on ``--device``
-tensors and once on CPU tensors (zcomm's ``cpu`` backend, or ``--cpu-backend``), and the
-outputs must be **byte-identical** (the wire format is exact: the same quantized bytes,
-the same full-precision reductions between hops). Each CPU output is also held against a
-plain ``torch.distributed`` collective in fp64 within a loose analytic bound on the
-quantization error (an INT8 step is absmax/127, an INT4 step absmax/7 per hop), which
-catches a CPU path that is wrong in the same way as the device path. Cases:
-``all_gather_q8`` (1 and 4 stages), ``reduce_scatter_q4`` and ``reduce_scatter_q4_coalesced``
-(1 and 4 stages, INT4 and INT8 first hop, with and without the Hadamard rotation; SUM, and
-AVG and PREMUL_SUM through the re-quantizing kernel of the second hop), bf16, fp16 and fp32,
-sync and async; then 3 steps of zero_runtime's ZeRO++ (stage 3 with qwZ + hpZ over
-pairs of ranks + qgZ) on a small GPT on ``--device`` and on the CPU, whose global-batch
-losses must agree within ``ZEROPP_RTOL`` (for why 1e-3, see [Note: CPU/CUDA bounds] in
-``tests/runtime/test_zero_cuda.py``).
-
-With ``--device cpu`` both sides are CPU tensors: the same launcher, ranks and checks, so a
-CPU machine proves the wiring (the CUDA variant differs only by the device). Exit status
-0 when every check passed, 1 when one failed, 2 when ``--device cuda`` has no GPU. A collective
-times out after ``--timeout`` seconds; torchrun names a rank that crashed or raised.
+Oracle: each rank runs every case (:func:`_cases`) twice on the same group, on ``--device``
+tensors and on CPU tensors (``--cpu-backend``), and the outputs must be **byte-identical**
+(the wire format is exact). Each CPU output is also held against a plain fp64
+``torch.distributed`` collective within a loose analytic bound (``GATHER_BOUND``,
+``REDUCE_BOUND``), which catches a CPU path wrong in the same way as the device path. Then
+``STEPS`` ZeRO++ steps on each side must agree within ``ZEROPP_RTOL`` (why 1e-3:
+[Note: CPU/CUDA bounds] in ``tests/runtime/test_zero_cuda.py``). With ``--device cpu`` both
+sides are CPU tensors: the wiring proved on any machine. Exit status 0 when every check passed, 1
+when one failed, 2 when ``--device cuda`` has no GPU.
 """
 
 from __future__ import annotations
@@ -49,6 +34,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+
+from bench.harness.rank_exit import leave
 
 WORLD, LOCAL = 4, 2
 ZEROPP_RTOL = 1e-3
@@ -322,14 +309,6 @@ def torchrun_main(stage: str, args: argparse.Namespace, backend: str, run: Calla
     return 0 if passed else 1
 
 
-def exit_without_teardown(status: int) -> None:
-    """Leave once every collective is done, without tearing the groups down: gloo's teardown can abort
-    a rank whose peer left first ([Note: teardown] in tests/spawn_harness.py)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check.w4", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -356,4 +335,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_without_teardown(main())
+    leave(main())  # without tearing the groups down: gloo's teardown can abort a rank whose peer left first

@@ -13,27 +13,15 @@ after one warm-up call (numba cache load, NVRTC compile, NCCL setup):
 
 ``n`` is chosen per row so the row takes about ``--budget`` seconds (at least
 ``--min-calls``, at most ``--max-calls``, which also keeps a GPU's launch queue from
-filling). Rows, each next to its yardstick measured in the same run:
-
-* each ``zcomm.quant`` op into a preallocated output (quantize, dequantize of 4 rows,
-  reorder_quantize into 4 chunks, dequant_reduce of 4 rows, and its re-quantizing form) next to
-  ``x.clone()`` of the op's float input;
-* ``all_gather_q8`` next to ``dist.all_gather_into_tensor``;
-* ``reduce_scatter_q4`` with 1 and 4 pipeline stages next to ``dist.reduce_scatter_tensor``,
-  and the 4-stage row against the 1-stage row;
-* ``reduce_scatter_q4_coalesced`` of a bucket of :data:`BUCKET` tensors (the runtime's qgZ
-  call) and ``reduce_scatter_q4`` with error feedback (LoCo), next to the 1-stage row;
-* the prepared forms the runtime holds per bucket and unit
-  (``prepare_reduce_scatter_q4_coalesced``, ``prepare_all_gather_q8``) next to the calls they prepare;
-* :mod:`zcomm.fsdp`'s comms of one unit, called as FSDP2 calls them, next to the drop-in
-  collectives with the same options.
-
-``--launcher cupy,driver`` (CUDA only) measures every row under each CUDA kernel launcher
-in turn (:mod:`zcomm_cuda.loader`, [Note: launcher choice]: switched between blocks of rows
-in this one process, the order alternating from one size to the next), prints a table per
-launcher and then the same calls side by side with each launcher's host and synced time
-over the first launcher's; without it the rows run under the launcher
-``$ZCOMM_CUDA_LAUNCHER`` picks, named in the JSON's rows.
+filling). Each row stands next to its yardstick measured in the same run: each
+``zcomm.quant`` op into a preallocated output next to ``x.clone()``; ``all_gather_q8`` and
+``reduce_scatter_q4`` (1 and 4 stages) next to torch's call, 4 stages also next to 1; the
+runtime's qgZ calls (``reduce_scatter_q4_coalesced`` of a :data:`BUCKET`-tensor bucket, error
+feedback) next to the 1-stage row; the prepared calls next to the calls they prepare; and
+:mod:`zcomm.fsdp`'s comms of one unit, called as FSDP2 calls them, next to the drop-in
+collectives. ``--launcher cupy,driver`` (CUDA) measures every row under each CUDA kernel
+launcher in turn, the order alternating from one size to the next, and prints them side by
+side (docs/benchmarks.md).
 
 The run ends with the targets of the thin host path, each marked PASS or MISS from the host
 ratios of this run (on CUDA: every op <= 2x clone, all_gather_q8 <= 1.5x and
@@ -226,10 +214,7 @@ def _prepared_rows(timer: Timer, numel: int, full: torch.Tensor, shard: torch.Te
     from zcomm.reduce_scatter_q4 import prepare_reduce_scatter_q4_coalesced
 
     gather = prepare_all_gather_q8(full, shard)
-    world = dist.get_world_size()
-    sizes = [numel // BUCKET] * (BUCKET - 1) + [numel - numel // BUCKET * (BUCKET - 1)]
-    inputs = [piece.contiguous() for piece in grads.view(world, numel).split(sizes, dim=1)]
-    outputs = list(out.split(sizes))
+    inputs, outputs = _bucket(grads, out)
     reduce = prepare_reduce_scatter_q4_coalesced(outputs, inputs, op=dist.ReduceOp.AVG)
     return [
         Row("all_gather_q8 prepared", numel, *timer.measure(lambda: gather(full, shard)), "all_gather_q8",
@@ -239,14 +224,17 @@ def _prepared_rows(timer: Timer, numel: int, full: torch.Tensor, shard: torch.Te
     ]
 
 
-def _bucket_calls(grads: torch.Tensor, out: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """The runtime's qgZ calls on ``grads``' elements: one coalesced call over a bucket of
-    :data:`BUCKET` tensors (``grads`` cut rank-major, outputs pieces of ``out``), and one call
-    with error feedback."""
+def _bucket(grads: torch.Tensor, out: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A bucket of :data:`BUCKET` tensors on ``grads``' elements: inputs ``grads`` cut rank-major, outputs pieces of ``out``."""
     world, numel = dist.get_world_size(), out.numel()
     sizes = [numel // BUCKET] * (BUCKET - 1) + [numel - numel // BUCKET * (BUCKET - 1)]
-    inputs = [piece.contiguous() for piece in grads.view(world, numel).split(sizes, dim=1)]
-    outputs = list(out.split(sizes))
+    return [piece.contiguous() for piece in grads.view(world, numel).split(sizes, dim=1)], list(out.split(sizes))
+
+
+def _bucket_calls(grads: torch.Tensor, out: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The runtime's qgZ calls on ``grads``' elements: one coalesced call over a :func:`_bucket`, and one call
+    with error feedback."""
+    inputs, outputs = _bucket(grads, out)
     feedback = zcomm.ErrorFeedback()
     return {
         f"reduce_scatter_q4_coalesced x{BUCKET}": lambda: zcomm.reduce_scatter_q4_coalesced(

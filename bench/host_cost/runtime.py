@@ -1,43 +1,30 @@
 """Host cost of a ZeRO training step: what qwZ and qgZ add to stage 3's Python work per step.
 
 ``python -m bench.host_cost --runtime [--configs zero3 zero3+qwz zero3+qgz zeropp]
-[--layers 64] [--width 64] [--steps 20] [--rounds 4] [--world 1] [--device cpu] [--json PATH]``.
+[--layers 64] [--width 64] [--steps 20] [--rounds 4] [--world 1] [--device cpu] [--json PATH]``;
+why a host-bound step is measured on a CPU: bench/TRAINING.md, "A host-bound step".
 
-At world size 1 on a GPU a training step of zero_runtime is host-bound: the GPU work of a
-160M GPT is small next to the Python work the runtime does per unit (a gather) and per
-bucket (a reduce-scatter). That Python work is the same code on a CPU, so it is measured
-here, on a model whose compute is negligible: an MLP of ``--layers`` Linear layers of
-``--width`` features (``bench.train.models.MLP``) on a batch of ``--batch`` rows, fp32,
-world size 1 (gloo, one process; ``--world N`` spawns N gloo ranks on this machine, one node, and
-reports rank 0's figures). The engine config is ``bench.train``'s for the
-configuration (:func:`bench.train.configs.zero_runtime_config`) plus the *host-bound shape*
-(:data:`HOST_BOUND_KEYS`): every Linear its own stage-3 unit (``zcomm_stage3_fuse_numel``
-0, ``stage3_param_persistence_threshold`` 0) and its own gradient bucket
-(``reduce_bucket_size`` 1), which is what the 160M GPT of the speed report (``bench.gpu_check --bench``) gets from the
-defaults (its Linear layers hold 1M-4M parameters each, over the 1M fuse and bucket sizes),
-so the step makes one forward gather per layer and one reduce-scatter per layer, as there.
+The model's compute is negligible: an MLP of ``--layers`` Linear layers of ``--width``
+features (``bench.train.models.MLP``), fp32, world size 1 (``--world N``: N gloo ranks on
+this machine, rank 0's figures). The engine config is ``bench.train``'s for the configuration
+(:func:`bench.train.configs.zero_runtime_config`) plus :data:`HOST_BOUND_KEYS`: every Linear
+its own stage-3 unit and its own gradient bucket, as the Linear layers of the speed report's
+160M GPT get from the defaults, so a step makes one gather and one reduce-scatter per layer.
 
 Two measurements per configuration, after ``--warmup`` steps:
 
 * **calls per step**: the Python functions the step enters (``sys.setprofile`` "call"
-  events; C functions not counted), deterministic on any machine, split by phase (forward,
-  backward, optimizer step, zero_grad) and by thread: the training thread, and zcomm's CPU
-  worker threads (on CUDA the collectives' chains are queued from the training thread
-  instead, so the worker's count shows host work a GPU run does on the training thread).
-  The functions a configuration enters per step that ``zero3`` does not (or more often)
-  are listed with their counts.
-* **wall time per step**: the median step over ``--steps`` steps, in ``--rounds`` rounds that
+  events; C functions not counted), deterministic on any machine, by phase (forward,
+  backward, optimizer step, zero_grad) and by thread (the training thread, zcomm's CPU
+  workers); then the functions a configuration enters per step beyond the baseline.
+* **wall time per step**: the median over ``--steps`` steps, in ``--rounds`` rounds that
   alternate the order of the configurations; the ratio to ``--baseline`` is the median of
-  the per-round ratios (both step times of one ratio measured in the same round).
+  the per-round ratios.
 
-``--device cuda`` runs the same on GPUs (NCCL, rank r on GPU r, each step timed to the end of
-its GPU work): there the quantized collectives' chains run on the training thread, so its call
-counts are the host path of a GPU step, with one gap: autograd runs a CUDA backward on a device
-thread of its own, which a profile function set from Python does not reach (it is a C++ thread
-taking the GIL per call), so on CUDA the backward column counts only the training thread's part;
-the heading says so. Forward, optimizer step and the step times are complete.
-
-Nothing here asserts: it prints what it measured (and ``--json`` writes it).
+``--device cuda`` (NCCL, rank r on GPU r, steps timed to the end of their GPU work): the
+quantized chains run on the training thread, so the counts are a GPU step's host path, except
+that autograd's CUDA backward runs on a C++ device thread a Python profile function does not
+reach: there the backward column counts only the training thread's part (the heading says so).
 """
 
 from __future__ import annotations

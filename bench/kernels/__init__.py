@@ -1,22 +1,10 @@
-"""The kernel benchmark, one entry point: ``python -m bench.kernels [MODE] [options]``.
+"""The kernel benchmark, one entry point: ``python -m bench.kernels [MODE] [options]`` (docs/benchmarks.md).
 
-Modes (one per run; ``--help`` lists every option):
-
-* default (:mod:`.eager`): GB/s of every quantization op on every backend and device that can
-  run here, each against a copy of the same bytes, eager calls into preallocated outputs,
-  with the project's targets marked PASS or MISS (``--numel``, ``--dtype``, ``--device``,
-  ``--backends``, ``--group-size``, ``--repeats``, ``--reference-repeats``);
-* ``--sweep`` (:mod:`.sweep`, GPU): kernel-only GB/s of every cuda op by CUDA-graph replay over
-  L2-rotated buffers at 16M/64M/256M elements (``--quick``: 16M), group 256/512, bf16/fp32;
-* ``--variants`` (:mod:`.variants`, GPU): each row of ``docs/kernel-variants.md`` that a GPU
-  decides, the variant against the simpler path on the variant's own target shapes, with a
-  keep/remove decision per row (keep when the variant is at least 10% faster);
-* ``--ncu`` (:mod:`.sweep`, GPU, under Nsight Compute): one call of each op of the sweep
-  inside a profiler range (``ncu --profile-from-start off ... python -m bench.kernels --ncu``);
-* ``--static`` (:mod:`.static`, no GPU): registers, spills and main-loop instructions per
-  element of every kernel, this tree against ``--before REV``, from nvcc's cubins.
-
-``--output PATH`` writes the markdown report, ``--json PATH`` (sweep, variants) the rows.
+One mode per run, each a module: the default (:mod:`.eager`, the CPU backends' GB/s against a
+copy, with their targets), ``--sweep`` and ``--ncu`` (:mod:`.sweep`, GPU), ``--variants``
+(:mod:`.variants`, GPU: the rows of docs/kernel-variants.md) and ``--static`` (:mod:`.static`,
+nvcc's cubins, no GPU). Each returns its report's lines; ``main`` prints them and writes them to
+``--output``; ``--json PATH`` (sweep, variants) writes the rows.
 """
 
 from __future__ import annotations
@@ -45,10 +33,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> list[str]:
+    """Run the chosen mode; print its report (and write it to ``--output``) and return its lines."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if (args.quick or args.json) and not (args.sweep or args.variants):
         parser.error("--quick and --json go with --sweep or --variants")
+    lines = _run(parser, args)
+    print("\n".join(lines), flush=True)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return lines
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     if args.static:
         from . import static
 
@@ -61,11 +59,11 @@ def main(argv: list[str] | None = None) -> list[str]:
     if args.sweep:
         from . import sweep
 
-        return sweep.main(args.quick, args.json, args.output)
+        return sweep.main(args.quick, args.json)
     if args.variants:
         from . import variants
 
-        return variants.main(args.quick, args.json, args.output)
+        return variants.main(args.quick, args.json)
     if args.ncu:
         from . import sweep
 

@@ -23,7 +23,6 @@ import argparse
 import functools
 import platform
 import statistics
-import subprocess
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -32,6 +31,7 @@ import torch
 
 import zcomm.quant as q
 from bench.harness.flags import parse_size
+from bench.harness.precision import cpu_model, read_cpuinfo
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _PERM = (7, 6, 5, 4, 3, 2, 1, 0)  # reorder_quantize: 8 slices reversed, as a ring all-to-all would
@@ -175,11 +175,7 @@ def _table(rows: list[Row], dtype: str) -> list[str]:
 
 
 def _environment() -> list[str]:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        model = next((l.split(":", 1)[1].strip() for l in lscpu.splitlines() if l.startswith("Model name")), "?")
-    except (OSError, subprocess.CalledProcessError):
-        model = "? (lscpu unavailable)"
+    model = cpu_model(read_cpuinfo())
     try:
         import numba
 
@@ -220,9 +216,4 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]
         rows = _measure(args, dtype, backends)
         report += _table(rows, dtype) + [""]
         targets += _target_lines(rows, dtype)
-    report += [f"Skipped: {reason}" for reason in skipped] + [""] + _environment() + [""] + targets
-    print("\n".join(report))
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write("\n".join(report) + "\n")
-    return report
+    return report + [f"Skipped: {reason}" for reason in skipped] + [""] + _environment() + [""] + targets

@@ -40,7 +40,6 @@ import datetime
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -342,8 +341,4 @@ def main(args: argparse.Namespace) -> list[str]:
         (work / "after").mkdir()
         before = analyse(_checkout(rev, work / "before"), args.arch, args.tools, work / "before", args.sources, "before")
         after = analyse(loader.KERNEL_DIR, args.arch, args.tools, work / "after", args.sources, "after")
-    text = render(before, after, rev[:12], args.arch)
-    if args.output:
-        Path(args.output).write_text(text)
-    sys.stdout.write(text)
-    return text.splitlines()
+    return render(before, after, rev[:12], args.arch).splitlines()

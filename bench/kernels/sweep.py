@@ -175,18 +175,14 @@ def report(rows: list[dict], elapsed: float, name: str) -> list[str]:
     return lines
 
 
-def main(quick: bool, json_path: str | None, output: str | None) -> list[str]:
+def main(quick: bool, json_path: str | None) -> list[str]:
     started = time.perf_counter()
     rows = sweep(quick)
     lines = report(rows, time.perf_counter() - started, torch.cuda.get_device_name())
-    print("\n".join(lines))
     if json_path:
         with open(json_path, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, launches=LAUNCHES,
                            replays=REPLAYS, rows=rows), f, indent=1)
-    if output:
-        with open(output, "w") as f:
-            f.write("\n".join(lines) + "\n")
     return lines
 
 
@@ -212,6 +208,4 @@ def ncu(numel: int, group_size: int) -> list[str]:
         torch.cuda.nvtx.range_pop()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
-    lines = ["profiled, in order: " + "; ".join(label for label, _ in calls)]
-    print(lines[0])
-    return lines
+    return ["profiled, in order: " + "; ".join(label for label, _ in calls)]

@@ -1,16 +1,13 @@
 """The GPU decides what stays: each kernel variant and launcher against the simpler path.
 
 ``python -m bench.kernels --variants [--quick] [--json PATH] [--output PATH]`` (CUDA). Every
-row of :data:`ROWS` is a row of ``docs/kernel-variants.md``: a variant (kernels or a launcher
-added to make some calls faster) and the simpler path that serves the same calls without it.
-For each of the row's target shapes both run once into their own outputs, which must be
-byte-identical (the wire format is exact), and the kernels each launched are recorded
-(``zcomm_cuda.loader.launch`` wrapped for that call): a simpler path that launched the
-variant's kernels is a failed row, not a measurement. Then both are timed, and the row's
-ratio on a shape is simpler time / variant time. The decision, per row, is **keep** when the
-geometric mean of its shapes' ratios is at least :data:`KEEP_RATIO` (the variant beats the
-simpler path by 10%), else **remove** (the variant, its Python mirror and its host-check
-cases, issue 36).
+row of :data:`ROWS` is a row of ``docs/kernel-variants.md`` (which says how a row is decided
+and what a **remove** takes with it). For each of the row's target shapes both paths run once
+into their own outputs, which must be byte-identical, and the kernels each launched are
+recorded (``zcomm_cuda.loader.launch`` wrapped for that call): a simpler path that launched
+the variant's kernels is a failed row, not a measurement. The row is **keep** when the
+geometric mean of its shapes' ratios (simpler time / variant time) is at least
+:data:`KEEP_RATIO`, else **remove**.
 
 The simpler path is another public call where one exists (the unfused ops; ``torch.cat``
 then the flat kernel). Where the CUDA backend picks the variant by size (the narrow
@@ -406,16 +403,12 @@ def report(results: list[dict], name: str, seconds: float) -> list[str]:
     return lines
 
 
-def main(quick: bool, json_path: str | None, output: str | None) -> list[str]:
+def main(quick: bool, json_path: str | None) -> list[str]:
     started = time.perf_counter()
     results = measure(quick)
     lines = report(results, torch.cuda.get_device_name(), time.perf_counter() - started)
-    print("\n".join(lines))
     if json_path:
         with open(json_path, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, keep_ratio=KEEP_RATIO,
                            rows=results), f, indent=1)
-    if output:
-        with open(output, "w") as f:
-            f.write("\n".join(lines) + "\n")
     return lines

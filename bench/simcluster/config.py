@@ -7,8 +7,6 @@ import dataclasses
 import re
 from typing import Sequence
 
-from ..harness.flags import add_renamed_flag
-
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 _RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$", re.IGNORECASE)
 _DELAY_RE = re.compile(r"^\d+(?:\.\d+)?(us|ms|s)$")
@@ -67,11 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m bench.simcluster",
         description="Run CMD as num-nodes x local-size ranks on a simulated cluster of network namespaces (needs root).",
         usage="%(prog)s --num-nodes N --local-size L --rate 200mbit [--delay 1ms] -- CMD ...",
+        allow_abbrev=False,  # --local is not --local-size
     )
     parser.add_argument("--num-nodes", type=int, required=True, help="number of simulated nodes")
     parser.add_argument("--local-size", type=int, required=True, help="ranks per node (zcomm's local_size)")
-    add_renamed_flag(parser, "--nodes", "--num-nodes")
-    add_renamed_flag(parser, "--local", "--local-size")
     parser.add_argument(
         "--rate", required=True, help="each node's link rate, both directions (tc units: 200mbit), or 'unlimited'"
     )

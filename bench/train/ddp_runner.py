@@ -27,7 +27,7 @@ import zcomm.ddp
 
 from .configs import TrainConfig
 from .models import ModelSpec
-from .runner import MemoryReading, cuda_peak, model_state_nbytes
+from .runner import TorchOptimizerRunner
 
 
 def bf16_hook(process_group, bucket):  # unannotated: DDP refuses annotations that are strings
@@ -58,7 +58,9 @@ class _WithLoss(torch.nn.Module):
         return self.spec.loss(self.model, tokens)
 
 
-class DDPRunner:
+class DDPRunner(TorchOptimizerRunner):
+    HELD = "model states held (params+grads+AdamW, whole model)"
+
     def __init__(
         self,
         config: TrainConfig,
@@ -86,34 +88,17 @@ class DDPRunner:
                 **({} if config.first_hop_bits is None else {"first_hop_bits": config.first_hop_bits}))
             self.model.register_comm_hook(state, zcomm.ddp.quantized_allreduce_hook)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
-        self.peak_bytes = 0
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if not self.bf16:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
-    def train_step(self, tokens: torch.Tensor) -> float:
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
         with self._autocast():
-            loss = self.model(tokens)
-        loss.backward()
-        if self.gradient_clipping > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.gradient_clipping)
-        self.opt.step()
-        if self.device.type == "cpu":
-            self.peak_bytes = max(self.peak_bytes, model_state_nbytes(self.opt))
-        self.opt.zero_grad()
-        return loss.item()
+            return self.model(tokens)
 
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor) -> float:
         with self._autocast():
             return self.model.module(tokens).item()  # no DDP forward: nothing to reduce
-
-    def memory(self) -> MemoryReading:
-        if self.device.type == "cuda":
-            return cuda_peak(self.device)
-        return MemoryReading(self.peak_bytes, "model states held (params+grads+AdamW, whole model)")
-
-    def close(self) -> None:
-        """Nothing to release: DDP's reducer goes with the wrapper, collected with the runner."""

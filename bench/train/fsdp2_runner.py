@@ -29,7 +29,7 @@ import zcomm.fsdp
 
 from .configs import TrainConfig
 from .models import ModelSpec
-from .runner import MemoryReading, cuda_peak, model_state_nbytes
+from .runner import TorchOptimizerRunner
 
 
 def reshard_after_forward(config: TrainConfig, *, local_size: int, world_size: int) -> bool | int:
@@ -45,7 +45,9 @@ def reshard_after_forward(config: TrainConfig, *, local_size: int, world_size: i
     return local_size
 
 
-class FSDP2Runner:
+class FSDP2Runner(TorchOptimizerRunner):
+    HELD = "model states held (params+grads+AdamW, local shards)"
+
     def __init__(
         self,
         config: TrainConfig,
@@ -90,27 +92,7 @@ class FSDP2Runner:
                 **options,
             )
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
-        self.peak_bytes = 0
-
-    def train_step(self, tokens: torch.Tensor) -> float:
-        loss = self.spec.loss(self.model, tokens)
-        loss.backward()
-        if self.gradient_clipping > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.gradient_clipping)
-        self.opt.step()
-        if self.device.type == "cpu":
-            self.peak_bytes = max(self.peak_bytes, model_state_nbytes(self.opt))
-        self.opt.zero_grad()
-        return loss.item()
 
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor) -> float:
         return self.spec.loss(self.model, tokens).item()
-
-    def memory(self) -> MemoryReading:
-        if self.device.type == "cuda":
-            return cuda_peak(self.device)
-        return MemoryReading(self.peak_bytes, "model states held (params+grads+AdamW, local shards)")
-
-    def close(self) -> None:
-        """Nothing to release: FSDP2's hooks are module hooks, collected with the model."""

@@ -1,16 +1,10 @@
 """Repeated, interleaved rounds of the training comparison: their order, and what a row reports over them.
 
-On a shared or noisy machine the speed of the cores drifts over minutes (other jobs, clocks,
-a GPU's thermals), so one launch that trains A, then B, then C once lets the run order
-decide a comparison of 5-10%. ``--rounds R`` trains every configuration R times in one
-launch, each round rebuilding the model and engine from the same seed and training the same
-batches, and reports per configuration:
-
-- the median over rounds of each round's median step time, with the rounds' min and max;
-- its ratio to a baseline configuration computed per round, paired: ``A_r / base_r`` with
-  both measured in round ``r``, minutes apart at most, so that drift between rounds cancels
-  out of each ratio; the median of the paired ratios and their range (min, max);
-- whether the rounds trained identical losses (same seed, same data: they must, on a CPU).
+``--rounds R`` trains every configuration R times in one launch, each round from the same
+seed on the same batches, so that a drift of the machine cannot decide a comparison of
+5-10% (why, and the columns a row reports over its rounds: bench/TRAINING.md, "Rounds"): the
+median of the round medians with their range, the ratio to the baseline paired per round
+(both step times of one ratio from the same round), and whether the rounds' losses agree.
 
 [Note: round order] Round ``r`` (0-based) runs the configurations forward when ``r`` is even
 and backward when it is odd: ``A B C``, ``C B A``, ``A B C``, ... A drift that is linear in

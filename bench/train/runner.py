@@ -70,3 +70,36 @@ def model_state_nbytes(optimizer: torch.optim.Optimizer) -> int:
 
 def cuda_peak(device: torch.device) -> MemoryReading:
     return MemoryReading(torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated")
+
+
+class TorchOptimizerRunner:
+    """The half of a runner that is the same wherever torch's AdamW steps the wrapped model (DDP, FSDP2).
+
+    A subclass sets ``spec``, ``model``, ``opt``, ``device`` and ``gradient_clipping``, says in
+    ``HELD`` what the CPU memory figure counts, and overrides :meth:`loss` where the forward differs.
+    """
+
+    HELD = "model states held (params+grads+AdamW)"
+    peak_bytes = 0
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.spec.loss(self.model, tokens)
+
+    def train_step(self, tokens: torch.Tensor) -> float:
+        loss = self.loss(tokens)
+        loss.backward()
+        if self.gradient_clipping > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.gradient_clipping)
+        self.opt.step()
+        if self.device.type == "cpu":
+            self.peak_bytes = max(self.peak_bytes, model_state_nbytes(self.opt))
+        self.opt.zero_grad()
+        return loss.item()
+
+    def memory(self) -> MemoryReading:
+        if self.device.type == "cuda":
+            return cuda_peak(self.device)
+        return MemoryReading(self.peak_bytes, self.HELD)
+
+    def close(self) -> None:
+        """Nothing to release: the engine's hooks and buffers go with the model, collected with the runner."""

@@ -9,8 +9,8 @@ configuration's best launch per rate (see [Note: best of launches]). Then it wri
 ``sweep.md`` (the exact command, the machine, the precision, one table of step time and
 wire share per configuration and rate, the bandwidth claim's verdict: see
 :mod:`.sweep_report`) and ``step_time_vs_link_rate.png`` (log-log) there.
-``--from-json DIR`` re-renders the outputs from an earlier sweep's JSON files without
-running anything. Arguments after ``--`` go to ``bench.train`` unchanged::
+``--from-json`` re-renders the outputs from an earlier sweep's JSON files without
+running anything, keeping the command its ``sweep.md`` names. Arguments after ``--`` go to ``bench.train`` unchanged::
 
     python -m bench.train.sweep --rates 100mbit 200mbit 400mbit 800mbit 1600mbit unlimited \\
         --configs zero3 zeropp fsdp2 deepspeed-z3 --out-dir bench/results/sweep -- --steps 10
@@ -36,7 +36,7 @@ DEFAULT_RATES = ("100mbit", "200mbit", "400mbit", "800mbit", "1600mbit", "unlimi
 DEFAULT_CONFIGS = ("zero3", "zeropp", "fsdp2", "deepspeed-z3")
 PLOT = "step_time_vs_link_rate.png"
 REPORT = "sweep.md"
-COMMAND = "command.txt"
+COMMAND_INDENT = "    python -m bench.train.sweep"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,16 +83,20 @@ def plot_title(runs: list[RateRun]) -> str:
             f"{meta['precision']} compute on {meta['cpu']}")
 
 
-def write_outputs(args: argparse.Namespace) -> Path:
-    """sweep.md and the plot from the rate-*.json files in ``--out-dir``; the command that ran
-    them is read from its command.txt."""
+def recorded_command(out_dir: Path) -> str:
+    """The command of the sweep whose report is in ``out_dir`` (its sweep.md's command line)."""
+    report = out_dir / REPORT
+    lines = report.read_text().splitlines() if report.exists() else []
+    return next((line.strip() for line in lines if line.startswith(COMMAND_INDENT)), "(not recorded)")
+
+
+def write_outputs(args: argparse.Namespace, command_line: str) -> Path:
+    """sweep.md (headed by ``command_line``) and the plot from the rate-*.json files in ``--out-dir``."""
     paths = {rate: sorted(args.out_dir.glob(f"rate-{rate}-run*.json")) for rate in args.rates}
     paths = {rate: found for rate, found in paths.items() if found}
     if not paths:
         raise SystemExit(f"no rate-*.json for {args.rates} in {args.out_dir}")
     runs = load_runs(paths)
-    command_file = args.out_dir / COMMAND
-    command_line = command_file.read_text().strip() if command_file.exists() else "(not recorded)"
     write_plot(args.out_dir / PLOT, runs, plot_title(runs))
     text = [
         "# Step time vs simulated link rate",
@@ -129,17 +133,17 @@ def main(argv: list[str] | None = None) -> int:
     args.rates = sorted(set(args.rates), key=rate_sort_key)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     status = 0
+    command_line = recorded_command(args.out_dir)
     if not args.from_json:
         problem = missing_prerequisite()
         if problem:
             print(problem, file=sys.stderr)
             return 2
         command_line = shlex.join(["python", "-m", "bench.train.sweep", *(argv if argv is not None else sys.argv[1:])])
-        (args.out_dir / COMMAND).write_text(command_line + "\n")
         for launch in range(1, args.repeats + 1):
             for rate in args.rates:
                 status = run_rate(rate, launch, args.configs, args) or status
-    print(f"wrote {write_outputs(args)}")
+    print(f"wrote {write_outputs(args, command_line)}")
     return status
 
 

@@ -42,7 +42,7 @@ def sweep_dir(tmp_path: Path) -> Path:
     for rate in RATES:
         bps = 5e9 if rate == "unlimited" else 0.97 * float(rate.removesuffix("mbit")) * 1e6
         (tmp_path / f"rate-{rate}-run1.json").write_text(json.dumps(_result(rate, bps, configs)))
-    (tmp_path / "command.txt").write_text("python -m bench.train.sweep --out-dir X\n")
+    (tmp_path / "sweep.md").write_text("Command:\n\n    python -m bench.train.sweep --out-dir X\n")
     return tmp_path
 
 

@@ -24,7 +24,7 @@ SUPPORTED_BITS: tuple[int, ...] = (4, 8)
 TENSOR: Literal["tensor"] = "tensor"
 
 # Elements per scale when the caller does not say: qwZ's INT8 weights and qgZ's INT4
-# gradients. 256 for both (bench/results/convergence_issue13_cpu-2x2_202611): with
+# gradients. 256 for both (bench/results/convergence_zeropp_ablation_cpu-2x2_202611): with
 # zero_runtime's parameter-aligned blocks it trained as close to stage 3 as any setting
 # measured, and one group size for both widths lets a unit align to 256 elements (+0.5% at
 # bench.train's default shape, where 2048 would add 7.9%). The scales cost 4 / 256 bytes per

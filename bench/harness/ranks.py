@@ -1,0 +1,103 @@
+"""Gloo ranks on this machine that each send one result back: :func:`spawn`.
+
+The memory benchmarks (``bench.collective_memory``, ``bench.init_memory``, ``bench.offload_oom``)
+measure inside fresh processes, one per rank. ``spawn(target, world, *args)`` starts them with
+the ``spawn`` start method; each joins a gloo group over a free localhost port with one torch
+thread, runs ``target(rank, world, *args)`` and sends its return value (or the exception it
+raised, after printing its traceback) to the parent through a queue. A rank that succeeded
+waits at a barrier for its peers and then leaves without finalizing the interpreter
+([Note: leaving without finalization] in :mod:`.rank_exit`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from queue import Empty
+from typing import Any, Callable
+
+from .rank_exit import leave
+
+
+def free_port() -> int:
+    """A localhost TCP port nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _rank(target: Callable, rank: int, world: int, port: int, args: tuple, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        result = target(rank, world, *args)
+    except BaseException as exc:  # noqa: BLE001 - sent to the parent, which raises it
+        traceback.print_exc()
+        result = exc
+    queue.put((rank, result))
+    # put() hands the result to a feeder thread: flushed before leave(), which would kill it
+    queue.close()
+    queue.join_thread()
+    if not isinstance(result, BaseException):
+        dist.barrier()  # no rank leaves while a peer may still be in a collective with it
+    leave(0)
+
+
+def _collect(queue, procs: list, timeout: float) -> list:
+    """Every rank's result in rank order; raises a rank's exception, or RuntimeError when a rank
+    exits without a result or ``timeout`` seconds pass."""
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < len(procs):
+        try:
+            rank, result = queue.get(timeout=1.0)
+        except Empty:
+            gone = [r for r, proc in enumerate(procs) if r not in results and proc.exitcode is not None]
+            if gone:  # its result, flushed before it exited, may still be on its way through the pipe
+                try:
+                    rank, result = queue.get(timeout=5.0)
+                except Empty:
+                    codes = [procs[r].exitcode for r in gone]
+                    raise RuntimeError(f"rank(s) {gone} exited (codes {codes}) without a result") from None
+            elif time.monotonic() > deadline:
+                missing = sorted(set(range(len(procs))) - set(results))
+                raise RuntimeError(f"no result from rank(s) {missing} in {timeout:.0f} s") from None
+            else:
+                continue
+        if isinstance(result, BaseException):
+            raise result
+        results[rank] = result
+    return [results[rank] for rank in range(len(procs))]
+
+
+def spawn(target: Callable, world: int, *args: Any, timeout: float = 600) -> list:
+    """``target(rank, world, *args)``'s return value on each of ``world`` gloo ranks, in rank order.
+
+    ``target`` and ``args`` must be picklable (a module-level function). On any failure the
+    ranks still running are killed before the error propagates."""
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    procs = [context.Process(target=_rank, args=(target, rank, world, port, args, queue), daemon=True)
+             for rank in range(world)]  # fmt: skip
+    for proc in procs:
+        proc.start()
+    try:
+        return _collect(queue, procs, timeout)
+    except BaseException:
+        for proc in procs:  # a failed rank's peers may wait for it in a collective until their timeout
+            proc.kill()
+        raise
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
