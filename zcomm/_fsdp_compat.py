@@ -36,7 +36,15 @@ and pinned by ``tests/collectives/test_fsdp_zeropp.py``:
   reduce-scatter of the unit, on its all-reduce stream, before its division after the
   reduce-scatter (if any) and the copy into ``.grad``; the param group's
   ``gradient_divide_factor`` (None unless set) and ``force_sum_reduction_for_comms`` say how
-  FSDP2 divides, and ``_all_reduce_hook`` holds the hook (None unless set).
+  FSDP2 divides, and ``_all_reduce_hook`` holds the hook (None unless set);
+* ``FSDPModule.set_requires_all_reduce(flag)`` (and ``set_requires_gradient_sync``) stores the
+  flag as the param group's ``all_reduce_grads``, which torch exposes no getter for
+  (:func:`requires_all_reduce` reads it). On a 1-D mesh FSDP2 ignores it: it calls the hook
+  on every reduce-scatter, then divides ``reduce_output`` and accumulates it into ``.grad``.
+  Its own HSDP, with the flag off, instead adds ``reduce_output`` into a partial sum kept
+  across micro-batches (``partial += reduce_output``, the first one kept as it is), leaves
+  ``.grad`` alone, and on the next micro-batch with the flag on adds that sum into the new
+  ``reduce_output`` (``reduce_output += partial``) before its all-reduce and division.
 """
 
 from __future__ import annotations
@@ -90,6 +98,12 @@ def torch_problem(version: str = torch.__version__, import_error: str | None = N
 def param_group(unit: FSDPModule):
     """FSDP2's ``FSDPParamGroup`` of ``unit`` (None for a unit without parameters of its own)."""
     return unit._get_fsdp_state()._fsdp_param_group
+
+
+def requires_all_reduce(unit: FSDPModule) -> bool:
+    """Whether ``unit``'s gradients are to be all-reduced across replicas on this backward:
+    False after ``set_requires_all_reduce(False)`` (FSDP2's HSDP accumulation without it)."""
+    return param_group(unit).all_reduce_grads
 
 
 def all_reduce_hook(unit: FSDPModule):

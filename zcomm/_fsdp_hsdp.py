@@ -40,10 +40,26 @@ and, with error feedback, one :class:`zcomm.ErrorFeedback` per numel, dtype and 
 error feedback follows one stream of reductions of one shape, here one unit's gradients.
 
 What FSDP2 does around the hook: ``set_requires_gradient_sync(False)`` skips the
-reduce-scatter and with it the hook (accumulate, then reduce once). FSDP2 calls the hook on
-every reduce-scatter, even after ``set_requires_all_reduce(False)`` (which only its own HSDP
-honours), so the cross-node all-reduce then runs on every micro-batch: the result is the
-same, the traffic is not saved.
+reduce-scatter and with it the hook (accumulate, then reduce once).
+
+[Note: accumulation without the all-reduce] ``set_requires_all_reduce(False)`` (reduce-scatter
+every micro-batch, all-reduce across replicas once) is honoured by the hook, since FSDP2
+itself honours it only under its own HSDP: on the 1-D mesh it calls the hook on every
+reduce-scatter and then accumulates ``reduce_output`` into ``.grad``. So the hook does what
+FSDP2's HSDP does with its partial sum (:mod:`zcomm._fsdp_compat`): while the unit's flag is
+off (:func:`~zcomm._fsdp_compat.requires_all_reduce`, read on every call) it adds
+``reduce_output`` into the unit's ``partial`` (a copy of the first one) and zeroes
+``reduce_output``, so FSDP2 adds zeros to ``.grad``; the first call with the flag on adds
+``partial`` into ``reduce_output`` (the same additions, in the same order, as FSDP2's HSDP)
+and all-reduces the sum once. The gradients then equal plain HSDP's doing the same
+accumulation (bit for bit unquantized), and the cross-node traffic is one all-reduce per
+unit per optimizer step. Two differences remain: during the accumulation ``.grad`` holds
+zeros where plain HSDP leaves it untouched (None after ``zero_grad()``), and
+``FSDPModule.reset_iter_state()``, which drops FSDP2's partial sums, does not reach the
+hooks' (call :meth:`ReplicateAllReduce.discard_partial` on each of
+:func:`zcomm.fsdp.all_reduce_hooks` then). A micro-batch whose backward gives gradients to
+other parameters of the unit than the accumulated ones (a different ``reduce_output`` size)
+raises ``RuntimeError``, as FSDP2's own sum does.
 """
 
 from __future__ import annotations
@@ -58,7 +74,7 @@ from torch import nn
 
 from ._device_guard import object_collective_device
 from ._error_feedback import ErrorFeedback
-from ._fsdp_compat import param_group, shard_numels
+from ._fsdp_compat import param_group, requires_all_reduce, shard_numels
 from ._plan_cache import BoundedCache
 from .all_reduce_q4 import prepare_all_reduce_q4
 from .plain_collectives import all_reduce
@@ -108,11 +124,21 @@ class ReplicateAllReduce:
         self.feedback: dict[tuple, ErrorFeedback] = {}  # (numel, dtype, device) -> its LoCo state
         self._warn = warn
         self._prepared = BoundedCache(_MAX_PREPARED)
+        # the reduce outputs of the micro-batches not all-reduced yet, summed ([Note: accumulation without the all-reduce])
+        self.partial: torch.Tensor | None = None
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         if reduce_output.is_cuda:  # [Note: reduce output on two streams]
             reduce_output.record_stream(torch.cuda.current_stream(reduce_output.device))
-        state = param_group(self._unit())
+        unit = self._unit()
+        if not requires_all_reduce(unit):
+            self._accumulate(reduce_output)
+            return
+        if self.partial is not None:
+            partial, self.partial = self.partial, None
+            self._check_partial(partial, reduce_output)
+            reduce_output += partial
+        state = param_group(unit)
         divided = state.gradient_divide_factor is not None
         op = dist.ReduceOp.SUM if divided else dist.ReduceOp.AVG
         if self.quantized:
@@ -125,6 +151,28 @@ class ReplicateAllReduce:
             return
         all_reduce(reduce_output, dist.ReduceOp.SUM, self.group, topology=self.topology)
         reduce_output.div_(self.topology.world_size)
+
+    def discard_partial(self) -> None:
+        """Drop the micro-batches accumulated without the all-reduce (after FSDP2's ``reset_iter_state``)."""
+        self.partial = None
+
+    def _accumulate(self, reduce_output: torch.Tensor) -> None:
+        """A micro-batch under ``set_requires_all_reduce(False)``: its reduce output joins the
+        partial sum and FSDP2 accumulates zeros ([Note: accumulation without the all-reduce])."""
+        if self.partial is None:
+            self.partial = reduce_output.clone()
+        else:
+            self._check_partial(self.partial, reduce_output)
+            self.partial += reduce_output
+        reduce_output.zero_()
+
+    def _check_partial(self, partial: torch.Tensor, reduce_output: torch.Tensor) -> None:
+        if partial.shape != reduce_output.shape or partial.dtype != reduce_output.dtype:
+            raise RuntimeError(
+                f"set_requires_all_reduce(False) accumulated reduce outputs of {partial.numel()} {partial.dtype} "
+                f"elements, this micro-batch's has {reduce_output.numel()} {reduce_output.dtype}: the unit's backward "
+                "gave gradients to other parameters than in the accumulated micro-batches (FSDP2's own HSDP fails "
+                "alike)")
 
     def _reduce_quantized(self, reduce_output: torch.Tensor, op: dist.ReduceOp, divided: bool) -> None:
         shape = (reduce_output.numel(), reduce_output.dtype, reduce_output.device)

@@ -64,7 +64,9 @@ index on the other replicas; the rows of a 2-D mesh give both::
 Each unit then gets qwZ and qgZ inside the node as above and, through FSDP2's all-reduce
 hook, its reduce-scatter output all-reduced across the replicas by :func:`zcomm.all_reduce_q4`
 (``quantized_all_reduce=False``: unquantized, counted), averaged so that every rank ends
-with the world mean, as plain HSDP (see :mod:`zcomm._fsdp_hsdp`). A module sharded on a
+with the world mean, as plain HSDP (see :mod:`zcomm._fsdp_hsdp`). ``set_requires_all_reduce(False)``
+is honoured as under plain HSDP: the micro-batches' outputs are summed and all-reduced once
+([Note: accumulation without the all-reduce] in :mod:`zcomm._fsdp_hsdp`). A module sharded on a
 2-D mesh is rejected: there FSDP2 runs its own replicate all-reduce, which nobody can
 replace, before any hook.
 """

@@ -97,7 +97,7 @@ class FlatUnit:
         self.handle = None
         self.refs = 0
         self.in_backward = False
-        self.prefetched = False
+        self.prefetched = False  # counted in the prefetch window (see [Note: the window holds kept units])
         self.gathered_version = -1  # the shard's version ``full`` was (is being) gathered from
         self.use_position: int | None = None
         self.pinned = 0  # open GatheredParameters blocks holding it (see [Note: pinned units])

@@ -41,14 +41,22 @@ rules) if its next use in this step is near and no more than ``stage3_max_live_p
 elements are live. Near means: fewer than ``stage3_max_reuse_distance`` parameter elements
 are used in the trace between now and then (counting every use, as DeepSpeed counts every
 module's parameters), or the prefetch front has already passed that use: it found the unit
-gathered and moved on, so freeing it would only make that use gather it on demand, and
-keeping it costs no more memory than the prefetch window allowed anyway. A small reuse
-distance therefore frees after each use only what lies beyond the prefetch window. With
-DeepSpeed's defaults (1e9 each) a model under ~5e8 parameters keeps every unit from its
-forward use to its backward use, so backward gathers nothing: stage 3 then moves the
-traffic of stage 2 plus one forward gather. A unit kept after forward is not freed there,
+gathered and moved on, so freeing it would only make that use gather it on demand (while
+kept it counts in the window: see the next Note). A small reuse distance therefore frees
+after each use only what lies beyond the prefetch window. With DeepSpeed's defaults (1e9
+each) a model under ~5e8 parameters keeps every unit from its forward use to its backward
+use, so backward gathers nothing: stage 3 then moves the traffic of stage 2 plus one
+forward gather. A unit kept after forward is not freed there,
 so hpZ takes no secondary of it (backward does not gather it), and with qwZ its backward
 computes with the same INT8-gathered weights as its forward, as it does with hpZ.
+
+[Note: the window holds kept units] A unit kept for a use the front has passed is gathered
+ahead of that use, so it counts in the prefetch window (``_ahead``) until the use comes, as a
+prefetched unit does until its gather is waited for. Otherwise each unit kept so widens the
+window by its size: at the turn from forward to backward the last forward units (whose
+backward uses come next) are kept while the front gathers ``d`` units' worth beyond them, and
+a stack of 8 equal units at depth 4 held 6 gathered in forward and 7 at the turn, where the
+window allows the unit in use and 4 more (tests/runtime/test_prefetch_memory.py).
 """
 
 from __future__ import annotations
@@ -195,6 +203,8 @@ class ParamScheduler:
             self._prefetch()
         if unit.state is GatherState.GATHERING:
             self._wait(unit)
+        elif unit.prefetched:  # kept inside the window: its use has come ([Note: the window holds kept units])
+            self._arrived(unit)
         if unit.gathered_is_stale() and not unit.pinned:
             self._regather(unit, phase)
 
@@ -216,18 +226,24 @@ class ParamScheduler:
         stays gathered outside the accounting."""
         if unit.pinned:
             return
-        if self._keep(unit):
-            self.kept += 1
-        else:
+        upcoming = self._kept_for(unit)
+        if upcoming is None:
             self._free(unit, after_forward=after_forward)
+            return
+        self.kept += 1
+        if upcoming < self._front and not unit.prefetched:  # [Note: the window holds kept units]
+            unit.prefetched = True
+            self._ahead += unit.layout.numel
 
-    def _keep(self, unit: FlatUnit) -> bool:
+    def _kept_for(self, unit: FlatUnit) -> int | None:
+        """The trace position of the next use ``unit`` is kept gathered for, else None (free it)."""
         if unit.use_position is None or self.live > self.max_live:  # untraced, or over the limit
-            return False
+            return None
         upcoming = self.trace.next_use(unit, self._cursor)
         if upcoming is None:
-            return False
-        return upcoming < self._front or self.trace.elements_between(self._cursor, upcoming) < self.max_reuse_distance
+            return None
+        near = upcoming < self._front or self.trace.elements_between(self._cursor, upcoming) < self.max_reuse_distance
+        return upcoming if near else None
 
     # ----- gathers -----
     def _prefetch(self) -> None:
@@ -282,12 +298,18 @@ class ParamScheduler:
         unit.handle = None
         unit.state = GatherState.READY
         if unit.prefetched:
-            unit.prefetched = False
-            self._ahead -= unit.layout.numel
+            self._arrived(unit)
+
+    def _arrived(self, unit: FlatUnit) -> None:
+        """``unit``, counted in the prefetch window, leaves it: its use came, or it is freed."""
+        unit.prefetched = False
+        self._ahead -= unit.layout.numel
 
     def _free(self, unit: FlatUnit, *, after_forward: bool) -> None:
         if unit.state is GatherState.GATHERING:
             self._wait(unit)
+        elif unit.prefetched:
+            self._arrived(unit)
         if after_forward and not unit.gathered_is_stale():
             for gather in self.plan.gathers():
                 gather.after_forward(unit.full, unit.shard, unit=unit.index)

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import zcomm
 import zcomm.fsdp
 from collective_oracles import UNIT_ROUNDOFF, all_reduce_volume, ring_volume
-from fsdp_cases import LOSS_TRACKING, STEPS, _loss, _Net, _train, _units
+from fsdp_cases import LOSS_TRACKING, LR, STEPS, _loss, _Net, _train, _units
 from zcomm import _fsdp_compat, _fsdp_hsdp
 from zcomm.quant import DEFAULT_GROUP_SIZE
 
@@ -73,13 +73,17 @@ def check_exact(rank: int, meshes: _Meshes) -> None:
 
 
 def _record_hook_calls(calls: list) -> object:
-    """Wrap ReplicateAllReduce.__call__ so that each call appends (hook, input, output); the real one returned."""
+    """Wrap ReplicateAllReduce.__call__ so that each call that all-reduces appends (hook, what it
+    all-reduces, output); the real one returned. What it all-reduces is ``reduce_output``, plus
+    the micro-batches accumulated before under ``set_requires_all_reduce(False)``."""
     real = _fsdp_hsdp.ReplicateAllReduce.__call__
 
     def recording(self, reduce_output):
-        before = reduce_output.detach().clone()
+        reducing = _fsdp_compat.requires_all_reduce(self._unit())
+        before = reduce_output.detach().clone() if self.partial is None else reduce_output.detach() + self.partial
         real(self, reduce_output)
-        calls.append((self, before, reduce_output.detach().clone()))
+        if reducing:
+            calls.append((self, before, reduce_output.detach().clone()))
 
     _fsdp_hsdp.ReplicateAllReduce.__call__ = recording
     return real
@@ -107,7 +111,6 @@ def check_gradients(rank: int, meshes: _Meshes) -> None:
     of the hook inputs, and every parameter's ``.grad`` within that bound of plain HSDP's
     (whose gloo all-reduce adds its own rounding: at most ``R`` roundings of partial sums
     in the reduce dtype, ``R * u * sum |x|`` over the ``R`` inputs, then the division)."""
-    nodes = meshes.nodes
     for bf16 in (False, True):
         dtype = torch.bfloat16 if bf16 else torch.float32
         plain = _build(meshes.mesh, bf16=bf16)
@@ -120,31 +123,110 @@ def check_gradients(rank: int, meshes: _Meshes) -> None:
             _loss(model, 0, rank).backward()
         finally:
             _fsdp_hsdp.ReplicateAllReduce.__call__ = real
-        assert sorted(hooks[id(hook)] for hook, _, _ in calls) == sorted(hooks.values()), calls
-        units = {name or type(unit).__name__: unit for name, unit in model.named_modules() if unit in _units(model)}
-        plain_units = {name or type(unit).__name__: unit for name, unit in plain.named_modules()
-                       if unit in _units(plain)}  # fmt: skip
-        for hook, given, out in calls:
-            assert given.dtype == dtype and out.dtype == dtype, (given.dtype, dtype)
-            inputs = [torch.empty_like(given) for _ in range(nodes)]
-            dist.all_gather(inputs, given, group=meshes.replicate)
-            inputs = torch.stack(inputs).double()
-            exact = inputs.mean(0)
-            bound = _all_reduce_bound(inputs, dtype, exact, nodes)
-            err = (out.double() - exact).abs()
-            assert bool((err <= bound).all()), (bf16, (err - bound).max().item())
-            assert err.max().item() > 0  # quantized, not passed through
-            reference_rounding = nodes * UNIT_ROUNDOFF[dtype] * inputs.abs().sum(0) + UNIT_ROUNDOFF[dtype] * exact.abs()
-            # each parameter's local shard is the start of its padded shard in the unit's flat row
-            name, offset = hooks[id(hook)], 0
-            pieces = zip(_local_grads(units[name]), _local_grads(plain_units[name]),
-                         _fsdp_compat.shard_numels(units[name]), strict=True)  # fmt: skip
-            for ours, theirs, padded in pieces:
-                window = slice(offset, offset + ours.numel())
-                limit = bound[window] + reference_rounding[window]
-                diff = (ours.double() - theirs.double()).abs()
-                assert bool((diff <= limit).all()), (bf16, name, (diff - limit).max().item())
-                offset += padded
+        _check_hook_calls(calls, hooks, model, plain, meshes, dtype)
+
+
+def _check_hook_calls(calls: list, hooks: dict, model: nn.Module, plain: nn.Module, meshes: _Meshes,
+                      dtype: torch.dtype) -> None:
+    """``check_gradients``' oracles on the recorded calls of one backward: one per unit, each
+    output within the bound of the fp64 mean of what the replicas all-reduced, each ``.grad``
+    within that bound (and plain HSDP's own rounding) of plain HSDP's."""
+    nodes = meshes.nodes
+    assert sorted(hooks[id(hook)] for hook, _, _ in calls) == sorted(hooks.values()), calls
+    units = {name or type(unit).__name__: unit for name, unit in model.named_modules() if unit in _units(model)}
+    plain_units = {name or type(unit).__name__: unit for name, unit in plain.named_modules()
+                   if unit in _units(plain)}  # fmt: skip
+    for hook, given, out in calls:
+        assert given.dtype == dtype and out.dtype == dtype, (given.dtype, dtype)
+        inputs = [torch.empty_like(given) for _ in range(nodes)]
+        dist.all_gather(inputs, given, group=meshes.replicate)
+        inputs = torch.stack(inputs).double()
+        exact = inputs.mean(0)
+        bound = _all_reduce_bound(inputs, dtype, exact, nodes)
+        err = (out.double() - exact).abs()
+        assert bool((err <= bound).all()), (dtype, (err - bound).max().item())
+        assert err.max().item() > 0  # quantized, not passed through
+        reference_rounding = nodes * UNIT_ROUNDOFF[dtype] * inputs.abs().sum(0) + UNIT_ROUNDOFF[dtype] * exact.abs()
+        # each parameter's local shard is the start of its padded shard in the unit's flat row
+        name, offset = hooks[id(hook)], 0
+        pieces = zip(_local_grads(units[name]), _local_grads(plain_units[name]),
+                     _fsdp_compat.shard_numels(units[name]), strict=True)  # fmt: skip
+        for ours, theirs, padded in pieces:
+            window = slice(offset, offset + ours.numel())
+            limit = bound[window] + reference_rounding[window]
+            diff = (ours.double() - theirs.double()).abs()
+            assert bool((diff <= limit).all()), (dtype, name, (diff - limit).max().item())
+            offset += padded
+
+
+MICRO_BATCHES = 3
+
+
+def _accumulate(model: nn.Module, rank: int, step: int, record: list | None = None) -> list[float]:
+    """One optimizer step's gradients, left in ``.grad``: ``MICRO_BATCHES`` backwards, all-reduced
+    across replicas on the last one only (``set_requires_all_reduce``); their losses. ``record``:
+    where the hook calls that all-reduce are recorded (``_record_hook_calls``)."""
+    real = _record_hook_calls(record) if record is not None else None
+    losses = []
+    try:
+        for micro in range(MICRO_BATCHES):
+            model.set_requires_all_reduce(micro == MICRO_BATCHES - 1)
+            loss = _loss(model, step * MICRO_BATCHES + micro, rank)
+            loss.backward()
+            losses.append(loss.item())
+    finally:
+        if real is not None:
+            _fsdp_hsdp.ReplicateAllReduce.__call__ = real
+    return losses
+
+
+def _accumulated_steps(model: nn.Module, rank: int, steps: int) -> tuple:
+    """``steps`` SGD steps over accumulated gradients (``_accumulate``): the losses, every step's
+    gradients (full), the final parameters."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, grads = [], []
+    for step in range(steps):
+        losses += _accumulate(model, rank, step)
+        grads.append([p.grad.full_tensor() for p in model.parameters()])
+        opt.step()
+        opt.zero_grad()
+    return losses, grads, [p.full_tensor() for p in model.parameters()]
+
+
+def check_accumulation(rank: int, meshes: _Meshes) -> None:
+    """``set_requires_all_reduce(False)`` on all micro-batches but the last, as under plain HSDP
+    ([Note: accumulation without the all-reduce] in zcomm._fsdp_hsdp). Unquantized, fp32 and
+    bf16 parameters: every loss, every step's gradients and the final weights bit-identical to
+    plain HSDP's, with one all-reduce per unit and step (and a reduce-scatter per micro-batch),
+    no partial sum left behind. The quantized all-reduce alone: one per unit and step, of the
+    accumulated sum, within ``check_gradients``' bounds of the fp64 mean of the replicas' sums
+    and of plain HSDP's gradients."""
+    steps = 2
+    for bf16 in (False, True):
+        plain = _accumulated_steps(_build(meshes.mesh, bf16=bf16), rank, steps)
+        model = meshes.zeropp(_build(meshes.shard, bf16=bf16), quantized_weights=False, quantized_gradients=False,
+                              quantized_all_reduce=False)  # fmt: skip
+        zcomm.reset_comm_stats()
+        ours = _accumulated_steps(model, rank, steps)
+        stats = zcomm.comm_stats()
+        units = len(_units(model))
+        assert stats["all_reduce"].calls == units * steps, stats
+        assert stats["reduce_scatter_tensor"].calls == units * steps * MICRO_BATCHES, stats
+        assert ours[0] == plain[0], (bf16, ours[0], plain[0])
+        for mine, theirs in zip(ours[1], plain[1], strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)), bf16
+        assert all(torch.equal(a, b) for a, b in zip(ours[2], plain[2], strict=True)), bf16
+        assert all(hook.partial is None for hook in zcomm.fsdp.all_reduce_hooks(model).values())
+    for bf16 in (False, True):
+        plain = _build(meshes.mesh, bf16=bf16)
+        _accumulate(plain, rank, 0)
+        model = meshes.zeropp(_build(meshes.shard, bf16=bf16), quantized_weights=False, quantized_gradients=False)
+        hooks = {id(hook): name for name, hook in zcomm.fsdp.all_reduce_hooks(model).items()}
+        calls: list = []
+        zcomm.reset_comm_stats()
+        _accumulate(model, rank, 0, record=calls)
+        assert zcomm.comm_stats()["reduce_scatter_q4"].calls == len(hooks), zcomm.comm_stats()
+        _check_hook_calls(calls, hooks, model, plain, meshes, torch.bfloat16 if bf16 else torch.float32)
 
 
 def check_tracking(rank: int, meshes: _Meshes) -> None:

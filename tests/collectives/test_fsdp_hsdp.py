@@ -28,6 +28,12 @@ def test_hsdp_with_zcomm_against_plain_hsdp():
     assert results == [list(CHECKS)] * 4
 
 
+def test_hsdp_accumulation_without_the_all_reduce_against_plain_hsdp():
+    """2 nodes x 2 ranks: set_requires_all_reduce(False) on the micro-batches but the last."""
+    results = run_distributed(fsdp_hsdp_cases.rank_main, 4, args=(2, ("accumulation",)), timeout=900, pg_timeout=300)
+    assert results == [["accumulation"]] * 4
+
+
 def _one_rank_unit() -> nn.Module:
     model = nn.Linear(4, 4)
     fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
@@ -69,3 +75,31 @@ def test_one_replica_is_a_plain_fsdp_step(gloo_world):
         grads.append(model.weight.grad.full_tensor())
     assert torch.equal(*grads)
     assert zcomm.comm_stats()["all_reduce"].calls == 1
+
+
+def test_accumulation_keeps_the_partial_sum_until_the_all_reduce(gloo_world):
+    """One replica: with set_requires_all_reduce(False) the hook keeps the sum and hands FSDP2
+    zeros, the next call with it on gets the sum; a reduce output of another size is refused,
+    and discard_partial drops the sum."""
+    model = _one_rank_unit()
+    zcomm.fsdp.enable_zeropp(model, replicate_group=dist.group.WORLD, quantized_all_reduce=False)
+    hook = zcomm.fsdp.all_reduce_hooks(model)["FSDPLinear"]
+    model.set_requires_all_reduce(False)
+    first, second = torch.full((6,), 1.5), torch.full((6,), 2.0)
+    hook(first)
+    hook(second)
+    assert not first.any() and not second.any()
+    assert torch.equal(hook.partial, torch.full((6,), 3.5))
+    with pytest.raises(RuntimeError, match="accumulated reduce outputs of 6 torch.float32 elements, this micro-batch"):
+        hook(torch.ones(5))
+    model.set_requires_all_reduce(True)
+    last = torch.full((6,), 0.25)
+    hook(last)
+    assert torch.equal(last, torch.full((6,), 3.75)) and hook.partial is None
+    model.set_requires_all_reduce(False)
+    hook(torch.ones(6))
+    hook.discard_partial()
+    model.set_requires_all_reduce(True)
+    last = torch.full((6,), 0.25)
+    hook(last)
+    assert torch.equal(last, torch.full((6,), 0.25))
