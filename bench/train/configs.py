@@ -101,6 +101,8 @@ class TrainConfig:
             INT8 values.
         ddp_hook: DDP's communication hook: None (DDP's fp32 all-reduce), ``"bf16"`` (torch's
             ``bf16_compress_hook``) or ``"zcomm"`` (``zcomm.ddp.quantized_allreduce_hook``).
+        gather_bits: zcomm's DDP hook: the width of ``zcomm.all_reduce_q4``'s gather (4), or
+            None for its default (8).
         hsdp: FSDP2 sharded inside each node and replicated across nodes (FSDP2's 2-D mesh, or
             with qwZ / qgZ zcomm's replicate all-reduce, quantized with qgZ).
         summary: one line for ``--help`` and TRAINING.md.
@@ -121,6 +123,7 @@ class TrainConfig:
     hadamard_block: int | None = None
     weight_delta_bits: int | None = None
     ddp_hook: DDPHook | None = None
+    gather_bits: int | None = None
     hsdp: bool = False
     summary: str
     fails_on_cpu: str | None = None
@@ -135,8 +138,8 @@ class TrainConfig:
             raise ValueError(f"{self.name}: stage must be 1, 2 or 3 (0 for zero_runtime), got {self.stage}")
         if self.stage == 0 and self.quantized_weights:
             raise ValueError(f"{self.name}: qwZ has no parameter gather to quantize at stage 0")
-        if self.ddp_hook is not None:
-            raise ValueError(f"{self.name}: ddp_hook is an option of the ddp engine")
+        if self.ddp_hook is not None or self.gather_bits is not None:
+            raise ValueError(f"{self.name}: ddp_hook and gather_bits are options of the ddp engine")
         if self.hpz and self.stage != 3:
             raise ValueError(f"{self.name}: hpZ needs stage 3")
         if (self.quantized_weights or self.quantized_gradients) and self.stage != 3 and self.engine != "zero":
@@ -171,8 +174,8 @@ class TrainConfig:
                   self.weight_delta_bits is not None)
         if any(zeropp):
             raise ValueError(f"{self.name}: the ZeRO++ options are not DDP's (its hook quantizes the all-reduce)")
-        if self.first_hop_bits is not None and self.ddp_hook != "zcomm":
-            raise ValueError(f"{self.name}: the first hop's width is an option of zcomm's DDP hook")
+        if (self.first_hop_bits is not None or self.gather_bits is not None) and self.ddp_hook != "zcomm":
+            raise ValueError(f"{self.name}: the first hop's and the gather's widths are options of zcomm's DDP hook")
 
 
 def _configs(*configs: TrainConfig) -> dict[str, TrainConfig]:
@@ -240,6 +243,8 @@ CONFIGS: dict[str, TrainConfig] = _configs(
                 summary="DDP with torch's bf16_compress_hook (buckets all-reduced in bf16)"),
     TrainConfig(name="ddp-zcomm", engine="ddp", stage=0, ddp_hook="zcomm", first_hop_bits=8,
                 summary="DDP with zcomm.ddp's hook: INT8 intra / INT4 inter reduce-scatter, INT8 gather"),
+    TrainConfig(name="ddp-zcomm-g4", engine="ddp", stage=0, ddp_hook="zcomm", first_hop_bits=8, gather_bits=4,
+                summary="as ddp-zcomm with the all-reduce's gather in INT4 (gather_bits=4)"),
     TrainConfig(name="deepspeed-z2", engine="deepspeed", stage=2, summary="DeepSpeed ZeRO-2 (needs deepspeed)"),
     TrainConfig(name="deepspeed-z3", engine="deepspeed", summary="DeepSpeed ZeRO-3 (needs deepspeed)"),
     TrainConfig(name="deepspeed-z3-hpz", engine="deepspeed", hpz=True, summary="DeepSpeed ZeRO-3 + hpZ"),
@@ -333,7 +338,8 @@ def engine_config(
                                 micro_batch=micro_batch)  # fmt: skip
     if config.engine == "ddp":
         return {"autocast": "bf16" if bf16 else None, "ddp_hook": config.ddp_hook,
-                "first_hop_bits": config.first_hop_bits, "gradient_clipping": gradient_clipping}
+                "first_hop_bits": config.first_hop_bits, "gather_bits": config.gather_bits,
+                "gradient_clipping": gradient_clipping}
     settings: dict[str, Any] = {"param_dtype": "bf16" if bf16 else "fp32", "hpz": config.hpz}
     if config.hsdp:
         settings["hsdp"] = True

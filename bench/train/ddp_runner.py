@@ -85,7 +85,8 @@ class DDPRunner(TorchOptimizerRunner):
         elif config.ddp_hook == "zcomm":
             state = zcomm.ddp.QuantizedAllReduceState(
                 topology=zcomm.Topology(world_size=world_size, local_size=local_size),
-                **({} if config.first_hop_bits is None else {"first_hop_bits": config.first_hop_bits}))
+                **({} if config.first_hop_bits is None else {"first_hop_bits": config.first_hop_bits}),
+                **({} if config.gather_bits is None else {"gather_bits": config.gather_bits}))
             self.model.register_comm_hook(state, zcomm.ddp.quantized_allreduce_hook)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
 

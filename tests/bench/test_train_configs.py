@@ -119,6 +119,10 @@ def test_invalid_configurations_are_rejected() -> None:
         TrainConfig(name="x", engine="fsdp2", hsdp=True, hpz=True, summary="")
     with pytest.raises(ValueError, match="ZeRO\\+\\+ options are not DDP's"):
         TrainConfig(name="x", engine="ddp", stage=0, hsdp=True, summary="")
+    with pytest.raises(ValueError, match="gather's widths are options of zcomm's DDP hook"):
+        TrainConfig(name="x", engine="ddp", stage=0, ddp_hook="bf16", gather_bits=4, summary="")
+    with pytest.raises(ValueError, match="ddp_hook and gather_bits are options of the ddp engine"):
+        TrainConfig(name="x", engine="zero", stage=0, gather_bits=4, summary="")
     with pytest.raises(ValueError, match="unknown configuration"):
         select_configs(["zero3", "zero4"])
     with pytest.raises(ValueError, match="more than once"):
