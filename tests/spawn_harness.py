@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _DONE_KEY = "spawn_harness/done"
-# [Note: forkserver ranks]: imported once, in the fork server; nothing that reads the environment a test sets.
+# Imported once, in the fork server: nothing that reads the environment a test sets ([Note: forkserver ranks]).
 # A module that is not installed is left out (the fork server ignores its ImportError).
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.device_mesh",
             "torch.multiprocessing", "transformers", "transformers.models.gpt2.modeling_gpt2"]
