@@ -1,4 +1,4 @@
-"""Run a function on ``world_size`` fresh processes joined in a gloo process group.
+"""Run a function on ``world_size`` new processes joined in a gloo process group.
 
 ``run_distributed(fn, world_size)`` spawns the ranks, each of which initializes
 torch.distributed through a TCPStore that the parent hosts on 127.0.0.1 (a free port),
@@ -12,6 +12,16 @@ tests run many sub-cases inside one ``fn``.
 after a store barrier: a test may have killed a peer on purpose, and tearing down a
 broken gloo group can hang; the barrier keeps a fast rank from closing its sockets while a
 peer still reads from them.
+
+[Note: forkserver ranks] The ranks are forked from multiprocessing's fork server, started once per
+test session, which has imported torch, torch.distributed and FSDP2's modules (2.3 s of CPU per
+rank, most of a rank's start, that the 2-core CI machine paid for every rank of every spawn),
+and Hugging Face's GPT-2 when transformers is installed (2.1 s more in each rank of the runtime
+tests that train it). Nothing else is preloaded: zcomm and zero_runtime import numba, which
+reads environment variables when imported (a test may set ``NUMBA_NUM_THREADS`` for its ranks),
+so each rank imports them itself (0.4 s) as a spawned rank did. The fork server touches no
+device and starts no thread; each rank gets the parent's environment of the moment of the call
+(as a spawned process has), then ``env``.
 """
 
 from __future__ import annotations
@@ -29,6 +39,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _DONE_KEY = "spawn_harness/done"
+# Imported once, in the fork server: nothing that reads the environment a test sets ([Note: forkserver ranks]).
+# A module that is not installed is left out (the fork server ignores its ImportError).
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.device_mesh",
+            "torch.multiprocessing", "transformers", "transformers.models.gpt2.modeling_gpt2"]
 
 
 class DistributedFailure(RuntimeError):
@@ -51,9 +65,10 @@ def run_distributed(
     the process group's timeout; ``may_exit`` names ranks allowed to exit without reporting.
     """
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    context = mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)  # read when the server starts (the session's first call)
     results_queue = context.Queue()
-    settings = (world_size, store.port, dict(env or {}), pg_timeout, world_size - len(may_exit))
+    settings = (world_size, store.port, {**os.environ, **(env or {})}, pg_timeout, world_size - len(may_exit))
     procs = [
         context.Process(target=_rank_main, args=(rank, settings, fn, args, results_queue), daemon=True)
         for rank in range(world_size)
@@ -100,6 +115,7 @@ def _collect(procs: list, results_queue: Any, may_exit: set[int], deadline: floa
 
 def _rank_main(rank: int, settings: tuple, fn: Callable[..., Any], args: tuple, results_queue: Any) -> None:
     world_size, port, env, pg_timeout, finishers = settings
+    os.environ.clear()  # the caller's environment, not the fork server's ([Note: forkserver ranks])
     os.environ.update(env)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)

@@ -6,7 +6,10 @@ cache keys builds by function name, line, signature and bytecode, not by compile
 processes on one empty ``NUMBA_CACHE_DIR``: the first compiles (and caches) one kind of build
 for the small ops' signatures, the second runs the other kind and reports what it loaded. A
 parallel build starts numba's thread pool when it is loaded or first run; a serial one never
-does, and carries no parallel reload hook.
+does, and carries no parallel reload hook. The two tests' pairs of processes run side by side
+(each pair in order, on its own cache folder), started by one module fixture: each child spends
+its seconds compiling on one core, so on the 2-core CI machine the second pair takes the
+core the waiting test process leaves idle.
 
 Two numba internals are read, in the child processes only: ``numba.np.ufunc.parallel._is_initialized``
 (whether numba's pool was started) and a compile result's ``reload_init`` (the hooks a cached build
@@ -19,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -55,12 +59,27 @@ def _child(kind: str, cache: Path) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+ORDERS = {"serial_after_parallel": ("parallel", "serial"), "parallel_after_serial": ("serial", "parallel")}
+
+
+def _pair(kinds: tuple[str, str], cache: Path) -> tuple[dict, dict]:
+    """The two children, in order, on one empty cache folder."""
+    return _child(kinds[0], cache), _child(kinds[1], cache)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
+    """Both orders' pairs of children, run side by side (see the module docstring)."""
+    with ThreadPoolExecutor(max_workers=len(ORDERS)) as pool:
+        futures = {name: pool.submit(_pair, kinds, tmp_path_factory.mktemp(name)) for name, kinds in ORDERS.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
 @pytest.mark.slow
-def test_small_launches_run_serial_builds_after_parallel_ones_were_cached(tmp_path):
-    first = _child("parallel", tmp_path)
+def test_small_launches_run_serial_builds_after_parallel_ones_were_cached(pairs):
+    first, second = pairs["serial_after_parallel"]
     assert first["pool_started"]
     assert all(all(flags) for name, flags in first["builds"].items() if name.endswith(":parallel")), first
-    second = _child("serial", tmp_path)
     serial = {name: flags for name, flags in second["builds"].items() if name.endswith(":serial")}
     assert len(serial) == 3, second  # every small op ran its serial build
     assert not any(any(flags) for flags in serial.values()), second
@@ -68,10 +87,9 @@ def test_small_launches_run_serial_builds_after_parallel_ones_were_cached(tmp_pa
 
 
 @pytest.mark.slow
-def test_large_launches_run_parallel_builds_after_serial_ones_were_cached(tmp_path):
-    first = _child("serial", tmp_path)
+def test_large_launches_run_parallel_builds_after_serial_ones_were_cached(pairs):
+    first, second = pairs["parallel_after_serial"]
     assert not first["pool_started"]
-    second = _child("parallel", tmp_path)
     parallel = {name: flags for name, flags in second["builds"].items() if name.endswith(":parallel")}
     assert len(parallel) == 3, second
     assert all(all(flags) for flags in parallel.values()), second
