@@ -121,16 +121,41 @@ def measure(call, group: dist.ProcessGroup, tracker: LiveBytes) -> int:
     return peak
 
 
-def _cases(rank: int, world: int, topology: zcomm.Topology, numel: int, dtype: torch.dtype):
-    """name -> (call, output bytes, input bytes) on this rank."""
+def measure_cuda(call, group: dist.ProcessGroup, device: torch.device) -> int:
+    """Peak temporary bytes of ``call()`` (after one warm-up call) on ``device``, by torch's CUDA
+    memory statistics: the peak of allocated bytes during the call above what was allocated
+    before it (the caching allocator's blocks, in its 512-byte units; every stream of the
+    device is synchronized before and after)."""
+    call()
+    torch.cuda.synchronize(device)
+    dist.barrier(group)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    call()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def cuda_peaks(rank: int, world: int, local_size: int, numel: int, dtype: torch.dtype, device: torch.device,
+               names=CASES) -> dict:
+    """:func:`rank_peaks` measured by :func:`measure_cuda` on ``device`` tensors (gpu-check's w4 stage)."""
+    topology = zcomm.Topology(world_size=world, local_size=local_size)
+    cases = _cases(rank, world, topology, numel, dtype, device)
+    return {name: (measure_cuda(cases[name][0], dist.group.WORLD, device), *cases[name][1:]) for name in names}
+
+
+def _cases(rank: int, world: int, topology: zcomm.Topology, numel: int, dtype: torch.dtype,
+           device: torch.device | None = None):
+    """name -> (call, output bytes, input bytes) on this rank, tensors on ``device`` (default: CPU)."""
     torch.manual_seed(rank)
-    shard = torch.randn(numel, dtype=dtype)
-    gathered = torch.empty(world * numel, dtype=dtype)
-    full = torch.randn(world * numel, dtype=dtype)
-    part = torch.empty(numel, dtype=dtype)
+    on = dict(dtype=dtype, device=device)
+    shard = torch.randn(numel, **on)
+    gathered = torch.empty(world * numel, **on)
+    full = torch.randn(world * numel, **on)
+    part = torch.empty(numel, **on)
     pieces = [numel // 4, numel // 4, numel - numel // 2]
-    ins = [torch.randn(world * n, dtype=dtype) for n in pieces]
-    outs = list(torch.empty(numel, dtype=dtype).split(pieces))
+    ins = [torch.randn(world * n, **on) for n in pieces]
+    outs = list(torch.empty(numel, **on).split(pieces))
     feedback = zcomm.ErrorFeedback()
     gather = dict(topology=topology)
     avg = dist.ReduceOp.AVG

@@ -259,6 +259,23 @@ def _runtime_check(device: torch.device, cpu_backend: str | None) -> dict:
                           cpu_backend)
 
 
+def _memory_check(device: torch.device) -> dict:
+    """Peak temporary bytes of each collective call on ``device`` (:func:`bench.collective_memory.cuda_peaks`,
+    the CPU's cases with torch's CUDA memory statistics), the largest rank's, as a multiple of the
+    call's output: reported beside the CPU's counts, not judged; the check fails only if measuring raised."""
+    from bench.collective_memory import CASES, cuda_peaks
+
+    name = "peak temporary CUDA bytes per call, x output (reported)"
+    try:
+        peaks = cuda_peaks(dist.get_rank(), WORLD, LOCAL, 1 << 16, torch.bfloat16, device)
+        largest = torch.tensor([peaks[case][0] for case in CASES], dtype=torch.float64)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    except Exception as error:  # reported as this check's failure; the others stand
+        return {"check": name, "ok": False, "detail": f"{type(error).__name__}: {error}"}
+    detail = ", ".join(f"{case} {peak / peaks[case][1]:.2f}" for case, peak in zip(CASES, largest.tolist(), strict=True))
+    return {"check": name, "ok": True, "detail": f"{detail} (65,536 bf16 elements per shard)"}
+
+
 def merge(per_rank: Sequence[list[dict]]) -> list[dict]:
     """Rank 0's checks, each failed where any rank failed it (naming the ranks and the first one's detail)."""
     merged = []
@@ -329,7 +346,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     def run(device: torch.device, cpu_group: Any) -> list[dict]:
-        return _collective_checks(device, args.cpu_backend, args.dtypes) + [_runtime_check(device, args.cpu_backend)]
+        checks = _collective_checks(device, args.cpu_backend, args.dtypes) + [_runtime_check(device, args.cpu_backend)]
+        return checks + ([_memory_check(device)] if device.type == "cuda" else [])
 
     return torchrun_main("w4", args, "gloo", run, local_device=False, local_size=LOCAL)
 

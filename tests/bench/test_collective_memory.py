@@ -32,3 +32,22 @@ def test_one_case_on_two_ranks_reports_its_peak_against_its_output():
     # at least the payload this rank sends and the payloads it receives (INT8: a byte an element)
     assert out_bytes // 2 < peak < 4 * out_bytes, peak
     assert "| all_gather_q8 |" in collective_memory.table(results)
+
+
+def test_measure_cuda_reports_the_peak_above_what_was_allocated_before(monkeypatch):
+    """The CUDA measurement's arithmetic and order (no GPU here: torch.cuda's statistics are stood in
+    for): a warm-up call, then the peak of the measured call above the bytes allocated before it."""
+    events, allocated = [], {"now": 1000, "peak": 1000}
+
+    def call():
+        events.append("call")
+        allocated["peak"] = max(allocated["peak"], allocated["now"] + 512 * len(events))
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: events.append("sync"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: allocated["now"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: allocated.update(peak=allocated["now"]))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: allocated["peak"])
+    monkeypatch.setattr(collective_memory.dist, "barrier", lambda group: events.append("barrier"))
+    peak = collective_memory.measure_cuda(call, None, torch.device("cuda", 0))
+    assert events == ["call", "sync", "barrier", "call", "sync"]
+    assert peak == 512 * 4  # the measured call's own peak, not the warm-up's
