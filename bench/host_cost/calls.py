@@ -19,7 +19,8 @@ filling). Each row stands next to its yardstick measured in the same run: each
 runtime's qgZ calls (``reduce_scatter_q4_coalesced`` of a :data:`BUCKET`-tensor bucket, error
 feedback) next to the 1-stage row; the prepared calls next to the calls they prepare; and
 :mod:`zcomm.fsdp`'s comms of one unit, called as FSDP2 calls them, next to the drop-in
-collectives. ``--launcher cupy,driver`` (CUDA) measures every row under each CUDA kernel
+collectives; at the first size, ``all_reduce_q4`` next to ``dist.all_reduce``, and its
+prepared form (the DDP hook's call) next to it. ``--launcher cupy,driver`` (CUDA) measures every row under each CUDA kernel
 launcher in turn, the order alternating from one size to the next, and prints them side by
 side (docs/benchmarks.md).
 
@@ -182,6 +183,19 @@ def _collective_rows(timer: Timer, numel: int, dtype: torch.dtype) -> list[Row]:
     rows += _prepared_rows(timer, numel, full, shard, grads, out, rows[0], bucket[f"reduce_scatter_q4_coalesced x{BUCKET}"])
     rows += _fsdp_rows(timer, numel, full, shard, grads, out, rows[0])
     return rows
+
+
+def _all_reduce_rows(timer: Timer, numel: int, dtype: torch.dtype) -> list[Row]:
+    """``all_reduce_q4`` (in place, AVG) next to ``dist.all_reduce`` of the same tensor, and its
+    prepared form, which is the call ``zcomm.ddp``'s hook makes per bucket, next to it. Measured
+    at the first size only (the GPU report's time budget: [Note: gpu-bench time budget])."""
+    tensor = torch.randn(numel, device=timer.device).to(dtype)
+    torch_call = ("dist.all_reduce", *timer.measure(lambda: dist.all_reduce(tensor)))
+    quantized = timer.measure(lambda: zcomm.all_reduce_q4(tensor))
+    prepared = zcomm.prepare_all_reduce_q4(tensor)
+    return [Row("all_reduce_q4", tensor.numel(), *quantized, *torch_call),
+            Row("all_reduce_q4 prepared", tensor.numel(), *timer.measure(lambda: prepared(tensor)),
+                "all_reduce_q4", *quantized)]
 
 
 def _fsdp_rows(timer: Timer, numel: int, full: torch.Tensor, shard: torch.Tensor, grads: torch.Tensor,
@@ -388,6 +402,8 @@ def _rows_per_launcher(timer: Timer, numel: int, dtype: torch.dtype, launchers: 
     for name in order:
         _use_launcher(name)
         measured = [*_op_rows(timer, numel, dtype), *_collective_rows(timer, numel, dtype)]
+        if numel == sizes[0]:
+            measured += _all_reduce_rows(timer, numel, dtype)
         rows += [replace(row, launcher=name) for row in measured]
     return rows
 

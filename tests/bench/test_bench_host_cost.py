@@ -26,6 +26,8 @@ EXPECTED_ROWS = {
     "all_gather_q8": "dist.",
     "reduce_scatter_q4 1 stage": "dist.",
     "reduce_scatter_q4 4 stages": "dist.",
+    "all_reduce_q4": "dist.all_reduce",
+    "all_reduce_q4 prepared": "all_reduce_q4",
 }
 
 
