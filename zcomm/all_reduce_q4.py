@@ -126,7 +126,7 @@ def all_reduce_q4(
             INT8 rounding is not fed back.
         first_hop_bits, hadamard_block: the reduce-scatter's (:func:`zcomm.reduce_scatter_q4`).
     """
-    group, world = _check_call(tensor, op, group, gather_bits)
+    group, world = _check_call(tensor, op, group, gather_bits, gather_group_size)
     reduce = _reduce_step(op, group, group_size=group_size, pipeline_stages=pipeline_stages, topology=topology,
                           error_feedback=error_feedback, first_hop_bits=first_hop_bits, hadamard_block=hadamard_block)
     gather = _gather_step(group, gather_bits, gather_group_size, topology)
@@ -187,7 +187,7 @@ def prepare_all_reduce_q4(
     may create zcomm's private subgroups (a collective step): every rank prepares at the same
     point of its sequence of collectives. ``tensor`` is only looked at, never communicated.
     """
-    group, world = _check_call(tensor, op, group, gather_bits)
+    group, world = _check_call(tensor, op, group, gather_bits, gather_group_size)
     slice_numel = -(-tensor.numel() // world)
     padded = torch.empty(world * slice_numel, dtype=tensor.dtype, device=tensor.device)
     reduced = torch.empty(slice_numel, dtype=tensor.dtype, device=tensor.device)
@@ -203,8 +203,19 @@ def prepare_all_reduce_q4(
                                with_error_feedback)
 
 
-def _check_call(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None,
-                gather_bits: GatherBits) -> tuple[dist.ProcessGroup, int]:
+def check_gather(gather_bits: GatherBits, gather_group_size: int | Literal["tensor"] | None) -> None:
+    """``gather_bits`` is 4, 8 or None, and ``gather_group_size`` a group size of that quantized
+    gather (None without one): the gather's options, checked once for the collective and for
+    :class:`zcomm.ddp.QuantizedAllReduceState`."""
+    if gather_bits is not None and (isinstance(gather_bits, bool) or gather_bits not in (4, 8)):
+        raise ValueError(f"gather_bits must be 4, 8 or None, got {gather_bits!r}")
+    if gather_bits is None and gather_group_size is not None:
+        raise ValueError("gather_group_size applies to a quantized gather: pass it with gather_bits 4 or 8 only")
+    QuantSpec(bits=gather_bits or 8, group_size=gather_group_size)
+
+
+def _check_call(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None, gather_bits: GatherBits,
+                gather_group_size: int | Literal["tensor"] | None) -> tuple[dist.ProcessGroup, int]:
     """The group (default: world) and its size once the arguments only this module reads are
     checked; the collectives check the rest (options, topology) themselves."""
     if not dist.is_initialized():
@@ -217,8 +228,7 @@ def _check_call(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGrou
         raise ValueError("tensor must be contiguous")
     if not (op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or getattr(op, "op", None) == dist.ReduceOp.PREMUL_SUM):
         raise ValueError(f"op must be ReduceOp.SUM, ReduceOp.AVG or ReduceOp.PREMUL_SUM(factor), got {op}")
-    if gather_bits is not None and (isinstance(gather_bits, bool) or gather_bits not in (4, 8)):
-        raise ValueError(f"gather_bits must be 4, 8 or None, got {gather_bits!r}")
+    check_gather(gather_bits, gather_group_size)
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     if world < 1:
@@ -243,9 +253,6 @@ def _gather_step(group: dist.ProcessGroup, gather_bits: GatherBits, group_size: 
         def gather(output: torch.Tensor, input: torch.Tensor) -> None:
             _gather_int4(output, input, group, spec, topology)
     else:
-        if group_size is not None:
-            raise ValueError("gather_group_size applies to a quantized gather: pass it with gather_bits 4 or 8 only")
-
         def gather(output: torch.Tensor, input: torch.Tensor) -> None:
             all_gather_into_tensor(output, input, group, topology=topology)
     return gather

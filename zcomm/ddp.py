@@ -60,7 +60,7 @@ import torch.distributed as dist
 from . import quant
 from ._contract import Handle
 from ._error_feedback import ErrorFeedback
-from .all_reduce_q4 import PreparedAllReduceQ4, prepare_all_reduce_q4
+from .all_reduce_q4 import PreparedAllReduceQ4, check_gather, prepare_all_reduce_q4
 from .quant import SUPPORTED_DTYPES
 from .reduce_scatter_q4 import check_first_hop_bits, check_hadamard_block
 from .topology import Topology
@@ -103,11 +103,7 @@ class QuantizedAllReduceState:
         if self.topology is not None and not isinstance(self.topology, Topology):
             raise TypeError(f"topology must be a zcomm.Topology or None, got {type(self.topology).__name__}")
         quant.QuantSpec(bits=4, group_size=self.group_size)
-        if self.gather_bits is not None and (isinstance(self.gather_bits, bool) or self.gather_bits not in (4, 8)):
-            raise ValueError(f"gather_bits must be 4, 8 or None, got {self.gather_bits!r}")
-        if self.gather_bits is None and self.gather_group_size is not None:
-            raise ValueError("gather_group_size applies to a quantized gather: pass it with gather_bits 4 or 8 only")
-        quant.QuantSpec(bits=self.gather_bits or 8, group_size=self.gather_group_size)
+        check_gather(self.gather_bits, self.gather_group_size)
         stages = self.pipeline_stages
         if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
             raise ValueError(f"pipeline_stages must be an int >= 1 or None, got {stages!r}")
