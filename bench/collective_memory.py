@@ -136,14 +136,6 @@ def measure_cuda(call, group: dist.ProcessGroup, device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) - base
 
 
-def cuda_peaks(rank: int, world: int, local_size: int, numel: int, dtype: torch.dtype, device: torch.device,
-               names=CASES) -> dict:
-    """:func:`rank_peaks` measured by :func:`measure_cuda` on ``device`` tensors (gpu-check's w4 stage)."""
-    topology = zcomm.Topology(world_size=world, local_size=local_size)
-    cases = _cases(rank, world, topology, numel, dtype, device)
-    return {name: (measure_cuda(cases[name][0], dist.group.WORLD, device), *cases[name][1:]) for name in names}
-
-
 def _cases(rank: int, world: int, topology: zcomm.Topology, numel: int, dtype: torch.dtype,
            device: torch.device | None = None):
     """name -> (call, output bytes, input bytes) on this rank, tensors on ``device`` (default: CPU)."""
@@ -179,13 +171,23 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def rank_peaks(rank: int, world: int, local_size: int, numel: int, dtype: torch.dtype, names) -> dict:
-    """{case: (peak temporary bytes, output bytes, input bytes)} of this rank."""
+def rank_peaks(rank: int, world: int, local_size: int, numel: int, dtype: torch.dtype, names,
+               device: torch.device | None = None) -> dict:
+    """{case: (peak temporary bytes, output bytes, input bytes)} of this rank: counted by
+    :class:`LiveBytes` on CPU tensors, or by :func:`measure_cuda` on ``device``'s (a CUDA
+    device: gpu-check's w4 stage)."""
     topology = zcomm.Topology(world_size=world, local_size=local_size)
     group = dist.group.WORLD
-    tracker = LiveBytes()
-    cases = _cases(rank, world, topology, numel, dtype)
-    return {name: (measure(cases[name][0], group, tracker), *cases[name][1:]) for name in names}
+    cases = _cases(rank, world, topology, numel, dtype, device)
+    if device is not None and device.type == "cuda":
+        def peak(call) -> int:
+            return measure_cuda(call, group, device)
+    else:
+        tracker = LiveBytes()
+
+        def peak(call) -> int:
+            return measure(call, group, tracker)
+    return {name: (peak(cases[name][0]), *cases[name][1:]) for name in names}
 
 
 def run(*, world: int, local_size: int, numel: int, dtype: torch.dtype, names=CASES, timeout: float = 600) -> dict:

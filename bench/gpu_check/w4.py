@@ -260,14 +260,14 @@ def _runtime_check(device: torch.device, cpu_backend: str | None) -> dict:
 
 
 def _memory_check(device: torch.device) -> dict:
-    """Peak temporary bytes of each collective call on ``device`` (:func:`bench.collective_memory.cuda_peaks`,
+    """Peak temporary bytes of each collective call on ``device`` (:func:`bench.collective_memory.rank_peaks`,
     the CPU's cases with torch's CUDA memory statistics), the largest rank's, as a multiple of the
     call's output: reported beside the CPU's counts, not judged; the check fails only if measuring raised."""
-    from bench.collective_memory import CASES, cuda_peaks
+    from bench.collective_memory import CASES, rank_peaks
 
     name = "peak temporary CUDA bytes per call, x output (reported)"
     try:
-        peaks = cuda_peaks(dist.get_rank(), WORLD, LOCAL, 1 << 16, torch.bfloat16, device)
+        peaks = rank_peaks(dist.get_rank(), WORLD, LOCAL, 1 << 16, torch.bfloat16, CASES, device)
         largest = torch.tensor([peaks[case][0] for case in CASES], dtype=torch.float64)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     except Exception as error:  # reported as this check's failure; the others stand
