@@ -12,6 +12,7 @@ INT4's step).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -60,13 +61,4 @@ COLLECTIVE = Collective(
     baseline="all_reduce",
     pipelined=True,
 )
-
-COLLECTIVE_G4 = Collective(
-    name="all_reduce_q4_g4",
-    kind="all_reduce",
-    prepare=functools.partial(prepare, gather_bits=4),
-    bits=4,
-    default_group_size=DEFAULT_GROUP_SIZE[4],
-    baseline="all_reduce",
-    pipelined=True,
-)
+COLLECTIVE_G4 = dataclasses.replace(COLLECTIVE, name="all_reduce_q4_g4", prepare=functools.partial(prepare, gather_bits=4))
