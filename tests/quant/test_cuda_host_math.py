@@ -297,40 +297,6 @@ def test_launcher_mirrors_the_register_limit():
     assert cuda_launch.REGISTER_MAX_GROUP == REGISTER_MAX_GROUP
 
 
-def test_magic_divisor_rejects_divisors_past_its_range():
-    with pytest.raises(AssertionError):
-        cuda_launch.magic_divisor(2**31 + 1, wide=False)
-    with pytest.raises(AssertionError):
-        cuda_launch.magic_divisor(0, wide=True)
-
-
-@pytest.mark.parametrize("flat", (True, False), ids=("perm", "interleaved"))
-def test_reorder_index_path_is_chosen_by_size(flat, monkeypatch):
-    """Inputs of up to 2^31 elements take the 32-bit kernels, larger ones the 64-bit (``_wide``) ones,
-    with the multipliers of their path ([Note: magic division]); sizes only, nothing allocated."""
-    from cuda_fakes import fake_launch_plans
-
-    fake_launch_plans(monkeypatch)
-    for parts, part_numel, wide in ((2, 2**30, False), (4, 2**30, True), (3, 2**31 + 8, True), (1, 96, False)):
-        slices, chunks, group = 2, 2, 256
-        launch = cuda_launch._resolve_reorder(torch.device("cuda", 0), 1 if flat else 3, flat, parts, part_numel,
-                                              (1, 0), chunks, 8, group, torch.bfloat16)
-        kind = "quantize" if flat else "interleaved"
-        assert launch.encoder.name == f"zc_reorder_{kind}{'_wide' if wide else ''}_bf16_int8", (parts, part_numel)
-        # the register scheme's own kernel: interleaved, 32-bit indices, rows of whole runs
-        numel = parts * part_numel
-        row_nbytes = zq.payload_nbytes(numel // chunks, 8, group)
-        held = not flat and not wide and cuda_launch.in_registers(numel // chunks, group, 8, row_nbytes, 0)
-        registers = None if launch.registers is None else launch.registers.name
-        assert registers == ("zc_reorder_interleaved_regs_bf16_int8" if held else None)
-        assert held or flat or wide or parts == 1
-        assert [int(a) for a in launch.slice_args] == [numel // slices,
-                                                       *cuda_launch.magic_divisor(numel // slices, wide)]
-        assert [int(a) for a in launch.part_args] == [3 if not flat else 1, part_numel,
-                                                      *cuda_launch.magic_divisor(part_numel, wide)]  # fmt: skip
-        assert launch.encoder.jobs == -(-numel // chunks // group) * chunks
-
-
 # 8 / 256 / 512: the team layout (one lane per group, 16 and 32 lanes); 6: runs (scalar);
 # 8192: groups beyond a team, the run layout on the vector path
 DECODE_CASES = [(bits, gs, n) for bits in (8, 4) for gs in (8, 6) for n in (1, gs + 3, 10 * gs, 16 * gs + 6)] + [
@@ -863,35 +829,3 @@ def test_requant_register_kernel_checks_its_sizes(host_check, tmp_path):
         sizes = ",".join(str(v + 4 * (i == wrong)) for i, v in enumerate(good))
         args = ["requant_regs", 8, group_size, numel, 2, _fp32_hex(1.0), chunks, 8, magic, shift, sizes, src, dst]
         assert host_check.run(*args).split() == ["narrow=1", "mode=3", "sizes=0"] and not dst.exists(), wrong
-
-
-def test_requant_launch_checks_name_the_kernels_invariants():
-    """The narrow kernel's device check (``divisor_mode(divisor) != MODE || !sizes.describe(...)``
-    in requant_rounds.cuh) is made on the host when its launch is resolved
-    (``check_narrow_requant``): a LaunchCheckError naming the invariant, never a trap."""
-    numel, chunks, group_size = 3 * 1344, 3, 256
-    good = cuda_launch.narrow_requant_sizes(numel, chunks, group_size, 8, 4)
-    for divide_by, tag in ((1.0, "one"), (2.0, "pow2"), (0.25, "pow2"), (3.0, "div"), (2.0**127, "div")):
-        cuda_launch.check_narrow_requant(tag, np.float32(divide_by), good, numel, chunks, group_size, 8, 4)
-        for other in {"one", "pow2", "div"} - {tag}:
-            with pytest.raises(cuda_launch.LaunchCheckError, match=r"divisor_mode\(divisor\) == MODE"):
-                cuda_launch.check_narrow_requant(other, np.float32(divide_by), good, numel, chunks, group_size, 8, 4)
-    for wrong in range(4):
-        sizes = tuple(v + 4 * (i == wrong) for i, v in enumerate(good))
-        with pytest.raises(cuda_launch.LaunchCheckError, match=r"sizes\.describe\(rows, layout\)"):
-            cuda_launch.check_narrow_requant("one", np.float32(1.0), sizes, numel, chunks, group_size, 8, 4)
-    with pytest.raises(cuda_launch.LaunchCheckError, match=r"sizes\.describe"):  # chunks that do not divide numel
-        cuda_launch.check_narrow_requant("one", np.float32(1.0), good, numel + 1, chunks, group_size, 8, 4)
-
-
-def test_requant_launch_plan_runs_the_checks(monkeypatch):
-    """Resolving dequant_reduce_requant's launch plan runs the checks with the sizes it will pass."""
-    from cuda_fakes import fake_launch_plans
-
-    fake_launch_plans(monkeypatch)
-    device = torch.device("cuda", 0)
-    launch = cuda_launch.resolve("dequant_reduce_requant", device, (2, 3 * 1344, 8, 4, 256, 2.0, 3))
-    assert launch.narrow_name == "zc_dequant_reduce_requant_regs_pow2_int8_int4"
-    monkeypatch.setattr(cuda_launch, "narrow_requant_sizes", lambda *args: (1344, 6, 0, 0))
-    with pytest.raises(cuda_launch.LaunchCheckError, match=r"sizes\.describe"):
-        cuda_launch.resolve("dequant_reduce_requant", device, (2, 3 * 1344, 8, 4, 256, 2.0, 3))
