@@ -1,14 +1,10 @@
 #!/usr/bin/env bash
-# One GPU lease, one command: `bench/gpu_lease.sh OUTDIR` runs `make gpu-check` (correctness,
-# 5.3 minutes at most on one GPU, 7.8 with the NCCL stage on 2 or more) and then `make gpu-bench`
-# (the speed report with the kernel variants' decisions, 4 minutes at most), each under a hard
-# `timeout` a little above its own internal deadline, from the
-# checkout this script sits in, with the interpreter GPU_PYTHON (default python3). It then
-# packs each result folder into OUTDIR as a tarball and copies the two report.md files and
-# its own log beside them: 5 files, all a lease returns. Its exit status is gpu-check's if
-# that failed, else gpu-bench's. It installs nothing. Both compare the two CUDA kernel
-# launchers inside their own limits: gpu-check's last stage reruns the CUDA kernel tests
-# with ZCOMM_CUDA_LAUNCHER=driver, gpu-bench's host cost times cupy and driver side by side.
+# One GPU lease, one command: `bench/gpu_lease.sh OUTDIR` runs gpu-check and then gpu-bench
+# (`python -m bench.gpu_check [--bench]`) from the checkout this script sits in, with GPU_PYTHON
+# (default python3), each under a hard `timeout` a little above its own deadline; then packs
+# each result folder into OUTDIR as a tarball beside the two report.md files and its log (5
+# files). Exit status: gpu-check's if that failed, else gpu-bench's. It installs nothing.
+# Limits and what each part runs: docs/gpu-check.md.
 set -u
 if [ $# -ne 1 ]; then
   echo "usage: $0 OUTDIR" >&2

@@ -3,7 +3,7 @@ with a CUDA GPU; ``--bench`` (``make gpu-bench``) measures its speed; ``bench/gp
 runs both under hard limits and packs their reports. What each stage checks, the time limits and
 the result folders: docs/gpu-check.md.
 
-The stages are :mod:`.stages` (run by :mod:`.driver`, reported by :mod:`.report`), the speed
-report's parts :mod:`.speed_plan` (reported by :mod:`.speed_report`). It installs nothing (GPU
-machines have no package registry) and refuses at once (status 2) without a GPU.
+The check's stages are :mod:`.stages`, the speed report's parts :mod:`.speed_plan`; :mod:`.driver`
+runs them and :mod:`.report` writes both reports. It installs nothing (GPU machines have no
+package registry) and refuses at once (status 2) without a GPU.
 """

@@ -2,9 +2,7 @@
 
 Every probe is read-only and tolerant: a tool or package that is absent gives ``"absent"``
 or the error, never an exception, because the environment section of a failed check is the
-part a reader needs most. Versions come from the packages themselves (``torch.version.cuda``,
-``cupy.cuda.runtime``, ``torch.cuda.nccl.version()``); the driver version from
-``nvidia-smi`` when it is on ``PATH``, else cupy's CUDA driver API version.
+part a reader needs most.
 """
 
 from __future__ import annotations

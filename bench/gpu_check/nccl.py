@@ -13,9 +13,8 @@ backend); then ZeRO++ and FSDP2 with ``zcomm.fsdp.enable_zeropp`` against the CP
 from __future__ import annotations
 
 import argparse
+import functools
 import os
-import traceback
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -42,25 +41,20 @@ def train_fsdp2(device: torch.device, mesh: Any, topology: Any, cpu_group: Any) 
     from torch.distributed.fsdp import fully_shard
 
     import zcomm.fsdp
-    from bench.train.models import GPTConfig, TinyGPT
 
-    torch.manual_seed(0)
-    model = TinyGPT(GPTConfig(vocab_size=256, seq_len=32, d_model=64, n_heads=4, n_layers=2)).to(device)
+    model = w4.tiny_gpt(device)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     zcomm.fsdp.enable_zeropp(model, topology=topology)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    generator = torch.Generator().manual_seed(1)
-    world, losses = dist.get_world_size(), []
-    for _ in range(w4.STEPS):
-        tokens = torch.randint(0, 256, (2 * world, 33), generator=generator)
-        loss = model.loss(tokens.view(world, 2, 33)[dist.get_rank()].to(device))
+
+    def update(loss: torch.Tensor) -> None:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(loss.detach().double().cpu())
-    return w4.global_mean(losses, cpu_group)
+
+    return w4.global_mean(w4.train_steps(model, device, update), cpu_group)
 
 
 def run_checks(device: torch.device, cpu_group: Any, dtypes: Sequence[str], local: int,
@@ -73,11 +67,9 @@ def run_checks(device: torch.device, cpu_group: Any, dtypes: Sequence[str], loca
     checks = []
     for label, topology in topologies(world, local):
         for name, make, options in w4._cases(dtypes, both_modes=True):
-            try:
-                ok, detail = w4.check_case(make, options, topology, device, "reference", (None, cpu_group), launchers)
-            except Exception:  # a failing case is reported by name; the others still run
-                ok, detail = False, traceback.format_exc(limit=4).strip().splitlines()[-1]
-            checks.append({"check": f"{name}, {label}", "ok": ok, "detail": detail})
+            case = functools.partial(w4.check_case, make, options, topology, device, "reference", (None, cpu_group),
+                                     launchers)  # fmt: skip
+            checks.append(w4.checked(f"{name}, {label}", case))
     nodes = zcomm.Topology(world_size=world, local_size=local)
     checks.append(w4.compare_losses(
         f"zero_runtime ZeRO++ (qwZ + hpZ {local} + qgZ), {w4.STEPS} steps, fp32",
@@ -92,13 +84,7 @@ def run_checks(device: torch.device, cpu_group: Any, dtypes: Sequence[str], loca
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check.nccl", description=__doc__.splitlines()[0])
-    parser.add_argument("--json", type=Path, help="rank 0 writes the checks here")
-    parser.add_argument("--dtypes", nargs="+", choices=tuple(w4.DTYPES), default=list(w4.DTYPES))
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may take (default 60)")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="cpu: gloo and CPU tensors on both sides, the stage's wiring without a GPU")
-    return parser
+    return w4.torchrun_parser("nccl", __doc__, 60.0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,12 +21,9 @@ compile is one core's work on a machine with cores to spare.
 
 [Note: driver-launcher stage] The last stage runs the CUDA kernel tests again with
 ``ZCOMM_CUDA_LAUNCHER=driver`` (the launcher that is not yet the default, see
-[Note: launcher choice] in zcomm_cuda/loader.py): the driver launcher's own GPU tests (both
-launchers give the same bytes for every kernel, from a worker thread and a graph replay
-too), the backend's stream, synchronization and graph tests, the golden payloads, and the
-unbound one-rank NCCL collectives. It is one pytest process, so the kernels are compiled
-once, and it comes last, so that its failure or overrun cannot cost the other stages their
-results.
+[Note: launcher choice] in zcomm_cuda/loader.py). It is one pytest process, so the kernels
+are compiled once, and it comes last, so that its failure or overrun cannot cost the other
+stages their results.
 """
 
 from __future__ import annotations
@@ -53,11 +50,10 @@ GPU_CHECK_ENV = "ZCOMM_GPU_CHECK"
 DEVICE_CHECKS = {"ZCOMM_CUDA_DEVICE_CHECKS": "1"}
 # The NCCL stage's flight recorder: each rank's last collectives dumped when one times out.
 NCCL_TRACE = "nccl_trace_"
-# The CUDA test files gpu-check runs; any that is missing fails the stage by name. The
-# backend sweeps are parametrized by target (``[cpu-on-cpu]``, ``[cuda-on-cuda]``...):
-# CUDA_TESTS_SELECT keeps their GPU targets, whose oracle is the reference backend on the
-# CPU (numba, which a GPU machine may lack, serves only the CPU targets). The files start in
-# this order, TEST_JOBS at a time: the long ones (the runtime's trainings, the sweeps) first.
+# The CUDA test files gpu-check runs, the long ones (the runtime's trainings, the sweeps)
+# first; any that is missing fails the stage by name. CUDA_TESTS_SELECT keeps the GPU targets
+# of the backend sweeps, whose oracle is the reference backend on the CPU (numba, which a GPU
+# machine may lack, serves only the CPU targets).
 CUDA_TESTS = (
     "tests/runtime/test_zero_cuda.py",
     "tests/quant/test_cuda_compile.py",
@@ -76,11 +72,11 @@ CUDA_TESTS = (
 )
 CUDA_TESTS_SELECT = "not on-cpu"
 TESTS_DIR = "cuda-tests"
-# The driver-launcher stage ([Note: driver-launcher stage]): its files, run in one pytest
-# process, and the selection that keeps the cases launching zcomm's kernels in this process
-# (no reference backend, no CPU target, no bound world, which takes a process of its own, and
-# not the comparison with the CPU path, whose numba compile took 10 s on the H200: the
-# launchers' bytes are compared directly by test_cuda_driver_launch.py).
+TEST_JOBS = 6
+# The driver-launcher stage's files and the selection that keeps the cases launching zcomm's
+# kernels in this process (no reference backend, no CPU target, no bound world, which takes a
+# process of its own, and not the comparison with the CPU path, whose numba compile took 10 s
+# on the H200: the launchers' bytes are compared directly by test_cuda_driver_launch.py).
 LAUNCHER_ENV = "ZCOMM_CUDA_LAUNCHER"
 DRIVER_TESTS = (
     "tests/quant/test_cuda_driver_launch.py",
@@ -90,29 +86,20 @@ DRIVER_TESTS = (
 )
 DRIVER_TESTS_SELECT = "not on-cpu and not reference and not [bound and not reinitialised and not cpu_paths"
 DRIVER_TESTS_XML = "driver-launcher.xml"
-TEST_JOBS = 6
 # Variables that would change what the stages test (a forced backend, a pretend node size, a
-# kernel launcher).
-# The driver-launcher stage sets ZCOMM_CUDA_LAUNCHER itself; the others run the default launcher.
+# kernel launcher: the driver-launcher stage sets its own).
 CLEARED_ENV = ("ZCOMM_BACKEND", "ZCOMM_LOCAL_SIZE", "ZCOMM_CUDA_LAUNCHER")
 _KILL_GRACE_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Stage:
-    """One subprocess of the check.
+    """One subprocess, run from the checkout; its log is ``<name>.log``.
 
-    Args:
-        name: short name; also the log's file name (``<name>.log``).
-        title: what the stage checks, one line for the report.
-        argv: the command, run from the checkout.
-        limit_s: wall-clock limit in seconds.
-        needs: modules the interpreter must import for the stage to mean anything.
-        env: variables added to the stage's environment.
-        missing: problems known before running (absent test files); they fail the stage.
-        verify: reads the stage's outputs in the result folder and returns problems.
-        verify_failed_run: also verify after a non-zero exit (to name what failed).
-        skip: why the stage cannot run on this machine (it is reported as skipped, not run).
+    ``needs``: modules the interpreter must import for the stage to mean anything; ``env``:
+    variables added; ``missing``: problems known before running (absent test files), which
+    fail it; ``verify``: the problems in its outputs, read after it ran; ``skip``: why it
+    cannot run on this machine (reported as skipped).
     """
 
     name: str
@@ -123,7 +110,6 @@ class Stage:
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     missing: tuple[str, ...] = ()
     verify: Callable[[Path], list[str]] | None = None
-    verify_failed_run: bool = False
     skip: str | None = None
 
 
@@ -156,11 +142,6 @@ def stage_environment(base: Mapping[str, str], extra: Mapping[str, str]) -> dict
     return env
 
 
-def missing_modules(names: Sequence[str]) -> list[str]:
-    """The modules of ``names`` this interpreter cannot find."""
-    return [name for name in names if importlib.util.find_spec(name) is None]
-
-
 def _kill(process: subprocess.Popen) -> None:
     """SIGTERM the stage's process group, SIGKILL it if it lingers."""
     for sig, grace in ((signal.SIGTERM, _KILL_GRACE_S), (signal.SIGKILL, None)):
@@ -181,25 +162,24 @@ def run_stage(stage: Stage, out_dir: Path, deadline: float, base_env: Mapping[st
     log = out_dir / f"{stage.name}.log"
     limit = min(stage.limit_s, deadline - time.monotonic())
 
-    def result(status: str, seconds: float, returncode: int | None, problems: Sequence[str]) -> StageResult:
+    def result(status: str, problems: Sequence[str], seconds: float = 0.0, returncode: int | None = None) -> StageResult:
         return StageResult(stage=stage, status=status, seconds=seconds, limit_s=max(limit, 0.0),
                            returncode=returncode, problems=tuple(problems), log=log)  # fmt: skip
 
+    def refused(status: str, problem: str) -> StageResult:
+        log.write_text(problem + "\n")
+        return result(status, [problem, *stage.missing])
+
     if stage.skip is not None:
         log.write_text(f"skipped: {stage.skip}\n")
-        return result("skipped", 0.0, None, [])
-    absent = missing_modules(stage.needs)
+        return result("skipped", [])
+    absent = [name for name in stage.needs if importlib.util.find_spec(name) is None]
     if absent:
-        problem = (
-            f"{sys.executable} cannot import {', '.join(absent)}: gpu-check installs nothing (GPU machines have "
-            "no package registry); use an interpreter that has them (make gpu-check GPU_PYTHON=...)"
-        )
-        log.write_text(problem + "\n")
-        return result("failed", 0.0, None, [problem, *stage.missing])
+        return refused("failed", f"{sys.executable} cannot import {', '.join(absent)}: gpu-check installs nothing "
+                       "(GPU machines have no package registry); use an interpreter that has them "
+                       "(make gpu-check GPU_PYTHON=...)")  # fmt: skip
     if limit < 1.0:
-        problem = f"not started: the {TOTAL_BUDGET_S:.0f} s budget of the whole check was spent"
-        log.write_text(problem + "\n")
-        return result("not run", 0.0, None, [problem, *stage.missing])
+        return refused("not run", f"not started: the {TOTAL_BUDGET_S:.0f} s budget of the whole check was spent")
     env = stage_environment(os.environ if base_env is None else base_env, stage.env)
     start = time.monotonic()
     with log.open("w") as handle:
@@ -211,30 +191,27 @@ def run_stage(stage: Stage, out_dir: Path, deadline: float, base_env: Mapping[st
             returncode = process.wait(timeout=limit)
         except subprocess.TimeoutExpired:
             _kill(process)
-            seconds = time.monotonic() - start
-            return result("timed out", seconds, None, [f"killed after its {limit:.0f} s limit", *stage.missing])
+            problems = [f"killed after its {limit:.0f} s limit", *stage.missing]
+            return result("timed out", problems, time.monotonic() - start)
         except BaseException:
             # Ctrl-C reaches only the driver: the stage runs in its own session and would outlive it.
             _kill(process)
             raise
     seconds = time.monotonic() - start
-    problems = list(stage.missing)
-    if returncode != 0:
-        problems.insert(0, f"exited with status {returncode}")
-    if stage.verify is not None and (returncode == 0 or stage.verify_failed_run):
+    problems = ([f"exited with status {returncode}"] if returncode else []) + list(stage.missing)
+    if stage.verify is not None:  # also after a failed run: the outputs name what failed
         try:
             problems += stage.verify(out_dir)
         except (OSError, ValueError, KeyError, TypeError) as exc:  # malformed output: report it, keep going
             problems.append(f"its output could not be verified: {type(exc).__name__}: {exc}")
-    return result("failed" if problems else "passed", seconds, returncode, problems)
+    return result("failed" if problems else "passed", problems, seconds, returncode)
 
 
 def junit_counts(path: Path) -> dict[str, int]:
     """tests / failures / errors / skipped summed over the suites of a pytest ``--junitxml`` file."""
     root = ElementTree.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    keys = ("tests", "failures", "errors", "skipped")
-    return {key: sum(int(suite.get(key, 0)) for suite in suites) for key in keys}
+    return {key: sum(int(suite.get(key, 0)) for suite in suites) for key in ("tests", "failures", "errors", "skipped")}
 
 
 def tests_xml(out_dir: Path) -> Path:
@@ -264,8 +241,8 @@ def _verify_junit(path: Path, absent: str) -> list[str]:
         return [absent]
     crashed = crashed_tests(path)
     failed = [name for name in failed_tests(path) if name.split("::", 1)[-1] not in crashed]
-    return (([] if junit_counts(path)["tests"] else ["pytest ran no test"]) + [f"crashed its process: {name}" for name in crashed]
-            + [f"failed: {name}" for name in failed])  # fmt: skip
+    none = [] if junit_counts(path)["tests"] else ["pytest ran no test"]
+    return none + [f"crashed its process: {name}" for name in crashed] + [f"failed: {name}" for name in failed]
 
 
 def _verify_tests(out_dir: Path) -> list[str]:
@@ -295,8 +272,7 @@ def _verify_collectives(out_dir: Path) -> list[str]:
     rows = json.loads(path.read_text())
     problems = [f"{row['op']} at {row['size_bytes']} B: #wrong = {row['wrong']}" for row in rows if row["wrong"]]
     ran = {row["op"].split(":")[0] for row in rows}
-    problems += [f"{op}: no row" for op in ALL_OPS if op not in ran]
-    return problems
+    return problems + [f"{op}: no row" for op in ALL_OPS if op not in ran]
 
 
 def _launcher(python: str, gpus: int) -> list[str]:
@@ -311,45 +287,28 @@ def budget(gpus: int) -> float:
     return TOTAL_BUDGET_S + (NCCL_LIMIT_S if gpus >= 2 else 0.0)
 
 
-def nccl_stage(out_dir: Path, *, gpus: int, python: str = sys.executable) -> Stage:
-    """One NCCL rank per GPU (:mod:`bench.gpu_check.nccl`), or a skipped stage saying why on fewer than 2."""
-    env = {**DEVICE_CHECKS, "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-           "TORCH_FR_DUMP_TEMP_FILE": str(out_dir / NCCL_TRACE)}
-    return Stage(
-        name="nccl",
-        title=f"NCCL, one rank per GPU ({gpus}): every collective (sync/async, SUM/AVG/PREMUL_SUM, bf16/fp16/fp32, "
-              "1 and 4 stages, cupy and driver launchers) byte-identical to the same call on CPU tensors over gloo; "
-              "ZeRO++ and FSDP2-adapter steps equal to the CPU's; 60 s collective timeout, flight recorder on timeout",
-        argv=(*_launcher(python, max(gpus, 2)), "bench.gpu_check.nccl", "--timeout", "60",
-              "--json", str(out_dir / "nccl.json")),  # fmt: skip
-        limit_s=NCCL_LIMIT_S,
-        needs=("cupy",),
-        env=env,
-        verify=lambda out: _verify_w4(out, "nccl"),
-        verify_failed_run=True,
-        skip=None if gpus >= 2 else f"this machine has {gpus} GPU; the NCCL stage needs 2 or more (one rank per GPU)",
-    )
+def _missing(files: Sequence[str], where: str) -> tuple[str, ...]:
+    return tuple(f"{name} is missing from this checkout: its tests did not run{where}"
+                 for name in files if not (REPO / name).exists())  # fmt: skip
 
 
 def plan(out_dir: Path, *, gpus: int, python: str = sys.executable) -> list[Stage]:
     """The stages, in order, writing their outputs into ``out_dir``; ``gpus`` ranks for the distributed ones."""
-    present = [name for name in CUDA_TESTS if (REPO / name).exists()]
-    missing = tuple(f"{name} is missing from this checkout: its tests did not run" for name in CUDA_TESTS if name not in present)
-    launch = _launcher(python, gpus)
-    driver_present = [name for name in DRIVER_TESTS if (REPO / name).exists()]
-    planned = [
+    nccl_env = {**DEVICE_CHECKS, "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                "TORCH_FR_DUMP_TEMP_FILE": str(out_dir / NCCL_TRACE)}  # fmt: skip
+    return [
         Stage(
             name="cuda-tests",
             title=f"CUDA tests with {GPU_CHECK_ENV}=1 (a skip is a failure, a crash a named failure), one pytest "
                   f"per file, {TEST_JOBS} at once: {', '.join(Path(n).name for n in CUDA_TESTS)}",
             argv=(python, "-m", "bench.gpu_check.test_runner", "--out", str(out_dir / TESTS_DIR),
-                  "--jobs", str(TEST_JOBS), "-k", CUDA_TESTS_SELECT, *present),  # fmt: skip
+                  "--jobs", str(TEST_JOBS), "-k", CUDA_TESTS_SELECT,
+                  *(name for name in CUDA_TESTS if (REPO / name).exists())),  # fmt: skip
             limit_s=165,
             needs=("pytest", "cupy"),
             env={GPU_CHECK_ENV: "1", **DEVICE_CHECKS},
-            missing=missing,
+            missing=_missing(CUDA_TESTS, ""),
             verify=_verify_tests,
-            verify_failed_run=True,
         ),
         Stage(
             name="w4",
@@ -363,33 +322,42 @@ def plan(out_dir: Path, *, gpus: int, python: str = sys.executable) -> list[Stag
             needs=("cupy",),
             env=DEVICE_CHECKS,
             verify=_verify_w4,
-            verify_failed_run=True,
         ),
         Stage(
             name="collectives",
             title=f"bench.collectives on {gpus} GPU rank(s) over NCCL: torch's and zcomm's collectives, bf16, 1M-16M, #wrong = 0",
-            argv=(*launch, "bench.collectives", "-b", "1M", "-e", "16M", "-f", "4", "-n", "10", "-w", "3",
-                  "-d", "bfloat16", "--stages", "1,4", "--device", "cuda", "--backend", "nccl",
+            argv=(*_launcher(python, gpus), "bench.collectives", "-b", "1M", "-e", "16M", "-f", "4", "-n", "10",
+                  "-w", "3", "-d", "bfloat16", "--stages", "1,4", "--device", "cuda", "--backend", "nccl",
                   "--json", str(out_dir / "collectives.json")),  # fmt: skip
             limit_s=20,
             needs=("cupy", "tqdm"),
             env=DEVICE_CHECKS,
             verify=_verify_collectives,
         ),
-        nccl_stage(out_dir, gpus=gpus, python=python),
+        Stage(
+            name="nccl",
+            title=f"NCCL, one rank per GPU ({gpus}): every collective (sync/async, SUM/AVG/PREMUL_SUM, bf16/fp16/fp32, "
+                  "1 and 4 stages, cupy and driver launchers) byte-identical to the same call on CPU tensors over gloo; "
+                  "ZeRO++ and FSDP2-adapter steps equal to the CPU's; 60 s collective timeout, flight recorder on timeout",
+            argv=(*_launcher(python, max(gpus, 2)), "bench.gpu_check.nccl", "--timeout", "60",
+                  "--json", str(out_dir / "nccl.json")),  # fmt: skip
+            limit_s=NCCL_LIMIT_S,
+            needs=("cupy",),
+            env=nccl_env,
+            verify=lambda out: _verify_w4(out, "nccl"),
+            skip=None if gpus >= 2 else f"this machine has {gpus} GPU; the NCCL stage needs 2 or more (one rank per GPU)",
+        ),
         Stage(
             name="driver-launcher",
             title=f"{LAUNCHER_ENV}=driver (cuLaunchKernelEx through ctypes): the CUDA kernel tests in one pytest, "
                   f"{GPU_CHECK_ENV}=1, -k '{DRIVER_TESTS_SELECT}': {', '.join(Path(n).name for n in DRIVER_TESTS)}",
             argv=(python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE", "-k", DRIVER_TESTS_SELECT,
-                  f"--junitxml={out_dir / DRIVER_TESTS_XML}", *driver_present),  # fmt: skip
+                  f"--junitxml={out_dir / DRIVER_TESTS_XML}",
+                  *(name for name in DRIVER_TESTS if (REPO / name).exists())),  # fmt: skip
             limit_s=55,
             needs=("pytest", "cupy"),
             env={GPU_CHECK_ENV: "1", LAUNCHER_ENV: "driver", **DEVICE_CHECKS},
-            missing=tuple(f"{name} is missing from this checkout: its tests did not run under the driver launcher"
-                          for name in DRIVER_TESTS if name not in driver_present),  # fmt: skip
+            missing=_missing(DRIVER_TESTS, " under the driver launcher"),
             verify=_verify_driver_tests,
-            verify_failed_run=True,
         ),
     ]
-    return planned

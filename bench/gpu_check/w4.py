@@ -76,10 +76,6 @@ def _wait(handle: Any) -> None:
         handle.wait()
 
 
-def _rel_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    return float((approx.double() - exact).norm() / exact.norm().clamp_min(1e-30))
-
-
 def _same_bytes(device_out: Sequence[torch.Tensor], cpu_out: Sequence[torch.Tensor]) -> tuple[bool, float]:
     """Whether the outputs are byte-identical, and their largest absolute difference."""
     same, diff = True, 0.0
@@ -152,21 +148,29 @@ def _cases(dtypes: Sequence[str], ops: Sequence[str] = OPS, *, both_modes: bool 
     4 stages run async and 1 stage sync, or (``both_modes``) each both ways."""
     cases = []
     for short in dtypes:
-        dtype = DTYPES[short]
         for stages in (1, 4):
             for async_op in (False, True) if both_modes else (stages == 4,):
                 mode = f"stages={stages}{' async' if async_op else ''}"
-                options = dict(dtype=dtype, stages=stages, async_op=async_op)
+                options = dict(dtype=DTYPES[short], stages=stages, async_op=async_op)
                 cases.append((f"all_gather_q8 {short} {mode}", _gather_case, options))
                 for coalesced in (False, True):
                     for bits, hadamard in ((4, None), (8, None), (4, 256)):
                         for op in ops if hadamard is None else ("SUM",):
                             name = (f"reduce_scatter_q4{'_coalesced' if coalesced else ''} {short} {mode} "
                                     f"first_hop=INT{bits}{' hadamard=256' if hadamard else ''} {op}")  # fmt: skip
-                            cases.append((name, functools.partial(_reduce_case, coalesced=coalesced,
-                                                                  first_hop_bits=bits, hadamard=hadamard, op=op),
-                                          options))  # fmt: skip
+                            make = functools.partial(_reduce_case, coalesced=coalesced, first_hop_bits=bits,
+                                                     hadamard=hadamard, op=op)  # fmt: skip
+                            cases.append((name, make, options))
     return cases
+
+
+def checked(name: str, check: Callable[[], tuple[bool, str]]) -> dict:
+    """One check's entry; a check that raises fails with its error's last line, and the others still run."""
+    try:
+        ok, detail = check()
+    except Exception:
+        ok, detail = False, traceback.format_exc(limit=4).strip().splitlines()[-1]
+    return {"check": name, "ok": ok, "detail": detail}
 
 
 def check_case(make: Callable, options: dict, topology, device: torch.device, cpu_backend: str | None,
@@ -176,7 +180,8 @@ def check_case(make: Callable, options: dict, topology, device: torch.device, cp
     run, exact, bound = make(topology, groups=groups, **options)
     with _backend(cpu_backend):
         on_cpu = run(torch.device("cpu"))
-    error = _rel_error(torch.cat([t.reshape(-1) for t in on_cpu]), exact)
+    approx = torch.cat([t.reshape(-1) for t in on_cpu]).double()
+    error = float((approx - exact).norm() / exact.norm().clamp_min(1e-30))
     ok, details = error <= bound, []
     for launcher in launchers:
         if launcher is not None:
@@ -189,42 +194,23 @@ def check_case(make: Callable, options: dict, topology, device: torch.device, cp
     return ok, f"{'; '.join(details)}; rel. error vs fp64 {error:.4f} (bound {bound})"
 
 
-def _collective_checks(device: torch.device, cpu_backend: str | None, dtypes: Sequence[str]) -> list[dict]:
-    import zcomm
-
-    topology = zcomm.Topology(world_size=WORLD, local_size=LOCAL)
-    results = []
-    for name, make, options in _cases(dtypes):
-        try:
-            ok, detail = check_case(make, options, topology, device, cpu_backend, (None, None))
-        except Exception:  # a failing case is reported by name; the others still run
-            ok, detail = False, traceback.format_exc(limit=4).strip().splitlines()[-1]
-        results.append({"check": name, "ok": ok, "detail": detail})
-    return results
-
-
-def train_zeropp(device: torch.device, topology, group: Any = None, cpu_group: Any = None) -> list[float]:
-    """Global-batch losses of ``STEPS`` steps of ZeRO++ on a small GPT (same weights and batches on every rank)."""
-    import zero_runtime
+def tiny_gpt(device: torch.device) -> torch.nn.Module:
     from bench.train.models import GPTConfig, TinyGPT
 
     torch.manual_seed(0)
-    model = TinyGPT(GPTConfig(vocab_size=256, seq_len=32, d_model=64, n_heads=4, n_layers=2)).to(device)
-    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "zero_quantized_weights": True,
-                                    "zero_quantized_gradients": True, "zero_hpz_partition_size": topology.local_size}}  # fmt: skip
-    sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
-    model, opt = zero_runtime.initialize(model, sgd, config, group=group, topology=topology)
+    return TinyGPT(GPTConfig(vocab_size=256, seq_len=32, d_model=64, n_heads=4, n_layers=2)).to(device)
+
+
+def train_steps(model: torch.nn.Module, device: torch.device, update: Callable[[torch.Tensor], None]) -> list[torch.Tensor]:
+    """The losses of ``STEPS`` steps (same weights and batches on every rank), each handed to ``update``."""
     generator = torch.Generator().manual_seed(1)
-    losses = []
-    world = dist.get_world_size()
+    world, losses = dist.get_world_size(), []
     for _ in range(STEPS):
         tokens = torch.randint(0, 256, (2 * world, 33), generator=generator)
         loss = model.loss(tokens.view(world, 2, 33)[dist.get_rank()].to(device))
-        opt.backward(loss)
-        opt.step()
+        update(loss)
         losses.append(loss.detach().double().cpu())
-    opt.close()
-    return global_mean(losses, cpu_group)
+    return losses
 
 
 def global_mean(losses: Sequence[torch.Tensor], group: Any = None) -> list[float]:
@@ -234,29 +220,38 @@ def global_mean(losses: Sequence[torch.Tensor], group: Any = None) -> list[float
     return (total / dist.get_world_size()).tolist()
 
 
+def train_zeropp(device: torch.device, topology, group: Any = None, cpu_group: Any = None) -> list[float]:
+    """Global-batch losses of ZeRO++ (qwZ + hpZ + qgZ) on the tiny GPT."""
+    import zero_runtime
+
+    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "zero_quantized_weights": True,
+                                    "zero_quantized_gradients": True, "zero_hpz_partition_size": topology.local_size}}  # fmt: skip
+    sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+    model, opt = zero_runtime.initialize(tiny_gpt(device), sgd, config, group=group, topology=topology)
+
+    def update(loss: torch.Tensor) -> None:
+        opt.backward(loss)
+        opt.step()
+
+    losses = train_steps(model, device, update)
+    opt.close()
+    return global_mean(losses, cpu_group)
+
+
 def compare_losses(name: str, on_device: Callable[[], list[float]], on_cpu: Callable[[], list[float]],
                    cpu_backend: str | None) -> dict:
     """A check that the per-step losses of a training on the device equal the CPU's within ``ZEROPP_RTOL``."""
-    try:
+
+    def check() -> tuple[bool, str]:
         device_losses = on_device()
         with _backend(cpu_backend):
             cpu_losses = on_cpu()
         worst = max(abs(a - b) / abs(b) for a, b in zip(device_losses, cpu_losses, strict=True))
-        ok = worst <= ZEROPP_RTOL and all(map(math.isfinite, device_losses))
-        detail = (f"losses {['%.5f' % v for v in device_losses]} vs CPU {['%.5f' % v for v in cpu_losses]}; "
-                  f"max rel. diff {worst:.2e} (bound {ZEROPP_RTOL})")
-    except Exception:
-        ok, detail = False, traceback.format_exc(limit=4).strip().splitlines()[-1]
-    return {"check": name, "ok": ok, "detail": detail}
+        return (worst <= ZEROPP_RTOL and all(map(math.isfinite, device_losses)),
+                f"losses {['%.5f' % v for v in device_losses]} vs CPU {['%.5f' % v for v in cpu_losses]}; "
+                f"max rel. diff {worst:.2e} (bound {ZEROPP_RTOL})")  # fmt: skip
 
-
-def _runtime_check(device: torch.device, cpu_backend: str | None) -> dict:
-    import zcomm
-
-    topology = zcomm.Topology(world_size=WORLD, local_size=LOCAL)
-    return compare_losses(f"zero_runtime ZeRO++ (qwZ + hpZ 2 + qgZ), {STEPS} steps, fp32",
-                          lambda: train_zeropp(device, topology), lambda: train_zeropp(torch.device("cpu"), topology),
-                          cpu_backend)
+    return checked(name, check)
 
 
 def _memory_check(device: torch.device) -> dict:
@@ -326,13 +321,20 @@ def torchrun_main(stage: str, args: argparse.Namespace, backend: str, run: Calla
     return 0 if passed else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check.w4", description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--cpu-backend", default=None, help="zcomm backend of the CPU side (default: the CPU's)")
+def torchrun_parser(prog: str, description: str, timeout: float) -> argparse.ArgumentParser:
+    """The options w4 and nccl share."""
+    parser = argparse.ArgumentParser(prog=f"python -m bench.gpu_check.{prog}", description=description.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: CPU tensors on both sides, the stage's wiring without a GPU")
     parser.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), default=list(DTYPES))
     parser.add_argument("--json", type=Path, help="rank 0 writes the checks here")
-    parser.add_argument("--timeout", type=float, default=200.0, help="seconds a collective may take (default 200)")
+    parser.add_argument("--timeout", type=float, default=timeout, help=f"seconds a collective may take (default {timeout:g})")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = torchrun_parser("w4", __doc__, 200.0)
+    parser.add_argument("--cpu-backend", default=None, help="zcomm backend of the CPU side (default: the CPU's)")
     return parser
 
 
@@ -346,7 +348,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     def run(device: torch.device, cpu_group: Any) -> list[dict]:
-        checks = _collective_checks(device, args.cpu_backend, args.dtypes) + [_runtime_check(device, args.cpu_backend)]
+        import zcomm
+
+        topology = zcomm.Topology(world_size=WORLD, local_size=LOCAL)
+        checks = [checked(name, functools.partial(check_case, make, options, topology, device, args.cpu_backend,
+                                                  (None, None))) for name, make, options in _cases(args.dtypes)]  # fmt: skip
+        checks.append(compare_losses(f"zero_runtime ZeRO++ (qwZ + hpZ 2 + qgZ), {STEPS} steps, fp32",
+                                     lambda: train_zeropp(device, topology),
+                                     lambda: train_zeropp(torch.device("cpu"), topology), args.cpu_backend))  # fmt: skip
         return checks + ([_memory_check(device)] if device.type == "cuda" else [])
 
     return torchrun_main("w4", args, "gloo", run, local_device=False, local_size=LOCAL)

@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from bench.host_cost.calls import markdown
 from zcomm_cuda import driver_launch, loader
 
 ROUNDS = 9
@@ -116,23 +117,18 @@ def _stand_ins(noop: ctypes.CDLL) -> Iterator[None]:
             setattr(loader, name, value)
 
 
-def _round(call: Callable[[], None], calls: int) -> float:
-    """Mean us per call of ``calls`` calls."""
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    return (time.perf_counter() - start) / calls * 1e6
-
-
 def _compare(calls_by_name: dict[str, Callable[[], None]], calls: int) -> dict[str, float]:
-    """Median us per call of each of ``calls_by_name``, their rounds alternating (a busy machine's drift hits
-    every row alike)."""
+    """Median us per call of each of ``calls_by_name`` over ``ROUNDS`` rounds of ``calls`` calls, their rounds
+    alternating (a busy machine's drift hits every row alike)."""
     for call in calls_by_name.values():
         call()
     rounds: dict[str, list[float]] = {name: [] for name in calls_by_name}
     for _ in range(ROUNDS):
         for name, call in calls_by_name.items():
-            rounds[name].append(_round(call, calls))
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            rounds[name].append((time.perf_counter() - start) / calls * 1e6)
     return {name: statistics.median(values) for name, values in rounds.items()}
 
 
@@ -146,36 +142,26 @@ def _launch_with(launcher: str, source: str, name: str, args: tuple) -> Callable
 
 def measure(calls: int) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as workdir:
-        noop_library = _noop_library(workdir)
-        with _stand_ins(noop_library):
-            return _measure(calls, noop_library)
-
-
-def _eleven_argument_call(library: ctypes.CDLL) -> Callable[[], None]:
-    """A no-op called as ``cuLaunchKernel`` would be (function, 6 dimensions, shared bytes, stream, params, extra)."""
-    function = library["zc_noop_launch11"]
-    function.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    function.restype = ctypes.c_int
-    return lambda: function(0, 1056, 1, 1, 256, 1, 1, 0, 0, 1, None)
-
-
-def _measure(calls: int, noop_library: ctypes.CDLL) -> list[dict[str, Any]]:
-    rows = []
-    noop = loader._DRIVER_KERNELS[next(iter(loader._DRIVER_KERNELS))].driver.launch_kernel_ex
-    eleven = _eleven_argument_call(noop_library)
-    for name, (source, _, args) in CASES.items():
-        target = loader._DRIVER_KERNELS[(source, name, 0)]
-        target.launch(1056, 256, 0, args)  # this thread's block
-        block = target.block()
-        timed = _compare({
-            "cupy us": _launch_with("cupy", source, name, args),
-            "driver us": _launch_with("driver", source, name, args),
-            "pack us": lambda: block.write(1056, 256, 0, args),  # noqa: B023 (_compare calls it in this iteration)
-            "ctypes call us": lambda: noop(1, 0, 1, None),
-            "11-argument call us": eleven,
-            "empty call us": lambda: None,
-        }, calls)  # fmt: skip
-        rows.append({"kernel": name, "arguments": len(args), **timed})
+        library = _noop_library(workdir)
+        with _stand_ins(library):
+            noop = loader._DRIVER_KERNELS[next(iter(loader._DRIVER_KERNELS))].driver.launch_kernel_ex
+            eleven = library["zc_noop_launch11"]  # called as cuLaunchKernel would be
+            eleven.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            eleven.restype = ctypes.c_int
+            rows = []
+            for name, (source, _, args) in CASES.items():
+                target = loader._DRIVER_KERNELS[(source, name, 0)]
+                target.launch(1056, 256, 0, args)  # this thread's block
+                block = target.block()
+                timed = _compare({
+                    "cupy us": _launch_with("cupy", source, name, args),
+                    "driver us": _launch_with("driver", source, name, args),
+                    "pack us": lambda: block.write(1056, 256, 0, args),  # noqa: B023 (_compare calls it in this iteration)
+                    "ctypes call us": lambda: noop(1, 0, 1, None),
+                    "11-argument call us": lambda: eleven(0, 1056, 1, 1, 256, 1, 1, 0, 0, 1, None),
+                    "empty call us": lambda: None,
+                }, calls)  # fmt: skip
+                rows.append({"kernel": name, "arguments": len(args), **timed})
     return rows
 
 
@@ -184,18 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=10000, help=f"launches per round ({ROUNDS} rounds, the median)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    rows = measure(args.calls)
+    rows = [{**row, "driver/cupy*": row["driver us"] / row["cupy us"]} for row in measure(args.calls)]
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}"
     print(f"# launch cost, Python side, no GPU ({machine}); us per launch, median of {ROUNDS} x {args.calls}")
-    print(f"{'kernel':34s} {'args':>4s} {'cupy* us':>9s} {'driver us':>10s} {'driver/cupy*':>12s} {'pack us':>8s} "
-          f"{'ctypes call us':>14s} {'11-arg call us':>14s} {'empty call us':>13s}")  # fmt: skip
-    for row in rows:
-        print(f"{row['kernel']:34s} {row['arguments']:4d} {row['cupy us']:9.2f} {row['driver us']:10.2f} "
-              f"{row['driver us'] / row['cupy us']:12.2f} {row['pack us']:8.2f} {row['ctypes call us']:14.2f} "
-              f"{row['11-argument call us']:14.2f} {row['empty call us']:13.2f}")
-    print("# cupy*: zcomm's side only, up to a no-op in place of cupy's Function call (cupy's own work is not in "
-          "it); driver: all of the launcher but the driver's work inside libcuda")  # fmt: skip
+    print("\n".join(markdown(rows)))
+    print("# cupy us: zcomm's side only, up to a no-op in place of cupy's Function call (cupy's own work is not in "
+          "it); driver us: all of the launcher but the driver's work inside libcuda")  # fmt: skip
     print(f"# load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"# {time.perf_counter() - started:.1f} s")
     return 0
-

@@ -108,9 +108,6 @@ class Engine:
         for _, run in self.phases():
             run()
 
-    def close(self) -> None:
-        self.opt.close()
-
 
 def build(name: str, args: argparse.Namespace) -> Engine:
     (config,) = select_configs([name])
@@ -118,20 +115,14 @@ def build(name: str, args: argparse.Namespace) -> Engine:
     engine_config = zero_runtime_config(config, local_size=args.world, bf16=False, gradient_clipping=0.0)
     engine_config["zero_optimization"].update(HOST_BOUND_KEYS)
     torch.manual_seed(0)
-    device = _device(args)
+    # this rank's device: the CPU, or (--device cuda) the GPU of its rank
+    device = torch.device("cpu") if args.device == "cpu" else torch.device("cuda", dist.get_rank())
     model = MLP(d_in=args.width, d_hidden=args.width, d_out=args.width, depth=args.layers).to(device)
     model, opt = zero_runtime.initialize(model, lambda params: torch.optim.AdamW(params, lr=1e-3), engine_config)
     generator = torch.Generator().manual_seed(1)
     batch = torch.randn(args.batch, args.width, generator=generator).to(device)
     target = torch.randn(args.batch, args.width, generator=generator).to(device)
     return Engine(name, model, opt, batch, target)
-
-
-def _device(args: argparse.Namespace) -> torch.device:
-    """This rank's device: the CPU, or (``--device cuda``) the GPU of its rank."""
-    if args.device == "cpu":
-        return torch.device("cpu")
-    return torch.device("cuda", dist.get_rank() if dist.is_initialized() else 0)
 
 
 @dataclass
@@ -179,14 +170,11 @@ def _total(result: Result, thread: str | None = None) -> int:
     return sum(n for threads in result.calls.values() for t, n in threads.items() if thread in (None, t))
 
 
-def _machine(args: argparse.Namespace) -> str:
-    cpu = f"CPU {platform.processor() or platform.machine()}"
-    return f"{torch.cuda.get_device_name(0)}, {cpu}" if args.device == "cuda" else cpu
-
-
 def report(results: dict[str, Result], baseline: str, args: argparse.Namespace) -> str:
+    machine = f"CPU {platform.processor() or platform.machine()}"
+    machine = f"{torch.cuda.get_device_name(0)}, {machine}" if args.device == "cuda" else machine
     lines = [f"# zero_runtime host cost per step: MLP of {args.layers} Linear({args.width}, {args.width}), batch "
-             f"{args.batch}, fp32, world size {args.world} (rank 0's figures), {_machine(args)}, "
+             f"{args.batch}, fp32, world size {args.world} (rank 0's figures), {machine}, "
              f"1 torch thread per rank, load average {os.getloadavg()[0]:.2f}",
              f"# engine: bench.train's config + {HOST_BOUND_KEYS}",
              "# backward counts: the training thread only (autograd's CUDA device thread is not profiled)"
@@ -236,7 +224,7 @@ def _rank(rank: int, args: argparse.Namespace, tmp: str) -> dict[str, Result]:
             for name in order:
                 results[name].step_ms.append(time_steps(engines[name], args.steps))
         for engine in engines.values():
-            engine.close()
+            engine.opt.close()
     finally:
         dist.destroy_process_group()
     return results

@@ -1,10 +1,9 @@
 """The kernel benchmark, one entry point: ``python -m bench.kernels [MODE] [options]`` (docs/benchmarks.md).
 
-One mode per run, each a module: the default (:mod:`.eager`, the CPU backends' GB/s against a
-copy, with their targets), ``--sweep`` and ``--ncu`` (:mod:`.sweep`, GPU), ``--variants``
-(:mod:`.variants`, GPU: the rows of docs/kernel-variants.md) and ``--static`` (:mod:`.static`,
-nvcc's cubins, no GPU). Each returns its report's lines; ``main`` prints them and writes them to
-``--output``; ``--json PATH`` (sweep, variants) writes the rows.
+Modes, one per run, one module each: the default (:mod:`.eager`, CPU backends), ``--sweep`` and
+``--ncu`` (:mod:`.sweep`, GPU), ``--variants`` (:mod:`.variants`, GPU) and ``--static``
+(:mod:`.static`, nvcc's cubins, no GPU). Each returns its report's lines, printed and written
+to ``--output``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """The kernel benchmark's default mode: GB/s of every quantization op on the CPU backends, against a copy.
 
 ``python -m bench.kernels [--numel 64M] [--dtype fp32 bf16] [--backends cpu reference]
-[--group-size 512] [--repeats 5] [--reference-repeats 1] [--output PATH]``. The GPU's kernels
-are measured by ``--sweep`` (CUDA-graph replay), not here. For one input of ``--numel``
-elements per dtype, each op runs once to warm up (numba compilation or its cache's load,
-first-touch page faults) and is then timed ``--repeats`` times into preallocated outputs
-(``out=``) with the host clock; the median is reported. The reference backend, which
-compiles nothing and allocates its temporaries on every call anyway, gets no warm-up and
-``--reference-repeats`` samples, as its calls on 64M elements take seconds.
-
-``GB/s = (bytes read + bytes written) / time``. The yardstick of a row is a ``copy_``
-between two preallocated byte buffers that reads and writes as many bytes as the op (half
-each way): ``vs copy`` is the op's GB/s over that copy's. ``clone`` of the input and a
-preallocated ``copy_`` of it are rows too. The run ends with the CPU targets from this run's
-medians, each PASS or MISS: measurements, not tests. A backend that cannot load here is
-skipped with its reason; one named on the command line that cannot run is an error.
+[--group-size 512] [--repeats 5] [--reference-repeats 1] [--output PATH]``. Each op runs once
+to warm up (numba compilation or its cache's load, first-touch page faults), then is timed
+``--repeats`` times into preallocated outputs with the host clock; the median is reported.
+The reference backend, which compiles nothing and allocates its temporaries on every call
+anyway, gets no warm-up and ``--reference-repeats`` samples (its calls on 64M elements take
+seconds). ``vs copy``: the op's GB/s over a preallocated ``copy_`` of byte buffers that reads
+and writes as many bytes. The run ends with the CPU targets from this run's medians, PASS or
+MISS: measurements, not tests.
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
 """Kernel-only GPU sweep: GB/s of every cuda op against a device-to-device copy of the same bytes.
 
-``python -m bench.kernels --sweep [--quick] [--json PATH]`` runs it (see :func:`sweep`). For
-every size (16M, 64M, 256M elements; ``--quick``: 16M only), group size (256, 512) and dtype
-(bf16, fp32), each op of the ``cuda`` backend is timed as kernels only:
-
-* ``LAUNCHES`` back-to-back calls into preallocated outputs are captured once in a CUDA
-  graph, and the graph is replayed ``REPLAYS`` times between two CUDA events; the time per
-  call is the elapsed time over ``LAUNCHES * REPLAYS``, and the reported time the median of
-  ``SAMPLES`` such measurements (a single one of the copy swung by 1.5x at 256M elements on
-  an H200). A replay issues no host work per call, so launch cost cannot hide a slow kernel
-  nor a fast one behind the host.
-* When an op's bytes (read + written) would fit in L2 a few times over, the captured calls
-  rotate over ``ceil(4 * L2 / bytes)`` sets of inputs and outputs, so no call finds its data
-  in L2 left by the previous one.
-* The yardstick is ``copy_`` between two byte buffers of half the op's bytes each (so it
-  reads and writes as many bytes as the op), timed the same way, rotation included.
-
-``GB/s = (bytes read + bytes written) / time``; ``vs copy`` is the op's GB/s over the
-copy's. Targets: quantize and dequantize >= 85% of the copy,
-reorder_quantize and dequant_reduce (to fp32 or re-quantizing) >= 70%. Each row is marked
-PASS or MISS; these are measurements, not tests.
+``python -m bench.kernels --sweep [--quick] [--json PATH]``: for every size (16M, 64M, 256M
+elements; ``--quick``: 16M), group size (256, 512) and dtype (bf16, fp32), each op of the
+``cuda`` backend is timed as kernels only. ``LAUNCHES`` back-to-back calls into preallocated
+outputs are captured once in a CUDA graph, replayed ``REPLAYS`` times between two CUDA
+events, and the median of ``SAMPLES`` such measurements is reported (a single one of the copy
+swung by 1.5x at 256M elements on an H200): a replay issues no host work per call, so launch
+cost cannot hide a slow kernel. When an op's bytes would fit in L2 a few times over, the
+captured calls rotate over ``ceil(4 * L2 / bytes)`` sets of buffers, so no call finds its data
+in L2. The yardstick is ``copy_`` between two byte buffers of half the op's bytes each, timed
+the same way. ``vs copy`` is the op's GB/s over the copy's, marked PASS or MISS against
+:data:`TARGETS` (measurements, not tests).
 """
 
 from __future__ import annotations

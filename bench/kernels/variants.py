@@ -4,24 +4,20 @@
 row of :data:`ROWS` is a row of ``docs/kernel-variants.md`` (which says how a row is decided
 and what a **remove** takes with it). For each of the row's target shapes both paths run once
 into their own outputs, which must be byte-identical, and the kernels each launched are
-recorded (``zcomm_cuda.loader.launch`` wrapped for that call): a simpler path that launched
-the variant's kernels is a failed row, not a measurement. The row is **keep** when the
-geometric mean of its shapes' ratios (simpler time / variant time) is at least
-:data:`KEEP_RATIO`, else **remove**.
+recorded: a simpler path that launched the variant's kernels is a failed row, not a
+measurement. The row is **keep** when the geometric mean of its shapes' ratios (simpler time
+/ variant time) is at least :data:`KEEP_RATIO`, else **remove**.
 
 The simpler path is another public call where one exists (the unfused ops; ``torch.cat``
-then the flat kernel). Where the CUDA backend picks the variant by size (the narrow
-re-quantizers, the interleaved register kernel, the 32-bit index kernels, the tile scheme),
-the bound or predicate it reads is overridden for the simpler side's calls
-(:func:`_forced`, on ``zcomm.quant.backends._cuda_launch``, emptying its launch plans
-before and after). A tree without that name reports the row as not measured, naming it.
+then the flat kernel). Where the CUDA backend picks the variant by size, the bound or
+predicate it reads is overridden for the simpler side's calls (:func:`_forced`); a tree
+without that name reports the row as not measured, naming it.
 
 Timing is eager, because the interleaved kernel uploads its table per call and cannot be
-captured in a CUDA graph: two warm-up calls, then :data:`SAMPLES` samples of
-:data:`REPEATS` back-to-back calls between two CUDA events, the median. At 16M and 64M
-elements (``--quick``: 16M) a call's kernels outlast its host work. The launchers' row
-times host enqueue instead (no sync inside a round), on 1K-element calls, where the host is
-all there is; its ratio is cupy's host time over the driver's.
+captured in a CUDA graph: two warm-up calls, then :data:`SAMPLES` samples of :data:`REPEATS`
+back-to-back calls between two CUDA events, the median. The launchers' row times host
+enqueue instead (no sync inside a round), on 1K-element calls, where the host is all there
+is; its ratio is cupy's host time over the driver's.
 """
 
 from __future__ import annotations
@@ -203,16 +199,15 @@ def _fused_requant(n: int) -> list[Case]:
 
 
 def _tiles(n: int) -> list[Case]:
-    cases = []
+    cases, group = [], 1 << 16
     for tag, dtype in DTYPES.items():
         x = _rand(n, dtype)
-        for group in (1 << 16,):
-            a = torch.empty(q.payload_nbytes(n, 8, group), dtype=torch.uint8, device="cuda")
-            b = torch.empty_like(a)
-            cases.append(Case(f"quantize {tag} INT8 group {group >> 10}K",
-                              lambda a=a, g=group, x=x: q.quantize(x, 8, g, out=a, backend="cuda"), a,
-                              lambda b=b, g=group, x=x: q.quantize(x, 8, g, out=b, backend="cuda"), b,
-                              force={"TEAM_MAX_GROUP": 1 << 62}))
+        a = torch.empty(q.payload_nbytes(n, 8, group), dtype=torch.uint8, device="cuda")
+        b = torch.empty_like(a)
+        cases.append(Case(f"quantize {tag} INT8 group {group >> 10}K",
+                          lambda a=a, x=x: q.quantize(x, 8, group, out=a, backend="cuda"), a,
+                          lambda b=b, x=x: q.quantize(x, 8, group, out=b, backend="cuda"), b,
+                          force={"TEAM_MAX_GROUP": 1 << 62}))  # fmt: skip
     return cases
 
 
@@ -251,19 +246,10 @@ ROWS = (
 )
 
 
-# the backend's caches of resolved launches: emptied around a forced path, so that neither side
-# of a comparison finds a launch plan the other resolved
-_LAUNCH_CACHES = ("OP_PLANS",)
-
-
-def _clear_memos(module: object) -> None:
-    for name in _LAUNCH_CACHES:
-        getattr(module, name).clear()
-
-
 @contextlib.contextmanager
 def _forced(attrs: dict[str, object]) -> Iterator[None]:
-    """The backend's names of ``attrs`` set inside the block (``launcher``: the loader's launcher)."""
+    """The backend's names of ``attrs`` set inside the block (``launcher``: the loader's launcher). Its cache
+    of resolved launches is emptied before and after, so that neither side finds a plan the other resolved."""
     from zcomm_cuda import loader
 
     module = importlib.import_module(BACKEND)
@@ -273,7 +259,7 @@ def _forced(attrs: dict[str, object]) -> Iterator[None]:
     if missing:
         raise LookupError(f"{BACKEND} has no {', '.join(missing)}: this tree picks the variant another way")
     saved, saved_launcher = {name: getattr(module, name) for name in attrs}, loader.launcher()
-    _clear_memos(module)
+    module.OP_PLANS.clear()
     try:
         for name, value in attrs.items():
             setattr(module, name, value)
@@ -284,7 +270,7 @@ def _forced(attrs: dict[str, object]) -> Iterator[None]:
         for name, value in saved.items():
             setattr(module, name, value)
         loader.set_launcher(saved_launcher)
-        _clear_memos(module)
+        module.OP_PLANS.clear()
 
 
 @contextlib.contextmanager

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 import bench.kernels as kernels
-from bench.gpu_check import driver
+from bench.gpu_check import driver, report
 from bench.gpu_check import speed_plan as plan
-from bench.gpu_check import speed_report as report
 from bench.train import cli as train_cli
 from bench.train.models import TinyGPT
 

@@ -168,7 +168,7 @@ def _fake_results(tmp_path: Path) -> list[stages.StageResult]:
 
 
 def test_report_layout(tmp_path):
-    text = report.render(title="today on box, Fake GPU", results=_fake_results(tmp_path), environment={"GPU": "Fake GPU"},
+    text = report.render_check(title="today on box, Fake GPU", results=_fake_results(tmp_path), environment={"GPU": "Fake GPU"},
                          gpus=1, seconds=12, budget_s=570, command="python3 -m bench.gpu_check")  # fmt: skip
     assert text.startswith("# zcomm gpu-check: FAILED (1 of 2 stages passed)")
     for heading in ("## Stages", "## Coverage", "## Environment", "## W = 4 on one GPU", "## Collectives", "## Log tails"):
@@ -281,7 +281,7 @@ def test_malformed_outputs_are_reported_not_raised(tmp_path):
     (tmp_path / "w4.json").write_text("{not json")
     result = stages.run_stage(_stage("w4", "pass", verify=stages._verify_w4), tmp_path, _far())
     assert result.status == "failed" and "could not be verified" in result.problems[0]
-    text = report.render(title="t", results=[result], environment={}, gpus=1, seconds=1, budget_s=570, command="c")
+    text = report.render_check(title="t", results=[result], environment={}, gpus=1, seconds=1, budget_s=570, command="c")
     assert "could not read this stage's output" in text
 
 
@@ -305,11 +305,11 @@ def test_an_interrupted_check_takes_its_stage_down(tmp_path, monkeypatch):
     assert not status.exists() or "State:\tZ" in status.read_text()
 
 
-def test_a_failed_run_is_verified_when_the_stage_asks_for_names(tmp_path):
-    names = lambda out: ["crashed its process: t.py::test_b"]  # noqa: E731
-    quiet = stages.run_stage(_stage("quiet", "raise SystemExit(1)", verify=names), tmp_path, _far())
+def test_a_failed_run_is_verified_so_that_its_outputs_name_what_failed(tmp_path):
+    quiet = stages.run_stage(_stage("quiet", "raise SystemExit(1)"), tmp_path, _far())
     assert quiet.problems == ("exited with status 1",)
-    named = stages.run_stage(_stage("named", "raise SystemExit(1)", verify=names, verify_failed_run=True), tmp_path, _far())
+    names = lambda out: ["crashed its process: t.py::test_b"]  # noqa: E731
+    named = stages.run_stage(_stage("named", "raise SystemExit(1)", verify=names), tmp_path, _far())
     assert named.problems == ("exited with status 1", "crashed its process: t.py::test_b")
 
 

@@ -59,7 +59,7 @@ def _row(name: str, launcher: str, host_us: float, synced_us: float) -> host_cos
     return host_cost.Row(name, 1 << 20, host_us, synced_us, "x.clone()", 10.0, 20.0, launcher=launcher)
 
 
-def test_launchers_side_by_side_with_ratios_to_the_first(capsys) -> None:
+def test_launchers_side_by_side_with_ratios_to_the_first() -> None:
     """The launcher table pairs each call's rows by name, size and yardstick and divides by the first launcher's."""
     rows = [_row("quantize int8", "cupy", 20.0, 40.0), _row("all_gather_q8", "cupy", 80.0, 100.0),
             _row("quantize int8", "driver", 10.0, 30.0), _row("all_gather_q8", "driver", 60.0, 90.0)]
@@ -69,9 +69,9 @@ def test_launchers_side_by_side_with_ratios_to_the_first(capsys) -> None:
     assert [c["driver/cupy host"] for c in compared] == [0.5, 0.75]
     assert [c["driver/cupy synced"] for c in compared] == [0.75, 0.9]
     assert host_cost._launcher_rows(rows[:2], ["cupy"]) == []
-    host_cost._print_launchers(compared)
-    out = capsys.readouterr().out
-    assert "driver/cupy" in out and "0.50" in out and "0.75" in out
+    table = host_cost.markdown(compared)
+    assert table[0].startswith("| name | numel | base | cupy host_us | cupy synced_us | driver host_us")
+    assert "| quantize int8 | 1048576 | x.clone() | 20.00 | 40.00 | 10.00 | 30.00 | 0.50 | 0.75 |" in table
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -122,7 +122,7 @@ def test_the_nccl_stage_is_skipped_with_its_reason_on_one_gpu(tmp_path):
     result = stages.run_stage(stage, tmp_path, deadline=float("inf"))
     assert result.status == "skipped" and not result.failed and not result.passed
     assert "skipped: this machine has 1 GPU" in result.log.read_text()
-    text = report.render(title="t", results=[result], environment={}, gpus=1, seconds=1.0, budget_s=300.0, command="c")
+    text = report.render_check(title="t", results=[result], environment={}, gpus=1, seconds=1.0, budget_s=300.0, command="c")
     assert text.startswith("# zcomm gpu-check: PASSED (0 of 1 stages passed, 1 skipped)")
     assert "- nccl skipped: this machine has 1 GPU; the NCCL stage needs 2 or more" in text
 
