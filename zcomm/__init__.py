@@ -18,7 +18,8 @@
   a caller encoded itself).
 * :class:`ErrorFeedback`: LoCo error feedback, an explicit state a caller may pass to
   :func:`reduce_scatter_q4` (the collectives are stateless without it).
-* :class:`Topology`: which ranks share a node; :func:`consecutive_group`: hpZ's blocks.
+* :class:`Topology`: which ranks share a node; :func:`consecutive_group`: hpZ's blocks,
+  :func:`block_peers_group`: the same position in every block.
 * :func:`comm_stats` / :func:`reset_comm_stats` (:class:`OpStats`): bytes each rank sent,
   intra vs inter node.
 * ``zcomm.quant``: the block-quantization ops, :class:`zcomm.quant.QuantSpec` and the wire format.
@@ -34,7 +35,7 @@ threads (``ZCOMM_NUM_THREADS``, else ``torch.get_num_threads()``).
 from . import quant
 from ._contract import Handle
 from ._error_feedback import ErrorFeedback
-from ._groups import consecutive_group
+from ._groups import block_peers_group, consecutive_group
 from .all_gather_q8 import PreparedAllGatherQ8, all_gather_q8, prepare_all_gather_q8
 from .all_reduce_q4 import PreparedAllReduceQ4, all_reduce_q4, prepare_all_reduce_q4
 from .comm_stats import OpStats, comm_stats, reset_comm_stats
@@ -63,6 +64,7 @@ __all__ = [
     "all_gather_q8",
     "all_reduce",
     "all_reduce_q4",
+    "block_peers_group",
     "check_first_hop_bits",
     "check_hadamard_block",
     "comm_stats",

@@ -97,6 +97,21 @@ def consecutive_group(group: dist.ProcessGroup | None, size: int) -> dist.Proces
     return _subgroup(group, "block", [range(b * size, (b + 1) * size) for b in range(world_size // size)])
 
 
+def block_peers_group(group: dist.ProcessGroup | None, size: int) -> dist.ProcessGroup:
+    """The ranks of ``group`` at this rank's position in every block of ``size`` consecutive
+    ranks: ranks ``r`` with ``r % size`` equal to this rank's, in rank order.
+
+    The complement of :func:`consecutive_group`: a block and its peers' groups cross at one
+    rank, so a gather over the peers, then one over the block, reaches every rank (hpZ's
+    weight-difference refresh, then its secondary gather). Created and cached like it.
+    """
+    group = group if group is not None else dist.group.WORLD
+    world_size = dist.get_world_size(group)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world_size % size:
+        raise ValueError(f"size must be a positive divisor of the group size {world_size}, got {size!r}")
+    return _subgroup(group, "block-peers", [range(p, world_size, size) for p in range(size)])
+
+
 def _subgroup(parent: dist.ProcessGroup, purpose: str, partition: Sequence[range]) -> dist.ProcessGroup:
     """This rank's block of ``partition`` (group ranks of ``parent``), created on first use."""
     blocks = tuple(tuple(block) for block in partition)

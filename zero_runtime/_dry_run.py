@@ -129,7 +129,9 @@ def format_report(result: DryRun) -> str:
     topo, config, m = result.topology, result.config, result.model_bytes
     zeropp = [name for name, on in (("qwZ", config.quantized_weights),
                                     (f"hpZ {config.hpz_partition_size}", config.hpz_partition_size > 1),
-                                    ("qgZ", config.quantized_gradients)) if on]
+                                    ("qgZ", config.quantized_gradients),
+                                    (f"INT{config.weight_delta_bits} weight differences",
+                                     config.weight_delta_bits is not None)) if on]
     lines = [
         f"dry run: {topo.world_size} ranks ({topo.num_nodes} nodes x {topo.local_size}), stage {config.stage}"
         f"{' + ' + ', '.join(zeropp) if zeropp else ''}, {config.precision}, micro-batch "

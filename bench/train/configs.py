@@ -24,7 +24,8 @@ buckets all-reduced with ``dist.all_reduce``), ``zero0-q`` the same with qgZ's a
 (``zcomm.all_reduce_q4``: INT4 two-hop reduce-scatter, INT8 gather), DDP's peers below.
 ``zero2-q`` is stage 2 with qgZ and qwZ's INT8 gather after the step; ``zero2-qwd`` and
 ``zero1-qwd`` send 4-bit weight differences instead (``zcomm_weight_delta_bits: 4``, after
-SDP4Bit); ``deepspeed-z2`` is DeepSpeed's stage 2, their peer.
+SDP4Bit); ``deepspeed-z2`` is DeepSpeed's stage 2, their peer. ``zeropp-wd`` is ZeRO++ whose
+hpZ copies are refreshed by the same 4-bit differences across nodes, then gathered inside the node.
 ``fsdp2-qwz``, ``fsdp2-qgz`` and ``fsdp2-zeropp`` are FSDP2 with zcomm's collectives installed by
 ``zcomm.fsdp.enable_zeropp`` (hpZ being FSDP2's ``reshard_after_forward=<ranks per node>``;
 qgZ's intra-node hop INT8, the adapter's default); ``fsdp2-zeropp-int4hop`` is the same with
@@ -144,9 +145,9 @@ class TrainConfig:
             raise ValueError(f"{self.name}: hpZ needs stage 3")
         if (self.quantized_weights or self.quantized_gradients) and self.stage != 3 and self.engine != "zero":
             raise ValueError(f"{self.name}: qwZ and qgZ in stages 1 and 2 are zero_runtime's")
-        if self.weight_delta_bits is not None and (self.engine != "zero" or self.stage == 3
-                                                   or not self.quantized_weights):
-            raise ValueError(f"{self.name}: weight differences are zero_runtime's, stages 1 and 2, with qwZ")
+        if self.weight_delta_bits is not None and (self.engine != "zero" or not self.quantized_weights
+                                                   or (self.stage == 3 and not self.hpz)):
+            raise ValueError(f"{self.name}: weight differences are zero_runtime's, with qwZ (and hpZ in stage 3)")
         if self.quant_group_size is not None and not (self.quantized_weights or self.quantized_gradients):
             raise ValueError(f"{self.name}: quant_group_size needs qwZ or qgZ")
         if not self.align_quant_blocks and (self.engine != "zero" or not (self.quantized_weights or
@@ -202,6 +203,8 @@ CONFIGS: dict[str, TrainConfig] = _configs(
     TrainConfig(name="zero3+hpz", engine="zero", hpz=True, summary="stage 3 + per-node secondary weights"),
     TrainConfig(name="zero3+qgz", engine="zero", quantized_gradients=True, summary="stage 3 + INT4 2-hop grad RS"),
     TrainConfig(name="zeropp", engine="zero", **_ZEROPP, summary="ZeRO++: qwZ + hpZ + qgZ"),
+    TrainConfig(name="zeropp-wd", engine="zero", **_ZEROPP, weight_delta_bits=4,
+                summary="ZeRO++ with hpZ's node-local weights refreshed by 4-bit differences"),
     TrainConfig(name="zeropp-tensorscale", engine="zero", **_ZEROPP, quant_group_size=TENSOR_SCALE,
                 summary="ZeRO++ with one scale per tensor (Figure 14 ablation)"),
     TrainConfig(name="zeropp-g128", engine="zero", **_ZEROPP, quant_group_size=128,

@@ -51,11 +51,13 @@ def test_zero_runtime_configs_carry_exactly_the_zeropp_keys() -> None:
               ["zero_optimization"] for name in ("zero0", "zero0-q")}
     assert stage0 == {"zero0": {"stage": 0}, "zero0-q": {"stage": 0, "zero_quantized_gradients": True}}
     stage12 = {name: zero_runtime_config(CONFIGS[name], local_size=2, bf16=True, gradient_clipping=0.0)
-               ["zero_optimization"] for name in ("zero2-q", "zero2-qwd", "zero1-qwd")}
+               ["zero_optimization"] for name in ("zero2-q", "zero2-qwd", "zero1-qwd", "zeropp-wd")}
     quantized = {"zero_quantized_weights": True, "zero_quantized_gradients": True}
     assert stage12 == {"zero2-q": {"stage": 2, **quantized},
                        "zero2-qwd": {"stage": 2, **quantized, "zcomm_weight_delta_bits": 4},
-                       "zero1-qwd": {"stage": 1, **quantized, "zcomm_weight_delta_bits": 4}}
+                       "zero1-qwd": {"stage": 1, **quantized, "zcomm_weight_delta_bits": 4},
+                       "zeropp-wd": {"stage": 3, **quantized, "zero_hpz_partition_size": 2,
+                                     "zcomm_weight_delta_bits": 4}}
 
 
 @pytest.mark.parametrize("name", [name for name, config in CONFIGS.items() if config.engine == "zero"])

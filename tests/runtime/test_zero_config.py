@@ -161,7 +161,7 @@ def test_zeropp_keys_map_to_fields():
 
 @pytest.mark.parametrize("zero, message", [
     ({"stage": 3, "zero_quantized_weights": True, "zcomm_weight_delta_bits": 4},
-     "zcomm_weight_delta_bits needs zero_optimization.stage 1 or 2"),
+     "zcomm_weight_delta_bits in zero_optimization.stage 3 needs zero_hpz_partition_size"),
     ({"stage": 1, "zero_hpz_partition_size": 2}, "zero_hpz_partition_size needs zero_optimization.stage 3"),
     ({"stage": 3, "zero_quantized_weights": 1}, "zero_quantized_weights must be true or false"),
     ({"stage": 3, "zero_hpz_partition_size": 2.0}, "zero_hpz_partition_size must be an int"),

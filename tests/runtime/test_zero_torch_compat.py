@@ -38,6 +38,12 @@ def test_a_fake_world_is_a_real_world_of_one_rank(fake_world):
     block = zcomm.consecutive_group(None, 16)  # zcomm creates its subgroups by their members
     assert dist.get_process_group_ranks(block) == list(range(16))
     assert (dist.get_rank(block), dist.get_world_size(block), dist.get_backend(block)) == (5, 16, "fake")
+    peers = zcomm.block_peers_group(None, 16)  # rank 5's position in every block of 16
+    assert dist.get_process_group_ranks(peers) == list(range(5, 4096, 16))
+    assert (dist.get_rank(peers), dist.get_world_size(peers)) == (0, 256)
+    for size in (0, 3, True):
+        with pytest.raises(ValueError, match="positive divisor of the group size 4096"):
+            zcomm.block_peers_group(None, size)
 
 
 def test_collectives_complete_as_if_every_rank_held_this_ranks_input(fake_world):

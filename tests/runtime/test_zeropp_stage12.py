@@ -169,7 +169,7 @@ def test_stage1_and_2_accept_the_zeropp_keys_but_hpz_needs_stage3():
         assert (config.quantized_gradients, config.quantized_weights, config.weight_delta_bits) == (True, True, 4)
         with pytest.raises(ValueError, match="zero_hpz_partition_size needs zero_optimization.stage 3"):
             parse(stage, zero_hpz_partition_size=2)
-    with pytest.raises(ValueError, match="zcomm_weight_delta_bits needs zero_optimization.stage 1 or 2"):
+    with pytest.raises(ValueError, match="zcomm_weight_delta_bits in zero_optimization.stage 3 needs zero_hpz"):
         parse(3, **DELTA4)
     with pytest.raises(ValueError, match="zcomm_weight_delta_bits needs zero_quantized_weights"):
         parse(2, zcomm_weight_delta_bits=4)

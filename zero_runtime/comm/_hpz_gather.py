@@ -63,7 +63,7 @@ def hpz_block_topology(topology: zcomm.Topology, rank: int, partition_size: int)
 
 
 @dataclass
-class _Secondary:
+class SecondaryShard:
     buffer: torch.Tensor
     source: torch.Tensor | None  # the shard tensor it was taken from; None = invalidated
     version: int
@@ -97,7 +97,7 @@ class HpzGather(AllGather):
         self.block_rank = rank % partition_size
         self.primary = primary
         self.primary_fallbacks = 0
-        self._secondaries: dict[Hashable, _Secondary] = {}
+        self._secondaries: dict[Hashable, SecondaryShard] = {}
         self._in_flight: set[Hashable] = set()
 
     def __call__(self, output: torch.Tensor, input: torch.Tensor, *, unit: Hashable, phase: Phase) -> Handle:
@@ -118,7 +118,7 @@ class HpzGather(AllGather):
         secondary = self._secondaries.get(unit)
         if secondary is None:
             buffer = self.allocate(numel, dtype=full.dtype, device=full.device)
-            secondary = self._secondaries[unit] = _Secondary(buffer, None, 0)
+            secondary = self._secondaries[unit] = SecondaryShard(buffer, None, 0)
         assert secondary.buffer.numel() == numel
         secondary.buffer.copy_(mine)
         secondary.source, secondary.version = shard, shard._version

@@ -9,12 +9,14 @@ through (contracts in ``_contract``), chosen by ``build_comm_plan``:
   with qwZ persistent parameters are gathered in INT8 like every weight forward reads,
   where DeepSpeed gathers them exactly: on the 2x2 simcluster at 200 Mbit/s that took
   ZeRO++ on a 3.2M-parameter GPT from 4.48 to 3.67 MB sent per rank and step, what it
-  sends with no persistent parameters at all. With ``zcomm_weight_delta_bits`` (stages 1
-  and 2) it is ``WeightDeltaAllGather``: after each step, INT4 or INT8 differences against
+  sends with no persistent parameters at all. With ``zcomm_weight_delta_bits`` in stages 1
+  and 2 it is ``WeightDeltaAllGather``: after each step, INT4 or INT8 differences against
   the weights every rank holds ([Note: weight differences] in ``comm._weight_delta``);
 * ``backward_gather``: the same plain object, or hpZ's ``HpzGather`` (keeps a secondary
   shard over a block of consecutive ranks after forward and gathers from it in backward
-  over the block's own group);
+  over the block's own group). With ``zcomm_weight_delta_bits`` in stage 3 (which needs hpZ)
+  both gathers are one ``HpzDeltaGather``: node-local references refreshed by differences
+  across the blocks, gathered inside the block ([Note: hpZ references] in ``comm._hpz_delta``);
 * ``reduce_scatter``: ``PlainReduceScatter``, or qgZ's ``QuantizedReduceScatter``
   (``zcomm.reduce_scatter_q4`` per bucket), on the plan's gradient group. In stage 0 it is
   the all-reduce of a partition of one, ``PlainAllReduce`` or qgZ's ``QuantizedAllReduce``
@@ -79,6 +81,7 @@ from zcomm.quant import QuantSpec
 from .._contract import AllGather, ReduceScatter
 from ..config import ZeroConfig
 from ._all_reduce import PlainAllReduce, QuantizedAllReduce
+from ._hpz_delta import HpzDeltaGather
 from ._hpz_gather import HpzGather
 from ._plain import PlainAllGather, PlainReduceScatter
 from ._quantized import QuantizedAllGather, QuantizedReduceScatter
@@ -174,16 +177,7 @@ def build_comm_plan(config: ZeroConfig, group: dist.ProcessGroup, topology: zcom
     if topology is None:
         with current_device(device):
             topology = zcomm.Topology.detect(group, device=device if device.type == "cuda" else None)
-    plain = PlainAllGather(group, topology)
-    forward: AllGather = plain
-    if config.weight_delta_bits is not None:
-        forward = WeightDeltaAllGather(group, topology, exact=plain,
-                                       spec=QuantSpec(bits=config.weight_delta_bits, group_size=config.quant_group_size))
-    elif config.quantized_weights:
-        forward = QuantizedAllGather(group, topology, spec=QuantSpec(bits=8, group_size=config.quant_group_size))
-    backward: AllGather = plain
-    if config.hpz_partition_size > 1:
-        backward = HpzGather(group, topology, partition_size=config.hpz_partition_size, primary=plain)
+    forward, backward = _parameter_gathers(config, group, topology)
     gradients = group
     if config.stage == 3 and not config.quantized_gradients:  # see [Note: gradient group]
         gradients = zcomm.consecutive_group(group, dist.get_world_size(group))
@@ -199,3 +193,23 @@ def build_comm_plan(config: ZeroConfig, group: dist.ProcessGroup, topology: zcom
             reduce = QuantizedReduceScatter(gradients, topology, **options)
     return CommPlan(group=group, forward_gather=forward, backward_gather=backward, reduce_scatter=reduce,
                     device=device, topology=topology)
+
+
+def _parameter_gathers(config: ZeroConfig, group: dist.ProcessGroup,
+                       topology: zcomm.Topology) -> tuple[AllGather, AllGather]:
+    """The forward and backward ``AllGather`` of ``config``: plain, qwZ, hpZ, weight differences."""
+    plain = PlainAllGather(group, topology)
+    bits = config.weight_delta_bits
+    delta = None if bits is None else QuantSpec(bits=bits, group_size=config.quant_group_size)
+    if delta is not None and config.stage == 3:  # the config requires hpZ with it
+        both = HpzDeltaGather(group, topology, partition_size=config.hpz_partition_size, spec=delta)
+        return both, both
+    forward: AllGather = plain
+    if delta is not None:
+        forward = WeightDeltaAllGather(group, topology, exact=plain, spec=delta)
+    elif config.quantized_weights:
+        forward = QuantizedAllGather(group, topology, spec=QuantSpec(bits=8, group_size=config.quant_group_size))
+    backward: AllGather = plain
+    if config.hpz_partition_size > 1:
+        backward = HpzGather(group, topology, partition_size=config.hpz_partition_size, primary=plain)
+    return forward, backward

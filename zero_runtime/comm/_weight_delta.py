@@ -50,12 +50,16 @@ class WeightDeltaAllGather(AllGather):
     """Stages 1 and 2's post-step gather of weight differences ([Note: weight differences])."""
 
     def __init__(self, group: dist.ProcessGroup, topology: zcomm.Topology, *, spec: QuantSpec,
-                 exact: AllGather) -> None:
+                 exact: AllGather, hierarchical: bool = True) -> None:
+        """``hierarchical``: send the differences in qwZ's two hops, inter-node first, synchronously
+        (a group spanning nodes with several ranks each); else in one asynchronous all-gather,
+        waited for by the handle (a group with one rank per node, as hpZ's block peers)."""
         assert spec.bits in (4, 8), spec
         self.group = group
         self.topology = topology
         self.spec = spec
         self.exact = exact
+        self.hierarchical = hierarchical
         self._primed: set[Hashable] = set()
         self.delta_groups = 0  # groups of every rank sent as differences, as seen by this rank
         self.fallback_groups = 0  # groups of every rank sent exactly because their difference was too large
@@ -72,7 +76,7 @@ class WeightDeltaAllGather(AllGather):
 
 class _DeltaGather:
     """One unit's difference gather: sent by the constructor (zcomm's hierarchical gather, in two
-    hops like qwZ's), applied to the reference by ``wait()``."""
+    hops like qwZ's, or started as one asynchronous gather), applied to the reference by ``wait()``."""
 
     def __init__(self, owner: WeightDeltaAllGather, output: torch.Tensor, input: torch.Tensor) -> None:
         world, rank = dist.get_world_size(owner.group), dist.get_rank(owner.group)
@@ -90,12 +94,21 @@ class _DeltaGather:
         quantize(delta, bits, self.group_size, out=send[:self.payload_nbytes])
         send[self.payload_nbytes:].copy_(self.flags)
         self.received = torch.empty(world * send.numel(), dtype=torch.uint8, device=input.device)
-        zcomm.all_gather_hierarchical(self.received, send, group=owner.group, topology=owner.topology)
+        self.work = None
+        if owner.hierarchical:
+            zcomm.all_gather_hierarchical(self.received, send, group=owner.group, topology=owner.topology)
+        else:
+            self.send = send  # alive until the gather is waited for
+            self.work = zcomm.all_gather_into_tensor(self.received, send, group=owner.group, async_op=True,
+                                                     topology=owner.topology)
         self.done = False
 
     def wait(self) -> None:
         if self.done:
             return
+        if self.work is not None:
+            self.work.wait()
+            self.work = self.send = None
         owner, world, numel, size = self.owner, self.world, self.numel, self.group_size
         rows = self.received.view(world, -1)
         deltas = dequantize(rows[:, :self.payload_nbytes].contiguous(), numel, owner.spec.bits, size, torch.float32)

@@ -223,11 +223,13 @@ class ZeroConfig:
     with ``zcomm.all_reduce_q4`` (that reduce-scatter, then the averaged slices gathered in
     INT8 by ``all_gather_q8``)."""
     weight_delta_bits: int | None = None
-    """``zcomm_weight_delta_bits``, 4 or 8 (stages 1 and 2, with ``zero_quantized_weights``):
-    after each step every rank sends the blocked INT4 (or INT8) difference between its
-    updated shard and the value every rank already holds, and every rank adds the same
-    dequantized differences (SDP4Bit's weight differences; see [Note: weight differences] in
-    ``comm._weight_delta``). None sends INT8 values (qwZ)."""
+    """``zcomm_weight_delta_bits``, 4 or 8 (with ``zero_quantized_weights``; in stage 3 also
+    with hpZ): in stages 1 and 2, after each step every rank sends the blocked INT4 (or INT8)
+    difference between its updated shard and the value every rank already holds, and every
+    rank adds the same dequantized differences (SDP4Bit's weight differences; see [Note:
+    weight differences] in ``comm._weight_delta``). In stage 3 the values held are hpZ's
+    node-local copies, refreshed by differences across the blocks when the shards change
+    ([Note: hpZ references] in ``comm._hpz_delta``). None sends INT8 values (qwZ)."""
     quant_group_size: QuantGroupSize = None
     """``zcomm_quant_group_size``: elements per quantization scale of both quantized
     collectives (see ``QuantGroupSize``; in stage 0 both halves of qgZ's all-reduce); valid
@@ -440,9 +442,10 @@ class ZeroConfig:
         if not self.quantized_weights:
             raise ValueError("zcomm_weight_delta_bits needs zero_quantized_weights: it chooses how the quantized "
                              "weights are sent")
-        if self.stage == 3:
-            raise ValueError("zcomm_weight_delta_bits needs zero_optimization.stage 1 or 2: stage 3 frees the "
-                             "parameters, so the ranks hold no previous value to add a difference to")
+        if self.stage == 3 and self.hpz_partition_size == 1:
+            raise ValueError("zcomm_weight_delta_bits in zero_optimization.stage 3 needs zero_hpz_partition_size "
+                             "above 1: stage 3 frees the parameters, and hpZ's node-local copies are the previous "
+                             "values a difference is added to")
 
     def _check_quant_group_size(self) -> None:
         """Valid for both widths, whichever options are on: a config that quantizes only
