@@ -33,9 +33,8 @@ def add_training_args(parser: argparse.ArgumentParser, **defaults: object) -> No
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.train", description="The same training under several "
                                      "ZeRO/ZeRO++/FSDP2/DeepSpeed setups (see bench/TRAINING.md).")  # fmt: skip
-    listing = ", ".join(f"{c.name} ({c.summary})" for c in CONFIGS.values())
     parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), metavar="NAME",
-                        help=f"default: {' '.join(DEFAULT_CONFIGS)}. {listing}")  # fmt: skip
+                        help=f"default: {' '.join(DEFAULT_CONFIGS)}; any of {' '.join(CONFIGS)} (bench/TRAINING.md)")
     parser.add_argument("--model", nargs="+", choices=MODELS, default=["tinygpt"])
     add_training_args(parser)
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",

@@ -64,7 +64,6 @@ class TrainConfig:
     ddp_hook: Literal["bf16", "zcomm"] | None = None  # None: DDP's fp32 all-reduce
     gather_bits: int | None = None  # zcomm's DDP hook: width of all_reduce_q4's gather
     hsdp: bool = False  # FSDP2 sharded inside each node, replicated across nodes
-    summary: str
     fails_on_cpu: str | None = None
 
     def __post_init__(self) -> None:
@@ -112,73 +111,57 @@ class TrainConfig:
 
 
 _ZEROPP = dict(quantized_weights=True, hpz=True, quantized_gradients=True)  # qwZ + hpZ + qgZ
+_QWZ_QGZ = dict(quantized_weights=True, quantized_gradients=True)
 
+# What each configuration is: bench/TRAINING.md, "Configurations".
 CONFIGS: dict[str, TrainConfig] = {config.name: config for config in (
-    TrainConfig(name="zero0", engine="zero", stage=0,
-                summary="ZeRO stage 0: plain data parallelism, gradient buckets all-reduced"),
-    TrainConfig(name="zero0-q", engine="zero", stage=0, quantized_gradients=True,
-                summary="stage 0 + qgZ: buckets all-reduced by zcomm.all_reduce_q4 (INT4 2-hop RS, INT8 gather)"),
-    TrainConfig(name="zero1", engine="zero", stage=1, summary="ZeRO stage 1: optimizer states partitioned"),
-    TrainConfig(name="zero2", engine="zero", stage=2, summary="ZeRO stage 2: + gradients partitioned"),
-    TrainConfig(name="zero3", engine="zero", stage=3, summary="ZeRO stage 3: + parameters partitioned"),
-    TrainConfig(name="zero2-q", engine="zero", stage=2, quantized_weights=True, quantized_gradients=True,
-                summary="stage 2 + qgZ gradients + INT8 weight all-gather after the step"),
-    TrainConfig(name="zero2-qwd", engine="zero", stage=2, quantized_weights=True, quantized_gradients=True,
-                weight_delta_bits=4, summary="stage 2 + qgZ gradients + 4-bit weight differences after the step"),
-    TrainConfig(name="zero1-qwd", engine="zero", stage=1, quantized_weights=True, quantized_gradients=True,
-                weight_delta_bits=4, summary="stage 1 + qgZ gradients + 4-bit weight differences after the step"),
-    TrainConfig(name="zero3+qwz", engine="zero", quantized_weights=True, summary="stage 3 + INT8 weight all-gather"),
-    TrainConfig(name="zero3+hpz", engine="zero", hpz=True, summary="stage 3 + per-node secondary weights"),
-    TrainConfig(name="zero3+qgz", engine="zero", quantized_gradients=True, summary="stage 3 + INT4 2-hop grad RS"),
-    TrainConfig(name="zeropp", engine="zero", **_ZEROPP, summary="ZeRO++: qwZ + hpZ + qgZ"),
-    TrainConfig(name="zeropp-tensorscale", engine="zero", **_ZEROPP, quant_group_size=TENSOR_SCALE,
-                summary="ZeRO++ with one scale per tensor (Figure 14 ablation)"),
-    TrainConfig(name="zeropp-g128", engine="zero", **_ZEROPP, quant_group_size=128,
-                summary="ZeRO++ with 128 elements per quantization scale"),
+    TrainConfig(name="zero0", engine="zero", stage=0),
+    TrainConfig(name="zero0-q", engine="zero", stage=0, quantized_gradients=True),
+    TrainConfig(name="zero1", engine="zero", stage=1),
+    TrainConfig(name="zero2", engine="zero", stage=2),
+    TrainConfig(name="zero3", engine="zero", stage=3),
+    TrainConfig(name="zero2-q", engine="zero", stage=2, **_QWZ_QGZ),
+    TrainConfig(name="zero2-qwd", engine="zero", stage=2, **_QWZ_QGZ, weight_delta_bits=4),
+    TrainConfig(name="zero1-qwd", engine="zero", stage=1, **_QWZ_QGZ, weight_delta_bits=4),
+    TrainConfig(name="zero3+qwz", engine="zero", quantized_weights=True),
+    TrainConfig(name="zero3+hpz", engine="zero", hpz=True),
+    TrainConfig(name="zero3+qgz", engine="zero", quantized_gradients=True),
+    TrainConfig(name="zeropp", engine="zero", **_ZEROPP),
+    TrainConfig(name="zeropp-tensorscale", engine="zero", **_ZEROPP, quant_group_size=TENSOR_SCALE),
+    TrainConfig(name="zeropp-g128", engine="zero", **_ZEROPP, quant_group_size=128),
     *(
         TrainConfig(name=f"{name}-packed", engine="zero", quantized_weights=qwz, hpz=hpz, quantized_gradients=qgz,
-                    align_quant_blocks=False, summary=f"{name} with parameters packed without gaps")
+                    align_quant_blocks=False)
         for name, qwz, hpz, qgz in (("zeropp", True, True, True), ("zero3+qwz", True, False, False),
                                     ("zero3+qgz", False, False, True))
     ),
     *(
         TrainConfig(name=f"{name}-g{size}", engine="zero", quantized_weights=qwz, quantized_gradients=qgz,
-                    hpz=qwz and qgz, quant_group_size=size, summary=f"{name} with {size} elements per scale")
+                    hpz=qwz and qgz, quant_group_size=size)
         for name, qwz, qgz, sizes in (("zero3+qgz", False, True, (128, 256)), ("zero3+qwz", True, False, (256, 512)),
                                       ("zeropp", True, True, (256,)))
         for size in sizes
     ),
-    TrainConfig(name="zero3+qgz-loco", engine="zero", quantized_gradients=True, loco=True,
-                summary="stage 3 + qgZ with LoCo error feedback"),
-    TrainConfig(name="zeropp-loco", engine="zero", **_ZEROPP, loco=True, summary="ZeRO++ with LoCo error feedback on qgZ"),
-    TrainConfig(name="zeropp-int8hop", engine="zero", **_ZEROPP, first_hop_bits=8,
-                summary="ZeRO++ with qgZ's intra-node hop in INT8 (SDP4Bit's two-level scheme)"),
-    TrainConfig(name="zeropp-hadamard", engine="zero", **_ZEROPP, hadamard_block=256,
-                summary="ZeRO++ with qgZ's gradients Hadamard-rotated in blocks of 256 (SDP4Bit's smoothing)"),
-    TrainConfig(name="fsdp2", engine="fsdp2", summary="torch fully_shard, bf16 MixedPrecisionPolicy"),
-    TrainConfig(name="fsdp2-hpz", engine="fsdp2", hpz=True, summary="fully_shard, reshard_after_forward=ranks/node"),
-    TrainConfig(name="fsdp2-qwz", engine="fsdp2", quantized_weights=True, summary="fully_shard + zcomm.fsdp qwZ"),
-    TrainConfig(name="fsdp2-qgz", engine="fsdp2", quantized_gradients=True, summary="fully_shard + zcomm.fsdp qgZ"),
-    TrainConfig(name="fsdp2-zeropp", engine="fsdp2", **_ZEROPP,
-                summary="ZeRO++ inside FSDP2: zcomm.fsdp.enable_zeropp + reshard_after_forward=ranks/node"),
-    TrainConfig(name="fsdp2-zeropp-int4hop", engine="fsdp2", **_ZEROPP, first_hop_bits=4,
-                summary="fsdp2-zeropp with qgZ's intra-node hop in INT4 (the ZeRO++ paper's)"),
-    TrainConfig(name="hsdp", engine="fsdp2", hsdp=True,
-                summary="FSDP2 HSDP: 2-D mesh, sharded inside the node, replicated across nodes"),
-    TrainConfig(name="hsdp-zeropp", engine="fsdp2", hsdp=True, quantized_weights=True, quantized_gradients=True,
-                summary="HSDP with zcomm: qwZ + qgZ inside the node, zcomm.all_reduce_q4 across nodes"),
-    TrainConfig(name="ddp", engine="ddp", stage=0, summary="torch DistributedDataParallel, fp32 all-reduce"),
-    TrainConfig(name="ddp-bf16hook", engine="ddp", stage=0, ddp_hook="bf16",
-                summary="DDP with torch's bf16_compress_hook (buckets all-reduced in bf16)"),
-    TrainConfig(name="ddp-zcomm", engine="ddp", stage=0, ddp_hook="zcomm", first_hop_bits=8,
-                summary="DDP with zcomm.ddp's hook: INT8 intra / INT4 inter reduce-scatter, INT8 gather"),
-    TrainConfig(name="ddp-zcomm-g4", engine="ddp", stage=0, ddp_hook="zcomm", first_hop_bits=8, gather_bits=4,
-                summary="as ddp-zcomm with the all-reduce's gather in INT4 (gather_bits=4)"),
-    TrainConfig(name="deepspeed-z2", engine="deepspeed", stage=2, summary="DeepSpeed ZeRO-2 (needs deepspeed)"),
-    TrainConfig(name="deepspeed-z3", engine="deepspeed", summary="DeepSpeed ZeRO-3 (needs deepspeed)"),
-    TrainConfig(name="deepspeed-z3-hpz", engine="deepspeed", hpz=True, summary="DeepSpeed ZeRO-3 + hpZ"),
+    TrainConfig(name="zero3+qgz-loco", engine="zero", quantized_gradients=True, loco=True),
+    TrainConfig(name="zeropp-loco", engine="zero", **_ZEROPP, loco=True),
+    TrainConfig(name="zeropp-int8hop", engine="zero", **_ZEROPP, first_hop_bits=8),
+    TrainConfig(name="zeropp-hadamard", engine="zero", **_ZEROPP, hadamard_block=256),
+    TrainConfig(name="fsdp2", engine="fsdp2"),
+    TrainConfig(name="fsdp2-hpz", engine="fsdp2", hpz=True),
+    TrainConfig(name="fsdp2-qwz", engine="fsdp2", quantized_weights=True),
+    TrainConfig(name="fsdp2-qgz", engine="fsdp2", quantized_gradients=True),
+    TrainConfig(name="fsdp2-zeropp", engine="fsdp2", **_ZEROPP),
+    TrainConfig(name="fsdp2-zeropp-int4hop", engine="fsdp2", **_ZEROPP, first_hop_bits=4),
+    TrainConfig(name="hsdp", engine="fsdp2", hsdp=True),
+    TrainConfig(name="hsdp-zeropp", engine="fsdp2", hsdp=True, **_QWZ_QGZ),
+    TrainConfig(name="ddp", engine="ddp", stage=0),
+    TrainConfig(name="ddp-bf16hook", engine="ddp", stage=0, ddp_hook="bf16"),
+    TrainConfig(name="ddp-zcomm", engine="ddp", stage=0, ddp_hook="zcomm", first_hop_bits=8),
+    TrainConfig(name="ddp-zcomm-g4", engine="ddp", stage=0, ddp_hook="zcomm", first_hop_bits=8, gather_bits=4),
+    TrainConfig(name="deepspeed-z2", engine="deepspeed", stage=2),
+    TrainConfig(name="deepspeed-z3", engine="deepspeed"),
+    TrainConfig(name="deepspeed-z3-hpz", engine="deepspeed", hpz=True),
     TrainConfig(name="deepspeed-zeropp", engine="deepspeed", **_ZEROPP,
-                summary="DeepSpeed ZeRO-3 with its own ZeRO++ keys (qwZ + hpZ + qgZ)",
                 fails_on_cpu="DeepSpeed's ZeRO++ quantizer is CUDA-only, it has no CPU build"),
 )}
 

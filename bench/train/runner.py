@@ -45,12 +45,9 @@ INSTALL_HINT = "make peers, or pip install 'zcomm[peers]'"
 
 
 class EngineFailed(RuntimeError):
-    """A peer engine raised while setting up or training: its row shows the error it raised.
-
-    Only for errors every rank meets at the same point (e.g. a kernel the engine has no CPU
-    build of), so that all ranks leave the configuration together and the next one starts
-    on a consistent process group.
-    """
+    """A peer engine raised while setting up or training: its row shows the error. Only for errors every
+    rank meets at the same point (e.g. a kernel with no CPU build), so that all ranks leave the
+    configuration together and the next one starts on a consistent process group."""
 
 
 class MemoryReading(NamedTuple):
@@ -117,8 +114,6 @@ class Runner:
 
 
 class ZeroRunner(Runner):
-    """The bundled ``zero_runtime``, given the dict of :func:`.configs.zero_runtime_config`."""
-
     def __init__(self, config: TrainConfig, spec: ModelSpec, engine_config: dict[str, Any], setup: EngineSetup) -> None:
         super().__init__(spec, setup)
         factory = functools.partial(torch.optim.AdamW, lr=setup.lr)

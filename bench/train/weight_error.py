@@ -25,8 +25,7 @@ Per window of steps the table shows the largest worst/bound, the mean and larges
 ratios, and the share of weight-difference groups that fell back to INT8 values. Launch as
 ``bench.train`` is launched (4 ranks, ``ZCOMM_LOCAL_SIZE=2`` for two "nodes" of two)::
 
-    ZCOMM_LOCAL_SIZE=2 torchrun --standalone --nproc-per-node 4 -m bench.train.weight_error \\
-        --configs zero2-q zero2-qwd --steps 1000 --d-model 256 --n-layers 4 --batch 4 --seq-len 64
+    ZCOMM_LOCAL_SIZE=2 torchrun --standalone --nproc-per-node 4 -m bench.train.weight_error --configs zero2-q zero2-qwd
 """
 
 from __future__ import annotations

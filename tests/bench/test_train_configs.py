@@ -104,25 +104,25 @@ def test_deepspeed_config_has_its_batch_and_optimizer_keys() -> None:
 
 def test_invalid_configurations_are_rejected() -> None:
     with pytest.raises(ValueError, match="stage 3"):
-        TrainConfig(name="x", engine="zero", stage=2, hpz=True, summary="")
+        TrainConfig(name="x", engine="zero", stage=2, hpz=True)
     with pytest.raises(ValueError, match="FSDP2 is always stage 3"):
-        TrainConfig(name="x", engine="fsdp2", stage=2, summary="")
+        TrainConfig(name="x", engine="fsdp2", stage=2)
     with pytest.raises(ValueError, match="stage must be 1, 2 or 3 \\(0 for zero_runtime\\)"):
-        TrainConfig(name="x", engine="fsdp2", stage=0, summary="")
+        TrainConfig(name="x", engine="fsdp2", stage=0)
     with pytest.raises(ValueError, match="qwZ has no parameter gather"):
-        TrainConfig(name="x", engine="zero", stage=0, quantized_weights=True, summary="")
+        TrainConfig(name="x", engine="zero", stage=0, quantized_weights=True)
     with pytest.raises(ValueError, match="quant_group_size"):
-        TrainConfig(name="x", engine="zero", quant_group_size="tensor", summary="")
+        TrainConfig(name="x", engine="zero", quant_group_size="tensor")
     with pytest.raises(ValueError, match="HSDP is an FSDP2 layout"):
-        TrainConfig(name="x", engine="zero", hsdp=True, summary="")
+        TrainConfig(name="x", engine="zero", hsdp=True)
     with pytest.raises(ValueError, match="HSDP is an FSDP2 layout"):
-        TrainConfig(name="x", engine="fsdp2", hsdp=True, hpz=True, summary="")
+        TrainConfig(name="x", engine="fsdp2", hsdp=True, hpz=True)
     with pytest.raises(ValueError, match="ZeRO\\+\\+ options are not DDP's"):
-        TrainConfig(name="x", engine="ddp", stage=0, hsdp=True, summary="")
+        TrainConfig(name="x", engine="ddp", stage=0, hsdp=True)
     with pytest.raises(ValueError, match="gather's widths are options of zcomm's DDP hook"):
-        TrainConfig(name="x", engine="ddp", stage=0, ddp_hook="bf16", gather_bits=4, summary="")
+        TrainConfig(name="x", engine="ddp", stage=0, ddp_hook="bf16", gather_bits=4)
     with pytest.raises(ValueError, match="ddp_hook and gather_bits are options of the ddp engine"):
-        TrainConfig(name="x", engine="zero", stage=0, gather_bits=4, summary="")
+        TrainConfig(name="x", engine="zero", stage=0, gather_bits=4)
     with pytest.raises(ValueError, match="unknown configuration"):
         select_configs(["zero3", "zero4"])
     with pytest.raises(ValueError, match="more than once"):
