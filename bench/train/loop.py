@@ -1,19 +1,13 @@
-"""One configuration's training run and what is measured during it.
+"""One configuration's training run and what is measured during it (bench/TRAINING.md, "Columns").
 
-Every rank runs the same loop: step ``s`` takes the rank's slice of the global batch of
-``s`` (same on all ranks and for all configurations), and times forward + backward +
-optimizer step + the loss read-back (which waits for the step to finish). Nothing is
-communicated inside a step besides what the engine itself does; losses and times are
-gathered once at the end: the step time of a step is the slowest rank's, the train loss
-the mean over ranks (= the loss of the global batch, since the slices are equal).
-
-Wire bytes: the first rank of every node reads its node's uplink counters
-(:func:`bench.harness.wire.read_wire_bytes`) at the edges of the measured steps (after the warm-up),
-with barriers there so every rank's traffic of those steps has finished; validation in
-between is left out. The per-node deltas are summed over nodes: ``tx`` summed over nodes
-counts each inter-node byte once. The busiest node's larger direction (``max(tx, rx)``) is
-what the step's traffic needs at least on a link of one rate each way: :func:`.rounds.combine`
-turns it into wire time.
+Every rank runs the same loop: step ``s`` takes the rank's slice of the global batch of ``s``
+and times forward + backward + optimizer step + the loss read-back (which waits for the step
+to finish). Nothing is communicated inside a step besides what the engine does; losses and
+times are gathered once at the end: a step's time is the slowest rank's, the train loss the
+mean over ranks (= the global batch's, since the slices are equal). Wire bytes: the first rank
+of every node reads its node's uplink counters at the edges of the measured steps, with
+barriers there so every rank's traffic of those steps has finished (validation in between is
+left out); ``tx`` summed over nodes counts each inter-node byte once.
 """
 
 from __future__ import annotations
