@@ -43,10 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of time and wire bytes")
     parser.add_argument("--grad-clip", type=float, default=0.0,
                         help="max global gradient norm, given to every engine alike (0: off)")  # fmt: skip
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="train every configuration this many times in one launch, alternating forward and "
-                        "backward order (A B C, C B A, ...), each from the same seed; step times are medians over "
-                        "rounds, ratios to --baseline are paired per round (default 1)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=1, help="train every configuration this many times, in "
+                        "alternating order, ratios to --baseline paired per round (bench/TRAINING.md, Rounds)")
     parser.add_argument("--baseline", metavar="NAME",
                         help="the configuration the paired step-time ratios divide by (default: the first)")
     parser.add_argument("--eval-every", type=int, default=0, help="validate every N steps (0: only at the end)")

@@ -1,14 +1,11 @@
 """``python -m bench.train.sweep``: the same training at several simulated link rates, table, plot and verdict.
 
-For every ``--rates`` value the sweep launches ``bench.train`` on the simulated cluster (2
-nodes x 2 ranks), one launch per rate, each writing ``rate-<R>-run<k>.json`` and its output
-``rate-<R>-run<k>.log`` into ``--out-dir``; ``--repeats N`` goes over all rates N times (round
-robin, so a burst of load from other jobs falls on different rates in different rounds).
-Then it writes ``sweep.md`` (the command, the machine, step time and wire share per
-configuration and rate, the bandwidth claim's verdict) and ``step_time_vs_link_rate.png``
-(log-log, x = each run's measured link throughput, so ``unlimited`` sits where the unshaped
-link actually ran). ``--from-json`` re-renders both from the JSON files without running
-anything. Arguments after ``--`` go to ``bench.train`` unchanged::
+One ``bench.train`` launch on the simulated cluster (2 nodes x 2 ranks) per ``--rates`` value,
+each writing ``rate-<R>-run<k>.json`` and ``.log`` into ``--out-dir``; ``--repeats N`` goes over
+all rates N times (round robin, so a burst of load falls on different rates in different
+rounds). Then ``sweep.md`` and ``step_time_vs_link_rate.png`` (x = each run's measured link
+throughput); ``--from-json`` re-renders both without running anything (bench/TRAINING.md).
+Arguments after ``--`` go to ``bench.train`` unchanged::
 
     python -m bench.train.sweep --configs zero3 zeropp fsdp2 deepspeed-z3 --out-dir DIR -- --steps 10
 
