@@ -2,8 +2,10 @@
 
 ``python -m bench.demo`` (or ``training``) trains the same TinyGPT under ZeRO-3, ZeRO++, FSDP2
 and DeepSpeed (with and without its own ZeRO++ keys) in one ``bench.train`` launch and keeps
-its results in ``--out DIR`` (default ``demo-results/<UTC time>/``): what it runs, what the
-folder holds and what DeepSpeed's rows say is docs/benchmarks.md ("make demo").
+its results in ``--out DIR`` (default ``demo-results/<UTC time>/``): ``train.json``,
+``results.md`` (what the numbers were measured on, the table with every column explained,
+ZeRO++'s ratios to the others), ``demo.png`` (step time and inter-node bytes per configuration)
+and bench.train's plots; docs/benchmarks.md ("make demo") says more.
 ``python -m bench.demo collectives`` runs the collectives suite instead (printed, not kept).
 
 Without root or iproute2 either job warns and runs under mpirun on plain loopback, with
@@ -19,17 +21,23 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from .demo_report import TRAIN_CONFIGS, markdown, plot, training_summary
 from .harness.checkout import checkout_environment
 from .simcluster.launcher import missing_prerequisite
+from .train.loop import ConfigResult
+from .train.report import COLUMN_LEGEND, FIGURES, figures, pyplot, save_figure
 
 NUM_NODES, LOCAL_SIZE, RATE = 2, 2, "200mbit"
+TRAIN_CONFIGS = ("zero3", "zeropp", "fsdp2", "deepspeed-z3", "deepspeed-zeropp")
+# (ours, theirs): the ratios printed after the table, each when both rows ran.
+COMPARISONS = (*(("zeropp", name) for name in TRAIN_CONFIGS if name != "zeropp"), ("zero3", "deepspeed-z3"))
 COLLECTIVES = ("-m", "bench.collectives", "-b", "1M", "-e", "64M", "-f", "2", "-n", "2", "-w", "1",
                "-d", "bfloat16", "--stages", "1,4")  # fmt: skip
 TRAINING = ("-m", "bench.train", "--configs", *TRAIN_CONFIGS, "--d-model", "256", "--n-layers", "4",
             "--batch", "4", "--seq-len", "64", "--steps", "20", "--warmup", "3")  # fmt: skip
 KEPT = ("train.json", "results.md", "demo.png", "loss_vs_step.png", "step_time.png")
+
 
 def command(job: tuple[str, ...], simulated: bool) -> list[str]:
     ranks = [sys.executable, *job]
@@ -50,6 +58,81 @@ def _run(argv: list[str]) -> int:
 def default_out_dir(now: float | None = None) -> Path:
     """``demo-results/<UTC time>`` under the current directory (a new folder per run)."""
     return Path("demo-results") / time.strftime("%Y%m%d-%H%M%SZ", time.gmtime(now))
+
+
+def _ratio_line(ours: ConfigResult, other: ConfigResult) -> str:
+    speedup = other.median_step_s / ours.median_step_s
+    pace = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
+    line = f"{ours.config} vs {other.config:6s}: step time {pace}"
+    if ours.wire_tx_bytes_per_step is not None and other.wire_tx_bytes_per_step:
+        line += f", inter-node wire bytes {ours.wire_tx_bytes_per_step / other.wire_tx_bytes_per_step:.3f}x"
+    return line
+
+
+def training_summary(results: list[dict[str, Any]]) -> list[str]:
+    """The measured step-time speedup and wire-byte ratio of each comparison whose rows both
+    ran, then one line naming the configurations that did not run (their reasons are in the
+    table rows, said once; an expected failure is not repeated at all)."""
+    rows = {row["config"]: ConfigResult(**row) for row in results if row["status"] == "ok"}
+    if "zeropp" not in rows:
+        return ["zeropp did not run: no comparison"]
+    lines = [_ratio_line(rows[ours], rows[other]) for ours, other in COMPARISONS if ours in rows and other in rows]
+    missing = [f"{row['config']} ({row['status']})" for row in results
+               if row["status"] not in ("ok", "expected failure")]
+    if missing:
+        lines.append(f"not run: {', '.join(missing)}; the table says why")
+    return lines
+
+
+def _md_row(row: ConfigResult) -> str:
+    if row.status != "ok":
+        return f"| {row.config} | {row.status}: {row.note} |" + " |" * (len(FIGURES) - 1)
+    return "| " + " | ".join([row.config, *figures(row)]) + " |"
+
+
+def markdown(payload: dict[str, Any], command: str) -> str:
+    """``results.md``: the facts of the run, the table, one line per column, the ratios."""
+    meta, results = payload["meta"], payload["results"]
+    args, link = meta["args"], meta.get("link_bytes_per_s")
+    facts = [
+        f"- command: `{command}`",
+        f"- cluster: {meta['num_nodes']} node(s) x {meta['local_size']} rank(s); link: "
+        + ("not measured (plain loopback, no wire bytes)" if link is None else f"{link * 8e-6:.0f} Mbit/s measured"),
+        f"- hardware: {meta['cpu']}, ranks on {meta['device']}; torch {meta['torch']}; "
+        f"DeepSpeed {meta.get('deepspeed') or 'not installed'}",
+        f"- precision: {meta['precision']} ({meta['precision_reason']})",
+        f"- model: {', '.join(f'{m} {n:,} parameters' for m, n in meta['params'].items() if n)}; global batch "
+        f"{args['batch']} sequences x {args['seq_len']} tokens, {args['steps']} steps of which the first "
+        f"{args['warmup']} are left out of the times and bytes",
+    ]
+    columns = ["config", *(title for title, *_ in FIGURES)]
+    table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
+             *(_md_row(ConfigResult(**row)) for row in results)]  # fmt: skip
+    return "\n".join(["# make demo: ZeRO-3, ZeRO++, FSDP2 and DeepSpeed on one simulated cluster", "", *facts, "",
+                      *table, "", *(f"- {line}" for line in COLUMN_LEGEND), "",
+                      "ZeRO++ against the others, measured in this run:", "",
+                      *(f"- {line}" for line in training_summary(results)), ""])  # fmt: skip
+
+
+def plot(results: list[dict[str, Any]], path: Path, title: str) -> Path:
+    """``demo.png``: median step time and inter-node MB per step, one bar per configuration that ran."""
+    done = [row for row in results if row["status"] == "ok"]
+    names = [row["config"] for row in done]
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(11, 4.2))
+    left.bar(names, [row["median_step_s"] * 1e3 for row in done], color="tab:blue")
+    left.set(ylabel="median step time (ms)", title="step time (lower is better)")
+    wire = [row["wire_tx_bytes_per_step"] for row in done]
+    if all(value is not None for value in wire):
+        right.bar(names, [value * 1e-6 for value in wire], color="tab:orange")
+        right.set(ylabel="inter-node MB per step", title="inter-node bytes (lower is better)")
+    else:
+        right.text(0.5, 0.5, "no wire counters\n(plain loopback, not the simulated cluster)", ha="center",
+                   va="center", transform=right.transAxes)
+        right.set(title="inter-node bytes: not measured")
+    for ax in (left, right):
+        ax.tick_params(axis="x", labelrotation=25)
+    fig.suptitle(title)
+    return save_figure(fig, path)
 
 
 def keep_results(out: Path, shown_command: str) -> list[str]:

@@ -2,38 +2,25 @@
 
 Trains one model, from one seed (``--seed``), on one fixed batch, several ways in one launch,
 and prints each step's training loss (the mean over the ranks' slices of the batch) and
-each final loss's gap to plain FSDP2:
-
-* ``fsdp2``: plain FSDP2 (``fully_shard`` per residual block and on the root);
-* ``fsdp2-zeropp``: the same, with ``zcomm.fsdp.enable_zeropp`` (qwZ + qgZ, and FSDP2's hpZ:
-  ``reshard_after_forward=<ranks per node>``), zcomm's default group sizes;
-* ``zeropp``: our runtime's ZeRO++ (``zero_runtime``, stage 3 with qwZ, hpZ and qgZ).
-
-qgZ's intra-node hop is INT8 by default in ``enable_zeropp`` and INT4 (the ZeRO++ paper's) in
-the runtime, so both run both ways: ``first hop INT4`` / ``INT8`` rows compare like with like.
+each final loss's gap to plain FSDP2. ``fsdp2-zeropp`` is ``zcomm.fsdp.enable_zeropp`` (qwZ +
+qgZ, and FSDP2's hpZ: ``reshard_after_forward=<ranks per node>``); ``zeropp`` is the runtime's
+stage 3 with qwZ, hpZ and qgZ. qgZ's intra-node hop is INT8 by default in ``enable_zeropp`` and
+INT4 (the ZeRO++ paper's) in the runtime, so both run both ways. Each ``fsdp2-zeropp`` row says
+how many units ``enable_zeropp`` aligned; ``align_blocks=False`` packs every unit.
 
 The model is a pre-LayerNorm MLP stack (an input Linear, ``BLOCKS`` residual blocks of
 ``x + fc2(gelu(fc1(LayerNorm(x))))`` at hidden size ``--hidden``, a final LayerNorm and an output
 Linear), trained with AdamW at ``LR`` to classify a fixed random batch: every rank holds its
 own slice of it, all steps. Small parameters with large gradients (LayerNorm weights, biases)
 sit next to large Linear weights in every block, which is where a shared INT4 scale hurts.
-
+``--group-size N`` and ``--hadamard-block B`` add rows with N elements per scale and with
+qgZ's Hadamard smoothing; ``--hsdp`` adds ``hsdp`` (FSDP2 on a 2-D mesh, replicate = nodes,
+shard = ranks per node) and ``hsdp-zeropp`` (sharded on the node's row of that mesh with
+``enable_zeropp(replicate_group=...)``), and the gap of ``hsdp-zeropp`` to ``hsdp``.
 Run with 4 ranks as 2 nodes x 2 (from the repository root)::
 
     ZCOMM_LOCAL_SIZE=2 PYTHONPATH=$PWD python -m torch.distributed.run --standalone \
         --nproc-per-node 4 -m bench.fsdp_sharp_task
-
-``fsdp2-zeropp`` with an INT4 first hop runs twice more: with ``align_blocks=False`` (every unit
-packed, the layout before aligned blocks) and with the default (each unit aligned where that
-adds at most 1/32 of its elements; the row says how many units were). ``--hidden`` and
-``--width`` change the shape (at the default 64 / 256 aligning every piece of a block would add
-11%, so its small pieces are packed together; at 96 / 1024 full alignment adds 1.4%);
-``--group-size N`` adds fsdp2-zeropp and the runtime with ``N`` elements per scale, and
-``--hadamard-block B`` both with qgZ's Hadamard smoothing in blocks of ``B`` (each at its
-default first hop and at INT8). ``--hsdp`` adds HSDP: ``hsdp`` (FSDP2 on a 2-D mesh, replicate
-= nodes, shard = ranks per node) and ``hsdp-zeropp`` (sharded on the 1-D node mesh with
-``enable_zeropp(replicate_group=...)``: qwZ and qgZ inside the node, ``zcomm.all_reduce_q4``
-across nodes), with the gap of ``hsdp-zeropp`` to ``hsdp``.
 """
 
 from __future__ import annotations
@@ -41,6 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -96,34 +84,29 @@ def _model(args: argparse.Namespace) -> SharpNet:
     return SharpNet(args.hidden, args.width)
 
 
-def _fsdp2(args, topology: zcomm.Topology, zeropp: bool, **settings) -> tuple[nn.Module, torch.optim.Optimizer, str]:
-    """FSDP2 on ``args``' model; with ``zeropp``, enable_zeropp with ``settings`` and FSDP2's hpZ.
-    Also says how many units enable_zeropp aligned."""
-    mesh = init_device_mesh("cpu", (topology.world_size,))
-    reshard = topology.local_size if zeropp and 1 < topology.local_size < topology.world_size else True
+def _fsdp2(args, topology: zcomm.Topology, settings: dict[str, Any] | None, hsdp: bool = False):
+    """FSDP2 (``hsdp``: on the 2-D mesh) on ``args``' model, with ``enable_zeropp(**settings)`` unless
+    ``settings`` is None; returns the model, its AdamW and how many units enable_zeropp aligned.
+
+    With zcomm, hpZ is FSDP2's ``reshard_after_forward=<ranks per node>``; its HSDP shards on the
+    node's row of the mesh and all-reduces each unit's gradient shard across nodes itself."""
+    nodes, local, world = topology.num_nodes, topology.local_size, topology.world_size
+    zeropp = settings is not None
+    options: dict[str, Any] = {"topology": topology, **(settings or {})}
+    if hsdp:
+        hybrid = init_device_mesh("cpu", (nodes, local), mesh_dim_names=("replicate", "shard"))
+        mesh, reshard = (hybrid["shard"] if zeropp else hybrid), True
+        options.update(topology=zcomm.Topology(world_size=local, local_size=local),
+                       replicate_group=hybrid.get_group("replicate"),
+                       replicate_topology=zcomm.Topology(world_size=nodes, local_size=1))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+        reshard = local if zeropp and 1 < local < world else True
     model = _model(args)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-    aligned = zcomm.fsdp.enable_zeropp(model, topology=topology, **settings) if zeropp else {}
+    for module in [*model.blocks, model]:
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+    aligned = zcomm.fsdp.enable_zeropp(model, **options) if zeropp else {}
     return model, torch.optim.AdamW(model.parameters(), lr=LR), f"{sum(aligned.values())}/{len(aligned)}"
-
-
-def _hsdp(args, topology: zcomm.Topology, zeropp: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """HSDP on ``args``' model: FSDP2's own on a 2-D mesh, or with ``zeropp`` sharded on the node's
-    row of that mesh and ``enable_zeropp`` all-reducing each unit's gradient shard across nodes."""
-    nodes, local = topology.num_nodes, topology.local_size
-    hybrid = init_device_mesh("cpu", (nodes, local), mesh_dim_names=("replicate", "shard"))
-    mesh = hybrid["shard"] if zeropp else hybrid
-    model = _model(args)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    if zeropp:
-        zcomm.fsdp.enable_zeropp(model, topology=zcomm.Topology(world_size=local, local_size=local),
-                                 replicate_group=hybrid.get_group("replicate"),
-                                 replicate_topology=zcomm.Topology(world_size=nodes, local_size=1))
-    return model, torch.optim.AdamW(model.parameters(), lr=LR)
 
 
 def _train(model: nn.Module, opt, batch, backward=torch.Tensor.backward) -> list[float]:
@@ -134,11 +117,13 @@ def _train(model: nn.Module, opt, batch, backward=torch.Tensor.backward) -> list
         backward(loss)
         opt.step()
         opt.zero_grad()
-        losses.append(_mean(loss))
+        total = loss.detach().clone()  # the global batch's loss: the mean of the ranks' equal slices
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())
     return losses
 
 
-def _train_runtime(args, topology: zcomm.Topology, batch, **settings) -> list[float]:
+def _train_runtime(args, topology: zcomm.Topology, batch, settings: dict[str, Any]) -> list[float]:
     """The runtime's ZeRO++; ``settings``: extra ``zero_optimization`` keys."""
     section = {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
                "zero_hpz_partition_size": topology.local_size, **settings}
@@ -147,11 +132,57 @@ def _train_runtime(args, topology: zcomm.Topology, batch, **settings) -> list[fl
     return _train(model, opt, batch, opt.backward)
 
 
-def _mean(loss: torch.Tensor) -> float:
-    """The global batch's loss: the mean of the ranks' (equal-sized) slices."""
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    return total.item() / dist.get_world_size()
+def _plan(args) -> list[tuple[str, str, dict[str, Any] | None]]:
+    """(row name, ``fsdp2`` or ``runtime``, settings) of every row, in the order printed."""
+    int8, int4 = {"zcomm_qgz_first_hop_bits": 8}, {"first_hop_bits": 4}
+    plan = [("fsdp2", "fsdp2", None), ("fsdp2-zeropp (default: first hop INT8)", "fsdp2", {}),
+            ("fsdp2-zeropp, first hop INT4", "fsdp2", int4),
+            ("fsdp2-zeropp, first hop INT4, align_blocks=False", "fsdp2", {**int4, "align_blocks": False}),
+            ("zeropp (our runtime; default: first hop INT4)", "runtime", {}),
+            ("zeropp (our runtime), first hop INT8", "runtime", int8)]  # fmt: skip
+    if args.group_size is not None:
+        size, ours = args.group_size, {"zcomm_quant_group_size": args.group_size}
+        plan += [(f"fsdp2-zeropp group_size={size}", "fsdp2", {"group_size": size}),
+                 (f"fsdp2-zeropp group_size={size}, first hop INT4", "fsdp2", {"group_size": size, **int4}),
+                 (f"zeropp (our runtime) group_size={size}", "runtime", ours),
+                 (f"zeropp (our runtime) group_size={size}, first hop INT8", "runtime", {**ours, **int8})]  # fmt: skip
+    if args.hadamard_block is not None:
+        block = args.hadamard_block
+        plan += [(f"fsdp2-zeropp hadamard_block={block}", "fsdp2", {"hadamard_block": block}),
+                 (f"zeropp (our runtime) hadamard_block={block}, first hop INT8", "runtime",
+                  {"zcomm_qgz_hadamard_block": block, **int8})]  # fmt: skip
+    return plan
+
+
+def _rows(args, topology: zcomm.Topology, batch) -> dict[str, list[float]]:
+    """Every configuration's losses per step, by row name."""
+    rows = {}
+    for name, kind, settings in _plan(args):
+        if kind == "runtime":
+            rows[name] = _train_runtime(args, topology, batch, settings)
+            continue
+        model, opt, aligned = _fsdp2(args, topology, settings)
+        rows[name + ("" if settings is None else f" (units aligned: {aligned})")] = _train(model, opt, batch)
+    if args.hsdp:
+        for name, settings in (("hsdp", None), ("hsdp-zeropp", {})):
+            model, opt, _ = _fsdp2(args, topology, settings, hsdp=True)
+            rows[name] = _train(model, opt, batch)
+    return rows
+
+
+def _report(args, rows: dict[str, list[float]], topology: zcomm.Topology) -> None:
+    print(f"sharp task: {topology.num_nodes} node(s) x {topology.local_size} rank(s), torch {torch.__version__}, "
+          f"{BLOCKS} pre-LN residual blocks, hidden {args.hidden}, MLP {args.width}, AdamW lr {LR}, "
+          f"{STEPS} steps on one fixed batch of {topology.world_size * BATCH_PER_RANK}, seed {args.seed}")
+    print("| config | " + " | ".join(str(s + 1) for s in range(STEPS)) + " | final vs fsdp2 |")
+    print("|---|" + "---|" * (STEPS + 1))
+    plain = rows["fsdp2"][-1]
+    for name, losses in rows.items():
+        gap = (losses[-1] - plain) / plain
+        print(f"| {name} | " + " | ".join(f"{v:.4f}" for v in losses) + f" | {gap:+.2%} |")
+    if "hsdp" in rows:
+        plain = rows["hsdp"][-1]
+        print(f"hsdp-zeropp's final loss vs hsdp: {(rows['hsdp-zeropp'][-1] - plain) / plain:+.2%}")
 
 
 def main() -> None:
@@ -169,63 +200,11 @@ def main() -> None:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     topology = zcomm.Topology(world_size=world, local_size=int(os.environ.get("ZCOMM_LOCAL_SIZE", "2")))
-    batch = _batch(args.seed, rank, world)
-    rows = _rows(args, topology, batch)
+    rows = _rows(args, topology, _batch(args.seed, rank, world))
     if rank == 0:
         _report(args, rows, topology)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _rows(args, topology: zcomm.Topology, batch) -> dict[str, list[float]]:
-    """Every configuration's losses per step, by row name."""
-    rows = {}
-
-    def fsdp2(name: str, zeropp: bool, **settings) -> None:
-        model, opt, aligned = _fsdp2(args, topology, zeropp, **settings)
-        rows[name + (f" (units aligned: {aligned})" if zeropp else "")] = _train(model, opt, batch)
-
-    int8_hop = {"zcomm_qgz_first_hop_bits": 8}
-    fsdp2("fsdp2", zeropp=False)
-    fsdp2("fsdp2-zeropp (default: first hop INT8)", zeropp=True)
-    fsdp2("fsdp2-zeropp, first hop INT4", zeropp=True, first_hop_bits=4)
-    fsdp2("fsdp2-zeropp, first hop INT4, align_blocks=False", zeropp=True, first_hop_bits=4, align_blocks=False)
-    rows["zeropp (our runtime; default: first hop INT4)"] = _train_runtime(args, topology, batch)
-    rows["zeropp (our runtime), first hop INT8"] = _train_runtime(args, topology, batch, **int8_hop)
-    if args.group_size is not None:
-        size = {"zcomm_quant_group_size": args.group_size}
-        fsdp2(f"fsdp2-zeropp group_size={args.group_size}", zeropp=True, group_size=args.group_size)
-        fsdp2(f"fsdp2-zeropp group_size={args.group_size}, first hop INT4", zeropp=True,
-              group_size=args.group_size, first_hop_bits=4)  # fmt: skip
-        rows[f"zeropp (our runtime) group_size={args.group_size}"] = _train_runtime(args, topology, batch, **size)
-        rows[f"zeropp (our runtime) group_size={args.group_size}, first hop INT8"] = _train_runtime(
-            args, topology, batch, **size, **int8_hop
-        )
-    if args.hadamard_block is not None:
-        block = args.hadamard_block
-        fsdp2(f"fsdp2-zeropp hadamard_block={block}", zeropp=True, hadamard_block=block)
-        rows[f"zeropp (our runtime) hadamard_block={block}, first hop INT8"] = _train_runtime(
-            args, topology, batch, zcomm_qgz_hadamard_block=block, **int8_hop
-        )
-    if args.hsdp:
-        rows["hsdp"] = _train(*_hsdp(args, topology, zeropp=False), batch)
-        rows["hsdp-zeropp"] = _train(*_hsdp(args, topology, zeropp=True), batch)
-    return rows
-
-
-def _report(args, rows: dict[str, list[float]], topology: zcomm.Topology) -> None:
-    print(f"sharp task: {topology.num_nodes} node(s) x {topology.local_size} rank(s), torch {torch.__version__}, "
-          f"{BLOCKS} pre-LN residual blocks, hidden {args.hidden}, MLP {args.width}, AdamW lr {LR}, "
-          f"{STEPS} steps on one fixed batch of {topology.world_size * BATCH_PER_RANK}, seed {args.seed}")
-    print("| config | " + " | ".join(str(s + 1) for s in range(STEPS)) + " | final vs fsdp2 |")
-    print("|---|" + "---|" * (STEPS + 1))
-    plain = rows["fsdp2"][-1]
-    for name, losses in rows.items():
-        gap = (losses[-1] - plain) / plain
-        print(f"| {name} | " + " | ".join(f"{v:.4f}" for v in losses) + f" | {gap:+.2%} |")
-    if "hsdp" in rows:
-        plain = rows["hsdp"][-1]
-        print(f"hsdp-zeropp's final loss vs hsdp: {(rows['hsdp-zeropp'][-1] - plain) / plain:+.2%}")
 
 
 if __name__ == "__main__":

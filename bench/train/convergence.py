@@ -1,18 +1,12 @@
-"""Convergence report over several ``python -m bench.train --json`` runs.
+"""``python -m bench.train.convergence``: a convergence report over several ``python -m bench.train --json`` runs.
 
-Reads the JSON of any number of runs (one per seed, or per batch of configurations), and
-writes into ``--out-dir``:
-
-* ``convergence.md``: every run's command facts, a table of the validation loss at each
-  evaluation step and its gap to ``zero3`` of the same seed, and, per configuration, the
-  mean and sample standard deviation over seeds of the final validation loss;
-* ``val_loss_vs_step.png``: validation loss against step, one line per configuration (the
-  mean over its seeds, with the seeds' range shaded when there are several).
+Writes into ``--out-dir`` ``convergence.md`` (the validation loss at each evaluation step and
+its gap to ``zero3`` of the same seed; per configuration, the mean and sample standard
+deviation over seeds of the final validation loss) and ``val_loss_vs_step.png`` (one line per
+configuration: the mean over its seeds, their range shaded). A configuration that appears in
+several files for the same seed is an error: which run counts would be ambiguous.
 
     python -m bench.train.convergence --out-dir bench/results/DIR run-seed0.json run-seed1.json
-
-A configuration that appears in several files for the same seed is an error: which run
-counts would be ambiguous.
 """
 
 from __future__ import annotations
@@ -23,6 +17,8 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
+
+from .report import pyplot, save_figure
 
 BASELINE = "zero3"
 
@@ -95,12 +91,7 @@ def format_markdown(runs: Sequence[Run], sources: Sequence[str]) -> str:
 
 
 def write_plot(path: Path, runs: Sequence[Run], configs: Sequence[str] | None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = pyplot().subplots(figsize=(8, 5))
     for config in configs or dict.fromkeys(r.config for r in runs):
         mine = [r for r in runs if r.config == config]
         if not mine:
@@ -114,9 +105,7 @@ def write_plot(path: Path, runs: Sequence[Run], configs: Sequence[str] | None) -
                             color=line.get_color(), alpha=0.15)
     ax.set(xlabel="step", ylabel="validation loss (nats/byte)", title="Validation loss vs step (bench.train, 2x2)")
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,23 +1,13 @@
-"""Byte-level language-modelling data from the Python standard library's own sources.
+"""Byte-level language-modelling data from the Python standard library's own sources (bench/TRAINING.md, "Data").
 
-Every machine that runs this benchmark has a Python installation, so its standard library
-is real text that needs no download. The corpus is built deterministically:
-
-1. list every ``*.py`` file under ``root`` (by default ``sysconfig.get_paths()["stdlib"]``,
-   without ``site-packages``), sorted by relative path;
-2. assign each file to validation when the first 8 bytes of the SHA-256 of its relative
-   path, read as a fraction of 2**64, fall below ``val_fraction``; otherwise to training.
-   The split depends only on file names, so it is fixed and the two sides are disjoint;
-3. concatenate each side's bytes in sorted order, files separated by a NUL byte (which
-   never occurs in source text, so the model sees document boundaries).
-
-Tokens are bytes (vocabulary 256). A sample is a window of ``seq_len + 1`` consecutive
-tokens: a next-token loss predicts its last ``seq_len`` tokens from the first ``seq_len``.
-
-Batches are *global*: ``train_batch(step, ...)`` draws window offsets from a generator
-seeded with ``(seed, step)``, so every rank computes the same global batch without
-communicating, and ``rank_slice`` gives each rank its contiguous rows. Validation uses a
-fixed set of evenly spaced windows, identical for every configuration and every run.
+Every machine that runs this benchmark has a Python installation, so its standard library is
+real text that needs no download. A file goes to validation when the first 8 bytes of the
+SHA-256 of its relative path, read as a fraction of 2**64, fall below ``val_fraction``: the split
+depends only on file names, so it is fixed and the two sides are disjoint. Each side is its
+files' bytes in sorted order, separated by a NUL byte (never in source text, so the model sees
+document boundaries). A sample is a window of ``seq_len + 1`` bytes. ``train_batch(step, ...)``
+seeds its generator with ``(seed, step)``, so every rank computes the same global batch without
+communicating and ``rank_slice`` gives each rank its rows; validation uses fixed, evenly spaced windows.
 """
 
 from __future__ import annotations
@@ -36,13 +26,8 @@ VOCAB_SIZE = 256
 
 @dataclass(frozen=True, kw_only=True)
 class TextDataConfig:
-    """Where the corpus comes from and how it is cut.
-
-    Args:
-        seq_len: tokens the model predicts per sample (windows hold ``seq_len + 1``).
-        val_fraction: expected fraction of files that go to validation, in (0, 1).
-        root: directory to read ``*.py`` files from; ``None`` is the standard library.
-    """
+    """Where the corpus comes from (``root``: a directory of ``*.py`` files, None for the standard
+    library) and how it is cut (``seq_len``: tokens predicted per sample)."""
 
     seq_len: int = 128
     val_fraction: float = 0.1

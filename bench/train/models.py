@@ -1,16 +1,10 @@
 """The models of ``python -m bench.train`` (also the runtime tests' workloads), behind one small interface.
 
-``MLP`` is a plain feed-forward regressor. ``TinyGPT`` is a byte-level GPT-style decoder
-(token + position embeddings, pre-norm blocks with causal self-attention and a GELU MLP)
-whose LM head is tied to the token embedding: the same ``nn.Parameter`` is used by two
-modules, which is exactly the case a ZeRO-3 runtime must handle. ``GPTConfig`` is the one
-model shape: ``seq_len`` is the number of predicted tokens, i.e. the inputs a model sees.
-
-``python -m bench.train --model`` picks one of :data:`MODELS` through :func:`model_spec`:
-``tinygpt`` is ``TinyGPT``; ``hf-gpt2`` is an unmodified Hugging Face ``GPT2LMHeadModel``
-built from a small ``GPT2Config`` of the same shape (random init, nothing downloaded), to
-show that a third-party model trains with no change to its code. Both take a
-``(batch, seq_len + 1)`` window of byte tokens and return the mean next-token
+``TinyGPT`` is a byte-level GPT-style decoder whose LM head is tied to the token embedding:
+the same ``nn.Parameter`` is used by two modules, which is exactly the case a ZeRO-3 runtime
+must handle. ``hf-gpt2`` is an unmodified Hugging Face ``GPT2LMHeadModel`` of the same shape
+(random init, nothing downloaded): a third-party model trains with no change to its code.
+Both take a ``(batch, seq_len + 1)`` window of byte tokens and return the mean next-token
 cross-entropy over its last ``seq_len`` tokens.
 """
 
@@ -24,9 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .data import SEPARATOR
-from .runner import Unavailable
 
 MODELS = ("tinygpt", "hf-gpt2")
+
+
+class Unavailable(RuntimeError):
+    """An optional dependency (an engine or a model library) is missing: skip with this note."""
 
 
 class MLP(nn.Module):

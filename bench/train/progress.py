@@ -1,11 +1,9 @@
 """One progress line per configuration of ``python -m bench.train``, printed by rank 0.
 
-After each training step the line says the step reached, the seconds since the
-configuration started (model and engine construction included) and an estimate of what is
-left: the mean time of the steps so far times the steps still to run (the final validation
-is not in the estimate). On a terminal the line is rewritten in place and ends with the
-last step; elsewhere (a log file, CI) it is printed at the first step, at each quarter of
-the run and at the last step, so a log stays short.
+After each step: the step reached, the seconds since the configuration started (construction
+included) and the steps still to run at the pace of the steps after the first. On a terminal
+the line is rewritten in place; elsewhere (a log) it is printed at the first step, at each
+quarter of the run and at the last step, so a log stays short.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 ``--rounds R`` trains every configuration R times in one launch, each round from the same
 seed on the same batches, so that a drift of the machine cannot decide a comparison of
-5-10% (why, and the columns a row reports over its rounds: bench/TRAINING.md, "Rounds"): the
-median of the round medians with their range, the ratio to the baseline paired per round
-(both step times of one ratio from the same round), and whether the rounds' losses agree.
+5-10% (bench/TRAINING.md, "Rounds"): a row reports the median of the round medians with their
+range, the ratio to the baseline paired per round (both step times of one ratio from the same
+round), and whether the rounds' losses agree.
 
 [Note: round order] Round ``r`` (0-based) runs the configurations forward when ``r`` is even
 and backward when it is odd: ``A B C``, ``C B A``, ``A B C``, ... A drift that is linear in
@@ -23,22 +23,19 @@ from __future__ import annotations
 import statistics
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from .loop import ConfigResult, RoundRecord
+from .loop import ConfigResult
 
 Unit = TypeVar("Unit", bound=Hashable)
+# What a round record keeps of its run's row, besides the round (1-based) and the position in its order (0-based).
+ROUND_FIELDS = ("median_step_s", "step_times_s", "wire_tx_bytes_per_step", "wire_rx_bytes_per_step",
+                "wire_busiest_bytes_per_step", "memory_bytes", "train_losses", "val_curve")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
 class RoundPlan:
-    """How many rounds, and the baseline configuration of the paired ratios.
-
-    Args:
-        rounds: how many times every configuration is trained (>= 1).
-        baseline: the configuration every row's paired ratio divides by (one of ``configs``).
-        configs: the configurations of the launch, in the order asked for.
-    """
+    """How many rounds, and the baseline of the paired ratios (one of the launch's ``configs``)."""
 
     rounds: int
     baseline: str
@@ -57,23 +54,19 @@ class RoundPlan:
         return list(units) if round_index % 2 == 0 else list(reversed(units))
 
 
+def round_record(row: ConfigResult, *, round: int, position: int) -> dict[str, Any]:
+    assert row.status == "ok" and row.median_step_s is not None, row.status
+    return {"round": round, "position": position, **{name: getattr(row, name) for name in ROUND_FIELDS}}
+
+
 def paired_ratios(steps: Mapping[int, float], base: Mapping[int, float]) -> list[float]:
     """``steps[r] / base[r]`` for every round ``r`` both measured, in round order."""
     return [steps[r] / base[r] for r in sorted(steps) if r in base and base[r] > 0]
 
 
-def round_steps(row: ConfigResult) -> dict[int, float]:
-    """The row's median step time per round number."""
-    return {record.round: record.median_step_s for record in row.rounds}
-
-
-def _loss_max_diff(records: list[RoundRecord]) -> float | None:
-    """The largest |difference| of any train or validation loss between a round and the first."""
-    if len(records) < 2:
-        return None
-    first = records[0]
-    diffs = [abs(a - b) for other in records[1:] for a, b in zip(first.losses(), other.losses(), strict=True)]
-    return max(diffs, default=0.0)
+def _losses(record: Mapping[str, Any]) -> list[float]:
+    """Every loss of a round, train then validation, in a fixed order."""
+    return [*record["train_losses"], *(loss for _, loss in record["val_curve"])]
 
 
 def _median_of(values: list[float | None]) -> float | None:
@@ -81,34 +74,40 @@ def _median_of(values: list[float | None]) -> float | None:
     return statistics.median(present) if len(present) == len(values) and present else None
 
 
-def combine(
-    first: ConfigResult, records: list[RoundRecord], *, tokens_per_step: int, link_bytes_per_s: float | None
-) -> ConfigResult:
+def combine(first: ConfigResult, records: list[dict[str, Any]], *, tokens_per_step: int,
+            link_bytes_per_s: float | None) -> ConfigResult:  # fmt: skip
     """One row over the rounds of a configuration: ``first`` (round 1's row) with the medians
     over ``records`` (every round's, round 1's included) in the step-time and wire columns.
 
     Losses, validation curve and per-step times stay round 1's (the other rounds' losses are
-    compared, not averaged: they must be the same); memory is the largest round's peak.
+    compared, not averaged: they must be the same); memory is the largest round's peak. Wire
+    time is the busiest node's bytes over the measured throughput of one node's link (None
+    without either), ``wire_fraction`` its share of the median step.
     """
-    assert records and records[0].round == 1, "round 1 is the row's own round"
-    median = statistics.median(r.median_step_s for r in records)
+    assert records and records[0]["round"] == 1, "round 1 is the row's own round"
+    steps = [r["median_step_s"] for r in records]
+    median = statistics.median(steps)
+    diffs = [abs(a - b) for other in records[1:] for a, b in zip(_losses(records[0]), _losses(other), strict=True)]
     row = replace(
         first,
         median_step_s=median,
         tokens_per_s=tokens_per_step / median,
-        min_step_s=min(r.median_step_s for r in records),
-        max_step_s=max(r.median_step_s for r in records),
-        wire_tx_bytes_per_step=_median_of([r.wire_tx_bytes_per_step for r in records]),
-        wire_rx_bytes_per_step=_median_of([r.wire_rx_bytes_per_step for r in records]),
-        wire_busiest_bytes_per_step=_median_of([r.wire_busiest_bytes_per_step for r in records]),
-        memory_bytes=max((r.memory_bytes for r in records if r.memory_bytes is not None), default=None),
-        loss_max_diff=_loss_max_diff(records),
+        min_step_s=min(steps),
+        max_step_s=max(steps),
+        **{key: _median_of([r[key] for r in records]) for key in ROUND_FIELDS if key.startswith("wire_")},
+        memory_bytes=max((r["memory_bytes"] for r in records if r["memory_bytes"] is not None), default=None),
+        loss_max_diff=max(diffs, default=0.0) if len(records) > 1 else None,
         rounds=records,
     )
     if row.wire_busiest_bytes_per_step is not None and link_bytes_per_s:
         row.wire_time_s = row.wire_busiest_bytes_per_step / link_bytes_per_s
         row.wire_fraction = row.wire_time_s / median
     return row
+
+
+def round_steps(row: ConfigResult) -> dict[int, float]:
+    """The row's median step time per round number."""
+    return {record["round"]: record["median_step_s"] for record in row.rounds}
 
 
 def attach_ratios(rows: list[ConfigResult], baseline: str) -> None:

@@ -1,32 +1,53 @@
-"""What every training engine of ``python -m bench.train`` provides, and shared helpers.
+"""The training engines of ``python -m bench.train`` behind one interface: zero_runtime, FSDP2, DDP, DeepSpeed.
 
-A runner owns one model and its optimizer under one engine (zero_runtime, FSDP2,
-DeepSpeed). The training loop only calls ``train_step`` (forward, backward, optimizer
-step, zero grad; returns this rank's loss), ``eval_loss`` (forward without gradients) and
-``memory`` (what this rank holds, and where that figure comes from) and, after the run,
-``close`` (release what would keep the engine alive past its last reference), so the loop, the
-timing and the wire-byte accounting are the same code for every configuration.
+A runner owns one model and its optimizer under one engine. The loop only calls ``train_step``
+(forward, backward, optimizer step, zero grad; returns this rank's loss), ``eval_loss``,
+``memory`` (this rank's peak bytes and how they were measured) and, after the run, ``close``,
+so the loop, the timing and the wire-byte accounting are the same code for every configuration.
+Every engine is given torch's AdamW ([Note: same math] in :mod:`.configs`).
+
+Peak memory: ``torch.cuda.max_memory_allocated`` on a GPU. On a CPU, where torch keeps no
+allocator statistics, the model-state bytes this rank holds after the optimizer step
+(parameters, gradients, optimizer states: the ZeRO paper's accounting, without activations):
+zero_runtime's ``memory_report()`` (on a GPU too), the optimizer's tensors for DDP and FSDP2,
+none for DeepSpeed (its flat partitions are its own, no torch counter sees them).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+import contextlib
+import functools
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple, TypeVar
 
 import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
+import zcomm
+import zcomm.ddp
+import zcomm.fsdp
+import zero_runtime
 
-class Unavailable(RuntimeError):
-    """An optional dependency (an engine or a model library) is missing: skip with this note."""
+from .configs import TrainConfig
+from .models import ModelSpec, Unavailable
+
+T = TypeVar("T")
+INSTALL_HINT = "make peers, or pip install 'zcomm[peers]'"
 
 
 class EngineFailed(RuntimeError):
-    """A peer engine raised while setting up or training: its row shows the error it raised.
-
-    Only for errors every rank meets at the same point (e.g. a kernel the engine has no CPU
-    build of), so that all ranks leave the configuration together and the next one starts
-    on a consistent process group.
-    """
+    """A peer engine raised while setting up or training: its row shows the error. Only for errors every
+    rank meets at the same point (e.g. a kernel with no CPU build), so that all ranks leave the
+    configuration together and the next one starts on a consistent process group."""
 
 
 class MemoryReading(NamedTuple):
@@ -36,14 +57,16 @@ class MemoryReading(NamedTuple):
     source: str
 
 
-class Runner(Protocol):
-    def train_step(self, tokens: torch.Tensor) -> float: ...
+@dataclass(frozen=True, kw_only=True)
+class EngineSetup:
+    """What every engine of a launch is built with besides its configuration."""
 
-    def eval_loss(self, tokens: torch.Tensor) -> float: ...
-
-    def memory(self) -> MemoryReading: ...
-
-    def close(self) -> None: ...
+    lr: float
+    local_size: int
+    world_size: int
+    bf16: bool
+    gradient_clipping: float
+    device: torch.device
 
 
 def local_nbytes(tensor: torch.Tensor) -> int:
@@ -53,11 +76,7 @@ def local_nbytes(tensor: torch.Tensor) -> int:
 
 
 def model_state_nbytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of this rank's parameters, gradients and optimizer states, as the optimizer sees them.
-
-    Taken after ``step()`` and before ``zero_grad()`` this is the model-state peak of the
-    ZeRO paper's accounting; it leaves out activations and temporarily gathered weights.
-    """
+    """Bytes of this rank's parameters, gradients and optimizer states, as the optimizer sees them."""
     total = 0
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -68,38 +87,263 @@ def model_state_nbytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-def cuda_peak(device: torch.device) -> MemoryReading:
-    return MemoryReading(torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated")
+class Runner:
+    """What every engine shares: the loss through the model spec, evaluation, the memory reading."""
 
+    HELD = ""  # what the CPU memory figure counts
+    model: torch.nn.Module
 
-class TorchOptimizerRunner:
-    """The half of a runner that is the same wherever torch's AdamW steps the wrapped model (DDP, FSDP2).
-
-    A subclass sets ``spec``, ``model``, ``opt``, ``device`` and ``gradient_clipping``, says in
-    ``HELD`` what the CPU memory figure counts, and overrides :meth:`loss` where the forward differs.
-    """
-
-    HELD = "model states held (params+grads+AdamW)"
-    peak_bytes = 0
+    def __init__(self, spec: ModelSpec, setup: EngineSetup) -> None:
+        self.spec, self.setup, self.device = spec, setup, setup.device
+        self.peak_bytes: int | None = 0
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.spec.loss(self.model, tokens)
 
+    @torch.no_grad()
+    def eval_loss(self, tokens: torch.Tensor) -> float:
+        return self.loss(tokens).item()
+
+    def memory(self) -> MemoryReading:
+        if self.device.type == "cuda":
+            return MemoryReading(torch.cuda.max_memory_allocated(self.device), "torch.cuda.max_memory_allocated")
+        return MemoryReading(self.peak_bytes, self.HELD)
+
+    def close(self) -> None:
+        """Nothing to release: the engine's hooks and buffers go with the model, collected with the runner."""
+
+
+class ZeroRunner(Runner):
+    def __init__(self, config: TrainConfig, spec: ModelSpec, engine_config: dict[str, Any], setup: EngineSetup) -> None:
+        super().__init__(spec, setup)
+        factory = functools.partial(torch.optim.AdamW, lr=setup.lr)
+        self.model, self.opt = zero_runtime.initialize(spec.build().to(self.device), factory, engine_config)
+
+    def train_step(self, tokens: torch.Tensor) -> float:
+        loss = self.loss(tokens)
+        self.opt.backward(loss)
+        self.opt.step()
+        # After step, before zero_grad: gradients and updated states are both still held.
+        self.peak_bytes = max(self.peak_bytes, self.opt.memory_report().total)
+        self.opt.zero_grad()
+        return loss.item()
+
+    def memory(self) -> MemoryReading:
+        return MemoryReading(self.peak_bytes, "zero_runtime memory_report()")
+
+    def close(self) -> None:
+        """Release the engine (``ZeroOptimizer.close`` also removes its gradient hooks), so the
+        engines one launch builds (configurations x ``--rounds``) do not stack up in memory."""
+        self.opt.close()
+
+
+class TorchRunner(Runner):
+    """The step where torch's AdamW steps the wrapped model (DDP, FSDP2); clipping is torch's ``clip_grad_norm_``."""
+
+    opt: torch.optim.Optimizer
+
     def train_step(self, tokens: torch.Tensor) -> float:
         loss = self.loss(tokens)
         loss.backward()
-        if self.gradient_clipping > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.gradient_clipping)
+        if self.setup.gradient_clipping > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.setup.gradient_clipping)
         self.opt.step()
         if self.device.type == "cpu":
             self.peak_bytes = max(self.peak_bytes, model_state_nbytes(self.opt))
         self.opt.zero_grad()
         return loss.item()
 
-    def memory(self) -> MemoryReading:
-        if self.device.type == "cuda":
-            return cuda_peak(self.device)
-        return MemoryReading(self.peak_bytes, self.HELD)
 
-    def close(self) -> None:
-        """Nothing to release: the engine's hooks and buffers go with the model, collected with the runner."""
+def reshard_after_forward(config: TrainConfig, *, local_size: int, world_size: int) -> bool | int:
+    """FSDP2's setting for ``config``: True (plain ZeRO-3) or the hpZ group size.
+
+    FSDP2 accepts an int only strictly between 1 and the world size; at the ends hpZ means
+    keeping whole weights (1 rank per node) or the primary sharding itself (one node).
+    """
+    if not config.hpz or local_size == world_size:
+        return True
+    if local_size == 1:
+        return False
+    return local_size
+
+
+class FSDP2Runner(TorchRunner):
+    """torch ``fully_shard``: one FSDP unit per repeated block, the root holds the rest (as torchtitan
+    wraps a transformer); bf16 is ``MixedPrecisionPolicy(param_dtype=bfloat16)`` over fp32 shards.
+
+    qwZ and qgZ are zcomm's collectives installed on every unit by ``zcomm.fsdp.enable_zeropp``.
+    HSDP: a 2-D mesh (replicate = nodes, shard = ranks per node); FSDP2's own HSDP shards on all
+    of it, zcomm's on its ``"shard"`` rows with the ``"replicate"`` group passed to ``enable_zeropp``.
+    """
+
+    HELD = "model states held (params+grads+AdamW, local shards)"
+
+    def __init__(self, config: TrainConfig, spec: ModelSpec, engine_config: dict[str, Any], setup: EngineSetup) -> None:
+        super().__init__(spec, setup)
+        world, local = setup.world_size, setup.local_size
+        zeropp = config.quantized_weights or config.quantized_gradients
+        options: dict[str, Any] = {}
+        if config.hsdp:
+            hybrid = init_device_mesh(self.device.type, (world // local, local), mesh_dim_names=("replicate", "shard"))
+            mesh = hybrid["shard"] if zeropp else hybrid
+            topology = zcomm.Topology(world_size=local, local_size=local)
+            options = dict(replicate_group=hybrid.get_group("replicate"), quantized_all_reduce=config.quantized_gradients,
+                           replicate_topology=zcomm.Topology(world_size=world // local, local_size=1))
+        else:
+            mesh = init_device_mesh(self.device.type, (world,))
+            topology = zcomm.Topology(world_size=world, local_size=local)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if setup.bf16 else MixedPrecisionPolicy()
+        reshard = reshard_after_forward(config, local_size=local, world_size=world)
+        self.model = spec.build().to(self.device)
+        for module in [*spec.blocks(self.model), self.model]:
+            fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        if zeropp:
+            if config.first_hop_bits is not None:
+                options["first_hop_bits"] = config.first_hop_bits
+            zcomm.fsdp.enable_zeropp(self.model, quantized_weights=config.quantized_weights, topology=topology,
+                                     quantized_gradients=config.quantized_gradients, group_size=config.quant_group_size,
+                                     **options)  # fmt: skip
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=setup.lr)
+
+
+def bf16_hook(process_group, bucket):  # unannotated: DDP refuses annotations that are strings
+    """torch's ``bf16_compress_hook`` algorithm (cast to bf16, divide by the group size, all-reduce,
+    cast back into the bucket), for CPU runs: DDP refuses torch's own hook by its name there
+    ("requires CUDA 11+ and NCCL 2.10+")."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(group.size())
+    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(done):
+        buffer.copy_(done.value()[0])
+        return buffer
+
+    return future.then(decompress)
+
+
+class _WithLoss(torch.nn.Module):
+    """The model with the spec's loss as its forward: DDP must run the forward it wraps (its
+    reducer prepares for backward there), and the specs compute the loss from the model."""
+
+    def __init__(self, model: torch.nn.Module, spec: ModelSpec) -> None:
+        super().__init__()
+        self.model, self.spec = model, spec
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.spec.loss(self.model, tokens)
+
+
+class DDPRunner(TorchRunner):
+    """torch ``DistributedDataParallel`` (stage 0): DDP's fp32 all-reduce, torch's ``bf16_compress_hook``
+    (:func:`bf16_hook` on a CPU) or ``zcomm.ddp.quantized_allreduce_hook``. bf16 is ``torch.autocast``
+    around forward with fp32 weights and gradients, so every DDP row reduces fp32 buckets."""
+
+    HELD = "model states held (params+grads+AdamW, whole model)"
+
+    def __init__(self, config: TrainConfig, spec: ModelSpec, engine_config: dict[str, Any], setup: EngineSetup) -> None:
+        super().__init__(spec, setup)
+        module = _WithLoss(spec.build().to(self.device), spec)
+        self.model = DistributedDataParallel(module, device_ids=[self.device] if self.device.type == "cuda" else None)
+        if config.ddp_hook == "bf16":
+            self.model.register_comm_hook(None, default_hooks.bf16_compress_hook if self.device.type == "cuda"
+                                          else bf16_hook)  # fmt: skip
+        elif config.ddp_hook == "zcomm":
+            widths = {"first_hop_bits": config.first_hop_bits, "gather_bits": config.gather_bits}
+            state = zcomm.ddp.QuantizedAllReduceState(
+                topology=zcomm.Topology(world_size=setup.world_size, local_size=setup.local_size),
+                **{key: bits for key, bits in widths.items() if bits is not None})
+            self.model.register_comm_hook(state, zcomm.ddp.quantized_allreduce_hook)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=setup.lr)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.setup.bf16 else contextlib.nullcontext()
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        with self._autocast():
+            return self.model(tokens)
+
+    @torch.no_grad()
+    def eval_loss(self, tokens: torch.Tensor) -> float:
+        with self._autocast():
+            return self.model.module(tokens).item()  # no DDP forward: nothing to reduce
+
+
+def _short(filename: str) -> str:
+    parts = Path(filename).parts
+    return "/".join(parts[parts.index("deepspeed"):] if "deepspeed" in parts else parts[-1:])
+
+
+def describe_failure(action: str, error: BaseException) -> str:
+    """``"<action> raised <Type>: <message> (at <file>:<line>, called from <file>:<line>: <code>)"``.
+
+    Files are shortened to their path inside the ``deepspeed`` package; the calling frame
+    (where DeepSpeed asked for what failed, e.g. a kernel build) is named when there is one.
+    """
+    message = " ".join(str(error).split()) or "(no message)"
+    frames = traceback.extract_tb(error.__traceback__)
+    where = ""
+    if frames:
+        where = f" (at {_short(frames[-1].filename)}:{frames[-1].lineno}"
+        if len(frames) > 1:
+            caller = frames[-2]
+            where += f", called from {_short(caller.filename)}:{caller.lineno}: `{(caller.line or '').strip()}`"
+        where += ")"
+    return f"{action} raised {type(error).__name__}: {message}{where}"
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    # DeepSpeed calls torch.distributed's old collective names, whose deprecation warning
+    # torch repeats on every call: it would bury the table. Only around DeepSpeed's calls.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use", category=FutureWarning)
+        yield
+
+
+def _guarded(action: str, call: Callable[[], T]) -> T:
+    with _quiet():
+        try:
+            return call()
+        except Exception as error:  # noqa: BLE001 - whatever DeepSpeed raises is reported in its row
+            raise EngineFailed(describe_failure(action, error)) from error
+
+
+class DeepSpeedRunner(Runner):
+    """DeepSpeed's ZeRO (an optional dependency: without it the row is skipped with the import error),
+    torch's AdamW passed in (``zero_allow_untested_optimizer``). Its ZeRO-3 hooks sit on the model's
+    own modules, so the loss is computed by calling the wrapped module. Where DeepSpeed raises (its
+    ZeRO++ quantizers have no CPU build), the error becomes the row's note (:class:`EngineFailed`)."""
+
+    HELD = "n/a on CPU"
+
+    def __init__(self, config: TrainConfig, spec: ModelSpec, engine_config: dict[str, Any], setup: EngineSetup) -> None:
+        try:
+            import deepspeed
+        except ImportError as error:
+            raise Unavailable(f"{config.name} needs deepspeed ({INSTALL_HINT}): {error}") from None
+        super().__init__(spec, setup)
+        self.peak_bytes = None
+        model = spec.build().to(self.device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=setup.lr)
+        initialize = lambda: deepspeed.initialize(model=model, optimizer=optimizer, config=engine_config)  # noqa: E731
+        self.engine, *_ = _guarded(f"deepspeed {deepspeed.__version__}: deepspeed.initialize", initialize)
+        self.model = self.engine.module
+
+    def _step(self, tokens: torch.Tensor) -> float:
+        loss = self.loss(tokens)
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.item()
+
+    def train_step(self, tokens: torch.Tensor) -> float:
+        return _guarded("a DeepSpeed training step", lambda: self._step(tokens))
+
+    @torch.no_grad()
+    def eval_loss(self, tokens: torch.Tensor) -> float:
+        with _quiet():
+            return self.loss(tokens).item()
+
+
+RUNNERS: dict[str, type[Runner]] = {"zero": ZeroRunner, "fsdp2": FSDP2Runner, "ddp": DDPRunner,
+                                    "deepspeed": DeepSpeedRunner}  # fmt: skip

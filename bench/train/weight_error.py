@@ -25,8 +25,7 @@ Per window of steps the table shows the largest worst/bound, the mean and larges
 ratios, and the share of weight-difference groups that fell back to INT8 values. Launch as
 ``bench.train`` is launched (4 ranks, ``ZCOMM_LOCAL_SIZE=2`` for two "nodes" of two)::
 
-    ZCOMM_LOCAL_SIZE=2 torchrun --standalone --nproc-per-node 4 -m bench.train.weight_error \\
-        --configs zero2-q zero2-qwd --steps 1000 --d-model 256 --n-layers 4 --batch 4 --seq-len 64
+    ZCOMM_LOCAL_SIZE=2 torchrun --standalone --nproc-per-node 4 -m bench.train.weight_error --configs zero2-q zero2-qwd
 """
 
 from __future__ import annotations
@@ -40,10 +39,11 @@ import torch.distributed as dist
 
 from bench.harness import dist_env
 
+from .cli import add_training_args, model_config
 from .configs import CONFIGS, engine_config
-from .data import VOCAB_SIZE, ByteCorpus, TextDataConfig, rank_slice
-from .models import GPTConfig, model_spec
-from .zero_runner import ZeroRunner
+from .data import ByteCorpus, TextDataConfig, rank_slice
+from .models import model_spec
+from .runner import EngineSetup, ZeroRunner
 
 _QWZ_HALF_STEPS = 2 * 127  # qwZ's INT8 step is absmax / 127; rounding to nearest errs by half of it
 
@@ -102,12 +102,13 @@ def measure(name: str, args: argparse.Namespace, ctx: dist_env.DistContext, corp
     config = CONFIGS[name]
     if config.engine != "zero" or config.stage == 3 or not config.quantized_weights:
         raise ValueError(f"{name} gathers no quantized weights after the step (stages 1 and 2 with qwZ only)")
-    spec = model_spec("tinygpt", GPTConfig(vocab_size=VOCAB_SIZE, seq_len=args.seq_len, d_model=args.d_model,
-                                           n_heads=args.n_heads, n_layers=args.n_layers))
-    settings = engine_config(config, local_size=ctx.env.local_size, bf16=True, gradient_clipping=0.0,
-                             micro_batch=args.batch // ctx.env.world_size)
+    env = ctx.env
+    settings = engine_config(config, local_size=env.local_size, bf16=True, gradient_clipping=0.0,
+                             micro_batch=args.batch // env.world_size)
+    setup = EngineSetup(lr=args.lr, local_size=env.local_size, world_size=env.world_size, bf16=True,
+                        gradient_clipping=0.0, device=ctx.device)
     torch.manual_seed(args.seed)
-    runner = ZeroRunner(spec, settings, lr=args.lr, device=ctx.device)
+    runner = ZeroRunner(config, model_spec("tinygpt", model_config(args)), settings, setup)
     windows: list[Window] = []
     try:
         for step in range(args.steps):
@@ -138,16 +139,8 @@ def measure(name: str, args: argparse.Namespace, ctx: dist_env.DistContext, corp
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.train.weight_error", description=__doc__.split("\n")[0])
     parser.add_argument("--configs", nargs="+", default=["zero2-q", "zero2-qwd"])
-    parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--window", type=int, default=100, help="steps per table row")
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--n-layers", type=int, default=4)
-    parser.add_argument("--n-heads", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=4, help="global batch in sequences")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", help="write every window as JSON")
+    add_training_args(parser, steps=1000, seq_len=64, d_model=256, batch=4)
     return parser
 
 

@@ -161,7 +161,7 @@ def test_zero_stage0_configs_train_two_ranks(tmp_path: Path, checkout_env: dict[
 
 
 def test_zero_configs_two_ranks(tmp_path: Path, checkout_env: dict[str, str]) -> None:
-    args = ["--impl", "zero", "--stage", "1", "2", "3", "--model", "tinygpt", "hf-gpt2", *TINY]
+    args = ["--configs", "zero1", "zero2", "zero3", "--model", "tinygpt", "hf-gpt2", *TINY]
     result, _ = _launch(args, tmp_path, checkout_env)
     rows = {(row["config"], row["model"]): row for row in result["results"]}
     for model in ("tinygpt", "hf-gpt2"):

@@ -10,20 +10,21 @@ import pytest
 
 from bench.harness.precision import Precision
 from bench.train.cli import build_parser, chosen_configs, round_plan
-from bench.train.loop import ConfigResult, RoundRecord
+from bench.train.loop import ConfigResult
 from bench.train.report import RunFacts, format_report
-from bench.train.rounds import RoundPlan, attach_ratios, combine, paired_ratios
+from bench.train.rounds import RoundPlan, attach_ratios, combine, paired_ratios, round_record
 
 
-def _record(round: int, step_s: float, *, losses=(3.0, 2.5), wire=None, memory=100) -> RoundRecord:
-    return RoundRecord(round=round, position=0, median_step_s=step_s, step_times_s=[9.0, step_s],
+def _record(round: int, step_s: float, *, losses=(3.0, 2.5), wire=None, memory=100) -> dict:
+    run = ConfigResult(config="x", model="tinygpt", median_step_s=step_s, step_times_s=[9.0, step_s],
                        wire_tx_bytes_per_step=wire, wire_rx_bytes_per_step=wire, wire_busiest_bytes_per_step=wire,
                        memory_bytes=memory, train_losses=list(losses), val_curve=[(2, losses[-1] + 0.25)])  # fmt: skip
+    return round_record(run, round=round, position=0)
 
 
-def _row(config: str, records: list[RoundRecord], model: str = "tinygpt") -> ConfigResult:
-    first = ConfigResult(config=config, model=model, median_step_s=records[0].median_step_s,
-                         train_losses=records[0].train_losses, val_curve=records[0].val_curve)  # fmt: skip
+def _row(config: str, records: list[dict], model: str = "tinygpt") -> ConfigResult:
+    first = ConfigResult(config=config, model=model, median_step_s=records[0]["median_step_s"],
+                         train_losses=records[0]["train_losses"], val_curve=records[0]["val_curve"])  # fmt: skip
     return combine(first, records, tokens_per_step=64, link_bytes_per_s=None)
 
 
@@ -119,7 +120,7 @@ def test_suite_runs_rounds_in_alternating_order_and_stops_a_failed_configuration
 
     ran = []
 
-    def fake_run_once(config, model, spec, label, settings, corpus, ctx, args, facts):
+    def fake_run_once(launch, config, model, spec, label):
         ran.append((config.name, label))
         index = sum(name == config.name for name, _ in ran)  # this configuration's round
         if config.name == "fsdp2" and index == 2:
@@ -132,15 +133,14 @@ def test_suite_runs_rounds_in_alternating_order_and_stops_a_failed_configuration
     configs = select_configs(["zero3", "fsdp2"])
     plan = RoundPlan(rounds=3, baseline="zero3", configs=("zero3", "fsdp2"))
     shape = GPTConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=2, n_layers=1)
-    settings = SimpleNamespace(batch=2, seq_len=8)
-    facts = SimpleNamespace(link_bytes_per_s=None)
-    rows, params = suite.run_rounds(["tinygpt"], shape, configs, plan, settings, None, None, None, facts)
+    launch = SimpleNamespace(settings=SimpleNamespace(batch=2, seq_len=8), facts=SimpleNamespace(link_bytes_per_s=None))
+    rows, params = suite.run_rounds(launch, ["tinygpt"], shape, configs, plan)
     assert ran == [("zero3", "tinygpt: zero3 (round 1 of 3)"), ("fsdp2", "tinygpt: fsdp2 (round 1 of 3)"),
                    ("fsdp2", "tinygpt: fsdp2 (round 2 of 3)"), ("zero3", "tinygpt: zero3 (round 2 of 3)"),
                    ("zero3", "tinygpt: zero3 (round 3 of 3)")]  # fmt: skip
     zero3, fsdp2 = rows
-    assert [(r.round, r.position) for r in zero3.rounds] == [(1, 0), (2, 1), (3, 0)]
+    assert [(r["round"], r["position"]) for r in zero3.rounds] == [(1, 0), (2, 1), (3, 0)]
     assert zero3.median_step_s == 2.0 and zero3.ratio_to_baseline == 1.0
     assert fsdp2.status == "failed" and fsdp2.note == "round 2 of 3: boom"
-    assert [r.round for r in fsdp2.rounds] == [1] and fsdp2.ratio_to_baseline is None
+    assert [r["round"] for r in fsdp2.rounds] == [1] and fsdp2.ratio_to_baseline is None
     assert params["tinygpt"] > 0

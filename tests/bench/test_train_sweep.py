@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.train import sweep
-from bench.train.sweep_report import claim_pairs, claim_verdict, load_runs, markdown_table
+from bench.train.sweep import claim_pairs, claim_verdict, load_runs, markdown_table
 
 RATES = ("100mbit", "200mbit", "400mbit", "800mbit", "1600mbit", "unlimited")
 
