@@ -220,12 +220,16 @@ def global_mean(losses: Sequence[torch.Tensor], group: Any = None) -> list[float
     return (total / dist.get_world_size()).tolist()
 
 
-def train_zeropp(device: torch.device, topology, group: Any = None, cpu_group: Any = None) -> list[float]:
-    """Global-batch losses of ZeRO++ (qwZ + hpZ + qgZ) on the tiny GPT."""
+def train_zeropp(device: torch.device, topology, group: Any = None, cpu_group: Any = None, *,
+                 weight_delta_bits: int | None = None) -> list[float]:
+    """Global-batch losses of ZeRO++ (qwZ + hpZ + qgZ) on the tiny GPT; with ``weight_delta_bits``,
+    hpZ's copies refreshed by weight differences."""
     import zero_runtime
 
     config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "zero_quantized_weights": True,
                                     "zero_quantized_gradients": True, "zero_hpz_partition_size": topology.local_size}}  # fmt: skip
+    if weight_delta_bits is not None:
+        config["zero_optimization"]["zcomm_weight_delta_bits"] = weight_delta_bits
     sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
     model, opt = zero_runtime.initialize(tiny_gpt(device), sgd, config, group=group, topology=topology)
 
@@ -356,6 +360,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         checks.append(compare_losses(f"zero_runtime ZeRO++ (qwZ + hpZ 2 + qgZ), {STEPS} steps, fp32",
                                      lambda: train_zeropp(device, topology),
                                      lambda: train_zeropp(torch.device("cpu"), topology), args.cpu_backend))  # fmt: skip
+        checks.append(compare_losses(f"zero_runtime ZeRO++ with INT4 weight differences, {STEPS} steps, fp32",
+                                     lambda: train_zeropp(device, topology, weight_delta_bits=4),
+                                     lambda: train_zeropp(torch.device("cpu"), topology, weight_delta_bits=4),
+                                     args.cpu_backend))  # fmt: skip
         return checks + ([_memory_check(device)] if device.type == "cuda" else [])
 
     return torchrun_main("w4", args, "gloo", run, local_device=False, local_size=LOCAL)

@@ -107,6 +107,12 @@ def _cases(world: int, zeropp: bool) -> dict[str, tuple[str, dict, float]]:
         if world >= 2:
             options["zero_hpz_partition_size"] = 2
         cases["zeropp-fp32"] = ("mlp", {"zero_optimization": {**partitioned, **options}}, ZEROPP_RTOL)
+        # weight differences after stage 2's step, and refreshing hpZ's copies in stage 3
+        delta = {"zero_quantized_weights": True, "zero_quantized_gradients": True, "zcomm_weight_delta_bits": 4}
+        cases["zeropp-s2-delta-fp32"] = ("mlp", {"zero_optimization": {"stage": 2, **delta}}, ZEROPP_RTOL)
+        if world >= 2:
+            cases["zeropp-s3-delta-fp32"] = ("mlp", {"zero_optimization": {**partitioned, **options, **delta}},
+                                             ZEROPP_RTOL)
     return cases
 
 
@@ -293,10 +299,13 @@ def test_zeropp_on_cuda_matches_cpu(runs):
         if GPU_CHECK:
             pytest.fail(f"ZCOMM_GPU_CHECK=1: {reason}")
         pytest.skip(reason)
+    names = [name for name in _cases(world, zeropp) if name.startswith("zeropp")]
+    assert "zeropp-s2-delta-fp32" in names
     for rank_results in results:
-        cpu, cuda = rank_results["zeropp-fp32"]["cpu"], rank_results["zeropp-fp32"]["cuda"]
-        torch.testing.assert_close(torch.tensor(cuda["losses"]), torch.tensor(cpu["losses"]), rtol=ZEROPP_RTOL,
-                                   atol=0)
+        for name in names:
+            cpu, cuda = rank_results[name]["cpu"], rank_results[name]["cuda"]
+            torch.testing.assert_close(torch.tensor(cuda["losses"]), torch.tensor(cpu["losses"]), rtol=ZEROPP_RTOL,
+                                       atol=0, msg=name)
 
 
 def test_checkpoint_resumes_bit_identically_on_cuda(runs):
