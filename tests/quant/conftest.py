@@ -13,11 +13,14 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
 
+import host_check_server
 from cuda_support import NVCC, NVRTC_UNAVAILABLE, requires_cuda_device, requires_gpu
+from host_check_server import HostCheck
 from nvcc_builds import Builds
 from quant_cases import Target
 
@@ -71,3 +74,13 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def nvcc_builds(request: pytest.FixtureRequest) -> Builds:
     """The session's nvcc and NVRTC builds ([Note: background builds] in nvcc_builds.py)."""
     return _builds(request.session)
+
+
+@pytest.fixture(scope="module")
+def host_check(nvcc_builds: Builds, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostCheck]:
+    """The host check built once per session, one process per module serving every case
+    ([Note: host check server])."""
+    binary = nvcc_builds.result(host_check_server.SOURCE, lambda: host_check_server.build(nvcc_builds))
+    server = HostCheck(binary, tmp_path_factory.mktemp("host_check"))
+    yield server
+    server.close()

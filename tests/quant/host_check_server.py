@@ -12,6 +12,13 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
+from cuda_support import NVCC, REPO
+from nvcc_builds import Builds
+
+KERNELS = REPO / "zcomm_cuda" / "kernels"
+SOURCE = Path(__file__).resolve().parent / "cuda_host" / "host_check.cu"
 END = "\x1e "  # the line that closes a command's output: END + exit status
 
 
@@ -78,3 +85,22 @@ class HostCheck:
                 pass
             process.wait()
             process.stdout.close()
+
+
+def build(builds: Builds) -> Path:
+    """nvcc's host build of the host check, in ``builds``' folder."""
+    binary = builds.folder / "host_check"
+    done = subprocess.run(
+        [NVCC, "-std=c++17", "-O1", "-Xcompiler", "-ffp-contract=off", f"-I{KERNELS}", "-o", str(binary), str(SOURCE)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    return binary
+
+
+def builds_of(item: pytest.Item, builds: Builds) -> None:
+    """A test module's ``builds_of`` (the conftest calls it per test when collection ends): the
+    host check's binary is built in the background ([Note: background builds] in nvcc_builds.py)."""
+    if "host_check" in getattr(item, "fixturenames", ()):
+        builds.start(SOURCE, lambda: build(builds))
