@@ -97,6 +97,7 @@ class ReplicateAllReduce:
         quantized: :func:`zcomm.all_reduce_q4` (else the counted :func:`zcomm.all_reduce`).
         group_size: elements per scale of both the INT4 reduction and the INT8 gather.
         first_hop_bits, hadamard_block: the reduction's (:func:`zcomm.reduce_scatter_q4`).
+        gather_bits: the gather's width (``gather_bits`` of :func:`zcomm.all_reduce_q4`).
         error_feedback: LoCo state for the reduction's INT4 hops, per unit and shape.
         warn: called as ``warn(what, reason)`` when a call cannot be quantized.
     """
@@ -111,6 +112,7 @@ class ReplicateAllReduce:
         group_size: int | Literal["tensor"] | None,
         first_hop_bits: int,
         hadamard_block: int | None,
+        gather_bits: int | None,
         error_feedback: bool,
         warn: Callable[[str, str], None],
     ) -> None:
@@ -118,7 +120,8 @@ class ReplicateAllReduce:
         self.group = group
         self.topology = topology
         self.quantized = quantized
-        self._options = dict(group_size=group_size, gather_group_size=group_size, topology=topology,
+        self._options = dict(group_size=group_size, gather_bits=gather_bits,
+                             gather_group_size=None if gather_bits is None else group_size, topology=topology,
                              first_hop_bits=first_hop_bits, hadamard_block=hadamard_block)  # fmt: skip
         self._error_feedback = error_feedback
         self.feedback: dict[tuple, ErrorFeedback] = {}  # (numel, dtype, device) -> its LoCo state

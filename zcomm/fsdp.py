@@ -63,7 +63,8 @@ index on the other replicas; the rows of a 2-D mesh give both::
 
 Each unit then gets qwZ and qgZ inside the node as above and, through FSDP2's all-reduce
 hook, its reduce-scatter output all-reduced across the replicas by :func:`zcomm.all_reduce_q4`
-(``quantized_all_reduce=False``: unquantized, counted), averaged so that every rank ends
+(``quantized_all_reduce=False``: unquantized, counted; ``replicate_gather_bits``: the width of
+its gather, 8 by default), averaged so that every rank ends
 with the world mean, as plain HSDP (see :mod:`zcomm._fsdp_hsdp`). ``set_requires_all_reduce(False)``
 is honoured as under plain HSDP: the micro-batches' outputs are summed and all-reduced once
 ([Note: accumulation without the all-reduce] in :mod:`zcomm._fsdp_hsdp`). A module sharded on a
@@ -97,6 +98,7 @@ from ._fsdp_compat import (
 from ._fsdp_hsdp import ReplicateAllReduce, check_replicate_group
 from ._plan_cache import BoundedCache
 from .all_gather_q8 import all_gather_q8, prepare_all_gather_q8
+from .all_reduce_q4 import check_gather
 from .plain_collectives import all_gather_into_tensor, reduce_scatter_tensor
 from .quant import SUPPORTED_DTYPES, QuantSpec
 from .reduce_scatter_q4 import (
@@ -380,6 +382,7 @@ def enable_zeropp(
     replicate_group: dist.ProcessGroup | None = None,
     replicate_topology: Topology | None = None,
     quantized_all_reduce: bool = True,
+    replicate_gather_bits: int | None = 8,
     error_feedback: bool = False,
 ) -> dict[str, bool]:
     """Install zcomm's collectives on ``module`` and every ``FSDPModule`` below it (after ``fully_shard``).
@@ -409,6 +412,10 @@ def enable_zeropp(
             :meth:`zcomm.Topology.detect` on that group).
         quantized_all_reduce: the replicate all-reduce by :func:`zcomm.all_reduce_q4`
             (INT4 reduction, INT8 gather); False: unquantized, counted as ``all_reduce``.
+        replicate_gather_bits: the width in which that all-reduce gathers its averaged slices
+            across the replicas (``gather_bits`` of :func:`zcomm.all_reduce_q4`): 8, 4 (a
+            third fewer inter-node bytes than 8, an error bound 18x INT8's), or None (the
+            gradients' dtype).
         error_feedback: LoCo error feedback (:class:`zcomm.ErrorFeedback`) for the INT4
             reduction of the replicate all-reduce, one state per unit
             (:func:`all_reduce_hooks` reaches them). Not with ``hadamard_block``, nor with
@@ -426,9 +433,10 @@ def enable_zeropp(
             a 2-D mesh (HSDP), whose replicate all-reduce FSDP2 does not let anyone replace;
             ``replicate_group`` does not pair this rank with the ranks holding its shards
             (:func:`zcomm._fsdp_hsdp.check_replicate_group`); a unit already has an all-reduce
-            hook that is not zcomm's; ``replicate_topology``, ``quantized_all_reduce=False`` or
-            ``error_feedback`` without ``replicate_group``, or ``error_feedback`` with what it
-            cannot model.
+            hook that is not zcomm's; ``replicate_topology``, ``quantized_all_reduce=False``,
+            ``replicate_gather_bits`` or ``error_feedback`` without ``replicate_group``;
+            ``replicate_gather_bits`` not 4, 8 or None, or not 8 unquantized; ``error_feedback``
+            with what it cannot model.
         TypeError: an argument of the wrong type (``replicate_group`` not a ``ProcessGroup``).
     """
     problem = torch_problem()
@@ -451,7 +459,7 @@ def enable_zeropp(
         raise ValueError(f"{type(module).__name__} holds no FSDPModule: apply fully_shard before enable_zeropp")
     groups = [(name, sub, *_shard_group(name, sub)) for name, sub in units]
     replicate = _replicate_setup(groups, replicate_group, replicate_topology, quantized_all_reduce, error_feedback,
-                                 first_hop_bits, hadamard_block)
+                                 first_hop_bits, hadamard_block, replicate_gather_bits, group_size)
     align = _block_align(quantized_weights, quantized_gradients, group_size, hadamard_block) if align_blocks else 1
     topologies: dict[dist.ProcessGroup, _GroupTopologies] = {}
     aligned: dict[str, bool] = {}
@@ -474,8 +482,8 @@ def enable_zeropp(
             # no stream: FSDP2 runs the hook on its own all-reduce stream ([Note: reduce output on two streams])
             sub.set_all_reduce_hook(ReplicateAllReduce(
                 sub, replicas, replica_topology, quantized=quantized_all_reduce, group_size=group_size,
-                first_hop_bits=first_bits, hadamard_block=hadamard_block, error_feedback=error_feedback,
-                warn=_WarnOnce(label)))
+                first_hop_bits=first_bits, hadamard_block=hadamard_block, gather_bits=replicate_gather_bits,
+                error_feedback=error_feedback, warn=_WarnOnce(label)))
         elif isinstance(all_reduce_hook(sub), ReplicateAllReduce):  # an earlier call's: this one replicates nothing
             param_group(sub)._all_reduce_hook = None
     return aligned
@@ -496,16 +504,23 @@ def _replicate_setup(
     error_feedback: bool,
     first_hop_bits: int,
     hadamard_block: int | None,
+    gather_bits: int | None,
+    group_size: GroupSize,
 ) -> tuple[dist.ProcessGroup, Topology, int] | None:
     """The replicate group, its topology and its all-reduce's first hop width, once checked
     against the units' shard groups (None without HSDP)."""
     if replicate_group is None:
         for name, value in (("replicate_topology", replicate_topology is not None),
                             ("quantized_all_reduce=False", not quantized_all_reduce),
+                            ("replicate_gather_bits", gather_bits != 8),
                             ("error_feedback", error_feedback)):  # fmt: skip
             if value:
                 raise ValueError(f"{name} applies to the replicate all-reduce: it needs replicate_group")
         return None
+    check_gather(gather_bits, None if gather_bits is None else group_size)
+    if gather_bits != 8 and not quantized_all_reduce:
+        raise ValueError("replicate_gather_bits is the quantized all-reduce's gather width: it needs "
+                         "quantized_all_reduce=True")
     if not hasattr(FSDPModule, "set_all_reduce_hook"):
         raise ValueError(f"torch {torch.__version__}'s FSDPModule has no set_all_reduce_hook: HSDP with zcomm "
                          "needs it")

@@ -62,7 +62,7 @@ class TrainConfig:
     hadamard_block: int | None = None  # qgZ's Hadamard rotation block (zero_runtime)
     weight_delta_bits: int | None = None  # with qwZ (stage 3: and hpZ): width of the weight differences
     ddp_hook: Literal["bf16", "zcomm"] | None = None  # None: DDP's fp32 all-reduce
-    gather_bits: int | None = None  # zcomm's DDP hook: width of all_reduce_q4's gather
+    gather_bits: int | None = None  # zcomm's DDP hook and HSDP's replicate all-reduce: width of all_reduce_q4's gather
     hsdp: bool = False  # FSDP2 sharded inside each node, replicated across nodes
     fails_on_cpu: str | None = None
 
@@ -90,8 +90,9 @@ class TrainConfig:
             (self.stage not in (1, 2, 3) and not (self.stage == 0 and zero),
              f"stage must be 1, 2 or 3 (0 for zero_runtime), got {self.stage}"),
             (self.stage == 0 and self.quantized_weights, "qwZ has no parameter gather to quantize at stage 0"),
-            (self.ddp_hook is not None or self.gather_bits is not None,
-             "ddp_hook and gather_bits are options of the ddp engine"),
+            (self.ddp_hook is not None, "ddp_hook is an option of the ddp engine"),
+            (self.gather_bits is not None and not (self.hsdp and self.quantized_gradients),
+             "gather_bits is the quantized all-reduce's: zcomm's DDP hook or HSDP with qgZ"),
             (self.hpz and self.stage != 3, "hpZ needs stage 3"),
             (quantized and self.stage != 3 and not zero, "qwZ and qgZ in stages 1 and 2 are zero_runtime's"),
             (self.weight_delta_bits is not None and not (zero and self.quantized_weights and (self.stage < 3 or self.hpz)),
@@ -155,6 +156,7 @@ CONFIGS: dict[str, TrainConfig] = {config.name: config for config in (
     TrainConfig(name="fsdp2-zeropp-int4hop", engine="fsdp2", **_ZEROPP, first_hop_bits=4),
     TrainConfig(name="hsdp", engine="fsdp2", hsdp=True),
     TrainConfig(name="hsdp-zeropp", engine="fsdp2", hsdp=True, **_QWZ_QGZ),
+    TrainConfig(name="hsdp-zeropp-g4", engine="fsdp2", hsdp=True, **_QWZ_QGZ, gather_bits=4),
     TrainConfig(name="ddp", engine="ddp", stage=0),
     TrainConfig(name="ddp-bf16hook", engine="ddp", stage=0, ddp_hook="bf16"),
     TrainConfig(name="ddp-zcomm", engine="ddp", stage=0, ddp_hook="zcomm", first_hop_bits=8),
@@ -248,4 +250,6 @@ def engine_config(
         }
         if config.hsdp:
             settings["enable_zeropp"].update(replicate_group="replicate", quantized_all_reduce=config.quantized_gradients)
+            if config.gather_bits is not None:
+                settings["enable_zeropp"]["replicate_gather_bits"] = config.gather_bits
     return {**settings, "gradient_clipping": gradient_clipping}

@@ -189,6 +189,8 @@ class FSDP2Runner(TorchRunner):
             topology = zcomm.Topology(world_size=local, local_size=local)
             options = dict(replicate_group=hybrid.get_group("replicate"), quantized_all_reduce=config.quantized_gradients,
                            replicate_topology=zcomm.Topology(world_size=world // local, local_size=1))
+            if config.gather_bits is not None:
+                options["replicate_gather_bits"] = config.gather_bits
         else:
             mesh = init_device_mesh(self.device.type, (world,))
             topology = zcomm.Topology(world_size=world, local_size=local)

@@ -123,8 +123,12 @@ def test_invalid_configurations_are_rejected() -> None:
         TrainConfig(name="x", engine="ddp", stage=0, hsdp=True)
     with pytest.raises(ValueError, match="gather's widths are options of zcomm's DDP hook"):
         TrainConfig(name="x", engine="ddp", stage=0, ddp_hook="bf16", gather_bits=4)
-    with pytest.raises(ValueError, match="ddp_hook and gather_bits are options of the ddp engine"):
+    with pytest.raises(ValueError, match="gather_bits is the quantized all-reduce's"):
         TrainConfig(name="x", engine="zero", stage=0, gather_bits=4)
+    with pytest.raises(ValueError, match="gather_bits is the quantized all-reduce's"):
+        TrainConfig(name="x", engine="fsdp2", hsdp=True, gather_bits=4)
+    with pytest.raises(ValueError, match="ddp_hook is an option of the ddp engine"):
+        TrainConfig(name="x", engine="fsdp2", ddp_hook="zcomm")
     with pytest.raises(ValueError, match="unknown configuration"):
         select_configs(["zero3", "zero4"])
     with pytest.raises(ValueError, match="more than once"):

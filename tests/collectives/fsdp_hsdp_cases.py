@@ -95,13 +95,14 @@ def _local_grads(unit: nn.Module) -> list[torch.Tensor]:
     return [p.sharded_param.grad.to_local().reshape(-1) for p in params]
 
 
-def _all_reduce_bound(inputs: torch.Tensor, dtype: torch.dtype, exact: torch.Tensor, nodes: int) -> torch.Tensor:
+def _all_reduce_bound(inputs: torch.Tensor, dtype: torch.dtype, exact: torch.Tensor, nodes: int,
+                      gather_bits: int = 8) -> torch.Tensor:
     from collective_oracles import all_reduce_bound
 
     size = DEFAULT_GROUP_SIZE[4]
     assert size == DEFAULT_GROUP_SIZE[8]
     return all_reduce_bound(inputs, nodes=nodes, local=1, stages=1, group_size=size, gather_group_size=size,
-                            dtype=dtype, divide_by=nodes, exact=exact)  # fmt: skip
+                            dtype=dtype, divide_by=nodes, exact=exact, gather_bits=gather_bits)  # fmt: skip
 
 
 def check_gradients(rank: int, meshes: _Meshes) -> None:
@@ -110,12 +111,14 @@ def check_gradients(rank: int, meshes: _Meshes) -> None:
     dtype: every hook output within ``all_reduce_bound`` of the fp64 mean over the replicas
     of the hook inputs, and every parameter's ``.grad`` within that bound of plain HSDP's
     (whose gloo all-reduce adds its own rounding: at most ``R`` roundings of partial sums
-    in the reduce dtype, ``R * u * sum |x|`` over the ``R`` inputs, then the division)."""
-    for bf16 in (False, True):
+    in the reduce dtype, ``R * u * sum |x|`` over the ``R`` inputs, then the division). With
+    ``replicate_gather_bits=4`` (bf16) the same against the INT4 gather's bound."""
+    for bf16, gather_bits in ((False, 8), (True, 8), (True, 4)):
         dtype = torch.bfloat16 if bf16 else torch.float32
         plain = _build(meshes.mesh, bf16=bf16)
         _loss(plain, 0, rank).backward()
-        model = meshes.zeropp(_build(meshes.shard, bf16=bf16), quantized_weights=False, quantized_gradients=False)
+        model = meshes.zeropp(_build(meshes.shard, bf16=bf16), quantized_weights=False, quantized_gradients=False,
+                              replicate_gather_bits=gather_bits)  # fmt: skip
         hooks = {id(hook): name for name, hook in zcomm.fsdp.all_reduce_hooks(model).items()}
         calls: list = []
         real = _record_hook_calls(calls)
@@ -123,11 +126,11 @@ def check_gradients(rank: int, meshes: _Meshes) -> None:
             _loss(model, 0, rank).backward()
         finally:
             _fsdp_hsdp.ReplicateAllReduce.__call__ = real
-        _check_hook_calls(calls, hooks, model, plain, meshes, dtype)
+        _check_hook_calls(calls, hooks, model, plain, meshes, dtype, gather_bits)
 
 
 def _check_hook_calls(calls: list, hooks: dict, model: nn.Module, plain: nn.Module, meshes: _Meshes,
-                      dtype: torch.dtype) -> None:
+                      dtype: torch.dtype, gather_bits: int = 8) -> None:
     """``check_gradients``' oracles on the recorded calls of one backward: one per unit, each
     output within the bound of the fp64 mean of what the replicas all-reduced, each ``.grad``
     within that bound (and plain HSDP's own rounding) of plain HSDP's."""
@@ -142,7 +145,7 @@ def _check_hook_calls(calls: list, hooks: dict, model: nn.Module, plain: nn.Modu
         dist.all_gather(inputs, given, group=meshes.replicate)
         inputs = torch.stack(inputs).double()
         exact = inputs.mean(0)
-        bound = _all_reduce_bound(inputs, dtype, exact, nodes)
+        bound = _all_reduce_bound(inputs, dtype, exact, nodes, gather_bits)
         err = (out.double() - exact).abs()
         assert bool((err <= bound).all()), (dtype, (err - bound).max().item())
         assert err.max().item() > 0  # quantized, not passed through
@@ -292,9 +295,9 @@ def check_stats(rank: int, meshes: _Meshes) -> None:
     ``all_reduce_volume`` (one rank per node: all inter-node), and unquantized one ``all_reduce``
     of the ring's ``2 (R-1)`` chunks; the reduce-scatter inside the node stays intra-node."""
     size = DEFAULT_GROUP_SIZE[4]
-    for quantized in (True, False):
+    for quantized, gather_bits in ((True, 8), (True, 4), (False, 8)):
         model = meshes.zeropp(_build(meshes.shard, bf16=False), quantized_weights=False, quantized_gradients=False,
-                              quantized_all_reduce=quantized)  # fmt: skip
+                              quantized_all_reduce=quantized, replicate_gather_bits=gather_bits)  # fmt: skip
         numels = [sum(_fsdp_compat.shard_numels(unit)) for unit in _units(model)]
         zcomm.reset_comm_stats()
         _loss(model, 0, rank).backward()
@@ -302,9 +305,11 @@ def check_stats(rank: int, meshes: _Meshes) -> None:
         assert stats["reduce_scatter_tensor"].calls == len(numels), stats
         assert stats["reduce_scatter_tensor"].inter_bytes == 0, stats
         if quantized:
-            expected = {"reduce_scatter_q4": [0, 0], "all_gather_q8": [0, 0]}
+            gather = "all_gather_q8" if gather_bits == 8 else "all_gather_hierarchical"
+            expected = {"reduce_scatter_q4": [0, 0], gather: [0, 0]}
             for numel in numels:
-                for op, (intra, inter) in all_reduce_volume(numel, meshes.nodes, 1, 1, size, size).items():
+                volume = all_reduce_volume(numel, meshes.nodes, 1, 1, size, size, gather_bits=gather_bits)
+                for op, (intra, inter) in volume.items():
                     expected[op][0] += intra
                     expected[op][1] += inter
             for op, (intra, inter) in expected.items():

@@ -43,13 +43,19 @@ def _one_rank_unit() -> nn.Module:
 def test_bad_replicate_arguments(gloo_world):
     model = _one_rank_unit()
     for option in ({"replicate_topology": zcomm.Topology(world_size=1, local_size=1)},
-                   {"quantized_all_reduce": False}, {"error_feedback": True}):  # fmt: skip
+                   {"quantized_all_reduce": False}, {"replicate_gather_bits": 4}, {"error_feedback": True}):  # fmt: skip
         with pytest.raises(ValueError, match="applies to the replicate all-reduce: it needs replicate_group"):
             zcomm.fsdp.enable_zeropp(model, **option)
     with pytest.raises(TypeError, match="replicate_group must be a torch.distributed.ProcessGroup, got str"):
         zcomm.fsdp.enable_zeropp(model, replicate_group="replicate")
     with pytest.raises(TypeError, match="quantized_all_reduce must be a bool"):
         zcomm.fsdp.enable_zeropp(model, replicate_group=dist.group.WORLD, quantized_all_reduce=1)
+    for bits in (6, True, "4"):
+        with pytest.raises(ValueError, match="gather_bits must be 4, 8 or None"):
+            zcomm.fsdp.enable_zeropp(model, replicate_group=dist.group.WORLD, replicate_gather_bits=bits)
+    with pytest.raises(ValueError, match="replicate_gather_bits is the quantized all-reduce's"):
+        zcomm.fsdp.enable_zeropp(model, replicate_group=dist.group.WORLD, quantized_all_reduce=False,
+                                 replicate_gather_bits=4)  # fmt: skip
     with pytest.raises(ValueError, match="error_feedback corrects the quantized all-reduce"):
         zcomm.fsdp.enable_zeropp(model, replicate_group=dist.group.WORLD, quantized_all_reduce=False,
                                  error_feedback=True)  # fmt: skip
