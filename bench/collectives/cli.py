@@ -2,10 +2,8 @@
 
 ``-b/-e/-f`` give a geometric sweep of sizes in bytes (``K``/``M``/``G`` suffixes are powers
 of 1024, as in nccl-tests), ``-n`` timed iterations, ``-w`` warm-up iterations, ``-d`` the
-element type by nccl-tests' names. The zcomm-specific flags select the ops, the pipeline
-stages of ``reduce_scatter_q4`` and ``all_reduce_q4`` and the quantization group size; ``--device`` and
-``--backend`` override the rank's device and process-group backend (by default CUDA and
-NCCL when a GPU is visible, else the CPU and gloo; see ``bench.harness.dist_env``).
+element type by nccl-tests' names; then zcomm's: the ops, their pipeline stages and group
+size, and the rank's device and backend (``bench.harness.dist_env``).
 """
 
 from __future__ import annotations
@@ -26,16 +24,10 @@ DTYPES: dict[str, torch.dtype] = {"float": torch.float32, "half": torch.float16,
 
 def parse_stages(text: str) -> tuple[int | None, ...]:
     """``"auto"`` -> (None,) (zcomm picks); ``"1,2,4"`` -> (1, 2, 4)."""
-    stages: list[int | None] = []
-    for item in text.split(","):
-        item = item.strip()
-        if item == "auto":
-            stages.append(None)
-        elif item.isdigit() and int(item) >= 1:
-            stages.append(int(item))
-        else:
-            raise ValueError(f"stages must be 'auto' or positive ints separated by commas, got {text!r}")
-    return tuple(stages)
+    items = [item.strip() for item in text.split(",")]
+    if not all(item == "auto" or (item.isdigit() and int(item) >= 1) for item in items):
+        raise ValueError(f"stages must be 'auto' or positive ints separated by commas, got {text!r}")
+    return tuple(None if item == "auto" else int(item) for item in items)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,7 +47,6 @@ class BenchConfig:
     device: str = "auto"
     backend: str = "auto"
     json_path: str | None = None
-    plot_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.min_bytes < 1 or self.max_bytes < self.min_bytes:
@@ -103,7 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="auto: cuda:LOCAL_RANK when a GPU is visible (unless --backend gloo), else cpu")
     parser.add_argument("--backend", choices=BACKEND_CHOICES, default="auto", help="auto: nccl on cuda, gloo on cpu")
     parser.add_argument("--json", dest="json_path", metavar="PATH", help="write the rows as a JSON list")
-    parser.add_argument("--plot", dest="plot_path", metavar="PATH", help="write a PNG of busbw vs size")
     return parser
 
 

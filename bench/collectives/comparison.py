@@ -1,11 +1,10 @@
 """What the zcomm rows buy over torch's, read off the rows of one run.
 
-* speedup: baseline time / zcomm time (above 1: zcomm is faster) at the same size (``all_gather_q8`` vs
-  ``all_gather``, every ``reduce_scatter_q4`` variant vs ``reduce_scatter``, every ``all_reduce_q4``
-  variant vs ``all_reduce``);
+* speedup: baseline time / zcomm time at the same size (each quantized op against its
+  collective's ``baseline``, every stages variant included);
 * wire ratio: measured inter-node bytes per call / what a bandwidth-optimal bf16 ring sends
-  across nodes for the same logical size (:func:`bench.harness.bandwidth.ring_internode_bytes`;
-  the ring's element size is 2 bytes whatever ``-d`` is; twice that for an all-reduce);
+  across nodes for the same elements (:func:`bench.harness.bandwidth.ring_internode_bytes`,
+  2-byte elements whatever ``-d`` is; twice that for an all-reduce: reduce-scatter + all-gather);
 * pipelining: ``reduce_scatter_q4`` time with ``stages=1`` / with each ``stages >= 2``.
 """
 
@@ -18,18 +17,16 @@ from bench.harness.report import Row
 
 from .catalog import COLLECTIVES
 
-BF16_BYTES = 2
 
-
-def _base(op: str) -> str:
-    return op.split(":", 1)[0]
+def _collective(row: Row):
+    return COLLECTIVES[row.op.split(":", 1)[0]]
 
 
 def speedups(rows: Sequence[Row]) -> list[str]:
     by_key = {(row.op, row.size_bytes): row for row in rows}
     lines = []
     for row in rows:
-        baseline = by_key.get((COLLECTIVES[_base(row.op)].baseline, row.size_bytes))
+        baseline = by_key.get((_collective(row).baseline, row.size_bytes))
         if baseline is not None:
             lines.append(f"{row.op:>28} vs {baseline.op:<15} {row.size_bytes:>10} B: {baseline.time_us / row.time_us:6.2f}x")
     return lines
@@ -40,9 +37,8 @@ def wire_ratios(rows: Sequence[Row], *, num_nodes: int, local_size: int, itemsiz
     for row in rows:
         if row.wire_bytes is None or num_nodes < 2:
             continue
-        ring = ring_internode_bytes(row.size_bytes // itemsize * BF16_BYTES, num_nodes, local_size)
-        if COLLECTIVES[_base(row.op)].kind == "all_reduce":  # a ring all-reduce: reduce-scatter + all-gather
-            ring *= 2
+        ring = ring_internode_bytes(row.size_bytes // itemsize * 2, num_nodes, local_size)
+        ring *= 2 if _collective(row).kind == "all_reduce" else 1
         lines.append(f"{row.op:>28} {row.size_bytes:>10} B: wire {row.wire_bytes:14.0f} B = "
                      f"{row.wire_bytes / ring:5.3f}x the bf16 ring ({ring:.0f} B)")
     return lines

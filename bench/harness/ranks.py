@@ -1,12 +1,10 @@
-"""Gloo ranks on this machine that each send one result back: :func:`spawn`.
+"""Gloo ranks on this machine that each send one result back: :func:`spawn`, for the memory benchmarks.
 
-The memory benchmarks (``bench.collective_memory``, ``bench.init_memory``, ``bench.offload_oom``)
-measure inside fresh processes, one per rank. ``spawn(target, world, *args)`` starts them with
-the ``spawn`` start method; each joins a gloo group over a free localhost port with one torch
-thread, runs ``target(rank, world, *args)`` and sends its return value (or the exception it
-raised, after printing its traceback) to the parent through a queue. A rank that succeeded
-waits at a barrier for its peers and then leaves without finalizing the interpreter
-([Note: leaving without finalization] in :mod:`.rank_exit`).
+Each rank is a fresh process (the ``spawn`` start method) that joins a gloo group over a free
+localhost port with one torch thread, runs ``target(rank, world, *args)`` and sends its return
+value (or the exception it raised, after printing its traceback) to the parent through a queue.
+A rank that succeeded waits at a barrier for its peers and then leaves without finalizing the
+interpreter ([Note: leaving without finalization] in :mod:`.rank_exit`).
 """
 
 from __future__ import annotations
@@ -55,21 +53,17 @@ def _collect(queue, procs: list, timeout: float) -> list:
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     while len(results) < len(procs):
-        try:
-            rank, result = queue.get(timeout=1.0)
+        gone = [r for r, proc in enumerate(procs) if r not in results and proc.exitcode is not None]
+        try:  # a gone rank's result, flushed before it exited, may still be on its way through the pipe
+            rank, result = queue.get(timeout=5.0 if gone else 1.0)
         except Empty:
-            gone = [r for r, proc in enumerate(procs) if r not in results and proc.exitcode is not None]
-            if gone:  # its result, flushed before it exited, may still be on its way through the pipe
-                try:
-                    rank, result = queue.get(timeout=5.0)
-                except Empty:
-                    codes = [procs[r].exitcode for r in gone]
-                    raise RuntimeError(f"rank(s) {gone} exited (codes {codes}) without a result") from None
-            elif time.monotonic() > deadline:
+            if gone:
+                codes = [procs[r].exitcode for r in gone]
+                raise RuntimeError(f"rank(s) {gone} exited (codes {codes}) without a result") from None
+            if time.monotonic() > deadline:
                 missing = sorted(set(range(len(procs))) - set(results))
                 raise RuntimeError(f"no result from rank(s) {missing} in {timeout:.0f} s") from None
-            else:
-                continue
+            continue
         if isinstance(result, BaseException):
             raise result
         results[rank] = result
