@@ -26,11 +26,21 @@ from zero_runtime.config import AioConfig
 from zero_runtime.offload.swap_file import SwapFile, aligned_buffer
 
 
-def dd_rate(args: list[str]) -> float:
+def _dd(args: list[str]) -> float:
     """GB/s as dd reports it (bytes over its own elapsed time)."""
     out = subprocess.run(["dd", *args], capture_output=True, text=True, check=True).stderr
     match = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", out)
     return int(match.group(1)) / float(match.group(2)) / 1e9
+
+
+def dd_rates(directory: str, mib: int) -> dict[str, float]:
+    """The disk's sequential ``write`` then ``read`` bandwidth (GB/s) over ``mib`` MiB in 1 MiB blocks, direct I/O."""
+    probe = Path(directory) / f"dd_probe_{os.getpid()}"
+    try:
+        return {"write": _dd(["if=/dev/zero", f"of={probe}", "bs=1M", f"count={mib}", "oflag=direct", "conv=fsync"]),
+                "read": _dd([f"if={probe}", "of=/dev/null", "bs=1M", "iflag=direct"])}
+    finally:
+        probe.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -47,23 +57,19 @@ def main(argv: list[str] | None = None) -> None:
     swap = SwapFile(args.path, rank=0, nbytes=args.size, aio=aio)
     buffer = aligned_buffer(swap.nbytes)
     buffer.random_(0, 256)
-    dd_file = Path(args.path) / f"dd_probe_{os.getpid()}"
-    count = args.size // (1 << 20)
     rates: dict[str, list[float]] = {"dd write": [], "dd read": [], "swap write": [], "swap read": []}
     try:
         for _ in range(args.repeats):
-            rates["dd write"].append(dd_rate(["if=/dev/zero", f"of={dd_file}", "bs=1M", f"count={count}",
-                                          "oflag=direct", "conv=fsync"]))
-            rates["dd read"].append(dd_rate([f"if={dd_file}", "of=/dev/null", "bs=1M", "iflag=direct"]))
-            for name, write in (("swap write", True), ("swap read", False)):
+            for kind, rate in dd_rates(args.path, args.size // (1 << 20)).items():
+                rates[f"dd {kind}"].append(rate)
+            for kind, transfer in (("write", swap.write), ("read", swap.read)):
                 start = time.perf_counter()
-                (swap.write if write else swap.read)(0, buffer).wait()
-                if write:
+                transfer(0, buffer).wait()
+                if kind == "write":
                     os.fsync(swap.fd)
-                rates[name].append(swap.nbytes / (time.perf_counter() - start) / 1e9)
+                rates[f"swap {kind}"].append(swap.nbytes / (time.perf_counter() - start) / 1e9)
     finally:
         swap.close()
-        dd_file.unlink(missing_ok=True)
     median = {k: statistics.median(v) for k, v in rates.items()}
     print(f"# NVMe swap throughput, {args.size / 2**30:g} GiB, {args.path}, median of {args.repeats} (alternating)")
     print(f"aio: block_size {args.block_size}, thread_count {args.thread_count}, queue_depth {args.queue_depth}, "

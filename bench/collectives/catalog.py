@@ -1,22 +1,9 @@
 """The collectives of the suite, in table order: torch's ops and zcomm's, each with its buffers, call and check.
 
-Each check counts the elements of the last output farther from the fp64 oracle than their
-bound (:mod:`bench.harness.checking`):
-
-* ``all_gather`` (``all_gather_into_tensor``), ``all_to_all`` (``all_to_all_single``): exact copies.
-* ``reduce_scatter`` (``reduce_scatter_tensor``), ``all_reduce``: SUM, the recursive-summation bound
-  in the input dtype.
-* ``all_gather_q8`` (qwZ, blocked INT8): each rank's block within ``q8_bound`` of its input.
-* ``reduce_scatter_q4`` (qgZ, two INT4 hops, SUM): ``q4_two_hop_bound``.
-* ``all_reduce_q4`` (INT4 reduce-scatter, then INT8 gather; ``all_reduce_q4_g4``: INT4 gather):
-  chunk ``r`` within the reduce-scatter's bound ``E`` plus the gather's ``q8_bound`` (with the
-  gather's step) of a value no larger than ``|exact| + E``. The payload column counts the INT4
-  payloads only, not the gather's.
-
-``--stages`` sets the ``pipeline_stages`` of ``reduce_scatter_q4`` and ``all_reduce_q4`` (one row
-per value), ``--group-size`` the zcomm ops' group size. The all-reduces copy their input into
-the buffer they reduce in place on every call (torch's and zcomm's alike), so repeated calls
-do not compound.
+A quantized op shares its torch baseline's buffers and oracle; the checks' bounds are in
+``bench/PERFORMANCE.md`` (#wrong). ``all_reduce_q4``'s payload column counts its INT4 payloads
+only, not its gather's. The all-reduces copy their input into the buffer they reduce in place
+on every call (torch's and zcomm's alike), so repeated calls do not compound.
 """
 
 from __future__ import annotations

@@ -1,11 +1,4 @@
-"""nccl-tests' bandwidths and the inter-node bytes of a bandwidth-optimal ring (``bench/PERFORMANCE.md``).
-
-For a collective moving ``S`` bytes in ``t`` seconds on ``n`` ranks, ``algbw = S / t`` and
-``busbw = algbw * factor``, the rate each link of a ring must sustain: ``(n - 1) / n`` for
-all-gather, reduce-scatter and all-to-all, ``2 (n - 1) / n`` for all-reduce. A node-major ring
-over ``n = N * L`` ranks moves ``(n - 1) / n * S`` over every link and ``N`` of its links cross a
-node boundary (none when ``N = 1``).
-"""
+"""nccl-tests' algbw and busbw, and the inter-node bytes of a bandwidth-optimal ring (``bench/PERFORMANCE.md``)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """One collective of the suite (:class:`Collective`) and the case built from it at one size (:func:`build_case`).
 
-Sizes follow nccl-tests (``bench/PERFORMANCE.md``): ``size`` is the total output of an
-all-gather, the total input of a reduce-scatter, the buffer of an all-reduce and the per-rank
-buffer of an all-to-all, rounded down to a multiple of ``world * itemsize``; ``count`` is the
-per-rank element count nccl-tests prints. ``payload_bytes`` is ``size`` in zcomm's wire format:
-one :func:`zcomm.quant.payload_nbytes` per rank's block.
-
-Inputs are generated on the host from their seed, so every device gets the same values, and
-copied to the rank's device once, before anything is timed; outputs are allocated there. The
-check moves the last output back to the host, after the timed calls.
+Sizes and counts follow nccl-tests (``bench/PERFORMANCE.md``); ``payload_bytes`` is ``size`` in
+zcomm's wire format. Inputs are generated on the host from their seed, so every device gets
+the same values, and copied to the rank's device once, before anything is timed; outputs are
+allocated there. The check moves the last output back to the host, after the timed calls.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""Barrier-synchronised timing of a collective, as nccl-tests does it, on the CPU or a GPU.
+"""Barrier-synchronised timing of a collective, as nccl-tests does it (``bench/PERFORMANCE.md``), on the CPU or a GPU.
 
-Warm up, wait for the warm-up to finish, barrier, run ``iters`` back-to-back calls, stop the
-clock once they are done; the per-call time is the elapsed time over ``iters``, reported as its
-maximum over the ranks (nccl-tests' ``-a 3``): a collective is only done when its slowest rank
-is. Buffers are allocated by the caller beforehand. The clock follows the device
-(:func:`clock_for`); the max and sum over the ranks are all-reduced in a tensor on ``device``,
-the group's device (NCCL moves CUDA memory only).
-
-An optional ``counter`` (e.g. the node's wire bytes) is read between two barriers before the
-timed loop and after a barrier that follows it; its per-call increase is summed over the ranks,
-so a counter shared by the ranks of a node should be read by one of them only (others return 0).
+The clock follows the device (:func:`clock_for`); the max and sum over the ranks are
+all-reduced in a tensor on ``device``, the group's device (NCCL moves CUDA memory only). An
+optional ``counter`` (e.g. the node's wire bytes) is read between two barriers before the timed
+loop and after a barrier that follows it; its per-call increase is summed over the ranks, so a
+counter shared by the ranks of a node should be read by one of them only (others return 0).
 """
 
 from __future__ import annotations

@@ -4,8 +4,3 @@
 runs ``CMD`` as ``N * L`` ranks; see :mod:`.network` for the topology, :mod:`.ranks` for what
 each rank gets, :mod:`.launcher` for the life cycle.
 """
-
-from .config import ClusterConfig, parse_rate
-from .launcher import launch
-
-__all__ = ["ClusterConfig", "launch", "parse_rate"]

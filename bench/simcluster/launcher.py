@@ -10,13 +10,11 @@ done); the status is then ``128 + signal``.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
-from typing import Iterator
 
 from . import ranks
 from .config import ClusterConfig
@@ -31,6 +29,10 @@ class _Stopped(Exception):
         self.status = 128 + signum
 
 
+def _raise_stopped(signum: int, _frame: object) -> None:
+    raise _Stopped(signum)
+
+
 def missing_prerequisite() -> str | None:
     """Why this machine cannot host a simulated cluster, or None if it can."""
     if os.geteuid() != 0:
@@ -42,35 +44,18 @@ def missing_prerequisite() -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def _signals_raise() -> Iterator[None]:
-    def handler(signum: int, _frame: object) -> None:
-        raise _Stopped(signum)
-
-    previous = {sig: signal.signal(sig, handler) for sig in _HANDLED}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-def _report(network: SimNetwork) -> None:
-    total = 0
-    for node in range(network.config.num_nodes):
-        tx, rx = network.counters(node)
-        total += tx
-        print(f"# simcluster node {node} ({network.node_addr(node)}): {tx} bytes sent, {rx} bytes received on its link")
-    print(f"# simcluster: {total} bytes crossed between nodes", flush=True)
-
-
 def _run_ranks(network: SimNetwork, procs: list[subprocess.Popen]) -> int:
     network.build()
     procs.extend(ranks.start(network, network.config.command))
     status, failed = ranks.wait(procs)
     if failed is not None:
         print(f"# simcluster: rank {failed} exited with status {status}; stopping the others", file=sys.stderr)
-    _report(network)
+    total = 0
+    for node in range(network.config.num_nodes):
+        tx, rx = network.counters(node)
+        total += tx
+        print(f"# simcluster node {node} ({network.node_addr(node)}): {tx} bytes sent, {rx} bytes received on its link")
+    print(f"# simcluster: {total} bytes crossed between nodes", flush=True)
     return status
 
 
@@ -84,19 +69,21 @@ def launch(config: ClusterConfig) -> int:
         print(f"# simcluster: removed namespace {name} left by an earlier launch", file=sys.stderr)
     network = SimNetwork(config)
     procs: list[subprocess.Popen] = []
-    with _signals_raise():
-        try:
-            return _run_ranks(network, procs)
-        except NetworkError as exc:
-            print(f"bench.simcluster: could not set up the network: {exc}", file=sys.stderr)
-            return 2
-        except (_Stopped, KeyboardInterrupt) as exc:
-            print(f"# simcluster: interrupted ({exc or 'SIGINT'}); cleaning up", file=sys.stderr)
-            return exc.status if isinstance(exc, _Stopped) else 130
-        finally:
-            # A second Ctrl-C must not cut the clean-up short.
-            for sig in _HANDLED:
-                signal.signal(sig, signal.SIG_IGN)
-            ranks.terminate(procs)
-            for name in network.destroy():
-                print(f"bench.simcluster: could not delete namespace {name}", file=sys.stderr)
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in _HANDLED}
+    try:
+        return _run_ranks(network, procs)
+    except NetworkError as exc:
+        print(f"bench.simcluster: could not set up the network: {exc}", file=sys.stderr)
+        return 2
+    except (_Stopped, KeyboardInterrupt) as exc:
+        print(f"# simcluster: interrupted ({exc or 'SIGINT'}); cleaning up", file=sys.stderr)
+        return exc.status if isinstance(exc, _Stopped) else 130
+    finally:
+        # A second Ctrl-C must not cut the clean-up short.
+        for sig in _HANDLED:
+            signal.signal(sig, signal.SIG_IGN)
+        ranks.terminate(procs)
+        for name in network.destroy():
+            print(f"bench.simcluster: could not delete namespace {name}", file=sys.stderr)
+        for sig, old in previous.items():
+            signal.signal(sig, old)

@@ -44,26 +44,26 @@ def _run(*argv: str) -> str:
     return result.stdout
 
 
-def list_namespaces() -> list[str]:
-    """Names of all network namespaces (``ip netns list`` prints ``name (id: k)``)."""
-    return [line.split()[0] for line in _run("ip", "netns", "list").splitlines() if line.strip()]
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
+
+
+def _delete(name: str) -> bool:
+    return subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False).returncode == 0
 
 
 def remove_stale() -> list[str]:
     """Delete namespaces left by launches whose process is gone; returns their names."""
-    stale = [name for name in list_namespaces() if (m := _OURS.match(name)) and not _alive(int(m.group(1)))]
+    names = [line.split()[0] for line in _run("ip", "netns", "list").splitlines() if line.strip()]  # "name (id: k)"
+    stale = [name for name in names if (m := _OURS.match(name)) and not _alive(int(m.group(1)))]
     for name in stale:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+        _delete(name)
     return stale
 
 
@@ -79,10 +79,6 @@ class SimNetwork:
     config: ClusterConfig
     prefix: str = dataclasses.field(default_factory=lambda: f"{PREFIX}-{os.getpid()}")
     created: list[str] = dataclasses.field(default_factory=list)
-
-    @property
-    def bridge_ns(self) -> str:
-        return f"{self.prefix}-br"
 
     def node_ns(self, node: int) -> str:
         return f"{self.prefix}-n{node}"
@@ -108,19 +104,20 @@ class SimNetwork:
             _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "netem", "delay", delay)
 
     def build(self) -> None:
-        self._add_ns(self.bridge_ns)
-        _run("ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
-        _run("ip", "-n", self.bridge_ns, "link", "set", "br0", "addrgenmode", "none", "up")
+        bridge = f"{self.prefix}-br"
+        self._add_ns(bridge)
+        _run("ip", "-n", bridge, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", bridge, "link", "set", "br0", "addrgenmode", "none", "up")
         for node in range(self.config.num_nodes):
             ns, port = self.node_ns(node), f"p{node}"
             self._add_ns(ns)
-            _run("ip", "-n", ns, "link", "add", UPLINK, "type", "veth", "peer", "name", port, "netns", self.bridge_ns)
-            _run("ip", "-n", self.bridge_ns, "link", "set", port, "master", "br0", "addrgenmode", "none", "up")
+            _run("ip", "-n", ns, "link", "add", UPLINK, "type", "veth", "peer", "name", port, "netns", bridge)
+            _run("ip", "-n", bridge, "link", "set", port, "master", "br0", "addrgenmode", "none", "up")
             _run("ip", "-n", ns, "link", "set", UPLINK, "addrgenmode", "none")
             _run("ip", "-n", ns, "addr", "add", f"{self.node_addr(node)}/24", "dev", UPLINK)
             _run("ip", "-n", ns, "link", "set", UPLINK, "up")
             self._shape(ns, UPLINK)
-            self._shape(self.bridge_ns, port)
+            self._shape(bridge, port)
 
     def counters(self, node: int) -> tuple[int, int]:
         """``(tx_bytes, rx_bytes)`` of node ``node``'s uplink."""
@@ -130,9 +127,5 @@ class SimNetwork:
 
     def destroy(self) -> list[str]:
         """Delete every namespace this network created; returns the names that failed."""
-        failed = []
-        for name in reversed(self.created):
-            if subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False).returncode:
-                failed.append(name)
-        self.created = failed
-        return failed
+        self.created = [name for name in reversed(self.created) if not _delete(name)]
+        return self.created

@@ -15,6 +15,7 @@ The first rank that exits non-zero decides the exit status; the others are then 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -60,16 +61,12 @@ def rank_env(config: ClusterConfig, rank: int, master_addr: str, master_port: in
     return env
 
 
-def pick_master_port() -> int:
-    # Node 0's namespace is new and holds only our ranks, and the kernel hands out ephemeral
-    # ports from 32768 up, so any port below that is free there: no probing needed.
-    return random.randrange(20000, 30000)
-
-
 def start(network: SimNetwork, command: Sequence[str]) -> list[subprocess.Popen]:
     """Start every rank; the caller must :func:`terminate` them whatever happens."""
     config = network.config
-    port = pick_master_port()
+    # Node 0's namespace is new and holds only our ranks, and the kernel hands out ephemeral
+    # ports from 32768 up, so any port below that is free there: no probing needed.
+    port = random.randrange(20000, 30000)
     procs = []
     for rank in range(config.world_size):
         env = rank_env(config, rank, network.node_addr(0), port, os.environ)
@@ -96,10 +93,8 @@ def wait(procs: Sequence[subprocess.Popen]) -> tuple[int, int | None]:
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def terminate(procs: Sequence[subprocess.Popen]) -> None:
