@@ -1,12 +1,11 @@
 """NVMe swap throughput: zero_runtime's swap file against ``dd`` with direct I/O on the same disk.
 
 Run as ``python -m bench.nvme_swap --path DIR`` (``--help``). In one run, alternating
-``--repeats`` times: ``dd`` writes then reads ``--size`` bytes in 1 MiB blocks with
-``oflag=direct`` / ``iflag=direct`` (the disk's sequential bandwidth), and the optimizer's
-``SwapFile`` (``aio`` settings from the flags) writes then reads the same number of bytes
-from one aligned host buffer, as the offloaded optimizer step does for its sub-groups.
-Medians are reported with the ratio against ``dd`` and the target (>= 70% of the
-disk's sequential read and write bandwidth). Files are removed at the end.
+``--repeats`` times: ``dd`` writes then reads ``--size`` bytes in 1 MiB blocks with direct I/O
+(the disk's sequential bandwidth), and the optimizer's ``SwapFile`` writes then reads as many
+bytes from one aligned host buffer, as the offloaded optimizer step does for its sub-groups.
+Medians are reported with the ratio against ``dd`` and the target (>= 70% of the disk's
+sequential read and write bandwidth). Files are removed at the end.
 """
 
 from __future__ import annotations
@@ -24,6 +23,8 @@ import torch
 from bench.harness.flags import parse_size
 from zero_runtime.config import AioConfig
 from zero_runtime.offload.swap_file import SwapFile, aligned_buffer
+
+AIO = AioConfig(zcomm_direct_io=True)  # DeepSpeed's defaults otherwise
 
 
 def _dd(args: list[str]) -> float:
@@ -48,13 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--path", required=True, help="directory on the disk to measure")
     parser.add_argument("--size", type=parse_size, default=parse_size("1G"))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--block-size", type=parse_size, default=parse_size("1M"))
-    parser.add_argument("--thread-count", type=int, default=1)
-    parser.add_argument("--queue-depth", type=int, default=8)
     args = parser.parse_args(argv)
-    aio = AioConfig(block_size=args.block_size, thread_count=args.thread_count, queue_depth=args.queue_depth,
-                    zcomm_direct_io=True)
-    swap = SwapFile(args.path, rank=0, nbytes=args.size, aio=aio)
+    swap = SwapFile(args.path, rank=0, nbytes=args.size, aio=AIO)
     buffer = aligned_buffer(swap.nbytes)
     buffer.random_(0, 256)
     rates: dict[str, list[float]] = {"dd write": [], "dd read": [], "swap write": [], "swap read": []}
@@ -72,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         swap.close()
     median = {k: statistics.median(v) for k, v in rates.items()}
     print(f"# NVMe swap throughput, {args.size / 2**30:g} GiB, {args.path}, median of {args.repeats} (alternating)")
-    print(f"aio: block_size {args.block_size}, thread_count {args.thread_count}, queue_depth {args.queue_depth}, "
+    print(f"aio: block_size {AIO.block_size}, thread_count {AIO.thread_count}, queue_depth {AIO.queue_depth}, "
           f"O_DIRECT {swap.direct}; torch {torch.__version__}\n")
     print("| transfer | GB/s | samples |")
     print("|---|---:|---|")

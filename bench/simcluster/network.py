@@ -9,12 +9,10 @@ never share a name)::
 
 The host's root namespace is never touched: each veth pair is created inside the node's
 namespace with its peer moved straight into the bridge namespace. Every node's link is
-shaped with a token bucket (``tbf``) on both ends, i.e. on the node's egress (zc-up) and on
-the bridge's egress towards the node (p<i>), so the limit holds in both directions; an
-optional ``netem`` delay sits under each ``tbf`` (at the root when the rate is ``unlimited``,
-which adds no ``tbf``). IPv6 address generation is off on every
-link so no router solicitations add to the counters. Deleting a namespace deletes its end
-of each veth pair and therefore the pair.
+shaped with a token bucket (``tbf``) on both ends, the node's egress (zc-up) and the bridge's
+egress towards the node (p<i>), so the limit holds in both directions (none for ``unlimited``).
+IPv6 address generation is off on every link so no router solicitations add to the counters.
+Deleting a namespace deletes its end of each veth pair and therefore the pair.
 """
 
 from __future__ import annotations
@@ -67,11 +65,6 @@ def remove_stale() -> list[str]:
     return stale
 
 
-def _burst_bytes(rate_bps: int) -> int:
-    # tbf needs a bucket of at least rate / HZ (HZ can be as low as 100) plus one GSO packet.
-    return max(rate_bps // 8 // 100, 64 * 1024)
-
-
 @dataclasses.dataclass
 class SimNetwork:
     """Create with :meth:`build`, always :meth:`destroy` (also after a failed build)."""
@@ -93,15 +86,12 @@ class SimNetwork:
         _run("ip", "-n", name, "link", "set", "lo", "up")
 
     def _shape(self, ns: str, dev: str) -> None:
-        rate_bps, delay = self.config.rate_bps, self.config.delay
-        if rate_bps is None:
-            if delay:
-                _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "10:", "netem", "delay", delay)
-            return
-        rate, burst = f"{rate_bps}bit", str(_burst_bytes(rate_bps))
-        _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", rate, "burst", burst, "latency", "100ms")
-        if delay:
-            _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "netem", "delay", delay)
+        rate_bps = self.config.rate_bps
+        if rate_bps is not None:
+            # tbf needs a bucket of at least rate / HZ (HZ can be as low as 100) plus one GSO packet.
+            burst = str(max(rate_bps // 8 // 100, 64 * 1024))
+            _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", f"{rate_bps}bit",
+                 "burst", burst, "latency", "100ms")
 
     def build(self) -> None:
         bridge = f"{self.prefix}-br"

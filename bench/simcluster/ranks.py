@@ -3,14 +3,10 @@
 Rank ``r`` runs on node ``r // local_size`` (node-major, as zcomm's topology expects) through
 ``ip netns exec``, in its own session so that it can be signalled as a process group. It gets
 torchrun's variables, ``GLOO_SOCKET_IFNAME`` (gloo binds to the node's address; peers on the
-same node reach that address over loopback, so their traffic stays off the link),
-``ZCOMM_LOCAL_SIZE`` (zcomm's topology) and ``ZCOMM_WIRE_IFACE`` (:mod:`bench.harness.wire`).
-All ranks share this machine's cores, so each gets its share as ``OMP_NUM_THREADS`` (cores /
-ranks, at least 1; torch's and zcomm's CPU kernels follow it), unless the caller set it:
-as torchrun does, so that ranks do not spin against each other.
-
-The first rank that exits non-zero decides the exit status; the others are then terminated
-(SIGTERM, then SIGKILL after a grace period).
+same node reach it over loopback, so their traffic stays off the link), ``ZCOMM_LOCAL_SIZE``
+and ``ZCOMM_WIRE_IFACE`` (:mod:`bench.harness.wire`). Unless the caller set it, each rank gets
+its share of the machine's cores as ``OMP_NUM_THREADS``, as torchrun does, so that ranks do not
+spin against each other. The first rank that exits non-zero decides the exit status.
 """
 
 from __future__ import annotations
@@ -46,18 +42,10 @@ def rank_env(config: ClusterConfig, rank: int, master_addr: str, master_port: in
     # The namespaces have no resolver entries for their addresses, so c10d would warn on
     # every connection that it cannot name the peer; keep its errors, drop those warnings.
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    env.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(config.world_size),
-        LOCAL_RANK=str(rank % config.local_size),
-        LOCAL_WORLD_SIZE=str(config.local_size),
-        GROUP_RANK=str(rank // config.local_size),
-        MASTER_ADDR=master_addr,
-        MASTER_PORT=str(master_port),
-        GLOO_SOCKET_IFNAME=UPLINK,
-        ZCOMM_LOCAL_SIZE=str(config.local_size),
-        **{WIRE_IFACE_ENV: UPLINK},
-    )
+    env.update(RANK=str(rank), WORLD_SIZE=str(config.world_size), LOCAL_RANK=str(rank % config.local_size),
+               LOCAL_WORLD_SIZE=str(config.local_size), GROUP_RANK=str(rank // config.local_size),
+               MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), GLOO_SOCKET_IFNAME=UPLINK,
+               ZCOMM_LOCAL_SIZE=str(config.local_size), **{WIRE_IFACE_ENV: UPLINK})
     return env
 
 
@@ -76,7 +64,7 @@ def start(network: SimNetwork, command: Sequence[str]) -> list[subprocess.Popen]
 
 
 def exit_status(returncode: int) -> int:
-    """A shell-style status: ``128 + n`` for a rank killed by signal ``n``."""
+    """A shell-style status: ``128 + n`` for signal ``n``."""
     return 128 - returncode if returncode < 0 else returncode
 
 
