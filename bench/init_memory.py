@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"shape: {shape}; largest module: {largest / 1e6:.1f}M parameters ({largest * size / mib:.0f} MiB); "
           f"torch {torch.__version__}; one thread per rank\n")
     rows = {mode: spawn(_rank, args.world_size, shape, mode, timeout=1800) for mode in ("meta", "plain", "init")}
-    worst = {mode: [max(column) for column in zip(*results)] for mode, results in rows.items()}  # peak, kept, s
+    # per mode, the max over the ranks of (peak, kept, seconds)
+    worst = {mode: [max(column) for column in zip(*results, strict=True)] for mode, results in rows.items()}
     print("| mode | peak MiB (max rank) | kept MiB (max rank) | build s (max rank) |")
     print("|---|---|---|---|")
     for mode, (peak, kept, seconds) in worst.items():
