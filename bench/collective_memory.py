@@ -5,14 +5,12 @@ Run as ``python -m bench.collective_memory`` (``--help``). ``--world-size`` gloo
 kernels), then once measured. Reported per case: the largest rank's peak of *temporary* bytes
 during the measured call, and its multiple of the call's output and input.
 
-What counts as temporary ([Note: counting temporaries]): every tensor storage that a torch
-op creates during the call, on the calling thread or on zcomm's worker thread of the
-collective's kind (where a CPU chain runs), from its creation until it is freed. The call's
-own input and output, and state that existed before (an ``ErrorFeedback``'s stored buffers),
-are not temporaries; their new replacements are (the stored errors the call writes are
-counted while both old and new are alive). Buffers that gloo or numba allocate outside torch
-are not seen. The numbers are exact byte counts, not timings, so they do not depend on the
-machine's load.
+A temporary is every tensor storage that a torch op creates during the call, on the calling
+thread or on zcomm's worker thread (where a CPU chain runs), from its creation until it is
+freed. The call's input and output, and state that existed before (an ``ErrorFeedback``'s
+stored buffers), are not; their new replacements are (counted while old and new are both
+alive). Buffers gloo or numba allocate outside torch are not seen. The counts are exact bytes,
+not timings, so they do not depend on the machine's load.
 
 [Note: counting temporaries] A ``TorchDispatchMode`` (:class:`LiveBytes`) sees every op; a
 storage seen first as an op's *output* was created by the call, one seen first as an

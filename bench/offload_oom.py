@@ -2,27 +2,22 @@
 
 Run as root: ``python -m bench.offload_oom --nvme-path DIR --limit 5G`` (``--help``). Each job
 trains the same Hugging Face GPT-2 (default: GPT-2 medium's shape, 355M parameters, fp32,
-built under ``zero_runtime.Init``) with stage 3 on ``--world-size`` gloo ranks for ``--steps``
-steps, in a fresh cgroup-v1 memory cgroup whose limit (``--limit``) covers all its ranks:
+built under ``zero_runtime.Init``) with stage 3 on ``--world-size`` gloo ranks, in a fresh
+cgroup-v1 memory cgroup whose limit covers all its ranks. Modes: ``none`` (model states in
+memory); ``nvme`` (``offload_optimizer: nvme``); ``nvme-param`` (ZeRO-Infinity's setting:
+parameters on NVMe too, each unit freed after every use); ``nvme-param-overlap`` (with
+``zcomm_overlap_step``: each unit updated during backward once its gradient is reduced). Unless
+``--no-baseline``, the ``none`` job also runs outside any cgroup, for its peak and its step
+time: the compute time of the same math without I/O.
 
-* ``none``: model states in memory;
-* ``nvme``: ``offload_optimizer: nvme`` (masters and Adam states in one swap file per rank);
-* ``nvme-param``: ZeRO-Infinity's setting, optimizer and parameters on NVMe, each unit freed
-  after every use (``stage3_max_reuse_distance: 0``, at most ``PARAM_MODE_MAX_LIVE`` live elements);
-* ``nvme-param-overlap``: ``nvme-param`` with ``offload_optimizer.zcomm_overlap_step``, which
-  updates each unit during backward as soon as its gradient is reduced;
-* ``none, no limit`` (unless ``--no-baseline``): the ``none`` job outside any cgroup, for its
-  peak resident memory and its step time, the compute time of the same math without I/O.
-
-A job is killed when the OOM killer ended one of its ranks (the cgroup's ``oom_kill`` count);
-its peak is the cgroup's ``memory.max_usage_in_bytes`` (unlimited baseline: the sum of the
-ranks' ``VmHWM``). ``dd`` with direct I/O measures the disk in the same run, so each step's I/O
-time (every rank's masters and states read and written once, and the parameter shards as
-counted) is stated next to the measured step: the target is a step within 1.25x of
-max(compute, I/O). ``--repeats N`` runs the capped jobs N times in alternating order, each round
-after its own ``dd`` probe (a shared disk's speed drifts), and compares the overlapped step with
-the plain one round by round. Every job runs with glibc's ``mmap`` threshold fixed
-([Note: glibc's mmap threshold] in ``bench.harness.process_memory``).
+A job is killed when the OOM killer ended one of its ranks (the cgroup's ``oom_kill``); its peak
+is the cgroup's ``memory.max_usage_in_bytes`` (baseline: the sum of the ranks' ``VmHWM``). ``dd``
+measures the disk in the same run, so each step's I/O time is stated next to the measured step:
+the target is a step within 1.25x of max(compute, I/O). ``--repeats N`` runs the capped jobs N
+times in alternating order, each round after its own ``dd`` probe (a shared disk's speed
+drifts), and compares the overlapped step with the plain one round by round. Every job runs
+with glibc's ``mmap`` threshold fixed ([Note: glibc's mmap threshold] in
+``bench.harness.process_memory``).
 """
 
 from __future__ import annotations
@@ -91,8 +86,7 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         backward = time.perf_counter()
         opt.step()
         end = time.perf_counter()
-        steps.append({"forward_backward_s": backward - start, "step_s": end - backward, "total_s": end - start,
-                      "loss": loss.item()})
+        steps.append({"forward_backward_s": backward - start, "step_s": end - backward, "total_s": end - start})
     report = opt.memory_report()
     swap = opt.param_offload
     opt.close()  # the swap files go before the rank leaves without finalization
@@ -123,14 +117,12 @@ def _run_job(mode: str, args: argparse.Namespace, limit: int | None, scratch: Pa
         group.mkdir()
         (group / "memory.limit_in_bytes").write_text(str(limit))
     try:
-        start = time.perf_counter()
         preexec = (lambda: (group / "cgroup.procs").write_text(str(os.getpid()))) if group else None
         proc = subprocess.run(command, preexec_fn=preexec, env={**os.environ, **MALLOC_ENV}, capture_output=True,
                               text=True, timeout=args.timeout)
         ranks = json.loads(out.read_text()) if out.exists() else []
-        result = {"mode": mode, "limit": limit, "exit": proc.returncode, "wall_s": time.perf_counter() - start,
-                  "ranks": ranks, "stderr_tail": proc.stderr[-1500:], "peak": sum(r["peak_rss"] for r in ranks),
-                  "oom_kills": 0}
+        result = {"mode": mode, "limit": limit, "exit": proc.returncode, "ranks": ranks, "stderr_tail": proc.stderr[-1500:],
+                  "peak": sum(r["peak_rss"] for r in ranks), "oom_kills": 0}
         if group is not None:
             oom = dict(line.split() for line in (group / "memory.oom_control").read_text().splitlines())
             result.update(peak=int((group / "memory.max_usage_in_bytes").read_text()),

@@ -15,6 +15,7 @@ comparison, and writes the JSON.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import warnings
 from typing import Callable, Sequence
@@ -31,7 +32,7 @@ from bench.harness.wire import read_wire_bytes
 
 from . import comparison
 from .catalog import COLLECTIVES
-from .cli import BenchConfig, parse_config
+from .cli import parse_config
 
 
 def _wire_counter(env: dist_env.DistEnv) -> Callable[[], int] | None:
@@ -41,7 +42,7 @@ def _wire_counter(env: dist_env.DistEnv) -> Callable[[], int] | None:
     return lambda: read_wire_bytes()[0] if env.first_in_node else 0
 
 
-def measure(case: Case, config: BenchConfig, env: dist_env.DistEnv) -> report.Row:
+def measure(case: Case, config: argparse.Namespace, env: dist_env.DistEnv) -> report.Row:
     """Time one case, count its wire bytes and its wrong elements."""
     timing = time_collective(case.run, iters=config.iters, warmup=config.warmup, device=case.device,
                              counter=_wire_counter(env))
@@ -53,11 +54,11 @@ def measure(case: Case, config: BenchConfig, env: dist_env.DistEnv) -> report.Ro
                       wire_bytes=timing.counter_delta)
 
 
-def run_sweep(config: BenchConfig, ctx: dist_env.DistContext) -> list[report.Row]:
+def run_sweep(config: argparse.Namespace, ctx: dist_env.DistContext) -> list[report.Row]:
     """Every (op, stages, size) of ``config``; rank 0 prints each row as it completes."""
     env = ctx.env
     jobs = [(op, stages, size) for op in config.ops for stages in (config.stages if COLLECTIVES[op].pipelined else (None,))
-            for size in config.sizes()]
+            for size in config.sizes]
     rows = []
     # The bar redraws with carriage returns: only on an interactive stderr, or a log that
     # shares stdout's pipe interleaves it with the table rows.
@@ -71,7 +72,7 @@ def run_sweep(config: BenchConfig, ctx: dist_env.DistContext) -> list[report.Row
     return rows
 
 
-def _print_report(rows: Sequence[report.Row], config: BenchConfig, env: dist_env.DistEnv) -> None:
+def _print_report(rows: Sequence[report.Row], config: argparse.Namespace, env: dist_env.DistEnv) -> None:
     sections = (
         ("speedup over torch", comparison.speedups(rows)),
         ("inter-node wire bytes vs a bandwidth-optimal bf16 ring", comparison.wire_ratios(

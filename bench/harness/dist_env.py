@@ -1,18 +1,11 @@
 """Who am I in the job, and how the ranks meet: torchrun, the cluster launcher, or MPI.
 
-Launchers are recognised from their environment, in this order:
-
-1. torchrun and ``bench.simcluster``: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-   ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (rendezvous through ``env://``).
-2. MPI: MPICH/Hydra (``PMI_*``, ``MPI_LOCAL*``) or Open MPI (``OMPI_COMM_WORLD_*``). Rank 0
-   opens the TCP store on a port the kernel picks (never a fixed port) and sends the address
-   and port to the others through mpi4py; on 127.0.0.1 when all ranks run on one host, else
-   on rank 0's host name.
-3. Nothing: a single rank.
-
-``local_size`` is the number of ranks per node as zcomm's topology sees them:
-``ZCOMM_LOCAL_SIZE`` when set (one machine pretending to be several nodes), else the
-launcher's local world size.
+Launchers are recognised from their variables (``_LAUNCHERS``), in order: torchrun and
+``bench.simcluster`` (with ``MASTER_ADDR``: rendezvous through ``env://``); MPICH or Open MPI,
+where rank 0 opens the TCP store on a port the kernel picks and sends its address to the others
+through mpi4py (127.0.0.1 when all ranks run on one host); else a single rank. ``local_size``,
+the ranks per node as zcomm's topology sees them, is ``ZCOMM_LOCAL_SIZE`` when set (one machine
+pretending to be several nodes), else the launcher's local world size.
 
 A rank works on ``cuda:LOCAL_RANK`` (modulo the visible GPUs) when CUDA is available, unless
 gloo was asked for, else on the CPU; the backend follows the device (NCCL on CUDA, gloo on
