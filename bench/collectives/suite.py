@@ -24,14 +24,13 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from bench.harness import dist_env, report
+from bench.harness import dist_env
 from bench.harness.bandwidth import algbw_gbps, busbw_gbps
-from bench.harness.collective import Case, build_case
 from bench.harness.timing import reduce_over_ranks, time_collective
 from bench.harness.wire import read_wire_bytes
 
-from . import comparison
-from .catalog import COLLECTIVES
+from . import report
+from .catalog import COLLECTIVES, Case, build_case
 from .cli import parse_config
 
 
@@ -74,10 +73,10 @@ def run_sweep(config: argparse.Namespace, ctx: dist_env.DistContext) -> list[rep
 
 def _print_report(rows: Sequence[report.Row], config: argparse.Namespace, env: dist_env.DistEnv) -> None:
     sections = (
-        ("speedup over torch", comparison.speedups(rows)),
-        ("inter-node wire bytes vs a bandwidth-optimal bf16 ring", comparison.wire_ratios(
+        ("speedup over torch", report.speedups(rows)),
+        ("inter-node wire bytes vs a bandwidth-optimal bf16 ring", report.wire_ratios(
             rows, num_nodes=env.num_nodes, local_size=env.local_size, itemsize=config.torch_dtype.itemsize)),
-        ("pipelining of reduce_scatter_q4", comparison.pipelining(rows)),
+        ("pipelining of reduce_scatter_q4", report.pipelining(rows)),
     )
     for title, lines in sections:
         if lines:

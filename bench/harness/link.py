@@ -1,9 +1,8 @@
 """The throughput of one inter-node link, measured: what turns wire bytes into wire time.
 
-A benchmark's step is communication-bound when its inter-node bytes take about as long to
-cross a link as the whole step. Under ``bench.simcluster`` both sides are measured, in the
-same unit: the bytes a node's uplink counters show (TCP/IP headers included, see
-:mod:`.wire`) and the throughput of such a link for a plain point-to-point transfer.
+Under ``bench.simcluster`` a step is communication-bound when its inter-node bytes (from the
+uplink counters, TCP/IP headers included: :mod:`.wire`) take about as long to cross a link as
+the whole step; both are measured in the same unit.
 
 [Note: link probe] Rank 0 (node 0) sends one buffer to the first rank of node 1 and waits
 for a one-element reply, so the clock stops when the last byte has arrived, not when the

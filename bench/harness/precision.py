@@ -1,12 +1,9 @@
 """Which compute precision a benchmark uses on this machine, and why; the CPU's model name.
 
-bf16 is a fair benchmark precision only where the hardware computes in it. A CPU without
-native bf16 (no AMX-BF16 and no AVX512-BF16: e.g. an AVX2-only AMD EPYC) emulates bf16
-matmuls (on the EPYC of bench/results, one thread, a 256x1024 by 1024x1024 bf16 matmul
-took about 80x its fp32 time), so every bf16 step there is compute-bound and hides what
-communication costs. ``auto`` therefore picks bf16
-on a GPU that supports it and on a CPU whose ``/proc/cpuinfo`` flags name native bf16, and
-fp32 everywhere else; every implementation in a run uses the same choice.
+A CPU without native bf16 emulates bf16 matmuls, so every bf16 step there is compute-bound and
+hides what communication costs (``bench/PERFORMANCE.md``). ``auto`` therefore picks bf16 on a GPU
+that supports it and on a CPU whose ``/proc/cpuinfo`` flags name native bf16 (on every
+processor), and fp32 everywhere else; every implementation in a run uses the same choice.
 """
 
 from __future__ import annotations
