@@ -8,7 +8,7 @@ Reported per mode: the largest rank's peak and kept growth over the baseline, an
 The target for ``Init``: peak <= the largest module's own parameters + 1/W of the rest + a fixed
 overhead, the peak of building the same model on the ``meta`` device (its Python objects, no
 parameter bytes). The ranks run with glibc's ``mmap`` threshold fixed ([Note: glibc's mmap
-threshold] in ``bench.harness.process_memory``), so freed tensors leave the resident set at once.
+threshold] in ``bench.harness.ranks``), so freed tensors leave the resident set at once.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench.harness.process_memory import MALLOC_ENV, status_bytes
-from bench.harness.ranks import spawn
+from bench.harness.ranks import MALLOC_ENV, spawn, status_bytes
 
 
 def _build(shape: dict, mode: str):

@@ -17,7 +17,7 @@ the target is a step within 1.25x of max(compute, I/O). ``--repeats N`` runs the
 times in alternating order, each round after its own ``dd`` probe (a shared disk's speed
 drifts), and compares the overlapped step with the plain one round by round. Every job runs
 with glibc's ``mmap`` threshold fixed ([Note: glibc's mmap threshold] in
-``bench.harness.process_memory``).
+``bench.harness.ranks``).
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ from statistics import median_high
 import torch
 
 from bench.harness.flags import parse_size
-from bench.harness.process_memory import MALLOC_ENV, status_bytes
-from bench.harness.ranks import spawn
+from bench.harness.ranks import MALLOC_ENV, spawn, status_bytes
 from bench.nvme_swap import dd_rates
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")

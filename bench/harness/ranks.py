@@ -4,7 +4,16 @@ Each rank is a fresh process (the ``spawn`` start method) that joins a gloo grou
 localhost port with one torch thread, runs ``target(rank, world, *args)`` and sends its return
 value (or the exception it raised, after printing its traceback) to the parent through a queue.
 A rank that succeeded waits at a barrier for its peers and then leaves without finalizing the
-interpreter ([Note: leaving without finalization] in :mod:`.rank_exit`).
+interpreter ([Note: leaving without finalization] in :mod:`.rank_exit`). The memory benchmarks read
+a process's resident memory with :func:`status_bytes` and run their ranks with ``MALLOC_ENV``.
+
+[Note: glibc's mmap threshold] glibc serves an allocation above its ``mmap`` threshold with
+its own mapping, returned to the system when freed; below it, from its heap, whose freed
+blocks mostly stay resident. The threshold is dynamic by default: freeing a mapped block
+raises it up to 32 MiB, so after a while tensors of up to 32 MiB (a transformer block's
+shards) come from the heap and stay resident once freed. A peak or a cgroup limit then
+measures the allocator's history more than the tensors alive. The benchmarks fix the
+threshold at 128 KiB in their ranks (``MALLOC_ENV``), so freed tensors leave the resident set.
 """
 
 from __future__ import annotations
@@ -17,6 +26,17 @@ from queue import Empty
 from typing import Any, Callable
 
 from .rank_exit import leave
+
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+def status_bytes(field: str) -> int:
+    """``field`` of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...) in bytes."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def free_port() -> int:

@@ -1,6 +1,6 @@
 """A multi-node cluster simulated on one machine with Linux network namespaces (needs root).
 
 ``python -m bench.simcluster --num-nodes N --local-size L --rate 200mbit -- CMD ...`` runs ``CMD``
-as ``N * L`` ranks: :mod:`.network` builds the nodes and links, :mod:`.ranks` starts the ranks,
-:mod:`.launcher` runs the life cycle.
+as ``N * L`` ranks: :mod:`.network` builds the nodes and links, :mod:`.launcher` starts and
+supervises the ranks.
 """

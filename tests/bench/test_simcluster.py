@@ -14,7 +14,7 @@ import pytest
 from bench.harness.wire import parse_net_dev, read_wire_bytes
 from bench.simcluster import launcher
 from bench.simcluster.config import ClusterConfig, parse_config, parse_rate
-from bench.simcluster.ranks import exit_status, rank_env, thread_share
+from bench.simcluster.launcher import exit_status, rank_env, thread_share
 
 
 @pytest.mark.parametrize(("text", "bps"), [("200mbit", 200_000_000), ("1gbit", 10**9), ("64kbit", 64_000), ("1.5Mbit", 1_500_000)])
