@@ -1,16 +1,12 @@
-"""Peak temporary bytes of each zcomm collective call, as a multiple of its output, on CPU.
+"""Peak temporary bytes of each zcomm collective call, as a multiple of its output and input, on CPU.
 
-Run as ``python -m bench.collective_memory`` (``--help``). ``--world-size`` gloo ranks
-(``--local-size`` per node) run each case once to warm up (plans, private subgroups, workers,
-kernels), then once measured. Reported per case: the largest rank's peak of *temporary* bytes
-during the measured call, and its multiple of the call's output and input.
-
-A temporary is every tensor storage that a torch op creates during the call, on the calling
-thread or on zcomm's worker thread (where a CPU chain runs), from its creation until it is
-freed. The call's input and output, and state that existed before (an ``ErrorFeedback``'s
-stored buffers), are not; their new replacements are (counted while old and new are both
-alive). Buffers gloo or numba allocate outside torch are not seen. The counts are exact bytes,
-not timings, so they do not depend on the machine's load.
+Run as ``python -m bench.collective_memory`` (``--help``): ``--world-size`` gloo ranks
+(``--local-size`` per node) run each case once to warm up (plans, subgroups, workers, kernels),
+then once measured; reported is the largest rank's peak. A temporary is a tensor storage a torch
+op creates during the call, on the calling thread or zcomm's worker, until it is freed; the
+call's input and output and older state (an ``ErrorFeedback``'s stored errors) are not, their
+new replacements are. Buffers gloo or numba allocate outside torch are not seen. The counts are
+exact bytes, so the machine's load does not change them.
 
 [Note: counting temporaries] A ``TorchDispatchMode`` (:class:`LiveBytes`) sees every op; a
 storage seen first as an op's *output* was created by the call, one seen first as an

@@ -1,15 +1,13 @@
 """CPU optimizer-step benchmark: zero_runtime's fused AdamW against torch's and DeepSpeed's.
 
 Run as ``python -m bench.cpu_adam`` (``--help``). One flat fp32 parameter of ``--numel``
-elements per implementation, one shared fp32 gradient; each implementation steps once to warm
-up (numba cache load, DeepSpeed's JIT build, first-touch page faults, lazy state), then is
-timed ``--repeats`` times, the implementations interleaved within each repeat so that load from
-other processes hits them alike; the median is reported. Rows: torch's AdamW foreach, fused and
-single-tensor, each also followed by the ``copy_`` of the parameters into a bf16 compute copy
-(``+ bf16 copy``); ``DeepSpeedCPUAdam`` (``adamw_mode=True``) when it imports and builds (else
-the reason); ``zero_runtime.cpu_adam`` without and with the bf16 copy fused into its pass. All
-use ``torch.get_num_threads()`` threads. Then the targets from this run's medians, and whether
-the fused step is bit-identical to torch's single-tensor step.
+elements per implementation, one shared fp32 gradient; each steps once to warm up (numba cache,
+DeepSpeed's JIT build, first-touch page faults, lazy state), then ``--repeats`` times, the
+implementations interleaved within each repeat so that load from other processes hits them
+alike; medians are reported. ``+ bf16 copy`` rows add the ``copy_`` of the parameters into a
+bf16 compute copy (fused into zero_runtime's pass); ``DeepSpeedCPUAdam`` (``adamw_mode``) runs
+when it imports and builds, else the reason is printed. Then the targets, and whether the fused
+step is bit-identical to torch's single-tensor step.
 """
 
 from __future__ import annotations

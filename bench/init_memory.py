@@ -1,14 +1,12 @@
 """Peak host memory per rank while building a model, plainly and under ``zero_runtime.Init``.
 
-Run as ``python -m bench.init_memory`` (``--help``). Each mode runs in its own fresh set of
-``--world-size`` gloo ranks. A rank imports everything and joins the group, resets its peak
-resident set (``/proc/self/clear_refs``), builds a Hugging Face GPT-2 of the given shape (from a
-config, fp32, same seed on every rank) and reads its peak (``VmHWM``) and final resident set.
-Reported per mode: the largest rank's peak and kept growth over the baseline, and the build time.
-The target for ``Init``: peak <= the largest module's own parameters + 1/W of the rest + a fixed
-overhead, the peak of building the same model on the ``meta`` device (its Python objects, no
-parameter bytes). The ranks run with glibc's ``mmap`` threshold fixed ([Note: glibc's mmap
-threshold] in ``bench.harness.ranks``), so freed tensors leave the resident set at once.
+Run as ``python -m bench.init_memory`` (``--help``). Each mode runs in fresh ``--world-size``
+gloo ranks: a rank imports everything, joins the group, resets its peak resident set
+(``/proc/self/clear_refs``), builds a Hugging Face GPT-2 (fp32, same seed everywhere) and reads
+its peak (``VmHWM``) and final resident set; reported is each mode's worst rank. The target for
+``Init``: peak <= the largest module's own parameters + 1/W of the rest + a fixed overhead, the
+peak of building on the ``meta`` device (the Python objects, no parameter bytes). The ranks run
+with glibc's ``mmap`` threshold fixed ([Note: glibc's mmap threshold] in ``bench.harness.ranks``).
 """
 
 from __future__ import annotations

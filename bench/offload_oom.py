@@ -1,23 +1,19 @@
 """A model that does not fit: killed for lack of memory without offload, trained with NVMe offload.
 
 Run as root: ``python -m bench.offload_oom --nvme-path DIR --limit 5G`` (``--help``). Each job
-trains the same Hugging Face GPT-2 (default: GPT-2 medium's shape, 355M parameters, fp32,
-built under ``zero_runtime.Init``) with stage 3 on ``--world-size`` gloo ranks, in a fresh
-cgroup-v1 memory cgroup whose limit covers all its ranks. Modes: ``none`` (model states in
-memory); ``nvme`` (``offload_optimizer: nvme``); ``nvme-param`` (ZeRO-Infinity's setting:
-parameters on NVMe too, each unit freed after every use); ``nvme-param-overlap`` (with
-``zcomm_overlap_step``: each unit updated during backward once its gradient is reduced). Unless
-``--no-baseline``, the ``none`` job also runs outside any cgroup, for its peak and its step
-time: the compute time of the same math without I/O.
+trains a Hugging Face GPT-2 (default: GPT-2 medium, 355M parameters, fp32, built under
+``zero_runtime.Init``) with stage 3 on ``--world-size`` gloo ranks, in a fresh cgroup-v1 memory
+cgroup capping all its ranks: ``none`` (states in memory), ``nvme`` (``offload_optimizer``),
+``nvme-param`` (ZeRO-Infinity: parameters on NVMe too, each unit freed after every use),
+``nvme-param-overlap`` (with ``zcomm_overlap_step``: each unit updated during backward). Unless
+``--no-baseline``, ``none`` also runs uncapped: its step is the compute time without I/O.
 
-A job is killed when the OOM killer ended one of its ranks (the cgroup's ``oom_kill``); its peak
-is the cgroup's ``memory.max_usage_in_bytes`` (baseline: the sum of the ranks' ``VmHWM``). ``dd``
-measures the disk in the same run, so each step's I/O time is stated next to the measured step:
-the target is a step within 1.25x of max(compute, I/O). ``--repeats N`` runs the capped jobs N
-times in alternating order, each round after its own ``dd`` probe (a shared disk's speed
-drifts), and compares the overlapped step with the plain one round by round. Every job runs
-with glibc's ``mmap`` threshold fixed ([Note: glibc's mmap threshold] in
-``bench.harness.ranks``).
+A job is killed when the OOM killer ended one of its ranks; its peak is the cgroup's
+``memory.max_usage_in_bytes`` (uncapped: the sum of the ranks' ``VmHWM``). ``dd`` measures the
+disk before each round, so the target, a step within 1.25x of max(compute, I/O), uses that
+round's rates (a shared disk's speed drifts); ``--repeats N`` runs N rounds in alternating order
+and compares the overlapped step with the plain one per round. The jobs run with glibc's
+``mmap`` threshold fixed ([Note: glibc's mmap threshold] in ``bench.harness.ranks``).
 """
 
 from __future__ import annotations

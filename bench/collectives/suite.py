@@ -6,11 +6,9 @@ Run under any launcher ``bench.harness.dist_env`` knows, e.g.::
     torchrun --nproc-per-node 8 -m bench.collectives -b 1M -e 1G -f 2 -d bfloat16
     python -m bench.simcluster --num-nodes 2 --local-size 2 --rate 200mbit -- python -m bench.collectives ...
 
-For every op and size each rank allocates the buffers on its device, warms up, times ``-n``
-calls (CUDA events on a GPU; max over ranks), reads the node's wire counters around the timed
-calls when the cluster launcher provides them, then checks the last output against the fp64
-oracle. Rank 0 prints one row per (op, size) as it completes, then the zcomm-vs-torch
-comparison, and writes the JSON.
+Per (op, size), the buffers on the rank's device, ``-w`` warm-up and ``-n`` timed calls, the
+node's wire counters around them (under the cluster launcher), then the check of the last
+output. Rank 0 prints each row as it completes, then the comparison, and writes the JSON.
 """
 
 from __future__ import annotations

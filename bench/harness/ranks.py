@@ -1,11 +1,9 @@
-"""Gloo ranks on this machine that each send one result back: :func:`spawn`, for the memory benchmarks.
+"""Gloo ranks on this machine that each send one result back (:func:`spawn`), for the memory benchmarks.
 
-Each rank is a fresh process (the ``spawn`` start method) that joins a gloo group over a free
-localhost port with one torch thread, runs ``target(rank, world, *args)`` and sends its return
-value (or the exception it raised, after printing its traceback) to the parent through a queue.
-A rank that succeeded waits at a barrier for its peers and then leaves without finalizing the
-interpreter ([Note: leaving without finalization] in :mod:`.rank_exit`). The memory benchmarks read
-a process's resident memory with :func:`status_bytes` and run their ranks with ``MALLOC_ENV``.
+Each rank is a fresh process that joins a gloo group on localhost with one torch thread, runs
+``target(rank, world, *args)`` and sends its return value (or the exception it raised) to the
+parent through a queue; then it waits at a barrier for its peers and leaves without finalizing
+the interpreter ([Note: leaving without finalization] in :mod:`.rank_exit`).
 
 [Note: glibc's mmap threshold] glibc serves an allocation above its ``mmap`` threshold with
 its own mapping, returned to the system when freed; below it, from its heap, whose freed

@@ -1,19 +1,16 @@
 """Life cycle of one simulated-cluster launch: check, build, start and supervise the ranks, report, clean up.
 
-Order: refuse plainly without root or iproute2; remove namespaces left by launches that died;
-build the network; start the ranks; wait for all to succeed or one to fail (its status is the
-launch's); print each node's uplink totals; then, in every case (failure, Ctrl-C, SIGTERM,
-SIGHUP), stop the ranks still running (SIGTERM, then SIGKILL after ``GRACE_S``) and delete every
-namespace created. The signal handlers turn the signal into an exception so the clean-up in
-``finally`` runs (with those signals ignored until it is done); the status is then ``128 + signal``.
+It refuses plainly without root or iproute2 and removes namespaces left by launches that died.
+The first rank that fails sets the status; then, in every case (failure, Ctrl-C, SIGTERM,
+SIGHUP), the ranks still running are stopped and every namespace created is deleted: the
+signal handlers raise, so the clean-up in ``finally`` runs (those signals ignored until it is
+done), and the status is then ``128 + signal``.
 
-Rank ``r`` runs on node ``r // local_size`` (node-major, as zcomm's topology expects) through
-``ip netns exec``, in its own session so that it can be signalled as a process group. It gets
-torchrun's variables, ``GLOO_SOCKET_IFNAME`` (gloo binds to the node's address; peers on the
-same node reach it over loopback, so their traffic stays off the link), ``ZCOMM_LOCAL_SIZE``
-and ``ZCOMM_WIRE_IFACE`` (:mod:`bench.harness.wire`). Unless the caller set it, each rank gets
-its share of the machine's cores as ``OMP_NUM_THREADS``, as torchrun does, so that ranks do not
-spin against each other.
+Rank ``r`` runs on node ``r // local_size`` (node-major, as zcomm's topology expects) in its own
+session (signalled as a process group), with torchrun's variables, ``GLOO_SOCKET_IFNAME`` (gloo
+binds to the node's address; the node's other ranks reach it over loopback, off the link),
+``ZCOMM_LOCAL_SIZE``, ``ZCOMM_WIRE_IFACE`` (:mod:`bench.harness.wire`) and, unless set, its
+share of the cores as ``OMP_NUM_THREADS`` (as torchrun does: ranks must not spin against each other).
 """
 
 from __future__ import annotations

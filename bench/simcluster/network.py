@@ -1,18 +1,14 @@
-"""The simulated network: one namespace per node, joined by veth links to a bridge namespace.
-
-Layout for a launch with prefix ``zcsim-<pid>`` (the launcher's pid, so concurrent launches
-never share a name)::
+"""The simulated network: one namespace per node, joined by veth links to a bridge namespace::
 
     zcsim-<pid>-n<i>  (node i)                      zcsim-<pid>-br
       lo (up: ranks of the node talk here)           br0 (bridge)
       zc-up 10.213.0.<i+1>/24  <-- veth pair -->     p<i> (port of br0)
 
-The host's root namespace is never touched: each veth pair is created inside the node's
-namespace with its peer moved straight into the bridge namespace. Every node's link is
-shaped with a token bucket (``tbf``) on both ends, the node's egress (zc-up) and the bridge's
-egress towards the node (p<i>), so the limit holds in both directions (none for ``unlimited``).
-IPv6 address generation is off on every link so no router solicitations add to the counters.
-Deleting a namespace deletes its end of each veth pair and therefore the pair.
+``<pid>`` is the launcher's, so concurrent launches never share a name. The root namespace is
+never touched: each veth pair is created in the node's namespace with its peer moved straight
+into the bridge's. A token bucket (``tbf``) on both ends (zc-up and p<i>) limits each node's
+link in both directions. IPv6 address generation is off, so no router solicitations add to the
+counters. Deleting a namespace deletes its end of each veth pair, and so the pair.
 """
 
 from __future__ import annotations
