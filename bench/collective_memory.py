@@ -196,10 +196,9 @@ def main(argv=None) -> None:
     parser.add_argument("--numel", type=int, default=1 << 18, help="elements of each rank's shard (gather input, "
                         "reduce-scatter output)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     args = parser.parse_args(argv)
     results = run(world=args.world_size, local_size=args.local_size, numel=args.numel,
-                  dtype=getattr(torch, args.dtype), names=args.cases)
+                  dtype=getattr(torch, args.dtype))
     print(f"world {args.world_size} ({args.world_size // args.local_size} nodes x {args.local_size}), "
           f"{args.numel} {args.dtype} elements per shard")
     print(table(results))

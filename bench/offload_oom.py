@@ -38,12 +38,13 @@ from bench.harness.ranks import MALLOC_ENV, spawn, status_bytes
 from bench.nvme_swap import dd_rates
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+SUB_GROUP_SIZE = 5_000_000
+PARAM_BUFFERS = 3  # offload_param.buffer_count of the nvme-param jobs (each holds the largest shard)
 PARAM_MODE_MAX_LIVE = 100_000_000  # stage3_max_live_parameters of the nvme-param jobs
 MODES = ("none", "nvme", "nvme-param", "nvme-param-overlap")
 _TIMINGS = ("total_s", "forward_backward_s", "step_s")
 # the model's shape and the offload settings, passed on to the job's process
-_SHAPE = ("world_size", "steps", "n_embd", "n_layer", "n_head", "seq_len", "sub_group_size", "param_buffers",
-          "aio_queue_depth", "nvme_path")
+_SHAPE = ("world_size", "steps", "n_embd", "n_layer", "n_head", "seq_len", "aio_queue_depth", "nvme_path")
 
 
 def _config(mode: str, args: argparse.Namespace) -> dict:
@@ -51,9 +52,9 @@ def _config(mode: str, args: argparse.Namespace) -> dict:
     if mode != "none":
         zero.update(offload_optimizer={"device": "nvme", "nvme_path": args.nvme_path, "buffer_count": 4,
                                        "zcomm_overlap_step": mode == "nvme-param-overlap"},
-                    sub_group_size=args.sub_group_size)
+                    sub_group_size=SUB_GROUP_SIZE)
     if mode.startswith("nvme-param"):  # ZeRO-Infinity: shards on NVMe too, and units freed after each use
-        zero.update(offload_param={"device": "nvme", "nvme_path": args.nvme_path, "buffer_count": args.param_buffers},
+        zero.update(offload_param={"device": "nvme", "nvme_path": args.nvme_path, "buffer_count": PARAM_BUFFERS},
                     stage3_max_reuse_distance=0, stage3_max_live_parameters=PARAM_MODE_MAX_LIVE)
     return {"zero_optimization": zero, "aio": {"queue_depth": args.aio_queue_depth}}
 
@@ -156,8 +157,8 @@ def _report(results: list[dict], args: argparse.Namespace, disks: list[dict[str,
     print(f"# Training a model that does not fit: HF GPT-2 {params / 1e6:.0f}M parameters, fp32, stage 3, "
           f"{args.world_size} gloo ranks, one thread each\n")
     print(f"shape: n_embd {args.n_embd}, n_layer {args.n_layer}, seq_len {args.seq_len}, batch 1 per rank; "
-          f"{args.steps} steps (the first is excluded from step times); sub_group_size {args.sub_group_size}; "
-          f"offload_param.buffer_count {args.param_buffers}; aio.queue_depth {args.aio_queue_depth}; "
+          f"{args.steps} steps (the first is excluded from step times); sub_group_size {SUB_GROUP_SIZE}; "
+          f"offload_param.buffer_count {PARAM_BUFFERS}; aio.queue_depth {args.aio_queue_depth}; "
           f"nvme_path {args.nvme_path}; torch {torch.__version__}; {malloc}\n")
     for repeat, disk in enumerate(disks):
         print(f"disk before run {repeat} (dd, 1 GiB, direct I/O): write {disk['write']:.2f} GB/s, "
@@ -236,11 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--n-layer", type=int, default=24)
     parser.add_argument("--n-head", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--sub-group-size", type=int, default=5_000_000)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="the jobs run under the memory limit (default: all)")
-    parser.add_argument("--param-buffers", type=int, default=3,
-                        help="offload_param.buffer_count of the nvme-param jobs (each holds the largest shard)")
     parser.add_argument("--aio-queue-depth", type=int, default=8,
                         help="aio.queue_depth: requests in flight per swap file (default 8, DeepSpeed's)")
     parser.add_argument("--repeats", type=int, default=1,

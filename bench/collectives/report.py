@@ -1,16 +1,11 @@
-"""The suite's output: its rows as the table and the JSON list, and what the zcomm rows buy over torch's.
+"""The suite's output: the table and the JSON list of its rows, and what the zcomm rows buy over torch's.
 
-The table has nccl-tests' columns (size, count, type, redop, time, algbw, busbw, #wrong), then
-what quantization changes: logical bytes (= size), payload bytes, the compression ratio logical /
-payload, and the inter-node bytes measured on the wire per call ("-" without the cluster launcher).
-The comparison, read off the rows of one run:
-
-* speedup: baseline time / zcomm time at the same size (each quantized op against its
-  collective's ``baseline``, every stages variant included);
-* wire ratio: measured inter-node bytes per call / what a bandwidth-optimal bf16 ring sends
-  across nodes for the same elements (:func:`bench.harness.bandwidth.ring_internode_bytes`,
-  2-byte elements whatever ``-d`` is; twice that for an all-reduce: reduce-scatter + all-gather);
-* pipelining: ``reduce_scatter_q4`` time with ``stages=1`` / with each ``stages >= 2``.
+The table has nccl-tests' columns, then logical bytes (= size), payload bytes, their ratio and
+the inter-node bytes on the wire per call ("-" without the cluster launcher). The comparison
+(``bench/PERFORMANCE.md``): each quantized row's speedup over its baseline at the same size;
+wire bytes over those of a bandwidth-optimal bf16 ring (2-byte elements whatever ``-d`` is;
+twice the ring for an all-reduce: reduce-scatter + all-gather); ``reduce_scatter_q4``'s time at
+``stages=1`` over its time at each ``stages >= 2``.
 """
 
 from __future__ import annotations

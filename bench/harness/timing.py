@@ -76,16 +76,15 @@ def clock_for(device: torch.device) -> HostClock | CudaEventClock:
     raise ValueError(f"no clock for device type {device.type!r} (cpu or cuda)")
 
 
-def reduce_over_ranks(values: list[float], op: dist.ReduceOp, *, device: torch.device,
-                      group: dist.ProcessGroup | None = None) -> list[float]:
-    """``values`` reduced element-wise over the ranks of ``group``, through a float64 tensor on ``device``."""
+def reduce_over_ranks(values: list[float], op: dist.ReduceOp, *, device: torch.device) -> list[float]:
+    """``values`` reduced element-wise over the ranks, through a float64 tensor on ``device``."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=op, group=group)
+    dist.all_reduce(tensor, op=op)
     return tensor.tolist()
 
 
 def time_collective(fn: Callable[[], object], *, iters: int, warmup: int, device: torch.device,
-                    counter: Callable[[], int] | None = None, group: dist.ProcessGroup | None = None) -> Timing:
+                    counter: Callable[[], int] | None = None) -> Timing:
     """Max-over-ranks seconds per call of ``fn`` on ``device``, and the summed per-call counter increase."""
     if iters < 1 or warmup < 0:
         raise ValueError(f"need iters >= 1 and warmup >= 0, got {iters} and {warmup}")
@@ -93,17 +92,17 @@ def time_collective(fn: Callable[[], object], *, iters: int, warmup: int, device
     for _ in range(warmup):
         fn()
     clock.synchronize()
-    dist.barrier(group=group)
+    dist.barrier()
     before = 0
     if counter is not None:
         before = counter()
-        dist.barrier(group=group)  # peers on the same node must not send before this rank has read the counter
+        dist.barrier()  # peers on the same node must not send before this rank has read the counter
     clock.start()
     for _ in range(iters):
         fn()
     elapsed = clock.stop() / iters
-    dist.barrier(group=group)
+    dist.barrier()
     delta = (counter() - before) / iters if counter is not None else 0.0
-    (seconds,) = reduce_over_ranks([elapsed], dist.ReduceOp.MAX, device=device, group=group)
-    (summed,) = reduce_over_ranks([delta], dist.ReduceOp.SUM, device=device, group=group)
+    (seconds,) = reduce_over_ranks([elapsed], dist.ReduceOp.MAX, device=device)
+    (summed,) = reduce_over_ranks([delta], dist.ReduceOp.SUM, device=device)
     return Timing(seconds=seconds, counter_delta=summed if counter is not None else None)
