@@ -61,7 +61,7 @@ class DistEnv:
 
     @property
     def first_in_node(self) -> bool:
-        """Whether this rank is its node's first (nodes are ``local_size`` consecutive ranks): it reads the node's wire counters."""
+        """The first rank of a node (``local_size`` consecutive ranks) reads the node's wire counters."""
         return self.rank % self.local_size == 0
 
 
@@ -102,10 +102,7 @@ def _mpi_store(env: DistEnv) -> dist.TCPStore:
 
 def select_device(env: DistEnv, choice: str = "auto", *, backend: str = "auto",
                   cuda_devices: int | None = None) -> torch.device:
-    """``cuda:LOCAL_RANK`` (mod the GPU count) or ``cpu``; ``cuda`` without a GPU is an error, nothing falls back.
-
-    ``cuda_devices`` defaults to ``torch.cuda.device_count()``.
-    """
+    """``cuda:LOCAL_RANK`` (mod ``cuda_devices``, default the GPUs torch sees) or ``cpu``; nothing falls back."""
     if choice not in DEVICE_CHOICES:
         raise ValueError(f"device must be one of {DEVICE_CHOICES}, got {choice!r}")
     count = torch.cuda.device_count() if cuda_devices is None else cuda_devices
