@@ -1,20 +1,12 @@
-"""Peak temporary bytes of each zcomm collective call, as a multiple of its output, on CPU.
+"""Peak temporary bytes of each zcomm collective call, as a multiple of its output and input, on CPU.
 
-Run as ``python -m bench.collective_memory`` (``--help``). ``--world-size`` gloo ranks on this
-machine (default 4, laid out as ``--local-size`` ranks per node: 2 x 2) run each case once to
-warm up (plans, private subgroups, workers, kernels) and then once measured. Reported per
-case: the largest rank's peak of *temporary* bytes during the measured call, in bytes and
-as a multiple of the call's output (and of its input for the reduce-scatters, whose output is
-``1/W`` of it).
-
-What counts as temporary ([Note: counting temporaries]): every tensor storage that a torch
-op creates during the call, on the calling thread or on zcomm's worker thread of the
-collective's kind (where a CPU chain runs), from its creation until it is freed. The call's
-own input and output, and state that existed before (an ``ErrorFeedback``'s stored buffers),
-are not temporaries; their new replacements are (the stored errors the call writes are
-counted while both old and new are alive). Buffers that gloo or numba allocate outside torch
-are not seen. The numbers are exact byte counts, not timings, so they do not depend on the
-machine's load.
+Run as ``python -m bench.collective_memory`` (``--help``): ``--world-size`` gloo ranks
+(``--local-size`` per node) run each case once to warm up (plans, subgroups, workers, kernels),
+then once measured; reported is the largest rank's peak. A temporary is a tensor storage a torch
+op creates during the call, on the calling thread or zcomm's worker, until it is freed; the
+call's input and output and older state (an ``ErrorFeedback``'s stored errors) are not, their
+new replacements are. Buffers gloo or numba allocate outside torch are not seen. The counts are
+exact bytes, so the machine's load does not change them.
 
 [Note: counting temporaries] A ``TorchDispatchMode`` (:class:`LiveBytes`) sees every op; a
 storage seen first as an op's *output* was created by the call, one seen first as an
@@ -32,6 +24,7 @@ import contextlib
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -117,8 +110,7 @@ def measure(call, group: dist.ProcessGroup, tracker: LiveBytes) -> int:
         tracker.reset()
         base = tracker.live
         call()
-        peak = tracker.peak - base
-    return peak
+        return tracker.peak - base
 
 
 def measure_cuda(call, group: dist.ProcessGroup, device: torch.device) -> int:
@@ -141,27 +133,23 @@ def _cases(rank: int, world: int, topology: zcomm.Topology, numel: int, dtype: t
     """name -> (call, output bytes, input bytes) on this rank, tensors on ``device`` (default: CPU)."""
     torch.manual_seed(rank)
     on = dict(dtype=dtype, device=device)
-    shard = torch.randn(numel, **on)
-    gathered = torch.empty(world * numel, **on)
-    full = torch.randn(world * numel, **on)
-    part = torch.empty(numel, **on)
+    shard, gathered = torch.randn(numel, **on), torch.empty(world * numel, **on)
+    full, part = torch.randn(world * numel, **on), torch.empty(numel, **on)
     pieces = [numel // 4, numel // 4, numel - numel // 2]
     ins = [torch.randn(world * n, **on) for n in pieces]
     outs = list(torch.empty(numel, **on).split(pieces))
-    feedback = zcomm.ErrorFeedback()
-    gather = dict(topology=topology)
     avg = dist.ReduceOp.AVG
+    gather = partial(zcomm.all_gather_q8, gathered, shard, topology=topology)
+    scatter = partial(zcomm.reduce_scatter_q4, part, full, avg, topology=topology)
     cases = {
-        "all_gather_q8": (lambda: zcomm.all_gather_q8(gathered, shard, pipeline_stages=1, **gather), gathered, shard),
-        "all_gather_q8_pipelined": (lambda: zcomm.all_gather_q8(gathered, shard, pipeline_stages=4, **gather),
-                                    gathered, shard),
-        "reduce_scatter_q4": (lambda: zcomm.reduce_scatter_q4(part, full, avg, pipeline_stages=1, **gather), part, full),
-        "reduce_scatter_q4_pipelined": (lambda: zcomm.reduce_scatter_q4(part, full, avg, pipeline_stages=4, **gather),
-                                        part, full),
-        "reduce_scatter_q4_feedback": (lambda: zcomm.reduce_scatter_q4(part, full, avg, pipeline_stages=4,
-                                                                       error_feedback=feedback, **gather), part, full),
-        "reduce_scatter_q4_coalesced": (lambda: zcomm.reduce_scatter_q4_coalesced(outs, ins, avg, pipeline_stages=4,
-                                                                                  **gather), outs, ins),
+        "all_gather_q8": (partial(gather, pipeline_stages=1), gathered, shard),
+        "all_gather_q8_pipelined": (partial(gather, pipeline_stages=4), gathered, shard),
+        "reduce_scatter_q4": (partial(scatter, pipeline_stages=1), part, full),
+        "reduce_scatter_q4_pipelined": (partial(scatter, pipeline_stages=4), part, full),
+        "reduce_scatter_q4_feedback": (partial(scatter, pipeline_stages=4, error_feedback=zcomm.ErrorFeedback()),
+                                       part, full),
+        "reduce_scatter_q4_coalesced": (partial(zcomm.reduce_scatter_q4_coalesced, outs, ins, avg, pipeline_stages=4,
+                                                topology=topology), outs, ins),
     }
     return {name: (call, _nbytes(out), _nbytes(inp)) for name, (call, out, inp) in cases.items()}
 
@@ -176,17 +164,14 @@ def rank_peaks(rank: int, world: int, local_size: int, numel: int, dtype: torch.
     """{case: (peak temporary bytes, output bytes, input bytes)} of this rank: counted by
     :class:`LiveBytes` on CPU tensors, or by :func:`measure_cuda` on ``device``'s (a CUDA
     device: gpu-check's w4 stage)."""
-    topology = zcomm.Topology(world_size=world, local_size=local_size)
-    group = dist.group.WORLD
-    cases = _cases(rank, world, topology, numel, dtype, device)
-    if device is not None and device.type == "cuda":
-        def peak(call) -> int:
-            return measure_cuda(call, group, device)
-    else:
-        tracker = LiveBytes()
+    cases = _cases(rank, world, zcomm.Topology(world_size=world, local_size=local_size), numel, dtype, device)
+    group, tracker = dist.group.WORLD, LiveBytes()
 
-        def peak(call) -> int:
-            return measure(call, group, tracker)
+    def peak(call) -> int:
+        if device is not None and device.type == "cuda":
+            return measure_cuda(call, group, device)
+        return measure(call, group, tracker)
+
     return {name: (peak(cases[name][0]), *cases[name][1:]) for name in names}
 
 
@@ -211,10 +196,9 @@ def main(argv=None) -> None:
     parser.add_argument("--numel", type=int, default=1 << 18, help="elements of each rank's shard (gather input, "
                         "reduce-scatter output)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     args = parser.parse_args(argv)
     results = run(world=args.world_size, local_size=args.local_size, numel=args.numel,
-                  dtype=getattr(torch, args.dtype), names=args.cases)
+                  dtype=getattr(torch, args.dtype))
     print(f"world {args.world_size} ({args.world_size // args.local_size} nodes x {args.local_size}), "
           f"{args.numel} {args.dtype} elements per shard")
     print(table(results))

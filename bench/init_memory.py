@@ -1,16 +1,12 @@
 """Peak host memory per rank while building a model, plainly and under ``zero_runtime.Init``.
 
-Run as ``python -m bench.init_memory`` (``--help``). Each mode runs in its own fresh set of
-``--world-size`` gloo ranks on this machine. A rank imports everything and joins the group,
-then resets its peak resident set (``/proc/self/clear_refs``), reads its resident set as the
-baseline, builds a Hugging Face GPT-2 of the given shape (from a config, fp32, same seed on
-every rank) and reads its peak (``VmHWM``) and final resident set. Reported per mode: the
-largest rank's peak and kept growth over the baseline, and the build time. The target
-for ``Init``: peak <= the largest single module's parameters + 1/W of the rest + a fixed
-overhead, stated with the result: the peak of building the same model on the ``meta``
-device (its Python objects and the allocator's, no parameter bytes), the ``meta`` row. The
-ranks run with glibc's ``mmap`` threshold fixed (see [Note: glibc's mmap threshold] in
-``bench.harness.process_memory``), so freed tensors leave the resident set at once.
+Run as ``python -m bench.init_memory`` (``--help``). Each mode runs in fresh ``--world-size``
+gloo ranks: a rank imports everything, joins the group, resets its peak resident set
+(``/proc/self/clear_refs``), builds a Hugging Face GPT-2 (fp32, same seed everywhere) and reads
+its peak (``VmHWM``) and final resident set; reported is each mode's worst rank. The target for
+``Init``: peak <= the largest module's own parameters + 1/W of the rest + a fixed overhead, the
+peak of building on the ``meta`` device (the Python objects, no parameter bytes). The ranks run
+with glibc's ``mmap`` threshold fixed ([Note: glibc's mmap threshold] in ``bench.harness.ranks``).
 """
 
 from __future__ import annotations
@@ -22,8 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench.harness.process_memory import MALLOC_ENV, status_bytes
-from bench.harness.ranks import spawn
+from bench.harness.ranks import MALLOC_ENV, spawn, status_bytes
 
 
 def _build(shape: dict, mode: str):
@@ -61,15 +56,15 @@ def _rank(rank: int, world_size: int, shape: dict, mode: str) -> tuple[int, int,
     return peak, kept, seconds
 
 
-def _module_sizes(shape: dict) -> tuple[int, int, int]:
-    """(parameters, the largest module's own parameters, bytes per parameter), on the meta device."""
+def _module_sizes(shape: dict) -> tuple[int, int]:
+    """(parameters, the largest module's own parameters), on the meta device."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     with torch.device("meta"):
         model = GPT2LMHeadModel(GPT2Config(**shape))
     total = sum(p.numel() for p in dict.fromkeys(model.parameters()))
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    return total, largest, 4
+    return total, largest
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,25 +78,24 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.update(MALLOC_ENV)  # inherited by the spawned ranks
     shape = dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, vocab_size=args.vocab_size,
                  n_positions=1024)
-    total, largest, size = _module_sizes(shape)
-    mib = 2**20
+    total, largest = _module_sizes(shape)
+    mib, size = 2**20, 4  # fp32
     print(f"# Building an HF GPT-2 ({total / 1e6:.1f}M parameters, fp32) on {args.world_size} gloo ranks\n")
     print(f"shape: {shape}; largest module: {largest / 1e6:.1f}M parameters ({largest * size / mib:.0f} MiB); "
           f"torch {torch.__version__}; one thread per rank\n")
     rows = {mode: spawn(_rank, args.world_size, shape, mode, timeout=1800) for mode in ("meta", "plain", "init")}
+    # per mode, the max over the ranks of (peak, kept, seconds)
+    worst = {mode: [max(column) for column in zip(*results, strict=True)] for mode, results in rows.items()}
     print("| mode | peak MiB (max rank) | kept MiB (max rank) | build s (max rank) |")
     print("|---|---|---|---|")
-    for mode, results in rows.items():
-        print(f"| {mode} | {max(r[0] for r in results) / mib:.0f} | {max(r[1] for r in results) / mib:.0f} | "
-              f"{max(r[2] for r in results):.1f} |")
-    overhead = max(r[0] for r in rows["meta"])
+    for mode, (peak, kept, seconds) in worst.items():
+        print(f"| {mode} | {peak / mib:.0f} | {kept / mib:.0f} | {seconds:.1f} |")
+    overhead, peak, plain = worst["meta"][0], worst["init"][0], worst["plain"][0]
     budget = (largest + (total - largest) / args.world_size) * size
-    peak = max(r[0] for r in rows["init"])
     verdict = "PASS" if peak <= budget + overhead else "MISS"
     print(f"\ntarget: Init peak <= largest module + 1/{args.world_size} of the rest + overhead = "
           f"{budget / mib:.0f} + {overhead / mib:.0f} MiB; measured {peak / mib:.0f} MiB: {verdict} "
-          f"(plain construction: {max(r[0] for r in rows['plain']) / mib:.0f} MiB, "
-          f"{max(r[0] for r in rows['plain']) / peak:.2f}x Init's peak)")
+          f"(plain construction: {plain / mib:.0f} MiB, {plain / peak:.2f}x Init's peak)")
 
 
 if __name__ == "__main__":

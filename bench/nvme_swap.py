@@ -1,12 +1,11 @@
 """NVMe swap throughput: zero_runtime's swap file against ``dd`` with direct I/O on the same disk.
 
 Run as ``python -m bench.nvme_swap --path DIR`` (``--help``). In one run, alternating
-``--repeats`` times: ``dd`` writes then reads ``--size`` bytes in 1 MiB blocks with
-``oflag=direct`` / ``iflag=direct`` (the disk's sequential bandwidth), and the optimizer's
-``SwapFile`` (``aio`` settings from the flags) writes then reads the same number of bytes
-from one aligned host buffer, as the offloaded optimizer step does for its sub-groups.
-Medians are reported with the ratio against ``dd`` and the target (>= 70% of the
-disk's sequential read and write bandwidth). Files are removed at the end.
+``--repeats`` times: ``dd`` writes then reads ``--size`` bytes in 1 MiB blocks with direct I/O
+(the disk's sequential bandwidth), and the optimizer's ``SwapFile`` writes then reads as many
+bytes from one aligned host buffer, as the offloaded optimizer step does for its sub-groups.
+Medians are reported with the ratio against ``dd`` and the target (>= 70% of the disk's
+sequential read and write bandwidth). Files are removed at the end.
 """
 
 from __future__ import annotations
@@ -25,12 +24,24 @@ from bench.harness.flags import parse_size
 from zero_runtime.config import AioConfig
 from zero_runtime.offload.swap_file import SwapFile, aligned_buffer
 
+AIO = AioConfig(zcomm_direct_io=True)  # DeepSpeed's defaults otherwise
 
-def dd_rate(args: list[str]) -> float:
+
+def _dd(args: list[str]) -> float:
     """GB/s as dd reports it (bytes over its own elapsed time)."""
     out = subprocess.run(["dd", *args], capture_output=True, text=True, check=True).stderr
     match = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", out)
     return int(match.group(1)) / float(match.group(2)) / 1e9
+
+
+def dd_rates(directory: str, mib: int) -> dict[str, float]:
+    """The disk's sequential ``write`` then ``read`` bandwidth (GB/s) over ``mib`` MiB in 1 MiB blocks, direct I/O."""
+    probe = Path(directory) / f"dd_probe_{os.getpid()}"
+    try:
+        return {"write": _dd(["if=/dev/zero", f"of={probe}", "bs=1M", f"count={mib}", "oflag=direct", "conv=fsync"]),
+                "read": _dd([f"if={probe}", "of=/dev/null", "bs=1M", "iflag=direct"])}
+    finally:
+        probe.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,35 +49,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--path", required=True, help="directory on the disk to measure")
     parser.add_argument("--size", type=parse_size, default=parse_size("1G"))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--block-size", type=parse_size, default=parse_size("1M"))
-    parser.add_argument("--thread-count", type=int, default=1)
-    parser.add_argument("--queue-depth", type=int, default=8)
     args = parser.parse_args(argv)
-    aio = AioConfig(block_size=args.block_size, thread_count=args.thread_count, queue_depth=args.queue_depth,
-                    zcomm_direct_io=True)
-    swap = SwapFile(args.path, rank=0, nbytes=args.size, aio=aio)
+    swap = SwapFile(args.path, rank=0, nbytes=args.size, aio=AIO)
     buffer = aligned_buffer(swap.nbytes)
     buffer.random_(0, 256)
-    dd_file = Path(args.path) / f"dd_probe_{os.getpid()}"
-    count = args.size // (1 << 20)
     rates: dict[str, list[float]] = {"dd write": [], "dd read": [], "swap write": [], "swap read": []}
     try:
         for _ in range(args.repeats):
-            rates["dd write"].append(dd_rate(["if=/dev/zero", f"of={dd_file}", "bs=1M", f"count={count}",
-                                          "oflag=direct", "conv=fsync"]))
-            rates["dd read"].append(dd_rate([f"if={dd_file}", "of=/dev/null", "bs=1M", "iflag=direct"]))
-            for name, write in (("swap write", True), ("swap read", False)):
+            for kind, rate in dd_rates(args.path, args.size // (1 << 20)).items():
+                rates[f"dd {kind}"].append(rate)
+            for kind, transfer in (("write", swap.write), ("read", swap.read)):
                 start = time.perf_counter()
-                (swap.write if write else swap.read)(0, buffer).wait()
-                if write:
+                transfer(0, buffer).wait()
+                if kind == "write":
                     os.fsync(swap.fd)
-                rates[name].append(swap.nbytes / (time.perf_counter() - start) / 1e9)
+                rates[f"swap {kind}"].append(swap.nbytes / (time.perf_counter() - start) / 1e9)
     finally:
         swap.close()
-        dd_file.unlink(missing_ok=True)
     median = {k: statistics.median(v) for k, v in rates.items()}
     print(f"# NVMe swap throughput, {args.size / 2**30:g} GiB, {args.path}, median of {args.repeats} (alternating)")
-    print(f"aio: block_size {args.block_size}, thread_count {args.thread_count}, queue_depth {args.queue_depth}, "
+    print(f"aio: block_size {AIO.block_size}, thread_count {AIO.thread_count}, queue_depth {AIO.queue_depth}, "
           f"O_DIRECT {swap.direct}; torch {torch.__version__}\n")
     print("| transfer | GB/s | samples |")
     print("|---|---:|---|")

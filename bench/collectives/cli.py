@@ -2,16 +2,13 @@
 
 ``-b/-e/-f`` give a geometric sweep of sizes in bytes (``K``/``M``/``G`` suffixes are powers
 of 1024, as in nccl-tests), ``-n`` timed iterations, ``-w`` warm-up iterations, ``-d`` the
-element type by nccl-tests' names. The zcomm-specific flags select the ops, the pipeline
-stages of ``reduce_scatter_q4`` and ``all_reduce_q4`` and the quantization group size; ``--device`` and
-``--backend`` override the rank's device and process-group backend (by default CUDA and
-NCCL when a GPU is visible, else the CPU and gloo; see ``bench.harness.dist_env``).
+element type by nccl-tests' names; then zcomm's: the ops, their pipeline stages and group
+size, and the rank's device and backend (``bench.harness.dist_env``).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import Sequence
 
 import torch
@@ -26,64 +23,10 @@ DTYPES: dict[str, torch.dtype] = {"float": torch.float32, "half": torch.float16,
 
 def parse_stages(text: str) -> tuple[int | None, ...]:
     """``"auto"`` -> (None,) (zcomm picks); ``"1,2,4"`` -> (1, 2, 4)."""
-    stages: list[int | None] = []
-    for item in text.split(","):
-        item = item.strip()
-        if item == "auto":
-            stages.append(None)
-        elif item.isdigit() and int(item) >= 1:
-            stages.append(int(item))
-        else:
-            raise ValueError(f"stages must be 'auto' or positive ints separated by commas, got {text!r}")
-    return tuple(stages)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BenchConfig:
-    """One sweep: sizes ``min_bytes * factor**k <= max_bytes`` for every op in ``ops``."""
-
-    min_bytes: int = 32 << 20
-    max_bytes: int = 32 << 20
-    factor: int = 2
-    iters: int = 20
-    warmup: int = 5
-    dtype: str = "float"
-    ops: tuple[str, ...] = ALL_OPS
-    stages: tuple[int | None, ...] = (None,)
-    group_size: int | None = None
-    seed: int = 0
-    device: str = "auto"
-    backend: str = "auto"
-    json_path: str | None = None
-    plot_path: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.min_bytes < 1 or self.max_bytes < self.min_bytes:
-            raise ValueError(f"need 1 <= minbytes <= maxbytes, got {self.min_bytes} and {self.max_bytes}")
-        if self.factor < 2:
-            raise ValueError(f"stepfactor must be >= 2, got {self.factor}")
-        if self.iters < 1 or self.warmup < 0:
-            raise ValueError(f"need iters >= 1 and warmup >= 0, got {self.iters} and {self.warmup}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"datatype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
-        unknown = [op for op in self.ops if op not in ALL_OPS]
-        if unknown or not self.ops:
-            raise ValueError(f"ops must be a non-empty subset of {ALL_OPS}, got {self.ops}")
-        if not self.stages:
-            raise ValueError("stages must not be empty")
-        if self.group_size is not None and (self.group_size < 2 or self.group_size % 2):
-            raise ValueError(f"group size must be an even int >= 2, got {self.group_size}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    def sizes(self) -> list[int]:
-        sizes, size = [], self.min_bytes
-        while size <= self.max_bytes:
-            sizes.append(size)
-            size *= self.factor
-        return sizes
+    items = [item.strip() for item in text.split(",")]
+    if not all(item == "auto" or (item.isdigit() and int(item) >= 1) for item in items):
+        raise ValueError(f"stages must be 'auto' or positive ints separated by commas, got {text!r}")
+    return tuple(None if item == "auto" else int(item) for item in items)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,16 +46,30 @@ def build_parser() -> argparse.ArgumentParser:
                         help="auto: cuda:LOCAL_RANK when a GPU is visible (unless --backend gloo), else cpu")
     parser.add_argument("--backend", choices=BACKEND_CHOICES, default="auto", help="auto: nccl on cuda, gloo on cpu")
     parser.add_argument("--json", dest="json_path", metavar="PATH", help="write the rows as a JSON list")
-    parser.add_argument("--plot", dest="plot_path", metavar="PATH", help="write a PNG of busbw vs size")
     return parser
 
 
-def parse_config(argv: Sequence[str] | None = None) -> BenchConfig:
-    """Parse ``argv``; invalid values exit through argparse with the config's message."""
+def parse_config(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The flags, with ``ops`` as a tuple, ``torch_dtype`` and ``sizes`` (``min_bytes * factor**k <= max_bytes``);
+    invalid values exit through argparse."""
     parser = build_parser()
-    fields = vars(parser.parse_args(argv))  # the parser's dests are BenchConfig's fields
-    fields["ops"] = tuple(op.strip() for op in fields["ops"].split(",") if op.strip())
-    try:
-        return BenchConfig(**fields)
-    except ValueError as exc:
-        parser.error(str(exc))
+    config = parser.parse_args(argv)
+    config.ops = tuple(op.strip() for op in config.ops.split(",") if op.strip())
+    group_size = config.group_size
+    for failed, message in (
+        (config.min_bytes < 1 or config.max_bytes < config.min_bytes,
+         f"need 1 <= minbytes <= maxbytes, got {config.min_bytes} and {config.max_bytes}"),
+        (config.factor < 2, f"stepfactor must be >= 2, got {config.factor}"),
+        (config.iters < 1 or config.warmup < 0, f"need iters >= 1 and warmup >= 0, got {config.iters} and {config.warmup}"),
+        (not config.ops or not set(config.ops) <= set(ALL_OPS), f"ops must be a non-empty subset of {ALL_OPS}, got {config.ops}"),
+        (group_size is not None and (group_size < 2 or group_size % 2), f"group size must be an even int >= 2, got {group_size}"),
+    ):
+        if failed:
+            parser.error(message)
+    config.torch_dtype = DTYPES[config.dtype]
+    config.sizes = []
+    size = config.min_bytes
+    while size <= config.max_bytes:
+        config.sizes.append(size)
+        size *= config.factor
+    return config

@@ -6,39 +6,30 @@ Run under any launcher ``bench.harness.dist_env`` knows, e.g.::
     torchrun --nproc-per-node 8 -m bench.collectives -b 1M -e 1G -f 2 -d bfloat16
     python -m bench.simcluster --num-nodes 2 --local-size 2 --rate 200mbit -- python -m bench.collectives ...
 
-Each rank works on ``cuda:LOCAL_RANK`` with NCCL when a GPU is visible, else on the CPU with
-gloo (``--device``/``--backend`` override; ``--backend gloo`` alone means the CPU). For every op and size it allocates the buffers
-on that device, warms up, times ``-n`` calls (CUDA events on a GPU; max over ranks),
-reads the node's wire counters around the timed calls when the cluster launcher provides
-them, then checks the last output against the fp64 oracle. Rank 0 prints one row per
-(op, size) as it completes, then the zcomm-vs-torch comparison, and writes the JSON and plot.
+Per (op, size), the buffers on the rank's device, ``-w`` warm-up and ``-n`` timed calls, the
+node's wire counters around them (under the cluster launcher), then the check of the last
+output. Rank 0 prints each row as it completes, then the comparison, and writes the JSON.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import warnings
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from bench.harness import dist_env, report
+from bench.harness import dist_env
 from bench.harness.bandwidth import algbw_gbps, busbw_gbps
-from bench.harness.collective import Case, build_case
 from bench.harness.timing import reduce_over_ranks, time_collective
 from bench.harness.wire import read_wire_bytes
 
-from . import comparison
-from .catalog import COLLECTIVES
-from .cli import BenchConfig, parse_config
-
-
-def _variants(config: BenchConfig) -> Iterator[tuple[str, int | None]]:
-    for op in config.ops:
-        for stages in config.stages if COLLECTIVES[op].pipelined else (None,):
-            yield op, stages
+from . import report
+from .catalog import COLLECTIVES, Case, build_case
+from .cli import parse_config
 
 
 def _wire_counter(env: dist_env.DistEnv) -> Callable[[], int] | None:
@@ -48,69 +39,49 @@ def _wire_counter(env: dist_env.DistEnv) -> Callable[[], int] | None:
     return lambda: read_wire_bytes()[0] if env.first_in_node else 0
 
 
-def measure(case: Case, config: BenchConfig, env: dist_env.DistEnv) -> report.Row:
+def measure(case: Case, config: argparse.Namespace, env: dist_env.DistEnv) -> report.Row:
     """Time one case, count its wire bytes and its wrong elements."""
-    timing = time_collective(
-        case.run, iters=config.iters, warmup=config.warmup, device=case.device, counter=_wire_counter(env)
-    )
+    timing = time_collective(case.run, iters=config.iters, warmup=config.warmup, device=case.device,
+                             counter=_wire_counter(env))
     (wrong,) = reduce_over_ranks([case.check()], dist.ReduceOp.SUM, device=case.device)
-    return report.Row(
-        op=case.label,
-        size_bytes=case.size_bytes,
-        count=case.count,
-        dtype=config.dtype,
-        redop=case.redop,
-        time_us=timing.seconds * 1e6,
-        algbw_gbps=algbw_gbps(case.size_bytes, timing.seconds),
-        busbw_gbps=busbw_gbps(case.kind, case.size_bytes, timing.seconds, env.world_size),
-        wrong=int(wrong),
-        logical_bytes=case.size_bytes,
-        payload_bytes=case.payload_bytes,
-        wire_bytes=timing.counter_delta,
-    )
+    return report.Row(op=case.label, size_bytes=case.size_bytes, count=case.count, dtype=config.dtype,
+                      redop=case.redop, time_us=timing.seconds * 1e6, algbw_gbps=algbw_gbps(case.size_bytes, timing.seconds),
+                      busbw_gbps=busbw_gbps(case.kind, case.size_bytes, timing.seconds, env.world_size),
+                      wrong=int(wrong), logical_bytes=case.size_bytes, payload_bytes=case.payload_bytes,
+                      wire_bytes=timing.counter_delta)
 
 
-def run_sweep(config: BenchConfig, ctx: dist_env.DistContext) -> list[report.Row]:
+def run_sweep(config: argparse.Namespace, ctx: dist_env.DistContext) -> list[report.Row]:
     """Every (op, stages, size) of ``config``; rank 0 prints each row as it completes."""
     env = ctx.env
-    jobs = [(op, stages, size) for op, stages in _variants(config) for size in config.sizes()]
+    jobs = [(op, stages, size) for op in config.ops for stages in (config.stages if COLLECTIVES[op].pipelined else (None,))
+            for size in config.sizes]
     rows = []
     # The bar redraws with carriage returns: only on an interactive stderr, or a log that
     # shares stdout's pipe interleaves it with the table rows.
     show_bar = env.rank == 0 and sys.stderr.isatty()
     for op, stages, size in tqdm(jobs, desc="collectives", disable=not show_bar, file=sys.stderr):
         case = build_case(COLLECTIVES[op], size, env=env, device=ctx.device, dtype=config.torch_dtype, seed=config.seed,
-                          group_size=config.group_size, stages=stages)  # fmt: skip
+                          group_size=config.group_size, stages=stages)
         rows.append(measure(case, config, env))
         if env.rank == 0:
             tqdm.write(report.format_row(rows[-1]), file=sys.stdout)
     return rows
 
 
-def _preamble(config: BenchConfig, ctx: dist_env.DistContext) -> str:
-    env = ctx.env
-    return (
-        f"# zcomm collectives: {env.world_size} ranks = {env.num_nodes} node(s) x {env.local_size} "
-        f"({env.launcher}), rank 0 on {ctx.device} ({ctx.backend}), "
-        f"dtype {config.dtype}, iters {config.iters}, warmup {config.warmup}, "
-        f"group size {config.group_size or 'zcomm default'}, torch {torch.__version__}\n"
-        f"# time = max over ranks of the per-call time; wire = inter-node bytes per call (all nodes)"
-    )
-
-
-def _print_comparison(rows: Sequence[report.Row], config: BenchConfig, env: dist_env.DistEnv) -> None:
-    itemsize = config.torch_dtype.itemsize
+def _print_report(rows: Sequence[report.Row], config: argparse.Namespace, env: dist_env.DistEnv) -> None:
     sections = (
-        ("speedup over torch", comparison.speedups(rows)),
-        ("inter-node wire bytes vs a bandwidth-optimal bf16 ring", comparison.wire_ratios(
-            rows, num_nodes=env.num_nodes, local_size=env.local_size, itemsize=itemsize
-        )),
-        ("pipelining of reduce_scatter_q4", comparison.pipelining(rows)),
+        ("speedup over torch", report.speedups(rows)),
+        ("inter-node wire bytes vs a bandwidth-optimal bf16 ring", report.wire_ratios(
+            rows, num_nodes=env.num_nodes, local_size=env.local_size, itemsize=config.torch_dtype.itemsize)),
+        ("pipelining of reduce_scatter_q4", report.pipelining(rows)),
     )
     for title, lines in sections:
         if lines:
             print(f"\n# {title}")
             print("\n".join(lines))
+    if config.json_path:
+        report.write_json(rows, config.json_path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -121,17 +92,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = ctx.env
     try:
         if env.rank == 0:
-            print(_preamble(config, ctx))
+            print(f"# zcomm collectives: {env.world_size} ranks = {env.num_nodes} node(s) x {env.local_size} "
+                  f"({env.launcher}), rank 0 on {ctx.device} ({ctx.backend}), dtype {config.dtype}, "
+                  f"iters {config.iters}, warmup {config.warmup}, group size {config.group_size or 'zcomm default'}, "
+                  f"torch {torch.__version__}\n"
+                  "# time = max over ranks of the per-call time; wire = inter-node bytes per call (all nodes)")
             print(report.header(), flush=True)
         rows = run_sweep(config, ctx)
         if env.rank == 0:
-            _print_comparison(rows, config, env)
-            if config.json_path:
-                report.write_json(rows, config.json_path)
-            if config.plot_path:
-                report.write_plot(rows, config.plot_path, f"{env.num_nodes}x{env.local_size} ranks, {config.dtype}")
+            _print_report(rows, config, env)
         dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0
-

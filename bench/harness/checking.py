@@ -1,33 +1,8 @@
 """Correctness in the same run: seeded inputs, an fp64 oracle and analytic error bounds.
 
-Inputs. Rank ``i``'s input is cut into chunks (one per destination rank for reduce-scatter
-and all-to-all, a single chunk for all-gather); chunk ``j`` is standard-normal data from a
-generator seeded by ``(seed, i, j, numel)``, scaled by ``1 + i`` so ranks differ in range. Any
-rank can therefore rebuild exactly the chunks its own output depends on, without
-communication, and compute the expected output in fp64.
-
-``#wrong`` counts the elements whose error ``|y - exact|`` exceeds the bound (or that are not
-finite). Bounds, with ``u`` the unit roundoff of the output dtype (2^-8 bf16, 2^-11 fp16,
-2^-24 fp32) and ``a_i`` the inputs that reach one output element:
-
-* all-gather, all-to-all: exact copies, bound 0.
-* reduce-scatter in the input dtype, ``n`` ranks: recursive summation in any order,
-  ``gamma_{n-1} * sum |a_i|`` with ``gamma_k = k u / (1 - k u)``.
-* ``all_gather_q8``: INT8 blocks of ``group_size`` aligned to the start of each rank's input,
-  ``scale = absmax / 127``: rounding to the nearest level errs by at most ``scale / 2``; the
-  conversion to the output dtype adds ``u (|x| + scale / 2)``.
-* ``reduce_scatter_q4`` (qgZ, two INT4 hops, ``qmax = 7``): each input errs by at most
-  ``s1_i / 2``; a node's fp32 partial ``p`` is re-quantized with
-  ``s2 <= (absmax(p_exact) + sum_node s1_i / 2) / 7`` and errs by ``s2 / 2`` more; the
-  output dtype adds ``u (|exact| + E)``. The implementation's groups are ``group_size``
-  consecutive elements of one destination slice, but where they start (pipeline chunks,
-  padding) is its business, so every absmax is taken over the aligned block of the element
-  and its two neighbours, which covers any such group. (A group could straddle two
-  destination slices only if a pipeline part were not a multiple of ``group_size``, which
-  the power-of-two sweeps never produce.) Both hops are counted even when the
-  topology skips one, which only loosens the bound.
-
-All quantized bounds add ``2^-20 * n * (sum |a_i| + E)`` for the fp32 arithmetic inside.
+The inputs' seeding and the bounds' derivation: ``bench/PERFORMANCE.md`` (#wrong). ``u`` is the
+output dtype's unit roundoff; quantized bounds add ``2^-20 * n * (sum |a_i| + E)`` for the fp32
+arithmetic inside.
 """
 
 from __future__ import annotations

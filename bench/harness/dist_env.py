@@ -1,24 +1,15 @@
 """Who am I in the job, and how the ranks meet: torchrun, the cluster launcher, or MPI.
 
-Launchers are recognised from their environment, in this order:
+Launchers are recognised from their variables (``_LAUNCHERS``), in order: torchrun and
+``bench.simcluster`` (with ``MASTER_ADDR``: rendezvous through ``env://``); MPICH or Open MPI,
+where rank 0 opens the TCP store on a port the kernel picks and sends its address to the others
+through mpi4py (127.0.0.1 when all ranks run on one host); else a single rank. ``local_size``,
+the ranks per node as zcomm's topology sees them, is ``ZCOMM_LOCAL_SIZE`` when set (one machine
+pretending to be several nodes), else the launcher's local world size.
 
-1. torchrun and ``bench.simcluster``: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-   ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (rendezvous through ``env://``).
-2. MPI: MPICH/Hydra (``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``) or
-   Open MPI (``OMPI_COMM_WORLD_RANK`` / ``_SIZE`` / ``_LOCAL_RANK`` / ``_LOCAL_SIZE``). Rank 0
-   opens the TCP store on a port the kernel picks (port 0, so never a fixed port) and sends
-   the address and port to the others through mpi4py. When all ranks run on one host the
-   store listens on 127.0.0.1; otherwise on rank 0's host name.
-3. Nothing: a single rank.
-
-``local_size`` is the number of ranks per node as zcomm sees them (``zcomm.Topology``'s
-``local_size``): ``ZCOMM_LOCAL_SIZE`` when set (one machine pretending to be several nodes),
-else the launcher's local world size. ``num_nodes`` is ``world_size / local_size``.
-
-Device and backend: a rank works on ``cuda:LOCAL_RANK`` (modulo the visible GPUs) when CUDA
-is available, unless gloo was asked for, else on the CPU; the backend follows the device
-(NCCL on CUDA, gloo on the CPU). Both can be overridden; NCCL on the CPU is refused, since
-NCCL only moves CUDA memory.
+A rank works on ``cuda:LOCAL_RANK`` (modulo the visible GPUs) when CUDA is available, unless
+gloo was asked for, else on the CPU; the backend follows the device (NCCL on CUDA, gloo on
+the CPU). Both can be overridden; NCCL on the CPU is refused, since NCCL only moves CUDA memory.
 """
 
 from __future__ import annotations
@@ -32,14 +23,12 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-_MPI_KEYS = {
+# launcher -> its variables for (rank, world size, local rank, local world size)
+_LAUNCHERS = {
+    "env": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
     "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    "openmpi": (
-        "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_SIZE",
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-        "OMPI_COMM_WORLD_LOCAL_SIZE",
-    ),
+    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                "OMPI_COMM_WORLD_LOCAL_SIZE"),
 }
 TIMEOUT = datetime.timedelta(minutes=10)
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -48,7 +37,7 @@ BACKEND_CHOICES = ("auto", "nccl", "gloo")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DistEnv:
-    """This process's place in the job; ``launcher`` is ``env`` (torchrun-style variables), ``mpich``, ``openmpi`` or ``single``."""
+    """This process's place in the job; ``launcher`` is ``env``, ``mpich``, ``openmpi`` or ``single``."""
 
     rank: int
     world_size: int
@@ -63,7 +52,8 @@ class DistEnv:
         if not 0 <= self.local_rank < self.local_world_size:
             raise ValueError(f"local rank {self.local_rank} is outside local world size {self.local_world_size}")
         if self.local_size < 1 or self.world_size % self.local_size:
-            raise ValueError(f"world size {self.world_size} is not a multiple of the local size {self.local_size} (ranks per node)")
+            raise ValueError(f"world size {self.world_size} is not a multiple of the local size {self.local_size} "
+                             "(ranks per node)")
 
     @property
     def num_nodes(self) -> int:
@@ -71,47 +61,29 @@ class DistEnv:
 
     @property
     def first_in_node(self) -> bool:
-        """Whether this rank is its node's first (nodes are ``local_size`` consecutive ranks): it reads the node's wire counters."""
+        """The first rank of a node (``local_size`` consecutive ranks) reads the node's wire counters."""
         return self.rank % self.local_size == 0
-
-
-def _int(environ: Mapping[str, str], key: str) -> int:
-    try:
-        return int(environ[key])
-    except ValueError as exc:
-        raise ValueError(f"environment variable {key}={environ[key]!r} is not an integer") from exc
-
-
-def _local_size(environ: Mapping[str, str], local_world_size: int) -> int:
-    return _int(environ, "ZCOMM_LOCAL_SIZE") if "ZCOMM_LOCAL_SIZE" in environ else local_world_size
 
 
 def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
     """Read the launcher's variables from ``environ`` (default ``os.environ``)."""
     environ = os.environ if environ is None else environ
-    if "RANK" in environ and "MASTER_ADDR" in environ:
-        world = _int(environ, "WORLD_SIZE")
-        local_world = _int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else world
-        return DistEnv(
-            rank=_int(environ, "RANK"),
-            world_size=world,
-            local_rank=_int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else _int(environ, "RANK"),
-            local_world_size=local_world,
-            local_size=_local_size(environ, local_world),
-            launcher="env",
-        )
-    for launcher, (rank, size, local_rank, local_world_size) in _MPI_KEYS.items():
-        if rank in environ and size in environ:
-            local_world = _int(environ, local_world_size) if local_world_size in environ else _int(environ, size)
-            return DistEnv(
-                rank=_int(environ, rank),
-                world_size=_int(environ, size),
-                local_rank=_int(environ, local_rank) if local_rank in environ else _int(environ, rank),
-                local_world_size=local_world,
-                local_size=_local_size(environ, local_world),
-                launcher=launcher,
-            )
-    return DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, local_size=_local_size(environ, 1), launcher="single")
+
+    def read(*keys: str) -> int:
+        """The first of ``keys`` that is set, as an int."""
+        key = next((key for key in keys if key in environ), keys[-1])
+        try:
+            return int(environ[key])
+        except ValueError as exc:
+            raise ValueError(f"environment variable {key}={environ[key]!r} is not an integer") from exc
+
+    for launcher, (rank, size, local_rank, local_world) in _LAUNCHERS.items():
+        if rank in environ and ("MASTER_ADDR" if launcher == "env" else size) in environ:
+            return DistEnv(rank=read(rank), world_size=read(size), local_rank=read(local_rank, rank),
+                           local_world_size=read(local_world, size), local_size=read("ZCOMM_LOCAL_SIZE", local_world, size),
+                           launcher=launcher)
+    local_size = read("ZCOMM_LOCAL_SIZE") if "ZCOMM_LOCAL_SIZE" in environ else 1
+    return DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, local_size=local_size, launcher="single")
 
 
 def _mpi_store(env: DistEnv) -> dist.TCPStore:
@@ -128,15 +100,9 @@ def _mpi_store(env: DistEnv) -> dist.TCPStore:
     return dist.TCPStore(host, port, env.world_size, False, timeout=TIMEOUT)
 
 
-def select_device(
-    env: DistEnv, choice: str = "auto", *, backend: str = "auto", cuda_devices: int | None = None
-) -> torch.device:
-    """The device this rank works on: ``cuda:LOCAL_RANK`` (mod the GPU count) or ``cpu``.
-
-    ``choice`` is ``auto`` (CUDA when a GPU is visible and ``backend`` is not ``gloo``),
-    ``cpu`` or ``cuda`` (an error without a GPU: nothing falls back). ``cuda_devices``
-    defaults to ``torch.cuda.device_count()`` (0 on a machine or build without CUDA).
-    """
+def select_device(env: DistEnv, choice: str = "auto", *, backend: str = "auto",
+                  cuda_devices: int | None = None) -> torch.device:
+    """``cuda:LOCAL_RANK`` (mod ``cuda_devices``, default the GPUs torch sees) or ``cpu``; nothing falls back."""
     if choice not in DEVICE_CHOICES:
         raise ValueError(f"device must be one of {DEVICE_CHOICES}, got {choice!r}")
     count = torch.cuda.device_count() if cuda_devices is None else cuda_devices
@@ -148,7 +114,6 @@ def select_device(
 
 
 def select_backend(device: torch.device, choice: str = "auto") -> str:
-    """The process-group backend for ``device``: ``nccl`` on CUDA, ``gloo`` on the CPU, unless overridden."""
     if choice not in BACKEND_CHOICES:
         raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {choice!r}")
     if choice == "auto":
@@ -169,10 +134,7 @@ def init_process_group(env: DistEnv, backend: str = "gloo") -> None:
     if env.launcher == "env":
         dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size, timeout=TIMEOUT)
         return
-    if env.launcher == "single":
-        store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=TIMEOUT)
-    else:
-        store = _mpi_store(env)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=TIMEOUT) if env.launcher == "single" else _mpi_store(env)
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=TIMEOUT)
 
 

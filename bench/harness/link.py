@@ -1,16 +1,15 @@
 """The throughput of one inter-node link, measured: what turns wire bytes into wire time.
 
-A benchmark's step is communication-bound when its inter-node bytes take about as long to
-cross a link as the whole step. Under ``bench.simcluster`` both sides are measured, in the
-same unit: the bytes a node's uplink counters show (TCP/IP headers included, see
-:mod:`.wire`) and the throughput of such a link for a plain point-to-point transfer.
+Under ``bench.simcluster`` a step is communication-bound when its inter-node bytes (from the
+uplink counters, TCP/IP headers included: :mod:`.wire`) take about as long to cross a link as
+the whole step; both are measured in the same unit.
 
 [Note: link probe] Rank 0 (node 0) sends one buffer to the first rank of node 1 and waits
 for a one-element reply, so the clock stops when the last byte has arrived, not when the
 kernel has queued it; the throughput is the bytes node 0's uplink sent in that time over
-the time. The buffer doubles from ``first_bytes`` until a transfer lasts ``min_seconds``
+the time. The buffer doubles from ``FIRST_BYTES`` until a transfer lasts ``MIN_SECONDS``
 (so the shaper's burst and the connection's warm-up are a small part of it) or reaches
-``max_bytes``. Every other rank waits in the barriers; rank 0 broadcasts each result, so
+``MAX_BYTES``. Every other rank waits in the barriers; rank 0 broadcasts each result, so
 all ranks take the same branch.
 """
 
@@ -54,9 +53,7 @@ def _probe(ctx: DistContext, nbytes: int, peer: int) -> tuple[int, float]:
     return sent, elapsed
 
 
-def measure_link_throughput(
-    ctx: DistContext, *, first_bytes: int = FIRST_BYTES, max_bytes: int = MAX_BYTES, min_seconds: float = MIN_SECONDS
-) -> float | None:
+def measure_link_throughput(ctx: DistContext) -> float | None:
     """Bytes per second one node's uplink carries (see [Note: link probe]); collective.
 
     None when there is no second node or no wire counters (not under ``bench.simcluster``),
@@ -66,13 +63,11 @@ def measure_link_throughput(
     dist.all_reduce(has_counters, op=dist.ReduceOp.MIN)
     if ctx.env.num_nodes < 2 or not bool(has_counters.item()):
         return None
-    peer = ctx.env.local_size
-    nbytes = first_bytes
+    nbytes = FIRST_BYTES
     while True:
-        sent, elapsed = _probe(ctx, nbytes, peer)
-        result = torch.tensor([float(sent), elapsed], dtype=torch.float64, device=ctx.device)
+        result = torch.tensor(_probe(ctx, nbytes, peer=ctx.env.local_size), dtype=torch.float64, device=ctx.device)
         dist.broadcast(result, src=0)
-        sent_f, elapsed_f = result.tolist()
-        if elapsed_f >= min_seconds or nbytes >= max_bytes:
-            return sent_f / elapsed_f
+        sent, elapsed = result.tolist()
+        if elapsed >= MIN_SECONDS or nbytes >= MAX_BYTES:
+            return sent / elapsed
         nbytes *= 2

@@ -1,12 +1,9 @@
 """Which compute precision a benchmark uses on this machine, and why; the CPU's model name.
 
-bf16 is a fair benchmark precision only where the hardware computes in it. A CPU without
-native bf16 (no AMX-BF16 and no AVX512-BF16: e.g. an AVX2-only AMD EPYC) emulates bf16
-matmuls (on the EPYC of bench/results, one thread, a 256x1024 by 1024x1024 bf16 matmul
-took about 80x its fp32 time), so every bf16 step there is compute-bound and hides what
-communication costs. ``auto`` therefore picks bf16
-on a GPU that supports it and on a CPU whose ``/proc/cpuinfo`` flags name native bf16, and
-fp32 everywhere else; every implementation in a run uses the same choice.
+A CPU without native bf16 emulates bf16 matmuls, so every bf16 step there is compute-bound and
+hides what communication costs (``bench/PERFORMANCE.md``). ``auto`` therefore picks bf16 on a GPU
+that supports it and on a CPU whose ``/proc/cpuinfo`` flags name native bf16 (on every
+processor), and fp32 everywhere else; every implementation in a run uses the same choice.
 """
 
 from __future__ import annotations
@@ -22,14 +19,12 @@ DTYPE_CHOICES = ("auto", "bf16", "fp32")
 
 
 class Precision(NamedTuple):
-    """The compute precision (``bf16`` or ``fp32``) and the reason it was chosen."""
-
-    dtype: str
+    dtype: str  # bf16 or fp32
     reason: str
 
 
 def read_cpuinfo() -> str:
-    """The text of ``/proc/cpuinfo``, or "" where there is none (not Linux)."""
+    """The text of ``/proc/cpuinfo``, or "" where there is none."""
     try:
         return CPUINFO.read_text(encoding="utf-8", errors="replace")
     except OSError:
@@ -37,12 +32,8 @@ def read_cpuinfo() -> str:
 
 
 def _fields(cpuinfo: str, key: str) -> list[str]:
-    values = []
-    for line in cpuinfo.splitlines():
-        name, sep, value = line.partition(":")
-        if sep and name.strip() == key:
-            values.append(value.strip())
-    return values
+    lines = (line.partition(":") for line in cpuinfo.splitlines())
+    return [value.strip() for name, sep, value in lines if sep and name.strip() == key]
 
 
 def cpu_model(cpuinfo: str) -> str:
@@ -64,14 +55,8 @@ def native_bf16_flags(cpuinfo: str) -> list[str]:
 
 
 def choose_precision(requested: str, *, cpuinfo: str, cuda_bf16: bool | None) -> Precision:
-    """The compute precision for ``requested`` (``auto``, ``bf16`` or ``fp32``).
-
-    Args:
-        requested: ``auto`` decides from the hardware; ``bf16`` and ``fp32`` are kept as given.
-        cpuinfo: the text of ``/proc/cpuinfo`` (its flags decide on a CPU).
-        cuda_bf16: on a GPU run, whether the GPU computes in bf16
-            (``torch.cuda.is_bf16_supported()``); None on a CPU run.
-    """
+    """``bf16`` and ``fp32`` as given; ``auto`` from ``cuda_bf16`` on a GPU run (whether the GPU computes
+    in bf16; None on a CPU run), else from ``cpuinfo``'s flags."""
     if requested not in DTYPE_CHOICES:
         raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {requested!r}")
     if requested != "auto":

@@ -5,12 +5,11 @@ down during interpreter finalization (the model, FSDP2's DeviceMesh and zcomm's 
 caches can hold them until then). gloo's worker threads and the store's threads are C++
 threads that may still need the GIL for a last tensor release at that moment, and a thread
 that asks for the GIL during finalization is made to exit, which aborts the whole process
-("terminate called without an active exception", exit 134) after all of its work succeeded.
-This was seen about once per full test run, in ranks that had already written their results
-and called ``destroy_process_group``. So a finished rank flushes its output and leaves with
+("terminate called without an active exception", exit 134) after all of its work succeeded
+(about once per full test run). So a finished rank flushes its output and leaves with
 ``os._exit``, skipping finalization, as the test harness's ranks do (see [Note: teardown] in
-``tests/spawn_harness.py``). What it skips are the interpreter's exit handlers: a rank must
-close what outlives it itself (``opt.close()`` for NVMe swap files) before calling this.
+``tests/spawn_harness.py``). A rank must therefore close what outlives it itself (``opt.close()``
+for NVMe swap files) before calling this.
 """
 
 from __future__ import annotations

@@ -1,12 +1,17 @@
-"""Gloo ranks on this machine that each send one result back: :func:`spawn`.
+"""Gloo ranks on this machine that each send one result back (:func:`spawn`), for the memory benchmarks.
 
-The memory benchmarks (``bench.collective_memory``, ``bench.init_memory``, ``bench.offload_oom``)
-measure inside fresh processes, one per rank. ``spawn(target, world, *args)`` starts them with
-the ``spawn`` start method; each joins a gloo group over a free localhost port with one torch
-thread, runs ``target(rank, world, *args)`` and sends its return value (or the exception it
-raised, after printing its traceback) to the parent through a queue. A rank that succeeded
-waits at a barrier for its peers and then leaves without finalizing the interpreter
-([Note: leaving without finalization] in :mod:`.rank_exit`).
+Each rank is a fresh process that joins a gloo group on localhost with one torch thread, runs
+``target(rank, world, *args)`` and sends its return value (or the exception it raised) to the
+parent through a queue; then it waits at a barrier for its peers and leaves without finalizing
+the interpreter ([Note: leaving without finalization] in :mod:`.rank_exit`).
+
+[Note: glibc's mmap threshold] glibc serves an allocation above its ``mmap`` threshold with
+its own mapping, returned to the system when freed; below it, from its heap, whose freed
+blocks mostly stay resident. The threshold is dynamic by default: freeing a mapped block
+raises it up to 32 MiB, so after a while tensors of up to 32 MiB (a transformer block's
+shards) come from the heap and stay resident once freed. A peak or a cgroup limit then
+measures the allocator's history more than the tensors alive. The benchmarks fix the
+threshold at 128 KiB in their ranks (``MALLOC_ENV``), so freed tensors leave the resident set.
 """
 
 from __future__ import annotations
@@ -19,6 +24,17 @@ from queue import Empty
 from typing import Any, Callable
 
 from .rank_exit import leave
+
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+def status_bytes(field: str) -> int:
+    """``field`` of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...) in bytes."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def free_port() -> int:
@@ -55,21 +71,17 @@ def _collect(queue, procs: list, timeout: float) -> list:
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     while len(results) < len(procs):
-        try:
-            rank, result = queue.get(timeout=1.0)
+        gone = [r for r, proc in enumerate(procs) if r not in results and proc.exitcode is not None]
+        try:  # a gone rank's result, flushed before it exited, may still be on its way through the pipe
+            rank, result = queue.get(timeout=5.0 if gone else 1.0)
         except Empty:
-            gone = [r for r, proc in enumerate(procs) if r not in results and proc.exitcode is not None]
-            if gone:  # its result, flushed before it exited, may still be on its way through the pipe
-                try:
-                    rank, result = queue.get(timeout=5.0)
-                except Empty:
-                    codes = [procs[r].exitcode for r in gone]
-                    raise RuntimeError(f"rank(s) {gone} exited (codes {codes}) without a result") from None
-            elif time.monotonic() > deadline:
+            if gone:
+                codes = [procs[r].exitcode for r in gone]
+                raise RuntimeError(f"rank(s) {gone} exited (codes {codes}) without a result") from None
+            if time.monotonic() > deadline:
                 missing = sorted(set(range(len(procs))) - set(results))
                 raise RuntimeError(f"no result from rank(s) {missing} in {timeout:.0f} s") from None
-            else:
-                continue
+            continue
         if isinstance(result, BaseException):
             raise result
         results[rank] = result

@@ -1,19 +1,9 @@
-"""Barrier-synchronised timing of a collective, as nccl-tests does it, on the CPU or a GPU.
+"""Barrier-synchronised timing of a collective, as nccl-tests does it (``bench/PERFORMANCE.md``), on the CPU or a GPU.
 
-Warm up, wait for the warm-up to finish, barrier, run ``iters`` back-to-back calls, stop the
-clock once they are done; the per-iteration time is the elapsed time over ``iters`` and the
-reported value is its maximum over the ranks (nccl-tests' ``-a 3``): a collective is only
-done when its slowest rank is done. The timed region only calls ``fn``: buffers are
-allocated by the caller beforehand.
-
-The clock follows the device (:func:`clock_for`): the host's monotonic clock on the CPU,
-where gloo's calls return when they are done, and CUDA events on the current stream on a
-GPU, where calls only enqueue work (see ``[Note: CUDA event timing]``). The max and sum over
-the ranks are all-reduced in a tensor on ``device``, the device of the group's backend
-(NCCL moves CUDA memory only).
-
-An optional ``counter`` (e.g. the node's wire bytes) is read between two barriers before the
-timed loop and after a barrier that follows it; its per-iteration increase is summed over the ranks, so a
+The clock follows the device (:func:`clock_for`); the max and sum over the ranks are
+all-reduced in a tensor on ``device``, the group's device (NCCL moves CUDA memory only). An
+optional ``counter`` (e.g. the node's wire bytes) is read between two barriers before the timed
+loop and after a barrier that follows it; its per-call increase is summed over the ranks, so a
 counter shared by the ranks of a node should be read by one of them only (others return 0).
 """
 
@@ -21,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,23 +23,8 @@ class Timing:
     counter_delta: float | None
 
 
-class Clock(Protocol):
-    """Measures the work enqueued between ``start`` and ``stop`` on one device."""
-
-    def synchronize(self) -> None: ...
-
-    def start(self) -> None: ...
-
-    def stop(self) -> float:
-        """Seconds since ``start``, once the work enqueued since then has finished."""
-        ...
-
-
 class HostClock:
-    """``time.perf_counter``: CPU work is done when the call returns."""
-
-    def __init__(self) -> None:
-        self._start = 0.0
+    """``time.perf_counter``: on the CPU, gloo's calls return when they are done."""
 
     def synchronize(self) -> None:
         pass
@@ -76,9 +51,7 @@ class CudaEventClock:
     """
 
     def __init__(self, device: torch.device) -> None:
-        assert device.type == "cuda", device
         self.device = device
-        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -88,15 +61,14 @@ class CudaEventClock:
         self._events[0].record(torch.cuda.current_stream(self.device))
 
     def stop(self) -> float:
-        assert self._events is not None, "stop() before start()"
+        """Seconds since ``start``, once the work enqueued since then has finished."""
         begin, end = self._events
         end.record(torch.cuda.current_stream(self.device))
         end.synchronize()
         return begin.elapsed_time(end) / 1e3
 
 
-def clock_for(device: torch.device) -> Clock:
-    """CUDA events for a ``cuda`` device, the host clock for the CPU."""
+def clock_for(device: torch.device) -> HostClock | CudaEventClock:
     if device.type == "cuda":
         return CudaEventClock(device)
     if device.type == "cpu":
@@ -104,24 +76,15 @@ def clock_for(device: torch.device) -> Clock:
     raise ValueError(f"no clock for device type {device.type!r} (cpu or cuda)")
 
 
-def reduce_over_ranks(
-    values: list[float], op: dist.ReduceOp, *, device: torch.device, group: dist.ProcessGroup | None = None
-) -> list[float]:
-    """``values`` reduced element-wise over the ranks of ``group``, through a float64 tensor on ``device``."""
+def reduce_over_ranks(values: list[float], op: dist.ReduceOp, *, device: torch.device) -> list[float]:
+    """``values`` reduced element-wise over the ranks, through a float64 tensor on ``device``."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=op, group=group)
+    dist.all_reduce(tensor, op=op)
     return tensor.tolist()
 
 
-def time_collective(
-    fn: Callable[[], object],
-    *,
-    iters: int,
-    warmup: int,
-    device: torch.device,
-    counter: Callable[[], int] | None = None,
-    group: dist.ProcessGroup | None = None,
-) -> Timing:
+def time_collective(fn: Callable[[], object], *, iters: int, warmup: int, device: torch.device,
+                    counter: Callable[[], int] | None = None) -> Timing:
     """Max-over-ranks seconds per call of ``fn`` on ``device``, and the summed per-call counter increase."""
     if iters < 1 or warmup < 0:
         raise ValueError(f"need iters >= 1 and warmup >= 0, got {iters} and {warmup}")
@@ -129,18 +92,17 @@ def time_collective(
     for _ in range(warmup):
         fn()
     clock.synchronize()
-    dist.barrier(group=group)
+    dist.barrier()
     before = 0
     if counter is not None:
         before = counter()
-        # Peers on the same node must not start sending before this rank has read the counter.
-        dist.barrier(group=group)
+        dist.barrier()  # peers on the same node must not send before this rank has read the counter
     clock.start()
     for _ in range(iters):
         fn()
     elapsed = clock.stop() / iters
-    dist.barrier(group=group)
+    dist.barrier()
     delta = (counter() - before) / iters if counter is not None else 0.0
-    (seconds,) = reduce_over_ranks([elapsed], dist.ReduceOp.MAX, device=device, group=group)
-    (summed,) = reduce_over_ranks([delta], dist.ReduceOp.SUM, device=device, group=group)
+    (seconds,) = reduce_over_ranks([elapsed], dist.ReduceOp.MAX, device=device)
+    (summed,) = reduce_over_ranks([delta], dist.ReduceOp.SUM, device=device)
     return Timing(seconds=seconds, counter_delta=summed if counter is not None else None)

@@ -1,9 +1,8 @@
-"""Bytes on a node's uplink, read from the interface counters of the current network namespace.
+"""Bytes on a node's uplink, from the interface counters of the current network namespace.
 
-Under ``bench.simcluster`` every rank runs inside its node's namespace and
-``ZCOMM_WIRE_IFACE`` names the node's only link to the other nodes. ``/proc/net/dev`` shows
-the counters of the reading process's namespace, so every rank of a node sees the same
-numbers; traffic between ranks of one node goes over loopback and is not counted.
+Under ``bench.simcluster`` every rank runs in its node's namespace, where ``ZCOMM_WIRE_IFACE``
+is the only link to the other nodes: every rank of a node sees the same counters, and traffic
+between ranks of one node goes over loopback, uncounted.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""A multi-node cluster simulated on one machine with Linux network namespaces.
+"""A multi-node cluster simulated on one machine with Linux network namespaces (needs root).
 
-``python -m bench.simcluster --num-nodes N --local-size L --rate 200mbit [--delay 1ms] -- CMD ...``
-runs ``CMD`` as ``N * L`` ranks; see :mod:`.network` for the topology, :mod:`.ranks` for what
-each rank gets, :mod:`.launcher` for the life cycle.
+``python -m bench.simcluster --num-nodes N --local-size L --rate 200mbit -- CMD ...`` runs ``CMD``
+as ``N * L`` ranks: :mod:`.network` builds the nodes and links, :mod:`.launcher` starts and
+supervises the ranks.
 """
-
-from .config import ClusterConfig, parse_rate
-from .launcher import launch
-
-__all__ = ["ClusterConfig", "launch", "parse_rate"]

@@ -1,5 +1,3 @@
-"""``python -m bench.simcluster --num-nodes N --local-size L --rate R [--delay D] -- CMD ...``"""
-
 import sys
 
 from .config import parse_config

@@ -1,4 +1,4 @@
-"""What cluster to simulate: number of nodes, ranks per node (local size), link rate and delay, and the command."""
+"""What cluster to simulate: number of nodes, ranks per node (local size), link rate, and the command."""
 
 from __future__ import annotations
 
@@ -9,16 +9,12 @@ from typing import Sequence
 
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 _RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$", re.IGNORECASE)
-_DELAY_RE = re.compile(r"^\d+(?:\.\d+)?(us|ms|s)$")
 MAX_NODES = 250
-
-
-UNLIMITED = "unlimited"
 
 
 def parse_rate(text: str) -> int | None:
     """``"200mbit"`` -> 200_000_000 bits per second (tc's SI units); ``"unlimited"`` -> None (no shaping)."""
-    if text.strip().lower() == UNLIMITED:
+    if text.strip().lower() == "unlimited":
         return None
     match = _RATE_RE.match(text.strip())
     if match is None:
@@ -31,16 +27,12 @@ def parse_rate(text: str) -> int | None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
-    """``num_nodes`` namespaces of ``local_size`` ranks each; every node's link limited to ``rate_bps`` both ways.
-
-    ``rate_bps=None`` leaves the links unshaped: they then run as fast as the veth pairs
-    and the machine's cores carry them.
-    """
+    """``num_nodes`` namespaces of ``local_size`` ranks each; every node's link limited to ``rate_bps`` both
+    ways (None: unshaped, as fast as the veth pairs and the machine's cores carry them)."""
 
     num_nodes: int
     local_size: int
     rate_bps: int | None
-    delay: str | None = None
     command: tuple[str, ...]
 
     def __post_init__(self) -> None:
@@ -48,10 +40,6 @@ class ClusterConfig:
             raise ValueError(f"--num-nodes must be in 1..{MAX_NODES}, got {self.num_nodes}")
         if self.local_size < 1:
             raise ValueError(f"--local-size must be >= 1, got {self.local_size}")
-        if self.rate_bps is not None and self.rate_bps < 8000:
-            raise ValueError(f"rate must be at least 8000 bit/s, got {self.rate_bps}")
-        if self.delay is not None and not _DELAY_RE.match(self.delay):
-            raise ValueError(f"--delay must look like 1ms (units us, ms, s), got {self.delay!r}")
         if not self.command:
             raise ValueError("no command given: put it after --, e.g. -- python -m bench.collectives")
 
@@ -60,35 +48,23 @@ class ClusterConfig:
         return self.num_nodes * self.local_size
 
 
-def build_parser() -> argparse.ArgumentParser:
+def parse_config(argv: Sequence[str] | None = None) -> ClusterConfig:
+    """Parse the launcher's arguments; bad values exit through argparse (status 2)."""
     parser = argparse.ArgumentParser(
         prog="python -m bench.simcluster",
         description="Run CMD as num-nodes x local-size ranks on a simulated cluster of network namespaces (needs root).",
-        usage="%(prog)s --num-nodes N --local-size L --rate 200mbit [--delay 1ms] -- CMD ...",
+        usage="%(prog)s --num-nodes N --local-size L --rate 200mbit -- CMD ...",
         allow_abbrev=False,  # --local is not --local-size
     )
     parser.add_argument("--num-nodes", type=int, required=True, help="number of simulated nodes")
     parser.add_argument("--local-size", type=int, required=True, help="ranks per node (zcomm's local_size)")
-    parser.add_argument(
-        "--rate", required=True, help="each node's link rate, both directions (tc units: 200mbit), or 'unlimited'"
-    )
-    parser.add_argument("--delay", help="one-way delay added to each node's link (tc netem, e.g. 1ms)")
+    parser.add_argument("--rate", required=True,
+                        help="each node's link rate, both directions (tc units: 200mbit), or 'unlimited'")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
-    return parser
-
-
-def parse_config(argv: Sequence[str] | None = None) -> ClusterConfig:
-    """Parse the launcher's arguments; bad values exit through argparse (status 2)."""
-    parser = build_parser()
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
-        return ClusterConfig(
-            num_nodes=args.num_nodes,
-            local_size=args.local_size,
-            rate_bps=parse_rate(args.rate),
-            delay=args.delay,
-            command=tuple(command),
-        )
+        return ClusterConfig(num_nodes=args.num_nodes, local_size=args.local_size, rate_bps=parse_rate(args.rate),
+                             command=tuple(command))
     except ValueError as exc:
         parser.error(str(exc))

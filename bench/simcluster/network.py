@@ -1,20 +1,14 @@
-"""The simulated network: one namespace per node, joined by veth links to a bridge namespace.
-
-Layout for a launch with prefix ``zcsim-<pid>`` (the launcher's pid, so concurrent launches
-never share a name)::
+"""The simulated network: one namespace per node, joined by veth links to a bridge namespace::
 
     zcsim-<pid>-n<i>  (node i)                      zcsim-<pid>-br
       lo (up: ranks of the node talk here)           br0 (bridge)
       zc-up 10.213.0.<i+1>/24  <-- veth pair -->     p<i> (port of br0)
 
-The host's root namespace is never touched: each veth pair is created inside the node's
-namespace with its peer moved straight into the bridge namespace. Every node's link is
-shaped with a token bucket (``tbf``) on both ends, i.e. on the node's egress (zc-up) and on
-the bridge's egress towards the node (p<i>), so the limit holds in both directions; an
-optional ``netem`` delay sits under each ``tbf`` (at the root when the rate is ``unlimited``,
-which adds no ``tbf``). IPv6 address generation is off on every
-link so no router solicitations add to the counters. Deleting a namespace deletes its end
-of each veth pair and therefore the pair.
+``<pid>`` is the launcher's, so concurrent launches never share a name. The root namespace is
+never touched: each veth pair is created in the node's namespace with its peer moved straight
+into the bridge's. A token bucket (``tbf``) on both ends (zc-up and p<i>) limits each node's
+link in both directions. IPv6 address generation is off, so no router solicitations add to the
+counters. Deleting a namespace deletes its end of each veth pair, and so the pair.
 """
 
 from __future__ import annotations
@@ -44,32 +38,27 @@ def _run(*argv: str) -> str:
     return result.stdout
 
 
-def list_namespaces() -> list[str]:
-    """Names of all network namespaces (``ip netns list`` prints ``name (id: k)``)."""
-    return [line.split()[0] for line in _run("ip", "netns", "list").splitlines() if line.strip()]
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
+
+
+def _delete(name: str) -> bool:
+    return subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False).returncode == 0
 
 
 def remove_stale() -> list[str]:
     """Delete namespaces left by launches whose process is gone; returns their names."""
-    stale = [name for name in list_namespaces() if (m := _OURS.match(name)) and not _alive(int(m.group(1)))]
+    names = [line.split()[0] for line in _run("ip", "netns", "list").splitlines() if line.strip()]  # "name (id: k)"
+    stale = [name for name in names if (m := _OURS.match(name)) and not _alive(int(m.group(1)))]
     for name in stale:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+        _delete(name)
     return stale
-
-
-def _burst_bytes(rate_bps: int) -> int:
-    # tbf needs a bucket of at least rate / HZ (HZ can be as low as 100) plus one GSO packet.
-    return max(rate_bps // 8 // 100, 64 * 1024)
 
 
 @dataclasses.dataclass
@@ -79,10 +68,6 @@ class SimNetwork:
     config: ClusterConfig
     prefix: str = dataclasses.field(default_factory=lambda: f"{PREFIX}-{os.getpid()}")
     created: list[str] = dataclasses.field(default_factory=list)
-
-    @property
-    def bridge_ns(self) -> str:
-        return f"{self.prefix}-br"
 
     def node_ns(self, node: int) -> str:
         return f"{self.prefix}-n{node}"
@@ -97,30 +82,28 @@ class SimNetwork:
         _run("ip", "-n", name, "link", "set", "lo", "up")
 
     def _shape(self, ns: str, dev: str) -> None:
-        rate_bps, delay = self.config.rate_bps, self.config.delay
-        if rate_bps is None:
-            if delay:
-                _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "10:", "netem", "delay", delay)
-            return
-        rate, burst = f"{rate_bps}bit", str(_burst_bytes(rate_bps))
-        _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", rate, "burst", burst, "latency", "100ms")
-        if delay:
-            _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "netem", "delay", delay)
+        rate_bps = self.config.rate_bps
+        if rate_bps is not None:
+            # tbf needs a bucket of at least rate / HZ (HZ can be as low as 100) plus one GSO packet.
+            burst = str(max(rate_bps // 8 // 100, 64 * 1024))
+            _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", f"{rate_bps}bit",
+                 "burst", burst, "latency", "100ms")
 
     def build(self) -> None:
-        self._add_ns(self.bridge_ns)
-        _run("ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
-        _run("ip", "-n", self.bridge_ns, "link", "set", "br0", "addrgenmode", "none", "up")
+        bridge = f"{self.prefix}-br"
+        self._add_ns(bridge)
+        _run("ip", "-n", bridge, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", bridge, "link", "set", "br0", "addrgenmode", "none", "up")
         for node in range(self.config.num_nodes):
             ns, port = self.node_ns(node), f"p{node}"
             self._add_ns(ns)
-            _run("ip", "-n", ns, "link", "add", UPLINK, "type", "veth", "peer", "name", port, "netns", self.bridge_ns)
-            _run("ip", "-n", self.bridge_ns, "link", "set", port, "master", "br0", "addrgenmode", "none", "up")
+            _run("ip", "-n", ns, "link", "add", UPLINK, "type", "veth", "peer", "name", port, "netns", bridge)
+            _run("ip", "-n", bridge, "link", "set", port, "master", "br0", "addrgenmode", "none", "up")
             _run("ip", "-n", ns, "link", "set", UPLINK, "addrgenmode", "none")
             _run("ip", "-n", ns, "addr", "add", f"{self.node_addr(node)}/24", "dev", UPLINK)
             _run("ip", "-n", ns, "link", "set", UPLINK, "up")
             self._shape(ns, UPLINK)
-            self._shape(self.bridge_ns, port)
+            self._shape(bridge, port)
 
     def counters(self, node: int) -> tuple[int, int]:
         """``(tx_bytes, rx_bytes)`` of node ``node``'s uplink."""
@@ -130,9 +113,5 @@ class SimNetwork:
 
     def destroy(self) -> list[str]:
         """Delete every namespace this network created; returns the names that failed."""
-        failed = []
-        for name in reversed(self.created):
-            if subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False).returncode:
-                failed.append(name)
-        self.created = failed
-        return failed
+        self.created = [name for name in reversed(self.created) if not _delete(name)]
+        return self.created

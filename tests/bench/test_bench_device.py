@@ -1,7 +1,7 @@
 """The benchmarks' device awareness, checked on a CPU machine.
 
 Each rank's device and backend come from ``bench.harness.dist_env`` (CUDA + NCCL when a GPU
-is visible); ``bench.harness.collective`` allocates every buffer a collective's spec sees on
+is visible); ``bench.collectives.catalog`` allocates every buffer a collective's ``prepare`` sees on
 that device (checked with ``meta``, a device that is neither the CPU nor needs one);
 ``bench.harness.timing`` picks CUDA
 events for a CUDA device and reduces over the ranks in a tensor on the group's device
@@ -16,9 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bench.collectives.catalog import COLLECTIVES
+from bench.collectives.catalog import COLLECTIVES, build_case
 from bench.harness import dist_env, timing
-from bench.harness.collective import build_case
 from bench.harness.dist_env import DistEnv
 
 META = torch.device("meta")

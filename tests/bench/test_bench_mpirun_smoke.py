@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.harness.report import JSON_KEYS
+from bench.collectives.report import JSON_KEYS
 
 MPIRUN = Path(sys.executable).parent / "mpirun"
 

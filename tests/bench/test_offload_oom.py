@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.slow,
 
 
 def test_a_job_over_its_limit_is_reported_killed_and_its_cgroup_removed(tmp_path):
-    args = offload_oom.parse_args(["--nvme-path", str(tmp_path), *TINY])
+    args = offload_oom.build_parser().parse_args(["--nvme-path", str(tmp_path), *TINY])
     result = offload_oom._run_job("none", args, 150 * 2**20, tmp_path)  # less than the ranks' interpreters
     assert result["exit"] != 0 and result["oom_kills"] > 0
     assert result["peak"] <= 150 * 2**20
