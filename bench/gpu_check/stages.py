@@ -58,7 +58,7 @@ CUDA_TESTS = (
     "tests/runtime/test_zero_cuda.py",
     "tests/quant/test_cuda_compile.py",
     "tests/quant/test_quant_vs_reference.py",
-    "tests/quant/test_cuda_host_math.py",
+    "tests/quant/test_cuda_host_rounding.py",
     "tests/quant/test_cuda_reorder_paths.py",
     "tests/collectives/test_collectives_cuda.py",
     "tests/quant/test_cuda_backend.py",
