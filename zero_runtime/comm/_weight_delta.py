@@ -16,14 +16,27 @@ quantization of one step's difference (plus the rounding to the compute dtype).
 A group (``group_size`` elements of one shard) whose difference is too large for its bits
 falls back to qwZ for that group only: when the difference's quantization step
 ``absmax(delta) / qmax`` would exceed the step of INT8 values of the same group,
-``absmax(new) / 127`` (qwZ's), the group's new values travel as blocked INT8 values in a
-second gather, sized by the largest number of such groups on any rank (the flags travel
-with the differences, so every rank knows them), and replace the group's reference. So no
-group is ever further from the master than qwZ would leave it, and ``fallback_groups``
-counts the groups that fell back. Reading that count is one small host read per unit and
+``absmax(new) / 127`` (qwZ's), the group's new values travel as blocked INT8 values and
+replace the group's reference (the flags travel with the differences, so every rank knows
+which groups; [Note: fallback slots] says where the values travel). So no group is ever
+further from the master than qwZ would leave it, and ``fallback_groups`` counts the groups
+that fell back. Reading the largest count of any rank is one small host read per unit and
 step, after the gather. Large steps against small weights fall back (a zero-initialized
 bias's first steps, Adam's steps of 1e-2 against weights of 0.02); steps of 1e-4 against
 the same weights are ten times below the threshold.
+
+[Note: fallback slots] Each rank's payload carries, after the differences and the flags, the
+INT8 values of its first flagged groups, one slot per ``_GROUPS_PER_SLOT`` groups of its shard
+(zeros where it flagged fewer), so the few groups that fall back in a typical step
+(zero-initialized biases early in training) need no collective of their own: measured on 4
+CPU ranks of the bench's GPT in stage 2 without slots, a second gather for a handful of
+groups ran for 45 of 48 unit gathers of steps 4-15 and cost a third of the step. Only a rank
+that flagged more than its slots sends the rest in a second gather, sized by the largest
+such count. A slot is twice an INT4 group, so the slots add under 1% to the differences'
+bytes; a shard of fewer groups than one slot's worth has none (its few bytes would grow by
+more than they save). The sender finds its first flagged groups by searching the flags'
+running count, so no shape depends on the flags and nothing is read on the host before the
+send.
 
 The reference must be identical everywhere before a difference may be added to it: the
 first gather of each unit, and the first after ``weights_replaced`` (a checkpoint or state
@@ -44,6 +57,7 @@ from zcomm.quant import QMAX, QuantSpec, dequantize, payload_nbytes, quantize
 from .._contract import AllGather, Handle, Phase
 
 _INT8_QMAX = QMAX[8]
+_GROUPS_PER_SLOT = 256  # groups of a shard per slot for a flagged group's INT8 values ([Note: fallback slots])
 
 
 class WeightDeltaAllGather(AllGather):
@@ -84,15 +98,21 @@ class _DeltaGather:
         assert output.numel() == world * numel, (output.numel(), world, numel)
         self.owner, self.output, self.input, self.world, self.numel = owner, output, input, world, numel
         bits = owner.spec.bits
-        self.group_size = owner.spec.group_size_for(numel)
-        self.groups = -(-numel // self.group_size)
+        self.group_size = size = owner.spec.group_size_for(numel)
+        self.groups = groups = -(-numel // size)
+        self.slots = groups // _GROUPS_PER_SLOT
         reference = output[rank * numel:(rank + 1) * numel]
-        delta = input.float() - reference.float()
-        self.flags = _too_large(delta, input, self.group_size, self.groups, QMAX[bits])
-        self.payload_nbytes = payload_nbytes(numel, bits, self.group_size)
-        send = torch.empty(self.payload_nbytes + self.groups, dtype=torch.uint8, device=input.device)
-        quantize(delta, bits, self.group_size, out=send[:self.payload_nbytes])
-        send[self.payload_nbytes:].copy_(self.flags)
+        delta = input.to(torch.float32, copy=True)
+        delta.sub_(reference)
+        self.flags = _too_large(delta, input, size, groups, QMAX[bits])
+        self.payload_nbytes = payload_nbytes(numel, bits, size)
+        self.slots_offset = self.payload_nbytes + groups
+        send = torch.empty(self.slots_offset + payload_nbytes(self.slots * size, 8, size), dtype=torch.uint8,
+                           device=input.device)
+        quantize(delta, bits, size, out=send[:self.payload_nbytes])
+        send[self.payload_nbytes:self.slots_offset].copy_(self.flags)
+        if self.slots:
+            quantize(self._first_flagged(), 8, size, out=send[self.slots_offset:])
         self.received = torch.empty(world * send.numel(), dtype=torch.uint8, device=input.device)
         self.work = None
         if owner.hierarchical:
@@ -103,6 +123,21 @@ class _DeltaGather:
                                                      topology=owner.topology)
         self.done = False
 
+    def _new_groups(self) -> torch.Tensor:
+        """This rank's new values as (groups, group_size), zero-padded, in the input's dtype."""
+        return _padded(self.input.view(1, -1), self.groups * self.group_size).view(self.groups, self.group_size)
+
+    def _first_flagged(self) -> torch.Tensor:
+        """The new values (fp32, flat) of this rank's first ``slots`` flagged groups, zeros past
+        the last one: found by a search of the flags' running count, so that no shape depends
+        on the flags ([Note: fallback slots])."""
+        count = self.flags.cumsum(0)
+        wanted = torch.arange(1, self.slots + 1, device=count.device, dtype=count.dtype)
+        positions = torch.searchsorted(count, wanted)
+        present = positions < self.groups
+        chosen = self._new_groups().index_select(0, positions.clamp(max=self.groups - 1)).float()
+        return torch.where(present.unsqueeze(1), chosen, torch.zeros_like(chosen)).view(-1)
+
     def wait(self) -> None:
         if self.done:
             return
@@ -112,31 +147,44 @@ class _DeltaGather:
         owner, world, numel, size = self.owner, self.world, self.numel, self.group_size
         rows = self.received.view(world, -1)
         deltas = dequantize(rows[:, :self.payload_nbytes].contiguous(), numel, owner.spec.bits, size, torch.float32)
-        updated = _padded(self.output.float().view(world, numel) + deltas.view(world, numel), self.groups * size)
-        flags = rows[:, self.payload_nbytes:].bool()
+        updated = deltas.view(world, numel).add_(self.output.view(world, numel))
+        flags = rows[:, self.payload_nbytes:self.slots_offset].bool()
         counts = flags.sum(dim=1)
         most = int(counts.max())  # the one host read ([Note: weight differences])
         if most:
-            values = self._fallback_values(most)
-            keep = torch.arange(most, device=counts.device).unsqueeze(0) < counts.unsqueeze(1)
-            updated.view(world, self.groups, size)[flags] = values.view(world, most, size)[keep]
+            updated = _padded(updated, self.groups * size)
+            self._replace_flagged(updated.view(world, self.groups, size), rows, flags, most)
         self.output.view(world, numel).copy_(updated[:, :numel])
         owner.delta_groups += world * self.groups
         owner.fallback_groups += int(counts.sum())
         self.done, self.received = True, None
 
-    def _fallback_values(self, most: int) -> torch.Tensor:
-        """Every rank's flagged groups of new values as qwZ sends them (blocked INT8, one scale per
-        group), in group order, padded to ``most`` groups per rank; dequantized to fp32."""
+    def _replace_flagged(self, groups: torch.Tensor, rows: torch.Tensor, flags: torch.Tensor, most: int) -> None:
+        """Every rank's flagged groups of ``groups`` (world, groups, size) replaced by their INT8
+        values: the first ``slots`` of each rank from the payload's slots, the rest (a rank that
+        flagged more) from a second gather ([Note: fallback slots])."""
+        size, slots = self.group_size, self.slots
+        order = flags.cumsum(dim=1) - 1
+        if slots:
+            in_slots = dequantize(rows[:, self.slots_offset:].contiguous(), slots * size, 8, size, torch.float32)
+            ranks, found = (flags & (order < slots)).nonzero(as_tuple=True)
+            groups[ranks, found] = in_slots.view(self.world, slots, size)[ranks, order[ranks, found]]
+        if most > slots:
+            later = self._later_flagged(most - slots)
+            ranks, found = (flags & (order >= slots)).nonzero(as_tuple=True)
+            groups[ranks, found] = later.view(self.world, most - slots, size)[ranks, order[ranks, found] - slots]
+
+    def _later_flagged(self, count: int) -> torch.Tensor:
+        """Every rank's flagged groups past the slots, as qwZ sends values (blocked INT8, one scale
+        per group), in group order, padded to ``count`` groups per rank; dequantized to fp32."""
         owner, size, device = self.owner, self.group_size, self.input.device
-        mine = _padded(self.input.float().view(1, -1), self.groups * size).view(self.groups, size)
-        values = torch.zeros(most, size, dtype=torch.float32, device=device)
-        chosen = mine[self.flags.bool()]
+        values = torch.zeros(count, size, dtype=torch.float32, device=device)
+        chosen = self._new_groups()[self.flags.bool()][self.slots:]
         values[:chosen.shape[0]] = chosen
         send = quantize(values.view(-1), 8, size)
         received = torch.empty(self.world * send.numel(), dtype=torch.uint8, device=device)
         zcomm.all_gather_hierarchical(received, send, group=owner.group, topology=owner.topology)
-        return dequantize(received.view(self.world, -1), most * size, 8, size, torch.float32)
+        return dequantize(received.view(self.world, -1), count * size, 8, size, torch.float32)
 
 
 def _padded(rows: torch.Tensor, width: int) -> torch.Tensor:
@@ -147,8 +195,9 @@ def _padded(rows: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _too_large(delta: torch.Tensor, new: torch.Tensor, size: int, groups: int, qmax: int) -> torch.Tensor:
-    """Per group (uint8 0/1): the difference's quantization step exceeds INT8 values' step."""
+    """Per group (uint8 0/1): the difference's quantization step exceeds INT8 values' step.
+    (``new``'s group maxima are taken in its own dtype: abs and max are exact in any.)"""
     width = groups * size
     delta_max = _padded(delta.view(1, -1), width).view(groups, size).abs().amax(dim=1)
-    new_max = _padded(new.float().view(1, -1), width).view(groups, size).abs().amax(dim=1)
+    new_max = _padded(new.view(1, -1), width).view(groups, size).abs().amax(dim=1).float()
     return (delta_max * _INT8_QMAX > new_max * qmax).to(torch.uint8)
