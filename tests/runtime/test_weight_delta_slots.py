@@ -27,7 +27,7 @@ def _gather(rank: int, world: int, counts: tuple[int, ...]) -> dict:
     from zero_runtime.comm._weight_delta import _GROUPS_PER_SLOT, WeightDeltaAllGather
 
     group, topology = dist.group.WORLD, zcomm.Topology(world_size=world, local_size=2)
-    groups = 2 * _GROUPS_PER_SLOT  # two slots per rank
+    groups = 2 * _GROUPS_PER_SLOT + 3  # two slots per rank; flags of a length that is no multiple of 4
     numel = groups * SIZE
     gen = torch.Generator().manual_seed(0)
     start = torch.randn(world * numel, generator=gen) * 0.02  # the same on every rank

@@ -106,11 +106,12 @@ class _DeltaGather:
         delta.sub_(reference)
         self.flags = _too_large(delta, input, size, groups, QMAX[bits])
         self.payload_nbytes = payload_nbytes(numel, bits, size)
-        self.slots_offset = self.payload_nbytes + groups
+        self.slots_offset = -(-(self.payload_nbytes + groups) // 4) * 4  # the slots' scales word-aligned
         send = torch.empty(self.slots_offset + payload_nbytes(self.slots * size, 8, size), dtype=torch.uint8,
                            device=input.device)
         quantize(delta, bits, size, out=send[:self.payload_nbytes])
-        send[self.payload_nbytes:self.slots_offset].copy_(self.flags)
+        send[self.payload_nbytes:self.payload_nbytes + groups].copy_(self.flags)
+        send[self.payload_nbytes + groups:self.slots_offset].zero_()
         if self.slots:
             quantize(self._first_flagged(), 8, size, out=send[self.slots_offset:])
         self.received = torch.empty(world * send.numel(), dtype=torch.uint8, device=input.device)
@@ -148,7 +149,7 @@ class _DeltaGather:
         rows = self.received.view(world, -1)
         deltas = dequantize(rows[:, :self.payload_nbytes].contiguous(), numel, owner.spec.bits, size, torch.float32)
         updated = deltas.view(world, numel).add_(self.output.view(world, numel))
-        flags = rows[:, self.payload_nbytes:self.slots_offset].bool()
+        flags = rows[:, self.payload_nbytes:self.payload_nbytes + self.groups].bool()
         counts = flags.sum(dim=1)
         most = int(counts.max())  # the one host read ([Note: weight differences])
         if most:
