@@ -151,8 +151,8 @@ EXIT_SCRIPT = textwrap.dedent("""
 
     def let_go():
         time.sleep(0.3)
+        state["released"] = True  # before the release: the exit wait may end, and print, the moment it happens
         kept.clear()
-        state["released"] = True
 
     def chain():
         _hop_release.start_hop(collective, torch.empty(8), torch.ones(8), "group").wait()
