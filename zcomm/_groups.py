@@ -90,10 +90,7 @@ def consecutive_group(group: dist.ProcessGroup | None, size: int) -> dist.Proces
     block lives as long as ``group``: zcomm destroys it once ``group`` is destroyed and
     collected ([Note: cache lifetime]), so keep ``group`` while using the block.
     """
-    group = group if group is not None else dist.group.WORLD
-    world_size = dist.get_world_size(group)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world_size % size:
-        raise ValueError(f"size must be a positive divisor of the group size {world_size}, got {size!r}")
+    group, world_size = _blocks_of(group, size)
     return _subgroup(group, "block", [range(b * size, (b + 1) * size) for b in range(world_size // size)])
 
 
@@ -105,11 +102,17 @@ def block_peers_group(group: dist.ProcessGroup | None, size: int) -> dist.Proces
     rank, so a gather over the peers, then one over the block, reaches every rank (hpZ's
     weight-difference refresh, then its secondary gather). Created and cached like it.
     """
+    group, world_size = _blocks_of(group, size)
+    return _subgroup(group, "block-peers", [range(p, world_size, size) for p in range(size)])
+
+
+def _blocks_of(group: dist.ProcessGroup | None, size: int) -> tuple[dist.ProcessGroup, int]:
+    """``group`` (default: world) and its size, once ``size`` is checked to divide it into blocks."""
     group = group if group is not None else dist.group.WORLD
     world_size = dist.get_world_size(group)
     if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world_size % size:
         raise ValueError(f"size must be a positive divisor of the group size {world_size}, got {size!r}")
-    return _subgroup(group, "block-peers", [range(p, world_size, size) for p in range(size)])
+    return group, world_size
 
 
 def _subgroup(parent: dist.ProcessGroup, purpose: str, partition: Sequence[range]) -> dist.ProcessGroup:
