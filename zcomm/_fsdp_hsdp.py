@@ -76,7 +76,7 @@ from ._device_guard import object_collective_device
 from ._error_feedback import ErrorFeedback
 from ._fsdp_compat import param_group, requires_all_reduce, shard_numels
 from ._plan_cache import BoundedCache
-from .all_reduce_q4 import prepare_all_reduce_q4
+from .all_reduce_q4 import gather_group_size_of, prepare_all_reduce_q4
 from .plain_collectives import all_reduce
 from .quant import SUPPORTED_DTYPES
 from .topology import Topology
@@ -121,7 +121,7 @@ class ReplicateAllReduce:
         self.topology = topology
         self.quantized = quantized
         self._options = dict(group_size=group_size, gather_bits=gather_bits,
-                             gather_group_size=None if gather_bits is None else group_size, topology=topology,
+                             gather_group_size=gather_group_size_of(gather_bits, group_size), topology=topology,
                              first_hop_bits=first_hop_bits, hadamard_block=hadamard_block)  # fmt: skip
         self._error_feedback = error_feedback
         self.feedback: dict[tuple, ErrorFeedback] = {}  # (numel, dtype, device) -> its LoCo state

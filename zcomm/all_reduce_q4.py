@@ -203,6 +203,13 @@ def prepare_all_reduce_q4(
                                with_error_feedback)
 
 
+def gather_group_size_of(gather_bits: GatherBits, group_size: int | Literal["tensor"] | None
+                         ) -> int | Literal["tensor"] | None:
+    """The gather's group size for callers with one ``group_size`` for both halves: the
+    reduction's, or None when the gather is exact."""
+    return None if gather_bits is None else group_size
+
+
 def check_gather(gather_bits: GatherBits, gather_group_size: int | Literal["tensor"] | None) -> None:
     """``gather_bits`` is 4, 8 or None, and ``gather_group_size`` a group size of that quantized
     gather (None without one): the gather's options, checked once for the collective and for

@@ -98,7 +98,7 @@ from ._fsdp_compat import (
 from ._fsdp_hsdp import ReplicateAllReduce, check_replicate_group
 from ._plan_cache import BoundedCache
 from .all_gather_q8 import all_gather_q8, prepare_all_gather_q8
-from .all_reduce_q4 import check_gather
+from .all_reduce_q4 import check_gather, gather_group_size_of
 from .plain_collectives import all_gather_into_tensor, reduce_scatter_tensor
 from .quant import SUPPORTED_DTYPES, QuantSpec
 from .reduce_scatter_q4 import (
@@ -517,7 +517,7 @@ def _replicate_setup(
             if value:
                 raise ValueError(f"{name} applies to the replicate all-reduce: it needs replicate_group")
         return None
-    check_gather(gather_bits, None if gather_bits is None else group_size)
+    check_gather(gather_bits, gather_group_size_of(gather_bits, group_size))
     if gather_bits != 8 and not quantized_all_reduce:
         raise ValueError("replicate_gather_bits is the quantized all-reduce's gather width: it needs "
                          "quantized_all_reduce=True")

@@ -46,7 +46,7 @@ import zcomm
 from zcomm.quant import QuantSpec
 
 from .._contract import AllGather, Handle, Phase
-from ._hpz_gather import SecondaryShard, hpz_block_topology
+from ._hpz_gather import SecondaryShard, hpz_block_topology, topology_of
 from ._plain import PlainAllGather
 from ._weight_delta import WeightDeltaAllGather
 
@@ -63,8 +63,7 @@ class HpzDeltaGather(AllGather):
         self.peers = world // partition_size
         position = rank % partition_size
         peers = zcomm.block_peers_group(group, partition_size)
-        peers_topology = zcomm.Topology.from_node_ids([topology.node_of(r) for r in range(position, world,
-                                                                                             partition_size)])
+        peers_topology = topology_of(topology, range(position, world, partition_size))
         self.refresh = WeightDeltaAllGather(peers, peers_topology, spec=spec, hierarchical=False,
                                             exact=PlainAllGather(peers, peers_topology))
         self.whole = WeightDeltaAllGather(group, topology, spec=spec, exact=PlainAllGather(group, topology))
@@ -116,7 +115,9 @@ class _TwoHops:
     def __init__(self, owner: HpzDeltaGather, refresh: Handle | None, reference: torch.Tensor,
                  output: torch.Tensor) -> None:
         self.owner, self.refresh, self.reference, self.output = owner, refresh, reference, output
-        self.scratch = owner.allocate(output.numel(), dtype=output.dtype, device=output.device)
+        # one block (no peers across it): the block's gather is already in rank order
+        self.scratch = output if owner.peers == 1 else owner.allocate(output.numel(), dtype=output.dtype,
+                                                                       device=output.device)
         self.work = None if refresh is not None else self._gather_block()
 
     def _gather_block(self) -> Handle:
@@ -131,6 +132,7 @@ class _TwoHops:
             self.work = self._gather_block()
         self.work.wait()
         owner = self.owner
-        by_position = self.scratch.view(owner.partition_size, owner.peers, -1)
-        self.output.view(owner.peers, owner.partition_size, -1).copy_(by_position.transpose(0, 1))
+        if self.scratch is not self.output:
+            by_position = self.scratch.view(owner.partition_size, owner.peers, -1)
+            self.output.view(owner.peers, owner.partition_size, -1).copy_(by_position.transpose(0, 1))
         self.refresh = self.work = self.scratch = None
