@@ -11,16 +11,14 @@ values), checked with a 1e-4 relative allowance for fp32 rounding.
 
 from __future__ import annotations
 
-import copy
 import functools
 import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
 from zero_harness import run
-from zero_workloads import global_batch, local_slice, loss_of, make_model, zero_steps
+from zero_workloads import global_batch, local_slice, loss_of, make_model, restart_checks, zero_steps
 
 WORLD, BLOCK, GROUP = 4, 2, 64
 STEPS = 6
@@ -30,7 +28,9 @@ QWZ_HPZ = {"zero_quantized_weights": True, "zero_hpz_partition_size": BLOCK, "zc
 CASES = {"s3": {}, "ZeRO++": {**QWZ_HPZ, "zero_quantized_gradients": True},
          "delta4": {**QWZ_HPZ, "zcomm_weight_delta_bits": 4},
          "ZeRO++ delta4": {**QWZ_HPZ, "zero_quantized_gradients": True, "zcomm_weight_delta_bits": 4},
-         "delta8": {**QWZ_HPZ, "zcomm_weight_delta_bits": 8}}
+         "delta8": {**QWZ_HPZ, "zcomm_weight_delta_bits": 8},
+         # one hpZ block of the whole world: each reference is the rank's own shard (no peers)
+         "delta4 one block": {**QWZ_HPZ, "zero_hpz_partition_size": WORLD, "zcomm_weight_delta_bits": 4}}
 # A tenth of the other runtime tests' rate, as in training: Adam's first steps (about the rate)
 # against weights of about 0.02 stay below the fallback threshold (test_zeropp_stage12.py).
 LR = 1e-3
@@ -106,9 +106,9 @@ def _train(name: str, rank: int, precision: str = "fp32") -> dict:
     return out
 
 
-def _own_slot(state: dict, rank: int) -> list[torch.Tensor]:
+def _own_slot(state: dict, rank: int, block: int = BLOCK) -> list[torch.Tensor]:
     numel = [shard.numel() for shard in state["shards"]]
-    peer = rank // BLOCK
+    peer = rank // block
     return [ref[peer * n:(peer + 1) * n] for ref, n in zip(state["references"], numel, strict=True)]
 
 
@@ -125,23 +125,8 @@ def _exact_after(model, opt, rank: int, step: int) -> bool:
 def _restarts(rank: int, root: str) -> dict:
     """Checkpoint load, state-dict load and a GatheredParameters edit restart the references
     from exact values; a shard written between forward and backward is refreshed for backward."""
-    import zero_runtime
-
     model, opt = _initialize({**CASES["ZeRO++ delta4"], **PERSISTENT})
-    zero_steps("gpt", model, opt, rank, WORLD, range(3))
-    opt.save_checkpoint(Path(root) / "ckpt")
-    snapshot = copy.deepcopy(opt.state_dict())
-    zero_steps("gpt", model, opt, rank, WORLD, range(3, 5))
-    out = {}
-    opt.load_checkpoint(Path(root) / "ckpt")
-    out["after_checkpoint"] = _exact_after(model, opt, rank, 3)
-    opt.load_state_dict(snapshot)
-    out["after_state_dict"] = _exact_after(model, opt, rank, 3)
-    with zero_runtime.GatheredParameters(list(model.parameters()), modifier_rank=0):
-        with torch.no_grad():
-            for param in model.parameters():
-                param.mul_(0.5)
-    out["after_edit"] = _exact_after(model, opt, rank, 4)
+    out = restart_checks(model, opt, rank, WORLD, root, functools.partial(_exact_after, model, opt, rank))
     loss = loss_of("gpt", model, local_slice(global_batch("gpt", 5), rank, WORLD))
     with torch.no_grad():
         for unit in opt.units:
@@ -213,8 +198,8 @@ def test_references_within_qwz_bound_of_the_owners_shards(results):
 
 @pytest.mark.slow
 def test_a_gather_is_the_references_in_rank_order(results):
-    for name in ("delta4", "ZeRO++ delta4"):
-        own = [_own_slot(results[rank]["fp32"][name], rank) for rank in range(WORLD)]
+    for name, block in (("delta4", BLOCK), ("ZeRO++ delta4", BLOCK), ("delta4 one block", WORLD)):
+        own = [_own_slot(results[rank]["fp32"][name], rank, block) for rank in range(WORLD)]
         for rank_results in results:
             for i, full in enumerate(rank_results["fp32"][name]["gathered"]):
                 assert torch.equal(full, torch.cat([own[r][i] for r in range(WORLD)])), (name, i)
@@ -223,7 +208,7 @@ def test_a_gather_is_the_references_in_rank_order(results):
 @pytest.mark.slow
 def test_training_tracks_plain_stage3(results):
     plain = results[0]["fp32"]["s3"]["losses"]
-    for name in ("delta4", "delta8", "ZeRO++ delta4"):
+    for name in ("delta4", "delta8", "ZeRO++ delta4", "delta4 one block"):
         losses = results[0]["fp32"][name]["losses"]
         assert all(abs(a - b) <= 0.02 * abs(b) for a, b in zip(losses, plain, strict=True)), name
         assert losses[1:] != plain[1:], f"{name}: nothing was quantized"

@@ -17,16 +17,14 @@ master rounded to the compute dtype: qwZ's bound ([Note: ZeRO++ error bounds] in
 
 from __future__ import annotations
 
-import copy
 import functools
 import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
 from zero_harness import run
-from zero_workloads import global_batch, local_slice, loss_of, make_model, zero_steps
+from zero_workloads import global_batch, local_slice, loss_of, make_model, restart_checks, zero_steps
 
 WORLD = 4
 STEPS = 6
@@ -80,26 +78,14 @@ def _train(stage: int, name: str, precision: str, rank: int) -> dict:
 
 def _restarts(rank: int, root: str) -> dict:
     """Checkpoint load, state-dict load and a GatheredParameters edit each restart from exact values."""
-    import zero_runtime
-
     model, opt = _initialize(2, DELTA4, "bf16")
-    zero_steps("gpt", model, opt, rank, WORLD, range(3))
-    opt.save_checkpoint(Path(root) / "ckpt")
-    snapshot = copy.deepcopy(opt.state_dict())
-    zero_steps("gpt", model, opt, rank, WORLD, range(3, 5))
-    out = {}
-    opt.load_checkpoint(Path(root) / "ckpt")
-    out["after_checkpoint"] = _exact_against_masters(opt)
-    zero_steps("gpt", model, opt, rank, WORLD, range(3, 4))
-    opt.load_state_dict(snapshot)
-    out["after_state_dict"] = _exact_against_masters(opt)
-    zero_steps("gpt", model, opt, rank, WORLD, range(3, 4))
-    with zero_runtime.GatheredParameters(list(model.parameters()), modifier_rank=0):
-        with torch.no_grad():
-            for param in model.parameters():
-                param.mul_(0.5)
-    out["after_edit"] = _exact_against_masters(opt)
-    zero_steps("gpt", model, opt, rank, WORLD, range(4, 5))
+
+    def exact_then_step(step: int) -> bool:
+        exact = _exact_against_masters(opt)
+        zero_steps("gpt", model, opt, rank, WORLD, range(step, step + 1))
+        return exact
+
+    out = restart_checks(model, opt, rank, WORLD, root, exact_then_step)
     out["after_edit_step"] = _weights_and_masters(opt)
     return out
 

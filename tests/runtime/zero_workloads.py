@@ -124,6 +124,31 @@ def zero_steps(kind: str, model, opt, rank: int, world: int, steps: range, *, ac
     return losses
 
 
+def restart_checks(model, opt, rank: int, world: int, root: str, exact_then_step: Callable[[int], bool]) -> dict:
+    """The weight-difference tests' restarts: 3 steps, a checkpoint, 2 more steps; then a
+    checkpoint load, a state-dict load (of the state at the checkpoint) and a
+    ``GatheredParameters`` edit that halves every parameter. After each, ``exact_then_step(step)``
+    says whether the weights restarted from exact values and runs ``step`` (3, 3, then 4)."""
+    import copy
+
+    import zero_runtime
+
+    zero_steps("gpt", model, opt, rank, world, range(3))
+    opt.save_checkpoint(f"{root}/ckpt")
+    snapshot = copy.deepcopy(opt.state_dict())
+    zero_steps("gpt", model, opt, rank, world, range(3, 5))
+    opt.load_checkpoint(f"{root}/ckpt")
+    out = {"after_checkpoint": exact_then_step(3)}
+    opt.load_state_dict(snapshot)
+    out["after_state_dict"] = exact_then_step(3)
+    with zero_runtime.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(0.5)
+    out["after_edit"] = exact_then_step(4)
+    return out
+
+
 def train_save_resume(kind: str, config: dict, rank: int, world: int, ckpt: str, steps: int, *,
                       accumulation: int = 1, at_start: Callable[[Any], dict] | None = None,
                       after_training: Callable[[Any], dict] | None = None) -> dict:
