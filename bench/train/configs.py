@@ -113,45 +113,41 @@ class TrainConfig:
 
 _ZEROPP = dict(quantized_weights=True, hpz=True, quantized_gradients=True)  # qwZ + hpZ + qgZ
 _QWZ_QGZ = dict(quantized_weights=True, quantized_gradients=True)
+_QWZ, _QGZ = dict(quantized_weights=True), dict(quantized_gradients=True)
 
 # What each configuration is: bench/TRAINING.md, "Configurations".
 CONFIGS: dict[str, TrainConfig] = {config.name: config for config in (
     TrainConfig(name="zero0", engine="zero", stage=0),
-    TrainConfig(name="zero0-q", engine="zero", stage=0, quantized_gradients=True),
+    TrainConfig(name="zero0-q", engine="zero", stage=0, **_QGZ),
     TrainConfig(name="zero1", engine="zero", stage=1),
     TrainConfig(name="zero2", engine="zero", stage=2),
     TrainConfig(name="zero3", engine="zero", stage=3),
     TrainConfig(name="zero2-q", engine="zero", stage=2, **_QWZ_QGZ),
     TrainConfig(name="zero2-qwd", engine="zero", stage=2, **_QWZ_QGZ, weight_delta_bits=4),
     TrainConfig(name="zero1-qwd", engine="zero", stage=1, **_QWZ_QGZ, weight_delta_bits=4),
-    TrainConfig(name="zero3+qwz", engine="zero", quantized_weights=True),
+    TrainConfig(name="zero3+qwz", engine="zero", **_QWZ),
     TrainConfig(name="zero3+hpz", engine="zero", hpz=True),
-    TrainConfig(name="zero3+qgz", engine="zero", quantized_gradients=True),
+    TrainConfig(name="zero3+qgz", engine="zero", **_QGZ),
     TrainConfig(name="zeropp", engine="zero", **_ZEROPP),
     TrainConfig(name="zeropp-wd", engine="zero", **_ZEROPP, weight_delta_bits=4),
     TrainConfig(name="zeropp-tensorscale", engine="zero", **_ZEROPP, quant_group_size=TENSOR_SCALE),
     TrainConfig(name="zeropp-g128", engine="zero", **_ZEROPP, quant_group_size=128),
-    *(
-        TrainConfig(name=f"{name}-packed", engine="zero", quantized_weights=qwz, hpz=hpz, quantized_gradients=qgz,
-                    align_quant_blocks=False)
-        for name, qwz, hpz, qgz in (("zeropp", True, True, True), ("zero3+qwz", True, False, False),
-                                    ("zero3+qgz", False, False, True))
-    ),
-    *(
-        TrainConfig(name=f"{name}-g{size}", engine="zero", quantized_weights=qwz, quantized_gradients=qgz,
-                    hpz=qwz and qgz, quant_group_size=size)
-        for name, qwz, qgz, sizes in (("zero3+qgz", False, True, (128, 256)), ("zero3+qwz", True, False, (256, 512)),
-                                      ("zeropp", True, True, (256,)))
-        for size in sizes
-    ),
-    TrainConfig(name="zero3+qgz-loco", engine="zero", quantized_gradients=True, loco=True),
+    TrainConfig(name="zeropp-g256", engine="zero", **_ZEROPP, quant_group_size=256),
+    TrainConfig(name="zero3+qgz-g128", engine="zero", **_QGZ, quant_group_size=128),
+    TrainConfig(name="zero3+qgz-g256", engine="zero", **_QGZ, quant_group_size=256),
+    TrainConfig(name="zero3+qwz-g256", engine="zero", **_QWZ, quant_group_size=256),
+    TrainConfig(name="zero3+qwz-g512", engine="zero", **_QWZ, quant_group_size=512),
+    TrainConfig(name="zeropp-packed", engine="zero", **_ZEROPP, align_quant_blocks=False),
+    TrainConfig(name="zero3+qwz-packed", engine="zero", **_QWZ, align_quant_blocks=False),
+    TrainConfig(name="zero3+qgz-packed", engine="zero", **_QGZ, align_quant_blocks=False),
+    TrainConfig(name="zero3+qgz-loco", engine="zero", **_QGZ, loco=True),
     TrainConfig(name="zeropp-loco", engine="zero", **_ZEROPP, loco=True),
     TrainConfig(name="zeropp-int8hop", engine="zero", **_ZEROPP, first_hop_bits=8),
     TrainConfig(name="zeropp-hadamard", engine="zero", **_ZEROPP, hadamard_block=256),
     TrainConfig(name="fsdp2", engine="fsdp2"),
     TrainConfig(name="fsdp2-hpz", engine="fsdp2", hpz=True),
-    TrainConfig(name="fsdp2-qwz", engine="fsdp2", quantized_weights=True),
-    TrainConfig(name="fsdp2-qgz", engine="fsdp2", quantized_gradients=True),
+    TrainConfig(name="fsdp2-qwz", engine="fsdp2", **_QWZ),
+    TrainConfig(name="fsdp2-qgz", engine="fsdp2", **_QGZ),
     TrainConfig(name="fsdp2-zeropp", engine="fsdp2", **_ZEROPP),
     TrainConfig(name="fsdp2-zeropp-int4hop", engine="fsdp2", **_ZEROPP, first_hop_bits=4),
     TrainConfig(name="hsdp", engine="fsdp2", hsdp=True),
@@ -228,28 +224,24 @@ def deepspeed_config(
 def engine_config(
     config: TrainConfig, *, local_size: int, bf16: bool, gradient_clipping: float, micro_batch: int
 ) -> dict[str, Any]:
-    """What ``config``'s engine is given, for the JSON record: the ZeRO engines' dicts, FSDP2's and DDP's settings."""
+    """What ``config``'s engine is given, also kept in the JSON: the ZeRO engines' dicts; for FSDP2
+    and DDP the settings their runners apply (``enable_zeropp``'s arguments, None: its default)."""
     if config.engine == "zero":
         return zero_runtime_config(config, local_size=local_size, bf16=bf16, gradient_clipping=gradient_clipping)
     if config.engine == "deepspeed":
         return deepspeed_config(config, local_size=local_size, bf16=bf16, gradient_clipping=gradient_clipping,
                                 micro_batch=micro_batch)  # fmt: skip
     if config.engine == "ddp":
-        return {"autocast": "bf16" if bf16 else None, "ddp_hook": config.ddp_hook,
-                "first_hop_bits": config.first_hop_bits, "gather_bits": config.gather_bits,
-                "gradient_clipping": gradient_clipping}
-    settings: dict[str, Any] = {"param_dtype": "bf16" if bf16 else "fp32", "hpz": config.hpz}
-    if config.hsdp:
-        settings["hsdp"] = True
+        return {"autocast": "bf16" if bf16 else None, "ddp_hook": config.ddp_hook, "first_hop_bits": config.first_hop_bits,
+                "gather_bits": config.gather_bits, "gradient_clipping": gradient_clipping}  # fmt: skip
+    settings: dict[str, Any] = {"param_dtype": "bf16" if bf16 else "fp32", "hpz": config.hpz,
+                                "gradient_clipping": gradient_clipping, **({"hsdp": True} if config.hsdp else {})}
     if config.quantized_weights or config.quantized_gradients:
-        settings["enable_zeropp"] = {
-            "quantized_weights": config.quantized_weights,
-            "quantized_gradients": config.quantized_gradients,
-            "group_size": config.quant_group_size,
-            "first_hop_bits": config.first_hop_bits,  # None: enable_zeropp's default
-        }
-        if config.hsdp:
-            settings["enable_zeropp"].update(replicate_group="replicate", quantized_all_reduce=config.quantized_gradients)
-            if config.gather_bits is not None:
-                settings["enable_zeropp"]["replicate_gather_bits"] = config.gather_bits
-    return {**settings, "gradient_clipping": gradient_clipping}
+        settings["enable_zeropp"] = {"quantized_weights": config.quantized_weights, "group_size": config.quant_group_size,
+                                     "quantized_gradients": config.quantized_gradients,
+                                     "first_hop_bits": config.first_hop_bits}  # fmt: skip
+        if config.hsdp:  # the runner passes the mesh's "replicate" group
+            settings["enable_zeropp"].update(_set({"replicate_group": "replicate",
+                                                   "quantized_all_reduce": config.quantized_gradients},
+                                                  {"replicate_gather_bits": config.gather_bits}))
+    return settings

@@ -1,16 +1,14 @@
 """The training engines of ``python -m bench.train`` behind one interface: zero_runtime, FSDP2, DDP, DeepSpeed.
 
-A runner owns one model and its optimizer under one engine. The loop only calls ``train_step``
-(forward, backward, optimizer step, zero grad; returns this rank's loss), ``eval_loss``,
-``memory`` (this rank's peak bytes and how they were measured) and, after the run, ``close``,
-so the loop, the timing and the wire-byte accounting are the same code for every configuration.
-Every engine is given torch's AdamW ([Note: same math] in :mod:`.configs`).
+A runner owns one model and its optimizer (torch's AdamW, [Note: same math] in :mod:`.configs`)
+under one engine. The loop only calls ``train_step`` (forward, backward, optimizer step, zero
+grad; returns this rank's loss), ``eval_loss``, ``memory`` and ``close``, so the loop, the timing
+and the wire bytes are the same code for every configuration.
 
 Peak memory: ``torch.cuda.max_memory_allocated`` on a GPU. On a CPU, where torch keeps no
-allocator statistics, the model-state bytes this rank holds after the optimizer step
-(parameters, gradients, optimizer states: the ZeRO paper's accounting, without activations):
-zero_runtime's ``memory_report()`` (on a GPU too), the optimizer's tensors for DDP and FSDP2,
-none for DeepSpeed (its flat partitions are its own, no torch counter sees them).
+allocator statistics, the model-state bytes this rank holds after the optimizer step (the ZeRO
+paper's accounting, without activations): zero_runtime's ``memory_report()`` (on a GPU too), the
+optimizer's tensors for DDP and FSDP2, none for DeepSpeed (no torch counter sees its partitions).
 """
 
 from __future__ import annotations
@@ -77,14 +75,10 @@ def local_nbytes(tensor: torch.Tensor) -> int:
 
 def model_state_nbytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of this rank's parameters, gradients and optimizer states, as the optimizer sees them."""
-    total = 0
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            total += local_nbytes(param)
-            if param.grad is not None:
-                total += local_nbytes(param.grad)
-            total += sum(local_nbytes(v) for v in optimizer.state.get(param, {}).values() if torch.is_tensor(v))
-    return total
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    tensors = [*params, *(p.grad for p in params if p.grad is not None),
+               *(v for p in params for v in optimizer.state.get(p, {}).values() if torch.is_tensor(v))]
+    return sum(map(local_nbytes, tensors))
 
 
 class Runner:
@@ -117,7 +111,9 @@ class ZeroRunner(Runner):
     def __init__(self, config: TrainConfig, spec: ModelSpec, engine_config: dict[str, Any], setup: EngineSetup) -> None:
         super().__init__(spec, setup)
         factory = functools.partial(torch.optim.AdamW, lr=setup.lr)
-        self.model, self.opt = zero_runtime.initialize(spec.build().to(self.device), factory, engine_config)
+        topology = zcomm.Topology(world_size=setup.world_size, local_size=setup.local_size)
+        self.model, self.opt = zero_runtime.initialize(spec.build().to(self.device), factory, engine_config,
+                                                       topology=topology)  # fmt: skip
 
     def train_step(self, tokens: torch.Tensor) -> float:
         loss = self.loss(tokens)
@@ -171,9 +167,10 @@ class FSDP2Runner(TorchRunner):
     """torch ``fully_shard``: one FSDP unit per repeated block, the root holds the rest (as torchtitan
     wraps a transformer); bf16 is ``MixedPrecisionPolicy(param_dtype=bfloat16)`` over fp32 shards.
 
-    qwZ and qgZ are zcomm's collectives installed on every unit by ``zcomm.fsdp.enable_zeropp``.
-    HSDP: a 2-D mesh (replicate = nodes, shard = ranks per node); FSDP2's own HSDP shards on all
-    of it, zcomm's on its ``"shard"`` rows with the ``"replicate"`` group passed to ``enable_zeropp``.
+    qwZ and qgZ: ``zcomm.fsdp.enable_zeropp`` with the engine config's arguments (its return value,
+    which units it aligned, kept in ``aligned``). HSDP: a 2-D mesh (replicate = nodes, shard = ranks
+    per node); FSDP2's own HSDP shards on all of it, zcomm's on its ``"shard"`` rows with the
+    ``"replicate"`` group passed to ``enable_zeropp``.
     """
 
     HELD = "model states held (params+grads+AdamW, local shards)"
@@ -181,30 +178,23 @@ class FSDP2Runner(TorchRunner):
     def __init__(self, config: TrainConfig, spec: ModelSpec, engine_config: dict[str, Any], setup: EngineSetup) -> None:
         super().__init__(spec, setup)
         world, local = setup.world_size, setup.local_size
-        zeropp = config.quantized_weights or config.quantized_gradients
-        options: dict[str, Any] = {}
+        zeropp = "enable_zeropp" in engine_config
+        options = {key: value for key, value in engine_config.get("enable_zeropp", {}).items() if value is not None}
         if config.hsdp:
             hybrid = init_device_mesh(self.device.type, (world // local, local), mesh_dim_names=("replicate", "shard"))
             mesh = hybrid["shard"] if zeropp else hybrid
-            topology = zcomm.Topology(world_size=local, local_size=local)
-            options = dict(replicate_group=hybrid.get_group("replicate"), quantized_all_reduce=config.quantized_gradients,
-                           replicate_topology=zcomm.Topology(world_size=world // local, local_size=1))
-            if config.gather_bits is not None:
-                options["replicate_gather_bits"] = config.gather_bits
+            options.update(topology=zcomm.Topology(world_size=local, local_size=local),
+                           replicate_group=hybrid.get_group("replicate"),
+                           replicate_topology=zcomm.Topology(world_size=world // local, local_size=1))  # fmt: skip
         else:
             mesh = init_device_mesh(self.device.type, (world,))
-            topology = zcomm.Topology(world_size=world, local_size=local)
+            options.update(topology=zcomm.Topology(world_size=world, local_size=local))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if setup.bf16 else MixedPrecisionPolicy()
         reshard = reshard_after_forward(config, local_size=local, world_size=world)
         self.model = spec.build().to(self.device)
         for module in [*spec.blocks(self.model), self.model]:
             fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-        if zeropp:
-            if config.first_hop_bits is not None:
-                options["first_hop_bits"] = config.first_hop_bits
-            zcomm.fsdp.enable_zeropp(self.model, quantized_weights=config.quantized_weights, topology=topology,
-                                     quantized_gradients=config.quantized_gradients, group_size=config.quant_group_size,
-                                     **options)  # fmt: skip
+        self.aligned = zcomm.fsdp.enable_zeropp(self.model, **options) if zeropp else {}
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=setup.lr)
 
 
