@@ -37,13 +37,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from bench.harness import dist_env
+from bench.harness.dist_env import DistContext
 
-from .cli import add_training_args, model_config
 from .configs import CONFIGS, engine_config
 from .data import ByteCorpus, TextDataConfig, rank_slice
 from .models import model_spec
 from .runner import EngineSetup, ZeroRunner
+from .suite import add_training_args, join, model_config
 
 _QWZ_HALF_STEPS = 2 * 127  # qwZ's INT8 step is absmax / 127; rounding to nearest errs by half of it
 
@@ -97,12 +97,11 @@ def _group_counts(runner: ZeroRunner) -> tuple[int, int]:
     return getattr(gather, "delta_groups", 0), getattr(gather, "fallback_groups", 0)
 
 
-def measure(name: str, args: argparse.Namespace, ctx: dist_env.DistContext, corpus: ByteCorpus) -> list[Window]:
+def measure(name: str, args: argparse.Namespace, ctx: DistContext, corpus: ByteCorpus) -> list[Window]:
     """Train configuration ``name`` for ``args.steps`` steps; one :class:`Window` per ``args.window`` steps."""
-    config = CONFIGS[name]
+    config, env = CONFIGS[name], ctx.env
     if config.engine != "zero" or config.stage == 3 or not config.quantized_weights:
         raise ValueError(f"{name} gathers no quantized weights after the step (stages 1 and 2 with qwZ only)")
-    env = ctx.env
     settings = engine_config(config, local_size=env.local_size, bf16=True, gradient_clipping=0.0,
                              micro_batch=args.batch // env.world_size)
     setup = EngineSetup(lr=args.lr, local_size=env.local_size, world_size=env.world_size, bf16=True,
@@ -149,9 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.window < 1:
         parser.error("--steps and --window must be >= 1")
-    ctx = dist_env.join(dist_env.detect())
-    if args.batch % ctx.env.world_size:
-        parser.error(f"--batch {args.batch} does not split evenly over {ctx.env.world_size} ranks")
+    ctx = join(parser, args.batch)
     corpus = ByteCorpus(TextDataConfig(seq_len=args.seq_len))
     results = {name: measure(name, args, ctx, corpus) for name in args.configs}
     if ctx.env.rank == 0:

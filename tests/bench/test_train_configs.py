@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from bench.train.cli import build_parser, check_grad_clip, chosen_configs
 from bench.train.configs import (
     CONFIGS,
     DEEPSPEED_STAGE3_DEFAULTS,
@@ -17,6 +16,7 @@ from bench.train.configs import (
 from bench.train.loop import ConfigResult, LoopSettings
 from bench.train.report import format_table
 from bench.train.runner import reshard_after_forward
+from bench.train.suite import build_parser, chosen, main
 from zero_runtime.config import ZeroConfig
 
 
@@ -139,19 +139,22 @@ def test_invalid_configurations_are_rejected() -> None:
 
 def test_cli_selects_the_configs() -> None:
     parser = build_parser()
-    names = lambda argv: [c.name for c in chosen_configs(parser.parse_args(argv))]  # noqa: E731
+    names = lambda argv: [c.name for c in chosen(parser.parse_args(argv))[0]]  # noqa: E731
     assert names(["--configs", "zeropp", "fsdp2-hpz"]) == ["zeropp", "fsdp2-hpz"]
     assert names([]) == ["zero3", "zeropp", "fsdp2"]
     with pytest.raises(ValueError, match="unknown configuration"):
-        chosen_configs(parser.parse_args(["--configs", "zero3", "zero9"]))
+        chosen(parser.parse_args(["--configs", "zero3", "zero9"]))
 
 
-def test_cli_precision_and_clipping_defaults() -> None:
+def test_cli_precision_and_clipping_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     args = build_parser().parse_args([])
     assert args.dtype == "auto" and args.grad_clip == 0.0
-    check_grad_clip(args)
+    chosen(args)
     with pytest.raises(ValueError, match="--grad-clip"):
-        check_grad_clip(build_parser().parse_args(["--grad-clip", "-1"]))
+        chosen(build_parser().parse_args(["--grad-clip", "-1"]))
+    with pytest.raises(SystemExit) as info:  # a usage error, before any rank joins
+        main(["--grad-clip", "-1"])
+    assert info.value.code == 2 and "--grad-clip must be >= 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("local_size", "world_size", "expected"), [(2, 4, 2), (4, 4, True), (1, 4, False)])
