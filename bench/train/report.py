@@ -181,6 +181,16 @@ def report(rows: list[ConfigResult], params: dict[str, int | None], corpus: Byte
             print(f"wrote {path}")
 
 
+def meta_lines(meta: dict[str, Any]) -> list[str]:
+    """Markdown lines of what a launch's JSON ``meta`` says it ran on (the demo's results.md, sweep.md)."""
+    args, models = meta["args"], ", ".join(f"{m} {n:,} parameters" for m, n in meta["params"].items() if n)
+    return [f"- hardware: {meta['cpu']}, ranks on {meta['device']}; torch {meta['torch']}; "
+            f"DeepSpeed {meta.get('deepspeed') or 'not installed'}",
+            f"- precision: {meta['precision']} ({meta['precision_reason']})",
+            f"- model: {models}; global batch {args['batch']} sequences x {args['seq_len']} tokens, {args['steps']} "
+            f"steps of which the first {args['warmup']} are left out of the times and bytes"]  # fmt: skip
+
+
 def pyplot():
     """matplotlib's pyplot on the file-only Agg backend."""
     import matplotlib
