@@ -49,9 +49,8 @@ class GPTConfig:
     n_layers: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if min(self.vocab_size, self.seq_len, self.d_model, self.n_heads, self.n_layers) < 1:
+            raise ValueError(f"every size must be >= 1, got {self}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
 
@@ -139,22 +138,10 @@ def _hf_gpt2_spec(config: GPTConfig) -> ModelSpec:
         raise Unavailable(f"hf-gpt2 needs transformers (pip install 'zcomm[hf]'): {error}") from None
     # Dropout off so every configuration sees the same function of the weights; the
     # separator byte stands in for GPT-2's bos/eos, which must lie inside the vocabulary.
-    hf_config = GPT2Config(
-        vocab_size=config.vocab_size,
-        n_positions=config.seq_len + 1,
-        n_embd=config.d_model,
-        n_layer=config.n_layers,
-        n_head=config.n_heads,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=SEPARATOR,
-        eos_token_id=SEPARATOR,
-    )
+    hf_config = GPT2Config(vocab_size=config.vocab_size, n_positions=config.seq_len + 1, n_embd=config.d_model,
+                           n_layer=config.n_layers, n_head=config.n_heads, resid_pdrop=0.0, embd_pdrop=0.0,
+                           attn_pdrop=0.0, bos_token_id=SEPARATOR, eos_token_id=SEPARATOR)  # fmt: skip
     # GPT-2 shifts labels itself, so the whole window goes in and its loss covers the same
     # seq_len targets as TinyGPT's.
-    return ModelSpec(
-        build=lambda: GPT2LMHeadModel(hf_config),
-        loss=lambda model, tokens: model(input_ids=tokens, labels=tokens).loss,
-        blocks=lambda model: list(model.transformer.h),
-    )
+    return ModelSpec(build=lambda: GPT2LMHeadModel(hf_config), blocks=lambda model: list(model.transformer.h),
+                     loss=lambda model, tokens: model(input_ids=tokens, labels=tokens).loss)  # fmt: skip
