@@ -9,6 +9,7 @@ mean over ranks (= the global batch's, since the slices are equal).
 
 from __future__ import annotations
 
+import functools
 import gc
 import statistics
 import time
@@ -23,7 +24,7 @@ from bench.harness.timing import reduce_over_ranks
 from bench.harness.wire import read_wire_bytes
 
 from .data import ByteCorpus, rank_slice
-from .runner import MemoryReading, Runner
+from .runner import Runner
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,17 +177,15 @@ def _train(runner: Runner, meter: WireMeter, corpus: ByteCorpus, ctx: DistContex
 
 
 def _summarize(name: str, model: str, losses: list[float], times: list[float], val_curve: list[tuple[int, float]],
-               memory: MemoryReading, wire: tuple[int, int, int] | None, ctx: DistContext,
+               memory: tuple[int | None, str], wire: tuple[int, int, int] | None, ctx: DistContext,
                settings: LoopSettings) -> ConfigResult:  # fmt: skip
-    train_losses = [total / ctx.env.world_size for total in reduce_over_ranks(losses, dist.ReduceOp.SUM,
-                                                                              device=ctx.device)]  # fmt: skip
-    slowest = reduce_over_ranks(times, dist.ReduceOp.MAX, device=ctx.device)
-    # -1 stands for "not measured" so that MAX keeps any rank's real figure.
-    (peak,) = reduce_over_ranks([-1 if memory.peak_bytes is None else memory.peak_bytes], dist.ReduceOp.MAX,
-                                device=ctx.device)  # fmt: skip
+    reduce = functools.partial(reduce_over_ranks, device=ctx.device)
+    train_losses = [total / ctx.env.world_size for total in reduce(losses, dist.ReduceOp.SUM)]
+    slowest = reduce(times, dist.ReduceOp.MAX)
+    (peak,) = reduce([-1 if memory[0] is None else memory[0]], dist.ReduceOp.MAX)  # -1: MAX keeps any rank's figure
     tx, rx, busiest = (None,) * 3 if wire is None else (count / (settings.steps - settings.warmup) for count in wire)
     return ConfigResult(config=name, model=model, median_step_s=statistics.median(slowest[settings.warmup:]),
                         wire_tx_bytes_per_step=tx, wire_rx_bytes_per_step=rx, wire_busiest_bytes_per_step=busiest,
-                        memory_bytes=None if peak < 0 else int(peak), memory_source=memory.source,
+                        memory_bytes=None if peak < 0 else int(peak), memory_source=memory[1],
                         first_loss=train_losses[0], last_loss=train_losses[-1], val_loss=val_curve[-1][1],
                         train_losses=train_losses, val_curve=val_curve, step_times_s=slowest)  # fmt: skip

@@ -108,13 +108,19 @@ class TinyGPT(nn.Module):
         return self.head(self.ln_f(x))
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits = self(tokens[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+        return next_token_loss(self, tokens)
+
+
+def next_token_loss(forward: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy of ``forward``'s logits for every token of ``tokens`` but the first."""
+    logits = forward(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """How to build a model, compute its loss, and find its repeated blocks (FSDP2 units)."""
+    """How to build a model, compute its loss by calling it (or the engine's module wrapping it, e.g.
+    DDP's, whose forward must run), and find its repeated blocks (FSDP2 units)."""
 
     build: Callable[[], nn.Module]
     loss: Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -124,7 +130,7 @@ class ModelSpec:
 def model_spec(name: str, config: GPTConfig) -> ModelSpec:
     """The model ``name`` of :data:`MODELS` in the shape ``config``."""
     if name == "tinygpt":
-        return ModelSpec(build=lambda: TinyGPT(config), loss=lambda model, tokens: model.loss(tokens),
+        return ModelSpec(build=lambda: TinyGPT(config), loss=next_token_loss,
                          blocks=lambda model: list(model.blocks))  # fmt: skip
     if name == "hf-gpt2":
         return _hf_gpt2_spec(config)

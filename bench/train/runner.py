@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,21 +38,11 @@ import zero_runtime
 from .configs import TrainConfig
 from .models import ModelSpec, Unavailable
 
-T = TypeVar("T")
-INSTALL_HINT = "make peers, or pip install 'zcomm[peers]'"
-
 
 class EngineFailed(RuntimeError):
     """A peer engine raised while setting up or training: its row shows the error. Only for errors every
     rank meets at the same point (e.g. a kernel with no CPU build), so that all ranks leave the
     configuration together and the next one starts on a consistent process group."""
-
-
-class MemoryReading(NamedTuple):
-    """Peak bytes on this rank (``None`` when the engine cannot tell) and how it was measured."""
-
-    peak_bytes: int | None
-    source: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,16 +88,19 @@ class Runner:
     def eval_loss(self, tokens: torch.Tensor) -> float:
         return self.loss(tokens).item()
 
-    def memory(self) -> MemoryReading:
+    def memory(self) -> tuple[int | None, str]:
+        """Peak bytes on this rank (None when the engine cannot tell) and how they were measured."""
         if self.device.type == "cuda":
-            return MemoryReading(torch.cuda.max_memory_allocated(self.device), "torch.cuda.max_memory_allocated")
-        return MemoryReading(self.peak_bytes, self.HELD)
+            return torch.cuda.max_memory_allocated(self.device), "torch.cuda.max_memory_allocated"
+        return self.peak_bytes, self.HELD
 
     def close(self) -> None:
         """Nothing to release: the engine's hooks and buffers go with the model, collected with the runner."""
 
 
 class ZeroRunner(Runner):
+    HELD = "zero_runtime memory_report()"
+
     def __init__(self, config: TrainConfig, spec: ModelSpec, engine_config: dict[str, Any], setup: EngineSetup) -> None:
         super().__init__(spec, setup)
         factory = functools.partial(torch.optim.AdamW, lr=setup.lr)
@@ -124,8 +117,8 @@ class ZeroRunner(Runner):
         self.opt.zero_grad()
         return loss.item()
 
-    def memory(self) -> MemoryReading:
-        return MemoryReading(self.peak_bytes, "zero_runtime memory_report()")
+    def memory(self) -> tuple[int | None, str]:
+        return self.peak_bytes, self.HELD  # on a GPU too
 
     def close(self) -> None:
         """Release the engine (``ZeroOptimizer.close`` also removes its gradient hooks), so the
@@ -151,16 +144,12 @@ class TorchRunner(Runner):
 
 
 def reshard_after_forward(config: TrainConfig, *, local_size: int, world_size: int) -> bool | int:
-    """FSDP2's setting for ``config``: True (plain ZeRO-3) or the hpZ group size.
-
-    FSDP2 accepts an int only strictly between 1 and the world size; at the ends hpZ means
-    keeping whole weights (1 rank per node) or the primary sharding itself (one node).
-    """
+    """FSDP2's setting for ``config``: True (plain ZeRO-3) or the hpZ group size. FSDP2 accepts an
+    int only strictly between 1 and the world size; at the ends hpZ means keeping whole weights
+    (1 rank per node) or the primary sharding itself (one node)."""
     if not config.hpz or local_size == world_size:
         return True
-    if local_size == 1:
-        return False
-    return local_size
+    return local_size if local_size > 1 else False
 
 
 class FSDP2Runner(TorchRunner):
@@ -206,37 +195,21 @@ def bf16_hook(process_group, bucket):  # unannotated: DDP refuses annotations th
     buffer = bucket.buffer()
     compressed = buffer.to(torch.bfloat16).div_(group.size())
     future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
-
-    def decompress(done):
-        buffer.copy_(done.value()[0])
-        return buffer
-
-    return future.then(decompress)
-
-
-class _WithLoss(torch.nn.Module):
-    """The model with the spec's loss as its forward: DDP must run the forward it wraps (its
-    reducer prepares for backward there), and the specs compute the loss from the model."""
-
-    def __init__(self, model: torch.nn.Module, spec: ModelSpec) -> None:
-        super().__init__()
-        self.model, self.spec = model, spec
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.spec.loss(self.model, tokens)
+    return future.then(lambda done: buffer.copy_(done.value()[0]))
 
 
 class DDPRunner(TorchRunner):
     """torch ``DistributedDataParallel`` (stage 0): DDP's fp32 all-reduce, torch's ``bf16_compress_hook``
     (:func:`bf16_hook` on a CPU) or ``zcomm.ddp.quantized_allreduce_hook``. bf16 is ``torch.autocast``
-    around forward with fp32 weights and gradients, so every DDP row reduces fp32 buckets."""
+    around forward with fp32 weights and gradients, so every DDP row reduces fp32 buckets. The loss
+    calls the DDP module, whose forward prepares its reducer for backward."""
 
     HELD = "model states held (params+grads+AdamW, whole model)"
 
     def __init__(self, config: TrainConfig, spec: ModelSpec, engine_config: dict[str, Any], setup: EngineSetup) -> None:
         super().__init__(spec, setup)
-        module = _WithLoss(spec.build().to(self.device), spec)
-        self.model = DistributedDataParallel(module, device_ids=[self.device] if self.device.type == "cuda" else None)
+        self.model = DistributedDataParallel(spec.build().to(self.device),
+                                             device_ids=[self.device] if self.device.type == "cuda" else None)
         if config.ddp_hook == "bf16":
             self.model.register_comm_hook(None, default_hooks.bf16_compress_hook if self.device.type == "cuda"
                                           else bf16_hook)  # fmt: skip
@@ -253,12 +226,12 @@ class DDPRunner(TorchRunner):
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
         with self._autocast():
-            return self.model(tokens)
+            return self.spec.loss(self.model, tokens)
 
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor) -> float:
         with self._autocast():
-            return self.model.module(tokens).item()  # no DDP forward: nothing to reduce
+            return self.spec.loss(self.model.module, tokens).item()  # no DDP forward: nothing to reduce
 
 
 def _short(filename: str) -> str:
@@ -293,7 +266,7 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _guarded(action: str, call: Callable[[], T]) -> T:
+def _guarded(action: str, call: Callable[[], Any]) -> Any:
     with _quiet():
         try:
             return call()
@@ -313,7 +286,8 @@ class DeepSpeedRunner(Runner):
         try:
             import deepspeed
         except ImportError as error:
-            raise Unavailable(f"{config.name} needs deepspeed ({INSTALL_HINT}): {error}") from None
+            raise Unavailable(f"{config.name} needs deepspeed (make peers, or pip install 'zcomm[peers]'): "
+                              f"{error}") from None  # fmt: skip
         super().__init__(spec, setup)
         self.peak_bytes = None
         model = spec.build().to(self.device)
