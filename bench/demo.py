@@ -23,7 +23,7 @@ from typing import Any
 from .harness.checkout import checkout_environment
 from .simcluster.launcher import missing_prerequisite
 from .train.loop import ConfigResult
-from .train.report import COLUMN_LEGEND, FIGURES, figures, meta_lines, pyplot, save_figure
+from .train.report import COLUMN_LEGEND, FIGURES, figure, figures, meta_lines
 
 NUM_NODES, LOCAL_SIZE, RATE = 2, 2, "200mbit"
 TRAIN_CONFIGS = ("zero3", "zeropp", "fsdp2", "deepspeed-z3", "deepspeed-zeropp")
@@ -102,25 +102,23 @@ def markdown(payload: dict[str, Any], command: str) -> str:
                       *(f"- {line}" for line in training_summary(results)), ""])  # fmt: skip
 
 
-def plot(results: list[dict[str, Any]], path: Path, title: str) -> Path:
+def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
     """``demo.png``: median step time and inter-node MB per step, one bar per configuration that ran."""
     done = [row for row in results if row["status"] == "ok"]
-    names = [row["config"] for row in done]
-    fig, (left, right) = pyplot().subplots(1, 2, figsize=(11, 4.2))
-    left.bar(names, [row["median_step_s"] * 1e3 for row in done], color="tab:blue")
-    left.set(ylabel="median step time (ms)", title="step time (lower is better)")
-    wire = [row["wire_tx_bytes_per_step"] for row in done]
-    if all(value is not None for value in wire):
-        right.bar(names, [value * 1e-6 for value in wire], color="tab:orange")
-        right.set(ylabel="inter-node MB per step", title="inter-node bytes (lower is better)")
-    else:
-        right.text(0.5, 0.5, "no wire counters\n(plain loopback, not the simulated cluster)", ha="center",
-                   va="center", transform=right.transAxes)
-        right.set(title="inter-node bytes: not measured")
-    for ax in (left, right):
-        ax.tick_params(axis="x", labelrotation=25)
-    fig.suptitle(title)
-    return save_figure(fig, path)
+    names, wire = [row["config"] for row in done], [row["wire_tx_bytes_per_step"] for row in done]
+    with figure(path, 1, 2, figsize=(11, 4.2)) as (left, right):
+        left.bar(names, [row["median_step_s"] * 1e3 for row in done], color="tab:blue")
+        left.set(ylabel="median step time (ms)", title="step time (lower is better)")
+        if all(value is not None for value in wire):
+            right.bar(names, [value * 1e-6 for value in wire], color="tab:orange")
+            right.set(ylabel="inter-node MB per step", title="inter-node bytes (lower is better)")
+        else:
+            right.text(0.5, 0.5, "no wire counters\n(plain loopback, not the simulated cluster)", ha="center",
+                       va="center", transform=right.transAxes)
+            right.set(title="inter-node bytes: not measured")
+        for ax in (left, right):
+            ax.tick_params(axis="x", labelrotation=25)
+        left.figure.suptitle(title)
 
 
 def keep_results(out: Path, shown_command: str) -> list[str]:

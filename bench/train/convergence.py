@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from .report import pyplot, save_figure
+from .report import figure
 
 BASELINE = "zero3"
 
@@ -89,21 +89,20 @@ def format_markdown(runs: Sequence[Run], sources: Sequence[str]) -> str:
 
 
 def write_plot(path: Path, runs: Sequence[Run], configs: Sequence[str] | None) -> None:
-    fig, ax = pyplot().subplots(figsize=(8, 5))
     groups = by_config(runs)
-    for config in configs or groups:
-        if config not in groups:
-            raise ValueError(f"--plot-configs names {config}, which no run has")
-        mine, steps = groups[config], [s for s, _ in groups[config][0].curve]
-        per_step = [[dict(r.curve)[s] for r in mine] for s in steps]
-        (line,) = ax.plot(steps, [statistics.fmean(v) for v in per_step], marker="o", ms=3,
-                          label=f"{config} ({len(mine)} seed{'s' if len(mine) > 1 else ''})")
-        if len(mine) > 1:
-            ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step],
-                            color=line.get_color(), alpha=0.15)
-    ax.set(xlabel="step", ylabel="validation loss (nats/byte)", title="Validation loss vs step (bench.train, 2x2)")
-    ax.legend(fontsize="small")
-    save_figure(fig, path)
+    with figure(path, figsize=(8, 5)) as ax:
+        for config in configs or groups:
+            if config not in groups:
+                raise ValueError(f"--plot-configs names {config}, which no run has")
+            mine, steps = groups[config], [s for s, _ in groups[config][0].curve]
+            per_step = [[dict(r.curve)[s] for r in mine] for s in steps]
+            (line,) = ax.plot(steps, [statistics.fmean(v) for v in per_step], marker="o", ms=3,
+                              label=f"{config} ({len(mine)} seed{'s' if len(mine) > 1 else ''})")
+            if len(mine) > 1:
+                ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step],
+                                color=line.get_color(), alpha=0.15)
+        ax.set(xlabel="step", ylabel="validation loss (nats/byte)", title="Validation loss vs step (bench.train, 2x2)")
+        ax.legend(fontsize="small")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

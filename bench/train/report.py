@@ -1,16 +1,17 @@
 """The outputs of ``python -m bench.train``: the table, the JSON file and the PNGs.
 
-Everything printed or plotted comes from the ``ConfigResult`` rows measured in the same
-launch; a skipped or failed configuration appears as a row with its note and no numbers.
-Above the table, :class:`RunFacts` says what the numbers were measured on. With ``--rounds``
-above 1 a second table follows (:func:`format_rounds`).
+Everything printed or plotted comes from the ``ConfigResult`` rows measured in the same launch;
+a skipped or failed configuration is a row with its note and no numbers. Above the table,
+:class:`RunFacts` says what the numbers were measured on; with ``--rounds`` a second table follows.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,17 +39,11 @@ class RunFacts:
     engine_configs: dict[str, dict[str, Any]]
 
     def header(self) -> list[str]:
-        link = (
-            "not measured (no simulated cluster): no wire time"
-            if self.link_bytes_per_s is None
-            else f"{self.link_bytes_per_s * 8e-6:.0f} Mbit/s measured per node link and direction"
-        )
-        return [
-            f"hardware: {self.cpu}, ranks on {self.device}",
-            f"precision: {self.precision.dtype} compute for every configuration ({self.precision.reason})",
-            f"link: {link}",
-            f"DeepSpeed: {self.deepspeed or 'not installed (make peers)'}",
-        ]
+        link = ("not measured (no simulated cluster): no wire time" if self.link_bytes_per_s is None
+                else f"{self.link_bytes_per_s * 8e-6:.0f} Mbit/s measured per node link and direction")  # fmt: skip
+        return [f"hardware: {self.cpu}, ranks on {self.device}",
+                f"precision: {self.precision.dtype} compute for every configuration ({self.precision.reason})",
+                f"link: {link}", f"DeepSpeed: {self.deepspeed or 'not installed (make peers)'}"]  # fmt: skip
 
     def as_meta(self) -> dict[str, Any]:
         meta = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
@@ -191,40 +186,36 @@ def meta_lines(meta: dict[str, Any]) -> list[str]:
             f"steps of which the first {args['warmup']} are left out of the times and bytes"]  # fmt: skip
 
 
-def pyplot():
-    """matplotlib's pyplot on the file-only Agg backend."""
+@contextlib.contextmanager
+def figure(path: Path, *grid: int, figsize: tuple[float, float] = (7, 4.5)) -> Iterator[Any]:
+    """The axes of a matplotlib figure (file-only Agg backend) that is saved to ``path`` when the block ends."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt
-
-
-def save_figure(fig, path: Path) -> Path:
+    fig, axes = plt.subplots(*grid, figsize=figsize)
+    yield axes
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    pyplot().close(fig)
-    return path
+    plt.close(fig)
 
 
 def write_plots(directory: str | Path, rows: list[ConfigResult], title: str) -> list[Path]:
     """``loss_vs_step.png`` (train loss lines, validation points) and ``step_time.png`` (bars)."""
-    plt, out = pyplot(), Path(directory)
+    out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     done = [row for row in rows if row.status == "ok"]
     several_models = len({row.model for row in done}) > 1
     labels = [f"{row.config} ({row.model})" if several_models else row.config for row in done]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for row, label in zip(done, labels, strict=True):
-        (line,) = ax.plot(range(1, len(row.train_losses) + 1), row.train_losses, label=f"{label} train", lw=1)
-        steps, losses = zip(*row.val_curve, strict=True)
-        ax.plot(steps, losses, "o", color=line.get_color(), label=f"{label} val", ms=4)
-    ax.set(xlabel="step", ylabel="loss (nats/byte)", title=f"Loss vs step: {title}")
-    ax.legend(fontsize="small", ncol=2)
-    loss_path = save_figure(fig, out / "loss_vs_step.png")
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.bar(labels, [row.median_step_s * 1e3 for row in done])
-    ax.set(ylabel="median step time (ms)", title=f"Step time by configuration: {title}")
-    ax.tick_params(axis="x", labelrotation=30)
-    return [loss_path, save_figure(fig, out / "step_time.png")]
+    with figure(out / "loss_vs_step.png") as ax:
+        for row, label in zip(done, labels, strict=True):
+            (line,) = ax.plot(range(1, len(row.train_losses) + 1), row.train_losses, label=f"{label} train", lw=1)
+            ax.plot(*zip(*row.val_curve, strict=True), "o", color=line.get_color(), label=f"{label} val", ms=4)
+        ax.set(xlabel="step", ylabel="loss (nats/byte)", title=f"Loss vs step: {title}")
+        ax.legend(fontsize="small", ncol=2)
+    with figure(out / "step_time.png") as ax:
+        ax.bar(labels, [row.median_step_s * 1e3 for row in done])
+        ax.set(ylabel="median step time (ms)", title=f"Step time by configuration: {title}")
+        ax.tick_params(axis="x", labelrotation=30)
+    return [out / "loss_vs_step.png", out / "step_time.png"]

@@ -39,7 +39,7 @@ from bench.simcluster.config import parse_rate
 from bench.simcluster.launcher import missing_prerequisite
 
 from .configs import select_configs
-from .report import meta_lines, pyplot, save_figure
+from .report import figure, meta_lines
 
 DEFAULT_RATES = ("100mbit", "200mbit", "400mbit", "800mbit", "1600mbit", "unlimited")
 DEFAULT_CONFIGS = ("zero3", "zeropp", "fsdp2", "deepspeed-z3")
@@ -212,27 +212,24 @@ def claim_verdict(runs: list[RateRun], tolerance: float = 0.10) -> str:
     return "\n".join(lines)
 
 
-def write_plot(path: Path, runs: list[RateRun]) -> Path:
+def write_plot(path: Path, runs: list[RateRun]) -> None:
     """Step time against measured link throughput, log-log, one line per configuration."""
     meta = runs[0].results[0]["meta"]
     params = sum(count for count in meta["params"].values() if count)
-    fig, ax = pyplot().subplots(figsize=(7, 4.5))
-    for config in configs_of(runs):
-        points = [(run.link_bps * 1e-6, run.step_s(config)) for run in runs
-                  if run.link_bps is not None and run.step_s(config) is not None]  # fmt: skip
-        if points:
-            ax.plot(*zip(*points, strict=True), "o-", label=config)
-    for run in runs:
-        if run.link_bps is not None:
+    with figure(path) as ax:
+        for config in configs_of(runs):
+            points = [(run.link_bps * 1e-6, run.step_s(config)) for run in runs
+                      if run.link_bps is not None and run.step_s(config) is not None]  # fmt: skip
+            if points:
+                ax.plot(*zip(*points, strict=True), "o-", label=config)
+        for run in (run for run in runs if run.link_bps is not None):
             ax.annotate(run.rate, (run.link_bps * 1e-6, 0.02), xycoords=("data", "axes fraction"), fontsize="x-small",
                         rotation=90, va="bottom", ha="right", color="gray")  # fmt: skip
-    title = (f"Step time vs link rate: {params / 1e6:.1f}M-param GPT, {meta['num_nodes']}x{meta['local_size']} "
-             f"ranks,\n{meta['precision']} compute on {meta['cpu']}")
-    ax.set(xscale="log", yscale="log", xlabel="measured link throughput per node (Mbit/s)",
-           ylabel="median step time (s)", title=title)  # fmt: skip
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
-    return save_figure(fig, path)
+        ax.set(xscale="log", yscale="log", xlabel="measured link throughput per node (Mbit/s)",
+               ylabel="median step time (s)", title=f"Step time vs link rate: {params / 1e6:.1f}M-param GPT, "
+               f"{meta['num_nodes']}x{meta['local_size']} ranks,\n{meta['precision']} compute on {meta['cpu']}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
 
 
 def json_path(out_dir: Path, rate: str, launch: int) -> Path:
