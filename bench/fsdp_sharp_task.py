@@ -1,19 +1,12 @@
 """A small, sharp task: plain FSDP2 vs FSDP2 + ``enable_zeropp`` vs our runtime's ZeRO++ (docs/fsdp2.md).
 
-Trains one model from one seed (``--seed``) on one fixed batch, several ways in one launch
-through ``bench.train``'s runners, and prints each step's training loss (the mean over the
-ranks' slices of the batch) and each final loss's gap to plain FSDP2. The model is a pre-LayerNorm
-MLP stack (an input Linear, ``BLOCKS`` residual blocks of ``x + fc2(gelu(fc1(LayerNorm(x))))`` at
-hidden size ``--hidden``, a final LayerNorm, an output Linear) classifying a fixed random batch:
-small parameters with large gradients (LayerNorm weights, biases) sit next to large Linear
-weights in every block, which is where a shared INT4 scale hurts.
-
-``fsdp2-zeropp`` is bench.train's configuration of that name (qwZ + qgZ + FSDP2's hpZ), each
-row saying how many units ``enable_zeropp`` aligned; ``zeropp`` is the runtime's stage 3 with
-qwZ, hpZ and qgZ. qgZ's intra-node hop is INT8 by default in ``enable_zeropp`` and INT4 (the
-ZeRO++ paper's) in the runtime, so both run both ways. ``--group-size N`` and ``--hadamard-block
-B`` add rows with N elements per scale and with qgZ's Hadamard smoothing; ``--hsdp`` adds
-``hsdp`` and ``hsdp-zeropp`` and the gap between them. Run with 4 ranks as 2 nodes x 2::
+A pre-LayerNorm residual MLP (``BLOCKS`` blocks of ``x + fc2(gelu(fc1(LayerNorm(x))))``) classifies
+one fixed random batch, from one seed, trained several ways through ``bench.train``'s runners in one
+launch; it prints each step's loss (the mean over the ranks' slices) and each final loss's gap to
+plain FSDP2. Small parameters with large gradients (LayerNorm weights, biases) sit next to large
+Linear weights in every block, which is where a shared INT4 scale hurts. qgZ's intra-node hop is
+INT8 by default in ``enable_zeropp`` and INT4 in the runtime, so both run both ways. Run with 4
+ranks as 2 nodes x 2::
 
     ZCOMM_LOCAL_SIZE=2 PYTHONPATH=$PWD python -m torch.distributed.run --standalone \
         --nproc-per-node 4 -m bench.fsdp_sharp_task
@@ -29,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench.train.configs import CONFIGS, engine_config
+from bench.train.configs import CONFIGS, EngineSetup, engine_config
 from bench.train.models import ModelSpec
-from bench.train.runner import RUNNERS, EngineSetup, Runner
+from bench.train.runner import RUNNERS, Runner
 
 BLOCKS, INPUTS, CLASSES = 4, 32, 64
 BATCH_PER_RANK, LR, STEPS = 16, 3e-3, 8
@@ -105,10 +98,9 @@ def _plan(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
 
 
 def _runner(config_name: str, options: dict[str, Any], spec: ModelSpec, setup: EngineSetup) -> Runner:
-    """bench.train's runner of ``config_name`` in fp32 without clipping, its engine config amended by ``options``."""
+    """bench.train's runner of ``config_name`` (fp32, no clipping), its engine config amended by ``options``."""
     config = CONFIGS[config_name]
-    settings = engine_config(config, local_size=setup.local_size, bf16=False, gradient_clipping=0.0,
-                             micro_batch=BATCH_PER_RANK)  # fmt: skip
+    settings = engine_config(config, setup)
     settings.get("enable_zeropp" if config.engine == "fsdp2" else "zero_optimization", {}).update(options)
     return RUNNERS[config.engine](config, spec, settings, setup)
 
@@ -154,7 +146,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     setup = EngineSetup(lr=LR, local_size=int(os.environ.get("ZCOMM_LOCAL_SIZE", "2")), world_size=world, bf16=False,
-                        gradient_clipping=0.0, device=torch.device("cpu"))  # fmt: skip
+                        gradient_clipping=0.0, micro_batch=BATCH_PER_RANK, device=torch.device("cpu"))  # fmt: skip
     spec, batch, rows = _spec(args), _batch(args.seed, rank, world), {}
     for name, config, options in _plan(args):
         runner = _runner(config, options, spec, setup)

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+
 LOCO_PARAM = {"err_beta": 0.8, "reset_T": 1024}  # DeepSpeed's zeropp_loco_param defaults
 TENSOR_SCALE = "tensor"
 # DeepSpeed 0.19's defaults for its stage-3 keys (deepspeed/runtime/zero/config.py), in elements.
@@ -145,6 +147,19 @@ CONFIGS: dict[str, TrainConfig] = {config.name: config for config in (
 )}
 
 
+@dataclass(frozen=True, kw_only=True)
+class EngineSetup:
+    """What every engine of a launch is built with besides its configuration."""
+
+    lr: float
+    local_size: int
+    world_size: int
+    bf16: bool
+    gradient_clipping: float
+    micro_batch: int  # sequences per rank and step
+    device: torch.device
+
+
 def select_configs(names: list[str]) -> list[TrainConfig]:
     """The configurations named, in the order given; unknown or repeated names are errors."""
     unknown = [name for name in names if name not in CONFIGS]
@@ -190,20 +205,20 @@ def deepspeed_config(config: TrainConfig, *, local_size: int, bf16: bool, gradie
             "zero_allow_untested_optimizer": True}  # fmt: skip
 
 
-def engine_config(config: TrainConfig, *, local_size: int, bf16: bool, gradient_clipping: float,
-                  micro_batch: int) -> dict[str, Any]:  # fmt: skip
+def engine_config(config: TrainConfig, setup: EngineSetup) -> dict[str, Any]:
     """What ``config``'s engine is given, also kept in the JSON: the ZeRO engines' dicts; for FSDP2
     and DDP the settings their runners apply (``enable_zeropp``'s arguments, None: its default)."""
-    common = dict(local_size=local_size, bf16=bf16, gradient_clipping=gradient_clipping)
+    bf16, clip = setup.bf16, setup.gradient_clipping
+    common = dict(local_size=setup.local_size, bf16=bf16, gradient_clipping=clip)
     if config.engine == "zero":
         return zero_runtime_config(config, **common)
     if config.engine == "deepspeed":
-        return deepspeed_config(config, **common, micro_batch=micro_batch)
+        return deepspeed_config(config, **common, micro_batch=setup.micro_batch)
     if config.engine == "ddp":
         return {"autocast": "bf16" if bf16 else None, "ddp_hook": config.ddp_hook, "first_hop_bits": config.first_hop_bits,
-                "gather_bits": config.gather_bits, "gradient_clipping": gradient_clipping}  # fmt: skip
-    settings: dict[str, Any] = {"param_dtype": "bf16" if bf16 else "fp32", "hpz": config.hpz,
-                                "gradient_clipping": gradient_clipping, **({"hsdp": True} if config.hsdp else {})}
+                "gather_bits": config.gather_bits, "gradient_clipping": clip}  # fmt: skip
+    settings: dict[str, Any] = {"param_dtype": "bf16" if bf16 else "fp32", "hpz": config.hpz, "gradient_clipping": clip,
+                                **({"hsdp": True} if config.hsdp else {})}
     if config.quantized_weights or config.quantized_gradients:
         settings["enable_zeropp"] = {"quantized_weights": config.quantized_weights, "group_size": config.quant_group_size,
                                      "quantized_gradients": config.quantized_gradients,

@@ -18,32 +18,17 @@ class StepProgress:
 
     def __init__(self, name: str, steps: int, *, stream: TextIO | None = None, clock=time.perf_counter) -> None:
         self.name, self.steps, self.stream, self.clock = name, steps, stream or sys.stderr, clock
-        self.started = clock()
-        self.first_step_at: float | None = None
+        self.started, self.first_step_at, self.quarter = clock(), 0.0, -1
         self.in_place = bool(getattr(self.stream, "isatty", lambda: False)())
-        self._quarters_shown = -1
-
-    def line(self, step: int, now: float) -> str:
-        elapsed = now - self.started
-        # Steps after the first: construction and the first step's one-off costs stay out of the pace.
-        if self.first_step_at is None or step < 2:
-            left = "estimating"
-        else:
-            pace = (now - self.first_step_at) / (step - 1)
-            left = f"~{pace * (self.steps - step):.0f} s left"
-        return f"[bench.train] {self.name}: step {step} of {self.steps}, {elapsed:.1f} s so far, {left}"
 
     def __call__(self, step: int) -> None:
-        now = self.clock()
+        now, quarter = self.clock(), 4 * step // self.steps
         if step == 1:
-            self.first_step_at = now
-        text = self.line(step, now)
-        if self.in_place:
-            self.stream.write(f"\r{text}\033[K" + ("\n" if step == self.steps else ""))
-        else:
-            quarter = 4 * step // self.steps
-            if step not in (1, self.steps) and quarter == self._quarters_shown:
-                return
-            self._quarters_shown = quarter
-            self.stream.write(text + "\n")
+            self.first_step_at = now  # construction and the first step's one-off costs stay out of the pace
+        elif not self.in_place and step != self.steps and quarter == self.quarter:
+            return
+        self.quarter = quarter
+        left = "estimating" if step == 1 else f"~{(now - self.first_step_at) / (step - 1) * (self.steps - step):.0f} s left"
+        text = f"[bench.train] {self.name}: step {step} of {self.steps}, {now - self.started:.1f} s so far, {left}"
+        self.stream.write(f"\r{text}\033[K" + ("\n" if step == self.steps else "") if self.in_place else text + "\n")
         self.stream.flush()

@@ -18,7 +18,6 @@ import functools
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ import zcomm.ddp
 import zcomm.fsdp
 import zero_runtime
 
-from .configs import TrainConfig
+from .configs import EngineSetup, TrainConfig
 from .models import ModelSpec, Unavailable
 
 
@@ -43,18 +42,6 @@ class EngineFailed(RuntimeError):
     """A peer engine raised while setting up or training: its row shows the error. Only for errors every
     rank meets at the same point (e.g. a kernel with no CPU build), so that all ranks leave the
     configuration together and the next one starts on a consistent process group."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class EngineSetup:
-    """What every engine of a launch is built with besides its configuration."""
-
-    lr: float
-    local_size: int
-    world_size: int
-    bf16: bool
-    gradient_clipping: float
-    device: torch.device
 
 
 def local_nbytes(tensor: torch.Tensor) -> int:
@@ -99,7 +86,7 @@ class Runner:
 
 
 class ZeroRunner(Runner):
-    HELD = "zero_runtime memory_report()"
+    HELD = "zero_runtime memory_report()"  # on a GPU too
 
     def __init__(self, config: TrainConfig, spec: ModelSpec, engine_config: dict[str, Any], setup: EngineSetup) -> None:
         super().__init__(spec, setup)
@@ -118,7 +105,7 @@ class ZeroRunner(Runner):
         return loss.item()
 
     def memory(self) -> tuple[int | None, str]:
-        return self.peak_bytes, self.HELD  # on a GPU too
+        return self.peak_bytes, self.HELD
 
     def close(self) -> None:
         """Release the engine (``ZeroOptimizer.close`` also removes its gradient hooks), so the
@@ -296,14 +283,14 @@ class DeepSpeedRunner(Runner):
         self.engine, *_ = _guarded(f"deepspeed {deepspeed.__version__}: deepspeed.initialize", initialize)
         self.model = self.engine.module
 
-    def _step(self, tokens: torch.Tensor) -> float:
-        loss = self.loss(tokens)
-        self.engine.backward(loss)
-        self.engine.step()
-        return loss.item()
-
     def train_step(self, tokens: torch.Tensor) -> float:
-        return _guarded("a DeepSpeed training step", lambda: self._step(tokens))
+        def step() -> float:
+            loss = self.loss(tokens)
+            self.engine.backward(loss)
+            self.engine.step()
+            return loss.item()
+
+        return _guarded("a DeepSpeed training step", step)
 
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor) -> float:

@@ -1,19 +1,16 @@
 """``python -m bench.train``: its flags, and every configuration on every model trained one after another in one launch.
 
-Every rank runs every requested configuration: it re-seeds, rebuilds the model and
-optimizer under the configuration's engine (:mod:`.runner`), trains ``--steps`` steps on the
-same global batches (:mod:`.data`) and measures them (:mod:`.loop`), ``--rounds`` times in
-alternating order (:mod:`.rounds`). Rank 0 prints the table and writes JSON and PNGs
-(:mod:`.report`). Launch under the simulated cluster, torchrun or anything that sets
-torchrun's variables (bench/TRAINING.md)::
-
-    python -m bench.simcluster --num-nodes 2 --local-size 2 --rate 200mbit -- python -m bench.train
-    torchrun --nproc-per-node 4 -m bench.train --configs zero3 zeropp fsdp2
+Every rank runs every requested configuration: it re-seeds, rebuilds the model and optimizer
+under the configuration's engine (:mod:`.runner`), trains ``--steps`` steps on the same global
+batches (:mod:`.data`) and measures them (:mod:`.loop`), ``--rounds`` times in alternating order
+(:mod:`.rounds`). Rank 0 prints the table and writes JSON and PNGs (:mod:`.report`). Launching
+it: bench/TRAINING.md, "Running it".
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.metadata
 import sys
@@ -26,28 +23,26 @@ from bench.harness.dist_env import DistContext
 from bench.harness.link import measure_link_throughput
 from bench.harness.precision import DTYPE_CHOICES, Precision, choose_precision, cpu_model, read_cpuinfo
 
-from .configs import CONFIGS, TrainConfig, engine_config, select_configs
+from .configs import CONFIGS, EngineSetup, TrainConfig, engine_config, select_configs
 from .data import VOCAB_SIZE, ByteCorpus, TextDataConfig
 from .loop import ConfigResult, LoopSettings, run_config
 from .models import MODELS, GPTConfig, ModelSpec, Unavailable, model_spec
 from .progress import StepProgress
 from .report import RunFacts, report
 from .rounds import RoundPlan, attach_ratios, combine, round_record
-from .runner import RUNNERS, EngineFailed, EngineSetup
+from .runner import RUNNERS, EngineFailed
 
 DEFAULT_CONFIGS = ("zero3", "zeropp", "fsdp2")
 
 
 def add_training_args(parser: argparse.ArgumentParser, **defaults: object) -> None:
     """The model shape and training flags of ``bench.train`` and ``bench.train.weight_error``."""
-    parser.add_argument("--seq-len", type=int, default=128, help="predicted tokens per sequence")
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--n-layers", type=int, default=4)
-    parser.add_argument("--n-heads", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--batch", type=int, default=8, help="global batch in sequences")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    for flag, kind, default, text in (
+        ("--seq-len", int, 128, "predicted tokens per sequence"), ("--d-model", int, 128, None),
+        ("--n-layers", int, 4, None), ("--n-heads", int, 4, None), ("--steps", int, 40, None),
+        ("--batch", int, 8, "global batch in sequences"), ("--lr", float, 1e-3, None), ("--seed", int, 0, None),
+    ):  # fmt: skip
+        parser.add_argument(flag, type=kind, default=default, help=text)
     parser.add_argument("--json", metavar="PATH", help="write the results and run metadata as JSON")
     parser.set_defaults(**defaults)
 
@@ -176,6 +171,12 @@ def run_rounds(launch: Launch, models: list[str], shape: GPTConfig, configs: lis
     return table, {m: sum(p.numel() for p in specs[m].build().parameters()) if m in specs else None for m in models}
 
 
+def _deepspeed_version() -> str | None:
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        return importlib.metadata.version("deepspeed")
+    return None
+
+
 def failed_row(config: TrainConfig, model: str, failure: EngineFailed, device: torch.device) -> ConfigResult:
     """A configuration whose engine raised: "expected failure" with the known reason and the
     error's first line when the configuration is known to fail on this device, else "failed"
@@ -186,13 +187,6 @@ def failed_row(config: TrainConfig, model: str, failure: EngineFailed, device: t
         return ConfigResult(config=config.name, model=model, status="expected failure",
                             note=f"{config.fails_on_cpu} (it raised {said})")
     return ConfigResult(config=config.name, model=model, status="failed", note=str(failure))
-
-
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,14 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     if env.rank == 0:
         print(f"[bench.train] precision: {precision.dtype} ({precision.reason}); measuring the inter-node link",
               file=sys.stderr, flush=True)  # fmt: skip
-    bf16 = precision.dtype == "bf16"
-    setup = EngineSetup(lr=args.lr, local_size=env.local_size, world_size=env.world_size, bf16=bf16,
-                        gradient_clipping=args.grad_clip, device=ctx.device)  # fmt: skip
-    micro_batch = args.batch // env.world_size
-    engine_configs = {config.name: engine_config(config, local_size=env.local_size, bf16=bf16, micro_batch=micro_batch,
-                                                 gradient_clipping=args.grad_clip) for config in configs}
+    setup = EngineSetup(lr=args.lr, local_size=env.local_size, world_size=env.world_size, bf16=precision.dtype == "bf16",
+                        gradient_clipping=args.grad_clip, micro_batch=args.batch // env.world_size, device=ctx.device)
+    engine_configs = {config.name: engine_config(config, setup) for config in configs}
     facts = RunFacts(cpu=cpu_model(read_cpuinfo()), device=str(ctx.device), precision=precision,
-                     link_bytes_per_s=measure_link_throughput(ctx), deepspeed=_version("deepspeed"),
+                     link_bytes_per_s=measure_link_throughput(ctx), deepspeed=_deepspeed_version(),
                      engine_configs=engine_configs)  # fmt: skip
     corpus = ByteCorpus(TextDataConfig(seq_len=args.seq_len))
     rows, params = run_rounds(Launch(ctx, settings, corpus, facts, setup), args.model, shape, configs, plan)

@@ -1,23 +1,14 @@
 """``python -m bench.train.sweep``: the same training at several simulated link rates, table, plot and verdict.
 
-One ``bench.train`` launch on the simulated cluster (2 nodes x 2 ranks) per ``--rates`` value and
-``--repeats`` round (round robin, so a burst of load falls on different rates in different rounds),
-each writing ``rate-<R>-run<k>.json`` and ``.log`` into ``--out-dir``; then ``sweep.md`` and
-``step_time_vs_link_rate.png``. Usage: bench/TRAINING.md, "Recipes"; arguments after ``--`` go to
-``bench.train``.
+One ``bench.train`` launch on the simulated cluster per ``--rates`` value and ``--repeats`` round
+(round robin, so a burst of load falls on different rates in different rounds). What it writes,
+and how its verdict checks the ZeRO++ paper's claim that ZeRO++ on a slow link matches ZeRO-3 on
+a link 4x faster: bench/TRAINING.md, "Recipes" (issue 12).
 
 [Note: best of launches] With several launches per rate, a configuration's step time at that
 rate is the best (lowest) median of its launches: other jobs on a shared machine only ever
 add time, so the minimum is the least disturbed measurement. Every launch's median stays in
 the table of all launches.
-
-[Note: bandwidth claim] The ZeRO++ paper reports that ZeRO++ on a slow link matches ZeRO-3 on a
-link about 4x faster. For every swept rate ``r`` whose ``4 r`` was swept too, the claim holds when
-ZeRO++'s step at ``r`` is at most ``1 + tolerance`` times the baseline's at ``4 r``. The
-*equivalent rate* is where the baseline's step time (log-log interpolation between measured
-points) equals ZeRO++'s at ``r``; its ratio to ``r`` is what ZeRO++ is worth in bandwidth there
-(">" when the baseline is slower at every measured rate). The baselines are our ``zero3`` and,
-when it ran, DeepSpeed's ``deepspeed-z3`` (the paper's own).
 """
 
 from __future__ import annotations
@@ -194,7 +185,8 @@ def claim_pairs(runs: list[RateRun], baseline: str) -> list[ClaimPair]:
 
 
 def claim_verdict(runs: list[RateRun], tolerance: float = 0.10) -> str:
-    """The claim checked on the measured numbers (see [Note: bandwidth claim]), as Markdown."""
+    """The claim checked on the measured numbers, as Markdown: for every rate r whose 4r was swept too, ZeRO++ at r
+    against each baseline at 4r, and the rate at which the baseline's step time equals ZeRO++'s at r."""
     lines = [f'Claim: "ZeRO++ on a slow link matches ZeRO-3 on a ~{CLAIM_FACTOR}x faster link" '
              f"(matches: ZeRO++ step <= {1 + tolerance:.2f} x the baseline's step).", ""]  # fmt: skip
     for baseline in BASELINES:

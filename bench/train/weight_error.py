@@ -39,10 +39,10 @@ import torch.distributed as dist
 
 from bench.harness.dist_env import DistContext
 
-from .configs import CONFIGS, engine_config
+from .configs import CONFIGS, EngineSetup, engine_config
 from .data import ByteCorpus, TextDataConfig, rank_slice
 from .models import model_spec
-from .runner import EngineSetup, ZeroRunner
+from .runner import ZeroRunner
 from .suite import add_training_args, join, model_config
 
 _QWZ_HALF_STEPS = 2 * 127  # qwZ's INT8 step is absmax / 127; rounding to nearest errs by half of it
@@ -102,12 +102,10 @@ def measure(name: str, args: argparse.Namespace, ctx: DistContext, corpus: ByteC
     config, env = CONFIGS[name], ctx.env
     if config.engine != "zero" or config.stage == 3 or not config.quantized_weights:
         raise ValueError(f"{name} gathers no quantized weights after the step (stages 1 and 2 with qwZ only)")
-    settings = engine_config(config, local_size=env.local_size, bf16=True, gradient_clipping=0.0,
-                             micro_batch=args.batch // env.world_size)
     setup = EngineSetup(lr=args.lr, local_size=env.local_size, world_size=env.world_size, bf16=True,
-                        gradient_clipping=0.0, device=ctx.device)
+                        gradient_clipping=0.0, micro_batch=args.batch // env.world_size, device=ctx.device)
     torch.manual_seed(args.seed)
-    runner = ZeroRunner(config, model_spec("tinygpt", model_config(args)), settings, setup)
+    runner = ZeroRunner(config, model_spec("tinygpt", model_config(args)), engine_config(config, setup), setup)
     windows: list[Window] = []
     try:
         for step in range(args.steps):

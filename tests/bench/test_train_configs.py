@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from bench.train.configs import (
     CONFIGS,
     DEEPSPEED_STAGE3_DEFAULTS,
+    EngineSetup,
     TrainConfig,
     deepspeed_config,
     engine_config,
@@ -78,6 +80,11 @@ def test_same_math_clipping_and_stage3_defaults_on_both_zero_engines() -> None:
     assert {k: v for k, v in theirs["zero_optimization"].items() if k != "stage"} == DEEPSPEED_STAGE3_DEFAULTS
 
 
+def _setup(**options: object) -> EngineSetup:
+    return EngineSetup(**{**dict(lr=1e-3, local_size=2, world_size=4, bf16=False, gradient_clipping=0.0, micro_batch=2,
+                                 device=torch.device("cpu")), **options})  # fmt: skip
+
+
 def test_deepspeed_config_has_its_batch_and_optimizer_keys() -> None:
     common = dict(bf16=True, gradient_clipping=0.0, micro_batch=2)
     config = deepspeed_config(CONFIGS["deepspeed-z3-hpz"], local_size=8, **common)
@@ -88,17 +95,16 @@ def test_deepspeed_config_has_its_batch_and_optimizer_keys() -> None:
     assert {k: zeropp["zero_optimization"][k] for k in ("zero_quantized_weights", "zero_hpz_partition_size",
                                                          "zero_quantized_gradients")} == {
         "zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
-    fsdp2 = engine_config(CONFIGS["fsdp2"], local_size=2, bf16=False, gradient_clipping=0.0, micro_batch=2)
+    fsdp2 = engine_config(CONFIGS["fsdp2"], _setup(bf16=False, gradient_clipping=0.0))
     assert fsdp2 == {"param_dtype": "fp32", "hpz": False, "gradient_clipping": 0.0}
-    zeropp = engine_config(CONFIGS["fsdp2-zeropp"], local_size=2, bf16=True, gradient_clipping=1.0, micro_batch=2)
+    zeropp = engine_config(CONFIGS["fsdp2-zeropp"], _setup(bf16=True, gradient_clipping=1.0))
     assert zeropp == {"param_dtype": "bf16", "hpz": True, "gradient_clipping": 1.0, "enable_zeropp": {
         "quantized_weights": True, "quantized_gradients": True, "group_size": None, "first_hop_bits": None}}
-    int4hop = engine_config(CONFIGS["fsdp2-zeropp-int4hop"], local_size=2, bf16=True, gradient_clipping=1.0,
-                            micro_batch=2)  # fmt: skip
+    int4hop = engine_config(CONFIGS["fsdp2-zeropp-int4hop"], _setup(bf16=True, gradient_clipping=1.0))
     assert int4hop["enable_zeropp"]["first_hop_bits"] == 4
-    hsdp = engine_config(CONFIGS["hsdp"], local_size=2, bf16=True, gradient_clipping=1.0, micro_batch=2)
+    hsdp = engine_config(CONFIGS["hsdp"], _setup(bf16=True, gradient_clipping=1.0))
     assert hsdp == {"param_dtype": "bf16", "hpz": False, "hsdp": True, "gradient_clipping": 1.0}
-    hsdp_zeropp = engine_config(CONFIGS["hsdp-zeropp"], local_size=2, bf16=True, gradient_clipping=1.0, micro_batch=2)
+    hsdp_zeropp = engine_config(CONFIGS["hsdp-zeropp"], _setup(bf16=True, gradient_clipping=1.0))
     assert hsdp_zeropp["hsdp"] is True and hsdp_zeropp["enable_zeropp"] == {
         "quantized_weights": True, "quantized_gradients": True, "group_size": None, "first_hop_bits": None,
         "replicate_group": "replicate", "quantized_all_reduce": True}
