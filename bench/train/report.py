@@ -45,23 +45,14 @@ class RunFacts:
                 f"precision: {self.precision.dtype} compute for every configuration ({self.precision.reason})",
                 f"link: {link}", f"DeepSpeed: {self.deepspeed or 'not installed (make peers)'}"]  # fmt: skip
 
-    def as_meta(self) -> dict[str, Any]:
-        meta = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-        return {**meta, "precision": self.precision.dtype, "precision_reason": self.precision.reason}
-
 
 # The table's figures after config and model: (title, width, ConfigResult field, scale, digits).
 FIGURES = (
-    ("step ms", 9, "median_step_s", 1e3, 1),
-    ("tokens/s", 10, "tokens_per_s", 1, 0),
-    ("wire MB/step", 13, "wire_tx_bytes_per_step", 1e-6, 3),
-    ("wire ms", 8, "wire_time_s", 1e3, 1),
-    ("wire %", 7, "wire_fraction", 100, 0),
-    ("mem MiB", 9, "memory_bytes", 2**-20, 2),
-    ("loss first", 11, "first_loss", 1, 4),
-    ("loss last", 10, "last_loss", 1, 4),
-    ("val loss", 9, "val_loss", 1, 4),
-)
+    ("step ms", 9, "median_step_s", 1e3, 1), ("tokens/s", 10, "tokens_per_s", 1, 0),
+    ("wire MB/step", 13, "wire_tx_bytes_per_step", 1e-6, 3), ("wire ms", 8, "wire_time_s", 1e3, 1),
+    ("wire %", 7, "wire_fraction", 100, 0), ("mem MiB", 9, "memory_bytes", 2**-20, 2),
+    ("loss first", 11, "first_loss", 1, 4), ("loss last", 10, "last_loss", 1, 4), ("val loss", 9, "val_loss", 1, 4),
+)  # fmt: skip
 COLUMNS = (("config", 18), ("model", 8), *((title, width) for title, width, *_ in FIGURES))
 ROUND_COLUMNS = (("config", 18), ("model", 8), ("rounds", 6), ("step ms", 9), ("min", 9), ("max", 9), ("ratio", 8),
                  ("ratio range", 13), ("loss diff", 10))  # fmt: skip
@@ -100,20 +91,16 @@ def figures(row: ConfigResult) -> list[str]:
 
 
 def _pad(cells: list[str], columns: tuple[tuple[str, int], ...] = COLUMNS) -> str:
-    return "  ".join(
-        cell.ljust(width) if index == 0 else cell.rjust(width)
-        for index, (cell, (_, width)) in enumerate(zip(cells, columns, strict=False))
-    )
+    """The cells at the columns' widths: the first left-aligned, the others right-aligned."""
+    return "  ".join(cell.ljust(width) if index == 0 else cell.rjust(width)
+                     for index, (cell, (_, width)) in enumerate(zip(cells, columns, strict=False)))  # fmt: skip
 
 
 def format_table(rows: list[ConfigResult]) -> str:
     """A fixed-width table, one line per configuration (a skipped or failed one carries its note)."""
-    lines = [_pad([title for title, _ in COLUMNS])]
-    for row in rows:
-        ok = row.status == "ok"
-        lines.append(_pad([row.config, row.model, *figures(row)]) if ok else
-                     _pad([row.config, row.model]) + f"  {row.status}: {row.note}")  # fmt: skip
-    return "\n".join(lines)
+    return "\n".join([_pad([title for title, _ in COLUMNS]), *(
+        _pad([row.config, row.model, *figures(row)]) if row.status == "ok" else
+        _pad([row.config, row.model]) + f"  {row.status}: {row.note}" for row in rows)])  # fmt: skip
 
 
 def _round_line(row: ConfigResult) -> str:
@@ -165,7 +152,8 @@ def report(rows: list[ConfigResult], params: dict[str, int | None], corpus: Byte
           f"{len(corpus.val_files)} validation files ({corpus.val.size:,} bytes)")  # fmt: skip
     print(format_report(rows, facts, rounds=plan.rounds, baseline=plan.baseline))
     meta = {"world_size": env.world_size, "local_size": env.local_size, "num_nodes": env.num_nodes,
-            "torch": torch.__version__, **facts.as_meta(), "params": params, "train_bytes": int(corpus.train.size),
+            "torch": torch.__version__, **dataclasses.asdict(facts), "precision": facts.precision.dtype,
+            "precision_reason": facts.precision.reason, "params": params, "train_bytes": int(corpus.train.size),
             "val_bytes": int(corpus.val.size), "args": vars(args), "rounds": plan.rounds, "baseline": plan.baseline,
             "round_order": "forward in odd rounds, backward in even ones (bench/train/rounds.py)"}  # fmt: skip
     if args.json:

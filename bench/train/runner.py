@@ -44,18 +44,13 @@ class EngineFailed(RuntimeError):
     configuration together and the next one starts on a consistent process group."""
 
 
-def local_nbytes(tensor: torch.Tensor) -> int:
-    """Bytes this rank stores for ``tensor`` (its shard when it is a DTensor)."""
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.numel() * local.element_size()
-
-
 def model_state_nbytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of this rank's parameters, gradients and optimizer states, as the optimizer sees them."""
+    """Bytes of this rank's parameters, gradients and optimizer states (a DTensor's: its shard's)."""
     params = [param for group in optimizer.param_groups for param in group["params"]]
     tensors = [*params, *(p.grad for p in params if p.grad is not None),
                *(v for p in params for v in optimizer.state.get(p, {}).values() if torch.is_tensor(v))]
-    return sum(map(local_nbytes, tensors))
+    local = [tensor.to_local() if isinstance(tensor, DTensor) else tensor for tensor in tensors]
+    return sum(tensor.numel() * tensor.element_size() for tensor in local)
 
 
 class Runner:

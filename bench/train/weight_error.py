@@ -2,28 +2,25 @@
 
 Stages 1 and 2 with quantized weights replace the post-step all-gather by qwZ's blocked INT8
 values or by 4-bit weight differences ([Note: weight differences] in
-``zero_runtime.comm._weight_delta``). Every rank then computes with the gathered
-*reference* (each unit's full buffer); what a plain gather would have given is the owner's
-master in the compute dtype. After every step each rank compares the two over the shards it
-owns, and the ranks combine their sums:
+``zero_runtime.comm._weight_delta``). Every rank then computes with the gathered *reference*
+(each unit's full buffer); a plain gather would have given the owner's master in the compute
+dtype. After every step each rank compares the two over the shards it owns, and the ranks
+combine their sums; per window of steps the table shows:
 
-- **worst / bound**: the largest ``|reference - master|`` divided by the format's bound for
-  that element, ``absmax(master group) / 254 + eps/2 * |reference|``: qwZ's half step (a
-  group of differences whose step would exceed it falls back to qwZ for that step) plus
-  the rounding of the reference to the compute dtype. At most 1 when the bound holds.
-- **error / weights**: ``||reference - master|| / ||master||`` over the whole model.
-- **error / update**: ``||reference - master|| / ||master_t - master_(t-1)||``. For weight
-  differences the error is one quantization of one step's difference, so this ratio stays
-  flat over a run instead of growing (SDP4Bit's argument); for qwZ it is the quantization of
-  the weights themselves, so it is larger and follows the weights' size.
-- **cos(error, update)**: the cosine between ``reference - master`` and the step's update: near
-  0 when the error has no direction, near -1 when the reference lags behind the master along
-  the way the weights move (a difference too small for its group's step is held back until
-  the carried error reaches it).
+- **worst / bound**: the largest ``|reference - master|`` over the format's bound for that
+  element, ``absmax(master group) / 254 + eps/2 * |reference|``: qwZ's half step (a group of
+  differences whose step would exceed it falls back to qwZ) plus the rounding of the reference
+  to the compute dtype. At most 1 when the bound holds.
+- **error / weights**: ``||reference - master|| / ||master||`` over the whole model (mean, max).
+- **error / update**: ``||reference - master|| / ||master_t - master_(t-1)||`` (mean, max). For
+  weight differences the error is one quantization of one step's difference, so this stays flat
+  over a run (SDP4Bit's argument); for qwZ it quantizes the weights themselves and follows their size.
+- **cos(error, update)**: near 0 when the error has no direction, near -1 when the reference
+  lags the master along the way the weights move (a difference too small for its group's step
+  is held back until the carried error reaches it).
+- **groups fallen back**: the share of weight-difference groups sent as INT8 values instead.
 
-Per window of steps the table shows the largest worst/bound, the mean and largest of the two
-ratios, and the share of weight-difference groups that fell back to INT8 values. Launch as
-``bench.train`` is launched (4 ranks, ``ZCOMM_LOCAL_SIZE=2`` for two "nodes" of two)::
+Launched as ``bench.train`` is::
 
     ZCOMM_LOCAL_SIZE=2 torchrun --standalone --nproc-per-node 4 -m bench.train.weight_error --configs zero2-q zero2-qwd
 """
