@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import sysconfig
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,24 +16,6 @@ import torch
 
 SEPARATOR = 0
 VOCAB_SIZE = 256
-
-
-@dataclass(frozen=True, kw_only=True)
-class TextDataConfig:
-    """Where the corpus comes from (``root``: a directory of ``*.py`` files, None for the standard
-    library) and how it is cut (``seq_len``: tokens predicted per sample)."""
-
-    seq_len: int = 128
-    val_fraction: float = 0.1
-    root: str | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int):
-            raise TypeError(f"seq_len must be an int, got {self.seq_len!r}")
-        if self.seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
 
 
 def stdlib_root() -> Path:
@@ -57,20 +38,22 @@ def is_validation_file(relative_path: str, val_fraction: float) -> bool:
 
 
 class ByteCorpus:
-    """The train and validation byte streams and the samplers over them."""
+    """The train and validation byte streams of the ``*.py`` files under ``root`` (None: the standard
+    library) and the samplers over them; a sample predicts ``seq_len`` tokens."""
 
-    def __init__(self, config: TextDataConfig) -> None:
-        self.config = config
-        root = Path(config.root) if config.root is not None else stdlib_root()
+    def __init__(self, seq_len: int, *, val_fraction: float = 0.1, root: str | Path | None = None) -> None:
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int):
+            raise TypeError(f"seq_len must be an int, got {seq_len!r}")
+        if seq_len < 1 or not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"need seq_len >= 1 and val_fraction in (0, 1), got {seq_len} and {val_fraction}")
+        root = Path(root) if root is not None else stdlib_root()
         files = list_source_files(root)
-        self.val_files = [name for name in files if is_validation_file(name, config.val_fraction)]
-        self.train_files = [name for name in files if not is_validation_file(name, config.val_fraction)]
+        self.val_files = [name for name in files if is_validation_file(name, val_fraction)]
+        self.train_files = [name for name in files if not is_validation_file(name, val_fraction)]
         if not self.train_files or not self.val_files:
-            raise ValueError(
-                f"{root} gives {len(self.train_files)} training and {len(self.val_files)} validation "
-                f"files at val_fraction={config.val_fraction}; both must be non-empty"
-            )
-        self.window = config.seq_len + 1  # a sample: seq_len predicted tokens and the one before them
+            raise ValueError(f"{root} gives {len(self.train_files)} training and {len(self.val_files)} validation "
+                             f"files at val_fraction={val_fraction}; both must be non-empty")  # fmt: skip
+        self.window = seq_len + 1  # a sample: seq_len predicted tokens and the one before them
         self.train, self.val = (np.frombuffer(bytes([SEPARATOR]).join((root / name).read_bytes() for name in files),
                                               dtype=np.uint8) for files in (self.train_files, self.val_files))
         for name, stream in (("training", self.train), ("validation", self.val)):

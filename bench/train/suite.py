@@ -24,7 +24,7 @@ from bench.harness.link import measure_link_throughput
 from bench.harness.precision import DTYPE_CHOICES, Precision, choose_precision, cpu_model, read_cpuinfo
 
 from .configs import CONFIGS, EngineSetup, TrainConfig, engine_config, select_configs
-from .data import VOCAB_SIZE, ByteCorpus, TextDataConfig
+from .data import VOCAB_SIZE, ByteCorpus
 from .loop import ConfigResult, LoopSettings, run_config
 from .models import MODELS, GPTConfig, ModelSpec, Unavailable, model_spec
 from .progress import StepProgress
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     facts = RunFacts(cpu=cpu_model(read_cpuinfo()), device=str(ctx.device), precision=precision,
                      link_bytes_per_s=measure_link_throughput(ctx), deepspeed=_deepspeed_version(),
                      engine_configs=engine_configs)  # fmt: skip
-    corpus = ByteCorpus(TextDataConfig(seq_len=args.seq_len))
+    corpus = ByteCorpus(args.seq_len)
     rows, params = run_rounds(Launch(ctx, settings, corpus, facts, setup), args.model, shape, configs, plan)
     if env.rank == 0:
         report(rows, params, corpus, env, args, facts, plan)

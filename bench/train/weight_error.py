@@ -37,7 +37,7 @@ import torch.distributed as dist
 from bench.harness.dist_env import DistContext
 
 from .configs import CONFIGS, EngineSetup, engine_config
-from .data import ByteCorpus, TextDataConfig, rank_slice
+from .data import ByteCorpus, rank_slice
 from .models import model_spec
 from .runner import ZeroRunner
 from .suite import add_training_args, join, model_config
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.window < 1:
         parser.error("--steps and --window must be >= 1")
     ctx = join(parser, args.batch)
-    corpus = ByteCorpus(TextDataConfig(seq_len=args.seq_len))
+    corpus = ByteCorpus(args.seq_len)
     results = {name: measure(name, args, ctx, corpus) for name in args.configs}
     if ctx.env.rank == 0:
         for name, windows in results.items():
