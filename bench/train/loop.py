@@ -49,14 +49,9 @@ class LoopSettings:
 
 @dataclass(kw_only=True)
 class ConfigResult:
-    """What one configuration measured.
-
-    ``status`` is "ok", "skipped" (an optional dependency is missing), "failed" (a peer
-    engine raised) or "expected failure" (it raised where it is known to, e.g. DeepSpeed's
-    ZeRO++ on a CPU); ``note`` then says why. The wire columns are None without wire
-    counters, ``wire_time_s`` and ``wire_fraction`` (of the median step) also without a measured
-    link throughput. The figures over rounds (``min_step_s`` to ``rounds``) are :mod:`.rounds`'.
-    """
+    """What one configuration measured (bench/TRAINING.md, "Columns"). ``status``: "ok", "skipped" (an
+    optional dependency is missing), "failed" (a peer engine raised) or "expected failure" (it raised
+    where it is known to); ``note`` then says why. The figures from ``min_step_s`` on are :mod:`.rounds`'."""
 
     config: str
     model: str
@@ -129,10 +124,7 @@ def evaluate(runner: Runner, batches: list[torch.Tensor], ctx: DistContext) -> f
 
 def run_config(name: str, model: str, make_runner: Callable[[], Runner], corpus: ByteCorpus, ctx: DistContext,
                settings: LoopSettings, on_step: Callable[[int], None] | None = None) -> ConfigResult:  # fmt: skip
-    """Train one configuration from the seed and measure it; collective, call on every rank.
-
-    ``on_step(step)`` is called after each step (1-based), e.g. to print progress.
-    """
+    """Train one configuration from the seed and measure it (collective); ``on_step(step)`` after each step."""
     # The engine of the run before is held by reference cycles (module and gradient hooks):
     # free it now, before this one allocates, or R rounds x N configurations of engines could
     # pile up in device memory (see also [Note: gradient hook handles] in zero_runtime.comm._grad_reduce).

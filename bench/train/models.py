@@ -49,10 +49,8 @@ class GPTConfig:
     n_layers: int = 2
 
     def __post_init__(self) -> None:
-        if min(self.vocab_size, self.seq_len, self.d_model, self.n_heads, self.n_layers) < 1:
-            raise ValueError(f"every size must be >= 1, got {self}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        if min(self.vocab_size, self.seq_len, self.d_model, self.n_heads, self.n_layers) < 1 or self.d_model % self.n_heads:
+            raise ValueError(f"every size must be >= 1 and d_model divisible by n_heads, got {self}")
 
 
 class CausalSelfAttention(nn.Module):

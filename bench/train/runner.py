@@ -3,12 +3,9 @@
 A runner owns one model and its optimizer (torch's AdamW, [Note: same math] in :mod:`.configs`)
 under one engine. The loop only calls ``train_step`` (forward, backward, optimizer step, zero
 grad; returns this rank's loss), ``eval_loss``, ``memory`` and ``close``, so the loop, the timing
-and the wire bytes are the same code for every configuration.
-
-Peak memory: ``torch.cuda.max_memory_allocated`` on a GPU. On a CPU, where torch keeps no
-allocator statistics, the model-state bytes this rank holds after the optimizer step (the ZeRO
-paper's accounting, without activations): zero_runtime's ``memory_report()`` (on a GPU too), the
-optimizer's tensors for DDP and FSDP2, none for DeepSpeed (no torch counter sees its partitions).
+and the wire bytes are the same code for every configuration. Peak memory on a CPU, where torch
+keeps no allocator statistics, is the model-state bytes held after the optimizer step (the ZeRO
+paper's accounting, without activations; none for DeepSpeed: no torch counter sees its partitions).
 """
 
 from __future__ import annotations
@@ -57,6 +54,7 @@ class Runner:
     """What every engine shares: the loss through the model spec, evaluation, the memory reading."""
 
     HELD = ""  # what the CPU memory figure counts
+    CUDA_PEAK = True  # on a GPU the figure is torch's peak allocation instead
     model: torch.nn.Module
 
     def __init__(self, spec: ModelSpec, setup: EngineSetup) -> None:
@@ -72,7 +70,7 @@ class Runner:
 
     def memory(self) -> tuple[int | None, str]:
         """Peak bytes on this rank (None when the engine cannot tell) and how they were measured."""
-        if self.device.type == "cuda":
+        if self.CUDA_PEAK and self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device), "torch.cuda.max_memory_allocated"
         return self.peak_bytes, self.HELD
 
@@ -81,7 +79,7 @@ class Runner:
 
 
 class ZeroRunner(Runner):
-    HELD = "zero_runtime memory_report()"  # on a GPU too
+    HELD, CUDA_PEAK = "zero_runtime memory_report()", False
 
     def __init__(self, config: TrainConfig, spec: ModelSpec, engine_config: dict[str, Any], setup: EngineSetup) -> None:
         super().__init__(spec, setup)
@@ -98,9 +96,6 @@ class ZeroRunner(Runner):
         self.peak_bytes = max(self.peak_bytes, self.opt.memory_report().total)
         self.opt.zero_grad()
         return loss.item()
-
-    def memory(self) -> tuple[int | None, str]:
-        return self.peak_bytes, self.HELD
 
     def close(self) -> None:
         """Release the engine (``ZeroOptimizer.close`` also removes its gradient hooks), so the

@@ -14,6 +14,8 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import sys
+import time
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
@@ -27,7 +29,6 @@ from .configs import CONFIGS, EngineSetup, TrainConfig, engine_config, select_co
 from .data import VOCAB_SIZE, ByteCorpus
 from .loop import ConfigResult, LoopSettings, run_config
 from .models import MODELS, GPTConfig, ModelSpec, Unavailable, model_spec
-from .progress import StepProgress
 from .report import RunFacts, report
 from .rounds import RoundPlan, attach_ratios, combine, round_record
 from .runner import RUNNERS, EngineFailed
@@ -114,6 +115,30 @@ def agreed_precision(requested: str, ctx: DistContext) -> Precision:
     if local.dtype == "bf16" and not everywhere.item():
         return Precision("fp32", f"auto: another rank's hardware has no native bf16 (here: {local.reason})")
     return local
+
+
+class StepProgress:
+    """Rank 0's progress line of one configuration's run, ``StepProgress(name, steps)(step)`` after each
+    step: the step reached, the seconds since the configuration started (construction included) and
+    the time left at the pace of the steps after the first. On a terminal the line is rewritten in
+    place; in a log it is printed at the first step, at each quarter of the run and at the last step."""
+
+    def __init__(self, name: str, steps: int, *, stream: TextIO | None = None, clock=time.perf_counter) -> None:
+        self.name, self.steps, self.stream, self.clock = name, steps, stream or sys.stderr, clock
+        self.started, self.first_step_at, self.quarter = clock(), 0.0, -1
+        self.in_place = bool(getattr(self.stream, "isatty", lambda: False)())
+
+    def __call__(self, step: int) -> None:
+        now, quarter = self.clock(), 4 * step // self.steps
+        if step == 1:
+            self.first_step_at = now  # construction and the first step's one-off costs stay out of the pace
+        elif not self.in_place and step != self.steps and quarter == self.quarter:
+            return
+        self.quarter = quarter
+        left = "estimating" if step == 1 else f"~{(now - self.first_step_at) / (step - 1) * (self.steps - step):.0f} s left"
+        text = f"[bench.train] {self.name}: step {step} of {self.steps}, {now - self.started:.1f} s so far, {left}"
+        self.stream.write(f"\r{text}\033[K" + ("\n" if step == self.steps else "") if self.in_place else text + "\n")
+        self.stream.flush()
 
 
 def run_once(launch: Launch, config: TrainConfig, model: str, spec: ModelSpec, label: str) -> ConfigResult:
