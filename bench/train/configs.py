@@ -33,6 +33,9 @@ DEEPSPEED_STAGE3_DEFAULTS: dict[str, int] = {
 }
 
 
+STAGES = {"zero": (0, 1, 2, 3), "deepspeed": (1, 2, 3), "fsdp2": (3,), "ddp": (0,)}  # the ZeRO stages each engine runs
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """One row of the comparison: its ``--configs`` name, engine, ZeRO stage and options. ``fails_on_cpu``:
@@ -61,35 +64,27 @@ class TrainConfig:
             raise ValueError(f"{self.name}: {why}")
 
     def _rules(self) -> list[tuple[bool, str]]:
-        """(broken, why) for each combination the engines do not support (would silently ignore), in order."""
-        zero, quantized = self.engine == "zero", self.quantized_weights or self.quantized_gradients
-        if self.engine == "ddp":
-            zeropp = (quantized, self.hpz, self.loco, self.hsdp, self.quant_group_size is not None,
-                      self.hadamard_block is not None, not self.align_quant_blocks, self.weight_delta_bits is not None)
-            return [(self.stage != 0, f"DDP is stage 0 (replicated), got stage {self.stage}"),
-                    (any(zeropp), "the ZeRO++ options are not DDP's (its hook quantizes the all-reduce)"),
-                    ((self.first_hop_bits, self.gather_bits) != (None, None) and self.ddp_hook != "zcomm",
-                     "the first hop's and the gather's widths are options of zcomm's DDP hook")]  # fmt: skip
+        """(broken, why) for each option its engine would refuse or silently ignore, in the order checked."""
+        zero, qwz, qgz, stages = self.engine == "zero", self.quantized_weights, self.quantized_gradients, STAGES[self.engine]
+        zcomm_hook = self.ddp_hook == "zcomm"
         return [
-            (self.stage not in (1, 2, 3) and not (self.stage == 0 and zero),
-             f"stage must be 1, 2 or 3 (0 for zero_runtime), got {self.stage}"),
-            (self.stage == 0 and self.quantized_weights, "qwZ has no parameter gather to quantize at stage 0"),
-            (self.ddp_hook is not None, "ddp_hook is an option of the ddp engine"),
-            (self.gather_bits is not None and not (self.hsdp and self.quantized_gradients),
-             "gather_bits is the quantized all-reduce's: zcomm's DDP hook or HSDP with qgZ"),
-            (self.hpz and self.stage != 3, "hpZ needs stage 3"),
-            (quantized and self.stage != 3 and not zero, "qwZ and qgZ in stages 1 and 2 are zero_runtime's"),
-            (self.weight_delta_bits is not None and not (zero and self.quantized_weights and (self.stage < 3 or self.hpz)),
-             "weight differences are zero_runtime's, with qwZ (and hpZ in stage 3)"),
-            (self.quant_group_size is not None and not quantized, "quant_group_size needs qwZ or qgZ"),
-            (not self.align_quant_blocks and not (zero and quantized), "packed blocks are a zero_runtime layout for qwZ or qgZ"),
-            (self.loco and not (zero and self.quantized_gradients), "LoCo is zero_runtime's error feedback for qgZ"),
-            (self.first_hop_bits is not None and (self.engine == "deepspeed" or not self.quantized_gradients),
-             "the first hop's width is an option of zcomm's qgZ"),
-            (self.hadamard_block is not None and not (zero and self.quantized_gradients),
-             "the Hadamard rotation is an option of zero_runtime's qgZ"),
-            (self.engine == "fsdp2" and self.stage != 3, "FSDP2 is always stage 3"),
+            (self.stage not in stages, f"{self.engine} runs stage {'/'.join(map(str, stages))}, got stage {self.stage}"),
             (self.hsdp and (self.engine != "fsdp2" or self.hpz), "HSDP is an FSDP2 layout, sharded inside the node already (no hpZ)"),
+            (self.hpz and self.stage != 3, "hpZ needs stage 3"),
+            ((qwz or qgz) and self.stage != 3 and not zero,
+             "qwZ and qgZ outside stage 3 are zero_runtime's (DDP's hook quantizes its all-reduce)"),
+            (qwz and self.stage == 0, "qwZ has no parameter gather to quantize at stage 0"),
+            (self.quant_group_size is not None and not (qwz or qgz), "quant_group_size needs qwZ or qgZ"),
+            (not self.align_quant_blocks and not (zero and (qwz or qgz)), "packed blocks are a zero_runtime layout for qwZ or qgZ"),
+            (self.loco and not (zero and qgz), "LoCo is zero_runtime's error feedback for qgZ"),
+            (self.hadamard_block is not None and not (zero and qgz), "the Hadamard rotation is an option of zero_runtime's qgZ"),
+            (self.weight_delta_bits is not None and not (zero and qwz and (self.stage < 3 or self.hpz)),
+             "weight differences are zero_runtime's, with qwZ (and hpZ in stage 3)"),
+            (self.ddp_hook is not None and self.engine != "ddp", "ddp_hook is an option of the ddp engine"),
+            (self.first_hop_bits is not None and not (zcomm_hook or qgz and self.engine != "deepspeed"),
+             "the first hop's width is an option of zcomm's qgZ and DDP hook"),
+            (self.gather_bits is not None and not (zcomm_hook or self.hsdp and qgz),
+             "gather_bits is the quantized all-reduce's: zcomm's DDP hook or HSDP with qgZ"),
         ]  # fmt: skip
 
 

@@ -113,9 +113,9 @@ def test_deepspeed_config_has_its_batch_and_optimizer_keys() -> None:
 def test_invalid_configurations_are_rejected() -> None:
     with pytest.raises(ValueError, match="stage 3"):
         TrainConfig(name="x", engine="zero", stage=2, hpz=True)
-    with pytest.raises(ValueError, match="FSDP2 is always stage 3"):
+    with pytest.raises(ValueError, match="fsdp2 runs stage 3, got stage 2"):
         TrainConfig(name="x", engine="fsdp2", stage=2)
-    with pytest.raises(ValueError, match="stage must be 1, 2 or 3 \\(0 for zero_runtime\\)"):
+    with pytest.raises(ValueError, match="fsdp2 runs stage 3, got stage 0"):
         TrainConfig(name="x", engine="fsdp2", stage=0)
     with pytest.raises(ValueError, match="qwZ has no parameter gather"):
         TrainConfig(name="x", engine="zero", stage=0, quantized_weights=True)
@@ -125,9 +125,13 @@ def test_invalid_configurations_are_rejected() -> None:
         TrainConfig(name="x", engine="zero", hsdp=True)
     with pytest.raises(ValueError, match="HSDP is an FSDP2 layout"):
         TrainConfig(name="x", engine="fsdp2", hsdp=True, hpz=True)
-    with pytest.raises(ValueError, match="ZeRO\\+\\+ options are not DDP's"):
+    with pytest.raises(ValueError, match="HSDP is an FSDP2 layout"):
         TrainConfig(name="x", engine="ddp", stage=0, hsdp=True)
-    with pytest.raises(ValueError, match="gather's widths are options of zcomm's DDP hook"):
+    with pytest.raises(ValueError, match="qwZ and qgZ outside stage 3 are zero_runtime's"):
+        TrainConfig(name="x", engine="ddp", stage=0, quantized_gradients=True)
+    with pytest.raises(ValueError, match="deepspeed runs stage 1/2/3, got stage 0"):
+        TrainConfig(name="x", engine="deepspeed", stage=0)
+    with pytest.raises(ValueError, match="gather_bits is the quantized all-reduce's"):
         TrainConfig(name="x", engine="ddp", stage=0, ddp_hook="bf16", gather_bits=4)
     with pytest.raises(ValueError, match="gather_bits is the quantized all-reduce's"):
         TrainConfig(name="x", engine="zero", stage=0, gather_bits=4)
