@@ -136,10 +136,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64, help="residual width (LayerNorm size)")
     parser.add_argument("--width", type=int, default=256, help="MLP inner width")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch")
-    parser.add_argument("--hadamard-block", type=int, default=None,
-                        help="also run fsdp2-zeropp and the runtime with qgZ's Hadamard smoothing in blocks of this size")
-    parser.add_argument("--group-size", type=int, default=None,
-                        help="also run fsdp2-zeropp and the runtime with this many elements per scale")
+    parser.add_argument("--hadamard-block", type=int, help="also rows with qgZ's Hadamard smoothing in blocks of this size")
+    parser.add_argument("--group-size", type=int, help="also rows with this many elements per scale")
     parser.add_argument("--hsdp", action="store_true", help="also run hsdp and hsdp-zeropp (2 or more nodes)")
     args = parser.parse_args()
     dist.init_process_group("gloo")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -155,8 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             for window in windows:
                 print(window.row())
         if args.json:
-            with open(args.json, "w") as out:
-                json.dump({name: [asdict(w) for w in windows] for name, windows in results.items()}, out)
+            Path(args.json).write_text(json.dumps({name: [asdict(w) for w in windows] for name, windows in results.items()}))
     dist.destroy_process_group()
     return 0
 
