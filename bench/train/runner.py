@@ -178,8 +178,8 @@ def bf16_hook(process_group, bucket):  # unannotated: DDP refuses annotations th
 class DDPRunner(TorchRunner):
     """torch ``DistributedDataParallel`` (stage 0): DDP's fp32 all-reduce, torch's ``bf16_compress_hook``
     (:func:`bf16_hook` on a CPU) or ``zcomm.ddp.quantized_allreduce_hook``. bf16 is ``torch.autocast``
-    around forward with fp32 weights and gradients, so every DDP row reduces fp32 buckets. The loss
-    calls the DDP module, whose forward prepares its reducer for backward."""
+    around forward with fp32 weights and gradients, so every DDP row reduces fp32 buckets. The hook is
+    the engine config's; the loss calls the DDP module, whose forward prepares its reducer for backward."""
 
     HELD = "model states held (params+grads+AdamW, whole model)"
 
@@ -187,27 +187,23 @@ class DDPRunner(TorchRunner):
         super().__init__(spec, setup)
         self.model = DistributedDataParallel(spec.build().to(self.device),
                                              device_ids=[self.device] if self.device.type == "cuda" else None)
-        if config.ddp_hook == "bf16":
+        if engine_config["ddp_hook"] == "bf16":
             self.model.register_comm_hook(None, default_hooks.bf16_compress_hook if self.device.type == "cuda"
                                           else bf16_hook)  # fmt: skip
-        elif config.ddp_hook == "zcomm":
-            widths = {"first_hop_bits": config.first_hop_bits, "gather_bits": config.gather_bits}
-            state = zcomm.ddp.QuantizedAllReduceState(
-                topology=zcomm.Topology(world_size=setup.world_size, local_size=setup.local_size),
-                **{key: bits for key, bits in widths.items() if bits is not None})
+        elif engine_config["ddp_hook"] == "zcomm":
+            widths = {key: engine_config[key] for key in ("first_hop_bits", "gather_bits") if engine_config[key] is not None}
+            topology = zcomm.Topology(world_size=setup.world_size, local_size=setup.local_size)
+            state = zcomm.ddp.QuantizedAllReduceState(topology=topology, **widths)
             self.model.register_comm_hook(state, zcomm.ddp.quantized_allreduce_hook)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=setup.lr)
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.setup.bf16 else contextlib.nullcontext()
-
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
-        with self._autocast():
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.setup.bf16):
             return self.spec.loss(self.model, tokens)
 
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor) -> float:
-        with self._autocast():
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.setup.bf16):
             return self.spec.loss(self.model.module, tokens).item()  # no DDP forward: nothing to reduce
 
 
