@@ -1,15 +1,12 @@
-"""``make demo``: the project's main job on a simulated 2-node x 2-rank cluster at 200 Mbit/s.
+"""``make demo``: the project's main job on a simulated 2-node x 2-rank cluster at 200 Mbit/s (docs/benchmarks.md).
 
 ``python -m bench.demo`` (or ``training``) trains the same TinyGPT under ZeRO-3, ZeRO++, FSDP2
 and DeepSpeed (with and without its own ZeRO++ keys) in one ``bench.train`` launch and keeps
-its results in ``--out DIR`` (default ``demo-results/<UTC time>/``): ``train.json``,
-``results.md`` (what the numbers were measured on, the table with every column explained,
-ZeRO++'s ratios to the others), ``demo.png`` (step time and inter-node bytes per configuration)
-and bench.train's plots; docs/benchmarks.md ("make demo") says more.
-``python -m bench.demo collectives`` runs the collectives suite instead (printed, not kept).
-
-Without root or iproute2 either job warns and runs under mpirun on plain loopback, with
-``ZCOMM_LOCAL_SIZE=2`` so zcomm still sees two nodes (but no link is limited or counted).
+``train.json``, ``results.md`` (the facts, the table with every column explained, ZeRO++'s ratios
+to the others), ``demo.png`` and bench.train's plots in ``--out DIR`` (default
+``demo-results/<UTC time>/``). ``python -m bench.demo collectives`` runs the collectives suite
+instead (printed, not kept). Without root or iproute2 either job warns and runs under mpirun on
+plain loopback, with ``ZCOMM_LOCAL_SIZE=2`` so zcomm still sees two nodes (no link limited or counted).
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ from typing import Any
 from .harness.checkout import checkout_environment
 from .simcluster.launcher import missing_prerequisite
 from .train.loop import ConfigResult
-from .train.report import COLUMN_LEGEND, FIGURES, figures, pyplot, save_figure
+from .train.report import COLUMN_LEGEND, FIGURES, figure, figures, meta_lines
 
 NUM_NODES, LOCAL_SIZE, RATE = 2, 2, "200mbit"
 TRAIN_CONFIGS = ("zero3", "zeropp", "fsdp2", "deepspeed-z3", "deepspeed-zeropp")
@@ -92,19 +89,10 @@ def _md_row(row: ConfigResult) -> str:
 
 def markdown(payload: dict[str, Any], command: str) -> str:
     """``results.md``: the facts of the run, the table, one line per column, the ratios."""
-    meta, results = payload["meta"], payload["results"]
-    args, link = meta["args"], meta.get("link_bytes_per_s")
-    facts = [
-        f"- command: `{command}`",
-        f"- cluster: {meta['num_nodes']} node(s) x {meta['local_size']} rank(s); link: "
-        + ("not measured (plain loopback, no wire bytes)" if link is None else f"{link * 8e-6:.0f} Mbit/s measured"),
-        f"- hardware: {meta['cpu']}, ranks on {meta['device']}; torch {meta['torch']}; "
-        f"DeepSpeed {meta.get('deepspeed') or 'not installed'}",
-        f"- precision: {meta['precision']} ({meta['precision_reason']})",
-        f"- model: {', '.join(f'{m} {n:,} parameters' for m, n in meta['params'].items() if n)}; global batch "
-        f"{args['batch']} sequences x {args['seq_len']} tokens, {args['steps']} steps of which the first "
-        f"{args['warmup']} are left out of the times and bytes",
-    ]
+    meta, results, link = payload["meta"], payload["results"], payload["meta"].get("link_bytes_per_s")
+    link = "not measured (plain loopback, no wire bytes)" if link is None else f"{link * 8e-6:.0f} Mbit/s measured"
+    facts = [f"- command: `{command}`", f"- cluster: {meta['num_nodes']} node(s) x {meta['local_size']} rank(s); "
+             f"link: {link}", *meta_lines(meta)]  # fmt: skip
     columns = ["config", *(title for title, *_ in FIGURES)]
     table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
              *(_md_row(ConfigResult(**row)) for row in results)]  # fmt: skip
@@ -114,25 +102,23 @@ def markdown(payload: dict[str, Any], command: str) -> str:
                       *(f"- {line}" for line in training_summary(results)), ""])  # fmt: skip
 
 
-def plot(results: list[dict[str, Any]], path: Path, title: str) -> Path:
+def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
     """``demo.png``: median step time and inter-node MB per step, one bar per configuration that ran."""
     done = [row for row in results if row["status"] == "ok"]
-    names = [row["config"] for row in done]
-    fig, (left, right) = pyplot().subplots(1, 2, figsize=(11, 4.2))
-    left.bar(names, [row["median_step_s"] * 1e3 for row in done], color="tab:blue")
-    left.set(ylabel="median step time (ms)", title="step time (lower is better)")
-    wire = [row["wire_tx_bytes_per_step"] for row in done]
-    if all(value is not None for value in wire):
-        right.bar(names, [value * 1e-6 for value in wire], color="tab:orange")
-        right.set(ylabel="inter-node MB per step", title="inter-node bytes (lower is better)")
-    else:
-        right.text(0.5, 0.5, "no wire counters\n(plain loopback, not the simulated cluster)", ha="center",
-                   va="center", transform=right.transAxes)
-        right.set(title="inter-node bytes: not measured")
-    for ax in (left, right):
-        ax.tick_params(axis="x", labelrotation=25)
-    fig.suptitle(title)
-    return save_figure(fig, path)
+    names, wire = [row["config"] for row in done], [row["wire_tx_bytes_per_step"] for row in done]
+    with figure(path, 1, 2, figsize=(11, 4.2)) as (left, right):
+        left.bar(names, [row["median_step_s"] * 1e3 for row in done], color="tab:blue")
+        left.set(ylabel="median step time (ms)", title="step time (lower is better)")
+        if all(value is not None for value in wire):
+            right.bar(names, [value * 1e-6 for value in wire], color="tab:orange")
+            right.set(ylabel="inter-node MB per step", title="inter-node bytes (lower is better)")
+        else:
+            right.text(0.5, 0.5, "no wire counters\n(plain loopback, not the simulated cluster)", ha="center",
+                       va="center", transform=right.transAxes)
+            right.set(title="inter-node bytes: not measured")
+        for ax in (left, right):
+            ax.tick_params(axis="x", labelrotation=25)
+        left.figure.suptitle(title)
 
 
 def keep_results(out: Path, shown_command: str) -> list[str]:

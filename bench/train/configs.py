@@ -5,17 +5,13 @@ bench/TRAINING.md lists them. The ZeRO++ options map onto DeepSpeed's keys under
 ``zero_optimization`` (qwZ ``zero_quantized_weights``, hpZ ``zero_hpz_partition_size`` set to
 the ranks per node, qgZ ``zero_quantized_gradients``); the ablations use zcomm's own keys.
 
-[Note: same math] Every engine trains with the same optimizer (torch AdamW, same ``lr``),
-the same precision and batch, and the same gradient clipping, written out explicitly in
-every engine's config (``gradient_clipping``; FSDP2 and DDP clip with torch's
-``clip_grad_norm_``): DeepSpeed clips at 1.0 when the key is absent, which silently made an
-earlier comparison different math. At stage 3 DeepSpeed gets its default stage-3 settings written
-out (:data:`DEEPSPEED_STAGE3_DEFAULTS`), so "DeepSpeed with its defaults" stays that if a
-release changes them; zero_runtime gets no stage-3 keys at all, so each row measures what a
-user gets from the README's config: the runtime's defaults are DeepSpeed's values for the
-``stage3_*`` keys, its own for the unit and bucket sizes (see [Note: default unit and
-bucket sizes] in ``zero_runtime.config``). Bucket and unit sizes change when bytes move,
-never what is computed.
+[Note: same math] Every engine trains with torch's AdamW at the same ``lr``, precision, batch
+and gradient clipping, the clipping written into every engine's config (DeepSpeed clips at 1.0
+when the key is absent, which once made a comparison different math). DeepSpeed's stage 3 gets
+its default stage-3 settings written out (:data:`DEEPSPEED_STAGE3_DEFAULTS`), so it stays
+"DeepSpeed with its defaults" if a release changes them; zero_runtime gets no stage-3 keys, so
+each row measures what a user gets from the README's config ([Note: default unit and bucket
+sizes] in ``zero_runtime.config``). Bucket and unit sizes change when bytes move, never what is computed.
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Engine = Literal["zero", "fsdp2", "deepspeed", "ddp"]
+import torch
 
 LOCO_PARAM = {"err_beta": 0.8, "reset_T": 1024}  # DeepSpeed's zeropp_loco_param defaults
 TENSOR_SCALE = "tensor"
@@ -37,28 +33,24 @@ DEEPSPEED_STAGE3_DEFAULTS: dict[str, int] = {
 }
 
 
+STAGES = {"zero": (0, 1, 2, 3), "deepspeed": (1, 2, 3), "fsdp2": (3,), "ddp": (0,)}  # the ZeRO stages each engine runs
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """One row of the comparison: its ``--configs`` name, engine, ZeRO stage and options.
-
-    ``engine``: ``zero`` (zero_runtime), ``fsdp2`` (torch ``fully_shard``, with
-    ``zcomm.fsdp.enable_zeropp`` for qwZ / qgZ), ``deepspeed`` or ``ddp`` (stage 0).
-    ``quant_group_size``: elements per scale for qwZ and qgZ, ``TENSOR_SCALE``, or None for
-    zcomm's defaults. ``first_hop_bits``: width of qgZ's intra-node hop, None for the engine's
-    default. ``fails_on_cpu``: why the engine is known to raise on a CPU (the row then reads
-    "expected failure" with this reason).
-    """
+    """One row of the comparison: its ``--configs`` name, engine, ZeRO stage and options. ``fails_on_cpu``:
+    why the engine is known to raise on a CPU (the row then reads "expected failure" with this reason)."""
 
     name: str
-    engine: Engine
+    engine: Literal["zero", "fsdp2", "deepspeed", "ddp"]  # zero_runtime, torch fully_shard (+ enable_zeropp)
     stage: int = 3
     quantized_weights: bool = False  # qwZ
     hpz: bool = False  # FSDP2: reshard_after_forward = ranks per node
     quantized_gradients: bool = False  # qgZ
-    quant_group_size: int | str | None = None
+    quant_group_size: int | str | None = None  # elements per scale of qwZ and qgZ, TENSOR_SCALE; None: zcomm's
     align_quant_blocks: bool = True  # False: zero_runtime packs parameters without gaps
     loco: bool = False  # LoCo error feedback on qgZ (zero_runtime)
-    first_hop_bits: int | None = None
+    first_hop_bits: int | None = None  # width of qgZ's intra-node hop; None: the engine's default
     hadamard_block: int | None = None  # qgZ's Hadamard rotation block (zero_runtime)
     weight_delta_bits: int | None = None  # with qwZ (stage 3: and hpZ): width of the weight differences
     ddp_hook: Literal["bf16", "zcomm"] | None = None  # None: DDP's fp32 all-reduce
@@ -72,86 +64,67 @@ class TrainConfig:
             raise ValueError(f"{self.name}: {why}")
 
     def _rules(self) -> list[tuple[bool, str]]:
-        """(broken, why) for each combination the engines do not support, in the order checked."""
-        zero, quantized = self.engine == "zero", self.quantized_weights or self.quantized_gradients
-        if self.engine == "ddp":
-            zeropp = (quantized, self.hpz, self.loco, self.hsdp, self.quant_group_size is not None,
-                      self.hadamard_block is not None, not self.align_quant_blocks, self.weight_delta_bits is not None)
-            zcomm_widths = self.first_hop_bits is not None or self.gather_bits is not None
-            return [
-                (self.stage != 0, f"DDP is stage 0 (replicated), got stage {self.stage}"),
-                (self.ddp_hook not in (None, "bf16", "zcomm"), f"ddp_hook must be None, 'bf16' or 'zcomm', got {self.ddp_hook!r}"),
-                (any(zeropp), "the ZeRO++ options are not DDP's (its hook quantizes the all-reduce)"),
-                (zcomm_widths and self.ddp_hook != "zcomm",
-                 "the first hop's and the gather's widths are options of zcomm's DDP hook"),
-            ]
+        """(broken, why) for each option its engine would refuse or silently ignore, in the order checked."""
+        zero, qwz, qgz, stages = self.engine == "zero", self.quantized_weights, self.quantized_gradients, STAGES[self.engine]
+        zcomm_hook = self.ddp_hook == "zcomm"
         return [
-            (self.engine not in ("zero", "fsdp2", "deepspeed"), f"unknown engine {self.engine!r}"),
-            (self.stage not in (1, 2, 3) and not (self.stage == 0 and zero),
-             f"stage must be 1, 2 or 3 (0 for zero_runtime), got {self.stage}"),
-            (self.stage == 0 and self.quantized_weights, "qwZ has no parameter gather to quantize at stage 0"),
-            (self.ddp_hook is not None, "ddp_hook is an option of the ddp engine"),
-            (self.gather_bits is not None and not (self.hsdp and self.quantized_gradients),
-             "gather_bits is the quantized all-reduce's: zcomm's DDP hook or HSDP with qgZ"),
+            (self.stage not in stages, f"{self.engine} runs stage {'/'.join(map(str, stages))}, got stage {self.stage}"),
+            (self.hsdp and (self.engine != "fsdp2" or self.hpz), "HSDP is an FSDP2 layout, sharded inside the node already (no hpZ)"),
             (self.hpz and self.stage != 3, "hpZ needs stage 3"),
-            (quantized and self.stage != 3 and not zero, "qwZ and qgZ in stages 1 and 2 are zero_runtime's"),
-            (self.weight_delta_bits is not None and not (zero and self.quantized_weights and (self.stage < 3 or self.hpz)),
+            ((qwz or qgz) and self.stage != 3 and not zero,
+             "qwZ and qgZ outside stage 3 are zero_runtime's (DDP's hook quantizes its all-reduce)"),
+            (qwz and self.stage == 0, "qwZ has no parameter gather to quantize at stage 0"),
+            (self.quant_group_size is not None and not (qwz or qgz), "quant_group_size needs qwZ or qgZ"),
+            (not self.align_quant_blocks and not (zero and (qwz or qgz)), "packed blocks are a zero_runtime layout for qwZ or qgZ"),
+            (self.loco and not (zero and qgz), "LoCo is zero_runtime's error feedback for qgZ"),
+            (self.hadamard_block is not None and not (zero and qgz), "the Hadamard rotation is an option of zero_runtime's qgZ"),
+            (self.weight_delta_bits is not None and not (zero and qwz and (self.stage < 3 or self.hpz)),
              "weight differences are zero_runtime's, with qwZ (and hpZ in stage 3)"),
-            (self.quant_group_size is not None and not quantized, "quant_group_size needs qwZ or qgZ"),
-            (not self.align_quant_blocks and not (zero and quantized),
-             "packed blocks are a zero_runtime layout for qwZ or qgZ"),
-            (self.loco and not (zero and self.quantized_gradients), "LoCo is zero_runtime's error feedback for qgZ"),
-            (self.first_hop_bits is not None and (self.engine == "deepspeed" or not self.quantized_gradients),
-             "the first hop's width is an option of zcomm's qgZ"),
-            (self.hadamard_block is not None and not (zero and self.quantized_gradients),
-             "the Hadamard rotation is an option of zero_runtime's qgZ"),
-            (self.engine == "fsdp2" and self.stage != 3, "FSDP2 is always stage 3"),
-            (self.hsdp and (self.engine != "fsdp2" or self.hpz),
-             "HSDP is an FSDP2 layout, sharded inside the node already (no hpZ)"),
-        ]
+            (self.ddp_hook is not None and self.engine != "ddp", "ddp_hook is an option of the ddp engine"),
+            (self.first_hop_bits is not None and not (zcomm_hook or qgz and self.engine != "deepspeed"),
+             "the first hop's width is an option of zcomm's qgZ and DDP hook"),
+            (self.gather_bits is not None and not (zcomm_hook or self.hsdp and qgz),
+             "gather_bits is the quantized all-reduce's: zcomm's DDP hook or HSDP with qgZ"),
+        ]  # fmt: skip
 
 
 _ZEROPP = dict(quantized_weights=True, hpz=True, quantized_gradients=True)  # qwZ + hpZ + qgZ
 _QWZ_QGZ = dict(quantized_weights=True, quantized_gradients=True)
+_QWZ, _QGZ = dict(quantized_weights=True), dict(quantized_gradients=True)
 
 # What each configuration is: bench/TRAINING.md, "Configurations".
 CONFIGS: dict[str, TrainConfig] = {config.name: config for config in (
     TrainConfig(name="zero0", engine="zero", stage=0),
-    TrainConfig(name="zero0-q", engine="zero", stage=0, quantized_gradients=True),
+    TrainConfig(name="zero0-q", engine="zero", stage=0, **_QGZ),
     TrainConfig(name="zero1", engine="zero", stage=1),
     TrainConfig(name="zero2", engine="zero", stage=2),
     TrainConfig(name="zero3", engine="zero", stage=3),
     TrainConfig(name="zero2-q", engine="zero", stage=2, **_QWZ_QGZ),
     TrainConfig(name="zero2-qwd", engine="zero", stage=2, **_QWZ_QGZ, weight_delta_bits=4),
     TrainConfig(name="zero1-qwd", engine="zero", stage=1, **_QWZ_QGZ, weight_delta_bits=4),
-    TrainConfig(name="zero3+qwz", engine="zero", quantized_weights=True),
+    TrainConfig(name="zero3+qwz", engine="zero", **_QWZ),
     TrainConfig(name="zero3+hpz", engine="zero", hpz=True),
-    TrainConfig(name="zero3+qgz", engine="zero", quantized_gradients=True),
+    TrainConfig(name="zero3+qgz", engine="zero", **_QGZ),
     TrainConfig(name="zeropp", engine="zero", **_ZEROPP),
     TrainConfig(name="zeropp-wd", engine="zero", **_ZEROPP, weight_delta_bits=4),
     TrainConfig(name="zeropp-tensorscale", engine="zero", **_ZEROPP, quant_group_size=TENSOR_SCALE),
     TrainConfig(name="zeropp-g128", engine="zero", **_ZEROPP, quant_group_size=128),
-    *(
-        TrainConfig(name=f"{name}-packed", engine="zero", quantized_weights=qwz, hpz=hpz, quantized_gradients=qgz,
-                    align_quant_blocks=False)
-        for name, qwz, hpz, qgz in (("zeropp", True, True, True), ("zero3+qwz", True, False, False),
-                                    ("zero3+qgz", False, False, True))
-    ),
-    *(
-        TrainConfig(name=f"{name}-g{size}", engine="zero", quantized_weights=qwz, quantized_gradients=qgz,
-                    hpz=qwz and qgz, quant_group_size=size)
-        for name, qwz, qgz, sizes in (("zero3+qgz", False, True, (128, 256)), ("zero3+qwz", True, False, (256, 512)),
-                                      ("zeropp", True, True, (256,)))
-        for size in sizes
-    ),
-    TrainConfig(name="zero3+qgz-loco", engine="zero", quantized_gradients=True, loco=True),
+    TrainConfig(name="zeropp-g256", engine="zero", **_ZEROPP, quant_group_size=256),
+    TrainConfig(name="zero3+qgz-g128", engine="zero", **_QGZ, quant_group_size=128),
+    TrainConfig(name="zero3+qgz-g256", engine="zero", **_QGZ, quant_group_size=256),
+    TrainConfig(name="zero3+qwz-g256", engine="zero", **_QWZ, quant_group_size=256),
+    TrainConfig(name="zero3+qwz-g512", engine="zero", **_QWZ, quant_group_size=512),
+    TrainConfig(name="zeropp-packed", engine="zero", **_ZEROPP, align_quant_blocks=False),
+    TrainConfig(name="zero3+qwz-packed", engine="zero", **_QWZ, align_quant_blocks=False),
+    TrainConfig(name="zero3+qgz-packed", engine="zero", **_QGZ, align_quant_blocks=False),
+    TrainConfig(name="zero3+qgz-loco", engine="zero", **_QGZ, loco=True),
     TrainConfig(name="zeropp-loco", engine="zero", **_ZEROPP, loco=True),
     TrainConfig(name="zeropp-int8hop", engine="zero", **_ZEROPP, first_hop_bits=8),
     TrainConfig(name="zeropp-hadamard", engine="zero", **_ZEROPP, hadamard_block=256),
     TrainConfig(name="fsdp2", engine="fsdp2"),
     TrainConfig(name="fsdp2-hpz", engine="fsdp2", hpz=True),
-    TrainConfig(name="fsdp2-qwz", engine="fsdp2", quantized_weights=True),
-    TrainConfig(name="fsdp2-qgz", engine="fsdp2", quantized_gradients=True),
+    TrainConfig(name="fsdp2-qwz", engine="fsdp2", **_QWZ),
+    TrainConfig(name="fsdp2-qgz", engine="fsdp2", **_QGZ),
     TrainConfig(name="fsdp2-zeropp", engine="fsdp2", **_ZEROPP),
     TrainConfig(name="fsdp2-zeropp-int4hop", engine="fsdp2", **_ZEROPP, first_hop_bits=4),
     TrainConfig(name="hsdp", engine="fsdp2", hsdp=True),
@@ -169,6 +142,19 @@ CONFIGS: dict[str, TrainConfig] = {config.name: config for config in (
 )}
 
 
+@dataclass(frozen=True, kw_only=True)
+class EngineSetup:
+    """What every engine of a launch is built with besides its configuration."""
+
+    lr: float
+    local_size: int
+    world_size: int
+    bf16: bool
+    gradient_clipping: float
+    micro_batch: int  # sequences per rank and step
+    device: torch.device
+
+
 def select_configs(names: list[str]) -> list[TrainConfig]:
     """The configurations named, in the order given; unknown or repeated names are errors."""
     unknown = [name for name in names if name not in CONFIGS]
@@ -180,76 +166,59 @@ def select_configs(names: list[str]) -> list[TrainConfig]:
     return [CONFIGS[name] for name in names]
 
 
-def _set(section: dict[str, Any], keys: dict[str, Any]) -> dict[str, Any]:
-    """``section`` with the entries of ``keys`` whose value is not None."""
-    section.update({key: value for key, value in keys.items() if value is not None})
-    return section
+def _given(keys: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``keys`` whose value is not None."""
+    return {key: value for key, value in keys.items() if value is not None}
 
 
 def _zero_optimization(config: TrainConfig, local_size: int) -> dict[str, Any]:
-    return _set({"stage": config.stage}, {
+    return {"stage": config.stage, **_given({
         "zero_quantized_weights": config.quantized_weights or None,
         "zero_hpz_partition_size": local_size if config.hpz else None,
         "zero_quantized_gradients": config.quantized_gradients or None,
-        "zcomm_quant_group_size": config.quant_group_size,
-    })
+        "zcomm_quant_group_size": config.quant_group_size})}  # fmt: skip
 
 
 def zero_runtime_config(config: TrainConfig, *, local_size: int, bf16: bool, gradient_clipping: float) -> dict[str, Any]:
     """The dict for ``zero_runtime.initialize``: the stage and ZeRO++ keys only, so the
     runtime's defaults apply (see [Note: same math])."""
-    section = _set(_zero_optimization(config, local_size), {
+    section = {**_zero_optimization(config, local_size), **_given({
         "zcomm_align_quant_blocks": None if config.align_quant_blocks else False,
         "zeropp_loco_param": dict(LOCO_PARAM) if config.loco else None,
         "zcomm_qgz_first_hop_bits": config.first_hop_bits,
         "zcomm_qgz_hadamard_block": config.hadamard_block,
-        "zcomm_weight_delta_bits": config.weight_delta_bits,
-    })
+        "zcomm_weight_delta_bits": config.weight_delta_bits})}  # fmt: skip
     return {"zero_optimization": section, "bf16": {"enabled": bf16}, "gradient_clipping": gradient_clipping}
 
 
-def deepspeed_config(
-    config: TrainConfig, *, local_size: int, bf16: bool, gradient_clipping: float, micro_batch: int
-) -> dict[str, Any]:
+def deepspeed_config(config: TrainConfig, *, local_size: int, bf16: bool, gradient_clipping: float,
+                     micro_batch: int) -> dict[str, Any]:  # fmt: skip
     """The dict for ``deepspeed.initialize``; the optimizer is passed in, so allow torch's AdamW."""
-    section = _zero_optimization(config, local_size)
-    if config.stage == 3:
-        section.update(DEEPSPEED_STAGE3_DEFAULTS)
-    return {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": gradient_clipping,
-        "zero_allow_untested_optimizer": True,
-        "zero_optimization": section,
-        "bf16": {"enabled": bf16},
-    }
+    section = {**_zero_optimization(config, local_size), **(DEEPSPEED_STAGE3_DEFAULTS if config.stage == 3 else {})}
+    return {"zero_optimization": section, "bf16": {"enabled": bf16}, "gradient_clipping": gradient_clipping,
+            "train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+            "zero_allow_untested_optimizer": True}  # fmt: skip
 
 
-def engine_config(
-    config: TrainConfig, *, local_size: int, bf16: bool, gradient_clipping: float, micro_batch: int
-) -> dict[str, Any]:
-    """What ``config``'s engine is given, for the JSON record: the ZeRO engines' dicts, FSDP2's and DDP's settings."""
+def engine_config(config: TrainConfig, setup: EngineSetup) -> dict[str, Any]:
+    """What ``config``'s engine is given, also kept in the JSON: the ZeRO engines' dicts; for FSDP2
+    and DDP the settings their runners apply (``enable_zeropp``'s arguments, None: its default)."""
+    bf16, clip = setup.bf16, setup.gradient_clipping
+    common = dict(local_size=setup.local_size, bf16=bf16, gradient_clipping=clip)
     if config.engine == "zero":
-        return zero_runtime_config(config, local_size=local_size, bf16=bf16, gradient_clipping=gradient_clipping)
+        return zero_runtime_config(config, **common)
     if config.engine == "deepspeed":
-        return deepspeed_config(config, local_size=local_size, bf16=bf16, gradient_clipping=gradient_clipping,
-                                micro_batch=micro_batch)  # fmt: skip
+        return deepspeed_config(config, **common, micro_batch=setup.micro_batch)
     if config.engine == "ddp":
-        return {"autocast": "bf16" if bf16 else None, "ddp_hook": config.ddp_hook,
-                "first_hop_bits": config.first_hop_bits, "gather_bits": config.gather_bits,
-                "gradient_clipping": gradient_clipping}
-    settings: dict[str, Any] = {"param_dtype": "bf16" if bf16 else "fp32", "hpz": config.hpz}
-    if config.hsdp:
-        settings["hsdp"] = True
+        return {"autocast": "bf16" if bf16 else None, "ddp_hook": config.ddp_hook, "first_hop_bits": config.first_hop_bits,
+                "gather_bits": config.gather_bits, "gradient_clipping": clip}  # fmt: skip
+    settings: dict[str, Any] = {"param_dtype": "bf16" if bf16 else "fp32", "hpz": config.hpz, "gradient_clipping": clip,
+                                **({"hsdp": True} if config.hsdp else {})}
     if config.quantized_weights or config.quantized_gradients:
-        settings["enable_zeropp"] = {
-            "quantized_weights": config.quantized_weights,
-            "quantized_gradients": config.quantized_gradients,
-            "group_size": config.quant_group_size,
-            "first_hop_bits": config.first_hop_bits,  # None: enable_zeropp's default
-        }
-        if config.hsdp:
-            settings["enable_zeropp"].update(replicate_group="replicate", quantized_all_reduce=config.quantized_gradients)
-            if config.gather_bits is not None:
-                settings["enable_zeropp"]["replicate_gather_bits"] = config.gather_bits
-    return {**settings, "gradient_clipping": gradient_clipping}
+        settings["enable_zeropp"] = {"quantized_weights": config.quantized_weights, "group_size": config.quant_group_size,
+                                     "quantized_gradients": config.quantized_gradients,
+                                     "first_hop_bits": config.first_hop_bits}  # fmt: skip
+        if config.hsdp:  # the runner passes the mesh's "replicate" group
+            settings["enable_zeropp"].update(replicate_group="replicate", quantized_all_reduce=config.quantized_gradients,
+                                             **_given({"replicate_gather_bits": config.gather_bits}))
+    return settings

@@ -1,12 +1,8 @@
 """``python -m bench.train.convergence``: a convergence report over several ``python -m bench.train --json`` runs.
 
-Writes into ``--out-dir`` ``convergence.md`` (the validation loss at each evaluation step and
-its gap to ``zero3`` of the same seed; per configuration, the mean and sample standard
-deviation over seeds of the final validation loss) and ``val_loss_vs_step.png`` (one line per
-configuration: the mean over its seeds, their range shaded). A configuration that appears in
-several files for the same seed is an error: which run counts would be ambiguous.
-
-    python -m bench.train.convergence --out-dir bench/results/DIR run-seed0.json run-seed1.json
+Writes ``convergence.md`` and ``val_loss_vs_step.png`` (one line per configuration: the mean over
+its seeds, their range shaded) into ``--out-dir`` (bench/TRAINING.md, "Recipes"). A configuration
+in several files for the same seed is an error: which run counts would be ambiguous.
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from .report import pyplot, save_figure
+from .report import figure
 
 BASELINE = "zero3"
 
@@ -61,14 +57,16 @@ class SeedSummary(NamedTuple):
     stdev: float  # sample standard deviation (0 with one seed)
 
 
+def by_config(runs: Sequence[Run]) -> dict[str, list[Run]]:
+    """The runs of each configuration, in order of first appearance, by seed."""
+    return {config: sorted((r for r in runs if r.config == config), key=lambda r: r.seed)
+            for config in dict.fromkeys(r.config for r in runs)}  # fmt: skip
+
+
 def seed_summaries(runs: Sequence[Run]) -> list[SeedSummary]:
-    out = []
-    for config in dict.fromkeys(r.config for r in runs):
-        mine = sorted((r for r in runs if r.config == config), key=lambda r: r.seed)
-        finals = [r.final for r in mine]
-        stdev = statistics.stdev(finals) if len(finals) > 1 else 0.0
-        out.append(SeedSummary(config, tuple(r.seed for r in mine), statistics.fmean(finals), stdev))
-    return out
+    return [SeedSummary(config, tuple(r.seed for r in mine), statistics.fmean(r.final for r in mine),
+                        statistics.stdev([r.final for r in mine]) if len(mine) > 1 else 0.0)
+            for config, mine in by_config(runs).items()]  # fmt: skip
 
 
 def format_markdown(runs: Sequence[Run], sources: Sequence[str]) -> str:
@@ -91,21 +89,20 @@ def format_markdown(runs: Sequence[Run], sources: Sequence[str]) -> str:
 
 
 def write_plot(path: Path, runs: Sequence[Run], configs: Sequence[str] | None) -> None:
-    fig, ax = pyplot().subplots(figsize=(8, 5))
-    for config in configs or dict.fromkeys(r.config for r in runs):
-        mine = [r for r in runs if r.config == config]
-        if not mine:
-            raise ValueError(f"--plot-configs names {config}, which no run has")
-        steps = [s for s, _ in mine[0].curve]
-        per_step = [[dict(r.curve)[s] for r in mine] for s in steps]
-        (line,) = ax.plot(steps, [statistics.fmean(v) for v in per_step], marker="o", ms=3,
-                          label=f"{config} ({len(mine)} seed{'s' if len(mine) > 1 else ''})")
-        if len(mine) > 1:
-            ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step],
-                            color=line.get_color(), alpha=0.15)
-    ax.set(xlabel="step", ylabel="validation loss (nats/byte)", title="Validation loss vs step (bench.train, 2x2)")
-    ax.legend(fontsize="small")
-    save_figure(fig, path)
+    groups = by_config(runs)
+    with figure(path, figsize=(8, 5)) as ax:
+        for config in configs or groups:
+            if config not in groups:
+                raise ValueError(f"--plot-configs names {config}, which no run has")
+            mine, steps = groups[config], [s for s, _ in groups[config][0].curve]
+            per_step = [[dict(r.curve)[s] for r in mine] for s in steps]
+            (line,) = ax.plot(steps, [statistics.fmean(v) for v in per_step], marker="o", ms=3,
+                              label=f"{config} ({len(mine)} seed{'s' if len(mine) > 1 else ''})")
+            if len(mine) > 1:
+                ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step],
+                                color=line.get_color(), alpha=0.15)
+        ax.set(xlabel="step", ylabel="validation loss (nats/byte)", title="Validation loss vs step (bench.train, 2x2)")
+        ax.legend(fontsize="small")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,20 +1,14 @@
 """Byte-level language-modelling data from the Python standard library's own sources (bench/TRAINING.md, "Data").
 
 Every machine that runs this benchmark has a Python installation, so its standard library is
-real text that needs no download. A file goes to validation when the first 8 bytes of the
-SHA-256 of its relative path, read as a fraction of 2**64, fall below ``val_fraction``: the split
-depends only on file names, so it is fixed and the two sides are disjoint. Each side is its
-files' bytes in sorted order, separated by a NUL byte (never in source text, so the model sees
-document boundaries). A sample is a window of ``seq_len + 1`` bytes. ``train_batch(step, ...)``
-seeds its generator with ``(seed, step)``, so every rank computes the same global batch without
-communicating and ``rank_slice`` gives each rank its rows; validation uses fixed, evenly spaced windows.
+real text that needs no download. The split depends only on file names (the SHA-256 of the
+relative path), so it is fixed and disjoint; a NUL byte, never in source text, separates files.
 """
 
 from __future__ import annotations
 
 import hashlib
 import sysconfig
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,24 +16,6 @@ import torch
 
 SEPARATOR = 0
 VOCAB_SIZE = 256
-
-
-@dataclass(frozen=True, kw_only=True)
-class TextDataConfig:
-    """Where the corpus comes from (``root``: a directory of ``*.py`` files, None for the standard
-    library) and how it is cut (``seq_len``: tokens predicted per sample)."""
-
-    seq_len: int = 128
-    val_fraction: float = 0.1
-    root: str | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int):
-            raise TypeError(f"seq_len must be an int, got {self.seq_len!r}")
-        if self.seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
 
 
 def stdlib_root() -> Path:
@@ -56,55 +32,44 @@ def list_source_files(root: Path) -> list[str]:
 
 
 def is_validation_file(relative_path: str, val_fraction: float) -> bool:
+    """Whether the first 8 bytes of the path's SHA-256, as a fraction of 2**64, fall below ``val_fraction``."""
     digest = hashlib.sha256(relative_path.encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "big") < val_fraction * 2**64
 
 
-def _concatenate(root: Path, files: list[str]) -> np.ndarray:
-    separator = bytes([SEPARATOR])
-    return np.frombuffer(separator.join((root / name).read_bytes() for name in files), dtype=np.uint8)
-
-
 class ByteCorpus:
-    """The train and validation byte streams and the samplers over them."""
+    """The train and validation byte streams of the ``*.py`` files under ``root`` (None: the standard
+    library) and the samplers over them; a sample predicts ``seq_len`` tokens."""
 
-    def __init__(self, config: TextDataConfig) -> None:
-        self.config = config
-        root = Path(config.root) if config.root is not None else stdlib_root()
+    def __init__(self, seq_len: int, *, val_fraction: float = 0.1, root: str | Path | None = None) -> None:
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int):
+            raise TypeError(f"seq_len must be an int, got {seq_len!r}")
+        if seq_len < 1 or not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"need seq_len >= 1 and val_fraction in (0, 1), got {seq_len} and {val_fraction}")
+        root = Path(root) if root is not None else stdlib_root()
         files = list_source_files(root)
-        self.val_files = [name for name in files if is_validation_file(name, config.val_fraction)]
-        self.train_files = [name for name in files if not is_validation_file(name, config.val_fraction)]
+        self.val_files = [name for name in files if is_validation_file(name, val_fraction)]
+        self.train_files = [name for name in files if not is_validation_file(name, val_fraction)]
         if not self.train_files or not self.val_files:
-            raise ValueError(
-                f"{root} gives {len(self.train_files)} training and {len(self.val_files)} validation "
-                f"files at val_fraction={config.val_fraction}; both must be non-empty"
-            )
-        self.train = _concatenate(root, self.train_files)
-        self.val = _concatenate(root, self.val_files)
+            raise ValueError(f"{root} gives {len(self.train_files)} training and {len(self.val_files)} validation "
+                             f"files at val_fraction={val_fraction}; both must be non-empty")  # fmt: skip
+        self.window = seq_len + 1  # a sample: seq_len predicted tokens and the one before them
+        self.train, self.val = (np.frombuffer(bytes([SEPARATOR]).join((root / name).read_bytes() for name in files),
+                                              dtype=np.uint8) for files in (self.train_files, self.val_files))
         for name, stream in (("training", self.train), ("validation", self.val)):
             if stream.size < self.window:
                 raise ValueError(f"the {name} stream has {stream.size} bytes, fewer than one window ({self.window})")
 
-    @property
-    def window(self) -> int:
-        return self.config.seq_len + 1
-
     def train_batch(self, step: int, *, batch: int, seed: int) -> torch.Tensor:
-        """The global batch of ``step``: ``(batch, seq_len + 1)`` int64 tokens, same on every rank."""
-        if batch < 1:
-            raise ValueError(f"batch must be >= 1, got {batch}")
-        rng = np.random.default_rng([seed, step])
-        offsets = rng.integers(0, self.train.size - self.window + 1, size=batch)
+        """The global batch of ``step``: ``(batch, seq_len + 1)`` int64 tokens from a generator seeded with
+        ``(seed, step)``, so every rank computes the same batch without communicating."""
+        offsets = np.random.default_rng([seed, step]).integers(0, self.train.size - self.window + 1, size=batch)
         return self._windows(self.train, offsets)
 
     def val_batches(self, *, batch: int, num_batches: int) -> list[torch.Tensor]:
         """``num_batches`` global batches of evenly spaced validation windows (fixed, no seed)."""
-        if batch < 1 or num_batches < 1:
-            raise ValueError(f"batch and num_batches must be >= 1, got {batch} and {num_batches}")
-        count = batch * num_batches
-        offsets = np.linspace(0, self.val.size - self.window, num=count).astype(np.int64)
-        tokens = self._windows(self.val, offsets)
-        return list(tokens.split(batch))
+        offsets = np.linspace(0, self.val.size - self.window, num=batch * num_batches).astype(np.int64)
+        return list(self._windows(self.val, offsets).split(batch))
 
     def _windows(self, stream: np.ndarray, offsets: np.ndarray) -> torch.Tensor:
         rows = np.stack([stream[start : start + self.window] for start in offsets])

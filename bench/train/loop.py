@@ -3,15 +3,13 @@
 Every rank runs the same loop: step ``s`` takes the rank's slice of the global batch of ``s``
 and times forward + backward + optimizer step + the loss read-back (which waits for the step
 to finish). Nothing is communicated inside a step besides what the engine does; losses and
-times are gathered once at the end: a step's time is the slowest rank's, the train loss the
-mean over ranks (= the global batch's, since the slices are equal). Wire bytes: the first rank
-of every node reads its node's uplink counters at the edges of the measured steps, with
-barriers there so every rank's traffic of those steps has finished (validation in between is
-left out); ``tx`` summed over nodes counts each inter-node byte once.
+times are combined once at the end: a step's time is the slowest rank's, the train loss the
+mean over ranks (= the global batch's, since the slices are equal).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import statistics
 import time
@@ -22,10 +20,11 @@ import torch
 import torch.distributed as dist
 
 from bench.harness.dist_env import DistContext
+from bench.harness.timing import reduce_over_ranks
 from bench.harness.wire import read_wire_bytes
 
 from .data import ByteCorpus, rank_slice
-from .runner import MemoryReading, Runner
+from .runner import Runner
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,25 +40,18 @@ class LoopSettings:
     eval_batches: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch", "seq_len", "eval_batches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name, low in (("steps", 1), ("batch", 1), ("seq_len", 1), ("eval_batches", 1), ("eval_every", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
         if not 0 <= self.warmup < self.steps:
             raise ValueError(f"warmup must be in [0, steps={self.steps}), got {self.warmup}")
-        if self.eval_every < 0:
-            raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
 
 
 @dataclass(kw_only=True)
 class ConfigResult:
-    """What one configuration measured.
-
-    ``status`` is "ok", "skipped" (an optional dependency is missing), "failed" (a peer
-    engine raised) or "expected failure" (it raised where it is known to, e.g. DeepSpeed's
-    ZeRO++ on a CPU); ``note`` then says why. The wire columns are None without wire
-    counters, ``wire_time_s`` and ``wire_fraction`` (of the median step) also without a measured
-    link throughput. The figures over rounds (``min_step_s`` to ``rounds``) are :mod:`.rounds`'.
-    """
+    """What one configuration measured (bench/TRAINING.md, "Columns"). ``status``: "ok", "skipped" (an
+    optional dependency is missing), "failed" (a peer engine raised) or "expected failure" (it raised
+    where it is known to); ``note`` then says why. The figures from ``min_step_s`` on are :mod:`.rounds`'."""
 
     config: str
     model: str
@@ -92,67 +84,47 @@ class ConfigResult:
 
 
 class WireMeter:
-    """Inter-node bytes of the measured steps (see the module docstring)."""
+    """Inter-node bytes of the measured steps: the first rank of every node reads its node's uplink
+    counters at the edges of the measured steps, with barriers there so every rank's traffic of
+    those steps has finished (validation in between is left out)."""
 
     def __init__(self, ctx: DistContext) -> None:
-        self.reads = ctx.env.first_in_node
-        self.device = ctx.device
+        self.reads, self.device = ctx.env.first_in_node, ctx.device
         self.tx = self.rx = 0
         self.missing = False
         self.mark: tuple[int, int] | None = None
 
     def start(self) -> None:
         dist.barrier()
-        if self.reads:
-            self.mark = read_wire_bytes()
-            self.missing |= self.mark is None
+        self.mark = read_wire_bytes() if self.reads else None
 
     def stop(self) -> None:
         dist.barrier()
-        if self.reads and self.mark is not None:
+        if self.reads:
             now = read_wire_bytes()
-            if now is None:
+            if self.mark is None or now is None:
                 self.missing = True
             else:
-                self.tx += now[0] - self.mark[0]
-                self.rx += now[1] - self.mark[1]
-        self.mark = None
+                self.tx, self.rx = self.tx + now[0] - self.mark[0], self.rx + now[1] - self.mark[1]
 
     def totals(self) -> tuple[int, int, int] | None:
-        """Sent and received summed over nodes and the busiest node's larger direction, or None
-        when any node could not read its counters."""
-        summed = torch.tensor([self.tx, self.rx, int(self.missing)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(summed)
-        busiest = torch.tensor([max(self.tx, self.rx)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
-        tx, rx, missing = summed.tolist()
-        return None if missing else (tx, rx, int(busiest.item()))
+        """Sent and received summed over nodes (each inter-node byte once) and the busiest node's
+        larger direction, or None when any node could not read its counters."""
+        tx, rx, missing = reduce_over_ranks([self.tx, self.rx, self.missing], dist.ReduceOp.SUM, device=self.device)
+        (busiest,) = reduce_over_ranks([max(self.tx, self.rx)], dist.ReduceOp.MAX, device=self.device)
+        return None if missing else (int(tx), int(rx), int(busiest))
 
 
 def evaluate(runner: Runner, batches: list[torch.Tensor], ctx: DistContext) -> float:
     """Mean validation loss over the global batches (every rank evaluates its slice)."""
     world = ctx.env.world_size
     local = sum(runner.eval_loss(rank_slice(b, ctx.env.rank, world).to(ctx.device)) for b in batches)
-    total = torch.tensor([local], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(total)
-    return total.item() / (world * len(batches))
-
-
-@dataclass
-class _RankLog:
-    """This rank's own measurements, before they are combined across ranks."""
-
-    losses: list[float] = field(default_factory=list)
-    times: list[float] = field(default_factory=list)
-    val_curve: list[tuple[int, float]] = field(default_factory=list)
+    return reduce_over_ranks([local], dist.ReduceOp.SUM, device=ctx.device)[0] / (world * len(batches))
 
 
 def run_config(name: str, model: str, make_runner: Callable[[], Runner], corpus: ByteCorpus, ctx: DistContext,
                settings: LoopSettings, on_step: Callable[[int], None] | None = None) -> ConfigResult:  # fmt: skip
-    """Train one configuration from the seed and measure it; collective, call on every rank.
-
-    ``on_step(step)`` is called after each step (1-based), e.g. to print progress.
-    """
+    """Train one configuration from the seed and measure it (collective); ``on_step(step)`` after each step."""
     # The engine of the run before is held by reference cycles (module and gradient hooks):
     # free it now, before this one allocates, or R rounds x N configurations of engines could
     # pile up in device memory (see also [Note: gradient hook handles] in zero_runtime.comm._grad_reduce).
@@ -164,54 +136,48 @@ def run_config(name: str, model: str, make_runner: Callable[[], Runner], corpus:
     runner = make_runner()
     try:
         meter = WireMeter(ctx)
-        log = _train(runner, meter, corpus, ctx, settings, on_step)
-        return _summarize(name, model, log, runner.memory(), meter.totals(), ctx, settings)
+        losses, times, val_curve = _train(runner, meter, corpus, ctx, settings, on_step)
+        return _summarize(name, model, losses, times, val_curve, runner.memory(), meter.totals(), ctx, settings)
     finally:
         runner.close()
 
 
 def _train(runner: Runner, meter: WireMeter, corpus: ByteCorpus, ctx: DistContext, settings: LoopSettings,
-           on_step: Callable[[int], None] | None) -> _RankLog:  # fmt: skip
+           on_step: Callable[[int], None] | None) -> tuple[list[float], list[float], list[tuple[int, float]]]:
+    """This rank's losses and step times, and the validation curve."""
     val_batches = corpus.val_batches(batch=settings.batch, num_batches=settings.eval_batches)
-    log = _RankLog()
+    losses, times, val_curve = [], [], []
     for step in range(1, settings.steps + 1):
         if step - 1 == settings.warmup:
             meter.start()
         global_batch = corpus.train_batch(step - 1, batch=settings.batch, seed=settings.seed)
         tokens = rank_slice(global_batch, ctx.env.rank, ctx.env.world_size).to(ctx.device)
         began = time.perf_counter()
-        log.losses.append(runner.train_step(tokens))
-        log.times.append(time.perf_counter() - began)
+        losses.append(runner.train_step(tokens))
+        times.append(time.perf_counter() - began)
         if on_step is not None:
             on_step(step)
         if settings.eval_every and step % settings.eval_every == 0 and step < settings.steps:
             measuring = step > settings.warmup
             if measuring:
                 meter.stop()
-            log.val_curve.append((step, evaluate(runner, val_batches, ctx)))
+            val_curve.append((step, evaluate(runner, val_batches, ctx)))
             if measuring:
                 meter.start()
     meter.stop()
-    log.val_curve.append((settings.steps, evaluate(runner, val_batches, ctx)))
-    return log
+    return losses, times, [*val_curve, (settings.steps, evaluate(runner, val_batches, ctx))]
 
 
-def _combine(values: list[float], op: dist.ReduceOp, ctx: DistContext) -> list[float]:
-    combined = torch.tensor(values, dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(combined, op=op)
-    return combined.tolist()
-
-
-def _summarize(name: str, model: str, log: _RankLog, memory: MemoryReading, wire: tuple[int, int, int] | None,
-               ctx: DistContext, settings: LoopSettings) -> ConfigResult:  # fmt: skip
-    train_losses = [total / ctx.env.world_size for total in _combine(log.losses, dist.ReduceOp.SUM, ctx)]
-    slowest = _combine(log.times, dist.ReduceOp.MAX, ctx)
-    # -1 stands for "not measured" so that MAX keeps any rank's real figure.
-    (peak,) = _combine([-1 if memory.peak_bytes is None else memory.peak_bytes], dist.ReduceOp.MAX, ctx)
-    measured = settings.steps - settings.warmup
-    tx, rx, busiest = (None,) * 3 if wire is None else (count / measured for count in wire)
+def _summarize(name: str, model: str, losses: list[float], times: list[float], val_curve: list[tuple[int, float]],
+               memory: tuple[int | None, str], wire: tuple[int, int, int] | None, ctx: DistContext,
+               settings: LoopSettings) -> ConfigResult:  # fmt: skip
+    reduce = functools.partial(reduce_over_ranks, device=ctx.device)
+    train_losses = [total / ctx.env.world_size for total in reduce(losses, dist.ReduceOp.SUM)]
+    slowest = reduce(times, dist.ReduceOp.MAX)
+    (peak,) = reduce([-1 if memory[0] is None else memory[0]], dist.ReduceOp.MAX)  # -1: MAX keeps any rank's figure
+    tx, rx, busiest = (None,) * 3 if wire is None else (count / (settings.steps - settings.warmup) for count in wire)
     return ConfigResult(config=name, model=model, median_step_s=statistics.median(slowest[settings.warmup:]),
                         wire_tx_bytes_per_step=tx, wire_rx_bytes_per_step=rx, wire_busiest_bytes_per_step=busiest,
-                        memory_bytes=None if peak < 0 else int(peak), memory_source=memory.source,
-                        first_loss=train_losses[0], last_loss=train_losses[-1], val_loss=log.val_curve[-1][1],
-                        train_losses=train_losses, val_curve=log.val_curve, step_times_s=slowest)  # fmt: skip
+                        memory_bytes=None if peak < 0 else int(peak), memory_source=memory[1],
+                        first_loss=train_losses[0], last_loss=train_losses[-1], val_loss=val_curve[-1][1],
+                        train_losses=train_losses, val_curve=val_curve, step_times_s=slowest)  # fmt: skip

@@ -49,11 +49,8 @@ class GPTConfig:
     n_layers: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        if min(self.vocab_size, self.seq_len, self.d_model, self.n_heads, self.n_layers) < 1 or self.d_model % self.n_heads:
+            raise ValueError(f"every size must be >= 1 and d_model divisible by n_heads, got {self}")
 
 
 class CausalSelfAttention(nn.Module):
@@ -109,13 +106,19 @@ class TinyGPT(nn.Module):
         return self.head(self.ln_f(x))
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits = self(tokens[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+        return next_token_loss(self, tokens)
+
+
+def next_token_loss(forward: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy of ``forward``'s logits for every token of ``tokens`` but the first."""
+    logits = forward(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """How to build a model, compute its loss, and find its repeated blocks (FSDP2 units)."""
+    """How to build a model, compute its loss by calling it (or the engine's module wrapping it, e.g.
+    DDP's, whose forward must run), and find its repeated blocks (FSDP2 units)."""
 
     build: Callable[[], nn.Module]
     loss: Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -125,7 +128,7 @@ class ModelSpec:
 def model_spec(name: str, config: GPTConfig) -> ModelSpec:
     """The model ``name`` of :data:`MODELS` in the shape ``config``."""
     if name == "tinygpt":
-        return ModelSpec(build=lambda: TinyGPT(config), loss=lambda model, tokens: model.loss(tokens),
+        return ModelSpec(build=lambda: TinyGPT(config), loss=next_token_loss,
                          blocks=lambda model: list(model.blocks))  # fmt: skip
     if name == "hf-gpt2":
         return _hf_gpt2_spec(config)
@@ -139,22 +142,10 @@ def _hf_gpt2_spec(config: GPTConfig) -> ModelSpec:
         raise Unavailable(f"hf-gpt2 needs transformers (pip install 'zcomm[hf]'): {error}") from None
     # Dropout off so every configuration sees the same function of the weights; the
     # separator byte stands in for GPT-2's bos/eos, which must lie inside the vocabulary.
-    hf_config = GPT2Config(
-        vocab_size=config.vocab_size,
-        n_positions=config.seq_len + 1,
-        n_embd=config.d_model,
-        n_layer=config.n_layers,
-        n_head=config.n_heads,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=SEPARATOR,
-        eos_token_id=SEPARATOR,
-    )
+    hf_config = GPT2Config(vocab_size=config.vocab_size, n_positions=config.seq_len + 1, n_embd=config.d_model,
+                           n_layer=config.n_layers, n_head=config.n_heads, resid_pdrop=0.0, embd_pdrop=0.0,
+                           attn_pdrop=0.0, bos_token_id=SEPARATOR, eos_token_id=SEPARATOR)  # fmt: skip
     # GPT-2 shifts labels itself, so the whole window goes in and its loss covers the same
     # seq_len targets as TinyGPT's.
-    return ModelSpec(
-        build=lambda: GPT2LMHeadModel(hf_config),
-        loss=lambda model, tokens: model(input_ids=tokens, labels=tokens).loss,
-        blocks=lambda model: list(model.transformer.h),
-    )
+    return ModelSpec(build=lambda: GPT2LMHeadModel(hf_config), blocks=lambda model: list(model.transformer.h),
+                     loss=lambda model, tokens: model(input_ids=tokens, labels=tokens).loss)  # fmt: skip

@@ -1,16 +1,17 @@
 """The outputs of ``python -m bench.train``: the table, the JSON file and the PNGs.
 
-Everything printed or plotted comes from the ``ConfigResult`` rows measured in the same
-launch; a skipped or failed configuration appears as a row with its note and no numbers.
-Above the table, :class:`RunFacts` says what the numbers were measured on. With ``--rounds``
-above 1 a second table follows (:func:`format_rounds`).
+Everything printed or plotted comes from the ``ConfigResult`` rows measured in the same launch;
+a skipped or failed configuration is a row with its note and no numbers. Above the table,
+:class:`RunFacts` says what the numbers were measured on; with ``--rounds`` a second table follows.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,35 +39,20 @@ class RunFacts:
     engine_configs: dict[str, dict[str, Any]]
 
     def header(self) -> list[str]:
-        link = (
-            "not measured (no simulated cluster): no wire time"
-            if self.link_bytes_per_s is None
-            else f"{self.link_bytes_per_s * 8e-6:.0f} Mbit/s measured per node link and direction"
-        )
-        return [
-            f"hardware: {self.cpu}, ranks on {self.device}",
-            f"precision: {self.precision.dtype} compute for every configuration ({self.precision.reason})",
-            f"link: {link}",
-            f"DeepSpeed: {self.deepspeed or 'not installed (make peers)'}",
-        ]
-
-    def as_meta(self) -> dict[str, Any]:
-        meta = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-        return {**meta, "precision": self.precision.dtype, "precision_reason": self.precision.reason}
+        link = ("not measured (no simulated cluster): no wire time" if self.link_bytes_per_s is None
+                else f"{self.link_bytes_per_s * 8e-6:.0f} Mbit/s measured per node link and direction")  # fmt: skip
+        return [f"hardware: {self.cpu}, ranks on {self.device}",
+                f"precision: {self.precision.dtype} compute for every configuration ({self.precision.reason})",
+                f"link: {link}", f"DeepSpeed: {self.deepspeed or 'not installed (make peers)'}"]  # fmt: skip
 
 
 # The table's figures after config and model: (title, width, ConfigResult field, scale, digits).
 FIGURES = (
-    ("step ms", 9, "median_step_s", 1e3, 1),
-    ("tokens/s", 10, "tokens_per_s", 1, 0),
-    ("wire MB/step", 13, "wire_tx_bytes_per_step", 1e-6, 3),
-    ("wire ms", 8, "wire_time_s", 1e3, 1),
-    ("wire %", 7, "wire_fraction", 100, 0),
-    ("mem MiB", 9, "memory_bytes", 2**-20, 2),
-    ("loss first", 11, "first_loss", 1, 4),
-    ("loss last", 10, "last_loss", 1, 4),
-    ("val loss", 9, "val_loss", 1, 4),
-)
+    ("step ms", 9, "median_step_s", 1e3, 1), ("tokens/s", 10, "tokens_per_s", 1, 0),
+    ("wire MB/step", 13, "wire_tx_bytes_per_step", 1e-6, 3), ("wire ms", 8, "wire_time_s", 1e3, 1),
+    ("wire %", 7, "wire_fraction", 100, 0), ("mem MiB", 9, "memory_bytes", 2**-20, 2),
+    ("loss first", 11, "first_loss", 1, 4), ("loss last", 10, "last_loss", 1, 4), ("val loss", 9, "val_loss", 1, 4),
+)  # fmt: skip
 COLUMNS = (("config", 18), ("model", 8), *((title, width) for title, width, *_ in FIGURES))
 ROUND_COLUMNS = (("config", 18), ("model", 8), ("rounds", 6), ("step ms", 9), ("min", 9), ("max", 9), ("ratio", 8),
                  ("ratio range", 13), ("loss diff", 10))  # fmt: skip
@@ -105,20 +91,16 @@ def figures(row: ConfigResult) -> list[str]:
 
 
 def _pad(cells: list[str], columns: tuple[tuple[str, int], ...] = COLUMNS) -> str:
-    return "  ".join(
-        cell.ljust(width) if index == 0 else cell.rjust(width)
-        for index, (cell, (_, width)) in enumerate(zip(cells, columns, strict=False))
-    )
+    """The cells at the columns' widths: the first left-aligned, the others right-aligned."""
+    return "  ".join(cell.ljust(width) if index == 0 else cell.rjust(width)
+                     for index, (cell, (_, width)) in enumerate(zip(cells, columns, strict=False)))  # fmt: skip
 
 
 def format_table(rows: list[ConfigResult]) -> str:
     """A fixed-width table, one line per configuration (a skipped or failed one carries its note)."""
-    lines = [_pad([title for title, _ in COLUMNS])]
-    for row in rows:
-        ok = row.status == "ok"
-        lines.append(_pad([row.config, row.model, *figures(row)]) if ok else
-                     _pad([row.config, row.model]) + f"  {row.status}: {row.note}")  # fmt: skip
-    return "\n".join(lines)
+    return "\n".join([_pad([title for title, _ in COLUMNS]), *(
+        _pad([row.config, row.model, *figures(row)]) if row.status == "ok" else
+        _pad([row.config, row.model]) + f"  {row.status}: {row.note}" for row in rows)])  # fmt: skip
 
 
 def _round_line(row: ConfigResult) -> str:
@@ -170,7 +152,8 @@ def report(rows: list[ConfigResult], params: dict[str, int | None], corpus: Byte
           f"{len(corpus.val_files)} validation files ({corpus.val.size:,} bytes)")  # fmt: skip
     print(format_report(rows, facts, rounds=plan.rounds, baseline=plan.baseline))
     meta = {"world_size": env.world_size, "local_size": env.local_size, "num_nodes": env.num_nodes,
-            "torch": torch.__version__, **facts.as_meta(), "params": params, "train_bytes": int(corpus.train.size),
+            "torch": torch.__version__, **dataclasses.asdict(facts), "precision": facts.precision.dtype,
+            "precision_reason": facts.precision.reason, "params": params, "train_bytes": int(corpus.train.size),
             "val_bytes": int(corpus.val.size), "args": vars(args), "rounds": plan.rounds, "baseline": plan.baseline,
             "round_order": "forward in odd rounds, backward in even ones (bench/train/rounds.py)"}  # fmt: skip
     if args.json:
@@ -181,40 +164,46 @@ def report(rows: list[ConfigResult], params: dict[str, int | None], corpus: Byte
             print(f"wrote {path}")
 
 
-def pyplot():
-    """matplotlib's pyplot on the file-only Agg backend."""
+def meta_lines(meta: dict[str, Any]) -> list[str]:
+    """Markdown lines of what a launch's JSON ``meta`` says it ran on (the demo's results.md, sweep.md)."""
+    args, models = meta["args"], ", ".join(f"{m} {n:,} parameters" for m, n in meta["params"].items() if n)
+    return [f"- hardware: {meta['cpu']}, ranks on {meta['device']}; torch {meta['torch']}; "
+            f"DeepSpeed {meta.get('deepspeed') or 'not installed'}",
+            f"- precision: {meta['precision']} ({meta['precision_reason']})",
+            f"- model: {models}; global batch {args['batch']} sequences x {args['seq_len']} tokens, {args['steps']} "
+            f"steps of which the first {args['warmup']} are left out of the times and bytes"]  # fmt: skip
+
+
+@contextlib.contextmanager
+def figure(path: Path, *grid: int, figsize: tuple[float, float] = (7, 4.5)) -> Iterator[Any]:
+    """The axes of a matplotlib figure (file-only Agg backend) that is saved to ``path`` when the block ends."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt
-
-
-def save_figure(fig, path: Path) -> Path:
+    fig, axes = plt.subplots(*grid, figsize=figsize)
+    yield axes
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    pyplot().close(fig)
-    return path
+    plt.close(fig)
 
 
 def write_plots(directory: str | Path, rows: list[ConfigResult], title: str) -> list[Path]:
     """``loss_vs_step.png`` (train loss lines, validation points) and ``step_time.png`` (bars)."""
-    plt, out = pyplot(), Path(directory)
+    out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     done = [row for row in rows if row.status == "ok"]
     several_models = len({row.model for row in done}) > 1
     labels = [f"{row.config} ({row.model})" if several_models else row.config for row in done]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for row, label in zip(done, labels, strict=True):
-        (line,) = ax.plot(range(1, len(row.train_losses) + 1), row.train_losses, label=f"{label} train", lw=1)
-        steps, losses = zip(*row.val_curve, strict=True)
-        ax.plot(steps, losses, "o", color=line.get_color(), label=f"{label} val", ms=4)
-    ax.set(xlabel="step", ylabel="loss (nats/byte)", title=f"Loss vs step: {title}")
-    ax.legend(fontsize="small", ncol=2)
-    loss_path = save_figure(fig, out / "loss_vs_step.png")
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.bar(labels, [row.median_step_s * 1e3 for row in done])
-    ax.set(ylabel="median step time (ms)", title=f"Step time by configuration: {title}")
-    ax.tick_params(axis="x", labelrotation=30)
-    return [loss_path, save_figure(fig, out / "step_time.png")]
+    with figure(out / "loss_vs_step.png") as ax:
+        for row, label in zip(done, labels, strict=True):
+            (line,) = ax.plot(range(1, len(row.train_losses) + 1), row.train_losses, label=f"{label} train", lw=1)
+            ax.plot(*zip(*row.val_curve, strict=True), "o", color=line.get_color(), label=f"{label} val", ms=4)
+        ax.set(xlabel="step", ylabel="loss (nats/byte)", title=f"Loss vs step: {title}")
+        ax.legend(fontsize="small", ncol=2)
+    with figure(out / "step_time.png") as ax:
+        ax.bar(labels, [row.median_step_s * 1e3 for row in done])
+        ax.set(ylabel="median step time (ms)", title=f"Step time by configuration: {title}")
+        ax.tick_params(axis="x", labelrotation=30)
+    return [out / "loss_vs_step.png", out / "step_time.png"]

@@ -1,21 +1,14 @@
-"""Repeated, interleaved rounds of the training comparison: their order, and what a row reports over them.
-
-``--rounds R`` trains every configuration R times in one launch, each round from the same
-seed on the same batches, so that a drift of the machine cannot decide a comparison of
-5-10% (bench/TRAINING.md, "Rounds"): a row reports the median of the round medians with their
-range, the ratio to the baseline paired per round (both step times of one ratio from the same
-round), and whether the rounds' losses agree.
+"""Repeated, interleaved rounds of the training comparison (``--rounds``, bench/TRAINING.md "Rounds"):
+their order, and what a row reports over them.
 
 [Note: round order] Round ``r`` (0-based) runs the configurations forward when ``r`` is even
-and backward when it is odd: ``A B C``, ``C B A``, ``A B C``, ... A drift that is linear in
-time shifts a paired ratio ``A_r / base_r`` in proportion to how far apart ``A`` and ``base``
-run inside round ``r``; a backward round has the same distance with the opposite sign, so
-over every two rounds the drift cancels for every pair of configurations, not just for
-neighbours. (A rotation ``A B C``, ``B C A``, ``C A B`` cancels it only over a multiple of the
-number of configurations: six rounds for gpu-bench's six.) An even R is therefore best; with
-an odd R the median still sits between a forward and a backward round's ratio. The
-boundary between two rounds runs the same configuration twice in a row, which is harmless:
-every round rebuilds its engine and has its own warm-up steps.
+and backward when it is odd: ``A B C``, ``C B A``, ``A B C``, ... A drift that is linear in time
+shifts a paired ratio ``A_r / base_r`` in proportion to how far apart ``A`` and ``base`` run
+inside round ``r``; a backward round has the same distance with the opposite sign, so over
+every two rounds the drift cancels for every pair of configurations (a rotation ``A B C``,
+``B C A``, ``C A B`` needs a multiple of the number of configurations: six rounds for
+gpu-bench's six). An even R is therefore best. The boundary between two rounds runs one
+configuration twice in a row, which is harmless: every round rebuilds its engine and warms up.
 """
 
 from __future__ import annotations
@@ -45,9 +38,7 @@ class RoundPlan:
         if self.rounds < 1:
             raise ValueError(f"--rounds must be >= 1, got {self.rounds}")
         if self.baseline not in self.configs:
-            raise ValueError(
-                f"--baseline {self.baseline!r} is not one of the configurations run: {', '.join(self.configs)}"
-            )
+            raise ValueError(f"--baseline {self.baseline!r} is not one of the configurations run: {', '.join(self.configs)}")
 
     def order(self, units: Sequence[Unit], round_index: int) -> list[Unit]:
         """``units`` in the order round ``round_index`` (0-based) trains them (see [Note: round order])."""
@@ -76,29 +67,19 @@ def _median_of(values: list[float | None]) -> float | None:
 
 def combine(first: ConfigResult, records: list[dict[str, Any]], *, tokens_per_step: int,
             link_bytes_per_s: float | None) -> ConfigResult:  # fmt: skip
-    """One row over the rounds of a configuration: ``first`` (round 1's row) with the medians
-    over ``records`` (every round's, round 1's included) in the step-time and wire columns.
-
-    Losses, validation curve and per-step times stay round 1's (the other rounds' losses are
-    compared, not averaged: they must be the same); memory is the largest round's peak. Wire
-    time is the busiest node's bytes over the measured throughput of one node's link (None
-    without either), ``wire_fraction`` its share of the median step.
-    """
+    """One row over the rounds of a configuration: ``first`` (round 1's row) with the medians over
+    ``records`` (every round's) in the step-time and wire columns. Losses, validation curve and
+    per-step times stay round 1's (the other rounds' losses are compared, not averaged: they must
+    be the same); memory is the largest round's peak; wire time is the busiest node's bytes over
+    one node's measured link throughput (None without either)."""
     assert records and records[0]["round"] == 1, "round 1 is the row's own round"
     steps = [r["median_step_s"] for r in records]
     median = statistics.median(steps)
     diffs = [abs(a - b) for other in records[1:] for a, b in zip(_losses(records[0]), _losses(other), strict=True)]
-    row = replace(
-        first,
-        median_step_s=median,
-        tokens_per_s=tokens_per_step / median,
-        min_step_s=min(steps),
-        max_step_s=max(steps),
-        **{key: _median_of([r[key] for r in records]) for key in ROUND_FIELDS if key.startswith("wire_")},
-        memory_bytes=max((r["memory_bytes"] for r in records if r["memory_bytes"] is not None), default=None),
-        loss_max_diff=max(diffs, default=0.0) if len(records) > 1 else None,
-        rounds=records,
-    )
+    row = replace(first, median_step_s=median, tokens_per_s=tokens_per_step / median, min_step_s=min(steps),
+                  max_step_s=max(steps), rounds=records, loss_max_diff=max(diffs) if diffs else None,
+                  **{key: _median_of([r[key] for r in records]) for key in ROUND_FIELDS if key.startswith("wire_")},
+                  memory_bytes=max((r["memory_bytes"] for r in records if r["memory_bytes"] is not None), default=None))
     if row.wire_busiest_bytes_per_step is not None and link_bytes_per_s:
         row.wire_time_s = row.wire_busiest_bytes_per_step / link_bytes_per_s
         row.wire_fraction = row.wire_time_s / median
@@ -113,13 +94,9 @@ def round_steps(row: ConfigResult) -> dict[int, float]:
 def attach_ratios(rows: list[ConfigResult], baseline: str) -> None:
     """Set every ok row's paired ratios to ``baseline``'s row of the same model (in place)."""
     bases = {row.model: row for row in rows if row.config == baseline and row.status == "ok"}
-    for row in rows:
-        base = bases.get(row.model)
-        if row.status != "ok" or base is None:
-            continue
-        ratios = paired_ratios(round_steps(row), round_steps(base))
-        row.baseline = baseline
-        row.paired_ratios = ratios
+    for row in (row for row in rows if row.status == "ok" and row.model in bases):
+        ratios = paired_ratios(round_steps(row), round_steps(bases[row.model]))
+        row.baseline, row.paired_ratios = baseline, ratios
         if ratios:
             row.ratio_to_baseline = statistics.median(ratios)
             row.ratio_min, row.ratio_max = min(ratios), max(ratios)

@@ -1,16 +1,11 @@
 """The training engines of ``python -m bench.train`` behind one interface: zero_runtime, FSDP2, DDP, DeepSpeed.
 
-A runner owns one model and its optimizer under one engine. The loop only calls ``train_step``
-(forward, backward, optimizer step, zero grad; returns this rank's loss), ``eval_loss``,
-``memory`` (this rank's peak bytes and how they were measured) and, after the run, ``close``,
-so the loop, the timing and the wire-byte accounting are the same code for every configuration.
-Every engine is given torch's AdamW ([Note: same math] in :mod:`.configs`).
-
-Peak memory: ``torch.cuda.max_memory_allocated`` on a GPU. On a CPU, where torch keeps no
-allocator statistics, the model-state bytes this rank holds after the optimizer step
-(parameters, gradients, optimizer states: the ZeRO paper's accounting, without activations):
-zero_runtime's ``memory_report()`` (on a GPU too), the optimizer's tensors for DDP and FSDP2,
-none for DeepSpeed (its flat partitions are its own, no torch counter sees them).
+A runner owns one model and its optimizer (torch's AdamW, [Note: same math] in :mod:`.configs`)
+under one engine. The loop only calls ``train_step`` (forward, backward, optimizer step, zero
+grad; returns this rank's loss), ``eval_loss``, ``memory`` and ``close``, so the loop, the timing
+and the wire bytes are the same code for every configuration. Peak memory on a CPU, where torch
+keeps no allocator statistics, is the model-state bytes held after the optimizer step (the ZeRO
+paper's accounting, without activations; none for DeepSpeed: no torch counter sees its partitions).
 """
 
 from __future__ import annotations
@@ -20,9 +15,8 @@ import functools
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,11 +31,8 @@ import zcomm.ddp
 import zcomm.fsdp
 import zero_runtime
 
-from .configs import TrainConfig
+from .configs import EngineSetup, TrainConfig
 from .models import ModelSpec, Unavailable
-
-T = TypeVar("T")
-INSTALL_HINT = "make peers, or pip install 'zcomm[peers]'"
 
 
 class EngineFailed(RuntimeError):
@@ -50,47 +41,20 @@ class EngineFailed(RuntimeError):
     configuration together and the next one starts on a consistent process group."""
 
 
-class MemoryReading(NamedTuple):
-    """Peak bytes on this rank (``None`` when the engine cannot tell) and how it was measured."""
-
-    peak_bytes: int | None
-    source: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class EngineSetup:
-    """What every engine of a launch is built with besides its configuration."""
-
-    lr: float
-    local_size: int
-    world_size: int
-    bf16: bool
-    gradient_clipping: float
-    device: torch.device
-
-
-def local_nbytes(tensor: torch.Tensor) -> int:
-    """Bytes this rank stores for ``tensor`` (its shard when it is a DTensor)."""
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.numel() * local.element_size()
-
-
 def model_state_nbytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of this rank's parameters, gradients and optimizer states, as the optimizer sees them."""
-    total = 0
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            total += local_nbytes(param)
-            if param.grad is not None:
-                total += local_nbytes(param.grad)
-            total += sum(local_nbytes(v) for v in optimizer.state.get(param, {}).values() if torch.is_tensor(v))
-    return total
+    """Bytes of this rank's parameters, gradients and optimizer states (a DTensor's: its shard's)."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    tensors = [*params, *(p.grad for p in params if p.grad is not None),
+               *(v for p in params for v in optimizer.state.get(p, {}).values() if torch.is_tensor(v))]
+    local = [tensor.to_local() if isinstance(tensor, DTensor) else tensor for tensor in tensors]
+    return sum(tensor.numel() * tensor.element_size() for tensor in local)
 
 
 class Runner:
     """What every engine shares: the loss through the model spec, evaluation, the memory reading."""
 
     HELD = ""  # what the CPU memory figure counts
+    CUDA_PEAK = True  # on a GPU the figure is torch's peak allocation instead
     model: torch.nn.Module
 
     def __init__(self, spec: ModelSpec, setup: EngineSetup) -> None:
@@ -104,20 +68,25 @@ class Runner:
     def eval_loss(self, tokens: torch.Tensor) -> float:
         return self.loss(tokens).item()
 
-    def memory(self) -> MemoryReading:
-        if self.device.type == "cuda":
-            return MemoryReading(torch.cuda.max_memory_allocated(self.device), "torch.cuda.max_memory_allocated")
-        return MemoryReading(self.peak_bytes, self.HELD)
+    def memory(self) -> tuple[int | None, str]:
+        """Peak bytes on this rank (None when the engine cannot tell) and how they were measured."""
+        if self.CUDA_PEAK and self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device), "torch.cuda.max_memory_allocated"
+        return self.peak_bytes, self.HELD
 
     def close(self) -> None:
         """Nothing to release: the engine's hooks and buffers go with the model, collected with the runner."""
 
 
 class ZeroRunner(Runner):
+    HELD, CUDA_PEAK = "zero_runtime memory_report()", False
+
     def __init__(self, config: TrainConfig, spec: ModelSpec, engine_config: dict[str, Any], setup: EngineSetup) -> None:
         super().__init__(spec, setup)
         factory = functools.partial(torch.optim.AdamW, lr=setup.lr)
-        self.model, self.opt = zero_runtime.initialize(spec.build().to(self.device), factory, engine_config)
+        topology = zcomm.Topology(world_size=setup.world_size, local_size=setup.local_size)
+        self.model, self.opt = zero_runtime.initialize(spec.build().to(self.device), factory, engine_config,
+                                                       topology=topology)  # fmt: skip
 
     def train_step(self, tokens: torch.Tensor) -> float:
         loss = self.loss(tokens)
@@ -127,9 +96,6 @@ class ZeroRunner(Runner):
         self.peak_bytes = max(self.peak_bytes, self.opt.memory_report().total)
         self.opt.zero_grad()
         return loss.item()
-
-    def memory(self) -> MemoryReading:
-        return MemoryReading(self.peak_bytes, "zero_runtime memory_report()")
 
     def close(self) -> None:
         """Release the engine (``ZeroOptimizer.close`` also removes its gradient hooks), so the
@@ -155,25 +121,22 @@ class TorchRunner(Runner):
 
 
 def reshard_after_forward(config: TrainConfig, *, local_size: int, world_size: int) -> bool | int:
-    """FSDP2's setting for ``config``: True (plain ZeRO-3) or the hpZ group size.
-
-    FSDP2 accepts an int only strictly between 1 and the world size; at the ends hpZ means
-    keeping whole weights (1 rank per node) or the primary sharding itself (one node).
-    """
+    """FSDP2's setting for ``config``: True (plain ZeRO-3) or the hpZ group size. FSDP2 accepts an
+    int only strictly between 1 and the world size; at the ends hpZ means keeping whole weights
+    (1 rank per node) or the primary sharding itself (one node)."""
     if not config.hpz or local_size == world_size:
         return True
-    if local_size == 1:
-        return False
-    return local_size
+    return local_size if local_size > 1 else False
 
 
 class FSDP2Runner(TorchRunner):
     """torch ``fully_shard``: one FSDP unit per repeated block, the root holds the rest (as torchtitan
     wraps a transformer); bf16 is ``MixedPrecisionPolicy(param_dtype=bfloat16)`` over fp32 shards.
 
-    qwZ and qgZ are zcomm's collectives installed on every unit by ``zcomm.fsdp.enable_zeropp``.
-    HSDP: a 2-D mesh (replicate = nodes, shard = ranks per node); FSDP2's own HSDP shards on all
-    of it, zcomm's on its ``"shard"`` rows with the ``"replicate"`` group passed to ``enable_zeropp``.
+    qwZ and qgZ: ``zcomm.fsdp.enable_zeropp`` with the engine config's arguments (its return value,
+    which units it aligned, kept in ``aligned``). HSDP: a 2-D mesh (replicate = nodes, shard = ranks
+    per node); FSDP2's own HSDP shards on all of it, zcomm's on its ``"shard"`` rows with the
+    ``"replicate"`` group passed to ``enable_zeropp``.
     """
 
     HELD = "model states held (params+grads+AdamW, local shards)"
@@ -181,30 +144,23 @@ class FSDP2Runner(TorchRunner):
     def __init__(self, config: TrainConfig, spec: ModelSpec, engine_config: dict[str, Any], setup: EngineSetup) -> None:
         super().__init__(spec, setup)
         world, local = setup.world_size, setup.local_size
-        zeropp = config.quantized_weights or config.quantized_gradients
-        options: dict[str, Any] = {}
+        zeropp = "enable_zeropp" in engine_config
+        options = {key: value for key, value in engine_config.get("enable_zeropp", {}).items() if value is not None}
         if config.hsdp:
             hybrid = init_device_mesh(self.device.type, (world // local, local), mesh_dim_names=("replicate", "shard"))
             mesh = hybrid["shard"] if zeropp else hybrid
-            topology = zcomm.Topology(world_size=local, local_size=local)
-            options = dict(replicate_group=hybrid.get_group("replicate"), quantized_all_reduce=config.quantized_gradients,
-                           replicate_topology=zcomm.Topology(world_size=world // local, local_size=1))
-            if config.gather_bits is not None:
-                options["replicate_gather_bits"] = config.gather_bits
+            options.update(topology=zcomm.Topology(world_size=local, local_size=local),
+                           replicate_group=hybrid.get_group("replicate"),
+                           replicate_topology=zcomm.Topology(world_size=world // local, local_size=1))  # fmt: skip
         else:
             mesh = init_device_mesh(self.device.type, (world,))
-            topology = zcomm.Topology(world_size=world, local_size=local)
+            options.update(topology=zcomm.Topology(world_size=world, local_size=local))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if setup.bf16 else MixedPrecisionPolicy()
         reshard = reshard_after_forward(config, local_size=local, world_size=world)
         self.model = spec.build().to(self.device)
         for module in [*spec.blocks(self.model), self.model]:
             fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-        if zeropp:
-            if config.first_hop_bits is not None:
-                options["first_hop_bits"] = config.first_hop_bits
-            zcomm.fsdp.enable_zeropp(self.model, quantized_weights=config.quantized_weights, topology=topology,
-                                     quantized_gradients=config.quantized_gradients, group_size=config.quant_group_size,
-                                     **options)  # fmt: skip
+        self.aligned = zcomm.fsdp.enable_zeropp(self.model, **options) if zeropp else {}
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=setup.lr)
 
 
@@ -216,59 +172,39 @@ def bf16_hook(process_group, bucket):  # unannotated: DDP refuses annotations th
     buffer = bucket.buffer()
     compressed = buffer.to(torch.bfloat16).div_(group.size())
     future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
-
-    def decompress(done):
-        buffer.copy_(done.value()[0])
-        return buffer
-
-    return future.then(decompress)
-
-
-class _WithLoss(torch.nn.Module):
-    """The model with the spec's loss as its forward: DDP must run the forward it wraps (its
-    reducer prepares for backward there), and the specs compute the loss from the model."""
-
-    def __init__(self, model: torch.nn.Module, spec: ModelSpec) -> None:
-        super().__init__()
-        self.model, self.spec = model, spec
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.spec.loss(self.model, tokens)
+    return future.then(lambda done: buffer.copy_(done.value()[0]))
 
 
 class DDPRunner(TorchRunner):
     """torch ``DistributedDataParallel`` (stage 0): DDP's fp32 all-reduce, torch's ``bf16_compress_hook``
     (:func:`bf16_hook` on a CPU) or ``zcomm.ddp.quantized_allreduce_hook``. bf16 is ``torch.autocast``
-    around forward with fp32 weights and gradients, so every DDP row reduces fp32 buckets."""
+    around forward with fp32 weights and gradients, so every DDP row reduces fp32 buckets. The hook is
+    the engine config's; the loss calls the DDP module, whose forward prepares its reducer for backward."""
 
     HELD = "model states held (params+grads+AdamW, whole model)"
 
     def __init__(self, config: TrainConfig, spec: ModelSpec, engine_config: dict[str, Any], setup: EngineSetup) -> None:
         super().__init__(spec, setup)
-        module = _WithLoss(spec.build().to(self.device), spec)
-        self.model = DistributedDataParallel(module, device_ids=[self.device] if self.device.type == "cuda" else None)
-        if config.ddp_hook == "bf16":
+        self.model = DistributedDataParallel(spec.build().to(self.device),
+                                             device_ids=[self.device] if self.device.type == "cuda" else None)
+        if engine_config["ddp_hook"] == "bf16":
             self.model.register_comm_hook(None, default_hooks.bf16_compress_hook if self.device.type == "cuda"
                                           else bf16_hook)  # fmt: skip
-        elif config.ddp_hook == "zcomm":
-            widths = {"first_hop_bits": config.first_hop_bits, "gather_bits": config.gather_bits}
-            state = zcomm.ddp.QuantizedAllReduceState(
-                topology=zcomm.Topology(world_size=setup.world_size, local_size=setup.local_size),
-                **{key: bits for key, bits in widths.items() if bits is not None})
+        elif engine_config["ddp_hook"] == "zcomm":
+            widths = {key: engine_config[key] for key in ("first_hop_bits", "gather_bits") if engine_config[key] is not None}
+            topology = zcomm.Topology(world_size=setup.world_size, local_size=setup.local_size)
+            state = zcomm.ddp.QuantizedAllReduceState(topology=topology, **widths)
             self.model.register_comm_hook(state, zcomm.ddp.quantized_allreduce_hook)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=setup.lr)
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.setup.bf16 else contextlib.nullcontext()
-
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
-        with self._autocast():
-            return self.model(tokens)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.setup.bf16):
+            return self.spec.loss(self.model, tokens)
 
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor) -> float:
-        with self._autocast():
-            return self.model.module(tokens).item()  # no DDP forward: nothing to reduce
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.setup.bf16):
+            return self.spec.loss(self.model.module, tokens).item()  # no DDP forward: nothing to reduce
 
 
 def _short(filename: str) -> str:
@@ -303,7 +239,7 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _guarded(action: str, call: Callable[[], T]) -> T:
+def _guarded(action: str, call: Callable[[], Any]) -> Any:
     with _quiet():
         try:
             return call()
@@ -323,7 +259,8 @@ class DeepSpeedRunner(Runner):
         try:
             import deepspeed
         except ImportError as error:
-            raise Unavailable(f"{config.name} needs deepspeed ({INSTALL_HINT}): {error}") from None
+            raise Unavailable(f"{config.name} needs deepspeed (make peers, or pip install 'zcomm[peers]'): "
+                              f"{error}") from None  # fmt: skip
         super().__init__(spec, setup)
         self.peak_bytes = None
         model = spec.build().to(self.device)
@@ -332,14 +269,14 @@ class DeepSpeedRunner(Runner):
         self.engine, *_ = _guarded(f"deepspeed {deepspeed.__version__}: deepspeed.initialize", initialize)
         self.model = self.engine.module
 
-    def _step(self, tokens: torch.Tensor) -> float:
-        loss = self.loss(tokens)
-        self.engine.backward(loss)
-        self.engine.step()
-        return loss.item()
-
     def train_step(self, tokens: torch.Tensor) -> float:
-        return _guarded("a DeepSpeed training step", lambda: self._step(tokens))
+        def step() -> float:
+            loss = self.loss(tokens)
+            self.engine.backward(loss)
+            self.engine.step()
+            return loss.item()
+
+        return _guarded("a DeepSpeed training step", step)
 
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor) -> float:

@@ -1,28 +1,14 @@
 """``python -m bench.train.sweep``: the same training at several simulated link rates, table, plot and verdict.
 
-One ``bench.train`` launch on the simulated cluster (2 nodes x 2 ranks) per ``--rates`` value,
-each writing ``rate-<R>-run<k>.json`` and ``.log`` into ``--out-dir``; ``--repeats N`` goes over
-all rates N times (round robin, so a burst of load falls on different rates in different
-rounds). Then ``sweep.md`` and ``step_time_vs_link_rate.png`` (x = each run's measured link
-throughput); ``--from-json`` re-renders both without running anything (bench/TRAINING.md).
-Arguments after ``--`` go to ``bench.train`` unchanged::
-
-    python -m bench.train.sweep --configs zero3 zeropp fsdp2 deepspeed-z3 --out-dir DIR -- --steps 10
+One ``bench.train`` launch on the simulated cluster per ``--rates`` value and ``--repeats`` round
+(round robin, so a burst of load falls on different rates in different rounds). What it writes,
+and how its verdict checks the ZeRO++ paper's claim that ZeRO++ on a slow link matches ZeRO-3 on
+a link 4x faster: bench/TRAINING.md, "Recipes" (issue 12).
 
 [Note: best of launches] With several launches per rate, a configuration's step time at that
 rate is the best (lowest) median of its launches: other jobs on a shared machine only ever
 add time, so the minimum is the least disturbed measurement. Every launch's median stays in
 the table of all launches.
-
-[Note: bandwidth claim] The ZeRO++ paper reports that ZeRO++ on a slow link matches ZeRO-3
-on a link about 4x faster. For every swept rate ``r`` whose ``4 r`` was swept too, the
-verdict compares ZeRO++'s step time at ``r`` with the baseline's at ``4 r``: the claim holds
-for that pair when ZeRO++ is no slower than ``1 + tolerance`` times the baseline. It also
-reads off the *equivalent rate*: the link rate at which the baseline's step time (linear
-interpolation in log-log between measured points) equals ZeRO++'s step at ``r``; its ratio
-to ``r`` is the bandwidth factor ZeRO++ is worth there (">" when the baseline is slower at
-every measured rate). The baselines are our stage 3 (``zero3``) and, when it ran,
-DeepSpeed's (``deepspeed-z3``, the paper's own baseline).
 """
 
 from __future__ import annotations
@@ -44,7 +30,7 @@ from bench.simcluster.config import parse_rate
 from bench.simcluster.launcher import missing_prerequisite
 
 from .configs import select_configs
-from .report import pyplot, save_figure
+from .report import figure, meta_lines
 
 DEFAULT_RATES = ("100mbit", "200mbit", "400mbit", "800mbit", "1600mbit", "unlimited")
 DEFAULT_CONFIGS = ("zero3", "zeropp", "fsdp2", "deepspeed-z3")
@@ -64,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tolerance", type=float, default=0.10, help="'matches' means ZeRO++ <= (1 + this) x baseline")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- arguments for bench.train")
     return parser
+
+
+def rate_sort_key(rate: str) -> float:
+    bps = parse_rate(rate)
+    return math.inf if bps is None else bps
 
 
 @dataclass(frozen=True)
@@ -86,12 +77,11 @@ class RateRun:
     def rows(self) -> dict[str, dict[str, Any]]:
         """Each configuration's row from its best launch (see [Note: best of launches])."""
         best: dict[str, dict[str, Any]] = {}
-        for result in self.results:
-            for row in result["results"]:
-                kept = best.get(row["config"])
-                if kept is None or (row["status"] == "ok" and (kept["status"] != "ok"
-                                                              or row["median_step_s"] < kept["median_step_s"])):
-                    best[row["config"]] = row
+        for row in (row for result in self.results for row in result["results"]):
+            kept = best.get(row["config"])
+            if kept is None or row["status"] == "ok" and (kept["status"] != "ok"
+                                                          or row["median_step_s"] < kept["median_step_s"]):
+                best[row["config"]] = row
         return best
 
     def all_steps(self, config: str) -> list[float]:
@@ -102,11 +92,6 @@ class RateRun:
     def step_s(self, config: str) -> float | None:
         row = self.rows().get(config)
         return row["median_step_s"] if row and row["status"] == "ok" else None
-
-
-def rate_sort_key(rate: str) -> float:
-    bps = parse_rate(rate)
-    return math.inf if bps is None else bps
 
 
 def load_runs(paths: dict[str, list[Path]]) -> list[RateRun]:
@@ -132,15 +117,13 @@ def markdown_table(runs: list[RateRun]) -> str:
     """Step ms (wire share) per configuration and rate, then wire MB/step and notes of rows that did not run."""
     heads = [run.rate if run.link_bps is None else f"{run.rate} ({run.link_bps * 1e-6:.0f})" for run in runs]
     lines = ["| config | " + " | ".join(heads) + " | wire MB/step |", "|---" * (len(runs) + 2) + "|"]
-    notes = []
+    notes = dict.fromkeys(f"`{config}`: {row['note']}" for config in configs_of(runs) for run in runs
+                          if (row := run.rows().get(config)) and row["status"] != "ok")  # fmt: skip
     for config in configs_of(runs):
         wire = [run.rows()[config]["wire_tx_bytes_per_step"] for run in runs if run.step_s(config) is not None]
-        wire = [value for value in wire if value is not None]
-        wire_cell = f"{min(wire) * 1e-6:.3g}-{max(wire) * 1e-6:.3g}" if wire else "n/a"
+        wire = [value * 1e-6 for value in wire if value is not None]
+        wire_cell = f"{min(wire):.3g}-{max(wire):.3g}" if wire else "n/a"
         lines.append(f"| `{config}` | " + " | ".join(_cell(run, config) for run in runs) + f" | {wire_cell} |")
-        for row in (run.rows().get(config) for run in runs):
-            if row is not None and row["status"] != "ok" and f"`{config}`: {row['note']}" not in notes:
-                notes.append(f"`{config}`: {row['note']}")
     launches = max(len(run.results) for run in runs)
     best = f"best of {launches} launches' " if launches > 1 else ""
     lines += ["", f"Cells: {best}median step ms (wire time as % of that step). Column heads: nominal link rate "
@@ -181,10 +164,6 @@ class ClaimPair(NamedTuple):
     def ratio(self) -> float:
         return self.zeropp_s / self.baseline_s
 
-    def factor_text(self) -> str:
-        sign, rate = self.equivalent
-        return f"{'' if sign == '=' else sign + ' '}{rate / self.slow_bps:.1f}x"
-
 
 def claim_pairs(runs: list[RateRun], baseline: str) -> list[ClaimPair]:
     """Every (r, 4r) pair of shaped rates where both ZeRO++ and ``baseline`` ran."""
@@ -202,7 +181,8 @@ def claim_pairs(runs: list[RateRun], baseline: str) -> list[ClaimPair]:
 
 
 def claim_verdict(runs: list[RateRun], tolerance: float = 0.10) -> str:
-    """The claim checked on the measured numbers (see [Note: bandwidth claim]), as Markdown."""
+    """The claim checked on the measured numbers, as Markdown: for every rate r whose 4r was swept too, ZeRO++ at r
+    against each baseline at 4r, and the rate at which the baseline's step time equals ZeRO++'s at r."""
     lines = [f'Claim: "ZeRO++ on a slow link matches ZeRO-3 on a ~{CLAIM_FACTOR}x faster link" '
              f"(matches: ZeRO++ step <= {1 + tolerance:.2f} x the baseline's step).", ""]  # fmt: skip
     for baseline in BASELINES:
@@ -214,49 +194,32 @@ def claim_verdict(runs: list[RateRun], tolerance: float = 0.10) -> str:
         word = "holds" if all(held) else "does not hold" if not any(held) else "holds in part"
         lines.append(f"- against `{baseline}`: **{word}** ({sum(held)} of {len(pairs)} pairs)")
         for pair, holds in zip(pairs, held, strict=True):
-            lines.append(
-                f"  - zeropp @ {pair.slow}: {pair.zeropp_s * 1e3:.0f} ms vs {baseline} @ {pair.fast}: "
-                f"{pair.baseline_s * 1e3:.0f} ms -> ratio {pair.ratio:.2f} ({'holds' if holds else 'fails'}); "
-                f"{baseline} needs {pair.factor_text()} the link rate to match zeropp @ {pair.slow}"
-            )
+            sign, rate = pair.equivalent
+            lines.append(f"  - zeropp @ {pair.slow}: {pair.zeropp_s * 1e3:.0f} ms vs {baseline} @ {pair.fast}: "
+                         f"{pair.baseline_s * 1e3:.0f} ms -> ratio {pair.ratio:.2f} ({'holds' if holds else 'fails'}); "
+                         f"{baseline} needs {'' if sign == '=' else sign + ' '}{rate / pair.slow_bps:.1f}x the link "
+                         f"rate to match zeropp @ {pair.slow}")  # fmt: skip
     return "\n".join(lines)
 
 
-def write_plot(path: Path, runs: list[RateRun]) -> Path:
+def write_plot(path: Path, runs: list[RateRun]) -> None:
     """Step time against measured link throughput, log-log, one line per configuration."""
     meta = runs[0].results[0]["meta"]
     params = sum(count for count in meta["params"].values() if count)
-    fig, ax = pyplot().subplots(figsize=(7, 4.5))
-    for config in configs_of(runs):
-        points = [(run.link_bps * 1e-6, run.step_s(config)) for run in runs
-                  if run.link_bps is not None and run.step_s(config) is not None]  # fmt: skip
-        if points:
-            ax.plot(*zip(*points, strict=True), "o-", label=config)
-    for run in runs:
-        if run.link_bps is not None:
+    with figure(path) as ax:
+        for config in configs_of(runs):
+            points = [(run.link_bps * 1e-6, run.step_s(config)) for run in runs
+                      if run.link_bps is not None and run.step_s(config) is not None]  # fmt: skip
+            if points:
+                ax.plot(*zip(*points, strict=True), "o-", label=config)
+        for run in (run for run in runs if run.link_bps is not None):
             ax.annotate(run.rate, (run.link_bps * 1e-6, 0.02), xycoords=("data", "axes fraction"), fontsize="x-small",
                         rotation=90, va="bottom", ha="right", color="gray")  # fmt: skip
-    title = (f"Step time vs link rate: {params / 1e6:.1f}M-param GPT, {meta['num_nodes']}x{meta['local_size']} "
-             f"ranks,\n{meta['precision']} compute on {meta['cpu']}")
-    ax.set(xscale="log", yscale="log", xlabel="measured link throughput per node (Mbit/s)",
-           ylabel="median step time (s)", title=title)  # fmt: skip
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
-    return save_figure(fig, path)
-
-
-def describe(runs: list[RateRun]) -> list[str]:
-    """What the runs were measured on (from the first launch's metadata; all ran on one machine)."""
-    meta = runs[0].results[0]["meta"]
-    params = ", ".join(f"{model} {count:,} params" for model, count in meta["params"].items() if count)
-    args = meta["args"]
-    return [
-        f"- hardware: {meta['cpu']}, ranks on {meta['device']}; torch {meta['torch']}; "
-        f"DeepSpeed {meta['deepspeed'] or 'not installed'}",
-        f"- precision: {meta['precision']} compute for every configuration ({meta['precision_reason']})",
-        f"- cluster: {meta['num_nodes']} nodes x {meta['local_size']} ranks; model: {params}; "
-        f"batch {args['batch']} x {args['seq_len']} tokens, {args['steps']} steps ({args['warmup']} warm-up)",
-    ]
+        ax.set(xscale="log", yscale="log", xlabel="measured link throughput per node (Mbit/s)",
+               ylabel="median step time (s)", title=f"Step time vs link rate: {params / 1e6:.1f}M-param GPT, "
+               f"{meta['num_nodes']}x{meta['local_size']} ranks,\n{meta['precision']} compute on {meta['cpu']}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
 
 
 def json_path(out_dir: Path, rate: str, launch: int) -> Path:
@@ -276,26 +239,26 @@ def run_rate(rate: str, launch: int, args: argparse.Namespace) -> int:
     print("$ " + shlex.join(command), flush=True)
     log = json_path(args.out_dir, rate, launch).with_suffix(".log")
     with open(log, "w") as out:
-        proc = subprocess.run(command, env=checkout_environment(os.environ), stdout=out, stderr=subprocess.STDOUT,
-                              check=False)  # fmt: skip
-    print(f"  -> {log} (exit {proc.returncode})", flush=True)
-    return proc.returncode
+        code = subprocess.run(command, env=checkout_environment(os.environ), stdout=out, stderr=subprocess.STDOUT,
+                              check=False).returncode  # fmt: skip
+    print(f"  -> {log} (exit {code})", flush=True)
+    return code
 
 
 def write_outputs(args: argparse.Namespace, command_line: str) -> Path:
     """sweep.md (headed by ``command_line``) and the plot from the rate-*.json files in ``--out-dir``."""
-    paths = {rate: sorted(args.out_dir.glob(f"rate-{rate}-run*.json")) for rate in args.rates}
-    paths = {rate: found for rate, found in paths.items() if found}
+    paths = {rate: found for rate in args.rates if (found := sorted(args.out_dir.glob(f"rate-{rate}-run*.json")))}
     if not paths:
         raise SystemExit(f"no rate-*.json for {args.rates} in {args.out_dir}")
     runs = load_runs(paths)
+    meta = runs[0].results[0]["meta"]
     write_plot(args.out_dir / PLOT, runs)
     text = ["# Step time vs simulated link rate", "", "Command (from the repository root, as root for the simulated "
-            "cluster):", "", f"    {command_line}", "", *describe(runs), "", markdown_table(runs), "",
-            claim_verdict(runs, args.tolerance), "", f"![step time vs link rate]({PLOT})", ""]  # fmt: skip
-    report = args.out_dir / REPORT
-    report.write_text("\n".join(text))
-    return report
+            "cluster):", "", f"    {command_line}", "", f"- cluster: {meta['num_nodes']} nodes x {meta['local_size']} "
+            "ranks", *meta_lines(meta), "", markdown_table(runs), "", claim_verdict(runs, args.tolerance), "",
+            f"![step time vs link rate]({PLOT})", ""]  # fmt: skip
+    (args.out_dir / REPORT).write_text("\n".join(text))
+    return args.out_dir / REPORT
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,28 +2,25 @@
 
 Stages 1 and 2 with quantized weights replace the post-step all-gather by qwZ's blocked INT8
 values or by 4-bit weight differences ([Note: weight differences] in
-``zero_runtime.comm._weight_delta``). Every rank then computes with the gathered
-*reference* (each unit's full buffer); what a plain gather would have given is the owner's
-master in the compute dtype. After every step each rank compares the two over the shards it
-owns, and the ranks combine their sums:
+``zero_runtime.comm._weight_delta``). Every rank then computes with the gathered *reference*
+(each unit's full buffer); a plain gather would have given the owner's master in the compute
+dtype. After every step each rank compares the two over the shards it owns, and the ranks
+combine their sums; per window of steps the table shows:
 
-- **worst / bound**: the largest ``|reference - master|`` divided by the format's bound for
-  that element, ``absmax(master group) / 254 + eps/2 * |reference|``: qwZ's half step (a
-  group of differences whose step would exceed it falls back to qwZ for that step) plus
-  the rounding of the reference to the compute dtype. At most 1 when the bound holds.
-- **error / weights**: ``||reference - master|| / ||master||`` over the whole model.
-- **error / update**: ``||reference - master|| / ||master_t - master_(t-1)||``. For weight
-  differences the error is one quantization of one step's difference, so this ratio stays
-  flat over a run instead of growing (SDP4Bit's argument); for qwZ it is the quantization of
-  the weights themselves, so it is larger and follows the weights' size.
-- **cos(error, update)**: the cosine between ``reference - master`` and the step's update: near
-  0 when the error has no direction, near -1 when the reference lags behind the master along
-  the way the weights move (a difference too small for its group's step is held back until
-  the carried error reaches it).
+- **worst / bound**: the largest ``|reference - master|`` over the format's bound for that
+  element, ``absmax(master group) / 254 + eps/2 * |reference|``: qwZ's half step (a group of
+  differences whose step would exceed it falls back to qwZ) plus the rounding of the reference
+  to the compute dtype. At most 1 when the bound holds.
+- **error / weights**: ``||reference - master|| / ||master||`` over the whole model (mean, max).
+- **error / update**: ``||reference - master|| / ||master_t - master_(t-1)||`` (mean, max). For
+  weight differences the error is one quantization of one step's difference, so this stays flat
+  over a run (SDP4Bit's argument); for qwZ it quantizes the weights themselves and follows their size.
+- **cos(error, update)**: near 0 when the error has no direction, near -1 when the reference
+  lags the master along the way the weights move (a difference too small for its group's step
+  is held back until the carried error reaches it).
+- **groups fallen back**: the share of weight-difference groups sent as INT8 values instead.
 
-Per window of steps the table shows the largest worst/bound, the mean and largest of the two
-ratios, and the share of weight-difference groups that fell back to INT8 values. Launch as
-``bench.train`` is launched (4 ranks, ``ZCOMM_LOCAL_SIZE=2`` for two "nodes" of two)::
+Launched as ``bench.train`` is::
 
     ZCOMM_LOCAL_SIZE=2 torchrun --standalone --nproc-per-node 4 -m bench.train.weight_error --configs zero2-q zero2-qwd
 """
@@ -33,17 +30,18 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from bench.harness import dist_env
+from bench.harness.dist_env import DistContext
 
-from .cli import add_training_args, model_config
-from .configs import CONFIGS, engine_config
-from .data import ByteCorpus, TextDataConfig, rank_slice
+from .configs import CONFIGS, EngineSetup, engine_config
+from .data import ByteCorpus, rank_slice
 from .models import model_spec
-from .runner import EngineSetup, ZeroRunner
+from .runner import ZeroRunner
+from .suite import add_training_args, join, model_config
 
 _QWZ_HALF_STEPS = 2 * 127  # qwZ's INT8 step is absmax / 127; rounding to nearest errs by half of it
 
@@ -97,18 +95,15 @@ def _group_counts(runner: ZeroRunner) -> tuple[int, int]:
     return getattr(gather, "delta_groups", 0), getattr(gather, "fallback_groups", 0)
 
 
-def measure(name: str, args: argparse.Namespace, ctx: dist_env.DistContext, corpus: ByteCorpus) -> list[Window]:
+def measure(name: str, args: argparse.Namespace, ctx: DistContext, corpus: ByteCorpus) -> list[Window]:
     """Train configuration ``name`` for ``args.steps`` steps; one :class:`Window` per ``args.window`` steps."""
-    config = CONFIGS[name]
+    config, env = CONFIGS[name], ctx.env
     if config.engine != "zero" or config.stage == 3 or not config.quantized_weights:
         raise ValueError(f"{name} gathers no quantized weights after the step (stages 1 and 2 with qwZ only)")
-    env = ctx.env
-    settings = engine_config(config, local_size=env.local_size, bf16=True, gradient_clipping=0.0,
-                             micro_batch=args.batch // env.world_size)
     setup = EngineSetup(lr=args.lr, local_size=env.local_size, world_size=env.world_size, bf16=True,
-                        gradient_clipping=0.0, device=ctx.device)
+                        gradient_clipping=0.0, micro_batch=args.batch // env.world_size, device=ctx.device)
     torch.manual_seed(args.seed)
-    runner = ZeroRunner(config, model_spec("tinygpt", model_config(args)), settings, setup)
+    runner = ZeroRunner(config, model_spec("tinygpt", model_config(args)), engine_config(config, setup), setup)
     windows: list[Window] = []
     try:
         for step in range(args.steps):
@@ -149,10 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.window < 1:
         parser.error("--steps and --window must be >= 1")
-    ctx = dist_env.join(dist_env.detect())
-    if args.batch % ctx.env.world_size:
-        parser.error(f"--batch {args.batch} does not split evenly over {ctx.env.world_size} ranks")
-    corpus = ByteCorpus(TextDataConfig(seq_len=args.seq_len))
+    ctx = join(parser, args.batch)
+    corpus = ByteCorpus(args.seq_len)
     results = {name: measure(name, args, ctx, corpus) for name in args.configs}
     if ctx.env.rank == 0:
         for name, windows in results.items():
@@ -163,8 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             for window in windows:
                 print(window.row())
         if args.json:
-            with open(args.json, "w") as out:
-                json.dump({name: [asdict(w) for w in windows] for name, windows in results.items()}, out)
+            Path(args.json).write_text(json.dumps({name: [asdict(w) for w in windows] for name, windows in results.items()}))
     dist.destroy_process_group()
     return 0
 

@@ -17,7 +17,7 @@ import torch
 import bench.kernels as kernels
 from bench.gpu_check import driver, report
 from bench.gpu_check import speed_plan as plan
-from bench.train import cli as train_cli
+from bench.train import suite as train_cli
 from bench.train.models import TinyGPT
 
 _FAKE_HOST_COST = '''
@@ -80,8 +80,8 @@ def test_the_gpu_plan_fits_its_budget_and_its_commands_parse(tmp_path, fake_tool
     assert host[:4] == ["--device", "cuda", "--sizes", "1M,16M"] and host[4] == "--json"
     assert host[-2:] == ["--launcher", "cupy,driver"]
     train = train_cli.build_parser().parse_args(_args(stages[1], "bench.train"))
-    assert [c.name for c in train_cli.chosen_configs(train)] == list(plan.TRAIN_CONFIGS)
-    rounds = train_cli.round_plan(train, train_cli.chosen_configs(train))
+    configs, _, rounds = train_cli.chosen(train)
+    assert [c.name for c in configs] == list(plan.TRAIN_CONFIGS)
     assert rounds.rounds == plan.TRAIN_ROUNDS >= 2 and rounds.baseline == "zero3"
     assert {name for pair in plan.TRAIN_PAIRS for name in pair} <= set(plan.TRAIN_CONFIGS)
     shape = train_cli.model_config(train)

@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
-from bench.train.configs import CONFIGS
+from bench.train.configs import CONFIGS, EngineSetup
 from bench.train.models import GPTConfig, model_spec
-from bench.train.runner import DeepSpeedRunner, EngineFailed, EngineSetup, Unavailable, _guarded, describe_failure
+from bench.train.runner import DeepSpeedRunner, EngineFailed, Unavailable, _guarded, describe_failure
 
 
 def _builder() -> None:
@@ -42,6 +42,6 @@ def test_without_deepspeed_the_row_is_unavailable_with_the_install_hint(monkeypa
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed raises ImportError
     spec = model_spec("tinygpt", GPTConfig(seq_len=8, d_model=16, n_heads=2, n_layers=1))
     with pytest.raises(Unavailable, match=r"deepspeed-z3 needs deepspeed \(make peers"):
-        setup = EngineSetup(lr=1e-3, local_size=1, world_size=1, bf16=False, gradient_clipping=0.0,
+        setup = EngineSetup(lr=1e-3, local_size=1, world_size=1, bf16=False, gradient_clipping=0.0, micro_batch=1,
                             device=torch.device("cpu"))
         DeepSpeedRunner(CONFIGS["deepspeed-z3"], spec, {}, setup)

@@ -10,7 +10,6 @@ import torch
 from bench.train.data import (
     SEPARATOR,
     ByteCorpus,
-    TextDataConfig,
     is_validation_file,
     list_source_files,
     rank_slice,
@@ -20,7 +19,7 @@ from bench.train.data import (
 
 @pytest.fixture(scope="module")
 def stdlib_corpus() -> ByteCorpus:
-    return ByteCorpus(TextDataConfig(seq_len=32))
+    return ByteCorpus(32)
 
 
 def _write_tree(root: Path, count: int) -> None:
@@ -53,8 +52,7 @@ def test_split_depends_only_on_the_name() -> None:
 
 def test_corpus_is_deterministic_and_skips_non_sources(tmp_path: Path) -> None:
     _write_tree(tmp_path, 30)
-    config = TextDataConfig(seq_len=16, val_fraction=0.3, root=str(tmp_path))
-    one, two = ByteCorpus(config), ByteCorpus(config)
+    one, two = (ByteCorpus(16, val_fraction=0.3, root=str(tmp_path)) for _ in range(2))
     assert one.train_files == two.train_files and one.val_files == two.val_files
     names = one.train_files + one.val_files
     assert all(name.endswith(".py") and not name.startswith("site-packages") for name in names)
@@ -66,7 +64,7 @@ def test_corpus_is_deterministic_and_skips_non_sources(tmp_path: Path) -> None:
 
 def test_batches_are_windows_of_their_own_stream(tmp_path: Path) -> None:
     _write_tree(tmp_path, 30)
-    corpus = ByteCorpus(TextDataConfig(seq_len=16, val_fraction=0.3, root=str(tmp_path)))
+    corpus = ByteCorpus(16, val_fraction=0.3, root=str(tmp_path))
     train_bytes, val_bytes = corpus.train.tobytes(), corpus.val.tobytes()
     batch = corpus.train_batch(0, batch=8, seed=0)
     assert batch.shape == (8, 17) and batch.dtype == torch.int64
@@ -99,11 +97,11 @@ def test_bad_arguments_are_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="rank"):
         rank_slice(batch, 3, 3)
     with pytest.raises(ValueError, match="val_fraction"):
-        TextDataConfig(val_fraction=1.0)
+        ByteCorpus(16, val_fraction=1.0)
     with pytest.raises(ValueError, match="seq_len"):
-        TextDataConfig(seq_len=0)
+        ByteCorpus(0)
     with pytest.raises(TypeError, match="seq_len"):
-        TextDataConfig(seq_len=3.5)
+        ByteCorpus(3.5)
     (tmp_path / "only.py").write_text("x = 1\n")
     with pytest.raises(ValueError, match="non-empty"):
-        ByteCorpus(TextDataConfig(root=str(tmp_path)))
+        ByteCorpus(16, root=str(tmp_path))

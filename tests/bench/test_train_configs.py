@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from bench.train.cli import build_parser, check_grad_clip, chosen_configs
 from bench.train.configs import (
     CONFIGS,
     DEEPSPEED_STAGE3_DEFAULTS,
+    EngineSetup,
     TrainConfig,
     deepspeed_config,
     engine_config,
@@ -17,6 +18,7 @@ from bench.train.configs import (
 from bench.train.loop import ConfigResult, LoopSettings
 from bench.train.report import format_table
 from bench.train.runner import reshard_after_forward
+from bench.train.suite import build_parser, chosen, main
 from zero_runtime.config import ZeroConfig
 
 
@@ -78,6 +80,11 @@ def test_same_math_clipping_and_stage3_defaults_on_both_zero_engines() -> None:
     assert {k: v for k, v in theirs["zero_optimization"].items() if k != "stage"} == DEEPSPEED_STAGE3_DEFAULTS
 
 
+def _setup(**options: object) -> EngineSetup:
+    return EngineSetup(**{**dict(lr=1e-3, local_size=2, world_size=4, bf16=False, gradient_clipping=0.0, micro_batch=2,
+                                 device=torch.device("cpu")), **options})  # fmt: skip
+
+
 def test_deepspeed_config_has_its_batch_and_optimizer_keys() -> None:
     common = dict(bf16=True, gradient_clipping=0.0, micro_batch=2)
     config = deepspeed_config(CONFIGS["deepspeed-z3-hpz"], local_size=8, **common)
@@ -88,17 +95,16 @@ def test_deepspeed_config_has_its_batch_and_optimizer_keys() -> None:
     assert {k: zeropp["zero_optimization"][k] for k in ("zero_quantized_weights", "zero_hpz_partition_size",
                                                          "zero_quantized_gradients")} == {
         "zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
-    fsdp2 = engine_config(CONFIGS["fsdp2"], local_size=2, bf16=False, gradient_clipping=0.0, micro_batch=2)
+    fsdp2 = engine_config(CONFIGS["fsdp2"], _setup(bf16=False, gradient_clipping=0.0))
     assert fsdp2 == {"param_dtype": "fp32", "hpz": False, "gradient_clipping": 0.0}
-    zeropp = engine_config(CONFIGS["fsdp2-zeropp"], local_size=2, bf16=True, gradient_clipping=1.0, micro_batch=2)
+    zeropp = engine_config(CONFIGS["fsdp2-zeropp"], _setup(bf16=True, gradient_clipping=1.0))
     assert zeropp == {"param_dtype": "bf16", "hpz": True, "gradient_clipping": 1.0, "enable_zeropp": {
         "quantized_weights": True, "quantized_gradients": True, "group_size": None, "first_hop_bits": None}}
-    int4hop = engine_config(CONFIGS["fsdp2-zeropp-int4hop"], local_size=2, bf16=True, gradient_clipping=1.0,
-                            micro_batch=2)  # fmt: skip
+    int4hop = engine_config(CONFIGS["fsdp2-zeropp-int4hop"], _setup(bf16=True, gradient_clipping=1.0))
     assert int4hop["enable_zeropp"]["first_hop_bits"] == 4
-    hsdp = engine_config(CONFIGS["hsdp"], local_size=2, bf16=True, gradient_clipping=1.0, micro_batch=2)
+    hsdp = engine_config(CONFIGS["hsdp"], _setup(bf16=True, gradient_clipping=1.0))
     assert hsdp == {"param_dtype": "bf16", "hpz": False, "hsdp": True, "gradient_clipping": 1.0}
-    hsdp_zeropp = engine_config(CONFIGS["hsdp-zeropp"], local_size=2, bf16=True, gradient_clipping=1.0, micro_batch=2)
+    hsdp_zeropp = engine_config(CONFIGS["hsdp-zeropp"], _setup(bf16=True, gradient_clipping=1.0))
     assert hsdp_zeropp["hsdp"] is True and hsdp_zeropp["enable_zeropp"] == {
         "quantized_weights": True, "quantized_gradients": True, "group_size": None, "first_hop_bits": None,
         "replicate_group": "replicate", "quantized_all_reduce": True}
@@ -107,9 +113,9 @@ def test_deepspeed_config_has_its_batch_and_optimizer_keys() -> None:
 def test_invalid_configurations_are_rejected() -> None:
     with pytest.raises(ValueError, match="stage 3"):
         TrainConfig(name="x", engine="zero", stage=2, hpz=True)
-    with pytest.raises(ValueError, match="FSDP2 is always stage 3"):
+    with pytest.raises(ValueError, match="fsdp2 runs stage 3, got stage 2"):
         TrainConfig(name="x", engine="fsdp2", stage=2)
-    with pytest.raises(ValueError, match="stage must be 1, 2 or 3 \\(0 for zero_runtime\\)"):
+    with pytest.raises(ValueError, match="fsdp2 runs stage 3, got stage 0"):
         TrainConfig(name="x", engine="fsdp2", stage=0)
     with pytest.raises(ValueError, match="qwZ has no parameter gather"):
         TrainConfig(name="x", engine="zero", stage=0, quantized_weights=True)
@@ -119,9 +125,13 @@ def test_invalid_configurations_are_rejected() -> None:
         TrainConfig(name="x", engine="zero", hsdp=True)
     with pytest.raises(ValueError, match="HSDP is an FSDP2 layout"):
         TrainConfig(name="x", engine="fsdp2", hsdp=True, hpz=True)
-    with pytest.raises(ValueError, match="ZeRO\\+\\+ options are not DDP's"):
+    with pytest.raises(ValueError, match="HSDP is an FSDP2 layout"):
         TrainConfig(name="x", engine="ddp", stage=0, hsdp=True)
-    with pytest.raises(ValueError, match="gather's widths are options of zcomm's DDP hook"):
+    with pytest.raises(ValueError, match="qwZ and qgZ outside stage 3 are zero_runtime's"):
+        TrainConfig(name="x", engine="ddp", stage=0, quantized_gradients=True)
+    with pytest.raises(ValueError, match="deepspeed runs stage 1/2/3, got stage 0"):
+        TrainConfig(name="x", engine="deepspeed", stage=0)
+    with pytest.raises(ValueError, match="gather_bits is the quantized all-reduce's"):
         TrainConfig(name="x", engine="ddp", stage=0, ddp_hook="bf16", gather_bits=4)
     with pytest.raises(ValueError, match="gather_bits is the quantized all-reduce's"):
         TrainConfig(name="x", engine="zero", stage=0, gather_bits=4)
@@ -139,19 +149,22 @@ def test_invalid_configurations_are_rejected() -> None:
 
 def test_cli_selects_the_configs() -> None:
     parser = build_parser()
-    names = lambda argv: [c.name for c in chosen_configs(parser.parse_args(argv))]  # noqa: E731
+    names = lambda argv: [c.name for c in chosen(parser.parse_args(argv))[0]]  # noqa: E731
     assert names(["--configs", "zeropp", "fsdp2-hpz"]) == ["zeropp", "fsdp2-hpz"]
     assert names([]) == ["zero3", "zeropp", "fsdp2"]
     with pytest.raises(ValueError, match="unknown configuration"):
-        chosen_configs(parser.parse_args(["--configs", "zero3", "zero9"]))
+        chosen(parser.parse_args(["--configs", "zero3", "zero9"]))
 
 
-def test_cli_precision_and_clipping_defaults() -> None:
+def test_cli_precision_and_clipping_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     args = build_parser().parse_args([])
     assert args.dtype == "auto" and args.grad_clip == 0.0
-    check_grad_clip(args)
+    chosen(args)
     with pytest.raises(ValueError, match="--grad-clip"):
-        check_grad_clip(build_parser().parse_args(["--grad-clip", "-1"]))
+        chosen(build_parser().parse_args(["--grad-clip", "-1"]))
+    with pytest.raises(SystemExit) as info:  # a usage error, before any rank joins
+        main(["--grad-clip", "-1"])
+    assert info.value.code == 2 and "--grad-clip must be >= 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("local_size", "world_size", "expected"), [(2, 4, 2), (4, 4, True), (1, 4, False)])

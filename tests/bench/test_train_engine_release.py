@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bench.train.configs import CONFIGS, engine_config
+from bench.train.configs import CONFIGS, EngineSetup, engine_config
 from bench.train.models import GPTConfig, model_spec
-from bench.train.runner import EngineSetup, ZeroRunner
+from bench.train.runner import ZeroRunner
 
 
 @pytest.fixture
@@ -31,10 +31,9 @@ def one_rank() -> Iterator[None]:
 @pytest.mark.parametrize("name", ["zero3", "zeropp"])
 def test_a_closed_zero_engine_is_collected(name: str, one_rank: None) -> None:
     spec = model_spec("tinygpt", GPTConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=2, n_layers=1))
-    settings = engine_config(CONFIGS[name], local_size=1, bf16=False, gradient_clipping=0.0, micro_batch=2)
-    setup = EngineSetup(lr=1e-3, local_size=1, world_size=1, bf16=False, gradient_clipping=0.0,
+    setup = EngineSetup(lr=1e-3, local_size=1, world_size=1, bf16=False, gradient_clipping=0.0, micro_batch=2,
                         device=torch.device("cpu"))
-    runner = ZeroRunner(CONFIGS[name], spec, settings, setup)
+    runner = ZeroRunner(CONFIGS[name], spec, engine_config(CONFIGS[name], setup), setup)
     tokens = torch.randint(0, 256, (2, 9))
     runner.train_step(tokens)  # the gradient hooks have run
     model, optimizer = weakref.ref(runner.model), weakref.ref(runner.opt)

@@ -5,9 +5,8 @@ import io
 import torch
 
 from bench.train.configs import CONFIGS
-from bench.train.progress import StepProgress
 from bench.train.runner import EngineFailed
-from bench.train.suite import failed_row
+from bench.train.suite import StepProgress, failed_row
 
 
 class _Clock:

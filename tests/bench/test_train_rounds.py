@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from bench.harness.precision import Precision
-from bench.train.cli import build_parser, chosen_configs, round_plan
 from bench.train.loop import ConfigResult
 from bench.train.report import RunFacts, format_report
 from bench.train.rounds import RoundPlan, attach_ratios, combine, paired_ratios, round_record
+from bench.train.suite import build_parser, chosen
 
 
 def _record(round: int, step_s: float, *, losses=(3.0, 2.5), wire=None, memory=100) -> dict:
@@ -44,9 +44,9 @@ def test_rounds_alternate_forward_and_backward() -> None:
 
 def test_cli_baseline_defaults_to_the_first_configuration() -> None:
     args = build_parser().parse_args(["--configs", "fsdp2", "zero3"])
-    assert round_plan(args, chosen_configs(args)) == RoundPlan(rounds=1, baseline="fsdp2", configs=("fsdp2", "zero3"))
+    assert chosen(args)[2] == RoundPlan(rounds=1, baseline="fsdp2", configs=("fsdp2", "zero3"))
     args = build_parser().parse_args(["--configs", "fsdp2", "zero3", "--rounds", "3", "--baseline", "zero3"])
-    assert round_plan(args, chosen_configs(args)).baseline == "zero3"
+    assert chosen(args)[2].baseline == "zero3"
 
 
 def test_ratios_pair_the_same_round() -> None:

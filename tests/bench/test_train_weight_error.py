@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from bench.harness.dist_env import DistContext, DistEnv
 from bench.train import weight_error
-from bench.train.data import ByteCorpus, TextDataConfig
+from bench.train.data import ByteCorpus
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def one_rank():
 def test_windows_hold_the_bound_and_differences_beat_int8_values(one_rank):
     args = weight_error._parser().parse_args(["--steps", "6", "--window", "4", "--d-model", "32", "--n-layers", "1",
                                               "--n-heads", "2", "--batch", "2", "--seq-len", "16"])
-    corpus = ByteCorpus(TextDataConfig(seq_len=16))
+    corpus = ByteCorpus(16)
     results = {name: weight_error.measure(name, args, one_rank, corpus) for name in ("zero2-q", "zero2-qwd")}
     for windows in results.values():
         assert [(w.first, w.last) for w in windows] == [(1, 4), (5, 6)]
