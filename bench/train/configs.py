@@ -56,6 +56,7 @@ class TrainConfig:
     ddp_hook: Literal["bf16", "zcomm"] | None = None  # None: DDP's fp32 all-reduce
     gather_bits: int | None = None  # zcomm's DDP hook and HSDP's replicate all-reduce: width of all_reduce_q4's gather
     hsdp: bool = False  # FSDP2 sharded inside each node, replicated across nodes
+    all_reduce_q4: bool = False  # HSDP: the replicate all-reduce by zcomm.all_reduce_q4 (enable_zeropp)
     fails_on_cpu: str | None = None
 
     def __post_init__(self) -> None:
@@ -83,8 +84,9 @@ class TrainConfig:
             (self.ddp_hook is not None and self.engine != "ddp", "ddp_hook is an option of the ddp engine"),
             (self.first_hop_bits is not None and not (zcomm_hook or qgz and self.engine != "deepspeed"),
              "the first hop's width is an option of zcomm's qgZ and DDP hook"),
-            (self.gather_bits is not None and not (zcomm_hook or self.hsdp and qgz),
-             "gather_bits is the quantized all-reduce's: zcomm's DDP hook or HSDP with qgZ"),
+            (self.all_reduce_q4 and not self.hsdp, "all_reduce_q4 is HSDP's replicate all-reduce"),
+            (self.gather_bits is not None and not (zcomm_hook or self.all_reduce_q4),
+             "gather_bits is the quantized all-reduce's: zcomm's DDP hook or HSDP's all_reduce_q4"),
         ]  # fmt: skip
 
 
@@ -128,8 +130,10 @@ CONFIGS: dict[str, TrainConfig] = {config.name: config for config in (
     TrainConfig(name="fsdp2-zeropp", engine="fsdp2", **_ZEROPP),
     TrainConfig(name="fsdp2-zeropp-int4hop", engine="fsdp2", **_ZEROPP, first_hop_bits=4),
     TrainConfig(name="hsdp", engine="fsdp2", hsdp=True),
-    TrainConfig(name="hsdp-zeropp", engine="fsdp2", hsdp=True, **_QWZ_QGZ),
-    TrainConfig(name="hsdp-zeropp-g4", engine="fsdp2", hsdp=True, **_QWZ_QGZ, gather_bits=4),
+    TrainConfig(name="hsdp-zeropp", engine="fsdp2", hsdp=True, **_QWZ_QGZ, all_reduce_q4=True),
+    TrainConfig(name="hsdp-zeropp-g4", engine="fsdp2", hsdp=True, **_QWZ_QGZ, all_reduce_q4=True, gather_bits=4),
+    TrainConfig(name="hsdp-zcomm", engine="fsdp2", hsdp=True, all_reduce_q4=True),
+    TrainConfig(name="hsdp-zcomm-g4", engine="fsdp2", hsdp=True, all_reduce_q4=True, gather_bits=4),
     TrainConfig(name="ddp", engine="ddp", stage=0),
     TrainConfig(name="ddp-bf16hook", engine="ddp", stage=0, ddp_hook="bf16"),
     TrainConfig(name="ddp-zcomm", engine="ddp", stage=0, ddp_hook="zcomm", first_hop_bits=8),
@@ -214,11 +218,11 @@ def engine_config(config: TrainConfig, setup: EngineSetup) -> dict[str, Any]:
                 "gather_bits": config.gather_bits, "gradient_clipping": clip}  # fmt: skip
     settings: dict[str, Any] = {"param_dtype": "bf16" if bf16 else "fp32", "hpz": config.hpz, "gradient_clipping": clip,
                                 **({"hsdp": True} if config.hsdp else {})}
-    if config.quantized_weights or config.quantized_gradients:
+    if config.quantized_weights or config.quantized_gradients or config.all_reduce_q4:
         settings["enable_zeropp"] = {"quantized_weights": config.quantized_weights, "group_size": config.quant_group_size,
                                      "quantized_gradients": config.quantized_gradients,
                                      "first_hop_bits": config.first_hop_bits}  # fmt: skip
         if config.hsdp:  # the runner passes the mesh's "replicate" group
-            settings["enable_zeropp"].update(replicate_group="replicate", quantized_all_reduce=config.quantized_gradients,
+            settings["enable_zeropp"].update(replicate_group="replicate", quantized_all_reduce=config.all_reduce_q4,
                                              **_given({"replicate_gather_bits": config.gather_bits}))
     return settings

@@ -117,11 +117,11 @@ def test_hsdp_configs_train_two_ranks(tmp_path: Path, checkout_env: dict[str, st
     # Two "nodes" of one rank: FSDP2's own HSDP (2-D mesh) and zcomm's (1-D shard mesh and the
     # quantized all-reduce across nodes) both train; HSDP in fp32 is fsdp2's math, so their
     # losses agree to fp32 rounding, and zcomm's quantized all-reduce changes them.
-    args = ["--configs", "fsdp2", "hsdp", "hsdp-zeropp", "hsdp-zeropp-g4", "--model", "tinygpt", "--dtype", "fp32",
-            *TINY]
+    args = ["--configs", "fsdp2", "hsdp", "hsdp-zeropp", "hsdp-zeropp-g4", "hsdp-zcomm-g4", "--model", "tinygpt",
+            "--dtype", "fp32", *TINY]
     result, _ = _launch(args, tmp_path, checkout_env, local_size=1)
     rows = {row["config"]: row for row in result["results"]}
-    for config in ("hsdp", "hsdp-zeropp", "hsdp-zeropp-g4"):
+    for config in ("hsdp", "hsdp-zeropp", "hsdp-zeropp-g4", "hsdp-zcomm-g4"):
         _check_trained(rows[config], steps=4)
     assert rows["hsdp"]["train_losses"] == pytest.approx(rows["fsdp2"]["train_losses"], rel=1e-5)
     assert rows["hsdp-zeropp"]["train_losses"] != rows["hsdp"]["train_losses"]
@@ -129,6 +129,9 @@ def test_hsdp_configs_train_two_ranks(tmp_path: Path, checkout_env: dict[str, st
     engines = result["meta"]["engine_configs"]
     assert engines["hsdp-zeropp"]["enable_zeropp"]["replicate_group"] == "replicate"
     assert engines["hsdp-zeropp-g4"]["enable_zeropp"]["replicate_gather_bits"] == 4
+    # only the all-reduce across nodes quantized: it alone changes the losses
+    assert rows["hsdp-zcomm-g4"]["train_losses"] != rows["hsdp"]["train_losses"]
+    assert not engines["hsdp-zcomm-g4"]["enable_zeropp"]["quantized_weights"]
 
 
 def test_ddp_configs_train_two_ranks(tmp_path: Path, checkout_env: dict[str, str]) -> None:

@@ -108,6 +108,10 @@ def test_deepspeed_config_has_its_batch_and_optimizer_keys() -> None:
     assert hsdp_zeropp["hsdp"] is True and hsdp_zeropp["enable_zeropp"] == {
         "quantized_weights": True, "quantized_gradients": True, "group_size": None, "first_hop_bits": None,
         "replicate_group": "replicate", "quantized_all_reduce": True}
+    only_across = engine_config(CONFIGS["hsdp-zcomm-g4"], _setup(bf16=True, gradient_clipping=1.0))
+    assert only_across["enable_zeropp"] == {
+        "quantized_weights": False, "quantized_gradients": False, "group_size": None, "first_hop_bits": None,
+        "replicate_group": "replicate", "quantized_all_reduce": True, "replicate_gather_bits": 4}
 
 
 def test_invalid_configurations_are_rejected() -> None:
@@ -137,6 +141,8 @@ def test_invalid_configurations_are_rejected() -> None:
         TrainConfig(name="x", engine="zero", stage=0, gather_bits=4)
     with pytest.raises(ValueError, match="gather_bits is the quantized all-reduce's"):
         TrainConfig(name="x", engine="fsdp2", hsdp=True, gather_bits=4)
+    with pytest.raises(ValueError, match="all_reduce_q4 is HSDP's replicate all-reduce"):
+        TrainConfig(name="x", engine="fsdp2", all_reduce_q4=True)
     with pytest.raises(ValueError, match="ddp_hook is an option of the ddp engine"):
         TrainConfig(name="x", engine="fsdp2", ddp_hook="zcomm")
     with pytest.raises(ValueError, match="unknown configuration"):
