@@ -166,19 +166,20 @@ def report(rows: list[dict], elapsed: float, name: str) -> list[str]:
     return lines
 
 
-def main(quick: bool, json_path: str | None) -> list[str]:
+def main(args) -> list[str]:
     started = time.perf_counter()
-    rows = sweep(quick)
+    rows = sweep(args.quick)
     lines = report(rows, time.perf_counter() - started, torch.cuda.get_device_name())
-    if json_path:
-        with open(json_path, "w") as f:
+    if args.json:
+        with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, launches=LAUNCHES,
                            replays=REPLAYS, rows=rows), f, indent=1)
     return lines
 
 
-def ncu(numel: int, group_size: int) -> list[str]:
-    """One call of every op of the sweep (bf16 and fp32) inside a profiler range, for Nsight Compute.
+def ncu(args) -> list[str]:
+    """One call of every op of the sweep (bf16 and fp32, ``--ncu-numel`` elements) inside a profiler range, for Nsight
+    Compute.
 
     The inputs and outputs are all made first (their own quantize calls stay outside the
     range) and every kernel is compiled by a first call; then ``torch.cuda.profiler`` opens
@@ -188,7 +189,7 @@ def ncu(numel: int, group_size: int) -> list[str]:
     occupancy a kernel change is judged by, next to the sweep's GB/s.
     """
     calls = [(f"{tag} {label}", factory()) for tag, dtype in DTYPES.items()
-             for _family, label, _nbytes, factory in op_specs(numel, dtype, group_size)]
+             for _family, label, _nbytes, factory in op_specs(args.ncu_numel, dtype, args.group_size or 256)]
     for _label, call in calls:
         call()
     torch.cuda.synchronize()

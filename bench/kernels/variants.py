@@ -389,12 +389,12 @@ def report(results: list[dict], name: str, seconds: float) -> list[str]:
     return lines
 
 
-def main(quick: bool, json_path: str | None) -> list[str]:
+def main(args) -> list[str]:
     started = time.perf_counter()
-    results = measure(quick)
+    results = measure(args.quick)
     lines = report(results, torch.cuda.get_device_name(), time.perf_counter() - started)
-    if json_path:
-        with open(json_path, "w") as f:
+    if args.json:
+        with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, keep_ratio=KEEP_RATIO,
                            rows=results), f, indent=1)
     return lines
