@@ -1,14 +1,12 @@
 """The kernel benchmark's default mode: GB/s of every quantization op on the CPU backends, against a copy.
 
-``python -m bench.kernels [--numel 64M] [--dtype fp32 bf16] [--backends cpu reference]
-[--group-size 512] [--repeats 5] [--reference-repeats 1] [--output PATH]``. Each op runs once
-to warm up (numba compilation or its cache's load, first-touch page faults), then is timed
-``--repeats`` times into preallocated outputs with the host clock; the median is reported.
-The reference backend, which compiles nothing and allocates its temporaries on every call
-anyway, gets no warm-up and ``--reference-repeats`` samples (its calls on 64M elements take
-seconds). ``vs copy``: the op's GB/s over a preallocated ``copy_`` of byte buffers that reads
-and writes as many bytes. The run ends with the CPU targets from this run's medians, PASS or
-MISS: measurements, not tests.
+``python -m bench.kernels [--numel 64M] [--dtype fp32 bf16] [--backends cpu reference] [--group-size 512]
+[--repeats 5] [--reference-repeats 1]``. Each op runs once to warm up (numba's compile or cache
+load, first-touch page faults), then ``--repeats`` times into preallocated outputs, host clock,
+median. The reference backend compiles nothing and allocates per call anyway, and takes seconds
+on 64M elements: no warm-up, ``--reference-repeats`` samples. ``vs copy``: the op's GB/s over a
+``copy_`` of as many bytes. Then the CPU targets from this run's medians, PASS or MISS:
+measurements, not tests.
 """
 
 from __future__ import annotations
@@ -102,20 +100,14 @@ def _op_cases(x: torch.Tensor, backend: str, group_size: int) -> list[tuple[str,
 
 def _backends(wanted: list[str] | None) -> tuple[list[str], list[str]]:
     """(the CPU backends to run, printed reasons for those skipped); a ``wanted`` one that cannot run raises."""
-    status, run, skipped = q.available_backends(), [], []
+    status, devices = q.available_backends(), q.backend_device_types()
     for name in wanted or ():
-        if "cpu" not in q.backend_device_types()[name]:
+        if "cpu" not in devices[name]:
             raise ValueError(f"backend {name!r} does not run on the CPU: the GPU's kernels are measured by --sweep")
-    for name, devices in q.backend_device_types().items():
-        if "cpu" not in devices or (wanted is not None and name not in wanted):
-            continue
-        if status[name] == "ok":
-            run.append(name)
-        elif wanted is not None:
+        if status[name] != "ok":
             raise ValueError(f"backend {name!r} was asked for but is {status[name]}")
-        else:
-            skipped.append(f"{name}: {status[name]}")
-    return run, skipped
+    cpu = [name for name, kinds in devices.items() if "cpu" in kinds and (wanted is None or name in wanted)]
+    return [n for n in cpu if status[n] == "ok"], [f"{n}: {status[n]}" for n in cpu if status[n] != "ok"]
 
 
 def _measure(args: argparse.Namespace, dtype: str, backends: list[str]) -> list[Row]:
