@@ -44,18 +44,18 @@ SHARES = (0.5, 0.25, 0.125, 0.0625, 0.0625)  # the interleaved shapes: 5 tensors
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 REPEATS, SAMPLES = 20, 5
 HOST_CALLS, HOST_ROUNDS = 2000, 5
-Call = Callable[[], object]
+CUDA = {"backend": "cuda"}
 
 
 @dataclass
 class Case:
-    """One target shape of a row. ``variant`` and ``simpler`` (None: the same call, under ``force``)
-    make a call writing into the output they are given; ``out`` makes one such output."""
+    """One target shape of a row: the variant's call and the simpler path's (None: the same call, under
+    ``force``), each given its output as ``out=``, and ``out``, which makes one such output."""
 
     shape: str
-    variant: Callable[[torch.Tensor], Call]
+    variant: Callable[..., object]
     out: Callable[[], torch.Tensor]
-    simpler: Callable[[torch.Tensor], Call] | None = None
+    simpler: Callable[..., object] | None = None
     force: dict[str, object] = field(default_factory=dict)  # backend names set for the simpler side
     variant_force: dict[str, object] = field(default_factory=dict)  # ... and for the variant side
 
@@ -77,121 +77,103 @@ def _rand(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(n, device="cuda").to(dtype)
 
 
-def _bytes(n: int, bits: int, group: int = GROUP) -> torch.Tensor:
-    return torch.empty(q.payload_nbytes(n, bits, group), dtype=torch.uint8, device="cuda")
+def _bytes(*shape: int) -> Callable[[], torch.Tensor]:
+    return partial(torch.empty, *shape, dtype=torch.uint8, device="cuda")
 
 
-def _chunks(n: int, bits: int) -> torch.Tensor:
-    return torch.empty(CHUNKS, q.payload_nbytes(n // CHUNKS, bits, GROUP), dtype=torch.uint8, device="cuda")
+def _chunks(n: int, bits: int) -> Callable[[], torch.Tensor]:
+    return _bytes(CHUNKS, q.payload_nbytes(n // CHUNKS, bits, GROUP))
 
 
 def _payload_rows(n: int, bits: int) -> torch.Tensor:
-    return torch.stack([q.quantize(_rand(n), bits, GROUP, backend="cuda") for _ in range(CHUNKS)])
+    return torch.stack([q.quantize(_rand(n), bits, GROUP, **CUDA) for _ in range(CHUNKS)])
 
 
-def _quantize(x: torch.Tensor, bits: int, group: int, out: torch.Tensor) -> Call:
-    return partial(q.quantize, x, bits, group, out=out, backend="cuda")
+def _requant(p: torch.Tensor, n: int, bits: int, out_bits: int, divisor: float) -> Callable[..., object]:
+    return partial(q.dequant_reduce, p, n, bits, GROUP, requant_chunks=CHUNKS, requant_bits=out_bits, divide_by=divisor, **CUDA)
 
 
-def _requant(p: torch.Tensor, n: int, bits: int, out_bits: int, divisor: float, out: torch.Tensor) -> Call:
-    return partial(q.dequant_reduce, p, n, bits, GROUP, requant_chunks=CHUNKS, requant_bits=out_bits,
-                   divide_by=divisor, out=out, backend="cuda")  # fmt: skip
+def _reorder(x: torch.Tensor | list[torch.Tensor], bits: int, **parts: int) -> Callable[..., object]:
+    return partial(q.reorder_quantize, x, PERM, CHUNKS, bits, GROUP, **parts, **CUDA)
 
 
-def _flat(x: torch.Tensor, bits: int, out: torch.Tensor) -> Call:
-    return partial(q.reorder_quantize, x, PERM, CHUNKS, bits, GROUP, out=out, backend="cuda")
-
-
-def _interleaved_inputs(n: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], int]:
-    """5 tensors of about ``n`` elements in all, one of a width off the runs of 8; the part size."""
+def _interleaved_inputs(n: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], dict[str, int]]:
+    """5 tensors of about ``n`` elements in all, one of a width off the runs of 8, and their parts' layout."""
     widths = [max(1, int(n * share) // PARTS // 8 * 8) for share in SHARES]
     widths[1] += 3
     part_numel = -(-(sum(widths) + 5) // GROUP) * GROUP  # a zero fill of 5 or more, parts of whole groups
-    return [_rand(PARTS * w, dtype) for w in widths], part_numel
+    return [_rand(PARTS * w, dtype) for w in widths], {"parts": PARTS, "part_numel": part_numel}
 
 
-def _interleaved(xs: list[torch.Tensor], part_numel: int, bits: int, out: torch.Tensor) -> Call:
-    return partial(q.reorder_quantize, xs, PERM, CHUNKS, bits, GROUP, parts=PARTS, part_numel=part_numel, out=out,
-                   backend="cuda")  # fmt: skip
-
-
-def _catenated(xs: list[torch.Tensor], part_numel: int, bits: int, out: torch.Tensor) -> Call:
+def _catenated(xs: list[torch.Tensor], part_numel: int, bits: int) -> Callable[..., object]:
     """torch.cat of the parts and the zero fill into one preallocated tensor, then the flat kernel."""
     pieces = [x.view(PARTS, -1) for x in xs]
     fill = torch.zeros(PARTS, part_numel - sum(p.shape[1] for p in pieces), device="cuda", dtype=xs[0].dtype)
     flat = torch.empty(PARTS, part_numel, device="cuda", dtype=xs[0].dtype)
-    reorder = _flat(flat.view(-1), bits, out)
+    reorder = _reorder(flat.view(-1), bits)
 
-    def call() -> None:
+    def call(out: torch.Tensor) -> None:
         torch.cat([*pieces, fill], dim=1, out=flat)
-        reorder()
+        reorder(out=out)
 
     return call
+
+
+def _unfused_reorder(x: torch.Tensor, moved: torch.Tensor, perm: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """index_select of the slices into ``moved``, then a quantize per chunk."""
+    torch.index_select(x.view(PARTS, -1), 0, perm, out=moved)
+    for i, piece in enumerate(moved.view(CHUNKS, -1)):
+        q.quantize(piece, bits, GROUP, out=out[i], **CUDA)
+
+
+def _unfused_requant(p: torch.Tensor, n: int, bits: int, sums: torch.Tensor, out: torch.Tensor) -> None:
+    """dequant_reduce to fp32 ``sums``, then an INT4 quantize per chunk."""
+    q.dequant_reduce(p, n, bits, GROUP, divide_by=4.0, out=sums, **CUDA)
+    for i, piece in enumerate(sums.view(CHUNKS, -1)):
+        q.quantize(piece, 4, GROUP, out=out[i], **CUDA)
 
 
 def _narrow_requant(n: int) -> list[Case]:
     cases = []
     for bits, out_bits in ((4, 4), (8, 4)):
         p = _payload_rows(n, bits)
-        cases += [Case(f"INT{bits}->INT{out_bits} k={CHUNKS} /{divisor:g} ({mode})",
-                       partial(_requant, p, n, bits, out_bits, divisor), partial(_chunks, n, out_bits),
-                       force={"narrow_requant": _never}) for divisor, mode in ((1.0, "one"), (4.0, "pow2"), (3.0, "div"))]
-    return cases  # fmt: skip
-
-
-def _interleaved_cases(n: int, catenated: bool) -> list[Case]:
-    """The interleaved kernel against torch.cat then the flat kernel, or (not ``catenated``) against itself
-    without the register variant."""
-    cases = []
-    for tag, dtype in DTYPES.items():
-        xs, part_numel = _interleaved_inputs(n, dtype)
-        cases += [Case(f"{tag} INT{bits} 5 tensors, {PARTS * part_numel} elements", partial(_interleaved, xs, part_numel, bits),
-                       partial(_chunks, PARTS * part_numel, bits), partial(_catenated, xs, part_numel, bits) if catenated
-                       else None, force={} if catenated else {"in_registers": _never}) for bits in (8, 4)]
-    return cases  # fmt: skip
-
-
-def _index_width(n: int) -> list[Case]:
-    cases = []
-    for tag, dtype in DTYPES.items():
-        x = _rand(n, dtype)
-        cases += [Case(f"flat {tag} INT{bits}", partial(_flat, x, bits), partial(_chunks, n, bits), force={"WIDE_NUMEL": 0})
-                  for bits in (8, 4)]  # fmt: skip
-        xs, part_numel = _interleaved_inputs(n, dtype)
-        cases.append(Case(f"interleaved {tag} INT4 (general kernels)", partial(_interleaved, xs, part_numel, 4),
-                          partial(_chunks, PARTS * part_numel, 4), force={"WIDE_NUMEL": 0, "in_registers": _never},
-                          variant_force={"in_registers": _never}))  # fmt: skip
+        cases += [Case(f"INT{bits}->INT{out_bits} k={CHUNKS} /{divisor:g} ({mode})", _requant(p, n, bits, out_bits, divisor),
+                       _chunks(n, out_bits), force={"narrow_requant": _never})
+                  for divisor, mode in ((1.0, "one"), (4.0, "pow2"), (3.0, "div"))]  # fmt: skip
     return cases
 
 
-def _unfused_reorder(x: torch.Tensor, moved: torch.Tensor, perm: torch.Tensor, bits: int, out: torch.Tensor) -> Call:
-    """index_select of the slices into ``moved``, then a quantize per chunk."""
+def _interleaved(n: int, catenated: bool) -> list[Case]:
+    """The interleaved kernel against torch.cat and the flat kernel, or (not ``catenated``) against
+    itself without the register variant."""
+    cases = []
+    for tag, dtype in DTYPES.items():
+        xs, layout = _interleaved_inputs(n, dtype)
+        total = PARTS * layout["part_numel"]
+        cases += [Case(f"{tag} INT{bits} 5 tensors, {total} elements", _reorder(xs, bits, **layout), _chunks(total, bits),
+                       _catenated(xs, layout["part_numel"], bits) if catenated else None,
+                       force={} if catenated else {"in_registers": _never}) for bits in (8, 4)]  # fmt: skip
+    return cases
 
-    def call() -> None:
-        torch.index_select(x.view(PARTS, -1), 0, perm, out=moved)
-        for i, piece in enumerate(moved.view(CHUNKS, -1)):
-            q.quantize(piece, bits, GROUP, out=out[i], backend="cuda")
 
-    return call
-
-
-def _unfused_requant(p: torch.Tensor, n: int, bits: int, sums: torch.Tensor, out: torch.Tensor) -> Call:
-    """dequant_reduce to fp32 ``sums``, then an INT4 quantize per chunk."""
-
-    def call() -> None:
-        q.dequant_reduce(p, n, bits, GROUP, divide_by=4.0, out=sums, backend="cuda")
-        for i, piece in enumerate(sums.view(CHUNKS, -1)):
-            q.quantize(piece, 4, GROUP, out=out[i], backend="cuda")
-
-    return call
+def _index_width(n: int) -> list[Case]:
+    cases, wide = [], {"WIDE_NUMEL": 0}
+    for tag, dtype in DTYPES.items():
+        x = _rand(n, dtype)
+        cases += [Case(f"flat {tag} INT{bits}", _reorder(x, bits), _chunks(n, bits), force=wide) for bits in (8, 4)]
+        xs, layout = _interleaved_inputs(n, dtype)
+        cases.append(Case(f"interleaved {tag} INT4 (general kernels)", _reorder(xs, 4, **layout),
+                          _chunks(PARTS * layout["part_numel"], 4), force={**wide, "in_registers": _never},
+                          variant_force={"in_registers": _never}))  # fmt: skip
+    return cases
 
 
 def _fused_reorder(n: int) -> list[Case]:
     perm, cases = torch.tensor(PERM, device="cuda"), []
     for tag, dtype in DTYPES.items():
         x, moved = _rand(n, dtype), torch.empty(PARTS, n // PARTS, device="cuda", dtype=dtype)
-        cases += [Case(f"{tag} INT{bits} {len(PERM)} slices {CHUNKS} chunks", partial(_flat, x, bits),
-                       partial(_chunks, n, bits), partial(_unfused_reorder, x, moved, perm, bits)) for bits in (8, 4)]
+        cases += [Case(f"{tag} INT{bits} {len(PERM)} slices {CHUNKS} chunks", _reorder(x, bits), _chunks(n, bits),
+                       partial(_unfused_reorder, x, moved, perm, bits)) for bits in (8, 4)]  # fmt: skip
     return cases
 
 
@@ -199,32 +181,32 @@ def _fused_requant(n: int) -> list[Case]:
     sums, cases = torch.empty(n, device="cuda"), []
     for bits in (4, 8):
         p = _payload_rows(n, bits)
-        cases.append(Case(f"INT{bits}->INT4 k={CHUNKS} /4", partial(_requant, p, n, bits, 4, 4.0), partial(_chunks, n, 4),
-                          partial(_unfused_requant, p, n, bits, sums)))  # fmt: skip
+        cases.append(Case(f"INT{bits}->INT4 k={CHUNKS} /4", _requant(p, n, bits, 4, 4.0), _chunks(n, 4),
+                          partial(_unfused_requant, p, n, bits, sums)))
     return cases
 
 
 def _tiles(n: int) -> list[Case]:
     group = 1 << 16
-    return [Case(f"quantize {tag} INT8 group {group >> 10}K", partial(_quantize, _rand(n, dtype), 8, group),
-                 partial(_bytes, n, 8, group), force={"TEAM_MAX_GROUP": 1 << 62}) for tag, dtype in DTYPES.items()]
+    return [Case(f"quantize {tag} INT8 group {group >> 10}K", partial(q.quantize, _rand(n, dtype), 8, group, **CUDA),
+                 _bytes(q.payload_nbytes(n, 8, group)), force={"TEAM_MAX_GROUP": 1 << 62})
+            for tag, dtype in DTYPES.items()]  # fmt: skip
 
 
 def _launchers(n: int) -> list[Case]:
     n, launchers = 1024, dict(force={"launcher": "cupy"}, variant_force={"launcher": "driver"})
-    return [Case("quantize bf16 INT8 1K", partial(_quantize, _rand(n, torch.bfloat16), 8, GROUP), partial(_bytes, n, 8),
-                 **launchers),
-            Case("dequant_reduce INT4 -> INT4 1K", partial(_requant, _payload_rows(n, 4), n, 4, 4, 4.0),
-                 partial(_chunks, n, 4), **launchers)]  # fmt: skip
+    return [Case("quantize bf16 INT8 1K", partial(q.quantize, _rand(n, torch.bfloat16), 8, GROUP, **CUDA),
+                 _bytes(q.payload_nbytes(n, 8, GROUP)), **launchers),
+            Case("dequant_reduce INT4 -> INT4 1K", _requant(_payload_rows(n, 4), n, 4, 4, 4.0), _chunks(n, 4), **launchers)]
 
 
 ROWS = (
     Row("narrow re-quantizing kernels", "zc_dequant_reduce_requant_regs_{one,pow2,div}_int*_int* (12)",
         "the general re-quantizing kernel zc_dequant_reduce_requant_int*_int*", _narrow_requant),
     Row("interleaved register kernel", "zc_reorder_interleaved_regs_* (6)",
-        "the general interleaved kernel zc_reorder_interleaved_*", partial(_interleaved_cases, catenated=False)),
+        "the general interleaved kernel zc_reorder_interleaved_*", partial(_interleaved, catenated=False)),
     Row("interleaved reorder kernels", "zc_reorder_interleaved_* (6, with _regs and _wide: 18)",
-        "torch.cat of the parts and fill, then the flat zc_reorder_quantize_*", partial(_interleaved_cases, catenated=True)),
+        "torch.cat of the parts and fill, then the flat zc_reorder_quantize_*", partial(_interleaved, catenated=True)),
     Row("32-bit index kernels", "zc_reorder_quantize_*, zc_reorder_interleaved_* (12) beside their _wide forms",
         "the _wide (64-bit index) kernels for every size", _index_width),
     Row("fused reorder + quantize", "zc_reorder_quantize_* (6)",
@@ -277,14 +259,14 @@ def _recording(names: list[str]) -> Iterator[None]:
         yield
 
 
-def _gpu_us(call: Call) -> float:
+def _gpu_us(call: Callable[[], object]) -> float:
     for _ in range(2):  # warm-up
         call()
     torch.cuda.synchronize()
     return event_seconds(call, REPEATS, SAMPLES) * 1e6
 
 
-def _host_us(call: Call) -> float:
+def _host_us(call: Callable[[], object]) -> float:
     """Median over rounds of the host time per call of back-to-back calls (no sync inside a round)."""
     call()
     rounds = []
@@ -301,7 +283,8 @@ def _host_us(call: Call) -> float:
 def measure_case(case: Case, host: bool) -> dict:
     """The case's kernels, byte check and times (or its problem); the variant's side first."""
     outs = case.out(), case.out()
-    sides = ((case.variant(outs[0]), case.variant_force), ((case.simpler or case.variant)(outs[1]), case.force))
+    calls = partial(case.variant, out=outs[0]), partial(case.simpler or case.variant, out=outs[1])
+    sides = tuple(zip(calls, (case.variant_force, case.force), strict=True))
     kernels: tuple[list[str], list[str]] = ([], [])
     for (call, force), names in zip(sides, kernels, strict=True):
         with _forced(force), _recording(names):
