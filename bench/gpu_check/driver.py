@@ -1,8 +1,7 @@
 """The GPU entry point: ``python -m bench.gpu_check`` checks, ``--bench`` measures; one report each.
 
-See :mod:`bench.gpu_check` for what each does, ``[Note: gpu-check time budget]`` in
-:mod:`bench.gpu_check.stages` and ``[Note: gpu-bench time budget]`` in
-:mod:`bench.gpu_check.speed_plan` for how their minutes are shared.
+How their minutes are shared: [Note: gpu-check time budget] in :mod:`.stages`, [Note: gpu-bench
+time budget] in :mod:`.speed_plan`.
 """
 
 from __future__ import annotations
@@ -84,7 +83,7 @@ def main(argv: list[str] | None = None, **tools: str) -> int:
     print(f"{noun}: {gpus} GPU(s), results in {out_dir}", flush=True)
     for line in absent:
         print(f"{noun}: {line}", flush=True)
-    env = environment.collect(stages.REPO) if gpu else environment.collect_cpu(stages.REPO)
+    env = environment.collect(stages.REPO, gpu)
     (out_dir / "environment.json").write_text(json.dumps(env, indent=1) + "\n")
     results = []
     for stage in plan:
