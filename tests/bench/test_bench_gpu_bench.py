@@ -114,7 +114,7 @@ def test_training_table_gives_ratios_to_zero3(tmp_path):
             {"config": "zeropp", "status": "ok", "median_step_s": 0.09, "val_loss": 2.51, "train_losses": [3.0, 2.61], "note": ""},
             {"config": "fsdp2", "status": "failed", "median_step_s": None, "val_loss": None, "train_losses": [], "note": "boom"}]
     (tmp_path / "train.json").write_text(json.dumps({"meta": {}, "results": rows}))
-    table = report._training(tmp_path)
+    table = report._training(tmp_path / "train.json")
     assert "| zero3 | ok | 1 | 40 | 40-40 | 1.000x | - | 2.5 | 2.6 |  |" in table
     assert "| zeropp | ok | 1 | 90 | 90-90 | 2.250x | - | 2.51 | 2.61 |  |" in table
     assert "| fsdp2 | failed | - | - | - | - | - | - | - | boom |" in table
@@ -134,7 +134,7 @@ def test_training_table_pairs_ratios_by_round(tmp_path):
     rows = [row("zero3", [0.040, 0.080, 0.041]), row("fsdp2", [0.044, 0.084, 0.041], 2e-3),
             row("fsdp2-zeropp", [0.066, 0.126, 0.0615])]
     (tmp_path / "train.json").write_text(json.dumps({"meta": {}, "results": rows}))
-    table = report._training(tmp_path)
+    table = report._training(tmp_path / "train.json")
     assert "| fsdp2 | ok | 3 | 44 | 41-84 | 1.050x | 0.002 | 2.5 | 3 |  |" in table
     assert "| fsdp2 / zero3 | 1.050x | 1.000-1.100x | 3 | 1.100, 1.050, 1.000 |" in table
     assert "| fsdp2-zeropp / fsdp2 | 1.500x | 1.500-1.500x | 3 | 1.500, 1.500, 1.500 |" in table

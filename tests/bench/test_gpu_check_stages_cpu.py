@@ -59,7 +59,7 @@ def test_the_stage_names_crashes_and_failures(tmp_path):
     (tmp_path / stages.TESTS_DIR).mkdir()
     outcome = test_runner.FileOutcome("t.py", (), (test_runner.Crash("t.py", "t.py::test_b", -11, (("t.py::test_a", "FAILED"),)),), 1)
     test_runner.merge([outcome], stages.tests_xml(tmp_path))
-    assert stages._verify_tests(tmp_path) == ["crashed its process: t.py::test_b", "failed: t.py::t.py::test_a"]
+    assert stages.plan(tmp_path, gpus=1)[0].verify(tmp_path) == ["crashed its process: t.py::test_b", "failed: t.py::t.py::test_a"]
 
 
 def test_progress_reads_pytest_verbose_output():
