@@ -67,19 +67,17 @@ def run_checks(device: torch.device, cpu_group: Any, dtypes: Sequence[str], loca
     checks = []
     for label, topology in topologies(world, local):
         for name, make, options in w4._cases(dtypes, both_modes=True):
-            case = functools.partial(w4.check_case, make, options, topology, device, "reference", (None, cpu_group),
-                                     launchers)  # fmt: skip
+            case = functools.partial(w4.check_case, make, options, topology, device, (None, cpu_group), launchers)
             checks.append(w4.checked(f"{name}, {label}", case))
     nodes = zcomm.Topology(world_size=world, local_size=local)
     checks.append(w4.compare_losses(
         f"zero_runtime ZeRO++ (qwZ + hpZ {local} + qgZ), {w4.STEPS} steps, fp32",
         lambda: w4.train_zeropp(device, nodes, cpu_group=cpu_group),
-        lambda: w4.train_zeropp(torch.device("cpu"), nodes, group=cpu_group, cpu_group=cpu_group), "reference"))
+        lambda: w4.train_zeropp(torch.device("cpu"), nodes, group=cpu_group, cpu_group=cpu_group)))
     checks.append(w4.compare_losses(
         f"FSDP2 + zcomm.fsdp.enable_zeropp, {w4.STEPS} steps, fp32",
         lambda: train_fsdp2(device, init_device_mesh(device.type, (world,)), nodes, cpu_group),
-        lambda: train_fsdp2(torch.device("cpu"), DeviceMesh.from_group(cpu_group, "cpu"), nodes, cpu_group),
-        "reference"))
+        lambda: train_fsdp2(torch.device("cpu"), DeviceMesh.from_group(cpu_group, "cpu"), nodes, cpu_group)))
     return checks
 
 

@@ -284,13 +284,11 @@ def plan(out_dir: Path, *, gpus: int, python: str = sys.executable) -> list[Stag
               argv=(python, "-m", "bench.gpu_check.test_runner", "--out", str(out_dir / TESTS_DIR),
                     "--jobs", str(TEST_JOBS), "-k", CUDA_TESTS_SELECT, *tests),
               missing=tests_missing, verify=lambda out: _verify_junit(tests_xml(out), "the test runner wrote no cuda-tests.xml")),
-        # w4's CPU side runs on the reference backend, which defines the wire format: no numba compile
-        # in 4 ranks eats the stage's time, and a GPU machine may lack numba
         Stage(name="w4", limit_s=60, needs=("cupy",), env=DEVICE_CHECKS, verify=_verify_w4,
               title="W = 4 on one GPU: 4 ranks as 2 nodes x 2 over gloo, every tensor on cuda:0, zcomm's CUDA kernels; "
                     "hierarchical collectives and ZeRO++ steps byte-/loss-equal to the same on CPU tensors (not NCCL)",
-              argv=(*_ranks(python, W4_RANKS), "bench.gpu_check.w4", "--device", "cuda", "--cpu-backend", "reference",
-                    "--timeout", "52", "--json", str(out_dir / "w4.json"))),
+              argv=(*_ranks(python, W4_RANKS), "bench.gpu_check.w4", "--device", "cuda", "--timeout", "52",
+                    "--json", str(out_dir / "w4.json"))),
         Stage(name="collectives", limit_s=20, needs=("cupy", "tqdm"), env=DEVICE_CHECKS, verify=_verify_collectives,
               title=f"bench.collectives on {gpus} GPU rank(s) over NCCL: torch's and zcomm's collectives, bf16, 1M-16M, #wrong = 0",
               argv=(*_ranks(python, gpus), "bench.collectives", "-b", "1M", "-e", "16M", "-f", "4", "-n", "10", "-w", "3",

@@ -87,7 +87,7 @@ def test_w4_runs_its_checks_on_four_cpu_ranks(tmp_path):
     out = tmp_path / "w4.json"
     env = checkout_environment({**os.environ, "ZCOMM_BACKEND": "reference"})
     done = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m",
-                           "bench.gpu_check.w4", "--device", "cpu", "--cpu-backend", "reference",
+                           "bench.gpu_check.w4", "--device", "cpu",
                            "--dtypes", "bf16", "--timeout", "400", "--json", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=500)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
