@@ -67,24 +67,18 @@ def _tails(results: Sequence[StageResult]) -> list[str]:
 def coverage(gpus: int) -> list[str]:
     """What a check on ``gpus`` GPUs of one machine covers, in words."""
     if gpus <= 1:
-        ranks = [
-            "- **Ranks: world size 1 only.** One GPU cannot host two NCCL ranks: NCCL refuses two ranks of one "
-            "communicator on the same device (`ncclInvalidUsage`, \"Duplicate GPU detected\"), so the collectives "
-            "and the runtime ran on NCCL with a single rank.",
-            "- **W = 4 on this one GPU over gloo** (w4): 4 ranks as 2 nodes x 2, every tensor on cuda:0, zcomm's "
-            "CUDA kernels byte-identical to the same on CPU tensors: kernels, stream ordering and hierarchical "
-            "choreography with W > 1, **not NCCL** (gloo stages CUDA tensors through the host).",
-            "- **Not covered**: NCCL with W > 1, overlap of communication and compute across GPUs, several nodes: "
-            "a machine with 2 or more GPUs runs the nccl stage (several machines: docs/gpu-check.md).",
-        ]
+        ranks = ["- **Ranks: world size 1 only.** One GPU cannot host two NCCL ranks (NCCL refuses two ranks of one "
+                 "communicator on a device: `ncclInvalidUsage`, \"Duplicate GPU detected\"); w4 runs 4 ranks on it over "
+                 "gloo, which stages CUDA tensors through the host: zcomm's kernels, stream ordering and hierarchical "
+                 "choreography with W > 1, **not NCCL**.",
+                 "- **Not covered**: NCCL with W > 1, overlap of communication and compute across GPUs, several nodes: "
+                 "a machine with 2 or more GPUs runs the nccl stage (several machines: docs/gpu-check.md)."]
     else:
-        ranks = [
-            f"- **Ranks: {gpus} NCCL ranks, one per GPU, on one machine** (torchrun), besides the CUDA tests' own "
-            "single-GPU runs; the nccl stage: every zcomm collective over NCCL byte-identical to the CPU, on the "
-            "node's topology and on 2 pretend nodes, and ZeRO++ and FSDP2-adapter steps equal to the CPU's.",
-            "- **Not covered**: several nodes (inter-node links, a two-hop `reduce_scatter_q4` whose second hop "
-            "crosses nodes); this machine is one node.",
-        ]
+        ranks = [f"- **Ranks: {gpus} NCCL ranks, one per GPU, on one machine** (torchrun): every zcomm collective over "
+                 "NCCL byte-identical to the CPU, on the node's topology and on 2 pretend nodes, and ZeRO++ and "
+                 "FSDP2-adapter steps equal to the CPU's.",
+                 "- **Not covered**: several nodes (inter-node links, a two-hop `reduce_scatter_q4` whose second hop "
+                 "crosses nodes); this machine is one node."]  # fmt: skip
     return ranks + [f"- Tests: every skip under `{GPU_CHECK_ENV}=1` counts as a failure, so no GPU test passed by not running."]
 
 
@@ -157,23 +151,14 @@ def rows_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return _table(columns, [[_cell(row.get(c)) for c in columns] for row in rows]) if columns else ["(no rows)"]
 
 
-def _rows(data: Any) -> list[dict]:
-    """A tool's JSON rows: a list of objects, or the list under ``rows`` or ``results``."""
-    if isinstance(data, dict):
-        data = next((data[key] for key in ("rows", "results") if isinstance(data.get(key), list)), [data])
-    if not isinstance(data, list) or not all(isinstance(row, dict) for row in data):
-        raise ValueError("expected a list of objects")
-    return data
-
-
 def _host_cost(out_dir: Path, devices: Sequence[str]) -> list[str]:
     """bench.host_cost's rows per device, then its side-by-side table of the kernel launchers when it has one."""
 
     def render(path: Path) -> list[str]:
         data = json.loads(path.read_text())
-        compared = data.get("launchers") if isinstance(data, dict) else None
-        return [*rows_table(_rows(data)), *(["", "#### the same calls under each kernel launcher (ratios to the "
-                                             "first, this run)", "", *rows_table(compared)] if compared else [])]  # fmt: skip
+        compared = ["", "#### the same calls under each kernel launcher (ratios to the first, this run)", "",
+                    *rows_table(data["launchers"])] if data.get("launchers") else []  # fmt: skip
+        return rows_table(data["rows"]) + compared
 
     return [line for device in devices for line in (f"### {device}", "", *_section(out_dir / f"host_cost_{device}.json", render), "")]
 
@@ -225,19 +210,19 @@ def _training(path: Path) -> list[str]:
                     *(_paired(by_name, config, other) for config, other in speed_plan.TRAIN_PAIRS)]  # fmt: skip
 
 
-def _variants(out_dir: Path) -> list[str]:
-    """bench.kernels --variants' report (its decision table first), its headings one level down."""
-    return _section(out_dir / "variants.md", lambda path: ["#" + line if line.startswith("#") else line
-                                                           for line in path.read_text().splitlines()[1:]],
-                    "(the variants part wrote no variants.md)")  # fmt: skip
+def _tool_report(out_dir: Path, part: str, name: str) -> list[str]:
+    """A part's own markdown report ``name`` without its title line, its headings one level down."""
+    return _section(out_dir / name, lambda path: ["#" + line if line.startswith("#") else line
+                                                  for line in path.read_text().splitlines()[1:]],
+                    f"(the {part} part wrote no {name})")  # fmt: skip
 
 
-def render_bench(*, title: str, results: Sequence[StageResult], absent: Sequence[str], gpu: bool, seconds: float,
-                 command: str, environment: Mapping[str, str] | None = None) -> str:  # fmt: skip
+def render_bench(*, title: str, results: Sequence[StageResult], gpu: bool, seconds: float, command: str,
+                 environment: Mapping[str, str] | None = None) -> str:  # fmt: skip
     """gpu-bench's ``report.md``: COMPLETE only when every part ran and passed."""
     out_dir = results[0].log.parent if results else Path(".")
     passed = sum(r.passed for r in results)
-    verdict = ("COMPLETE" if not absent and passed == len(results) else "INCOMPLETE") + ("" if gpu else ", CPU part only (no GPU)")
+    verdict = ("COMPLETE" if passed == len(results) else "INCOMPLETE") + ("" if gpu else ", CPU part only (no GPU)")
     failed = [r for r in results if r.failed]
 
     def measured(section: Callable[[], list[str]]) -> list[str]:
@@ -247,16 +232,15 @@ def render_bench(*, title: str, results: Sequence[StageResult], absent: Sequence
         f"# zcomm gpu-bench: {verdict} ({passed} of {len(results)} parts passed)",
         "", f"{title}. Command: `{command}`; {seconds:.0f} s of the {speed_plan.TOTAL_BUDGET_S:.0f} s budget. "
         "Every number below was measured in this run; ratios compare numbers of this run only.",
-        *[f"\n- {line}" for line in absent],
         "", "## Parts", "", *_stage_table(results, "part", lambda r: r.status.upper()),
         "", "## Environment", "", *environment_table(environment),
         "", "## Host cost per call (world size 1)", "", *_host_cost(out_dir, ["cuda"] if gpu else ["cpu"]),
         "## Kernel GB/s against a device copy of the same bytes", "",
-        *measured(lambda: _section(out_dir / "kernels.json", lambda path: rows_table(_rows(json.loads(path.read_text()))))),
+        *measured(lambda: _tool_report(out_dir, "kernels", "kernels.md")),
         "", f"## Training a ~160M-parameter GPT on one GPU (bf16, {speed_plan.TRAIN_ROUNDS} interleaved rounds)", "",
         *measured(lambda: _section(out_dir / "train.json", _training)),
         "", "## Kernel variants against their simpler paths (the decisions of docs/kernel-variants.md)", "",
-        *measured(lambda: _variants(out_dir)),
+        *measured(lambda: _tool_report(out_dir, "variants", "variants.md")),
         *(["", "## Log tails of the parts that did not pass", *_tails(failed)] if failed else []),
     ]  # fmt: skip
     return "\n".join(lines) + "\n"

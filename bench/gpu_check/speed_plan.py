@@ -1,7 +1,7 @@
 """The parts of the speed report (``make gpu-bench``, ``python -m bench.gpu_check --bench``): commands and limits.
 
-Each part is a subprocess run as a gpu-check stage; what each measures: docs/gpu-check.md. A tool
-this checkout lacks is reported, never skipped in silence. Without a GPU only the CPU host cost runs.
+Each part is a subprocess run as a gpu-check stage; what each measures: docs/gpu-check.md. Without
+a GPU only the CPU host cost runs.
 
 [Note: gpu-bench time budget] The speed report shares a lease with gpu-check, so its limits add up
 to 230 s of ``TOTAL_BUDGET_S`` = 240 s, in order of value: host cost (40 s, both launchers),
@@ -15,7 +15,6 @@ of ``bench.train.rounds`` cancels a linear drift) give every ratio four paired s
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -35,14 +34,6 @@ TRAIN_STEPS, TRAIN_WARMUP, TRAIN_ROUNDS = 9, 3, 4
 TRAIN_PAIRS = (("zero3+qwz", "zero3"), ("zeropp", "zero3"), ("fsdp2-zeropp", "fsdp2"), ("fsdp2", "zero3"))
 
 
-def available(module: str) -> bool:
-    """Whether this checkout (and interpreter) has ``module``."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
-
-
 def _wrote(name: str, module: str) -> Callable[[Path], list[str]]:
     return lambda out: [] if (out / name).exists() else [f"{module} wrote no {name}"]
 
@@ -56,41 +47,39 @@ def _verify_train(out_dir: Path) -> list[str]:
 
 
 def plan(out_dir: Path, *, gpu: bool, python: str = sys.executable, host_cost: str = "bench.host_cost",
-         kernels: str = "bench.kernels", train: str = "bench.train") -> tuple[list[Stage], list[str]]:  # fmt: skip
-    """The parts to run, in order, and a line for each tool this checkout does not have; without a GPU
-    only the CPU host cost. The module names are parameters so that a test can stand in small fakes."""
+         kernels: str = "bench.kernels", train: str = "bench.train") -> list[Stage]:  # fmt: skip
+    """The parts to run, in order; without a GPU only the CPU host cost. The module names are parameters
+    so that a test can stand in small fakes (a tool that is missing fails its part: the log names it)."""
     device = "cuda" if gpu else "cpu"
     launchers = ("--launcher", HOST_COST_LAUNCHERS) if gpu else ()
-    parts = [(host_cost, Stage(
+    parts = [Stage(
         name=f"host-cost-{device}", limit_s=40, verify=_wrote(f"host_cost_{device}.json", host_cost),
         title=f"{host_cost} on {device}, world size 1, {HOST_COST_SIZES[device]} elements: host enqueue and synchronized "
               "time per call of each zcomm op next to torch's"
               + (f", under each CUDA kernel launcher ({HOST_COST_LAUNCHERS}) side by side" if gpu else ""),
         argv=(python, "-m", host_cost, "--device", device, "--sizes", HOST_COST_SIZES[device],
-              "--json", str(out_dir / f"host_cost_{device}.json"), *launchers)))]
+              "--json", str(out_dir / f"host_cost_{device}.json"), *launchers))]
     if gpu:
         parts += [
-            (train, Stage(
+            Stage(
                 name="train", limit_s=100, needs=("cupy", "numpy"), verify=_verify_train,
                 title=f"{train}: GPT ~160M (d_model 1024, 12 layers, 16 heads, seq 512, batch 8, bf16) on one GPU, "
                       f"{TRAIN_ROUNDS} interleaved rounds of {TRAIN_STEPS} steps ({TRAIN_WARMUP} warm-up): "
                       f"{', '.join(TRAIN_CONFIGS)}",
                 argv=(python, "-m", train, "--configs", *TRAIN_CONFIGS, *GPT_160M, "--dtype", "bf16",
                       "--steps", str(TRAIN_STEPS), "--warmup", str(TRAIN_WARMUP), "--rounds", str(TRAIN_ROUNDS),
-                      "--baseline", "zero3", "--eval-batches", "2", "--json", str(out_dir / "train.json")))),
-            (kernels, Stage(
-                name="kernels", limit_s=50, needs=("cupy",), verify=_wrote("kernels.json", f"{kernels} --sweep"),
+                      "--baseline", "zero3", "--eval-batches", "2", "--json", str(out_dir / "train.json"))),
+            Stage(
+                name="kernels", limit_s=50, needs=("cupy",), verify=_wrote("kernels.md", f"{kernels} --sweep"),
                 title=f"{kernels} --sweep: cuda kernels' GB/s vs a device copy of the same bytes, 16M/64M/256M elements, "
                       "group 256 and 512, bf16 and fp32 (CUDA-graph replay)",
                 argv=(python, "-m", kernels, "--sweep", "--json", str(out_dir / "kernels.json"),
-                      "--output", str(out_dir / "kernels.md")))),
-            (kernels, Stage(
+                      "--output", str(out_dir / "kernels.md"))),
+            Stage(
                 name="kernel-variants", limit_s=40, needs=("cupy",), verify=_wrote("variants.md", f"{kernels} --variants"),
                 title=f"{kernels} --variants: each kernel variant and launcher of docs/kernel-variants.md against its "
                       "simpler path on its target shapes (16M and 64M elements), bytes compared, keep when >= 10% faster",
                 argv=(python, "-m", kernels, "--variants", "--json", str(out_dir / "variants.json"),
-                      "--output", str(out_dir / "variants.md")))),
+                      "--output", str(out_dir / "variants.md"))),
         ]  # fmt: skip
-    absent = [f"`python -m {module}`: not available in this checkout" for module in dict.fromkeys(m for m, _ in parts)
-              if not available(module)]  # fmt: skip
-    return [part for module, part in parts if available(module)], absent
+    return parts
