@@ -3,13 +3,12 @@
 ``python -m bench.gpu_check.test_runner --out DIR [--jobs N] [-k EXPR] FILE...`` runs each file in its
 own ``pytest -v`` process, ``--jobs`` at once on the one GPU, each with ``OMP_NUM_THREADS`` at its
 share of the cores, so that a test that kills its process (a segfault, an abort) takes no other
-file down. Within its file the runner recovers as pytest-xdist does for a crashed worker, without
-needing it: the crashed test is the last one ``-v`` named without an outcome; it becomes a failure
-with the signal, and the file runs again with it and every test that has an outcome deselected,
-until the file finishes or ``MAX_RUNS`` runs were made. Outputs in ``DIR``: ``<file>.log`` (all its
-runs), the JUnit XML of each run, and ``cuda-tests.xml``: their merge, a ``crashes`` suite with a
-failing case per crash, and the outcomes a crashed run printed. Exit status 0 when every test
-passed, 1 otherwise.
+file down. A process that died wrote no JUnit file; its ``-v`` log, which names each test before
+it runs, says what it did: the tests with an outcome keep it, and the one named without one is the
+crash, a failure naming the signal (the file's later tests did not run, which its message says).
+Outputs in ``DIR``: ``<file>.log``, ``<file>.xml`` and ``cuda-tests.xml``, their merge with a
+``crashes`` suite (a failing case per crash) and the outcomes the crashed runs printed. Exit status
+0 when every test passed, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from typing import Mapping, NamedTuple, Sequence
 
 from bench.gpu_check.stages import junit_counts
 
-MAX_RUNS = 5
 MERGED = "cuda-tests.xml"
 # pytest -v's outcome words, and the JUnit element each becomes (None: a pass)
 _OUTCOMES = {"PASSED": None, "XPASS": None, "FAILED": "failure", "ERROR": "error", "SKIPPED": "skipped", "XFAIL": "skipped"}
@@ -54,7 +52,6 @@ class FileOutcome(NamedTuple):
     file: str
     xmls: tuple[Path, ...]
     crashes: tuple[Crash, ...]
-    runs: int
 
 
 def slug(file: str) -> str:
@@ -75,33 +72,19 @@ def progress(log_text: str, file: str) -> tuple[list[tuple[str, str]], str | Non
 
 
 def run_file(file: str, out: Path, *, select: str | None, scratch: Path, env: Mapping[str, str] | None = None) -> FileOutcome:
-    """Run ``file`` until it finishes, deselecting the tests that ended their process (module docstring);
-    the tests' temporary files go under ``scratch``, not into the result folder ``out``."""
-    log, name = out / f"{slug(file)}.log", slug(file)
-    deselected: list[str] = []
-    crashes: list[Crash] = []
-    xmls: list[Path] = []
-    log.write_text("")
-    for run in range(1, MAX_RUNS + 1):
-        xml = out / f"{name}.run{run}.xml"
-        argv = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--continue-on-collection-errors",
-                f"--junitxml={xml}", f"--basetemp={scratch / f'{name}.run{run}'}", *(["-k", select] if select else []),
-                file, *(f"--deselect={node}" for node in deselected)]  # fmt: skip
-        with log.open("a") as handle:
-            handle.write(f"\n$ {' '.join(argv[:3])} ... {file} (run {run}, {len(deselected)} deselected)\n")
-            handle.flush()
-            start = handle.tell()
-            returncode = subprocess.run(argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env=env, check=False).returncode  # fmt: skip
-        xmls += [xml] if xml.exists() else []
-        if returncode >= 0 and xml.exists():
-            break
-        done, running = progress(log.read_bytes()[start:].decode(errors="replace"), file)
-        crashes.append(Crash(file, running, returncode, tuple(done)))
-        if running is None:  # nothing to deselect: a rerun would crash the same way
-            break
-        deselected += [node for node, _ in done] + [running]
-    return FileOutcome(file, tuple(xmls), tuple(crashes), run)
+    """Run ``file`` in one ``pytest -v`` process, read from its log if it died (module docstring); the
+    tests' temporary files go under ``scratch``, not into the result folder ``out``."""
+    log, xml = out / f"{slug(file)}.log", out / f"{slug(file)}.xml"
+    argv = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--continue-on-collection-errors",
+            f"--junitxml={xml}", f"--basetemp={scratch / slug(file)}", *(["-k", select] if select else []), file]
+    with log.open("w") as handle:
+        returncode = subprocess.run(argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    check=False).returncode  # fmt: skip
+    xmls = (xml,) if xml.exists() else ()
+    if returncode >= 0 and xmls:
+        return FileOutcome(file, xmls, ())
+    done, running = progress(log.read_text(errors="replace"), file)
+    return FileOutcome(file, xmls, (Crash(file, running, returncode, tuple(done)),))
 
 
 def _suite(root: ElementTree.Element, name: str, cases: Sequence[tuple[str, str, str | None, str]]) -> None:
@@ -122,8 +105,8 @@ def merge(outcomes: Sequence[FileOutcome], path: Path) -> dict[str, int]:
         parsed = ElementTree.parse(xml).getroot()
         root.extend([parsed] if parsed.tag == "testsuite" else list(parsed.iter("testsuite")))
     crashes = [crash for outcome in outcomes for crash in outcome.crashes]
-    _suite(root, "crashes", [(c.file, c.name, "failure", f"the pytest process died with {c.describe()} while running {c.name}")
-                             for c in crashes])  # fmt: skip
+    _suite(root, "crashes", [(c.file, c.name, "failure", f"the pytest process died with {c.describe()} while running "
+                              f"{c.name}; the file's later tests did not run") for c in crashes])  # fmt: skip
     _suite(root, "finished before a crash", [(c.file, node, _OUTCOMES[word], f"{word} (from the log of a run that crashed later)")
                                              for c in crashes for node, word in c.finished])  # fmt: skip
     ElementTree.ElementTree(root).write(path, encoding="unicode")
@@ -150,9 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="zcomm-cuda-tests-") as scratch, ThreadPoolExecutor(args.jobs) as pool:
         outcomes = list(pool.map(lambda f: run_file(f, args.out, select=args.select, scratch=Path(scratch), env=env), args.files))
     counts = merge(outcomes, args.out / MERGED)
-    for outcome in outcomes:
-        crashed = ", ".join(f"{c.name} ({c.describe()})" for c in outcome.crashes)
-        print(f"{outcome.file}: {outcome.runs} run(s)" + (f"; crashed: {crashed}" if crashed else ""))
+    for crash in (crash for outcome in outcomes for crash in outcome.crashes):
+        print(f"{crash.file}: crashed: {crash.name} ({crash.describe()})")
     passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
     print(f"tests: {passed} passed, {counts['failures']} failed, {counts['errors']} errors, {counts['skipped']} skipped")
     # skipped holds expected failures only: under ZCOMM_GPU_CHECK=1 the tests' conftest makes a skip an error
