@@ -1,13 +1,10 @@
 """gpu-check's NCCL stage: one rank per GPU, every collective byte-identical to the same call on CPU tensors.
 
-``torchrun --nproc-per-node=G -m bench.gpu_check.nccl --json PATH`` (on two machines
-``torchrun --nnodes 2 ...``; what it covers and its flight recorder: docs/gpu-check.md). Each
-rank binds its GPU (``LOCAL_RANK``), joins an NCCL group whose collectives time out after
-``--timeout`` seconds, and a gloo group of the same ranks for the CPU side. Every case of
-:func:`bench.gpu_check.w4._cases`, on zcomm's detected topology and on 2 pretend nodes (so
-the second hop runs over NCCL on one machine), under each CUDA kernel launcher, is checked
-as w4 checks it (:func:`bench.gpu_check.w4.check_case`, the CPU side on the reference
-backend); then ZeRO++ and FSDP2 with ``zcomm.fsdp.enable_zeropp`` against the CPU's losses.
+``torchrun --nproc-per-node=G -m bench.gpu_check.nccl --json PATH`` (two machines, the flight
+recorder: docs/gpu-check.md). Each rank binds its GPU and joins an NCCL group, and a gloo group of
+the same ranks for the CPU side. Every case of w4, on zcomm's detected topology and on 2 pretend
+nodes (so that the second hop runs over NCCL on one machine), under each CUDA kernel launcher, is
+checked as w4 checks it; then ZeRO++ and FSDP2 with ``zcomm.fsdp.enable_zeropp`` against the CPU's losses.
 """
 
 from __future__ import annotations

@@ -3,14 +3,13 @@
 Each part is a subprocess run as a gpu-check stage; what each measures: docs/gpu-check.md. Without
 a GPU only the CPU host cost runs.
 
-[Note: gpu-bench time budget] The speed report shares a lease with gpu-check, so its limits add up
-to 230 s of ``TOTAL_BUDGET_S`` = 240 s, in order of value: host cost (40 s, both launchers),
-training (100 s: six configurations of a 160M GPT in 4 interleaved rounds of 9 steps, 3 of them
-warm-up, as the second step after a build can still run slow; one run took 2-3 s on an H200), the
-kernel sweep (50 s; 8 s on an H200 with the kernels compiled) and the kernel variants (40 s, by
-estimate: about 60 shapes, eager). One pass per configuration could not resolve a 10% target (the
-same command read fsdp2/zero3 0.98x and 1.35x): four rounds (even, so that the alternating order
-of ``bench.train.rounds`` cancels a linear drift) give every ratio four paired samples.
+[Note: gpu-bench time budget] The speed report shares a lease with gpu-check: its limits add up to
+230 s of ``TOTAL_BUDGET_S`` = 240 s, in order of value: host cost (40 s), training (100 s: six
+configurations in 4 interleaved rounds of 9 steps, 3 of them warm-up, as the second step after a
+build can still run slow; a run took 2-3 s on an H200), the kernel sweep (50 s; 8 s on an H200)
+and the variants (40 s, by estimate). One pass per configuration could not resolve a 10% target
+(the same command read fsdp2/zero3 0.98x and 1.35x); four rounds (even, so that the alternating
+order of ``bench.train.rounds`` cancels a linear drift) give every ratio four paired samples.
 """
 
 from __future__ import annotations

@@ -5,20 +5,19 @@ A stage is one subprocess of the checking interpreter, run from the checkout wit
 nothing it expects is missing and its outputs pass its verification (``#wrong`` 0, every W = 4
 check byte-identical to the CPU, ...). Timing figures are reported, never judged.
 
-[Note: gpu-check time budget]
-A GPU machine is lent for minutes, shared with the speed report (:mod:`bench.gpu_check.speed_plan`).
-Each stage has its own limit inside the driver's total deadline; one that overruns is killed with
-its process group and reported as timed out with its log's tail. The limits (cuda-tests 165 s, w4
-60, collectives 20, driver-launcher 55; an H200 took 135, 14 and 5 s for the first three when w4
-had a third of its checks) leave the rest of ``TOTAL_BUDGET_S`` to the environment probe and the
-report; 2 or more GPUs add the NCCL stage's ``NCCL_LIMIT_S``. The CUDA tests run one pytest
-process per file, ``TEST_JOBS`` at once, the long ones first (:mod:`bench.gpu_check.test_runner`):
-a crash fails one test by name, and each NVRTC compile is one core's work.
+[Note: gpu-check time budget] A GPU machine is lent for minutes, shared with the speed report
+(:mod:`.speed_plan`). Each stage has a limit inside the driver's total deadline; one that overruns
+is killed with its process group and reported as timed out with its log's tail. The limits
+(cuda-tests 165 s, w4 60, collectives 20, driver-launcher 55; an H200 took 135, 14 and 5 s for the
+first three when w4 had a third of its checks) leave the rest of ``TOTAL_BUDGET_S`` to the
+environment probe and the report; 2 or more GPUs add ``NCCL_LIMIT_S``. The CUDA tests run
+``TEST_JOBS`` files at once, the long ones first (:mod:`.test_runner`): each NVRTC compile is one
+core's work.
 
 [Note: driver-launcher stage] The last stage runs the CUDA kernel tests again with
-``ZCOMM_CUDA_LAUNCHER=driver`` (the launcher that is not yet the default, [Note: launcher choice]
-in zcomm_cuda/loader.py), in one pytest process so that the kernels are compiled once, and last so
-that its failure or overrun cannot cost the other stages their results.
+``ZCOMM_CUDA_LAUNCHER=driver`` (not yet the default: [Note: launcher choice] in zcomm_cuda/loader.py),
+in one pytest process so that the kernels are compiled once, and last so that its failure or
+overrun cannot cost the other stages their results.
 """
 
 from __future__ import annotations
@@ -48,21 +47,13 @@ NCCL_TRACE = "nccl_trace_"  # the NCCL stage's flight recorder: each rank's last
 # missing fails the stage by name. The selection keeps the backend sweeps' GPU targets, whose oracle
 # is the reference backend on the CPU (numba, which a GPU machine may lack, serves the CPU targets).
 CUDA_TESTS = (
-    "tests/runtime/test_zero_cuda.py",
-    "tests/quant/test_cuda_compile.py",
-    "tests/quant/test_quant_vs_reference.py",
-    "tests/quant/test_cuda_host_rounding.py",
-    "tests/quant/test_cuda_reorder_paths.py",
-    "tests/collectives/test_collectives_cuda.py",
-    "tests/quant/test_cuda_backend.py",
-    "tests/quant/test_quant_contract.py",
-    "tests/quant/test_wire_format.py",
-    "tests/quant/test_cuda_launch_host.py",
-    "tests/collectives/test_group_lifetime.py",
-    "tests/collectives/test_all_reduce_q4_cuda.py",
-    "tests/collectives/test_fsdp_zeropp.py",
+    "tests/runtime/test_zero_cuda.py", "tests/quant/test_cuda_compile.py", "tests/quant/test_quant_vs_reference.py",
+    "tests/quant/test_cuda_host_rounding.py", "tests/quant/test_cuda_reorder_paths.py",
+    "tests/collectives/test_collectives_cuda.py", "tests/quant/test_cuda_backend.py", "tests/quant/test_quant_contract.py",
+    "tests/quant/test_wire_format.py", "tests/quant/test_cuda_launch_host.py", "tests/collectives/test_group_lifetime.py",
+    "tests/collectives/test_all_reduce_q4_cuda.py", "tests/collectives/test_fsdp_zeropp.py",
     "tests/quant/test_cuda_kernel_cache.py",
-)
+)  # fmt: skip
 CUDA_TESTS_SELECT = "not on-cpu"
 TESTS_DIR = "cuda-tests"
 TEST_JOBS = 6
@@ -71,17 +62,12 @@ TEST_JOBS = 6
 # with the CPU path, whose numba compile took 10 s on the H200: test_cuda_driver_launch.py compares
 # the launchers' bytes directly).
 LAUNCHER_ENV = "ZCOMM_CUDA_LAUNCHER"
-DRIVER_TESTS = (
-    "tests/quant/test_cuda_driver_launch.py",
-    "tests/quant/test_cuda_backend.py",
-    "tests/quant/test_wire_format.py",
-    "tests/collectives/test_collectives_cuda.py",
-)
+DRIVER_TESTS = ("tests/quant/test_cuda_driver_launch.py", "tests/quant/test_cuda_backend.py",
+                "tests/quant/test_wire_format.py", "tests/collectives/test_collectives_cuda.py")  # fmt: skip
 DRIVER_TESTS_SELECT = "not on-cpu and not reference and not [bound and not reinitialised and not cpu_paths"
 DRIVER_TESTS_XML = "driver-launcher.xml"
 # Variables that would change what the stages test; the driver-launcher stage sets its own launcher.
 CLEARED_ENV = ("ZCOMM_BACKEND", "ZCOMM_LOCAL_SIZE", LAUNCHER_ENV)
-_KILL_GRACE_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -136,7 +122,7 @@ def _kill(process: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
         try:
-            process.wait(timeout=_KILL_GRACE_S)
+            process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
     process.wait()

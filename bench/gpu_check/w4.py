@@ -2,19 +2,17 @@
 
 ``torchrun --standalone --nproc-per-node=4 -m bench.gpu_check.w4 --device {cuda,cpu} --json PATH``
 (gpu-check's w4 stage: docs/gpu-check.md). One GPU cannot host two ranks of one NCCL communicator,
-but gloo runs collectives on CUDA tensors (staged through the host), so the 4 ranks join a
-**gloo** group as ``Topology(world_size=4, local_size=2)`` and keep their tensors on ``cuda:0``,
-where zcomm's CUDA kernels run with W > 1.
+but gloo runs collectives on CUDA tensors (staged through the host), so the 4 ranks join a gloo
+group as ``Topology(world_size=4, local_size=2)`` with their tensors on ``cuda:0``.
 
 Oracle: each rank runs every case (:func:`_cases`) on ``--device`` tensors and on CPU tensors of the
-same group, the CPU side on zcomm's reference backend, which defines the wire format (and compiles
-nothing: no numba compile in 4 ranks eats the stage's time, and a GPU machine may lack numba). The
-outputs must be **byte-identical** (the wire format is exact); each CPU output is also held against
-a plain fp64 collective within a loose analytic bound (``GATHER_BOUND``, ``REDUCE_BOUND``), which
-catches a CPU path wrong in the same way. ``STEPS`` ZeRO++ steps on each side must agree within
-``ZEROPP_RTOL`` ([Note: CPU/CUDA bounds] in tests/runtime/test_zero_cuda.py). ``--device cpu``
-proves the wiring on any machine. Exit status 0 when every check passed, 1 when one failed, 2 when
-``--device cuda`` has no GPU.
+same group, whose outputs must be byte-identical (the wire format is exact). The CPU side runs
+zcomm's reference backend, which defines the wire format and compiles nothing (no numba compile in
+4 ranks eats the stage's time; a GPU machine may lack numba), and is held against a plain fp64
+collective within a loose bound (``GATHER_BOUND``, ``REDUCE_BOUND``), which catches a CPU path wrong
+in the same way. ``STEPS`` ZeRO++ steps must agree within ``ZEROPP_RTOL`` ([Note: CPU/CUDA bounds]
+in tests/runtime/test_zero_cuda.py). Exit status 0 when every check passed, 1 when one failed, 2
+when ``--device cuda`` has no GPU.
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import itertools
 import json
 import math
 import os
@@ -137,20 +136,17 @@ def _cases(dtypes: Sequence[str], ops: Sequence[str] = OPS, *, both_modes: bool 
     hops, the re-quantizing kernel's divisor) without the Hadamard rotation, which they share.
     4 stages run async and 1 stage sync, or (``both_modes``) each both ways."""
     cases = []
-    for short in dtypes:
-        for stages in (1, 4):
-            for async_op in (False, True) if both_modes else (stages == 4,):
-                mode = f"stages={stages}{' async' if async_op else ''}"
-                options = dict(dtype=DTYPES[short], stages=stages, async_op=async_op)
-                cases.append((f"all_gather_q8 {short} {mode}", _gather_case, options))
-                for coalesced in (False, True):
-                    for bits, hadamard in ((4, None), (8, None), (4, 256)):
-                        for op in ops if hadamard is None else ("SUM",):
-                            name = (f"reduce_scatter_q4{'_coalesced' if coalesced else ''} {short} {mode} "
-                                    f"first_hop=INT{bits}{' hadamard=256' if hadamard else ''} {op}")  # fmt: skip
-                            make = functools.partial(_reduce_case, coalesced=coalesced, first_hop_bits=bits,
-                                                     hadamard=hadamard, op=op)  # fmt: skip
-                            cases.append((name, make, options))
+    for short, stages in itertools.product(dtypes, (1, 4)):
+        for async_op in (False, True) if both_modes else (stages == 4,):
+            mode = f"stages={stages}{' async' if async_op else ''}"
+            options = dict(dtype=DTYPES[short], stages=stages, async_op=async_op)
+            cases.append((f"all_gather_q8 {short} {mode}", _gather_case, options))
+            for coalesced, (bits, hadamard) in itertools.product((False, True), ((4, None), (8, None), (4, 256))):
+                for op in ops if hadamard is None else ("SUM",):
+                    name = (f"reduce_scatter_q4{'_coalesced' if coalesced else ''} {short} {mode} "
+                            f"first_hop=INT{bits}{' hadamard=256' if hadamard else ''} {op}")  # fmt: skip
+                    make = functools.partial(_reduce_case, coalesced=coalesced, first_hop_bits=bits, hadamard=hadamard, op=op)
+                    cases.append((name, make, options))
     return cases
 
 

@@ -129,29 +129,25 @@ def _measure(args: argparse.Namespace, dtype: str, backends: list[str]) -> list[
     return rows
 
 
-def _check(label: str, value: float, target: str, ok: bool) -> str:
-    return f"| {label} | {value:.2f} | {target} | {'PASS' if ok else 'MISS'} |"
-
-
 def _target_lines(rows: list[Row], dtype: str) -> list[str]:
-    """The cpu backend's targets, from this run's medians."""
-    by_key = {(r.backend, r.op): r.seconds for r in rows}
-    clone, copy = by_key[("torch", "clone")], by_key[("torch", "copy_ (preallocated)")]
-    lines = []
+    """The cpu backend's targets, from this run's medians: (label, this time, over that time, target)."""
+    t = {(r.backend, r.op): r.seconds for r in rows}
+    clone, copy, checks = t["torch", "clone"], t["torch", "copy_ (preallocated)"], []
     for bits in (8, 4):
-        cpu, ref = by_key.get(("cpu", f"quantize INT{bits}")), by_key.get(("reference", f"quantize INT{bits}"))
-        reduce = by_key.get(("cpu", f"dequant_reduce INT{bits} k={_CHUNKS} -> fp32"))
-        if cpu is not None:
-            lines.append(_check(f"cpu quantize INT{bits} time / clone time", cpu / clone, "<= 1.5", cpu / clone <= 1.5))
-        if cpu is not None and ref is not None:
-            lines.append(_check(f"reference / cpu quantize INT{bits} time (speedup)", ref / cpu, ">= 4", ref / cpu >= 4))
-        if reduce is not None:
-            lines.append(_check(f"cpu dequant_reduce INT{bits} of {_CHUNKS} payloads time / clone time", reduce / clone,
-                                "<= 2", reduce / clone <= 2))  # fmt: skip
-    for op in ("quantize INT8", "quantize INT4", f"dequant_reduce INT8 k={_CHUNKS} -> fp32"):
-        if ("cpu", op) in by_key:
-            lines.append(f"| (info, no target) cpu {op} time / copy_ time | {by_key[('cpu', op)] / copy:.2f} | - | - |")
-    return [f"| {dtype} {line[2:]}" for line in lines]
+        cpu, reduce = t.get(("cpu", f"quantize INT{bits}")), t.get(("cpu", f"dequant_reduce INT{bits} k={_CHUNKS} -> fp32"))
+        checks += [(f"cpu quantize INT{bits} time / clone time", cpu, clone, "<= 1.5"),
+                   (f"reference / cpu quantize INT{bits} time (speedup)", t.get(("reference", f"quantize INT{bits}")), cpu, ">= 4"),
+                   (f"cpu dequant_reduce INT{bits} of {_CHUNKS} payloads time / clone time", reduce, clone, "<= 2")]  # fmt: skip
+    lines = [f"| {dtype} {label} | {a / b:.2f} | {target} | {'PASS' if _meets(a / b, target) else 'MISS'} |"
+             for label, a, b, target in checks if a is not None and b is not None]  # fmt: skip
+    return lines + [f"| {dtype} (info, no target) cpu {op} time / copy_ time | {t['cpu', op] / copy:.2f} | - | - |"
+                    for op in ("quantize INT8", "quantize INT4", f"dequant_reduce INT8 k={_CHUNKS} -> fp32") if ("cpu", op) in t]
+
+
+def _meets(value: float, target: str) -> bool:
+    """``target``: ``<= X`` or ``>= X``."""
+    relation, bound = target.split()
+    return value <= float(bound) if relation == "<=" else value >= float(bound)
 
 
 def _table(rows: list[Row], dtype: str) -> list[str]:

@@ -1,18 +1,14 @@
 """The GPU decides what stays: each kernel variant and launcher against the simpler path.
 
-``python -m bench.kernels --variants [--quick] [--json PATH] [--output PATH]`` (CUDA). Every row of
-:data:`ROWS` is a row of docs/kernel-variants.md, which says how it is decided and what a
-**remove** takes with it. On each target shape both paths run once into outputs of their own,
-which must be byte-identical, and the kernels each launched are recorded: a simpler path that
-launched the variant's kernels was not taken, and its row is not decided. A row is **keep** when
-the geometric mean of its shapes' ratios (simpler time / variant time) is at least
-:data:`KEEP_RATIO`, else **remove**.
-
-The simpler path is another public call where one exists (the unfused ops; ``torch.cat`` then the
-flat kernel); where the CUDA backend picks the variant by a bound or predicate, the simpler side
-runs with it overridden (:func:`_forced`). Timing is eager, because the interleaved kernel uploads
-its table per call and cannot be captured in a CUDA graph; the launchers' row times host enqueue
-instead, on 1K-element calls, where the host is all there is.
+``python -m bench.kernels --variants [--quick] [--json PATH] [--output PATH]`` (CUDA). Each row of
+:data:`ROWS` is a row of docs/kernel-variants.md. On each target shape both paths run once into
+outputs of their own, which must be byte-identical, and the kernels each launched are recorded (a
+simpler path that launched the variant's kernels was not taken: the row is not decided). **keep**
+when the geometric mean of the shapes' ratios (simpler time / variant time) is at least
+:data:`KEEP_RATIO`. The simpler path is another public call where one exists, else the same call
+with the CUDA backend's bound or predicate overridden (:func:`_forced`). Timing is eager: the
+interleaved kernel uploads its table per call, so it cannot be captured in a CUDA graph; the
+launchers' row times host enqueue, on 1K-element calls, where the host is all there is.
 """
 
 from __future__ import annotations
@@ -31,17 +27,14 @@ from unittest import mock
 import torch
 
 import zcomm.quant as q
-from bench.kernels.sweep import event_seconds
+from bench.kernels.sweep import CHUNKS, DTYPES, PERM, event_seconds
 
 BACKEND = "zcomm.quant.backends._cuda_launch"
 KEEP_RATIO = 1.10
 SIZES = (16 << 20, 64 << 20)
 GROUP = 256
-PERM = (7, 6, 5, 4, 3, 2, 1, 0)
-CHUNKS = 4
 PARTS = 8
 SHARES = (0.5, 0.25, 0.125, 0.0625, 0.0625)  # the interleaved shapes: 5 tensors' shares of the elements
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 REPEATS, SAMPLES = 20, 5
 HOST_CALLS, HOST_ROUNDS = 2000, 5
 CUDA = {"backend": "cuda"}
