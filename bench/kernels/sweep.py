@@ -26,12 +26,11 @@ import zcomm.quant as q
 SIZES = (16 << 20, 64 << 20, 256 << 20)
 GROUP_SIZES = (256, 512)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-PERM = (7, 6, 5, 4, 3, 2, 1, 0)
+PERM = (7, 6, 5, 4, 3, 2, 1, 0)  # reorder_quantize: 8 slices reversed, as a ring all-to-all would
 CHUNKS = 4  # reorder_quantize chunks, dequant_reduce rows and re-quantized chunks
 LAUNCHES = 20
 REPLAYS = 3
 SAMPLES = 5
-CUDA = {"backend": "cuda"}
 TARGETS = {"quantize": 0.85, "dequantize": 0.85, "reorder_quantize": 0.70, "dequant_reduce": 0.70}
 
 
@@ -72,38 +71,38 @@ def _copies(nbytes: int) -> int:
     return max(1, min(LAUNCHES, math.ceil(4 * l2 / nbytes)))
 
 
-def op_specs(n: int, dtype: torch.dtype, gs: int) -> list[tuple[str, str, int, Callable[[], Callable[[], object]]]]:
-    """(op family, label, bytes moved, factory of one call on fresh buffers) per op. The reductions read
-    payloads and write fp32 or payloads: with the fp32 rows only, once per size."""
+def op_specs(n: int, dtype: torch.dtype, gs: int, backend: str = "cuda", *, divide_by: float = CHUNKS,
+             every_dtype: bool = False) -> list[tuple[str, str, int, Callable[[], Callable[[], object]]]]:
+    """(op family, label, bytes moved, factory of one call on fresh buffers) per op of ``backend``, on its device.
+    The reductions read payloads and write fp32 or payloads: with the fp32 rows only (once per size) unless
+    ``every_dtype``. Their ``CHUNKS`` rows repeat one payload: the data does not change the work."""
+    kw, device = {"backend": backend}, "cuda" if backend == "cuda" else "cpu"
     elem = torch.tensor([], dtype=dtype).element_size()
-    randn = partial(torch.randn, n, device="cuda")
-    empty = partial(torch.empty, device="cuda", dtype=torch.uint8)
+    randn = partial(torch.randn, n, device=device)
+    empty = partial(torch.empty, device=device, dtype=torch.uint8)
 
     def rows(bits: int) -> torch.Tensor:
-        return torch.stack([q.quantize(randn(), bits, gs, **CUDA) for _ in range(CHUNKS)])
+        return q.quantize(randn(), bits, gs, **kw).expand(CHUNKS, -1).contiguous()
 
     specs = []
     for b in (8, 4):
         p, c = q.payload_nbytes(n, b, gs), q.payload_nbytes(n // CHUNKS, b, gs)
         specs += [
             ("quantize", f"quantize INT{b}", n * elem + p,
-             lambda b=b, p=p: partial(q.quantize, randn(dtype=dtype), b, gs, out=empty(p), **CUDA)),
+             lambda b=b, p=p: partial(q.quantize, randn(dtype=dtype), b, gs, out=empty(p), **kw)),
             ("dequantize", f"dequantize INT{b}", p + n * elem,
-             lambda b=b: partial(q.dequantize, q.quantize(randn(dtype=dtype), b, gs, **CUDA), n, b, gs, dtype,
-                                 out=empty(n, dtype=dtype), **CUDA)),
+             lambda b=b: partial(q.dequantize, q.quantize(randn(dtype=dtype), b, gs, **kw), n, b, gs, dtype,
+                                 out=empty(n, dtype=dtype), **kw)),
             ("reorder_quantize", f"reorder_quantize INT{b}", n * elem + CHUNKS * c,
-             lambda b=b, c=c: partial(q.reorder_quantize, randn(dtype=dtype), PERM, CHUNKS, b, gs, out=empty(CHUNKS, c),
-                                      **CUDA)),
-        ]  # fmt: skip
-        if dtype == torch.float32:
-            specs += [
-                ("dequant_reduce", f"dequant_reduce INT{b} k={CHUNKS} -> fp32", CHUNKS * p + 4 * n,
-                 lambda b=b: partial(q.dequant_reduce, rows(b), n, b, gs, divide_by=CHUNKS,
-                                     out=empty(n, dtype=torch.float32), **CUDA)),
-                ("dequant_reduce", f"dequant_reduce INT{b} k={CHUNKS} -> requant INT{b} m={CHUNKS}", CHUNKS * p + CHUNKS * c,
-                 lambda b=b, c=c: partial(q.dequant_reduce, rows(b), n, b, gs, requant_chunks=CHUNKS, divide_by=CHUNKS,
-                                          out=empty(CHUNKS, c), **CUDA)),
-            ]  # fmt: skip
+             lambda b=b, c=c: partial(q.reorder_quantize, randn(dtype=dtype), PERM, CHUNKS, b, gs, out=empty(CHUNKS, c), **kw)),
+        ] + ([
+            ("dequant_reduce", f"dequant_reduce INT{b} k={CHUNKS} -> fp32", CHUNKS * p + 4 * n,
+             lambda b=b: partial(q.dequant_reduce, rows(b), n, b, gs, divide_by=divide_by, out=empty(n, dtype=torch.float32),
+                                 **kw)),
+            ("dequant_reduce", f"dequant_reduce INT{b} k={CHUNKS} -> requant INT{b} m={CHUNKS}", CHUNKS * p + CHUNKS * c,
+             lambda b=b, c=c: partial(q.dequant_reduce, rows(b), n, b, gs, requant_chunks=CHUNKS, divide_by=divide_by,
+                                      out=empty(CHUNKS, c), **kw)),
+        ] if every_dtype or dtype == torch.float32 else [])  # fmt: skip
     return specs
 
 
