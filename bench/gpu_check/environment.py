@@ -34,13 +34,6 @@ def _command(*argv: str) -> str:
     return (done.stdout.strip() or done.stderr.strip()).splitlines()[-1]
 
 
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "absent"
-
-
 def _gpus() -> str:
     import torch
 
@@ -60,13 +53,6 @@ def _cupy() -> str:
     runtime = cupy.cuda.runtime
     return (f"cupy {cupy.__version__} (CUDA runtime {cuda(runtime.runtimeGetVersion())}, driver API "
             f"{cuda(runtime.driverGetVersion())}, NVRTC {'.'.join(map(str, cupy.cuda.nvrtc.getVersion()))})")  # fmt: skip
-
-
-def _nccl() -> str:
-    import torch
-
-    version = torch.cuda.nccl.version()
-    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
 def _cpu() -> str:
@@ -91,11 +77,12 @@ def collect(repo: Path, gpu: bool = True) -> dict[str, str]:
         "GPU": _gpus,
         "driver": lambda: _command("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"),
         "torch": lambda: f"{torch.__version__} (CUDA {torch.version.cuda})",
-        "NCCL (torch)": _nccl,
+        "NCCL (torch)": lambda: ".".join(map(str, torch.cuda.nccl.version())),
         "cupy": _cupy,
         "nvcc": lambda: _command(shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc", "--version"),
         "python": lambda: f"{platform.python_version()} ({sys.executable})",
-        "numpy / numba / pytest": lambda: " / ".join(_version(p) for p in ("numpy", "numba", "pytest")),
+        "numpy / numba / pytest": lambda: " / ".join(importlib.metadata.version(p) if importlib.util.find_spec(p) else "absent"
+                                                     for p in ("numpy", "numba", "pytest")),
         "CPU": _cpu,
         "OS": platform.platform,
     } if gpu else {"torch": lambda: torch.__version__, "python": platform.python_version, "CPU": _cpu}

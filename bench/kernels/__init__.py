@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from bench.harness.flags import parse_size
-
 # mode -> (module, function): each takes the parsed arguments and returns the report's lines
 MODES = {"sweep": ("sweep", "main"), "variants": ("variants", "main"), "ncu": ("sweep", "ncu"), "static": ("static", "main")}
 
@@ -27,7 +25,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="--sweep, --variants: the smallest size only")
     parser.add_argument("--json", metavar="PATH", help="--sweep, --variants: also write the rows as JSON")
     parser.add_argument("--output", help="also write the report (markdown) to this file")
-    parser.add_argument("--ncu-numel", type=parse_size, default="16M", help="--ncu: elements per op (default 16M)")
     static.add_arguments(parser)
     return parser
 

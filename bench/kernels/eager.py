@@ -145,7 +145,7 @@ def _environment() -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--numel", type=parse_size, default="64M", help="elements of the input (K/M/G: powers of 1024; default 64M)")
+    parser.add_argument("--numel", type=parse_size, help="elements per op (K/M/G: powers of 1024; default 64M, --ncu: 16M)")
     parser.add_argument("--dtype", nargs="+", choices=sorted(_DTYPES), default=["fp32"], help="one table per dtype")
     parser.add_argument("--backends", nargs="+", choices=sorted(q.backend_device_types()),
                         help="default: every CPU backend that can run")
@@ -155,7 +155,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
-    args.group_size = args.group_size or 512
+    args.group_size, args.numel = args.group_size or 512, args.numel or 64 << 20
     if args.numel % (len(PERM) * CHUNKS):
         parser.error(f"--numel must be a multiple of {len(PERM) * CHUNKS}")
     if args.repeats < 1 or args.reference_repeats < 1:
