@@ -15,16 +15,9 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from . import speed_plan
-from .stages import DRIVER_TESTS_XML, GPU_CHECK_ENV, StageResult, junit_counts, tests_xml
+from .stages import GPU_CHECK_ENV, StageResult, junit_counts
 
 TAIL_LINES = 40
-
-
-def tail(path: Path, lines: int = TAIL_LINES) -> str:
-    """The last ``lines`` lines of ``path`` (or a note that it is missing)."""
-    if not path.exists():
-        return f"({path.name} was not written)"
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 def _section(path: Path, render: Callable[[Path], list[str]], missing: str | None = None) -> list[str]:
@@ -58,7 +51,12 @@ def _stage_table(results: Sequence[StageResult], noun: str, cell: Callable[[Stag
 
 
 def _tails(results: Sequence[StageResult]) -> list[str]:
-    return [line for r in results for line in ("", f"### {r.stage.name}: {r.status}", "", "```", tail(r.log), "```")]
+    """The last ``TAIL_LINES`` lines of each result's log."""
+    lines = []
+    for r in results:
+        tail = r.log.read_text(errors="replace").splitlines()[-TAIL_LINES:] if r.log.exists() else [f"({r.log.name} was not written)"]
+        lines += ["", f"### {r.stage.name}: {r.status}", "", "```", *tail, "```"]
+    return lines
 
 
 # ---- gpu-check
@@ -83,8 +81,7 @@ def coverage(gpus: int) -> list[str]:
 
 
 def _check_cell(result: StageResult) -> str:
-    xml = {"cuda-tests": tests_xml(result.log.parent),
-           "driver-launcher": result.log.parent / DRIVER_TESTS_XML}.get(result.stage.name)  # fmt: skip
+    xml = result.log.parent / result.stage.junit if result.stage.junit else None
     if xml is None or not xml.exists():
         return result.status.upper()
     n = junit_counts(xml)

@@ -56,6 +56,7 @@ CUDA_TESTS = (
 )  # fmt: skip
 CUDA_TESTS_SELECT = "not on-cpu"
 TESTS_DIR = "cuda-tests"
+TESTS_XML = f"{TESTS_DIR}/cuda-tests.xml"  # the test runner's merged JUnit file
 TEST_JOBS = 6
 # The driver-launcher stage: the cases that launch zcomm's kernels in this process (no reference
 # backend, no CPU target, no bound world, which takes a process of its own, and not the comparison
@@ -76,7 +77,8 @@ class Stage:
 
     ``needs``: modules the interpreter must import for it to mean anything; ``env``: variables
     added; ``missing``: problems known before it runs (absent test files), which fail it;
-    ``verify``: the problems in its outputs; ``skip``: why it cannot run on this machine.
+    ``verify``: the problems in its outputs; ``junit``: its pytest JUnit file in the result folder,
+    whose crashes and failures fail it; ``skip``: why it cannot run on this machine.
     """
 
     name: str
@@ -87,6 +89,7 @@ class Stage:
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     missing: tuple[str, ...] = ()
     verify: Callable[[Path], list[str]] | None = None
+    junit: str | None = None
     skip: str | None = None
 
 
@@ -168,11 +171,10 @@ def run_stage(stage: Stage, out_dir: Path, deadline: float, base_env: Mapping[st
             raise
     seconds = time.monotonic() - start
     problems = ([f"exited with status {returncode}"] if returncode else []) + list(stage.missing)
-    if stage.verify is not None:  # also after a failed run: the outputs name what failed
-        try:
-            problems += stage.verify(out_dir)
-        except (OSError, ValueError, KeyError, TypeError) as exc:  # malformed output: report it, keep going
-            problems.append(f"its output could not be verified: {type(exc).__name__}: {exc}")
+    try:  # also after a failed run: the outputs name what failed
+        problems += (stage.verify(out_dir) if stage.verify else []) + (_verify_junit(out_dir / stage.junit) if stage.junit else [])
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # malformed output: report it, keep going
+        problems.append(f"its output could not be verified: {type(exc).__name__}: {exc}")
     return result("failed" if problems else "passed", problems, seconds, returncode)
 
 
@@ -189,11 +191,6 @@ def junit_counts(path: Path) -> dict[str, int]:
     return {key: sum(int(suite.get(key, 0)) for suite in _suites(path)) for key in ("tests", "failures", "errors", "skipped")}
 
 
-def tests_xml(out_dir: Path) -> Path:
-    """The merged JUnit file of the cuda-tests stage (:mod:`bench.gpu_check.test_runner`)."""
-    return out_dir / TESTS_DIR / "cuda-tests.xml"
-
-
 def crashed_tests(path: Path) -> list[str]:
     """The names of the tests that crashed their pytest process, from the merged JUnit file."""
     return [case.get("name", "?") for suite in _suites(path) if suite.get("name") == "crashes" for case in suite.iter("testcase")]
@@ -206,11 +203,11 @@ def failed_tests(path: Path, limit: int = 30) -> list[str]:
     return names[:limit] + ([f"... and {len(names) - limit} more"] if len(names) > limit else [])
 
 
-def _verify_junit(path: Path, absent: str) -> list[str]:
+def _verify_junit(path: Path) -> list[str]:
     """A pytest stage's problems from its JUnit file: none ran, a test crashed its process (the
-    test runner's merged file only), a test failed; ``absent`` when there is no file."""
+    test runner's merged file only), a test failed."""
     if not path.exists():
-        return [absent]
+        return [f"{path.name} was not written: pytest died before the end (see the log)"]
     crashed = crashed_tests(path)
     failed = [name for name in failed_tests(path) if name.split("::", 1)[-1] not in crashed]
     none = [] if junit_counts(path)["tests"] else ["pytest ran no test"]
@@ -269,7 +266,7 @@ def plan(out_dir: Path, *, gpus: int, python: str = sys.executable) -> list[Stag
                     f"per file, {TEST_JOBS} at once: {', '.join(Path(n).name for n in CUDA_TESTS)}",
               argv=(python, "-m", "bench.gpu_check.test_runner", "--out", str(out_dir / TESTS_DIR),
                     "--jobs", str(TEST_JOBS), "-k", CUDA_TESTS_SELECT, *tests),
-              missing=tests_missing, verify=lambda out: _verify_junit(tests_xml(out), "the test runner wrote no cuda-tests.xml")),
+              missing=tests_missing, junit=TESTS_XML),
         Stage(name="w4", limit_s=60, needs=("cupy",), env=DEVICE_CHECKS, verify=_verify_w4,
               title="W = 4 on one GPU: 4 ranks as 2 nodes x 2 over gloo, every tensor on cuda:0, zcomm's CUDA kernels; "
                     "hierarchical collectives and ZeRO++ steps byte-/loss-equal to the same on CPU tensors (not NCCL)",
@@ -294,6 +291,5 @@ def plan(out_dir: Path, *, gpus: int, python: str = sys.executable) -> list[Stag
                     f"{GPU_CHECK_ENV}=1, -k '{DRIVER_TESTS_SELECT}': {', '.join(Path(n).name for n in DRIVER_TESTS)}",
               argv=(python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE", "-k", DRIVER_TESTS_SELECT,
                     f"--junitxml={out_dir / DRIVER_TESTS_XML}", *driver_tests),
-              missing=driver_missing, verify=lambda out: _verify_junit(
-                  out / DRIVER_TESTS_XML, f"pytest wrote no {DRIVER_TESTS_XML} (it died before the end: see the log)")),
+              missing=driver_missing, junit=DRIVER_TESTS_XML),
     ]  # fmt: skip

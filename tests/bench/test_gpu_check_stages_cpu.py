@@ -59,8 +59,9 @@ def test_a_crashing_test_is_a_named_failure_and_the_other_files_still_run(tmp_pa
 def test_the_stage_names_crashes_and_failures(tmp_path):
     (tmp_path / stages.TESTS_DIR).mkdir()
     outcome = test_runner.FileOutcome("t.py", (), (test_runner.Crash("t.py", "t.py::test_b", -11, (("t.py::test_a", "FAILED"),)),))
-    test_runner.merge([outcome], stages.tests_xml(tmp_path))
-    assert stages.plan(tmp_path, gpus=1)[0].verify(tmp_path) == ["crashed its process: t.py::test_b", "failed: t.py::t.py::test_a"]
+    test_runner.merge([outcome], tmp_path / stages.TESTS_XML)
+    assert stages.plan(tmp_path, gpus=1)[0].junit == stages.TESTS_XML
+    assert stages._verify_junit(tmp_path / stages.TESTS_XML) == ["crashed its process: t.py::test_b", "failed: t.py::t.py::test_a"]
 
 
 def test_progress_reads_pytest_verbose_output():
