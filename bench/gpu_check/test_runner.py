@@ -54,10 +54,6 @@ class FileOutcome(NamedTuple):
     crashes: tuple[Crash, ...]
 
 
-def slug(file: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "_", file).strip("_")
-
-
 def progress(log_text: str, file: str) -> tuple[list[tuple[str, str]], str | None]:
     """(test id, outcome) of the tests with an outcome in one ``pytest -v`` run's output, and the one named without."""
     done, running = [], None
@@ -74,9 +70,10 @@ def progress(log_text: str, file: str) -> tuple[list[tuple[str, str]], str | Non
 def run_file(file: str, out: Path, *, select: str | None, scratch: Path, env: Mapping[str, str] | None = None) -> FileOutcome:
     """Run ``file`` in one ``pytest -v`` process, read from its log if it died (module docstring); the
     tests' temporary files go under ``scratch``, not into the result folder ``out``."""
-    log, xml = out / f"{slug(file)}.log", out / f"{slug(file)}.xml"
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", file).strip("_")
+    log, xml = out / f"{slug}.log", out / f"{slug}.xml"
     argv = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--continue-on-collection-errors",
-            f"--junitxml={xml}", f"--basetemp={scratch / slug(file)}", *(["-k", select] if select else []), file]
+            f"--junitxml={xml}", f"--basetemp={scratch / slug}", *(["-k", select] if select else []), file]
     with log.open("w") as handle:
         returncode = subprocess.run(argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     check=False).returncode  # fmt: skip

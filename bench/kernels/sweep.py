@@ -147,13 +147,10 @@ def main(args) -> list[str]:
 
 
 def ncu(args) -> list[str]:
-    """One call of every op of the sweep (bf16 and fp32, ``--numel`` elements) in a profiler range.
-
-    Inputs, outputs and compiled kernels are all made first; then ``torch.cuda.profiler`` opens the
-    range around one call of each, each in an NVTX range named after it. Run under ``ncu
-    --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy --section
-    LaunchStats``: the bottleneck, DRAM and SM shares, registers and occupancy a kernel change is judged by.
-    """
+    """One call of every op of the sweep (bf16 and fp32, ``--numel`` elements), each in an NVTX range, inside
+    a profiler range opened once inputs, outputs and kernels are made. Run under ``ncu --clock-control none
+    --profile-from-start off --section SpeedOfLight --section Occupancy --section LaunchStats``: the
+    bottleneck, DRAM and SM shares, registers and occupancy a kernel change is judged by."""
     calls = [(f"{tag} {label}", factory()) for tag, dtype in DTYPES.items()
              for _family, label, _nbytes, factory in op_specs(args.numel or 16 << 20, dtype, args.group_size or 256)]  # fmt: skip
     for _label, call in calls:
