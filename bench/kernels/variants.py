@@ -56,8 +56,6 @@ class Case:
 @dataclass(frozen=True)
 class Row:
     name: str  # as in docs/kernel-variants.md
-    variant: str
-    simpler: str
     cases: Callable[[int], list[Case]]
     host: bool = False  # time host enqueue (the launchers) instead of the GPU
 
@@ -193,24 +191,17 @@ def _launchers(n: int) -> list[Case]:
             Case("dequant_reduce INT4 -> INT4 1K", _requant(_payload_rows(n, 4), n, 4, 4, 4.0), _chunks(n, 4), **launchers)]
 
 
+# The rows of docs/kernel-variants.md, by name; the table there says what each variant and simpler path is.
 ROWS = (
-    Row("narrow re-quantizing kernels", "zc_dequant_reduce_requant_regs_{one,pow2,div}_int*_int* (12)",
-        "the general re-quantizing kernel zc_dequant_reduce_requant_int*_int*", _narrow_requant),
-    Row("interleaved register kernel", "zc_reorder_interleaved_regs_* (6)",
-        "the general interleaved kernel zc_reorder_interleaved_*", partial(_interleaved, catenated=False)),
-    Row("interleaved reorder kernels", "zc_reorder_interleaved_* (6, with _regs and _wide: 18)",
-        "torch.cat of the parts and fill, then the flat zc_reorder_quantize_*", partial(_interleaved, catenated=True)),
-    Row("32-bit index kernels", "zc_reorder_quantize_*, zc_reorder_interleaved_* (12) beside their _wide forms",
-        "the _wide (64-bit index) kernels for every size", _index_width),
-    Row("fused reorder + quantize", "zc_reorder_quantize_* (6)",
-        "index_select of the slices, then zc_quantize_* per chunk", _fused_reorder),
-    Row("fused dequant_reduce + re-quantize", "zc_dequant_reduce_requant_* (4, and the narrow 12)",
-        "zc_dequant_reduce_* to fp32, then zc_quantize_* per chunk", _fused_requant),
-    Row("tile encoder scheme", "the two-pass tile scheme of every encoder (groups over 4096 elements)",
-        "the team scheme for every group size", _tiles),
-    Row("driver launcher", "zcomm_cuda/driver_launch.py (cuLaunchKernelEx through ctypes)",
-        "cupy's RawKernel launch", _launchers, host=True),
-)  # fmt: skip
+    Row("narrow re-quantizing kernels", _narrow_requant),
+    Row("interleaved register kernel", partial(_interleaved, catenated=False)),
+    Row("interleaved reorder kernels", partial(_interleaved, catenated=True)),
+    Row("32-bit index kernels", _index_width),
+    Row("fused reorder + quantize", _fused_reorder),
+    Row("fused dequant_reduce + re-quantize", _fused_requant),
+    Row("tile encoder scheme", _tiles),
+    Row("driver launcher", _launchers, host=True),
+)
 
 
 @contextlib.contextmanager
@@ -305,7 +296,7 @@ def measure(quick: bool) -> list[dict]:
     other rows still run."""
     results = []
     for row in ROWS:
-        entry: dict = {"row": row.name, "variant": row.variant, "simpler": row.simpler, "cases": []}
+        entry: dict = {"row": row.name, "cases": []}
         for n in SIZES[:1] if quick or row.host else SIZES:
             prefix = "" if row.host else f"{n >> 20}M "
             try:
@@ -337,14 +328,12 @@ def report(results: list[dict], name: str, seconds: float) -> list[str]:
              f"{SAMPLES} x {REPEATS} calls; the launchers: host enqueue time). A row is kept when the geometric "
              f"mean of its ratios is >= {KEEP_RATIO:.2f} (the variant beats the simpler path by 10%); rows of "
              "docs/kernel-variants.md.", "",
-             "## Decisions", "", "| row | variant | simpler path | shapes | ratios (min-max) | geo. mean | decision |",
-             "|---|---|---|---:|---|---:|---|"]  # fmt: skip
+             "## Decisions", "", "| row | shapes | ratios (min-max) | geo. mean | decision |", "|---|---:|---|---:|---|"]
     for r in results:
         ratios = [c["ratio"] for c in r["cases"] if "ratio" in c]
         spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
         mean = f"{r['geomean']:.2f}" if r["geomean"] else "-"
-        lines.append(f"| {r['row']} | {r['variant']} | {r['simpler']} | {len(r['cases'])} | {spread} | {mean} "
-                     f"| **{r['decision']}** |")
+        lines.append(f"| {r['row']} | {len(r['cases'])} | {spread} | {mean} | **{r['decision']}** |")
     lines += ["", "## Shapes", "", "| row | shape | variant us | simpler us | ratio | kernels (variant / simpler) |",
               "|---|---|---:|---:|---:|---|"]
     for r in results:
