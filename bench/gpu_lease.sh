@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
-# One GPU lease, one command: `bench/gpu_lease.sh OUTDIR` runs gpu-check, then gpu-bench, from the
-# checkout it sits in with GPU_PYTHON (default python3), each under a hard `timeout` a little above its
-# own deadline, and leaves in OUTDIR each result folder as a tarball, the two report.md files and the
-# log (5 files). Exit status: gpu-check's if it failed, else gpu-bench's. It installs nothing.
-# Limits and what each part runs: docs/gpu-check.md.
+# One GPU lease, one command: `bench/gpu_lease.sh OUTDIR` runs gpu-check, then gpu-bench, each under a
+# hard `timeout` a little above its own deadline, with GPU_PYTHON (default python3), and leaves in
+# OUTDIR each result folder as a tarball, the two report.md files and the log (docs/gpu-check.md).
 set -u
 [ $# -eq 1 ] || { echo "usage: $0 OUTDIR" >&2; exit 64; }
 out=$(mkdir -p "$1" && cd "$1" && pwd) || exit 64

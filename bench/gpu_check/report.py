@@ -1,10 +1,6 @@
 """The two ``report.md`` files of the GPU entry point, built from the stages' results and the outputs beside them.
 
-gpu-check (:func:`render_check`): verdict, stages, coverage, environment, the W = 4 and NCCL checks,
-the collectives' table, the log tails. gpu-bench (:func:`render_bench`): verdict, parts,
-environment, the tools' measurements (training with the paired ratios of ``speed_plan.TRAIN_PAIRS``),
-the log tails of the parts that did not pass. A section whose output is missing or malformed says
-so in one line: the rest of the report still stands.
+A section whose output is missing or malformed says so in one line: the rest of the report still stands.
 """
 
 from __future__ import annotations

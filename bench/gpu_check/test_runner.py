@@ -1,14 +1,10 @@
-"""gpu-check's CUDA test stage: one pytest process per test file, several at once, crash-proof.
+"""gpu-check's CUDA test stage: one pytest process per test file, several at once, crash-proof (docs/gpu-check.md).
 
-``python -m bench.gpu_check.test_runner --out DIR [--jobs N] [-k EXPR] FILE...`` runs each file in its
-own ``pytest -v`` process, ``--jobs`` at once on the one GPU, each with ``OMP_NUM_THREADS`` at its
-share of the cores, so that a test that kills its process (a segfault, an abort) takes no other
-file down. A process that died wrote no JUnit file; its ``-v`` log, which names each test before
-it runs, says what it did: the tests with an outcome keep it, and the one named without one is the
-crash, a failure naming the signal (the file's later tests did not run, which its message says).
-Outputs in ``DIR``: ``<file>.log``, ``<file>.xml`` and ``cuda-tests.xml``, their merge with a
-``crashes`` suite (a failing case per crash) and the outcomes the crashed runs printed. Exit status
-0 when every test passed, 1 otherwise.
+``python -m bench.gpu_check.test_runner --out DIR [--jobs N] [-k EXPR] FILE...``: each file in its own
+``pytest -v`` process, so that a test that kills its process takes no other file down, each with
+``OMP_NUM_THREADS`` at its share of the cores. A process that died wrote no JUnit file, but ``-v``
+names each test before it runs: the log gives the outcomes before the crash and the crashed test.
+Exit status 0 when every test passed, 1 otherwise.
 """
 
 from __future__ import annotations

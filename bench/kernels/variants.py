@@ -1,14 +1,10 @@
-"""The GPU decides what stays: each kernel variant and launcher against the simpler path.
+"""The GPU decides what stays: each kernel variant and launcher against the simpler path (docs/kernel-variants.md).
 
-``python -m bench.kernels --variants [--quick] [--json PATH] [--output PATH]`` (CUDA). Each row of
-:data:`ROWS` is a row of docs/kernel-variants.md. On each target shape both paths run once into
-outputs of their own, which must be byte-identical, and the kernels each launched are recorded (a
-simpler path that launched the variant's kernels was not taken: the row is not decided). **keep**
-when the geometric mean of the shapes' ratios (simpler time / variant time) is at least
-:data:`KEEP_RATIO`. The simpler path is another public call where one exists, else the same call
-with the CUDA backend's bound or predicate overridden (:func:`_forced`). Timing is eager: the
-interleaved kernel uploads its table per call, so it cannot be captured in a CUDA graph; the
-launchers' row times host enqueue, on 1K-element calls, where the host is all there is.
+``python -m bench.kernels --variants [--quick] [--json PATH] [--output PATH]`` (CUDA). The simpler path
+is another public call where one exists, else the same call with the CUDA backend's bound or
+predicate overridden (:func:`_forced`); a side that launched the other's kernels was not taken.
+Timing is eager: the interleaved kernel uploads its table per call, so it cannot be captured in a
+CUDA graph; the launchers' row times host enqueue, on 1K-element calls, where the host is all there is.
 """
 
 from __future__ import annotations
