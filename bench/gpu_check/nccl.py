@@ -1,10 +1,9 @@
 """gpu-check's NCCL stage: one rank per GPU, every collective byte-identical to the same call on CPU tensors.
 
-``torchrun --nproc-per-node=G -m bench.gpu_check.nccl --json PATH`` (two machines, the flight
-recorder: docs/gpu-check.md). Each rank binds its GPU and joins an NCCL group, and a gloo group of
-the same ranks for the CPU side. Every case of w4, on zcomm's detected topology and on 2 pretend
-nodes (so that the second hop runs over NCCL on one machine), under each CUDA kernel launcher, is
-checked as w4 checks it; then ZeRO++ and FSDP2 with ``zcomm.fsdp.enable_zeropp`` against the CPU's losses.
+``torchrun --nproc-per-node=G -m bench.gpu_check.nccl --json PATH`` (two machines, the flight recorder:
+docs/gpu-check.md): w4's cases and checks, over an NCCL group with a gloo group of the same ranks for
+the CPU side, on the detected topology and on 2 pretend nodes (so that the second hop runs over NCCL
+on one machine), under each CUDA kernel launcher; then ZeRO++ and FSDP2 with ``zcomm.fsdp.enable_zeropp``.
 """
 
 from __future__ import annotations

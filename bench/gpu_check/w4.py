@@ -1,18 +1,13 @@
 """World size 4 on one machine: zcomm's hierarchical collectives and ZeRO++ on 2 nodes x 2 ranks, one device.
 
-``torchrun --standalone --nproc-per-node=4 -m bench.gpu_check.w4 --device {cuda,cpu} --json PATH``
-(gpu-check's w4 stage: docs/gpu-check.md). One GPU cannot host two ranks of one NCCL communicator,
-but gloo runs collectives on CUDA tensors (staged through the host), so the 4 ranks join a gloo
-group as ``Topology(world_size=4, local_size=2)`` with their tensors on ``cuda:0``.
-
-Oracle: each rank runs every case (:func:`_cases`) on ``--device`` tensors and on CPU tensors of the
-same group, whose outputs must be byte-identical (the wire format is exact). The CPU side runs
-zcomm's reference backend, which defines the wire format and compiles nothing (no numba compile in
-4 ranks eats the stage's time; a GPU machine may lack numba), and is held against a plain fp64
-collective within a loose bound (``GATHER_BOUND``, ``REDUCE_BOUND``), which catches a CPU path wrong
-in the same way. ``STEPS`` ZeRO++ steps must agree within ``ZEROPP_RTOL`` ([Note: CPU/CUDA bounds]
-in tests/runtime/test_zero_cuda.py). Exit status 0 when every check passed, 1 when one failed, 2
-when ``--device cuda`` has no GPU.
+``torchrun --standalone --nproc-per-node=4 -m bench.gpu_check.w4 --device {cuda,cpu} --json PATH`` (what it
+checks: docs/gpu-check.md). One GPU cannot host two ranks of one NCCL communicator, but gloo runs
+collectives on CUDA tensors (staged through the host), so 4 ranks on ``cuda:0`` run zcomm's kernels with
+W > 1. The oracle is the same calls on CPU tensors, byte for byte, on zcomm's reference backend: it
+defines the wire format and compiles nothing (no numba compile in 4 ranks eats the stage's time; a GPU
+machine may lack numba). The CPU side is also held against a plain fp64 collective within a loose bound,
+which catches a CPU path wrong in the same way; ZeRO++'s losses agree within ``ZEROPP_RTOL``
+([Note: CPU/CUDA bounds] in tests/runtime/test_zero_cuda.py). Exit status 2 when ``--device cuda`` has no GPU.
 """
 
 from __future__ import annotations

@@ -106,18 +106,14 @@ def op_specs(n: int, dtype: torch.dtype, gs: int, backend: str = "cuda", *, divi
     return specs
 
 
-def _copy_seconds(nbytes: int) -> float:
-    buffers = [torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda") for _ in range(2 * _copies(nbytes))]
-    return _time_graph([partial(d.copy_, s) for s, d in zip(buffers[::2], buffers[1::2], strict=True)])
-
-
 def sweep(quick: bool = False) -> list[dict]:
     """Every (size, group size, dtype, op) row of the sweep, measured on the current GPU."""
     rows = []
     for n, gs, (tag, dtype) in itertools.product(SIZES[:1] if quick else SIZES, GROUP_SIZES, DTYPES.items()):
         for family, label, nbytes, factory in op_specs(n, dtype, gs):
             seconds = _time_graph([factory() for _ in range(_copies(nbytes))])  # its buffers go before the copy's
-            copy = _copy_seconds(nbytes)
+            halves = [torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda") for _ in range(2 * _copies(nbytes))]
+            copy = _time_graph([partial(d.copy_, s) for s, d in zip(halves[::2], halves[1::2], strict=True)])
             rows.append(dict(numel=n, group_size=gs, dtype=tag, family=family, op=label, bytes=nbytes, seconds=seconds,
                              gbps=nbytes / seconds / 1e9, copy_gbps=nbytes / copy / 1e9, vs_copy=copy / seconds,
                              target=TARGETS[family]))  # fmt: skip
