@@ -5,7 +5,7 @@ source's translation unit (the loader's :func:`~zcomm_cuda.loader.expand_include
 with the loader's NVRTC options by nvcc, whose front end and ptxas are NVRTC's (the cubin NVRTC
 returns through cupy is cut short: its ELF program headers lie past its end), and read with PyPI's
 ``cuobjdump`` and ``nvdisasm`` (``pip install --target DIR nvidia-cuda-cuobjdump
-nvidia-cuda-nvdisasm``; ``--tools DIR`` or ``$ZC_SASS_TOOLS``).
+nvidia-cuda-nvdisasm``, DIR ``$ZC_SASS_TOOLS``, by default :data:`TOOLS`).
 
 Columns: ``regs``, ``stack/local`` (``cuobjdump -res-usage``); ``sass``, the kernel's instructions;
 ``loop/elem``, the static size of its vector main loop(s) over the elements one iteration handles
@@ -39,6 +39,7 @@ _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _BRA = re.compile(r"\bBRA\b.*?`\((\.L_x_\d+)\)")
 _LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
+TOOLS = Path(os.environ.get("ZC_SASS_TOOLS", "/tmp/sasstools"))
 CONTROL_SOURCE = "quantize.cu"  # compiled with and without -lineinfo, to check they agree
 HOT = {"registers": ("RegisterLane",), "streamed": ("lane_absmax", "encode_group_lane"),
        "decoder": ("decode_group_lane", "decode_run")}  # fmt: skip
@@ -69,10 +70,10 @@ def _run(*argv: str) -> str:
     return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
 
 
-def _tool(tools: Path, name: str) -> str:
-    found = next((p for p in tools.rglob(name) if p.is_file()), None)
+def _tool(name: str) -> str:
+    found = next((p for p in TOOLS.rglob(name) if p.is_file()), None)
     if found is None:
-        raise SystemExit(f"{name} not found under {tools}: pip install --target {tools} nvidia-cuda-{name}")
+        raise SystemExit(f"{name} not found under {TOOLS} ($ZC_SASS_TOOLS): pip install --target {TOOLS} nvidia-cuda-{name}")
     return str(found)
 
 
@@ -196,9 +197,9 @@ def _per_element(kernel: str, loops: list[Loop]) -> tuple[float | None, float | 
             "+".join(f"{n}({l.instructions}{f', cold {l.cold}' if l.cold else ''})" for n, l in chosen.items()))
 
 
-def analyse(arch: str, tools: Path, work: Path, sources: list[str]) -> tuple[dict[str, dict], list[str]]:
+def analyse(arch: str, work: Path, sources: list[str]) -> tuple[dict[str, dict], list[str]]:
     """Per kernel its columns, and the kernels whose instruction count -lineinfo changed (the control compile)."""
-    cuobjdump, nvdisasm = _tool(tools, "cuobjdump"), _tool(tools, "nvdisasm")
+    cuobjdump, nvdisasm = _tool("cuobjdump"), _tool("nvdisasm")
     report, changed = {}, []
     for source in sources:
         lined = _compile(source, arch, work, "-lineinfo")
@@ -240,12 +241,10 @@ def render(report: dict[str, dict], changed: list[str], arch: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", default="sm_90", help="--static: the architecture compiled for")
-    parser.add_argument("--tools", type=Path, default=Path(os.environ.get("ZC_SASS_TOOLS", "/tmp/sasstools")),
-                        help="--static: where cuobjdump and nvdisasm are (pip install --target DIR)")
     parser.add_argument("--sources", nargs="+", choices=loader.KERNEL_SOURCES, default=list(loader.KERNEL_SOURCES),
                         help="--static: the kernel sources to compile")
 
 
 def main(args: argparse.Namespace) -> list[str]:
     with tempfile.TemporaryDirectory() as work:
-        return render(*analyse(args.arch, args.tools, Path(work), args.sources), args.arch)
+        return render(*analyse(args.arch, Path(work), args.sources), args.arch)
