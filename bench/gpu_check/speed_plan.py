@@ -53,18 +53,16 @@ def plan(out_dir: Path, *, gpu: bool, python: str = sys.executable, host_cost: s
     launchers = ("--launcher", HOST_COST_LAUNCHERS) if gpu else ()
     parts = [Stage(
         name=f"host-cost-{device}", limit_s=40, verify=_wrote(f"host_cost_{device}.json", host_cost),
-        title=f"{host_cost} on {device}, world size 1, {HOST_COST_SIZES[device]} elements: host enqueue and synchronized "
-              "time per call of each zcomm op next to torch's"
-              + (f", under each CUDA kernel launcher ({HOST_COST_LAUNCHERS}) side by side" if gpu else ""),
+        title=f"{host_cost} on {device}, world size 1, {HOST_COST_SIZES[device]} elements: host time per call next to "
+              f"torch's{f', under each kernel launcher ({HOST_COST_LAUNCHERS})' if gpu else ''}",
         argv=(python, "-m", host_cost, "--device", device, "--sizes", HOST_COST_SIZES[device],
               "--json", str(out_dir / f"host_cost_{device}.json"), *launchers))]
     if gpu:
         parts += [
             Stage(
                 name="train", limit_s=100, needs=("cupy", "numpy"), verify=_verify_train,
-                title=f"{train}: GPT ~160M (d_model 1024, 12 layers, 16 heads, seq 512, batch 8, bf16) on one GPU, "
-                      f"{TRAIN_ROUNDS} interleaved rounds of {TRAIN_STEPS} steps ({TRAIN_WARMUP} warm-up): "
-                      f"{', '.join(TRAIN_CONFIGS)}",
+                title=f"{train}: GPT ~160M, bf16, {TRAIN_ROUNDS} interleaved rounds of {TRAIN_STEPS} steps ({TRAIN_WARMUP} "
+                      f"warm-up): {', '.join(TRAIN_CONFIGS)}",
                 argv=(python, "-m", train, "--configs", *TRAIN_CONFIGS, *GPT_160M, "--dtype", "bf16",
                       "--steps", str(TRAIN_STEPS), "--warmup", str(TRAIN_WARMUP), "--rounds", str(TRAIN_ROUNDS),
                       "--baseline", "zero3", "--eval-batches", "2", "--json", str(out_dir / "train.json"))),
@@ -76,8 +74,7 @@ def plan(out_dir: Path, *, gpu: bool, python: str = sys.executable, host_cost: s
                       "--output", str(out_dir / "kernels.md"))),
             Stage(
                 name="kernel-variants", limit_s=40, needs=("cupy",), verify=_wrote("variants.md", f"{kernels} --variants"),
-                title=f"{kernels} --variants: each kernel variant and launcher of docs/kernel-variants.md against its "
-                      "simpler path on its target shapes (16M and 64M elements), bytes compared, keep when >= 10% faster",
+                title=f"{kernels} --variants: the rows of docs/kernel-variants.md, keep when >= 10% faster than the simpler path",
                 argv=(python, "-m", kernels, "--variants", "--json", str(out_dir / "variants.json"),
                       "--output", str(out_dir / "variants.md"))),
         ]  # fmt: skip

@@ -268,8 +268,7 @@ def plan(out_dir: Path, *, gpus: int, python: str = sys.executable) -> list[Stag
                     "--jobs", str(TEST_JOBS), "-k", CUDA_TESTS_SELECT, *tests),
               missing=tests_missing, junit=TESTS_XML),
         Stage(name="w4", limit_s=60, needs=("cupy",), env=DEVICE_CHECKS, verify=_verify_w4,
-              title="W = 4 on one GPU: 4 ranks as 2 nodes x 2 over gloo, every tensor on cuda:0, zcomm's CUDA kernels; "
-                    "hierarchical collectives and ZeRO++ steps byte-/loss-equal to the same on CPU tensors (not NCCL)",
+              title="W = 4 on one GPU over gloo (2 nodes x 2, tensors on cuda:0): collectives and ZeRO++ equal to the CPU's",
               argv=(*_ranks(python, W4_RANKS), "bench.gpu_check.w4", "--device", "cuda", "--timeout", "52",
                     "--json", str(out_dir / "w4.json"))),
         Stage(name="collectives", limit_s=20, needs=("cupy", "tqdm"), env=DEVICE_CHECKS, verify=_verify_collectives,
@@ -278,9 +277,8 @@ def plan(out_dir: Path, *, gpus: int, python: str = sys.executable) -> list[Stag
                     "-d", "bfloat16", "--stages", "1,4", "--device", "cuda", "--backend", "nccl",
                     "--json", str(out_dir / "collectives.json"))),
         Stage(name="nccl", limit_s=NCCL_LIMIT_S, needs=("cupy",), verify=lambda out: _verify_w4(out, "nccl"),
-              title=f"NCCL, one rank per GPU ({gpus}): every collective (sync/async, SUM/AVG/PREMUL_SUM, bf16/fp16/fp32, "
-                    "1 and 4 stages, cupy and driver launchers) byte-identical to the same call on CPU tensors over gloo; "
-                    "ZeRO++ and FSDP2-adapter steps equal to the CPU's; 60 s collective timeout, flight recorder on timeout",
+              title=f"NCCL, one rank per GPU ({gpus}): every collective under both launchers byte-identical to the CPU's, "
+                    "ZeRO++ and FSDP2-adapter steps equal to the CPU's; 60 s timeout, flight recorder",
               argv=(*_ranks(python, max(gpus, 2)), "bench.gpu_check.nccl", "--timeout", "60", "--json", str(out_dir / "nccl.json")),
               env={**DEVICE_CHECKS, "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
                    "TORCH_FR_DUMP_TEMP_FILE": str(out_dir / NCCL_TRACE)},
