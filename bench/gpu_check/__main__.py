@@ -1,5 +1,3 @@
-import sys
-
 from .driver import main
 
-sys.exit(main())
+raise SystemExit(main())

@@ -1,8 +1,7 @@
 """The GPU entry point: ``python -m bench.gpu_check`` checks, ``--bench`` measures; one report each.
 
-See :mod:`bench.gpu_check` for what each does, ``[Note: gpu-check time budget]`` in
-:mod:`bench.gpu_check.stages` and ``[Note: gpu-bench time budget]`` in
-:mod:`bench.gpu_check.speed_plan` for how their minutes are shared.
+How their minutes are shared: [Note: gpu-check time budget] in :mod:`.stages`, [Note: gpu-bench
+time budget] in :mod:`.speed_plan`.
 """
 
 from __future__ import annotations
@@ -51,13 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, **tools: str) -> int:
-    """``tools``: module names standing in for the speed report's measuring tools (tests), see
-    :func:`speed_plan.plan`."""
+    """``tools``: module names standing in for the speed report's measuring tools (tests), see :func:`speed_plan.plan`."""
     parser = build_parser()
     args = parser.parse_args(argv)
     noun = "gpu-bench" if args.bench else "gpu-check"
-    started = time.monotonic()
-    problem = gpu_problem()
+    started, problem = time.monotonic(), gpu_problem()
     if problem is not None and not args.bench:
         print(f"gpu-check: {problem}. Nothing was run; "
               "run `make gpu-check` on a machine with an NVIDIA GPU, a CUDA build of torch and cupy.", file=sys.stderr)  # fmt: skip
@@ -67,27 +64,18 @@ def main(argv: list[str] | None = None, **tools: str) -> int:
     import torch
 
     gpu = problem is None
-    gpus = torch.cuda.device_count() if gpu else 0
-    machine = torch.cuda.get_device_name(0) if gpu else "cpu"
+    gpus, machine = (torch.cuda.device_count(), torch.cuda.get_device_name(0)) if gpu else (0, "cpu")
     out_dir = args.out or default_out_dir(machine, prefix=noun)
-    if args.bench:
-        plan, absent = speed_plan.plan(out_dir, gpu=gpu, **tools)
-        budget = speed_plan.TOTAL_BUDGET_S
-    else:
-        plan, absent, budget = stages.plan(out_dir, gpus=gpus), [], stages.budget(gpus)
-    if args.only:
-        unknown = sorted(set(args.only) - {stage.name for stage in plan})
-        if unknown:
-            parser.error(f"unknown stage(s) or part(s) {unknown}; choose from {[stage.name for stage in plan]}")
-        plan = [stage for stage in plan if stage.name in args.only]
+    plan = speed_plan.plan(out_dir, gpu=gpu, **tools) if args.bench else stages.plan(out_dir, gpus=gpus)
+    budget = speed_plan.TOTAL_BUDGET_S if args.bench else stages.budget(gpus)
+    if unknown := sorted(set(args.only or ()) - {stage.name for stage in plan}):
+        parser.error(f"unknown stage(s) or part(s) {unknown}; choose from {[stage.name for stage in plan]}")
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"{noun}: {gpus} GPU(s), results in {out_dir}", flush=True)
-    for line in absent:
-        print(f"{noun}: {line}", flush=True)
-    env = environment.collect(stages.REPO) if gpu else environment.collect_cpu(stages.REPO)
+    env = environment.collect(stages.REPO, gpu)
     (out_dir / "environment.json").write_text(json.dumps(env, indent=1) + "\n")
     results = []
-    for stage in plan:
+    for stage in (stage for stage in plan if not args.only or stage.name in args.only):
         print(f"{noun}: {stage.name} (limit {stage.limit_s:.0f} s) ...", flush=True)
         results.append(stages.run_stage(stage, out_dir, started + budget))
         print(f"{noun}: {stage.name}: {results[-1].status} in {results[-1].seconds:.0f} s", flush=True)
@@ -95,13 +83,11 @@ def main(argv: list[str] | None = None, **tools: str) -> int:
     command = " ".join([Path(sys.executable).name, "-m", "bench.gpu_check", *(sys.argv[1:] if argv is None else argv)])
     common = dict(results=results, environment=env, seconds=time.monotonic() - started, command=command)
     if args.bench:
-        text = report.render_bench(title=title + machine, absent=absent, gpu=gpu, **common)
+        text = report.render_bench(title=title + machine, gpu=gpu, **common)
     else:
         notes = [f"`{key}={os.environ[key]}` was set in the caller's environment; the stages ran without it."
                  for key in stages.CLEARED_ENV if key in os.environ]  # fmt: skip
         text = report.render_check(title=f"{title}{gpus} x {machine}", gpus=gpus, budget_s=budget, notes=notes, **common)
     (out_dir / "report.md").write_text(text)
     print(f"{noun}: {text.splitlines()[0].split(': ', 1)[1]}; report: {out_dir / 'report.md'}")
-    if any(r.failed for r in results) or absent:
-        return EXIT_FAILED
-    return EXIT_PASSED if gpu else EXIT_NO_GPU
+    return EXIT_FAILED if any(r.failed for r in results) else EXIT_PASSED if gpu else EXIT_NO_GPU

@@ -1,13 +1,9 @@
 """gpu-check's NCCL stage: one rank per GPU, every collective byte-identical to the same call on CPU tensors.
 
-``torchrun --nproc-per-node=G -m bench.gpu_check.nccl --json PATH`` (on two machines
-``torchrun --nnodes 2 ...``; what it covers and its flight recorder: docs/gpu-check.md). Each
-rank binds its GPU (``LOCAL_RANK``), joins an NCCL group whose collectives time out after
-``--timeout`` seconds, and a gloo group of the same ranks for the CPU side. Every case of
-:func:`bench.gpu_check.w4._cases`, on zcomm's detected topology and on 2 pretend nodes (so
-the second hop runs over NCCL on one machine), under each CUDA kernel launcher, is checked
-as w4 checks it (:func:`bench.gpu_check.w4.check_case`, the CPU side on the reference
-backend); then ZeRO++ and FSDP2 with ``zcomm.fsdp.enable_zeropp`` against the CPU's losses.
+``torchrun --nproc-per-node=G -m bench.gpu_check.nccl --json PATH`` (two machines, the flight recorder:
+docs/gpu-check.md): w4's cases and checks, over an NCCL group with a gloo group of the same ranks for
+the CPU side, on the detected topology and on 2 pretend nodes (so that the second hop runs over NCCL
+on one machine), under each CUDA kernel launcher; then ZeRO++ and FSDP2 with ``zcomm.fsdp.enable_zeropp``.
 """
 
 from __future__ import annotations
@@ -67,19 +63,17 @@ def run_checks(device: torch.device, cpu_group: Any, dtypes: Sequence[str], loca
     checks = []
     for label, topology in topologies(world, local):
         for name, make, options in w4._cases(dtypes, both_modes=True):
-            case = functools.partial(w4.check_case, make, options, topology, device, "reference", (None, cpu_group),
-                                     launchers)  # fmt: skip
+            case = functools.partial(w4.check_case, make, options, topology, device, (None, cpu_group), launchers)
             checks.append(w4.checked(f"{name}, {label}", case))
     nodes = zcomm.Topology(world_size=world, local_size=local)
     checks.append(w4.compare_losses(
         f"zero_runtime ZeRO++ (qwZ + hpZ {local} + qgZ), {w4.STEPS} steps, fp32",
         lambda: w4.train_zeropp(device, nodes, cpu_group=cpu_group),
-        lambda: w4.train_zeropp(torch.device("cpu"), nodes, group=cpu_group, cpu_group=cpu_group), "reference"))
+        lambda: w4.train_zeropp(torch.device("cpu"), nodes, group=cpu_group, cpu_group=cpu_group)))
     checks.append(w4.compare_losses(
         f"FSDP2 + zcomm.fsdp.enable_zeropp, {w4.STEPS} steps, fp32",
         lambda: train_fsdp2(device, init_device_mesh(device.type, (world,)), nodes, cpu_group),
-        lambda: train_fsdp2(torch.device("cpu"), DeviceMesh.from_group(cpu_group, "cpu"), nodes, cpu_group),
-        "reference"))
+        lambda: train_fsdp2(torch.device("cpu"), DeviceMesh.from_group(cpu_group, "cpu"), nodes, cpu_group)))
     return checks
 
 

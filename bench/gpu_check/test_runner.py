@@ -1,19 +1,10 @@
-"""gpu-check's CUDA test stage: one pytest process per test file, several at once, crash-proof.
+"""gpu-check's CUDA test stage: one pytest process per test file, several at once, crash-proof (docs/gpu-check.md).
 
-``python -m bench.gpu_check.test_runner --out DIR [--jobs N] [-k EXPR] FILE...`` runs each
-file in its own ``pytest -v`` process, ``--jobs`` of them concurrently on the one GPU, each
-with ``OMP_NUM_THREADS`` at its share of the cores. A test that kills its process (a
-segfault, an abort) cannot take the other files down, and within its file the runner
-recovers the way pytest-xdist does for a crashed worker: the crashed test is the last one
-pytest announced without an outcome (``-v`` names each test before it runs), it is recorded
-as a failure with the signal, and pytest runs the file again with every test that already
-has an outcome and the crashed one deselected, until the file finishes or ``MAX_RUNS`` runs
-were made. Nothing here needs pytest-xdist, which a GPU machine may lack.
-
-Outputs in ``DIR``: ``<file>.log`` (all runs of a file), the JUnit XML of every run, and
-``cuda-tests.xml``, their merge plus a ``crashes`` suite holding a failing test case per
-crash, which the stage's verification and the report count. Exit status 0 when every test
-passed, 1 otherwise.
+``python -m bench.gpu_check.test_runner --out DIR [--jobs N] [-k EXPR] FILE...``: each file in its own
+``pytest -v`` process, so that a test that kills its process takes no other file down, each with
+``OMP_NUM_THREADS`` at its share of the cores. A process that died wrote no JUnit file, but ``-v``
+names each test before it runs: the log gives the outcomes before the crash and the crashed test.
+Exit status 0 when every test passed, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -31,110 +22,86 @@ from typing import Mapping, NamedTuple, Sequence
 
 from bench.gpu_check.stages import junit_counts
 
-MAX_RUNS = 5
 MERGED = "cuda-tests.xml"
-_OUTCOMES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
+# pytest -v's outcome words, and the JUnit element each becomes (None: a pass)
+_OUTCOMES = {"PASSED": None, "XPASS": None, "FAILED": "failure", "ERROR": "error", "SKIPPED": "skipped", "XFAIL": "skipped"}
 
 
 class Crash(NamedTuple):
-    """A test that ended its pytest process (``test`` None: no test was running), and the
-    (test id, outcome word) of the tests that finished in that process, which wrote no JUnit file."""
+    """A test that ended its pytest process (``test`` None: no test was running), and the (test id,
+    outcome word) of the tests that finished in that process, which wrote no JUnit file."""
 
     file: str
     test: str | None
     returncode: int
     finished: tuple[tuple[str, str], ...] = ()
 
+    @property
+    def name(self) -> str:
+        return self.test or f"{self.file} (outside any test)"
+
+    def describe(self) -> str:
+        return f"signal {-self.returncode}" if self.returncode < 0 else f"exit status {self.returncode}"
+
 
 class FileOutcome(NamedTuple):
     file: str
     xmls: tuple[Path, ...]
     crashes: tuple[Crash, ...]
-    runs: int
-
-
-def slug(file: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "_", file).strip("_")
 
 
 def progress(log_text: str, file: str) -> tuple[list[tuple[str, str]], str | None]:
-    """(test id, outcome) of the tests with an outcome in one ``pytest -v`` run's output, and the one announced without."""
+    """(test id, outcome) of the tests with an outcome in one ``pytest -v`` run's output, and the one named without."""
     done, running = [], None
-    for line in log_text.splitlines():
-        if not line.startswith(f"{file}::"):
-            continue
-        node, *words = line.split()
+    for node, *words in (line.split() for line in log_text.splitlines() if line.startswith(f"{file}::")):
         outcome = next((word for word in words if word in _OUTCOMES), None)
-        if outcome is not None:
+        if outcome is None:
+            running = node
+        else:
             done.append((node, outcome))
             running = None if running == node else running
-        else:
-            running = node
     return done, running
 
 
-def _describe(returncode: int) -> str:
-    return f"signal {-returncode}" if returncode < 0 else f"exit status {returncode}"
-
-
 def run_file(file: str, out: Path, *, select: str | None, scratch: Path, env: Mapping[str, str] | None = None) -> FileOutcome:
-    """Run ``file`` until it finishes, deselecting tests that ended their process (module docstring);
-    the tests' temporary files go under ``scratch``, not into the result folder ``out``."""
-    log = out / f"{slug(file)}.log"
-    deselected: list[str] = []
-    crashes: list[Crash] = []
-    xmls: list[Path] = []
-    log.write_text("")
-    for attempt in range(1, MAX_RUNS + 1):
-        xml = out / f"{slug(file)}.run{attempt}.xml"
-        argv = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--continue-on-collection-errors",
-                f"--junitxml={xml}", f"--basetemp={scratch / f'{slug(file)}.run{attempt}'}",
-                *(["-k", select] if select else []), file, *(f"--deselect={node}" for node in deselected)]  # fmt: skip
-        with log.open("a") as handle:
-            handle.write(f"\n$ {' '.join(argv[:3])} ... {file} (run {attempt}, {len(deselected)} deselected)\n")
-            handle.flush()
-            start = handle.tell()
-            returncode = subprocess.run(argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env=env, check=False).returncode  # fmt: skip
-        if xml.exists():
-            xmls.append(xml)
-        if returncode >= 0 and xml.exists():
-            break
-        with log.open() as handle:
-            handle.seek(start)
-            done, running = progress(handle.read(), file)
-        crashes.append(Crash(file, running, returncode, tuple(done)))
-        if running is None:  # nothing to deselect: rerunning would crash the same way
-            break
-        deselected += [node for node, _ in done] + [running]
-    return FileOutcome(file, tuple(xmls), tuple(crashes), attempt)
+    """Run ``file`` in one ``pytest -v`` process, read from its log if it died (module docstring); the
+    tests' temporary files go under ``scratch``, not into the result folder ``out``."""
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", file).strip("_")
+    log, xml = out / f"{slug}.log", out / f"{slug}.xml"
+    argv = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--continue-on-collection-errors",
+            f"--junitxml={xml}", f"--basetemp={scratch / slug}", *(["-k", select] if select else []), file]
+    with log.open("w") as handle:
+        returncode = subprocess.run(argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    check=False).returncode  # fmt: skip
+    xmls = (xml,) if xml.exists() else ()
+    if returncode >= 0 and xmls:
+        return FileOutcome(file, xmls, ())
+    done, running = progress(log.read_text(errors="replace"), file)
+    return FileOutcome(file, xmls, (Crash(file, running, returncode, tuple(done)),))
+
+
+def _suite(root: ElementTree.Element, name: str, cases: Sequence[tuple[str, str, str | None, str]]) -> None:
+    """A suite of (classname, name, JUnit element or None for a pass, message) test cases, with its counts."""
+    suite = ElementTree.SubElement(root, "testsuite", name=name, tests=str(len(cases)))
+    for kind, key in (("failure", "failures"), ("error", "errors"), ("skipped", "skipped")):
+        suite.set(key, str(sum(case[2] == kind for case in cases)))
+    for classname, test, kind, message in cases:
+        case = ElementTree.SubElement(suite, "testcase", classname=classname, name=test)
+        if kind is not None:
+            ElementTree.SubElement(case, kind, message=message).text = message
 
 
 def merge(outcomes: Sequence[FileOutcome], path: Path) -> dict[str, int]:
     """Write the merged JUnit file; return its counts."""
     root = ElementTree.Element("testsuites")
-    for outcome in outcomes:
-        for xml in outcome.xmls:
-            parsed = ElementTree.parse(xml).getroot()
-            root.extend([parsed] if parsed.tag == "testsuite" else list(parsed.iter("testsuite")))
+    for xml in (xml for outcome in outcomes for xml in outcome.xmls):
+        parsed = ElementTree.parse(xml).getroot()
+        root.extend([parsed] if parsed.tag == "testsuite" else list(parsed.iter("testsuite")))
     crashes = [crash for outcome in outcomes for crash in outcome.crashes]
-    suite = ElementTree.SubElement(root, "testsuite", name="crashes", tests=str(len(crashes)),
-                                   failures=str(len(crashes)), errors="0", skipped="0")  # fmt: skip
-    finished = ElementTree.SubElement(root, "testsuite", name="finished before a crash")
-    for crash in crashes:
-        for node, word in crash.finished:
-            case = ElementTree.SubElement(finished, "testcase", classname=crash.file, name=node)
-            kind = {"FAILED": "failure", "ERROR": "error", "SKIPPED": "skipped", "XFAIL": "skipped"}.get(word)
-            if kind is not None:
-                ElementTree.SubElement(case, kind, message=f"{word} (from the log of a run that crashed later)")
-    finished.set("tests", str(len(finished)))
-    for kind, key in (("failure", "failures"), ("error", "errors"), ("skipped", "skipped")):
-        finished.set(key, str(len(finished.findall(f"testcase/{kind}"))))
-    for crash in crashes:
-        name = crash.test or f"{crash.file} (outside any test)"
-        case = ElementTree.SubElement(suite, "testcase", classname=crash.file, name=name)
-        message = f"the pytest process died with {_describe(crash.returncode)} while running {name}"
-        ElementTree.SubElement(case, "failure", message=message).text = message
+    _suite(root, "crashes", [(c.file, c.name, "failure", f"the pytest process died with {c.describe()} while running "
+                              f"{c.name}; the file's later tests did not run") for c in crashes])  # fmt: skip
+    _suite(root, "finished before a crash", [(c.file, node, _OUTCOMES[word], f"{word} (from the log of a run that crashed later)")
+                                             for c in crashes for node, word in c.finished])  # fmt: skip
     ElementTree.ElementTree(root).write(path, encoding="unicode")
     return junit_counts(path)
 
@@ -156,14 +123,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     # torch's CPU threads capped at each pytest process's share of the cores
     env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or args.jobs) // args.jobs)), **os.environ}
-    with tempfile.TemporaryDirectory(prefix="zcomm-cuda-tests-") as scratch:
-        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            outcomes = list(pool.map(lambda f: run_file(f, args.out, select=args.select, scratch=Path(scratch), env=env),
-                                     args.files))  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="zcomm-cuda-tests-") as scratch, ThreadPoolExecutor(args.jobs) as pool:
+        outcomes = list(pool.map(lambda f: run_file(f, args.out, select=args.select, scratch=Path(scratch), env=env), args.files))
     counts = merge(outcomes, args.out / MERGED)
-    for outcome in outcomes:
-        crashed = ", ".join(f"{c.test or '(outside a test)'} ({_describe(c.returncode)})" for c in outcome.crashes)
-        print(f"{outcome.file}: {outcome.runs} run(s)" + (f"; crashed: {crashed}" if crashed else ""))
+    for crash in (crash for outcome in outcomes for crash in outcome.crashes):
+        print(f"{crash.file}: crashed: {crash.name} ({crash.describe()})")
     passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
     print(f"tests: {passed} passed, {counts['failures']} failed, {counts['errors']} errors, {counts['skipped']} skipped")
     # skipped holds expected failures only: under ZCOMM_GPU_CHECK=1 the tests' conftest makes a skip an error

@@ -1,28 +1,21 @@
 """World size 4 on one machine: zcomm's hierarchical collectives and ZeRO++ on 2 nodes x 2 ranks, one device.
 
-``torchrun --standalone --nproc-per-node=4 -m bench.gpu_check.w4 --device {cuda,cpu} --json PATH``
-(gpu-check's w4 stage; its cases and what it covers: docs/gpu-check.md). One GPU cannot host
-two ranks of one NCCL communicator, but gloo runs its collectives on CUDA tensors (staged
-through the host), so the 4 ranks join a **gloo** group as ``Topology(world_size=4,
-local_size=2)`` and keep their tensors on ``cuda:0``, where zcomm's CUDA kernels run with W > 1.
-
-Oracle: each rank runs every case (:func:`_cases`) twice on the same group, on ``--device``
-tensors and on CPU tensors (``--cpu-backend``), and the outputs must be **byte-identical**
-(the wire format is exact). Each CPU output is also held against a plain fp64
-``torch.distributed`` collective within a loose analytic bound (``GATHER_BOUND``,
-``REDUCE_BOUND``), which catches a CPU path wrong in the same way as the device path. Then
-``STEPS`` ZeRO++ steps on each side must agree within ``ZEROPP_RTOL`` (why 1e-3:
-[Note: CPU/CUDA bounds] in ``tests/runtime/test_zero_cuda.py``). With ``--device cpu`` both
-sides are CPU tensors: the wiring proved on any machine. Exit status 0 when every check passed, 1
-when one failed, 2 when ``--device cuda`` has no GPU.
+``torchrun --standalone --nproc-per-node=4 -m bench.gpu_check.w4 --device {cuda,cpu} --json PATH`` (what it
+checks: docs/gpu-check.md). One GPU cannot host two ranks of one NCCL communicator, but gloo runs
+collectives on CUDA tensors (staged through the host), so 4 ranks on ``cuda:0`` run zcomm's kernels with
+W > 1. The oracle is the same calls on CPU tensors, byte for byte, on zcomm's reference backend: it
+defines the wire format and compiles nothing (no numba compile in 4 ranks eats the stage's time; a GPU
+machine may lack numba). The CPU side is also held against a plain fp64 collective within a loose bound,
+which catches a CPU path wrong in the same way; ZeRO++'s losses agree within ``ZEROPP_RTOL``
+([Note: CPU/CUDA bounds] in tests/runtime/test_zero_cuda.py). Exit status 2 when ``--device cuda`` has no GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import functools
+import itertools
 import json
 import math
 import os
@@ -30,7 +23,8 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -44,7 +38,6 @@ STEPS = 3
 # absmax/127 (absmax ~ 4 sigma over a group), rounding error ~ level/sqrt(12) per element
 # (~0.01 sigma); INT4 levels are absmax/7 (~0.17 sigma), two hops of them at most ~0.35.
 GATHER_BOUND, REDUCE_BOUND = 0.05, 0.35
-BACKEND_VARIABLE = "ZCOMM_BACKEND"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 OPS = ("SUM", "AVG", "PREMUL_SUM")
 PREMUL_FACTOR = 0.3  # not 1 / W: the divisor 1 / 0.3 takes the re-quantizer's division mode
@@ -52,18 +45,9 @@ PREMUL_FACTOR = 0.3  # not 1 / W: the divisor 1 / 0.3 takes the re-quantizer's d
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-@contextlib.contextmanager
-def _backend(name: str | None) -> Iterator[None]:
-    """zcomm's quantization backend inside the block (None: the environment's, else the device's)."""
-    saved = os.environ.get(BACKEND_VARIABLE)
-    if name is not None:
-        os.environ[BACKEND_VARIABLE] = name
-    try:
-        yield
-    finally:
-        os.environ.pop(BACKEND_VARIABLE, None)
-        if saved is not None:
-            os.environ[BACKEND_VARIABLE] = saved
+def _on_reference() -> Any:
+    """zcomm's reference backend inside the block: the CPU side of every comparison."""
+    return mock.patch.dict(os.environ, {"ZCOMM_BACKEND": "reference"})
 
 
 def _inputs(seed: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -147,20 +131,17 @@ def _cases(dtypes: Sequence[str], ops: Sequence[str] = OPS, *, both_modes: bool 
     hops, the re-quantizing kernel's divisor) without the Hadamard rotation, which they share.
     4 stages run async and 1 stage sync, or (``both_modes``) each both ways."""
     cases = []
-    for short in dtypes:
-        for stages in (1, 4):
-            for async_op in (False, True) if both_modes else (stages == 4,):
-                mode = f"stages={stages}{' async' if async_op else ''}"
-                options = dict(dtype=DTYPES[short], stages=stages, async_op=async_op)
-                cases.append((f"all_gather_q8 {short} {mode}", _gather_case, options))
-                for coalesced in (False, True):
-                    for bits, hadamard in ((4, None), (8, None), (4, 256)):
-                        for op in ops if hadamard is None else ("SUM",):
-                            name = (f"reduce_scatter_q4{'_coalesced' if coalesced else ''} {short} {mode} "
-                                    f"first_hop=INT{bits}{' hadamard=256' if hadamard else ''} {op}")  # fmt: skip
-                            make = functools.partial(_reduce_case, coalesced=coalesced, first_hop_bits=bits,
-                                                     hadamard=hadamard, op=op)  # fmt: skip
-                            cases.append((name, make, options))
+    for short, stages in itertools.product(dtypes, (1, 4)):
+        for async_op in (False, True) if both_modes else (stages == 4,):
+            mode = f"stages={stages}{' async' if async_op else ''}"
+            options = dict(dtype=DTYPES[short], stages=stages, async_op=async_op)
+            cases.append((f"all_gather_q8 {short} {mode}", _gather_case, options))
+            for coalesced, (bits, hadamard) in itertools.product((False, True), ((4, None), (8, None), (4, 256))):
+                for op in ops if hadamard is None else ("SUM",):
+                    name = (f"reduce_scatter_q4{'_coalesced' if coalesced else ''} {short} {mode} "
+                            f"first_hop=INT{bits}{' hadamard=256' if hadamard else ''} {op}")  # fmt: skip
+                    make = functools.partial(_reduce_case, coalesced=coalesced, first_hop_bits=bits, hadamard=hadamard, op=op)
+                    cases.append((name, make, options))
     return cases
 
 
@@ -173,12 +154,12 @@ def checked(name: str, check: Callable[[], tuple[bool, str]]) -> dict:
     return {"check": name, "ok": ok, "detail": detail}
 
 
-def check_case(make: Callable, options: dict, topology, device: torch.device, cpu_backend: str | None,
-               groups: tuple, launchers: Sequence[str | None] = (None,)) -> tuple[bool, str]:
+def check_case(make: Callable, options: dict, topology, device: torch.device, groups: tuple,
+               launchers: Sequence[str | None] = (None,)) -> tuple[bool, str]:
     """One case: its calls on ``device`` (under each CUDA kernel launcher of ``launchers``; None:
     the process's) byte-identical to the same calls on CPU tensors, within its bound of fp64."""
     run, exact, bound = make(topology, groups=groups, **options)
-    with _backend(cpu_backend):
+    with _on_reference():
         on_cpu = run(torch.device("cpu"))
     approx = torch.cat([t.reshape(-1) for t in on_cpu]).double()
     error = float((approx - exact).norm() / exact.norm().clamp_min(1e-30))
@@ -242,13 +223,12 @@ def train_zeropp(device: torch.device, topology, group: Any = None, cpu_group: A
     return global_mean(losses, cpu_group)
 
 
-def compare_losses(name: str, on_device: Callable[[], list[float]], on_cpu: Callable[[], list[float]],
-                   cpu_backend: str | None) -> dict:
+def compare_losses(name: str, on_device: Callable[[], list[float]], on_cpu: Callable[[], list[float]]) -> dict:
     """A check that the per-step losses of a training on the device equal the CPU's within ``ZEROPP_RTOL``."""
 
     def check() -> tuple[bool, str]:
         device_losses = on_device()
-        with _backend(cpu_backend):
+        with _on_reference():
             cpu_losses = on_cpu()
         worst = max(abs(a - b) / abs(b) for a, b in zip(device_losses, cpu_losses, strict=True))
         return (worst <= ZEROPP_RTOL and all(map(math.isfinite, device_losses)),
@@ -337,9 +317,7 @@ def torchrun_parser(prog: str, description: str, timeout: float) -> argparse.Arg
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = torchrun_parser("w4", __doc__, 200.0)
-    parser.add_argument("--cpu-backend", default=None, help="zcomm backend of the CPU side (default: the CPU's)")
-    return parser
+    return torchrun_parser("w4", __doc__, 200.0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -354,16 +332,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     def run(device: torch.device, cpu_group: Any) -> list[dict]:
         import zcomm
 
-        topology = zcomm.Topology(world_size=WORLD, local_size=LOCAL)
-        checks = [checked(name, functools.partial(check_case, make, options, topology, device, args.cpu_backend,
-                                                  (None, None))) for name, make, options in _cases(args.dtypes)]  # fmt: skip
-        checks.append(compare_losses(f"zero_runtime ZeRO++ (qwZ + hpZ 2 + qgZ), {STEPS} steps, fp32",
-                                     lambda: train_zeropp(device, topology),
-                                     lambda: train_zeropp(torch.device("cpu"), topology), args.cpu_backend))  # fmt: skip
-        checks.append(compare_losses(f"zero_runtime ZeRO++ with INT4 weight differences, {STEPS} steps, fp32",
-                                     lambda: train_zeropp(device, topology, weight_delta_bits=4),
-                                     lambda: train_zeropp(torch.device("cpu"), topology, weight_delta_bits=4),
-                                     args.cpu_backend))  # fmt: skip
+        topology, cpu = zcomm.Topology(world_size=WORLD, local_size=LOCAL), torch.device("cpu")
+        checks = [checked(name, functools.partial(check_case, make, options, topology, device, (None, None)))
+                  for name, make, options in _cases(args.dtypes)]
+        for label, bits in (("(qwZ + hpZ 2 + qgZ)", None), ("with INT4 weight differences", 4)):
+            checks.append(compare_losses(f"zero_runtime ZeRO++ {label}, {STEPS} steps, fp32",
+                                         lambda bits=bits: train_zeropp(device, topology, weight_delta_bits=bits),
+                                         lambda bits=bits: train_zeropp(cpu, topology, weight_delta_bits=bits)))  # fmt: skip
         return checks + ([_memory_check(device)] if device.type == "cuda" else [])
 
     return torchrun_main("w4", args, "gloo", run, local_device=False, local_size=LOCAL)

@@ -1,18 +1,17 @@
 """The kernel benchmark, one entry point: ``python -m bench.kernels [MODE] [options]`` (docs/benchmarks.md).
 
-Modes, one per run, one module each: the default (:mod:`.eager`, CPU backends), ``--sweep`` and
-``--ncu`` (:mod:`.sweep`, GPU), ``--variants`` (:mod:`.variants`, GPU) and ``--static``
-(:mod:`.static`, nvcc's cubins, no GPU). Each returns its report's lines, printed and written
-to ``--output``.
+One mode per run, one module each: the default (:mod:`.eager`, the CPU backends); on a GPU
+``--sweep`` and ``--ncu`` (:mod:`.sweep`) and ``--variants`` (:mod:`.variants`); ``--static``
+(:mod:`.static`, nvcc's cubins, no GPU). Each returns its report's lines, printed and written to ``--output``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 
-from bench.harness.flags import parse_size
-
-MODES = ("sweep", "variants", "ncu", "static")
+# mode -> (module, function): each takes the parsed arguments and returns the report's lines
+MODES = {"sweep": ("sweep", "main"), "variants": ("variants", "main"), "ncu": ("sweep", "ncu"), "static": ("static", "main")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +25,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="--sweep, --variants: the smallest size only")
     parser.add_argument("--json", metavar="PATH", help="--sweep, --variants: also write the rows as JSON")
     parser.add_argument("--output", help="also write the report (markdown) to this file")
-    parser.add_argument("--ncu-numel", type=parse_size, default="16M", help="--ncu: elements per op (default 16M)")
     static.add_arguments(parser)
     return parser
 
@@ -37,36 +35,21 @@ def main(argv: list[str] | None = None) -> list[str]:
     args = parser.parse_args(argv)
     if (args.quick or args.json) and not (args.sweep or args.variants):
         parser.error("--quick and --json go with --sweep or --variants")
-    lines = _run(parser, args)
+    mode = next((name for name in MODES if getattr(args, name)), None)
+    if mode is None:
+        from . import eager
+
+        lines = eager.main(parser, args)
+    else:
+        if mode != "static":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise SystemExit(f"--{mode} measures CUDA kernels: torch {torch.__version__} sees no GPU")
+        module, function = MODES[mode]
+        lines = getattr(importlib.import_module(f"{__name__}.{module}"), function)(args)
     print("\n".join(lines), flush=True)
     if args.output:
         with open(args.output, "w") as f:
             f.write("\n".join(lines) + "\n")
     return lines
-
-
-def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
-    if args.static:
-        from . import static
-
-        return static.main(args)
-    if args.sweep or args.variants or args.ncu:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise SystemExit(f"--sweep, --variants and --ncu measure CUDA kernels: torch {torch.__version__} sees no GPU")
-    if args.sweep:
-        from . import sweep
-
-        return sweep.main(args.quick, args.json)
-    if args.variants:
-        from . import variants
-
-        return variants.main(args.quick, args.json)
-    if args.ncu:
-        from . import sweep
-
-        return sweep.ncu(args.ncu_numel, args.group_size or 256)
-    from . import eager
-
-    return eager.main(parser, args)

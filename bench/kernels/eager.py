@@ -1,14 +1,13 @@
 """The kernel benchmark's default mode: GB/s of every quantization op on the CPU backends, against a copy.
 
-``python -m bench.kernels [--numel 64M] [--dtype fp32 bf16] [--backends cpu reference]
-[--group-size 512] [--repeats 5] [--reference-repeats 1] [--output PATH]``. Each op runs once
-to warm up (numba compilation or its cache's load, first-touch page faults), then is timed
-``--repeats`` times into preallocated outputs with the host clock; the median is reported.
-The reference backend, which compiles nothing and allocates its temporaries on every call
-anyway, gets no warm-up and ``--reference-repeats`` samples (its calls on 64M elements take
-seconds). ``vs copy``: the op's GB/s over a preallocated ``copy_`` of byte buffers that reads
-and writes as many bytes. The run ends with the CPU targets from this run's medians, PASS or
-MISS: measurements, not tests.
+``python -m bench.kernels [--numel 64M] [--dtype fp32 bf16] [--backends cpu reference] [--group-size 512]
+[--repeats 5] [--reference-repeats 1]``: the sweep's ops (:func:`.sweep.op_specs`, the reductions with
+every dtype and no division), each on fresh buffers. Each op runs once to warm up (numba's compile or cache
+load, first-touch page faults), then ``--repeats`` times into preallocated outputs, host clock,
+median. The reference backend compiles nothing and allocates per call anyway, and takes seconds
+on 64M elements: no warm-up, ``--reference-repeats`` samples. ``vs copy``: the op's GB/s over a
+``copy_`` of as many bytes. Then the CPU targets from this run's medians, PASS or MISS:
+measurements, not tests.
 """
 
 from __future__ import annotations
@@ -26,10 +25,9 @@ import torch
 import zcomm.quant as q
 from bench.harness.flags import parse_size
 from bench.harness.precision import cpu_model, read_cpuinfo
+from bench.kernels.sweep import CHUNKS, PERM, op_specs
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_PERM = (7, 6, 5, 4, 3, 2, 1, 0)  # reorder_quantize: 8 slices reversed, as a ring all-to-all would
-_CHUNKS = 4  # reorder_quantize and requant chunk count; dequant_reduce sums 4 payloads
 
 
 @dataclass
@@ -75,47 +73,16 @@ class _Timer:
         return self._copies[nbytes]
 
 
-def _op_cases(x: torch.Tensor, backend: str, group_size: int) -> list[tuple[str, Callable[[], object], int]]:
-    """(op label, call with preallocated output, bytes read + written) for every op."""
-    n, elem, kw = x.numel(), x.element_size(), dict(backend=backend)
-    cases = []
-    for bits in (8, 4):
-        nbytes, chunk_bytes = q.payload_nbytes(n, bits, group_size), q.payload_nbytes(n // _CHUNKS, bits, group_size)
-        payload = q.quantize(x, bits, group_size, **kw)
-        rows, out_payload = payload.expand(_CHUNKS, -1).contiguous(), torch.empty_like(payload)
-        chunks, values, sums = torch.empty(_CHUNKS, chunk_bytes, dtype=torch.uint8), torch.empty_like(x), torch.empty(n)
-        cases += [
-            (f"quantize INT{bits}", lambda b=bits, o=out_payload: q.quantize(x, b, group_size, out=o, **kw), n * elem + nbytes),
-            (f"dequantize INT{bits}", lambda b=bits, p=payload, o=values: q.dequantize(p, n, b, group_size, x.dtype, out=o, **kw),
-             nbytes + n * elem),
-            (f"reorder_quantize INT{bits} ({len(_PERM)} slices, {_CHUNKS} chunks)",
-             lambda b=bits, o=chunks: q.reorder_quantize(x, _PERM, _CHUNKS, b, group_size, out=o, **kw),
-             n * elem + _CHUNKS * chunk_bytes),
-            (f"dequant_reduce INT{bits} k={_CHUNKS} -> fp32",
-             lambda b=bits, p=rows, o=sums: q.dequant_reduce(p, n, b, group_size, out=o, **kw), _CHUNKS * nbytes + 4 * n),
-            (f"dequant_reduce INT{bits} k={_CHUNKS} -> requant m={_CHUNKS}",
-             lambda b=bits, p=rows, o=chunks: q.dequant_reduce(p, n, b, group_size, requant_chunks=_CHUNKS, out=o, **kw),
-             _CHUNKS * nbytes + _CHUNKS * chunk_bytes),
-        ]  # fmt: skip
-    return cases
-
-
 def _backends(wanted: list[str] | None) -> tuple[list[str], list[str]]:
     """(the CPU backends to run, printed reasons for those skipped); a ``wanted`` one that cannot run raises."""
-    status, run, skipped = q.available_backends(), [], []
+    status, devices = q.available_backends(), q.backend_device_types()
     for name in wanted or ():
-        if "cpu" not in q.backend_device_types()[name]:
+        if "cpu" not in devices[name]:
             raise ValueError(f"backend {name!r} does not run on the CPU: the GPU's kernels are measured by --sweep")
-    for name, devices in q.backend_device_types().items():
-        if "cpu" not in devices or (wanted is not None and name not in wanted):
-            continue
-        if status[name] == "ok":
-            run.append(name)
-        elif wanted is not None:
+        if status[name] != "ok":
             raise ValueError(f"backend {name!r} was asked for but is {status[name]}")
-        else:
-            skipped.append(f"{name}: {status[name]}")
-    return run, skipped
+    cpu = [name for name, kinds in devices.items() if "cpu" in kinds and (wanted is None or name in wanted)]
+    return [n for n in cpu if status[n] == "ok"], [f"{n}: {status[n]}" for n in cpu if status[n] != "ok"]
 
 
 def _measure(args: argparse.Namespace, dtype: str, backends: list[str]) -> list[Row]:
@@ -130,42 +97,33 @@ def _measure(args: argparse.Namespace, dtype: str, backends: list[str]) -> list[
             row("torch", "copy_ (preallocated)", timer.seconds(functools.partial(torch.empty_like(x).copy_, x)), copy_bytes)]
     for backend in backends:
         slow = backend == "reference"
-        for op, fn, nbytes in _op_cases(x, backend, args.group_size):
-            rows.append(row(backend, op, timer.seconds(fn, repeats=args.reference_repeats if slow else None,
+        for _family, op, nbytes, factory in op_specs(args.numel, x.dtype, args.group_size, backend, divide_by=1.0,
+                                                     every_dtype=True):  # fmt: skip
+            rows.append(row(backend, op, timer.seconds(factory(), repeats=args.reference_repeats if slow else None,
                                                        warm_up=not slow), nbytes))  # fmt: skip
             print(f"  timed {dtype} {backend:9s} {op}", flush=True)
     return rows
 
 
-def _check(label: str, value: float, target: str, ok: bool) -> str:
-    return f"| {label} | {value:.2f} | {target} | {'PASS' if ok else 'MISS'} |"
-
-
 def _target_lines(rows: list[Row], dtype: str) -> list[str]:
-    """The cpu backend's targets, from this run's medians."""
-    by_key = {(r.backend, r.op): r.seconds for r in rows}
-    clone, copy = by_key[("torch", "clone")], by_key[("torch", "copy_ (preallocated)")]
-    lines = []
+    """The cpu backend's targets, from this run's medians: (label, this time, over that time, target)."""
+    t = {(r.backend, r.op): r.seconds for r in rows}
+    clone, copy, checks = t["torch", "clone"], t["torch", "copy_ (preallocated)"], []
     for bits in (8, 4):
-        cpu, ref = by_key.get(("cpu", f"quantize INT{bits}")), by_key.get(("reference", f"quantize INT{bits}"))
-        reduce = by_key.get(("cpu", f"dequant_reduce INT{bits} k={_CHUNKS} -> fp32"))
-        if cpu is not None:
-            lines.append(_check(f"cpu quantize INT{bits} time / clone time", cpu / clone, "<= 1.5", cpu / clone <= 1.5))
-        if cpu is not None and ref is not None:
-            lines.append(_check(f"reference / cpu quantize INT{bits} time (speedup)", ref / cpu, ">= 4", ref / cpu >= 4))
-        if reduce is not None:
-            lines.append(_check(f"cpu dequant_reduce INT{bits} of {_CHUNKS} payloads time / clone time", reduce / clone,
-                                "<= 2", reduce / clone <= 2))  # fmt: skip
-    for op in ("quantize INT8", "quantize INT4", f"dequant_reduce INT8 k={_CHUNKS} -> fp32"):
-        if ("cpu", op) in by_key:
-            lines.append(f"| (info, no target) cpu {op} time / copy_ time | {by_key[('cpu', op)] / copy:.2f} | - | - |")
-    return [f"| {dtype} {line[2:]}" for line in lines]
+        cpu, reduce = t.get(("cpu", f"quantize INT{bits}")), t.get(("cpu", f"dequant_reduce INT{bits} k={CHUNKS} -> fp32"))
+        checks += [(f"cpu quantize INT{bits} time / clone time", cpu, clone, "<= 1.5"),
+                   (f"reference / cpu quantize INT{bits} time (speedup)", t.get(("reference", f"quantize INT{bits}")), cpu, ">= 4"),
+                   (f"cpu dequant_reduce INT{bits} of {CHUNKS} payloads time / clone time", reduce, clone, "<= 2")]  # fmt: skip
+    lines = [f"| {dtype} {label} | {a / b:.2f} | {target} | {'PASS' if _meets(a / b, target) else 'MISS'} |"
+             for label, a, b, target in checks if a is not None and b is not None]  # fmt: skip
+    return lines + [f"| {dtype} (info, no target) cpu {op} time / copy_ time | {t['cpu', op] / copy:.2f} | - | - |"
+                    for op in ("quantize INT8", "quantize INT4", f"dequant_reduce INT8 k={CHUNKS} -> fp32") if ("cpu", op) in t]
 
 
-def _table(rows: list[Row], dtype: str) -> list[str]:
-    return ["| device | dtype | backend | op | median ms | GB/s | vs copy |", "|---|---|---|---|---:|---:|---:|",
-            *[f"| cpu | {dtype} | {r.backend} | {r.op} | {r.seconds * 1e3:.3f} | {r.gbps:.2f} | {r.vs_copy:.0%} |"
-              for r in rows]]  # fmt: skip
+def _meets(value: float, target: str) -> bool:
+    """``target``: ``<= X`` or ``>= X``."""
+    relation, bound = target.split()
+    return value <= float(bound) if relation == "<=" else value >= float(bound)
 
 
 def _environment() -> list[str]:
@@ -181,7 +139,7 @@ def _environment() -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--numel", type=parse_size, default="64M", help="elements of the input (K/M/G: powers of 1024; default 64M)")
+    parser.add_argument("--numel", type=parse_size, help="elements per op (K/M/G: powers of 1024; default 64M, --ncu: 16M)")
     parser.add_argument("--dtype", nargs="+", choices=sorted(_DTYPES), default=["fp32"], help="one table per dtype")
     parser.add_argument("--backends", nargs="+", choices=sorted(q.backend_device_types()),
                         help="default: every CPU backend that can run")
@@ -191,9 +149,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
-    args.group_size = args.group_size or 512
-    if args.numel % (len(_PERM) * _CHUNKS):
-        parser.error(f"--numel must be a multiple of {len(_PERM) * _CHUNKS}")
+    args.group_size, args.numel = args.group_size or 512, args.numel or 64 << 20
+    if args.numel % (len(PERM) * CHUNKS):
+        parser.error(f"--numel must be a multiple of {len(PERM) * CHUNKS}")
     if args.repeats < 1 or args.reference_repeats < 1:
         parser.error("--repeats and --reference-repeats must be >= 1")
     try:
@@ -208,6 +166,8 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]
     targets = ["| target (this run) | measured | target | result |", "|---|---:|---|---|"]
     for dtype in args.dtype:
         rows = _measure(args, dtype, backends)
-        report += _table(rows, dtype) + [""]
+        report += ["| device | dtype | backend | op | median ms | GB/s | vs copy |", "|---|---|---|---|---:|---:|---:|",
+                   *(f"| cpu | {dtype} | {r.backend} | {r.op} | {r.seconds * 1e3:.3f} | {r.gbps:.2f} | {r.vs_copy:.0%} |"
+                     for r in rows), ""]  # fmt: skip
         targets += _target_lines(rows, dtype)
     return report + [f"Skipped: {reason}" for reason in skipped] + [""] + _environment() + [""] + targets

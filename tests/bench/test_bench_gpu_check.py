@@ -318,7 +318,7 @@ def test_report_shows_the_w4_checks(tmp_path):
               {"check": "zero_runtime ZeRO++", "ok": False, "detail": "losses differ"}]
     (tmp_path / "w4.json").write_text(json.dumps({"device": "cuda", "world_size": 4, "local_size": 2, "backend": "gloo",
                                                   "seconds": 31.0, "checks": checks, "problems": ["rank 3 raised"]}))
-    lines = report._checks(tmp_path)
+    lines = report._checks(tmp_path / "w4.json")
     assert lines[0] == "4 ranks (2 nodes x 2) over gloo, device cuda, 31 s."
     assert "| all_gather_q8 bf16 stages=4 | ok | bytes identical |" in lines
     assert "| zero_runtime ZeRO++ | FAILED | losses differ |" in lines and lines[-1] == "- rank 3 raised"
@@ -339,11 +339,11 @@ def test_the_driver_launcher_stage_runs_last_under_the_driver_launcher(tmp_path)
     assert stages.stage_environment(caller, driver.env)[stages.GPU_CHECK_ENV] == "1"
     assert all("ZCOMM_CUDA_LAUNCHER" not in stages.stage_environment(caller, s.env) for s in plan[:-1])
 
-    assert stages._verify_driver_tests(tmp_path) == [
-        f"pytest wrote no {stages.DRIVER_TESTS_XML} (it died before the end: see the log)"]
+    assert driver.junit == stages.DRIVER_TESTS_XML and stages._verify_junit(tmp_path / driver.junit) == [
+        f"{stages.DRIVER_TESTS_XML} was not written: pytest died before the end (see the log)"]
     (tmp_path / stages.DRIVER_TESTS_XML).write_text(
         '<testsuites><testsuite name="pytest" tests="2" failures="1" errors="0" skipped="0">'
         '<testcase classname="tests.quant.test_x" name="test_ok" time="0.1"/>'
         '<testcase classname="tests.quant.test_x" name="test_bad" time="0.1"><failure message="no"/></testcase>'
         "</testsuite></testsuites>")
-    assert stages._verify_driver_tests(tmp_path) == ["failed: tests.quant.test_x::test_bad"]
+    assert stages._verify_junit(tmp_path / driver.junit) == ["failed: tests.quant.test_x::test_bad"]

@@ -119,7 +119,7 @@ def _variant_rows(ratios: dict[str, list[float]], problem: str | None = None) ->
                   "variant kernels": ["zc_a"], "simpler kernels": ["zc_b"]} for i, r in enumerate(values)]
         if problem:
             cases.append({"shape": "16M broken", "problem": problem})
-        rows.append({"row": name, "variant": "v", "simpler": "s", "cases": cases})
+        rows.append({"row": name, "cases": cases})
     return rows
 
 
@@ -127,7 +127,7 @@ def test_variant_decision_keeps_only_a_10_percent_win(monkeypatch):
     """The decision is the geometric mean of the shapes' ratios against 1.10; a case with a problem
     leaves its row undecided instead of deciding on the other shapes."""
     monkeypatch.setattr(variants, "ROWS", tuple(
-        variants.Row(name, "v", "s", lambda n, name=name: [name]) for name in ("wins", "ties", "broken")))
+        variants.Row(name, lambda n, name=name: [name]) for name in ("wins", "ties", "broken")))
     ratios = {"wins": [1.2, 1.05], "ties": [1.09, 1.1]}
 
     def measure_case(case: str, host: bool) -> dict:
@@ -151,8 +151,7 @@ def test_variant_report_prints_a_decision_per_row():
         row["geomean"], row["decision"] = row["cases"][0]["ratio"], decision
     lines = variants.report(rows, "Some GPU", 3.0)
     decisions = [line for line in lines if line.startswith(("| narrow |", "| tiles |")) and "**" in line]
-    assert decisions == ["| narrow | v | s | 1 | 1.30-1.30 | 1.30 | **keep** |",
-                         "| tiles | v | s | 1 | 0.90-0.90 | 0.90 | **remove** |"]
+    assert decisions == ["| narrow | 1 | 1.30-1.30 | 1.30 | **keep** |", "| tiles | 1 | 0.90-0.90 | 0.90 | **remove** |"]
 
 
 def test_every_variant_row_is_a_row_of_the_table():

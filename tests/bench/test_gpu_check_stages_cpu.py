@@ -1,8 +1,8 @@
 """gpu-check's crash-proof test runner, its W = 4 stage and its NCCL stage's planning and wiring, run on the CPU.
 
-The runner is given a stand-in test file whose second test kills its own process with
-SIGSEGV: the crash must become one named failure and every other test must still run and
-be counted. The W = 4 stage runs with ``--device cpu``: the same launcher, ranks and checks
+The runner is given a stand-in test file whose third test kills its own process with
+SIGSEGV: the crash must become one named failure, the tests before it must be counted and the
+other file must still run. The W = 4 stage runs with ``--device cpu``: the same launcher, ranks and checks
 as on a GPU, with CPU tensors on both sides (and zcomm's reference backend, so that no
 numba compile is timed here). The NCCL stage is planned for 1 and 4 GPUs (skipped with its
 reason on one; torchrun with a rank per GPU, short timeouts and the flight recorder on
@@ -29,15 +29,15 @@ import os, signal
 
 def test_a(): pass
 
-def test_b(): os.kill(os.getpid(), signal.SIGSEGV)
+def test_b(): assert False
 
-def test_c(): pass
+def test_c(): os.kill(os.getpid(), signal.SIGSEGV)
 
-def test_d(): assert False
+def test_d(): pass
 """
 
 
-def test_a_crashing_test_is_a_named_failure_and_the_rest_still_run(tmp_path):
+def test_a_crashing_test_is_a_named_failure_and_the_other_files_still_run(tmp_path):
     (tmp_path / "test_crashy.py").write_text(_CRASHY)
     (tmp_path / "test_fine.py").write_text("def test_one(tmp_path): assert tmp_path.is_dir()\n")
     out = tmp_path / "out"
@@ -45,21 +45,23 @@ def test_a_crashing_test_is_a_named_failure_and_the_rest_still_run(tmp_path):
                            "test_crashy.py", "test_fine.py"], cwd=tmp_path, env=checkout_environment(os.environ),
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "test_crashy.py: 2 run(s); crashed: test_crashy.py::test_b (signal 11)" in done.stdout
-    assert "tests: 3 passed, 2 failed, 0 errors, 0 skipped" in done.stdout
+    assert "test_crashy.py: crashed: test_crashy.py::test_c (signal 11)" in done.stdout
+    assert "tests: 2 passed, 2 failed, 0 errors, 0 skipped" in done.stdout  # test_a and test_one; test_b and the crash
     merged = out / test_runner.MERGED
-    assert stages.crashed_tests(merged) == ["test_crashy.py::test_b"]
-    assert stages.junit_counts(merged) == {"tests": 5, "failures": 2, "errors": 0, "skipped": 0}
+    assert stages.crashed_tests(merged) == ["test_crashy.py::test_c"]
+    assert stages.junit_counts(merged) == {"tests": 4, "failures": 2, "errors": 0, "skipped": 0}
     failed = stages.failed_tests(merged)
-    assert "test_crashy::test_d" in failed and any(name.endswith("test_crashy.py::test_b") for name in failed)
-    assert "--deselect=test_crashy.py::test_b" not in (out / "test_crashy_py.log").read_text().split("(run 1")[0]
+    assert any(name.endswith("test_crashy.py::test_b") for name in failed)
+    assert any(name.endswith("test_crashy.py::test_c") for name in failed)
+    assert "test_d" not in merged.read_text()  # after the crash in its file: not run
 
 
 def test_the_stage_names_crashes_and_failures(tmp_path):
     (tmp_path / stages.TESTS_DIR).mkdir()
-    outcome = test_runner.FileOutcome("t.py", (), (test_runner.Crash("t.py", "t.py::test_b", -11, (("t.py::test_a", "FAILED"),)),), 1)
-    test_runner.merge([outcome], stages.tests_xml(tmp_path))
-    assert stages._verify_tests(tmp_path) == ["crashed its process: t.py::test_b", "failed: t.py::t.py::test_a"]
+    outcome = test_runner.FileOutcome("t.py", (), (test_runner.Crash("t.py", "t.py::test_b", -11, (("t.py::test_a", "FAILED"),)),))
+    test_runner.merge([outcome], tmp_path / stages.TESTS_XML)
+    assert stages.plan(tmp_path, gpus=1)[0].junit == stages.TESTS_XML
+    assert stages._verify_junit(tmp_path / stages.TESTS_XML) == ["crashed its process: t.py::test_b", "failed: t.py::t.py::test_a"]
 
 
 def test_progress_reads_pytest_verbose_output():
@@ -87,7 +89,7 @@ def test_w4_runs_its_checks_on_four_cpu_ranks(tmp_path):
     out = tmp_path / "w4.json"
     env = checkout_environment({**os.environ, "ZCOMM_BACKEND": "reference"})
     done = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m",
-                           "bench.gpu_check.w4", "--device", "cpu", "--cpu-backend", "reference",
+                           "bench.gpu_check.w4", "--device", "cpu",
                            "--dtypes", "bf16", "--timeout", "400", "--json", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=500)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
