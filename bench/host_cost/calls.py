@@ -1,39 +1,29 @@
-"""Host cost benchmark: what one zcomm call costs the host, next to torch's call for the same data.
+"""What one zcomm call costs the host, next to torch's call for the same data (``python -m bench.host_cost``).
 
-``python -m bench.host_cost --device {cpu,cuda} [--sizes 1M,16M] [--launcher cupy,driver] [--json PATH]
-[--profile PATH]``. The process is a world of one rank with a process group it creates itself
-(gloo on CPU, NCCL on CUDA); the input is bf16 on CUDA, fp32 on CPU. Each row is timed two
-ways, after one warm-up call (numba cache load, NVRTC compile, NCCL setup):
-
-* ``host us``: the mean wall time per call of calls issued back to back, read before the
-  device is synchronized, in ``ROUNDS`` rounds, the median round: the host's enqueue cost
-  (on CPU, where nothing is queued, the whole call);
-* ``synced us``: the median wall time of calls each followed by a device synchronization:
-  the latency of one call, host and device together.
-
-The number of calls is chosen per row so the row takes about ``--budget`` seconds (within
-``--min-calls`` and ``--max-calls``, which also keeps a GPU's launch queue from filling). Each
-row stands next to its yardstick measured in the same run (the rows: docs/benchmarks.md).
-``--launcher cupy,driver`` (CUDA) measures every row under each kernel launcher in turn, the
-order alternating from one size to the next, and prints them side by side. The run ends with
-the targets of the thin host path, PASS or MISS from this run's host ratios (measurements:
-nothing here asserts). ``--profile PATH`` writes the top own-time functions (``cProfile``) of
-100 host calls of each collective at the first size.
+A world of one rank with a process group made here (gloo on CPU, NCCL on CUDA); the input is
+bf16 on CUDA, fp32 on CPU. After one warm-up call (numba cache, NVRTC compile, NCCL setup) each
+row is timed two ways: ``host us``, the median over ``ROUNDS`` rounds of the mean of calls issued
+back to back, read before the device is synchronized (the enqueue cost; on CPU the whole call);
+``synced us``, the median of calls each followed by a synchronization (one call's latency). A
+row's calls fill about ``--budget`` seconds (within ``--min-calls`` and ``--max-calls``, so a
+GPU's launch queue does not fill), next to its yardstick timed in the same run (the rows:
+docs/benchmarks.md). ``--launcher cupy,driver`` times every row under each CUDA kernel launcher,
+their order alternating from one size to the next. The thin host path's targets are printed
+PASS or MISS (nothing asserts); ``--profile`` writes a cProfile of the collectives' host calls.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import json
 import os
 import platform
 import pstats
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import Callable
 
 import torch
@@ -42,6 +32,8 @@ import torch.distributed as dist
 import zcomm
 import zcomm.quant as q
 from bench.harness.flags import parse_size
+from bench.harness.table import markdown
+from bench.harness.timing import per_call_seconds
 
 GROUP_SIZE = 256
 # torch 2.13 renamed the flat collectives (the old names warn); the yardstick is whichever exists
@@ -51,6 +43,11 @@ ROWS = 4  # payload rows of dequantize / dequant_reduce, chunks of reorder_quant
 DEFAULT_SIZES = "1M,16M"
 CPU_QUANTIZE_NUMEL = 1024
 CPU_QUANTIZE_TARGET_US = 25.0
+# the thin host path's targets on CUDA beyond every op's 2x x.clone(): (call, yardstick) -> most host time, x the yardstick's
+CUDA_HOST_TARGETS = {("all_gather_q8", f"dist.{_ALL_GATHER.__name__}"): 1.5,
+                     ("reduce_scatter_q4 1 stage", f"dist.{_REDUCE_SCATTER.__name__}"): 2.0,
+                     ("reduce_scatter_q4 4 stages", f"dist.{_REDUCE_SCATTER.__name__}"): 2.0,
+                     ("reduce_scatter_q4 4 stages", "reduce_scatter_q4 1 stage"): 1.3}  # fmt: skip
 BUCKET = 4  # tensors of the coalesced reduce-scatter's bucket
 ROUNDS = 5  # host time: the median of this many rounds' means (one descheduled call skews a mean)
 PROFILED_CALLS = 100
@@ -94,29 +91,18 @@ class Timer:
 
     def measure(self, call: Callable[[], object]) -> Timed:
         """(host us, synced us) per call, after one warm-up call."""
-        call()
-        self.sync()
-        start = time.perf_counter()
-        call()
-        self.sync()
-        once = max(time.perf_counter() - start, 1e-7)
+
+        def median_us(**how) -> float:
+            return statistics.median(per_call_seconds({"": call}, sync=self.sync, **how)[""]) * 1e6
+
+        once = max(median_us(rounds=1, synced=True) / 1e6, 1e-7)
         calls = max(self.min_calls, min(self.max_calls, int(self.budget_s / 2 / once)))
-        per_round = max(1, calls // ROUNDS)
-        host = []
-        for _ in range(ROUNDS):
-            self.sync()
-            start = time.perf_counter()
-            for _ in range(per_round):
-                call()
-            host.append((time.perf_counter() - start) / per_round)
-        self.sync()
-        synced = []
-        for _ in range(calls):
-            begin = time.perf_counter()
-            call()
-            self.sync()
-            synced.append(time.perf_counter() - begin)
-        return statistics.median(host) * 1e6, statistics.median(synced) * 1e6
+        return (median_us(rounds=ROUNDS, repeat=max(1, calls // ROUNDS), warmup=0),
+                median_us(rounds=calls, warmup=0, synced=True))
+
+
+def _stages(k: int) -> str:
+    return f"reduce_scatter_q4 {k} stage{'s' if k > 1 else ''}"
 
 
 def _rows(timer: Timer, numel: int, base: str, base_times: Timed, calls: dict[str, Callable[[], object]]) -> list[Row]:
@@ -183,11 +169,10 @@ def _collective_rows(timer: Timer, numel: int, dtype: torch.dtype) -> list[Row]:
     gather = timer.measure(lambda: zcomm.all_gather_q8(full, shard))
     rows = [Row("all_gather_q8", numel, *gather, f"dist.{_ALL_GATHER.__name__}", *torch_gather)]
     torch_reduce = timer.measure(lambda: _REDUCE_SCATTER(out, grads))
-    stages = {k: timer.measure(lambda k=k: zcomm.reduce_scatter_q4(out, grads, pipeline_stages=k)) for k in (1, 4)}
-    rows += [Row(f"reduce_scatter_q4 {k} stage{'s' if k > 1 else ''}", numel, *stages[k],
-                 f"dist.{_REDUCE_SCATTER.__name__}", *torch_reduce) for k in (1, 4)]  # fmt: skip
-    rows.append(Row("reduce_scatter_q4 4 stages", numel, *stages[4], "reduce_scatter_q4 1 stage", *stages[1]))
-    bucket = _rows(timer, numel, "reduce_scatter_q4 1 stage", stages[1], _bucket_calls(grads, out))
+    stages = {k: timer.measure(partial(zcomm.reduce_scatter_q4, out, grads, pipeline_stages=k)) for k in (1, 4)}
+    rows += [Row(_stages(k), numel, *stages[k], f"dist.{_REDUCE_SCATTER.__name__}", *torch_reduce) for k in (1, 4)]
+    rows.append(Row(_stages(4), numel, *stages[4], _stages(1), *stages[1]))
+    bucket = _rows(timer, numel, _stages(1), stages[1], _bucket_calls(grads, out))
     rows += bucket
     # the prepared calls
     prepared_gather = prepare_all_gather_q8(full, shard)
@@ -231,45 +216,38 @@ def _profile(timer: Timer, numel: int, dtype: torch.dtype, path: str) -> None:
     shard = torch.randn(numel, device=device).to(dtype)
     full = torch.empty(dist.get_world_size() * numel, dtype=dtype, device=device)
     out = torch.empty(numel, dtype=dtype, device=device)
-    calls = {
-        "all_gather_q8": lambda: zcomm.all_gather_q8(full, shard),
-        "reduce_scatter_q4 1 stage": lambda: zcomm.reduce_scatter_q4(out, full, pipeline_stages=1),
-        "reduce_scatter_q4 4 stages": lambda: zcomm.reduce_scatter_q4(out, full, pipeline_stages=4),
-        **_bucket_calls(full, out),
-    }
-    text = io.StringIO()
-    for name, call in calls.items():
-        call()  # warm: plans, compiled kernels
-        timer.sync()
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(PROFILED_CALLS):
-            call()
-        profiler.disable()
-        timer.sync()
-        text.write(f"## {name}, {_size(numel)} elements, {PROFILED_CALLS} calls\n")
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    calls = {"all_gather_q8": lambda: zcomm.all_gather_q8(full, shard),
+             **{_stages(k): partial(zcomm.reduce_scatter_q4, out, full, pipeline_stages=k) for k in (1, 4)},
+             **_bucket_calls(full, out)}
     with open(path, "w") as stream:
-        stream.write(text.getvalue())
+        for name, call in calls.items():
+            call()  # warm: plans, compiled kernels
+            timer.sync()
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(PROFILED_CALLS):
+                call()
+            profiler.disable()
+            timer.sync()
+            stream.write(f"## {name}, {_size(numel)} elements, {PROFILED_CALLS} calls\n")
+            pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(25)
 
 
 def _targets(device: torch.device, rows: list[Row]) -> list[dict]:
-    """The thin host path's targets from this run's rows: on CUDA every op <= 2x clone, all_gather_q8 <= 1.5x and
-    reduce_scatter_q4 <= 2x torch's call, 4 stages <= 1.3x one stage; on CPU quantize of 1K fp32 <= 25 us."""
+    """The targets this run's rows meet or miss: on CUDA :data:`CUDA_HOST_TARGETS`, on CPU quantize of 1K fp32."""
     found = []
     for row in rows:
         if device.type == "cuda":
-            limit = 2.0 if row.base == "x.clone()" else 1.5 if row.name == "all_gather_q8" else None
-            if row.name in ("reduce_scatter_q4 1 stage", "reduce_scatter_q4 4 stages"):  # bucket rows: no target
-                limit = 1.3 if row.base == "reduce_scatter_q4 1 stage" else 2.0
-            if limit is not None:
-                launcher = f" [{row.launcher}]" if row.launcher else ""
-                label = f"{row.name} {_size(row.numel)}{launcher}: host {row.host_ratio:.2f}x {row.base} (<= {limit}x)"
-                found.append({"target": label, "measured": row.host_ratio, "limit": limit, "met": row.host_ratio <= limit})
-        elif row.name == "quantize int8" and row.numel == CPU_QUANTIZE_NUMEL:
-            label = f"quantize {_size(row.numel)} fp32 on cpu: {row.host_us:.1f} us (<= {CPU_QUANTIZE_TARGET_US} us)"
-            found.append({"target": label, "measured": row.host_us, "limit": CPU_QUANTIZE_TARGET_US,
-                          "met": row.host_us <= CPU_QUANTIZE_TARGET_US})  # fmt: skip
+            measured, limit = row.host_ratio, 2.0 if row.base == "x.clone()" else CUDA_HOST_TARGETS.get((row.name, row.base))
+            launcher = f" [{row.launcher}]" if row.launcher else ""
+            label = f"{row.name} {_size(row.numel)}{launcher}: host {measured:.2f}x {row.base} (<= {limit}x)"
+        elif (row.name, row.numel) == ("quantize int8", CPU_QUANTIZE_NUMEL):
+            measured, limit = row.host_us, CPU_QUANTIZE_TARGET_US
+            label = f"quantize {_size(row.numel)} fp32 on cpu: {measured:.1f} us (<= {limit} us)"
+        else:
+            continue
+        if limit is not None:
+            found.append({"target": label, "measured": measured, "limit": limit, "met": measured <= limit})
     return found
 
 
@@ -307,27 +285,16 @@ def _launcher_rows(rows: list[Row], launchers: list[str]) -> list[dict]:
         return []
     by_key = {(row.name, row.numel, row.base, row.launcher): row for row in rows}
     compared = []
-    for row in rows:
-        if row.launcher != launchers[0]:
-            continue
-        entry = {"name": row.name, "numel": row.numel, "base": row.base}
+    for first in (row for row in rows if row.launcher == launchers[0]):
+        entry = {"name": first.name, "numel": first.numel, "base": first.base}
         for name in launchers:
-            other = by_key[(row.name, row.numel, row.base, name)]
-            entry[f"{name} host_us"], entry[f"{name} synced_us"] = other.host_us, other.synced_us
+            other = by_key[(first.name, first.numel, first.base, name)]
+            entry |= {f"{name} host_us": other.host_us, f"{name} synced_us": other.synced_us}
             if name != launchers[0]:
-                entry[f"{name}/{launchers[0]} host"] = other.host_us / row.host_us
-                entry[f"{name}/{launchers[0]} synced"] = other.synced_us / row.synced_us
+                entry |= {f"{name}/{launchers[0]} host": other.host_us / first.host_us,
+                          f"{name}/{launchers[0]} synced": other.synced_us / first.synced_us}
         compared.append(entry)
     return compared
-
-
-def markdown(rows: list[dict]) -> list[str]:
-    """``rows`` as a markdown table, their keys as columns, numbers to 2 decimals."""
-    if not rows:
-        return []
-    columns = list(rows[0])
-    cells = [[f"{row[c]:.2f}" if isinstance(row[c], float) else str(row[c]) for c in columns] for row in rows]
-    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] + ["| " + " | ".join(c) + " |" for c in cells]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -368,24 +335,21 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     timer = Timer(device, args.budget if args.budget is not None else (0.3 if cuda else 0.5), args.min_calls,
                   args.max_calls)  # fmt: skip
-    started = time.perf_counter()
+    started, launchers = time.perf_counter(), [""]
     if cuda:
         from zcomm_cuda import loader
 
         launchers = args.launcher.split(",") if args.launcher else [loader.launcher()]
-    else:
-        launchers = [""]
-    with tempfile.TemporaryDirectory() as store_dir:  # a world of one rank: gloo on CPU, NCCL bound to the GPU
-        store = dist.FileStore(os.path.join(store_dir, "store"), 1)
-        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1,
-                                **({"device_id": device} if cuda else {}))  # fmt: skip
-        try:
-            rows = [row for numel in sizes for row in _rows_per_launcher(timer, numel, dtype, launchers, sizes)]
-            if args.profile:
-                _use_launcher(launchers[0])
-                _profile(timer, sizes[0], dtype, args.profile)
-        finally:
-            dist.destroy_process_group()
+    # a world of one rank: gloo on CPU, NCCL bound to the GPU
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            **({"device_id": device} if cuda else {}))  # fmt: skip
+    try:
+        rows = [row for numel in sizes for row in _rows_per_launcher(timer, numel, dtype, launchers, sizes)]
+        if args.profile:
+            _use_launcher(launchers[0])
+            _profile(timer, sizes[0], dtype, args.profile)
+    finally:
+        dist.destroy_process_group()
     targets, compared = _targets(device, rows), _launcher_rows(rows, launchers)
     machine = (torch.cuda.get_device_name(device) if cuda else
                f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch threads {torch.get_num_threads()}")

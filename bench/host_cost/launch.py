@@ -1,27 +1,17 @@
 """Launch cost on the host, without a GPU: the Python side of one kernel launch, per launcher.
 
-``python -m bench.host_cost --launch-stand-in [--calls N]``. It times :func:`zcomm_cuda.loader.launch`
-for argument tuples shaped like the cuda backend's kernels (the encoders' 6 to 12
-arguments, the decoders' 6 and 7), with every GPU-side call replaced by a stand-in:
-
-* ``driver``: the whole driver launcher (:mod:`zcomm_cuda.driver_launch`): the kernel and
-  per-thread block lookups, the packing of configuration and arguments, and a real ``ctypes``
-  call of ``cuLaunchKernelEx``'s signature into a C function that returns 0 (compiled here
-  with ``cc``): everything but the driver's own work inside ``libcuda``;
-* ``cupy``: zcomm's side of the cupy launcher (kernel and stream lookups, the argument tuple)
-  up to the cupy ``Function`` call, which is a Python no-op here: cupy's own work (a C value
-  object per argument, its context check, ``cuLaunchKernel``) is **not** included; the driver
-  launcher replaces all of it.
-
-torch's current raw stream and the runtime's current device are C builtins returning 0 in
-both rows, so the two rows differ only by the launchers' own work. Each figure is the median
-of 9 rounds of ``--calls`` calls, the rounds of all columns of a row alternating; ``pack``
-(the block's one ``struct.pack_into``), ``ctypes call`` (the no-op through ``ctypes``) and
-``empty call`` (a Python lambda, the timing loop's own cost, in every figure) are parts of
-the driver row; ``11-arg call`` is the same no-op called with ``cuLaunchKernel``'s 11
-arguments, what [Note: launch entry point] in :mod:`zcomm_cuda.driver_launch` weighs. The
-figures say what the Python side costs on this machine; a launch's time on a GPU is measured by
-``bench.host_cost --device cuda --launcher cupy,driver`` and ``bench.kernels --variants``.
+``python -m bench.host_cost --launch-stand-in [--calls N]`` times :func:`zcomm_cuda.loader.launch`
+for argument tuples shaped like the cuda backend's kernels (:data:`CASES`), every GPU-side call
+replaced by a stand-in. ``driver``: the whole driver launcher (lookups, per-thread block, the
+packing, a real ``ctypes`` call into a C no-op of ``cuLaunchKernelEx``'s signature compiled here
+with ``cc``): all but the driver's work inside ``libcuda``. ``cupy``: zcomm's side of the cupy
+launcher up to cupy's ``Function`` call, a Python no-op here, so cupy's own work is **not** in
+it. torch's raw stream and the current device come from C builtins returning 0 in both rows, so
+the rows differ by the launchers' own work only. Each figure is the median of ``ROUNDS`` rounds
+of ``--calls`` calls, the columns' rounds alternating; ``pack``, ``ctypes call`` and ``empty
+call`` (the timing loop's own cost) are parts of the driver row, ``11-argument call`` the no-op
+called as ``cuLaunchKernel`` would be ([Note: launch entry point] in :mod:`zcomm_cuda.driver_launch`).
+A GPU's launch time: ``bench.host_cost --device cuda --launcher cupy,driver`` and ``bench.kernels --variants``.
 """
 
 from __future__ import annotations
@@ -43,7 +33,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from bench.host_cost.calls import markdown
+from bench.harness.table import markdown
+from bench.harness.timing import per_call_seconds
 from zcomm_cuda import driver_launch, loader
 
 ROUNDS = 9
@@ -117,21 +108,6 @@ def _stand_ins(noop: ctypes.CDLL) -> Iterator[None]:
             setattr(loader, name, value)
 
 
-def _compare(calls_by_name: dict[str, Callable[[], None]], calls: int) -> dict[str, float]:
-    """Median us per call of each of ``calls_by_name`` over ``ROUNDS`` rounds of ``calls`` calls, their rounds
-    alternating (a busy machine's drift hits every row alike)."""
-    for call in calls_by_name.values():
-        call()
-    rounds: dict[str, list[float]] = {name: [] for name in calls_by_name}
-    for _ in range(ROUNDS):
-        for name, call in calls_by_name.items():
-            start = time.perf_counter()
-            for _ in range(calls):
-                call()
-            rounds[name].append((time.perf_counter() - start) / calls * 1e6)
-    return {name: statistics.median(values) for name, values in rounds.items()}
-
-
 def _launch_with(launcher: str, source: str, name: str, args: tuple) -> Callable[[], None]:
     def call() -> None:
         loader._use_driver = launcher == "driver"  # set_launcher without its validation, inside the timing
@@ -153,15 +129,16 @@ def measure(calls: int) -> list[dict[str, Any]]:
                 target = loader._DRIVER_KERNELS[(source, name, 0)]
                 target.launch(1056, 256, 0, args)  # this thread's block
                 block = target.block()
-                timed = _compare({
+                timed = per_call_seconds({
                     "cupy us": _launch_with("cupy", source, name, args),
                     "driver us": _launch_with("driver", source, name, args),
-                    "pack us": lambda: block.write(1056, 256, 0, args),  # noqa: B023 (_compare calls it in this iteration)
+                    "pack us": lambda: block.write(1056, 256, 0, args),  # noqa: B023 (called in this iteration)
                     "ctypes call us": lambda: noop(1, 0, 1, None),
                     "11-argument call us": lambda: eleven(0, 1056, 1, 1, 256, 1, 1, 0, 0, 1, None),
                     "empty call us": lambda: None,
-                }, calls)  # fmt: skip
-                rows.append({"kernel": name, "arguments": len(args), **timed})
+                }, rounds=ROUNDS, repeat=calls)  # fmt: skip
+                rows.append({"kernel": name, "arguments": len(args),
+                             **{column: statistics.median(seconds) * 1e6 for column, seconds in timed.items()}})
     return rows
 
 

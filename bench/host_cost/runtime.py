@@ -1,30 +1,22 @@
 """Host cost of a ZeRO training step: what qwZ and qgZ add to stage 3's Python work per step.
 
-``python -m bench.host_cost --runtime [--configs zero3 zero3+qwz zero3+qgz zeropp]
-[--layers 64] [--width 64] [--steps 20] [--rounds 4] [--world 1] [--device cpu] [--json PATH]``;
-why a host-bound step is measured on a CPU: bench/TRAINING.md, "A host-bound step".
+``python -m bench.host_cost --runtime`` (options: docs/benchmarks.md; why a host-bound step is
+measured on a CPU: bench/TRAINING.md, "A host-bound step"). The model's compute is negligible:
+an MLP of ``--layers`` Linear layers of ``--width`` features, fp32, on ``--world`` ranks of this
+machine (rank 0's figures), with ``bench.train``'s engine config plus :data:`HOST_BOUND_KEYS`:
+every Linear its own stage-3 unit and gradient bucket, as the 160M GPT's are by default, so a
+step makes one gather and one reduce-scatter per layer. After ``--warmup`` steps, per configuration:
 
-The model's compute is negligible: an MLP of ``--layers`` Linear layers of ``--width``
-features (``bench.train.models.MLP``), fp32, world size 1 (``--world N``: N gloo ranks on
-this machine, rank 0's figures). The engine config is ``bench.train``'s for the configuration
-(:func:`bench.train.configs.zero_runtime_config`) plus :data:`HOST_BOUND_KEYS`: every Linear
-its own stage-3 unit and its own gradient bucket, as the Linear layers of the speed report's
-160M GPT get from the defaults, so a step makes one gather and one reduce-scatter per layer.
-
-Two measurements per configuration, after ``--warmup`` steps:
-
-* **calls per step**: the Python functions the step enters (``sys.setprofile`` "call"
-  events; C functions not counted), deterministic on any machine, by phase (forward,
-  backward, optimizer step, zero_grad) and by thread (the training thread, zcomm's CPU
-  workers); then the functions a configuration enters per step beyond the baseline.
-* **wall time per step**: the median over ``--steps`` steps, in ``--rounds`` rounds that
-  alternate the order of the configurations; the ratio to ``--baseline`` is the median of
-  the per-round ratios.
+* **calls per step**: the Python functions the step enters (``sys.setprofile`` "call" events,
+  C functions not counted; deterministic), by phase and by thread (the training thread, zcomm's
+  CPU workers), then the functions entered per step beyond the baseline;
+* **wall time per step**: the median of ``--steps`` steps, in ``--rounds`` rounds that alternate
+  the configurations' order; the ratio to ``--baseline`` is the median of the per-round ratios.
 
 ``--device cuda`` (NCCL, rank r on GPU r, steps timed to the end of their GPU work): the
 quantized chains run on the training thread, so the counts are a GPU step's host path, except
-that autograd's CUDA backward runs on a C++ device thread a Python profile function does not
-reach: there the backward column counts only the training thread's part (the heading says so).
+that autograd's CUDA backward runs on a C++ thread a profile function does not reach: there the
+backward column counts the training thread's part only (the heading says so).
 """
 
 from __future__ import annotations
@@ -36,7 +28,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,6 +37,9 @@ import torch
 import torch.distributed as dist
 
 import zero_runtime
+from bench.harness.ranks import spawn
+from bench.harness.table import markdown
+from bench.harness.timing import per_call_seconds
 from bench.train.configs import select_configs, zero_runtime_config
 from bench.train.models import MLP
 
@@ -156,14 +150,7 @@ def count_calls(engine: Engine, counter: _CallCounter, steps: int) -> Result:
 def time_steps(engine: Engine, steps: int) -> float:
     """The median step in ms; on CUDA each step is timed to the end of its GPU work."""
     sync = torch.cuda.synchronize if engine.batch.is_cuda else (lambda: None)
-    times = []
-    for _ in range(steps):
-        sync()
-        start = time.perf_counter()
-        engine.step()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return statistics.median(per_call_seconds({"": engine.step}, rounds=steps, warmup=0, sync=sync, synced=True)[""]) * 1e3
 
 
 def _total(result: Result, thread: str | None = None) -> int:
@@ -178,18 +165,16 @@ def report(results: dict[str, Result], baseline: str, args: argparse.Namespace) 
              f"1 torch thread per rank, load average {os.getloadavg()[0]:.2f}",
              f"# engine: bench.train's config + {HOST_BOUND_KEYS}",
              "# backward counts: the training thread only (autograd's CUDA device thread is not profiled)"
-             if args.device == "cuda" else "# backward counts: complete (a CPU backward runs on the training thread)", "",
-             "| config | calls/step main | calls/step worker | " + " | ".join(f"{p} main/worker" for p in PHASES)
-             + " | step ms (median of rounds) | min | max | ratio to " + baseline + " |",
-             "|---|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|---:|---:|"]
-    base = results[baseline]
+             if args.device == "cuda" else "# backward counts: complete (a CPU backward runs on the training thread)", ""]
+    base, rows = results[baseline], []
     for name, result in results.items():
-        per_phase = " | ".join(f"{result.calls.get(p, {}).get('main', 0)}/{result.calls.get(p, {}).get('worker', 0)}"
-                               for p in PHASES)
         ratios = [a / b for a, b in zip(result.step_ms, base.step_ms, strict=True)]
-        timing = (f"{statistics.median(result.step_ms):.2f} | {min(result.step_ms):.2f} | {max(result.step_ms):.2f} | "
-                  f"{statistics.median(ratios):.3f}" if ratios else "n/a | | | ")
-        lines.append(f"| {name} | {_total(result, 'main')} | {_total(result, 'worker')} | {per_phase} | {timing} |")
+        rows.append({"config": name, "calls/step main": _total(result, "main"), "calls/step worker": _total(result, "worker"),
+                     **{f"{p} main/worker": "/".join(str(result.calls.get(p, {}).get(t, 0)) for t in ("main", "worker"))
+                        for p in PHASES},
+                     "step ms (median of rounds)": statistics.median(result.step_ms), "min": min(result.step_ms),
+                     "max": max(result.step_ms), f"ratio to {baseline}": f"{statistics.median(ratios):.3f}"})  # fmt: skip
+    lines += markdown(rows)
     for name, result in results.items():
         if name == baseline:
             continue
@@ -201,40 +186,23 @@ def report(results: dict[str, Result], baseline: str, args: argparse.Namespace) 
     return "\n".join(lines)
 
 
-def _rank(rank: int, args: argparse.Namespace, tmp: str) -> dict[str, Result]:
-    """Every configuration's calls per step and its step times on this rank of ``args.world``."""
-    torch.set_num_threads(1)
-    backend = "gloo"
-    if args.device == "cuda":  # no device_id bound, as bench.harness.dist_env does: set_device instead
-        torch.cuda.set_device(rank)
-        backend = "nccl"
-    dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=args.world)
-    try:
-        counter = _CallCounter()
-        counter.install()
-        engines = {name: build(name, args) for name in args.configs}
-        results = {}
-        for name, engine in engines.items():
-            for _ in range(args.warmup):
-                engine.step()
-            results[name] = count_calls(engine, counter, args.count_steps)
-        counter.remove()
-        for r in range(args.rounds):
-            order = list(engines) if r % 2 == 0 else list(reversed(engines))
-            for name in order:
-                results[name].step_ms.append(time_steps(engines[name], args.steps))
-        for engine in engines.values():
-            engine.opt.close()
-    finally:
-        dist.destroy_process_group()
+def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Result]:
+    """Every configuration's calls per step and its step times on this rank of ``world``."""
+    counter = _CallCounter()
+    counter.install()
+    engines = {name: build(name, args) for name in args.configs}
+    results = {}
+    for name, engine in engines.items():
+        for _ in range(args.warmup):
+            engine.step()
+        results[name] = count_calls(engine, counter, args.count_steps)
+    counter.remove()
+    for r in range(args.rounds):
+        for name in reversed(engines) if r % 2 else engines:
+            results[name].step_ms.append(time_steps(engines[name], args.steps))
+    for engine in engines.values():
+        engine.opt.close()
     return results
-
-
-def _spawned(rank: int, args: argparse.Namespace, tmp: str) -> None:
-    results = _rank(rank, args, tmp)
-    if rank == 0:
-        with open(f"{tmp}/results.json", "w") as f:
-            json.dump({name: vars(result) for name, result in results.items()}, f)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,13 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     baseline = args.baseline or args.configs[0]
     if baseline not in args.configs:
         parser.error(f"--baseline {baseline} is not in --configs")
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.world == 1:
-            results = _rank(0, args, tmp)
-        else:
-            torch.multiprocessing.start_processes(_spawned, args=(args, tmp), nprocs=args.world, start_method="spawn")
-            with open(f"{tmp}/results.json") as f:
-                results = {name: Result(**fields) for name, fields in json.load(f).items()}
+    # one path for every world size, 1 too: ranks of their own (with NCCL, rank r on GPU r)
+    results = spawn(_rank, args.world, args, backend="nccl" if args.device == "cuda" else "gloo", timeout=3600)[0]
     print(report(results, baseline, args))
     if args.json:
         with open(args.json, "w") as f:
