@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from bench.harness.flags import parse_size
+from bench.harness.table import markdown
 from zero_runtime.config import AioConfig
 from zero_runtime.offload.swap_file import SwapFile, aligned_buffer
 
@@ -70,10 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# NVMe swap throughput, {args.size / 2**30:g} GiB, {args.path}, median of {args.repeats} (alternating)")
     print(f"aio: block_size {AIO.block_size}, thread_count {AIO.thread_count}, queue_depth {AIO.queue_depth}, "
           f"O_DIRECT {swap.direct}; torch {torch.__version__}\n")
-    print("| transfer | GB/s | samples |")
-    print("|---|---:|---|")
-    for name, value in median.items():
-        print(f"| {name} | {value:.2f} | {', '.join(f'{r:.2f}' for r in rates[name])} |")
+    print("\n".join(markdown([{"transfer": name, "GB/s": value, "samples": ", ".join(f"{r:.2f}" for r in rates[name])}
+                              for name, value in median.items()])))
     print("\n## target: swap >= 70% of the disk's sequential bandwidth")
     for kind in ("write", "read"):
         ratio = median[f"swap {kind}"] / median[f"dd {kind}"]
