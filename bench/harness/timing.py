@@ -78,22 +78,19 @@ def clock_for(device: torch.device) -> HostClock | CudaEventClock:
 
 
 def per_call_seconds(calls: dict[str, Callable[[], object]], *, rounds: int, repeat: int = 1, warmup: int = 1,
-                     sync: Callable[[], object] = lambda: None, synced: bool = False,
-                     alternate: bool = False) -> dict[str, list[float]]:
+                     sync: Callable[[], object] = lambda: None, synced: bool = False) -> dict[str, list[float]]:
     """Per call and round, the mean seconds of ``repeat`` back-to-back calls, after ``warmup`` calls each.
 
-    The calls take turns within each round (the order reversed every other round with
-    ``alternate``), so a drift of the machine's speed hits them alike. ``sync`` (a device
-    synchronization) runs before each timed stretch and, with ``synced``, inside it after the
-    last call: without it an asynchronous call is timed to its enqueue only.
+    The calls take turns within each round, so a drift of the machine's speed hits them alike.
+    ``sync`` (a device synchronization) runs before each timed stretch and, with ``synced``,
+    inside it after the last call: without it an asynchronous call is timed to its enqueue only.
     """
     for call in calls.values():
         for _ in range(warmup):
             call()
     samples: dict[str, list[float]] = {name: [] for name in calls}
-    for r in range(rounds):
-        for name in reversed(calls) if alternate and r % 2 else calls:
-            call = calls[name]
+    for _ in range(rounds):
+        for name, call in calls.items():
             sync()
             start = time.perf_counter()
             for _ in range(repeat):

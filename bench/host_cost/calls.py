@@ -49,9 +49,9 @@ CUDA_HOST_TARGETS = {("all_gather_q8", f"dist.{_ALL_GATHER.__name__}"): 1.5,
                      ("reduce_scatter_q4 4 stages", f"dist.{_REDUCE_SCATTER.__name__}"): 2.0,
                      ("reduce_scatter_q4 4 stages", "reduce_scatter_q4 1 stage"): 1.3}  # fmt: skip
 BUCKET = 4  # tensors of the coalesced reduce-scatter's bucket
+COALESCED = f"reduce_scatter_q4_coalesced x{BUCKET}"
 ROUNDS = 5  # host time: the median of this many rounds' means (one descheduled call skews a mean)
 PROFILED_CALLS = 100
-Timed = tuple[float, float]  # (host us, synced us)
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class Timer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def measure(self, call: Callable[[], object]) -> Timed:
+    def measure(self, call: Callable[[], object]) -> tuple[float, float]:
         """(host us, synced us) per call, after one warm-up call."""
 
         def median_us(**how) -> float:
@@ -105,15 +105,16 @@ def _stages(k: int) -> str:
     return f"reduce_scatter_q4 {k} stage{'s' if k > 1 else ''}"
 
 
-def _rows(timer: Timer, numel: int, base: str, base_times: Timed, calls: dict[str, Callable[[], object]]) -> list[Row]:
-    return [Row(name, numel, *timer.measure(call), base, *base_times) for name, call in calls.items()]
+def _rows(timer: Timer, numel: int, calls: dict[str, Callable[[], object]], pairs: list[tuple[str, str]]) -> list[Row]:
+    """Time ``calls`` in their order (each yardstick before the calls next to it), then a row per (call, yardstick)."""
+    timed = {name: timer.measure(call) for name, call in calls.items()}
+    return [Row(name, numel, *timed[name], base, *timed[base]) for name, base in pairs]
 
 
 def _op_rows(timer: Timer, numel: int, dtype: torch.dtype) -> list[Row]:
     """Each ``zcomm.quant`` op into a preallocated output next to ``x.clone()``."""
     device = timer.device
     x = torch.randn(numel, device=device).to(dtype)
-    clone = timer.measure(x.clone)
     payload = q.quantize(x, 8, GROUP_SIZE)
     rows8 = payload.view(1, -1).expand(ROWS, -1).contiguous()
     rows4 = q.quantize(x, 4, GROUP_SIZE).view(1, -1).expand(ROWS, -1).contiguous()
@@ -122,7 +123,8 @@ def _op_rows(timer: Timer, numel: int, dtype: torch.dtype) -> list[Row]:
     dequantized = torch.empty(ROWS * numel, dtype=dtype, device=device)
     reduced = torch.empty(numel, dtype=dtype, device=device)
     requantized = q.dequant_reduce(rows4, numel, 4, GROUP_SIZE, requant_chunks=ROWS)
-    return _rows(timer, numel, "x.clone()", clone, {
+    calls = {
+        "x.clone()": x.clone,
         "quantize int8": lambda: q.quantize(x, 8, GROUP_SIZE, out=payload),
         f"dequantize int8 x{ROWS}": lambda: q.dequantize(rows8, numel, 8, GROUP_SIZE, dtype, out=dequantized),
         f"reorder_quantize int4 {ROWS} chunks": lambda: q.reorder_quantize(x, perm, ROWS, 4, GROUP_SIZE, out=chunks),
@@ -130,7 +132,8 @@ def _op_rows(timer: Timer, numel: int, dtype: torch.dtype) -> list[Row]:
                                                                  divide_by=float(ROWS), out=reduced),
         f"dequant_reduce requant int4 x{ROWS}": lambda: q.dequant_reduce(rows4, numel, 4, GROUP_SIZE,
                                                                          requant_chunks=ROWS, out=requantized),
-    })  # fmt: skip
+    }  # fmt: skip
+    return _rows(timer, numel, calls, [(name, "x.clone()") for name in list(calls)[1:]])
 
 
 def _bucket(grads: torch.Tensor, out: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -145,8 +148,7 @@ def _bucket_calls(grads: torch.Tensor, out: torch.Tensor) -> dict[str, Callable[
     inputs, outputs = _bucket(grads, out)
     feedback = zcomm.ErrorFeedback()
     return {
-        f"reduce_scatter_q4_coalesced x{BUCKET}": lambda: zcomm.reduce_scatter_q4_coalesced(
-            outputs, inputs, op=dist.ReduceOp.AVG),
+        COALESCED: lambda: zcomm.reduce_scatter_q4_coalesced(outputs, inputs, op=dist.ReduceOp.AVG),
         "reduce_scatter_q4 error feedback": lambda: zcomm.reduce_scatter_q4(
             out, grads, op=dist.ReduceOp.AVG, pipeline_stages=1, error_feedback=feedback),
     }
@@ -160,42 +162,37 @@ def _collective_rows(timer: Timer, numel: int, dtype: torch.dtype) -> list[Row]:
     from zcomm.all_gather_q8 import prepare_all_gather_q8
     from zcomm.reduce_scatter_q4 import prepare_reduce_scatter_q4_coalesced
 
-    device, world = timer.device, dist.get_world_size()
+    device, world, group = timer.device, dist.get_world_size(), dist.group.WORLD
     shard = torch.randn(numel, device=device).to(dtype)
     full = torch.empty(world * numel, dtype=dtype, device=device)
     grads = torch.randn(world * numel, device=device).to(dtype)
     out = torch.empty(numel, dtype=dtype, device=device)
-    torch_gather = timer.measure(lambda: _ALL_GATHER(full, shard))
-    gather = timer.measure(lambda: zcomm.all_gather_q8(full, shard))
-    rows = [Row("all_gather_q8", numel, *gather, f"dist.{_ALL_GATHER.__name__}", *torch_gather)]
-    torch_reduce = timer.measure(lambda: _REDUCE_SCATTER(out, grads))
-    stages = {k: timer.measure(partial(zcomm.reduce_scatter_q4, out, grads, pipeline_stages=k)) for k in (1, 4)}
-    rows += [Row(_stages(k), numel, *stages[k], f"dist.{_REDUCE_SCATTER.__name__}", *torch_reduce) for k in (1, 4)]
-    rows.append(Row(_stages(4), numel, *stages[4], _stages(1), *stages[1]))
-    bucket = _rows(timer, numel, _stages(1), stages[1], _bucket_calls(grads, out))
-    rows += bucket
-    # the prepared calls
     prepared_gather = prepare_all_gather_q8(full, shard)
     inputs, outputs = _bucket(grads, out)
     prepared_reduce = prepare_reduce_scatter_q4_coalesced(outputs, inputs, op=dist.ReduceOp.AVG)
-    rows += _rows(timer, numel, "all_gather_q8", gather, {
-        "all_gather_q8 prepared": lambda: prepared_gather(full, shard)})
-    rows += _rows(timer, numel, bucket[0].name, (bucket[0].host_us, bucket[0].synced_us), {
-        f"{bucket[0].name} prepared": lambda: prepared_reduce(outputs, inputs)})
-    # zcomm.fsdp's comms; the reduce-scatter gets a PREMUL_SUM op built anew per call, as FSDP2 passes it
-    group = dist.group.WORLD
     topologies = zcomm.fsdp._GroupTopologies(group, zcomm.Topology.detect(group))
     common = dict(quantized=True, group_size=None, module_name="bench", layout=None)
     fsdp_gather = zcomm.fsdp.ZeroppAllGather(topologies, **common)
     fsdp_reduce = zcomm.fsdp.ZeroppReduceScatter(topologies, **common)  # first_hop_bits=8, as enable_zeropp's default
-    factor = 1.0 / world
-    drop_in = timer.measure(lambda: zcomm.reduce_scatter_q4(out, grads, dist._make_nccl_premul_sum(factor), group,
-                                                            first_hop_bits=8))  # fmt: skip
-    rows += _rows(timer, numel, "all_gather_q8", gather, {
-        "fsdp all-gather comm": lambda: fsdp_gather(full, shard, group)})
-    rows += _rows(timer, numel, "reduce_scatter_q4 premul", drop_in, {
-        "fsdp reduce-scatter comm": lambda: fsdp_reduce(out, grads, group, dist._make_nccl_premul_sum(factor))})
-    return rows
+    premul = partial(dist._make_nccl_premul_sum, 1.0 / world)  # an op built anew per call, as FSDP2 passes it
+    gather, reduce = f"dist.{_ALL_GATHER.__name__}", f"dist.{_REDUCE_SCATTER.__name__}"
+    calls = {
+        gather: lambda: _ALL_GATHER(full, shard),
+        "all_gather_q8": lambda: zcomm.all_gather_q8(full, shard),
+        reduce: lambda: _REDUCE_SCATTER(out, grads),
+        **{_stages(k): partial(zcomm.reduce_scatter_q4, out, grads, pipeline_stages=k) for k in (1, 4)},
+        **_bucket_calls(grads, out),
+        "all_gather_q8 prepared": lambda: prepared_gather(full, shard),
+        f"{COALESCED} prepared": lambda: prepared_reduce(outputs, inputs),
+        "reduce_scatter_q4 premul": lambda: zcomm.reduce_scatter_q4(out, grads, premul(), group, first_hop_bits=8),
+        "fsdp all-gather comm": lambda: fsdp_gather(full, shard, group),
+        "fsdp reduce-scatter comm": lambda: fsdp_reduce(out, grads, group, premul()),
+    }
+    return _rows(timer, numel, calls, [
+        ("all_gather_q8", gather), (_stages(1), reduce), (_stages(4), reduce), (_stages(4), _stages(1)),
+        (COALESCED, _stages(1)), ("reduce_scatter_q4 error feedback", _stages(1)),
+        ("all_gather_q8 prepared", "all_gather_q8"), (f"{COALESCED} prepared", COALESCED),
+        ("fsdp all-gather comm", "all_gather_q8"), ("fsdp reduce-scatter comm", "reduce_scatter_q4 premul")])
 
 
 def _all_reduce_rows(timer: Timer, numel: int, dtype: torch.dtype) -> list[Row]:
@@ -203,11 +200,10 @@ def _all_reduce_rows(timer: Timer, numel: int, dtype: torch.dtype) -> list[Row]:
     form, the call ``zcomm.ddp``'s hook makes per bucket, next to it. At the first size only (the GPU
     report's time budget: [Note: gpu-bench time budget])."""
     tensor = torch.randn(numel, device=timer.device).to(dtype)
-    torch_call = timer.measure(lambda: dist.all_reduce(tensor))
-    quantized = timer.measure(lambda: zcomm.all_reduce_q4(tensor))
     prepared = zcomm.prepare_all_reduce_q4(tensor)
-    return [Row("all_reduce_q4", numel, *quantized, "dist.all_reduce", *torch_call),
-            *_rows(timer, numel, "all_reduce_q4", quantized, {"all_reduce_q4 prepared": lambda: prepared(tensor)})]
+    calls = {"dist.all_reduce": lambda: dist.all_reduce(tensor), "all_reduce_q4": lambda: zcomm.all_reduce_q4(tensor),
+             "all_reduce_q4 prepared": lambda: prepared(tensor)}
+    return _rows(timer, numel, calls, [("all_reduce_q4", "dist.all_reduce"), ("all_reduce_q4 prepared", "all_reduce_q4")])
 
 
 def _profile(timer: Timer, numel: int, dtype: torch.dtype, path: str) -> None:

@@ -1,22 +1,15 @@
 """Host cost of a ZeRO training step: what qwZ and qgZ add to stage 3's Python work per step.
 
-``python -m bench.host_cost --runtime`` (options: docs/benchmarks.md; why a host-bound step is
-measured on a CPU: bench/TRAINING.md, "A host-bound step"). The model's compute is negligible:
-an MLP of ``--layers`` Linear layers of ``--width`` features, fp32, on ``--world`` ranks of this
-machine (rank 0's figures), with ``bench.train``'s engine config plus :data:`HOST_BOUND_KEYS`:
-every Linear its own stage-3 unit and gradient bucket, as the 160M GPT's are by default, so a
-step makes one gather and one reduce-scatter per layer. After ``--warmup`` steps, per configuration:
-
-* **calls per step**: the Python functions the step enters (``sys.setprofile`` "call" events,
-  C functions not counted; deterministic), by phase and by thread (the training thread, zcomm's
-  CPU workers), then the functions entered per step beyond the baseline;
-* **wall time per step**: the median of ``--steps`` steps, in ``--rounds`` rounds that alternate
-  the configurations' order; the ratio to ``--baseline`` is the median of the per-round ratios.
-
-``--device cuda`` (NCCL, rank r on GPU r, steps timed to the end of their GPU work): the
-quantized chains run on the training thread, so the counts are a GPU step's host path, except
-that autograd's CUDA backward runs on a C++ thread a profile function does not reach: there the
-backward column counts the training thread's part only (the heading says so).
+``python -m bench.host_cost --runtime`` (what it prints: docs/benchmarks.md; why on a CPU:
+bench/TRAINING.md, "A host-bound step"). The model is an MLP of ``--layers`` Linear layers of
+``--width`` features, fp32, with ``bench.train``'s engine config plus :data:`HOST_BOUND_KEYS`:
+every Linear its own stage-3 unit and gradient bucket, as the 160M GPT's are by default. Calls
+per step are ``sys.setprofile``'s "call" events (Python functions only) by phase and thread;
+step times the median of ``--steps`` steps per round, in ``--rounds`` rounds alternating the
+configurations' order, the ratio to ``--baseline`` the median of the per-round ratios. With
+``--device cuda`` the quantized chains run on the training thread, but autograd's CUDA backward
+runs on a C++ thread a profile function does not reach: the backward column counts the
+training thread's part only (the heading says so).
 """
 
 from __future__ import annotations
