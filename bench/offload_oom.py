@@ -43,6 +43,7 @@ SUB_GROUP_SIZE = 5_000_000
 PARAM_BUFFERS = 3  # offload_param.buffer_count of the nvme-param jobs (each holds the largest shard)
 PARAM_MODE_MAX_LIVE = 100_000_000  # stage3_max_live_parameters of the nvme-param jobs
 MODES = ("none", "nvme", "nvme-param", "nvme-param-overlap")
+TIMEOUT_S = 3600  # of a job
 _TIMINGS = ("total_s", "forward_backward_s", "step_s")
 # the model's shape and the offload settings, passed on to the job's process
 _SHAPE = ("world_size", "steps", "n_embd", "n_layer", "n_head", "seq_len", "aio_queue_depth", "nvme_path")
@@ -95,7 +96,7 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
 def _worker(args: argparse.Namespace) -> int:
     """The job: ``--world-size`` ranks, their results in ``--json``; a failed rank ends the others."""
     try:
-        ranks = spawn(_rank, args.world_size, args, timeout=args.timeout)
+        ranks = spawn(_rank, args.world_size, args, timeout=TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - the job failed; the parent reports its stderr
         print(f"bench.offload_oom: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
@@ -116,7 +117,7 @@ def _run_job(mode: str, args: argparse.Namespace, limit: int | None, scratch: Pa
     try:
         preexec = (lambda: (group / "cgroup.procs").write_text(str(os.getpid()))) if group else None
         proc = subprocess.run(command, preexec_fn=preexec, env={**os.environ, **MALLOC_ENV}, capture_output=True,
-                              text=True, timeout=args.timeout)
+                              text=True, timeout=TIMEOUT_S)
         ranks = json.loads(out.read_text()) if out.exists() else []
         later = [step for rank in ranks for step in rank["steps"][1:]]
         done = proc.returncode == 0 and len(ranks) == args.world_size
@@ -236,7 +237,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of the capped jobs, in alternating order, each after its own dd probe")
     parser.add_argument("--no-baseline", action="store_true", help="skip the unlimited `none` job")
-    parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     return parser

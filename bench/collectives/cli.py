@@ -41,7 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stages", type=parse_stages, default="auto",
                         help="pipeline_stages of reduce_scatter_q4 and all_reduce_q4: auto or e.g. 1,2,4")
     parser.add_argument("--group-size", type=int, help="quantization group size of the zcomm ops (default: each op's own)")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                         help="auto: cuda:LOCAL_RANK when a GPU is visible (unless --backend gloo), else cpu")
     parser.add_argument("--backend", choices=BACKEND_CHOICES, default="auto", help="auto: nccl on cuda, gloo on cpu")

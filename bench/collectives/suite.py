@@ -31,6 +31,8 @@ from . import report
 from .catalog import COLLECTIVES, Case, build_case
 from .cli import parse_config
 
+SEED = 0  # of every rank's inputs (bench/PERFORMANCE.md, #wrong)
+
 
 def _wire_counter(env: dist_env.DistEnv) -> Callable[[], int] | None:
     if read_wire_bytes() is None:
@@ -61,7 +63,7 @@ def run_sweep(config: argparse.Namespace, ctx: dist_env.DistContext) -> list[rep
     # shares stdout's pipe interleaves it with the table rows.
     show_bar = env.rank == 0 and sys.stderr.isatty()
     for op, stages, size in tqdm(jobs, desc="collectives", disable=not show_bar, file=sys.stderr):
-        case = build_case(COLLECTIVES[op], size, env=env, device=ctx.device, dtype=config.torch_dtype, seed=config.seed,
+        case = build_case(COLLECTIVES[op], size, env=env, device=ctx.device, dtype=config.torch_dtype, seed=SEED,
                           group_size=config.group_size, stages=stages)
         rows.append(measure(case, config, env))
         if env.rank == 0:

@@ -131,11 +131,9 @@ def init_process_group(env: DistEnv, backend: str = "gloo") -> None:
     its groups on their members only. Callers on CUDA select the device with
     ``torch.cuda.set_device`` before calling this.
     """
-    if env.launcher == "env":
-        dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size, timeout=TIMEOUT)
-        return
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=TIMEOUT) if env.launcher == "single" else _mpi_store(env)
-    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=TIMEOUT)
+    meet = ({"init_method": "env://"} if env.launcher == "env" else
+            {"store": dist.HashStore() if env.launcher == "single" else _mpi_store(env)})
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=TIMEOUT, **meet)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -37,13 +37,6 @@ def status_bytes(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def free_port() -> int:
-    """A localhost TCP port nothing listens on now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _rank(target: Callable, rank: int, world: int, port: int, backend: str, args: tuple, queue) -> None:
     import torch
     import torch.distributed as dist
@@ -97,7 +90,9 @@ def spawn(target: Callable, world: int, *args: Any, backend: str = "gloo", timeo
     ranks still running are killed before the error propagates."""
     import torch.multiprocessing as mp
 
-    port = free_port()
+    with socket.socket() as probe:  # a localhost port nothing listens on now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     context = mp.get_context("spawn")
     queue = context.Queue()
     procs = [context.Process(target=_rank, args=(target, rank, world, port, backend, args, queue), daemon=True)

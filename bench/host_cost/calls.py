@@ -5,11 +5,11 @@ bf16 on CUDA, fp32 on CPU. After one warm-up call (numba cache, NVRTC compile, N
 row is timed two ways: ``host us``, the median over ``ROUNDS`` rounds of the mean of calls issued
 back to back, read before the device is synchronized (the enqueue cost; on CPU the whole call);
 ``synced us``, the median of calls each followed by a synchronization (one call's latency). A
-row's calls fill about ``--budget`` seconds (within ``--min-calls`` and ``--max-calls``, so a
-GPU's launch queue does not fill), next to its yardstick timed in the same run (the rows:
-docs/benchmarks.md). ``--launcher cupy,driver`` times every row under each CUDA kernel launcher,
-their order alternating from one size to the next. The thin host path's targets are printed
-PASS or MISS (nothing asserts); ``--profile`` writes a cProfile of the collectives' host calls.
+row's calls fill about ``--budget`` seconds (at least ``--min-calls``, at most ``MAX_CALLS``),
+next to its yardstick timed in the same run (the rows: docs/benchmarks.md). ``--launcher
+cupy,driver`` times every row under each CUDA kernel launcher, their order alternating from one
+size to the next. The thin host path's targets are printed PASS or MISS (nothing asserts);
+``--profile`` writes a cProfile of the collectives' host calls.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ CUDA_HOST_TARGETS = {("all_gather_q8", f"dist.{_ALL_GATHER.__name__}"): 1.5,
                      ("reduce_scatter_q4 4 stages", "reduce_scatter_q4 1 stage"): 1.3}  # fmt: skip
 BUCKET = 4  # tensors of the coalesced reduce-scatter's bucket
 COALESCED = f"reduce_scatter_q4_coalesced x{BUCKET}"
+MAX_CALLS = 200  # per row: a GPU's launch queue must not fill
 ROUNDS = 5  # host time: the median of this many rounds' means (one descheduled call skews a mean)
 PROFILED_CALLS = 100
 
@@ -83,7 +84,6 @@ class Timer:
     device: torch.device
     budget_s: float
     min_calls: int
-    max_calls: int
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -96,7 +96,7 @@ class Timer:
             return statistics.median(per_call_seconds({"": call}, sync=self.sync, **how)[""]) * 1e6
 
         once = max(median_us(rounds=1, synced=True) / 1e6, 1e-7)
-        calls = max(self.min_calls, min(self.max_calls, int(self.budget_s / 2 / once)))
+        calls = max(self.min_calls, min(MAX_CALLS, int(self.budget_s / 2 / once)))
         return (median_us(rounds=ROUNDS, repeat=max(1, calls // ROUNDS), warmup=0),
                 median_us(rounds=calls, warmup=0, synced=True))
 
@@ -301,7 +301,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="also write the rows and targets to this file")
     parser.add_argument("--budget", type=float, default=None, help="seconds per timed row (default: cpu 0.5, cuda 0.3)")
     parser.add_argument("--min-calls", type=int, default=5)
-    parser.add_argument("--max-calls", type=int, default=200)
     parser.add_argument("--profile", default=None, metavar="PATH",
                         help="also write a cProfile of the collectives' host calls (first size) to PATH")
     parser.add_argument("--launcher", default=None, metavar="NAMES",
@@ -329,8 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda and args.sizes is None:
         sizes.insert(0, CPU_QUANTIZE_NUMEL)
     dtype = torch.bfloat16 if cuda else torch.float32
-    timer = Timer(device, args.budget if args.budget is not None else (0.3 if cuda else 0.5), args.min_calls,
-                  args.max_calls)  # fmt: skip
+    timer = Timer(device, args.budget if args.budget is not None else (0.3 if cuda else 0.5), args.min_calls)
     started, launchers = time.perf_counter(), [""]
     if cuda:
         from zcomm_cuda import loader

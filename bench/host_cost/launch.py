@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+import types
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -69,24 +70,15 @@ def _noop_library(workdir: str) -> ctypes.CDLL:
     return ctypes.CDLL(str(library))
 
 
-class _StandInDriver:
-    """What :class:`driver_launch.Driver` binds, with the launch a C no-op (the rest is never called here)."""
-
-    def __init__(self, noop: ctypes.CDLL) -> None:
-        for name in ("cuLaunchKernelEx", "cuGetErrorString", "cuGetErrorName", "cuCtxGetCurrent", "cuCtxSetCurrent",
-                     "cuCtxGetDevice", "cuDeviceGet", "cuDevicePrimaryCtxRetain"):  # fmt: skip
-            setattr(self, name, noop["zc_noop_launch"])  # a function object of its own: Driver sets its argtypes
-
-
-class _Driver(driver_launch.Driver):
-    def ensure_context(self, device: int) -> None:  # no context to make current without a GPU
-        pass
-
-
 @contextlib.contextmanager
-def _stand_ins(noop: ctypes.CDLL) -> Iterator[None]:
-    """The loader's GPU-side lookups replaced for the duration; restored after."""
-    driver = _Driver(_StandInDriver(noop))
+def _stand_ins(noop: ctypes.CDLL) -> Iterator[driver_launch.Driver]:
+    """The loader's GPU-side lookups replaced for the duration (restored after); yields the stand-in driver,
+    whose every function is the C no-op (the launch is the only one called here)."""
+    names = ("cuLaunchKernelEx", "cuGetErrorString", "cuGetErrorName", "cuCtxGetCurrent", "cuCtxSetCurrent",
+             "cuCtxGetDevice", "cuDeviceGet", "cuDevicePrimaryCtxRetain")  # fmt: skip
+    # each name a function object of its own: Driver sets their argtypes
+    driver = driver_launch.Driver(types.SimpleNamespace(**{name: noop["zc_noop_launch"] for name in names}))
+    driver.ensure_context = lambda device: None  # no context to make current without a GPU
     kernels = {(source, name, 0): driver_launch.DriverKernel(name=name, function=0, params=params, device=0,
                                                              driver=driver)
                for name, (source, params, _) in CASES.items()}  # fmt: skip
@@ -102,7 +94,7 @@ def _stand_ins(noop: ctypes.CDLL) -> Iterator[None]:
     loader._current_device = int  # int(): device 0, from a C builtin as cupy's getDevice is
     loader._STREAMS = {(0, 0): object()}
     try:
-        yield
+        yield driver
     finally:
         for name, value in saved.items():
             setattr(loader, name, value)
@@ -119,8 +111,8 @@ def _launch_with(launcher: str, source: str, name: str, args: tuple) -> Callable
 def measure(calls: int) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as workdir:
         library = _noop_library(workdir)
-        with _stand_ins(library):
-            noop = loader._DRIVER_KERNELS[next(iter(loader._DRIVER_KERNELS))].driver.launch_kernel_ex
+        with _stand_ins(library) as driver:
+            noop = driver.launch_kernel_ex
             eleven = library["zc_noop_launch11"]  # called as cuLaunchKernel would be
             eleven.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
             eleven.restype = ctypes.c_int

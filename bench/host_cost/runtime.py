@@ -39,6 +39,7 @@ from bench.train.models import MLP
 DEFAULT_CONFIGS = ("zero3", "zero3+qwz", "zero3+qgz", "zeropp")
 HOST_BOUND_KEYS = {"zcomm_stage3_fuse_numel": 0, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 1}
 PHASES = ("forward", "backward", "step", "zero_grad")
+BATCH, COUNT_STEPS, TOP = 4, 2, 25  # rows per step; steps whose calls are counted; functions listed beyond the baseline
 
 
 class _CallCounter:
@@ -107,8 +108,8 @@ def build(name: str, args: argparse.Namespace) -> Engine:
     model = MLP(d_in=args.width, d_hidden=args.width, d_out=args.width, depth=args.layers).to(device)
     model, opt = zero_runtime.initialize(model, lambda params: torch.optim.AdamW(params, lr=1e-3), engine_config)
     generator = torch.Generator().manual_seed(1)
-    batch = torch.randn(args.batch, args.width, generator=generator).to(device)
-    target = torch.randn(args.batch, args.width, generator=generator).to(device)
+    batch = torch.randn(BATCH, args.width, generator=generator).to(device)
+    target = torch.randn(BATCH, args.width, generator=generator).to(device)
     return Engine(name, model, opt, batch, target)
 
 
@@ -154,7 +155,7 @@ def report(results: dict[str, Result], baseline: str, args: argparse.Namespace) 
     machine = f"CPU {platform.processor() or platform.machine()}"
     machine = f"{torch.cuda.get_device_name(0)}, {machine}" if args.device == "cuda" else machine
     lines = [f"# zero_runtime host cost per step: MLP of {args.layers} Linear({args.width}, {args.width}), batch "
-             f"{args.batch}, fp32, world size {args.world} (rank 0's figures), {machine}, "
+             f"{BATCH}, fp32, world size {args.world} (rank 0's figures), {machine}, "
              f"1 torch thread per rank, load average {os.getloadavg()[0]:.2f}",
              f"# engine: bench.train's config + {HOST_BOUND_KEYS}",
              "# backward counts: the training thread only (autograd's CUDA device thread is not profiled)"
@@ -174,8 +175,8 @@ def report(results: dict[str, Result], baseline: str, args: argparse.Namespace) 
         extra = sorted(((n - base.functions.get(fn, 0.0), fn) for fn, n in result.functions.items()
                         if n - base.functions.get(fn, 0.0) >= 1), reverse=True)
         lines += ["", f"## {name}: functions entered per step beyond {baseline} "
-                  f"({sum(d for d, _ in extra):.0f} calls; top {args.top})"]
-        lines += [f"    {d:8.1f}  {fn}" for d, fn in extra[: args.top]]
+                  f"({sum(d for d, _ in extra):.0f} calls; top {TOP})"]
+        lines += [f"    {d:8.1f}  {fn}" for d, fn in extra[:TOP]]
     return "\n".join(lines)
 
 
@@ -188,7 +189,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Result]:
     for name, engine in engines.items():
         for _ in range(args.warmup):
             engine.step()
-        results[name] = count_calls(engine, counter, args.count_steps)
+        results[name] = count_calls(engine, counter, COUNT_STEPS)
     counter.remove()
     for r in range(args.rounds):
         for name in reversed(engines) if r % 2 else engines:
@@ -204,12 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", default=None, help="default: the first configuration")
     parser.add_argument("--layers", type=int, default=64)
     parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--count-steps", type=int, default=2, help="steps whose calls are counted")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--world", type=int, default=1, help="ranks on this machine (rank 0's figures)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: NCCL, each rank on its GPU, steps timed to the end of their GPU work")
