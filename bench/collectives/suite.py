@@ -80,8 +80,7 @@ def _print_report(rows: Sequence[report.Row], config: argparse.Namespace, env: d
     )
     for title, lines in sections:
         if lines:
-            print(f"\n# {title}")
-            print("\n".join(lines))
+            print(f"\n# {title}\n" + "\n".join(lines))
     if config.json_path:
         report.write_json(rows, config.json_path)
 
