@@ -77,30 +77,18 @@ class _CallCounter:
 
 @dataclass
 class Engine:
-    name: str
-    model: torch.nn.Module
     opt: Any
-    batch: torch.Tensor
-    target: torch.Tensor
-
-    def phases(self) -> list[tuple[str, Callable[[], object]]]:
-        state: dict[str, torch.Tensor] = {}
-
-        def forward() -> None:
-            state["loss"] = torch.nn.functional.mse_loss(self.model(self.batch), self.target)
-
-        return [("forward", forward), ("backward", lambda: self.opt.backward(state["loss"])),
-                ("step", self.opt.step), ("zero_grad", self.opt.zero_grad)]
+    phases: list[tuple[str, Callable[[], object]]]  # one training step, in :data:`PHASES`
 
     def step(self) -> None:
-        for _, run in self.phases():
+        for _, run in self.phases:
             run()
 
 
 def build(name: str, args: argparse.Namespace) -> Engine:
     (config,) = select_configs([name])
-    # one node of ``--world`` ranks: hpZ (in zeropp) over all of them
-    engine_config = zero_runtime_config(config, local_size=args.world, bf16=False, gradient_clipping=0.0)
+    # one node of ``--world-size`` ranks: hpZ (in zeropp) over all of them
+    engine_config = zero_runtime_config(config, local_size=args.world_size, bf16=False, gradient_clipping=0.0)
     engine_config["zero_optimization"].update(HOST_BOUND_KEYS)
     torch.manual_seed(0)
     # this rank's device: the CPU, or (--device cuda) the GPU of its rank
@@ -108,9 +96,10 @@ def build(name: str, args: argparse.Namespace) -> Engine:
     model = MLP(d_in=args.width, d_hidden=args.width, d_out=args.width, depth=args.layers).to(device)
     model, opt = zero_runtime.initialize(model, lambda params: torch.optim.AdamW(params, lr=1e-3), engine_config)
     generator = torch.Generator().manual_seed(1)
-    batch = torch.randn(BATCH, args.width, generator=generator).to(device)
-    target = torch.randn(BATCH, args.width, generator=generator).to(device)
-    return Engine(name, model, opt, batch, target)
+    batch, target = (torch.randn(BATCH, args.width, generator=generator).to(device) for _ in range(2))
+    loss = {}
+    return Engine(opt, [("forward", lambda: loss.update(value=torch.nn.functional.mse_loss(model(batch), target))),
+                        ("backward", lambda: opt.backward(loss["value"])), ("step", opt.step), ("zero_grad", opt.zero_grad)])
 
 
 @dataclass
@@ -121,16 +110,16 @@ class Result:
     step_ms: list[float] = field(default_factory=list)  # per round: the median step
 
 
-def count_calls(engine: Engine, counter: _CallCounter, steps: int) -> Result:
+def count_calls(name: str, engine: Engine, counter: _CallCounter, steps: int) -> Result:
     """Calls per step by phase and thread, and per function, over ``steps`` steps."""
     counter.counts.clear()
     for _ in range(steps):
-        for phase, run in engine.phases():
+        for phase, run in engine.phases:
             counter.phase = phase
             run()
             counter.phase = None
         time.sleep(0.01)  # let a worker's last calls of the step land in the step's phase
-    result = Result(engine.name)
+    result = Result(name)
     functions: collections.Counter[str] = collections.Counter()
     for (phase, thread, fn), n in counter.counts.items():
         result.calls.setdefault(phase, {}).setdefault(thread, 0)
@@ -141,9 +130,9 @@ def count_calls(engine: Engine, counter: _CallCounter, steps: int) -> Result:
     return result
 
 
-def time_steps(engine: Engine, steps: int) -> float:
+def time_steps(engine: Engine, steps: int, device: str) -> float:
     """The median step in ms; on CUDA each step is timed to the end of its GPU work."""
-    sync = torch.cuda.synchronize if engine.batch.is_cuda else (lambda: None)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     return statistics.median(per_call_seconds({"": engine.step}, rounds=steps, warmup=0, sync=sync, synced=True)[""]) * 1e3
 
 
@@ -155,7 +144,7 @@ def report(results: dict[str, Result], baseline: str, args: argparse.Namespace) 
     machine = f"CPU {platform.processor() or platform.machine()}"
     machine = f"{torch.cuda.get_device_name(0)}, {machine}" if args.device == "cuda" else machine
     lines = [f"# zero_runtime host cost per step: MLP of {args.layers} Linear({args.width}, {args.width}), batch "
-             f"{BATCH}, fp32, world size {args.world} (rank 0's figures), {machine}, "
+             f"{BATCH}, fp32, world size {args.world_size} (rank 0's figures), {machine}, "
              f"1 torch thread per rank, load average {os.getloadavg()[0]:.2f}",
              f"# engine: bench.train's config + {HOST_BOUND_KEYS}",
              "# backward counts: the training thread only (autograd's CUDA device thread is not profiled)"
@@ -189,11 +178,11 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Result]:
     for name, engine in engines.items():
         for _ in range(args.warmup):
             engine.step()
-        results[name] = count_calls(engine, counter, COUNT_STEPS)
+        results[name] = count_calls(name, engine, counter, COUNT_STEPS)
     counter.remove()
     for r in range(args.rounds):
         for name in reversed(engines) if r % 2 else engines:
-            results[name].step_ms.append(time_steps(engines[name], args.steps))
+            results[name].step_ms.append(time_steps(engines[name], args.steps, args.device))
     for engine in engines.values():
         engine.opt.close()
     return results
@@ -208,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--world", type=int, default=1, help="ranks on this machine (rank 0's figures)")
+    parser.add_argument("--world-size", type=int, default=1, help="ranks on this machine (rank 0's figures)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: NCCL, each rank on its GPU, steps timed to the end of their GPU work")
     parser.add_argument("--json", default=None)
@@ -217,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     if baseline not in args.configs:
         parser.error(f"--baseline {baseline} is not in --configs")
     # one path for every world size, 1 too: ranks of their own (with NCCL, rank r on GPU r)
-    results = spawn(_rank, args.world, args, backend="nccl" if args.device == "cuda" else "gloo", timeout=3600)[0]
+    results = spawn(_rank, args.world_size, args, backend="nccl" if args.device == "cuda" else "gloo", timeout=3600)[0]
     print(report(results, baseline, args))
     if args.json:
         with open(args.json, "w") as f:
