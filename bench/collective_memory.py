@@ -55,27 +55,22 @@ class LiveBytes(TorchDispatchMode):
             self.peak = self.live
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for leaf in tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.Tensor):
-                self._note(leaf, created=False)
-        result = func(*args, **kwargs)
-        for leaf in tree_leaves(result):
-            if isinstance(leaf, torch.Tensor):
-                self._note(leaf, created=True)
+        self._note((args, kwargs), created=False)
+        result = func(*args, **(kwargs or {}))
+        self._note(result, created=True)
         return result
 
-    def _note(self, tensor: torch.Tensor, *, created: bool) -> None:
-        storage = tensor.untyped_storage()
-        key = id(storage)
-        with self._lock:
-            if key in self._seen:
-                return
-            self._seen[key] = created
-            nbytes = storage.nbytes() if created else 0
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._gone, key, nbytes)
+    def _note(self, tensors, *, created: bool) -> None:
+        """Every tensor's storage in ``tensors`` (a pytree) not seen before: the op's output (created) or older."""
+        for storage in (leaf.untyped_storage() for leaf in tree_leaves(tensors) if isinstance(leaf, torch.Tensor)):
+            key, nbytes = id(storage), storage.nbytes() if created else 0
+            with self._lock:
+                if key in self._seen:
+                    continue
+                self._seen[key] = created
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._gone, key, nbytes)
 
     def _gone(self, key: int, nbytes: int) -> None:
         with self._lock:

@@ -1,13 +1,11 @@
 """The collectives of the suite, in table order (torch's ops and zcomm's), and the case each makes at one size.
 
-Each entry's ``prepare`` allocates its buffers and returns its call and its check; a quantized
-op shares its torch baseline's buffers and oracle (bounds: ``bench/PERFORMANCE.md``, #wrong).
-Sizes and counts follow nccl-tests; ``payload_bytes`` is ``size`` in zcomm's wire format
-(``all_reduce_q4``'s: its INT4 payloads only, not its gather's). Inputs are generated on the
-host from their seed, so every device gets the same values, and copied to the rank's device
-once, before anything is timed; outputs are allocated there; the check moves the last output
-back to the host after the timed calls. The all-reduces copy their input into the buffer they
-reduce in place on every call (torch's and zcomm's alike), so repeated calls do not compound.
+Sizes, counts, payload bytes and bounds: ``bench/PERFORMANCE.md`` (``all_reduce_q4``'s payload
+is its INT4 payloads only, not its gather's). Inputs are generated on the host from their seed,
+so every device gets the same values, and copied to the rank's device once, before anything is
+timed; the check moves the last output back to the host after the timed calls. The all-reduces
+copy their input into the buffer they reduce in place on every call (torch's and zcomm's
+alike), so repeated calls do not compound.
 """
 
 from __future__ import annotations
