@@ -1,14 +1,8 @@
-"""The collectives suite's run: every (op, size) timed, counted and checked; rank 0 reports.
-
-Run under any launcher ``bench.harness.dist_env`` knows, e.g.::
-
-    mpirun -n 4 python -m bench.collectives -b 1M -e 64M -f 2 -d bfloat16
-    torchrun --nproc-per-node 8 -m bench.collectives -b 1M -e 1G -f 2 -d bfloat16
-    python -m bench.simcluster --num-nodes 2 --local-size 2 --rate 200mbit -- python -m bench.collectives ...
-
-Per (op, size), the buffers on the rank's device, ``-w`` warm-up and ``-n`` timed calls, the
-node's wire counters around them (under the cluster launcher), then the check of the last
-output. Rank 0 prints each row as it completes, then the comparison, and writes the JSON.
+"""The collectives suite's run under any launcher ``bench.harness.dist_env`` knows (mpirun, torchrun,
+``bench.simcluster``; docs/benchmarks.md): per (op, size), the buffers on the rank's device, ``-w``
+warm-up and ``-n`` timed calls, the node's wire counters around them (under the cluster launcher),
+then the check of the last output. Rank 0 prints each row as it completes, then the comparison,
+and writes the JSON.
 """
 
 from __future__ import annotations
