@@ -2,16 +2,14 @@
 
 ``python -m bench.host_cost --launch-stand-in [--calls N]`` times :func:`zcomm_cuda.loader.launch`
 for argument tuples shaped like the cuda backend's kernels (:data:`CASES`), every GPU-side call
-replaced by a stand-in. ``driver``: the whole driver launcher (lookups, per-thread block, the
-packing, a real ``ctypes`` call into a C no-op of ``cuLaunchKernelEx``'s signature compiled here
-with ``cc``): all but the driver's work inside ``libcuda``. ``cupy``: zcomm's side of the cupy
-launcher up to cupy's ``Function`` call, a Python no-op here, so cupy's own work is **not** in
-it. torch's raw stream and the current device come from C builtins returning 0 in both rows, so
-the rows differ by the launchers' own work only. Each figure is the median of ``ROUNDS`` rounds
-of ``--calls`` calls, the columns' rounds alternating; ``pack``, ``ctypes call`` and ``empty
-call`` (the timing loop's own cost) are parts of the driver row, ``11-argument call`` the no-op
-called as ``cuLaunchKernel`` would be ([Note: launch entry point] in :mod:`zcomm_cuda.driver_launch`).
-A GPU's launch time: ``bench.host_cost --device cuda --launcher cupy,driver`` and ``bench.kernels --variants``.
+replaced by a stand-in (what each figure leaves out: docs/benchmarks.md): ``driver`` runs the whole
+driver launcher into a C no-op of ``cuLaunchKernelEx``'s signature compiled here with ``cc``;
+``cupy`` runs zcomm's side of the cupy launcher up to cupy's ``Function`` call, a Python no-op here.
+torch's raw stream and the current device come from C builtins returning 0 in both, so the rows
+differ by the launchers' own work only. Each figure is the median of ``ROUNDS`` rounds of
+``--calls`` calls, the columns taking turns; ``pack``, ``ctypes call`` and ``empty call`` (the
+timing loop's own cost) are parts of the driver row, ``11-argument call`` the no-op called as
+``cuLaunchKernel`` would be ([Note: launch entry point] in :mod:`zcomm_cuda.driver_launch`).
 """
 
 from __future__ import annotations
