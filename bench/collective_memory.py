@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_leaves
 
 import zcomm
 from bench.harness.ranks import spawn
+from bench.harness.table import markdown
 
 CASES = ("all_gather_q8", "all_gather_q8_pipelined", "reduce_scatter_q4", "reduce_scatter_q4_pipelined",
          "reduce_scatter_q4_feedback", "reduce_scatter_q4_coalesced")
@@ -54,27 +55,22 @@ class LiveBytes(TorchDispatchMode):
             self.peak = self.live
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for leaf in tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.Tensor):
-                self._note(leaf, created=False)
-        result = func(*args, **kwargs)
-        for leaf in tree_leaves(result):
-            if isinstance(leaf, torch.Tensor):
-                self._note(leaf, created=True)
+        self._note((args, kwargs), created=False)
+        result = func(*args, **(kwargs or {}))
+        self._note(result, created=True)
         return result
 
-    def _note(self, tensor: torch.Tensor, *, created: bool) -> None:
-        storage = tensor.untyped_storage()
-        key = id(storage)
-        with self._lock:
-            if key in self._seen:
-                return
-            self._seen[key] = created
-            nbytes = storage.nbytes() if created else 0
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._gone, key, nbytes)
+    def _note(self, tensors, *, created: bool) -> None:
+        """Every tensor's storage in ``tensors`` (a pytree) not seen before: the op's output (created) or older."""
+        for storage in (leaf.untyped_storage() for leaf in tree_leaves(tensors) if isinstance(leaf, torch.Tensor)):
+            key, nbytes = id(storage), storage.nbytes() if created else 0
+            with self._lock:
+                if key in self._seen:
+                    continue
+                self._seen[key] = created
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._gone, key, nbytes)
 
     def _gone(self, key: int, nbytes: int) -> None:
         with self._lock:
@@ -142,21 +138,16 @@ def _cases(rank: int, world: int, topology: zcomm.Topology, numel: int, dtype: t
     gather = partial(zcomm.all_gather_q8, gathered, shard, topology=topology)
     scatter = partial(zcomm.reduce_scatter_q4, part, full, avg, topology=topology)
     cases = {
-        "all_gather_q8": (partial(gather, pipeline_stages=1), gathered, shard),
-        "all_gather_q8_pipelined": (partial(gather, pipeline_stages=4), gathered, shard),
-        "reduce_scatter_q4": (partial(scatter, pipeline_stages=1), part, full),
-        "reduce_scatter_q4_pipelined": (partial(scatter, pipeline_stages=4), part, full),
+        "all_gather_q8": (partial(gather, pipeline_stages=1), [gathered], [shard]),
+        "all_gather_q8_pipelined": (partial(gather, pipeline_stages=4), [gathered], [shard]),
+        "reduce_scatter_q4": (partial(scatter, pipeline_stages=1), [part], [full]),
+        "reduce_scatter_q4_pipelined": (partial(scatter, pipeline_stages=4), [part], [full]),
         "reduce_scatter_q4_feedback": (partial(scatter, pipeline_stages=4, error_feedback=zcomm.ErrorFeedback()),
-                                       part, full),
+                                       [part], [full]),
         "reduce_scatter_q4_coalesced": (partial(zcomm.reduce_scatter_q4_coalesced, outs, ins, avg, pipeline_stages=4,
                                                 topology=topology), outs, ins),
     }
-    return {name: (call, _nbytes(out), _nbytes(inp)) for name, (call, out, inp) in cases.items()}
-
-
-def _nbytes(tensors) -> int:
-    tensors = tensors if isinstance(tensors, (list, tuple)) else [tensors]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return {name: (call, sum(t.nbytes for t in out), sum(t.nbytes for t in inp)) for name, (call, out, inp) in cases.items()}
 
 
 def rank_peaks(rank: int, world: int, local_size: int, numel: int, dtype: torch.dtype, names,
@@ -165,14 +156,9 @@ def rank_peaks(rank: int, world: int, local_size: int, numel: int, dtype: torch.
     :class:`LiveBytes` on CPU tensors, or by :func:`measure_cuda` on ``device``'s (a CUDA
     device: gpu-check's w4 stage)."""
     cases = _cases(rank, world, zcomm.Topology(world_size=world, local_size=local_size), numel, dtype, device)
-    group, tracker = dist.group.WORLD, LiveBytes()
-
-    def peak(call) -> int:
-        if device is not None and device.type == "cuda":
-            return measure_cuda(call, group, device)
-        return measure(call, group, tracker)
-
-    return {name: (peak(cases[name][0]), *cases[name][1:]) for name in names}
+    cuda = device is not None and device.type == "cuda"
+    peak = partial(measure_cuda, device=device) if cuda else partial(measure, tracker=LiveBytes())
+    return {name: (peak(cases[name][0], dist.group.WORLD), *cases[name][1:]) for name in names}
 
 
 def run(*, world: int, local_size: int, numel: int, dtype: torch.dtype, names=CASES, timeout: float = 600) -> dict:
@@ -183,10 +169,8 @@ def run(*, world: int, local_size: int, numel: int, dtype: torch.dtype, names=CA
 
 
 def table(results: dict) -> str:
-    lines = ["| call | peak temporary bytes | x output | x input |", "|---|---:|---:|---:|"]
-    for name, (peak, out_bytes, in_bytes) in results.items():
-        lines.append(f"| {name} | {peak:,} | {peak / out_bytes:.2f} | {peak / in_bytes:.2f} |")
-    return "\n".join(lines)
+    return "\n".join(markdown([{"call": name, "peak temporary bytes": f"{peak:,}", "x output": peak / out_bytes,
+                                "x input": peak / in_bytes} for name, (peak, out_bytes, in_bytes) in results.items()]))
 
 
 def main(argv=None) -> None:

@@ -3,11 +3,11 @@
 Run as ``python -m bench.cpu_adam`` (``--help``). One flat fp32 parameter of ``--numel``
 elements per implementation, one shared fp32 gradient; each steps once to warm up (numba cache,
 DeepSpeed's JIT build, first-touch page faults, lazy state), then ``--repeats`` times, the
-implementations interleaved within each repeat so that load from other processes hits them
-alike; medians are reported. ``+ bf16 copy`` rows add the ``copy_`` of the parameters into a
-bf16 compute copy (fused into zero_runtime's pass); ``DeepSpeedCPUAdam`` (``adamw_mode``) runs
-when it imports and builds, else the reason is printed. Then the targets, and whether the fused
-step is bit-identical to torch's single-tensor step.
+implementations taking turns (:func:`bench.harness.timing.per_call_seconds`); medians are
+reported. ``+ bf16 copy`` rows add the ``copy_`` of the parameters into a bf16 compute copy
+(fused into zero_runtime's pass); ``DeepSpeedCPUAdam`` (``adamw_mode``) runs when it imports and
+builds, else the reason is printed. Then the targets, and whether the fused step is
+bit-identical to torch's single-tensor step.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import time
 from typing import Callable
 
 import torch
 
 from bench.harness.flags import parse_size
+from bench.harness.table import markdown
+from bench.harness.timing import per_call_seconds
 from zero_runtime.offload.cpu_adam import AdamHyper, adam_step
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
@@ -74,36 +75,27 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(0)
     param0 = torch.randn(args.numel, generator=gen)
     grad = torch.randn(args.numel, generator=gen) * 1e-2
-    rows: dict[str, Callable[[], None]] = {}
+    steps: dict[str, Callable[[], None]] = {}
     for name, flags in _TORCH.items():
-        rows[name] = _torch_step(flags, param0, grad, copy=False)
-        rows[name + " + bf16 copy"] = _torch_step(flags, param0, grad, copy=True)
+        steps[name] = _torch_step(flags, param0, grad, copy=False)
+        steps[name + " + bf16 copy"] = _torch_step(flags, param0, grad, copy=True)
     deepspeed_note = ""
     try:
-        rows["DeepSpeedCPUAdam"] = _deepspeed_step(param0, grad)
+        steps["DeepSpeedCPUAdam"] = _deepspeed_step(param0, grad)
     except Exception as err:  # any import or build failure: the row is skipped with its reason
         deepspeed_note = f"DeepSpeedCPUAdam skipped: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
-    rows["zero_runtime.cpu_adam"] = _fused_step(param0, grad, copy=False)
-    rows["zero_runtime.cpu_adam + bf16 copy (fused)"] = _fused_step(param0, grad, copy=True)
-    for step in rows.values():
-        step()
-    samples: dict[str, list[float]] = {name: [] for name in rows}
-    for _ in range(args.repeats):
-        for name, step in rows.items():
-            start = time.perf_counter()
-            step()
-            samples[name].append(time.perf_counter() - start)
-    identical = all(torch.equal(a, b) for a, b in zip(rows["zero_runtime.cpu_adam"].state(),
-                                                      rows["torch AdamW foreach=False"].state(), strict=True))
-    median = {name: statistics.median(s) for name, s in samples.items()}
+    steps["zero_runtime.cpu_adam"] = _fused_step(param0, grad, copy=False)
+    steps["zero_runtime.cpu_adam + bf16 copy (fused)"] = _fused_step(param0, grad, copy=True)
+    median = {name: statistics.median(s) for name, s in per_call_seconds(steps, rounds=args.repeats).items()}
+    identical = all(torch.equal(a, b) for a, b in zip(steps["zero_runtime.cpu_adam"].state(),
+                                                      steps["torch AdamW foreach=False"].state(), strict=True))
     print(f"# CPU AdamW step, {args.numel / 1e6:g}M fp32 parameters, {torch.get_num_threads()} threads, "
           f"median of {args.repeats} (interleaved)")
     print(f"host: {platform.processor() or platform.machine()}, torch {torch.__version__}\n")
-    print("| implementation | ms/step | GB/s (16 B read + 12 B written per element) | vs ours |")
-    print("|---|---:|---:|---:|")
     ours = median["zero_runtime.cpu_adam"]
-    for name, seconds in median.items():
-        print(f"| {name} | {seconds * 1e3:.1f} | {28 * args.numel / seconds / 1e9:.2f} | {seconds / ours:.2f}x |")
+    print("\n".join(markdown([{"implementation": name, "ms/step": f"{seconds * 1e3:.1f}",
+                               "GB/s (16 B read + 12 B written per element)": f"{28 * args.numel / seconds / 1e9:.2f}",
+                               "vs ours": f"{seconds / ours:.2f}x"} for name, seconds in median.items()])))  # fmt: skip
     if deepspeed_note:
         print(f"\n{deepspeed_note}")
     speedup = median["torch AdamW foreach"] / ours

@@ -12,43 +12,39 @@ with glibc's ``mmap`` threshold fixed ([Note: glibc's mmap threshold] in ``bench
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
 import torch
 import torch.distributed as dist
 
+import zero_runtime
 from bench.harness.ranks import MALLOC_ENV, spawn, status_bytes
 
+SHAPE = dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)  # GPT-2 small
+# mode -> what the model is built under; meta: every Python object of the model, no parameter bytes (the fixed overhead)
+MODES = {"meta": lambda: torch.device("meta"), "plain": contextlib.nullcontext, "init": zero_runtime.Init}
 
-def _build(shape: dict, mode: str):
+
+def _build(mode: str):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    import zero_runtime
-
-    config = GPT2Config(**shape)
     torch.manual_seed(0)
-    if mode == "init":
-        with zero_runtime.Init():
-            return GPT2LMHeadModel(config)
-    if mode == "meta":  # every Python object of the model, no parameter bytes: the fixed overhead
-        with torch.device("meta"):
-            return GPT2LMHeadModel(config)
-    return GPT2LMHeadModel(config)
+    with MODES[mode]():
+        return GPT2LMHeadModel(GPT2Config(**SHAPE))
 
 
-def _rank(rank: int, world_size: int, shape: dict, mode: str) -> tuple[int, int, float]:
+def _rank(rank: int, world_size: int, mode: str) -> tuple[int, int, float]:
     """(peak, kept growth of the resident set in bytes, seconds) of building the model on this rank."""
     from transformers import GPT2Config, GPT2LMHeadModel  # noqa: F401  (loaded before the baseline)
-
-    import zero_runtime  # noqa: F401
 
     dist.barrier()
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # resets VmHWM to the current resident set
     base = status_bytes("VmRSS")
     start = time.perf_counter()
-    model = _build(shape, mode)
+    model = _build(mode)
     seconds = time.perf_counter() - start
     peak, kept = status_bytes("VmHWM") - base, status_bytes("VmRSS") - base
     dist.barrier()
@@ -56,34 +52,19 @@ def _rank(rank: int, world_size: int, shape: dict, mode: str) -> tuple[int, int,
     return peak, kept, seconds
 
 
-def _module_sizes(shape: dict) -> tuple[int, int]:
-    """(parameters, the largest module's own parameters), on the meta device."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    with torch.device("meta"):
-        model = GPT2LMHeadModel(GPT2Config(**shape))
-    total = sum(p.numel() for p in dict.fromkeys(model.parameters()))
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    return total, largest
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--n-layer", type=int, default=12)
-    parser.add_argument("--n-embd", type=int, default=768)
-    parser.add_argument("--n-head", type=int, default=12)
-    parser.add_argument("--vocab-size", type=int, default=50257)
     args = parser.parse_args(argv)
     os.environ.update(MALLOC_ENV)  # inherited by the spawned ranks
-    shape = dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, vocab_size=args.vocab_size,
-                 n_positions=1024)
-    total, largest = _module_sizes(shape)
+    model = _build("meta")  # the parameter counts
+    total = sum(p.numel() for p in dict.fromkeys(model.parameters()))
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     mib, size = 2**20, 4  # fp32
     print(f"# Building an HF GPT-2 ({total / 1e6:.1f}M parameters, fp32) on {args.world_size} gloo ranks\n")
-    print(f"shape: {shape}; largest module: {largest / 1e6:.1f}M parameters ({largest * size / mib:.0f} MiB); "
+    print(f"shape: {SHAPE}; largest module: {largest / 1e6:.1f}M parameters ({largest * size / mib:.0f} MiB); "
           f"torch {torch.__version__}; one thread per rank\n")
-    rows = {mode: spawn(_rank, args.world_size, shape, mode, timeout=1800) for mode in ("meta", "plain", "init")}
+    rows = {mode: spawn(_rank, args.world_size, mode, timeout=1800) for mode in MODES}
     # per mode, the max over the ranks of (peak, kept, seconds)
     worst = {mode: [max(column) for column in zip(*results, strict=True)] for mode, results in rows.items()}
     print("| mode | peak MiB (max rank) | kept MiB (max rank) | build s (max rank) |")

@@ -15,12 +15,13 @@ import os
 import re
 import statistics
 import subprocess
-import time
 from pathlib import Path
 
 import torch
 
 from bench.harness.flags import parse_size
+from bench.harness.table import markdown
+from bench.harness.timing import per_call_seconds
 from zero_runtime.config import AioConfig
 from zero_runtime.offload.swap_file import SwapFile, aligned_buffer
 
@@ -53,27 +54,23 @@ def main(argv: list[str] | None = None) -> None:
     swap = SwapFile(args.path, rank=0, nbytes=args.size, aio=AIO)
     buffer = aligned_buffer(swap.nbytes)
     buffer.random_(0, 256)
+    transfers = {"write": lambda: (swap.write(0, buffer).wait(), os.fsync(swap.fd)),
+                 "read": lambda: swap.read(0, buffer).wait()}
     rates: dict[str, list[float]] = {"dd write": [], "dd read": [], "swap write": [], "swap read": []}
     try:
-        for _ in range(args.repeats):
+        for _ in range(args.repeats):  # dd, then the swap file, in each repeat
             for kind, rate in dd_rates(args.path, args.size // (1 << 20)).items():
                 rates[f"dd {kind}"].append(rate)
-            for kind, transfer in (("write", swap.write), ("read", swap.read)):
-                start = time.perf_counter()
-                transfer(0, buffer).wait()
-                if kind == "write":
-                    os.fsync(swap.fd)
-                rates[f"swap {kind}"].append(swap.nbytes / (time.perf_counter() - start) / 1e9)
+            for kind, (seconds,) in per_call_seconds(transfers, rounds=1, warmup=0).items():
+                rates[f"swap {kind}"].append(swap.nbytes / seconds / 1e9)
     finally:
         swap.close()
     median = {k: statistics.median(v) for k, v in rates.items()}
     print(f"# NVMe swap throughput, {args.size / 2**30:g} GiB, {args.path}, median of {args.repeats} (alternating)")
     print(f"aio: block_size {AIO.block_size}, thread_count {AIO.thread_count}, queue_depth {AIO.queue_depth}, "
           f"O_DIRECT {swap.direct}; torch {torch.__version__}\n")
-    print("| transfer | GB/s | samples |")
-    print("|---|---:|---|")
-    for name, value in median.items():
-        print(f"| {name} | {value:.2f} | {', '.join(f'{r:.2f}' for r in rates[name])} |")
+    print("\n".join(markdown([{"transfer": name, "GB/s": value, "samples": ", ".join(f"{r:.2f}" for r in rates[name])}
+                              for name, value in median.items()])))
     print("\n## target: swap >= 70% of the disk's sequential bandwidth")
     for kind in ("write", "read"):
         ratio = median[f"swap {kind}"] / median[f"dd {kind}"]

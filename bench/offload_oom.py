@@ -35,6 +35,7 @@ import torch
 
 from bench.harness.flags import parse_size
 from bench.harness.ranks import MALLOC_ENV, spawn, status_bytes
+from bench.harness.table import markdown
 from bench.nvme_swap import dd_rates
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
@@ -42,6 +43,7 @@ SUB_GROUP_SIZE = 5_000_000
 PARAM_BUFFERS = 3  # offload_param.buffer_count of the nvme-param jobs (each holds the largest shard)
 PARAM_MODE_MAX_LIVE = 100_000_000  # stage3_max_live_parameters of the nvme-param jobs
 MODES = ("none", "nvme", "nvme-param", "nvme-param-overlap")
+TIMEOUT_S = 3600  # of a job
 _TIMINGS = ("total_s", "forward_backward_s", "step_s")
 # the model's shape and the offload settings, passed on to the job's process
 _SHAPE = ("world_size", "steps", "n_embd", "n_layer", "n_head", "seq_len", "aio_queue_depth", "nvme_path")
@@ -94,7 +96,7 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
 def _worker(args: argparse.Namespace) -> int:
     """The job: ``--world-size`` ranks, their results in ``--json``; a failed rank ends the others."""
     try:
-        ranks = spawn(_rank, args.world_size, args, timeout=args.timeout)
+        ranks = spawn(_rank, args.world_size, args, timeout=TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - the job failed; the parent reports its stderr
         print(f"bench.offload_oom: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
@@ -103,22 +105,25 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _run_job(mode: str, args: argparse.Namespace, limit: int | None, scratch: Path) -> dict:
-    """One job in its own process, in a fresh cgroup capped at ``limit`` (None: no cgroup)."""
+    """One job in its own process, in a fresh cgroup capped at ``limit`` (None: no cgroup); its
+    ``medians`` per timing over every rank's steps after the first (None: not completed)."""
     out = scratch / f"result-{mode}-{'capped' if limit else 'free'}.json"
     command = [sys.executable, "-m", "bench.offload_oom", "--worker", mode, "--json", str(out),
                *(f"--{key.replace('_', '-')}={getattr(args, key)}" for key in _SHAPE)]
-    group = None
-    if limit is not None:
-        group = CGROUP_ROOT / f"zcomm_offload_oom_{os.getpid()}_{mode}"
+    group = CGROUP_ROOT / f"zcomm_offload_oom_{os.getpid()}_{mode}" if limit is not None else None
+    if group is not None:
         group.mkdir()
         (group / "memory.limit_in_bytes").write_text(str(limit))
     try:
         preexec = (lambda: (group / "cgroup.procs").write_text(str(os.getpid()))) if group else None
         proc = subprocess.run(command, preexec_fn=preexec, env={**os.environ, **MALLOC_ENV}, capture_output=True,
-                              text=True, timeout=args.timeout)
+                              text=True, timeout=TIMEOUT_S)
         ranks = json.loads(out.read_text()) if out.exists() else []
+        later = [step for rank in ranks for step in rank["steps"][1:]]
+        done = proc.returncode == 0 and len(ranks) == args.world_size
         result = {"mode": mode, "limit": limit, "exit": proc.returncode, "ranks": ranks, "stderr_tail": proc.stderr[-1500:],
-                  "peak": sum(r["peak_rss"] for r in ranks), "oom_kills": 0}
+                  "peak": sum(r["peak_rss"] for r in ranks), "oom_kills": 0, "completed": done,
+                  "medians": {key: median_high([step[key] for step in later]) for key in _TIMINGS} if done and later else None}
         if group is not None:
             oom = dict(line.split() for line in (group / "memory.oom_control").read_text().splitlines())
             result.update(peak=int((group / "memory.max_usage_in_bytes").read_text()),
@@ -141,15 +146,6 @@ def _empty_and_remove(group: Path) -> None:
     group.rmdir()
 
 
-def _medians(job: dict | None, args: argparse.Namespace) -> dict[str, float] | None:
-    """Per timing, the median over every rank's steps after the first; None for a job that did not
-    complete (or ran one step)."""
-    if job is None or job["exit"] != 0 or len(job["ranks"]) != args.world_size:
-        return None
-    later = [step for rank in job["ranks"] for step in rank["steps"][1:]]
-    return {key: median_high([step[key] for step in later]) for key in _TIMINGS} if later else None
-
-
 def _report(results: list[dict], args: argparse.Namespace, disks: list[dict[str, float]]) -> None:
     gib = 2**30
     params = next((r["ranks"][0]["params"] for r in results if r["ranks"]), 0)
@@ -163,68 +159,61 @@ def _report(results: list[dict], args: argparse.Namespace, disks: list[dict[str,
     for repeat, disk in enumerate(disks):
         print(f"disk before run {repeat} (dd, 1 GiB, direct I/O): write {disk['write']:.2f} GB/s, "
               f"read {disk['read']:.2f} GB/s\n")
-    print("| run | job | memory limit | outcome | peak memory (all ranks) | step s (median) | forward+backward s "
-          "| step() s |")
-    print("|---|---|---|---|---|---|---|---|")
+    rows = []
     for r in results:
-        completed = r["exit"] == 0 and len(r["ranks"]) == args.world_size
-        outcome = "completed" if completed else (f"killed by the OOM killer ({r['oom_kills']} kill(s))"
-                                                 if r["oom_kills"] else f"failed (exit {r['exit']})")
-        limit = f"{r['limit'] / gib:.1f} GiB" if r["limit"] else "none"
-        medians = _medians(r, args)
-        cells = [f"{medians[key]:.1f}" for key in _TIMINGS] if medians else ["-"] * len(_TIMINGS)
-        run = "-" if r["repeat"] is None else r["repeat"]
-        print(f"| {run} | {r['mode']} | {limit} | {outcome} | {r['peak'] / gib:.2f} GiB | " + " | ".join(cells) + " |")
+        outcome = "completed" if r["completed"] else (f"killed by the OOM killer ({r['oom_kills']} kill(s))"
+                                                    if r["oom_kills"] else f"failed (exit {r['exit']})")
+        rows.append({"run": "-" if r["repeat"] is None else r["repeat"], "job": r["mode"],
+                     "memory limit": f"{r['limit'] / gib:.1f} GiB" if r["limit"] else "none", "outcome": outcome,
+                     "peak memory (all ranks)": f"{r['peak'] / gib:.2f} GiB",
+                     **{heading: f"{r['medians'][key]:.1f}" if r["medians"] else "-" for heading, key in zip(
+                         ("step s (median)", "forward+backward s", "step() s"), _TIMINGS, strict=True)}})  # fmt: skip
+    print("\n".join(markdown(rows)))
     for r in results:
         if r["exit"] and not r["oom_kills"]:
             print(f"\n{r['mode']} (limit {r['limit']}) failed:\n```\n{r['stderr_tail']}\n```")
     _target(results, args, disks)
 
 
-def _step(results: list[dict], args: argparse.Namespace, mode: str, repeat: int | None) -> float | None:
+def _step(results: list[dict], mode: str, repeat: int | None) -> float | None:
     """The median step of ``mode``'s job in run ``repeat`` (None: the unlimited baseline), if it completed."""
-    medians = _medians(next((r for r in results if r["mode"] == mode and r["repeat"] == repeat), None), args)
-    return medians["total_s"] if medians else None
+    job = next((r for r in results if (r["mode"], r["repeat"]) == (mode, repeat) and r["medians"]), None)
+    return job["medians"]["total_s"] if job else None
 
 
 def _target(results: list[dict], args: argparse.Namespace, disks: list[dict[str, float]]) -> None:
     """Per capped job, its median step against max(compute, I/O), the I/O at the rates ``dd``
     measured just before that run; then the median over the runs of each mode."""
-    compute = _step(results, args, "none", None)
+    compute = _step(results, "none", None)
     for mode in (m for m in MODES[1:] if m in args.modes):
-        jobs = [r for r in results if r["mode"] == mode and r["repeat"] is not None and _medians(r, args)]
+        jobs = [r for r in results if r["mode"] == mode and r["repeat"] is not None and r["medians"]]
         if compute is None or not jobs:
             print(f"\ntarget for {mode} (step <= 1.25x max(compute, I/O)): not evaluated (needs the {mode} job "
                   "and the baseline)")
             continue
-        ratios = []
-        for job in jobs:
-            read, written = _io_per_step(job, args)
-            disk = disks[job["repeat"]]
-            io = read / (disk["read"] * 1e9) + written / (disk["write"] * 1e9)
-            measured = _medians(job, args)["total_s"]
-            ratios.append(measured / max(compute, io))
-            print(f"\nrun {job['repeat']}, {mode}: compute = the unlimited `none` step {compute:.1f} s; I/O = "
-                  f"{read / 1e9:.2f} GB read and {written / 1e9:.2f} GB written per step (all ranks) at that run's "
-                  f"dd rates = {io:.1f} s; measured {measured:.1f} s = {ratios[-1]:.2f}x")
-        ratio = median_high(ratios)
+        ratio = median_high([_versus_io(job, compute, disks[job["repeat"]], args) for job in jobs])
         print(f"\ntarget for {mode}: NVMe step <= 1.25x max(compute, I/O): median over "
-              f"{len(ratios)} run(s) {ratio:.2f}x: {'PASS' if ratio <= 1.25 else 'MISS'}")
-    pairs = [(_step(results, args, "nvme-param-overlap", k), _step(results, args, "nvme-param", k))
-             for k in range(args.repeats)]
+              f"{len(jobs)} run(s) {ratio:.2f}x: {'PASS' if ratio <= 1.25 else 'MISS'}")
+    pairs = [(_step(results, "nvme-param-overlap", k), _step(results, "nvme-param", k)) for k in range(args.repeats)]
     ratios = [a / b for a, b in pairs if a and b]
     if ratios:
         print(f"\nnvme-param-overlap / nvme-param step time, per run: {', '.join(f'{x:.2f}' for x in ratios)} "
               f"(median {median_high(ratios):.2f})")
 
 
-def _io_per_step(job: dict, args: argparse.Namespace) -> tuple[float, float]:
-    """Bytes read and written per step, all ranks: the optimizer's swap file once each way,
-    and the parameter shards as counted by the run (less their first write at start-up)."""
+def _versus_io(job: dict, compute: float, disk: dict[str, float], args: argparse.Namespace) -> float:
+    """The job's median step over max(compute, I/O), printed with its parts. I/O per step, all ranks: the
+    optimizer's swap file once each way, and the parameter shards as counted by the run (less their first
+    write at start-up), at ``disk``'s rates."""
     states = sum(rank["offloaded_bytes"] for rank in job["ranks"])
-    read = sum(rank["param_read_bytes"] for rank in job["ranks"]) / args.steps
-    written = sum(rank["param_written_bytes"] - rank["offloaded_param_bytes"] for rank in job["ranks"]) / args.steps
-    return states + read, states + written
+    read = states + sum(rank["param_read_bytes"] for rank in job["ranks"]) / args.steps
+    written = states + sum(rank["param_written_bytes"] - rank["offloaded_param_bytes"] for rank in job["ranks"]) / args.steps
+    io = read / (disk["read"] * 1e9) + written / (disk["write"] * 1e9)
+    measured = job["medians"]["total_s"]
+    print(f"\nrun {job['repeat']}, {job['mode']}: compute = the unlimited `none` step {compute:.1f} s; I/O = "
+          f"{read / 1e9:.2f} GB read and {written / 1e9:.2f} GB written per step (all ranks) at that run's "
+          f"dd rates = {io:.1f} s; measured {measured:.1f} s = {measured / max(compute, io):.2f}x")
+    return measured / max(compute, io)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -244,7 +233,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of the capped jobs, in alternating order, each after its own dd probe")
     parser.add_argument("--no-baseline", action="store_true", help="skip the unlimited `none` job")
-    parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     return parser

@@ -1,13 +1,11 @@
 """The collectives of the suite, in table order (torch's ops and zcomm's), and the case each makes at one size.
 
-Each entry's ``prepare`` allocates its buffers and returns its call and its check; a quantized
-op shares its torch baseline's buffers and oracle (bounds: ``bench/PERFORMANCE.md``, #wrong).
-Sizes and counts follow nccl-tests; ``payload_bytes`` is ``size`` in zcomm's wire format
-(``all_reduce_q4``'s: its INT4 payloads only, not its gather's). Inputs are generated on the
-host from their seed, so every device gets the same values, and copied to the rank's device
-once, before anything is timed; outputs are allocated there; the check moves the last output
-back to the host after the timed calls. The all-reduces copy their input into the buffer they
-reduce in place on every call (torch's and zcomm's alike), so repeated calls do not compound.
+Sizes, counts, payload bytes and bounds: ``bench/PERFORMANCE.md`` (``all_reduce_q4``'s payload
+is its INT4 payloads only, not its gather's). Inputs are generated on the host from their seed,
+so every device gets the same values, and copied to the rank's device once, before anything is
+timed; the check moves the last output back to the host after the timed calls. The all-reduces
+copy their input into the buffer they reduce in place on every call (torch's and zcomm's
+alike), so repeated calls do not compound.
 """
 
 from __future__ import annotations
@@ -39,13 +37,6 @@ class Buffers:
     group_size: int | None
     stages: int | None
 
-    @property
-    def world(self) -> int:
-        return self.env.world_size
-
-    def chunk(self, rank: int, index: int) -> torch.Tensor:
-        return checking.chunk(self.seed, rank, index, self.count, self.dtype)
-
     def input(self, chunks: int) -> torch.Tensor:
         return checking.rank_input(self.seed, self.env.rank, chunks, self.count, self.dtype).to(self.device)
 
@@ -54,7 +45,8 @@ class Buffers:
 
     def exact(self, index: int) -> list[torch.Tensor]:
         """Every rank's chunk ``index``, fp64 on the host."""
-        return [self.chunk(i, index).to(torch.float64) for i in range(self.world)]
+        return [checking.chunk(self.seed, i, index, self.count, self.dtype).to(torch.float64)
+                for i in range(self.env.world_size)]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,13 +61,6 @@ class Collective:
     bits: int | None = None
     baseline: str | None = None
     pipelined: bool = False
-
-    @property
-    def redop(self) -> str:
-        return "sum" if self.kind in ("reduce_scatter", "all_reduce") else "none"
-
-    def label(self, stages: int | None) -> str:
-        return f"{self.name}:stages={stages}" if self.pipelined and stages is not None else self.name
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,24 +81,25 @@ class Case:
 def build_case(collective: Collective, size_bytes: int, *, env: DistEnv, device: torch.device, dtype: torch.dtype,
                seed: int, group_size: int | None = None, stages: int | None = None) -> Case:
     """``collective`` at ``size_bytes`` (rounded down) on ``device``; ``group_size`` None is the zcomm op's default."""
-    if collective.bits is not None and group_size is None:
-        group_size = zcomm.quant.DEFAULT_GROUP_SIZE[collective.bits]
-    count = max(1, size_bytes // (dtype.itemsize * env.world_size))
-    buffers = Buffers(env=env, device=device, dtype=dtype, count=count, seed=seed, group_size=group_size,
-                      stages=stages if collective.pipelined else None)
-    run, check = collective.prepare(buffers)
-    size = count * env.world_size * dtype.itemsize
-    payload = size if collective.bits is None else env.world_size * zcomm.quant.payload_nbytes(count, collective.bits,
-                                                                                                group_size)
-    return Case(label=collective.label(stages), kind=collective.kind, device=device, count=count, size_bytes=size,
-                payload_bytes=payload, redop=collective.redop, run=run, check=check)
+    bits, world = collective.bits, env.world_size
+    if bits is not None and group_size is None:
+        group_size = zcomm.quant.DEFAULT_GROUP_SIZE[bits]
+    stages = stages if collective.pipelined else None
+    count = max(1, size_bytes // (dtype.itemsize * world))
+    run, check = collective.prepare(Buffers(env=env, device=device, dtype=dtype, count=count, seed=seed,
+                                            group_size=group_size, stages=stages))
+    size = count * world * dtype.itemsize
+    return Case(label=collective.name if stages is None else f"{collective.name}:stages={stages}", kind=collective.kind,
+                device=device, count=count, size_bytes=size, run=run, check=check,
+                payload_bytes=size if bits is None else world * zcomm.quant.payload_nbytes(count, bits, group_size),
+                redop="sum" if collective.kind in ("reduce_scatter", "all_reduce") else "none")
 
 
 SUM = dist.ReduceOp.SUM
 
 
 def _all_gather(b: Buffers, *, quantized: bool) -> tuple[Call, Check]:
-    inp, out = b.input(1), b.output(b.world)
+    inp, out = b.input(1), b.output(b.env.world_size)
 
     def check() -> int:
         exact = b.exact(0)
@@ -126,7 +112,7 @@ def _all_gather(b: Buffers, *, quantized: bool) -> tuple[Call, Check]:
 
 
 def _reduce_scatter(b: Buffers, *, quantized: bool) -> tuple[Call, Check]:
-    inp, out = b.input(b.world), b.output(1)
+    inp, out = b.input(b.env.world_size), b.output(1)
 
     def check() -> int:
         terms = b.exact(b.env.rank)
@@ -142,10 +128,10 @@ def _reduce_scatter(b: Buffers, *, quantized: bool) -> tuple[Call, Check]:
 
 
 def _all_to_all(b: Buffers) -> tuple[Call, Check]:
-    inp, out = b.input(b.world), b.output(b.world)
+    inp, out = b.input(b.env.world_size), b.output(b.env.world_size)
 
     def check() -> int:
-        return checking.count_wrong_blocks(out, b.exact(b.env.rank), [0.0] * b.world)
+        return checking.count_wrong_blocks(out, b.exact(b.env.rank), [0.0] * b.env.world_size)
 
     return partial(dist.all_to_all_single, out, inp), check
 
@@ -157,11 +143,11 @@ def _copy_and_reduce(buf: torch.Tensor, inp: torch.Tensor, reduce: Call) -> None
 
 def _all_reduce(b: Buffers, *, gather_bits: int | None) -> tuple[Call, Check]:
     """torch's all-reduce for ``gather_bits`` None, else zcomm's with that gather."""
-    inp, buf = b.input(b.world), b.output(b.world)
+    inp, buf = b.input(b.env.world_size), b.output(b.env.world_size)
 
     def check() -> int:
         exact, bounds = [], []
-        for r in range(b.world):
+        for r in range(b.env.world_size):
             terms = b.exact(r)
             exact.append(torch.stack(terms).sum(dim=0))
             if gather_bits is None:

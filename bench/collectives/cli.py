@@ -29,7 +29,9 @@ def parse_stages(text: str) -> tuple[int | None, ...]:
     return tuple(None if item == "auto" else int(item) for item in items)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def parse_config(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The flags, with ``ops`` as a tuple, ``torch_dtype`` and ``sizes`` (``min_bytes * factor**k <= max_bytes``);
+    invalid values exit through argparse."""
     parser = argparse.ArgumentParser(prog="python -m bench.collectives", description=__doc__)
     parser.add_argument("-b", "--minbytes", dest="min_bytes", type=parse_size, default="32M", help="smallest size (bytes, K/M/G)")
     parser.add_argument("-e", "--maxbytes", dest="max_bytes", type=parse_size, default="32M", help="largest size (bytes, K/M/G)")
@@ -41,21 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stages", type=parse_stages, default="auto",
                         help="pipeline_stages of reduce_scatter_q4 and all_reduce_q4: auto or e.g. 1,2,4")
     parser.add_argument("--group-size", type=int, help="quantization group size of the zcomm ops (default: each op's own)")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                         help="auto: cuda:LOCAL_RANK when a GPU is visible (unless --backend gloo), else cpu")
     parser.add_argument("--backend", choices=BACKEND_CHOICES, default="auto", help="auto: nccl on cuda, gloo on cpu")
     parser.add_argument("--json", dest="json_path", metavar="PATH", help="write the rows as a JSON list")
-    return parser
-
-
-def parse_config(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The flags, with ``ops`` as a tuple, ``torch_dtype`` and ``sizes`` (``min_bytes * factor**k <= max_bytes``);
-    invalid values exit through argparse."""
-    parser = build_parser()
     config = parser.parse_args(argv)
     config.ops = tuple(op.strip() for op in config.ops.split(",") if op.strip())
-    group_size = config.group_size
+    group_size, config.torch_dtype, config.sizes = config.group_size, DTYPES[config.dtype], []
     for failed, message in (
         (config.min_bytes < 1 or config.max_bytes < config.min_bytes,
          f"need 1 <= minbytes <= maxbytes, got {config.min_bytes} and {config.max_bytes}"),
@@ -66,8 +60,6 @@ def parse_config(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ):
         if failed:
             parser.error(message)
-    config.torch_dtype = DTYPES[config.dtype]
-    config.sizes = []
     size = config.min_bytes
     while size <= config.max_bytes:
         config.sizes.append(size)

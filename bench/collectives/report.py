@@ -38,8 +38,9 @@ class Row:
     def compression(self) -> float:
         return self.logical_bytes / self.payload_bytes if self.payload_bytes else 1.0
 
-    def as_json(self) -> dict[str, object]:
-        return {key: getattr(self, key) for key in JSON_KEYS}
+    @property
+    def wire(self) -> str:
+        return "-" if self.wire_bytes is None else f"{self.wire_bytes:.0f}"
 
 
 JSON_KEYS = tuple(field.name for field in dataclasses.fields(Row) if field.name != "redop")
@@ -66,14 +67,12 @@ def header() -> str:
 
 
 def format_row(row: Row) -> str:
-    wire = "-" if row.wire_bytes is None else f"{row.wire_bytes:.0f}"
-    values = [wire if attr == "wire" else getattr(row, attr) for _, attr, _, _ in _COLUMNS]
-    return "  " + "  ".join(f"{value:>{width}{fmt}}" for value, (_, _, width, fmt) in zip(values, _COLUMNS, strict=True))
+    return "  " + "  ".join(f"{getattr(row, attr):>{width}{fmt}}" for _, attr, width, fmt in _COLUMNS)
 
 
 def write_json(rows: Iterable[Row], path: str) -> None:
     with open(path, "w", encoding="utf-8") as handle:
-        json.dump([row.as_json() for row in rows], handle, indent=1)
+        json.dump([{key: getattr(row, key) for key in JSON_KEYS} for row in rows], handle, indent=1)
         handle.write("\n")
 
 
@@ -83,19 +82,14 @@ def _collective(row: Row):
 
 def speedups(rows: Sequence[Row]) -> list[str]:
     by_key = {(row.op, row.size_bytes): row for row in rows}
-    lines = []
-    for row in rows:
-        baseline = by_key.get((_collective(row).baseline, row.size_bytes))
-        if baseline is not None:
-            lines.append(f"{row.op:>28} vs {baseline.op:<15} {row.size_bytes:>10} B: {baseline.time_us / row.time_us:6.2f}x")
-    return lines
+    pairs = [(row, by_key.get((_collective(row).baseline, row.size_bytes))) for row in rows]
+    return [f"{row.op:>28} vs {base.op:<15} {row.size_bytes:>10} B: {base.time_us / row.time_us:6.2f}x"
+            for row, base in pairs if base is not None]
 
 
 def wire_ratios(rows: Sequence[Row], *, num_nodes: int, local_size: int, itemsize: int) -> list[str]:
     lines = []
-    for row in rows:
-        if row.wire_bytes is None or num_nodes < 2:
-            continue
+    for row in (row for row in rows if row.wire_bytes is not None and num_nodes > 1):
         ring = ring_internode_bytes(row.size_bytes // itemsize * 2, num_nodes, local_size)
         ring *= 2 if _collective(row).kind == "all_reduce" else 1
         lines.append(f"{row.op:>28} {row.size_bytes:>10} B: wire {row.wire_bytes:14.0f} B = "
@@ -105,9 +99,6 @@ def wire_ratios(rows: Sequence[Row], *, num_nodes: int, local_size: int, itemsiz
 
 def pipelining(rows: Sequence[Row]) -> list[str]:
     single = {row.size_bytes: row for row in rows if row.op == "reduce_scatter_q4:stages=1"}
-    lines = []
-    for row in rows:
-        one = single.get(row.size_bytes)
-        if one is not None and row.op.startswith("reduce_scatter_q4:stages=") and row is not one:
-            lines.append(f"{row.op:>28} {row.size_bytes:>10} B: {one.time_us / row.time_us:5.2f}x the speed of stages=1")
-    return lines
+    staged = [row for row in rows if row.op.startswith("reduce_scatter_q4:stages=") and row.op != "reduce_scatter_q4:stages=1"]
+    return [f"{row.op:>28} {row.size_bytes:>10} B: {single[row.size_bytes].time_us / row.time_us:5.2f}x the speed of stages=1"
+            for row in staged if row.size_bytes in single]

@@ -1,14 +1,8 @@
-"""The collectives suite's run: every (op, size) timed, counted and checked; rank 0 reports.
-
-Run under any launcher ``bench.harness.dist_env`` knows, e.g.::
-
-    mpirun -n 4 python -m bench.collectives -b 1M -e 64M -f 2 -d bfloat16
-    torchrun --nproc-per-node 8 -m bench.collectives -b 1M -e 1G -f 2 -d bfloat16
-    python -m bench.simcluster --num-nodes 2 --local-size 2 --rate 200mbit -- python -m bench.collectives ...
-
-Per (op, size), the buffers on the rank's device, ``-w`` warm-up and ``-n`` timed calls, the
-node's wire counters around them (under the cluster launcher), then the check of the last
-output. Rank 0 prints each row as it completes, then the comparison, and writes the JSON.
+"""The collectives suite's run under any launcher ``bench.harness.dist_env`` knows (mpirun, torchrun,
+``bench.simcluster``; docs/benchmarks.md): per (op, size), the buffers on the rank's device, ``-w``
+warm-up and ``-n`` timed calls, the node's wire counters around them (under the cluster launcher),
+then the check of the last output. Rank 0 prints each row as it completes, then the comparison,
+and writes the JSON.
 """
 
 from __future__ import annotations
@@ -30,6 +24,8 @@ from bench.harness.wire import read_wire_bytes
 from . import report
 from .catalog import COLLECTIVES, Case, build_case
 from .cli import parse_config
+
+SEED = 0  # of every rank's inputs (bench/PERFORMANCE.md, #wrong)
 
 
 def _wire_counter(env: dist_env.DistEnv) -> Callable[[], int] | None:
@@ -61,7 +57,7 @@ def run_sweep(config: argparse.Namespace, ctx: dist_env.DistContext) -> list[rep
     # shares stdout's pipe interleaves it with the table rows.
     show_bar = env.rank == 0 and sys.stderr.isatty()
     for op, stages, size in tqdm(jobs, desc="collectives", disable=not show_bar, file=sys.stderr):
-        case = build_case(COLLECTIVES[op], size, env=env, device=ctx.device, dtype=config.torch_dtype, seed=config.seed,
+        case = build_case(COLLECTIVES[op], size, env=env, device=ctx.device, dtype=config.torch_dtype, seed=SEED,
                           group_size=config.group_size, stages=stages)
         rows.append(measure(case, config, env))
         if env.rank == 0:
@@ -78,8 +74,7 @@ def _print_report(rows: Sequence[report.Row], config: argparse.Namespace, env: d
     )
     for title, lines in sections:
         if lines:
-            print(f"\n# {title}")
-            print("\n".join(lines))
+            print(f"\n# {title}\n" + "\n".join(lines))
     if config.json_path:
         report.write_json(rows, config.json_path)
 

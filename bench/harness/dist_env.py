@@ -5,11 +5,8 @@ Launchers are recognised from their variables (``_LAUNCHERS``), in order: torchr
 where rank 0 opens the TCP store on a port the kernel picks and sends its address to the others
 through mpi4py (127.0.0.1 when all ranks run on one host); else a single rank. ``local_size``,
 the ranks per node as zcomm's topology sees them, is ``ZCOMM_LOCAL_SIZE`` when set (one machine
-pretending to be several nodes), else the launcher's local world size.
-
-A rank works on ``cuda:LOCAL_RANK`` (modulo the visible GPUs) when CUDA is available, unless
-gloo was asked for, else on the CPU; the backend follows the device (NCCL on CUDA, gloo on
-the CPU). Both can be overridden; NCCL on the CPU is refused, since NCCL only moves CUDA memory.
+pretending to be several nodes), else the launcher's local world size. The rank's device and
+backend: ``bench/PERFORMANCE.md``, "device and clock".
 """
 
 from __future__ import annotations
@@ -131,11 +128,9 @@ def init_process_group(env: DistEnv, backend: str = "gloo") -> None:
     its groups on their members only. Callers on CUDA select the device with
     ``torch.cuda.set_device`` before calling this.
     """
-    if env.launcher == "env":
-        dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size, timeout=TIMEOUT)
-        return
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=TIMEOUT) if env.launcher == "single" else _mpi_store(env)
-    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=TIMEOUT)
+    meet = ({"init_method": "env://"} if env.launcher == "env" else
+            {"store": dist.HashStore() if env.launcher == "single" else _mpi_store(env)})
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=TIMEOUT, **meet)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,9 +1,9 @@
-"""Gloo ranks on this machine that each send one result back (:func:`spawn`), for the memory benchmarks.
+"""Ranks on this machine that each send one result back (:func:`spawn`), for the memory and host-cost benchmarks.
 
-Each rank is a fresh process that joins a gloo group on localhost with one torch thread, runs
-``target(rank, world, *args)`` and sends its return value (or the exception it raised) to the
-parent through a queue; then it waits at a barrier for its peers and leaves without finalizing
-the interpreter ([Note: leaving without finalization] in :mod:`.rank_exit`).
+Each rank is a fresh process that joins a gloo group on localhost (NCCL: rank r on GPU r) with
+one torch thread, runs ``target(rank, world, *args)`` and sends its return value (or the
+exception it raised) to the parent through a queue; then it waits at a barrier for its peers
+and leaves without finalizing the interpreter ([Note: leaving without finalization] in :mod:`.rank_exit`).
 
 [Note: glibc's mmap threshold] glibc serves an allocation above its ``mmap`` threshold with
 its own mapping, returned to the system when freed; below it, from its heap, whose freed
@@ -37,20 +37,15 @@ def status_bytes(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def free_port() -> int:
-    """A localhost TCP port nothing listens on now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _rank(target: Callable, rank: int, world: int, port: int, args: tuple, queue) -> None:
+def _rank(target: Callable, rank: int, world: int, port: int, backend: str, args: tuple, queue) -> None:
     import torch
     import torch.distributed as dist
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if backend == "nccl":  # the device set, not bound: see dist_env.init_process_group
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         result = target(rank, world, *args)
     except BaseException as exc:  # noqa: BLE001 - sent to the parent, which raises it
@@ -88,17 +83,19 @@ def _collect(queue, procs: list, timeout: float) -> list:
     return [results[rank] for rank in range(len(procs))]
 
 
-def spawn(target: Callable, world: int, *args: Any, timeout: float = 600) -> list:
-    """``target(rank, world, *args)``'s return value on each of ``world`` gloo ranks, in rank order.
+def spawn(target: Callable, world: int, *args: Any, backend: str = "gloo", timeout: float = 600) -> list:
+    """``target(rank, world, *args)``'s return value on each of ``world`` ranks, in rank order.
 
     ``target`` and ``args`` must be picklable (a module-level function). On any failure the
     ranks still running are killed before the error propagates."""
     import torch.multiprocessing as mp
 
-    port = free_port()
+    with socket.socket() as probe:  # a localhost port nothing listens on now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     context = mp.get_context("spawn")
     queue = context.Queue()
-    procs = [context.Process(target=_rank, args=(target, rank, world, port, args, queue), daemon=True)
+    procs = [context.Process(target=_rank, args=(target, rank, world, port, backend, args, queue), daemon=True)
              for rank in range(world)]  # fmt: skip
     for proc in procs:
         proc.start()

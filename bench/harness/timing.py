@@ -1,6 +1,7 @@
-"""Barrier-synchronised timing of a collective, as nccl-tests does it (``bench/PERFORMANCE.md``), on the CPU or a GPU.
+"""Timing: of one process's calls side by side (:func:`per_call_seconds`), and of a collective over
+its ranks, barrier-synchronised as nccl-tests does it (:func:`time_collective`, ``bench/PERFORMANCE.md``).
 
-The clock follows the device (:func:`clock_for`); the max and sum over the ranks are
+A collective's clock follows the device (:func:`clock_for`); the max and sum over the ranks are
 all-reduced in a tensor on ``device``, the group's device (NCCL moves CUDA memory only). An
 optional ``counter`` (e.g. the node's wire bytes) is read between two barriers before the timed
 loop and after a barrier that follows it; its per-call increase is summed over the ranks, so a
@@ -74,6 +75,30 @@ def clock_for(device: torch.device) -> HostClock | CudaEventClock:
     if device.type == "cpu":
         return HostClock()
     raise ValueError(f"no clock for device type {device.type!r} (cpu or cuda)")
+
+
+def per_call_seconds(calls: dict[str, Callable[[], object]], *, rounds: int, repeat: int = 1, warmup: int = 1,
+                     sync: Callable[[], object] = lambda: None, synced: bool = False) -> dict[str, list[float]]:
+    """Per call and round, the mean seconds of ``repeat`` back-to-back calls, after ``warmup`` calls each.
+
+    The calls take turns within each round, so a drift of the machine's speed hits them alike.
+    ``sync`` (a device synchronization) runs before each timed stretch and, with ``synced``,
+    inside it after the last call: without it an asynchronous call is timed to its enqueue only.
+    """
+    for call in calls.values():
+        for _ in range(warmup):
+            call()
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            sync()
+            start = time.perf_counter()
+            for _ in range(repeat):
+                call()
+            if synced:
+                sync()
+            samples[name].append((time.perf_counter() - start) / repeat)
+    return samples
 
 
 def reduce_over_ranks(values: list[float], op: dist.ReduceOp, *, device: torch.device) -> list[float]:

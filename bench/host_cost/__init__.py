@@ -1,16 +1,8 @@
-"""The host-cost benchmark, one entry point: ``python -m bench.host_cost [MODE] [options]``.
+"""The host-cost benchmark, one entry point: ``python -m bench.host_cost [--runtime | --launch-stand-in] [options]``.
 
-What one zcomm call costs the host, next to torch's call for the same data, measured three
-ways (``--help`` after a mode lists its options):
-
-* default (:mod:`.calls`): the ops, the collectives, the prepared calls and the FSDP2
-  adapter's comms at world size 1, host enqueue and synchronized time per call, each next
-  to its yardstick (``clone``, torch's collective, the call it prepares), under each CUDA
-  kernel launcher with ``--launcher cupy,driver``; targets marked PASS or MISS;
-* ``--runtime`` (:mod:`.runtime`): a ZeRO training step's Python work per configuration
-  (calls per step by phase and thread, step times in alternating rounds);
-* ``--launch-stand-in`` (:mod:`.launch`): the Python side of one kernel launch per launcher
-  on a machine without a GPU (the driver replaced by a C no-op).
+What zcomm costs the host, three ways (docs/benchmarks.md; ``--help`` after a mode lists its
+options): each call at world size 1 next to its yardstick (:mod:`.calls`, the default), a ZeRO
+training step's Python work (:mod:`.runtime`), one kernel launch's Python side without a GPU (:mod:`.launch`).
 """
 
 from __future__ import annotations

@@ -1,27 +1,15 @@
 """Launch cost on the host, without a GPU: the Python side of one kernel launch, per launcher.
 
-``python -m bench.host_cost --launch-stand-in [--calls N]``. It times :func:`zcomm_cuda.loader.launch`
-for argument tuples shaped like the cuda backend's kernels (the encoders' 6 to 12
-arguments, the decoders' 6 and 7), with every GPU-side call replaced by a stand-in:
-
-* ``driver``: the whole driver launcher (:mod:`zcomm_cuda.driver_launch`): the kernel and
-  per-thread block lookups, the packing of configuration and arguments, and a real ``ctypes``
-  call of ``cuLaunchKernelEx``'s signature into a C function that returns 0 (compiled here
-  with ``cc``): everything but the driver's own work inside ``libcuda``;
-* ``cupy``: zcomm's side of the cupy launcher (kernel and stream lookups, the argument tuple)
-  up to the cupy ``Function`` call, which is a Python no-op here: cupy's own work (a C value
-  object per argument, its context check, ``cuLaunchKernel``) is **not** included; the driver
-  launcher replaces all of it.
-
-torch's current raw stream and the runtime's current device are C builtins returning 0 in
-both rows, so the two rows differ only by the launchers' own work. Each figure is the median
-of 9 rounds of ``--calls`` calls, the rounds of all columns of a row alternating; ``pack``
-(the block's one ``struct.pack_into``), ``ctypes call`` (the no-op through ``ctypes``) and
-``empty call`` (a Python lambda, the timing loop's own cost, in every figure) are parts of
-the driver row; ``11-arg call`` is the same no-op called with ``cuLaunchKernel``'s 11
-arguments, what [Note: launch entry point] in :mod:`zcomm_cuda.driver_launch` weighs. The
-figures say what the Python side costs on this machine; a launch's time on a GPU is measured by
-``bench.host_cost --device cuda --launcher cupy,driver`` and ``bench.kernels --variants``.
+``python -m bench.host_cost --launch-stand-in [--calls N]`` times :func:`zcomm_cuda.loader.launch`
+for argument tuples shaped like the cuda backend's kernels (:data:`CASES`), every GPU-side call
+replaced by a stand-in (what each figure leaves out: docs/benchmarks.md): ``driver`` runs the whole
+driver launcher into a C no-op of ``cuLaunchKernelEx``'s signature compiled here with ``cc``;
+``cupy`` runs zcomm's side of the cupy launcher up to cupy's ``Function`` call, a Python no-op here.
+torch's raw stream and the current device come from C builtins returning 0 in both, so the rows
+differ by the launchers' own work only. Each figure is the median of ``ROUNDS`` rounds of
+``--calls`` calls, the columns taking turns; ``pack``, ``ctypes call`` and ``empty call`` (the
+timing loop's own cost) are parts of the driver row, ``11-argument call`` the no-op called as
+``cuLaunchKernel`` would be ([Note: launch entry point] in :mod:`zcomm_cuda.driver_launch`).
 """
 
 from __future__ import annotations
@@ -37,13 +25,15 @@ import statistics
 import subprocess
 import tempfile
 import time
+import types
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
-from bench.host_cost.calls import markdown
+from bench.harness.table import markdown
+from bench.harness.timing import per_call_seconds
 from zcomm_cuda import driver_launch, loader
 
 ROUNDS = 9
@@ -78,24 +68,15 @@ def _noop_library(workdir: str) -> ctypes.CDLL:
     return ctypes.CDLL(str(library))
 
 
-class _StandInDriver:
-    """What :class:`driver_launch.Driver` binds, with the launch a C no-op (the rest is never called here)."""
-
-    def __init__(self, noop: ctypes.CDLL) -> None:
-        for name in ("cuLaunchKernelEx", "cuGetErrorString", "cuGetErrorName", "cuCtxGetCurrent", "cuCtxSetCurrent",
-                     "cuCtxGetDevice", "cuDeviceGet", "cuDevicePrimaryCtxRetain"):  # fmt: skip
-            setattr(self, name, noop["zc_noop_launch"])  # a function object of its own: Driver sets its argtypes
-
-
-class _Driver(driver_launch.Driver):
-    def ensure_context(self, device: int) -> None:  # no context to make current without a GPU
-        pass
-
-
 @contextlib.contextmanager
-def _stand_ins(noop: ctypes.CDLL) -> Iterator[None]:
-    """The loader's GPU-side lookups replaced for the duration; restored after."""
-    driver = _Driver(_StandInDriver(noop))
+def _stand_ins(noop: ctypes.CDLL) -> Iterator[driver_launch.Driver]:
+    """The loader's GPU-side lookups replaced for the duration (restored after); yields the stand-in driver,
+    whose every function is the C no-op (the launch is the only one called here)."""
+    names = ("cuLaunchKernelEx", "cuGetErrorString", "cuGetErrorName", "cuCtxGetCurrent", "cuCtxSetCurrent",
+             "cuCtxGetDevice", "cuDeviceGet", "cuDevicePrimaryCtxRetain")  # fmt: skip
+    # each name a function object of its own: Driver sets their argtypes
+    driver = driver_launch.Driver(types.SimpleNamespace(**{name: noop["zc_noop_launch"] for name in names}))
+    driver.ensure_context = lambda device: None  # no context to make current without a GPU
     kernels = {(source, name, 0): driver_launch.DriverKernel(name=name, function=0, params=params, device=0,
                                                              driver=driver)
                for name, (source, params, _) in CASES.items()}  # fmt: skip
@@ -111,25 +92,10 @@ def _stand_ins(noop: ctypes.CDLL) -> Iterator[None]:
     loader._current_device = int  # int(): device 0, from a C builtin as cupy's getDevice is
     loader._STREAMS = {(0, 0): object()}
     try:
-        yield
+        yield driver
     finally:
         for name, value in saved.items():
             setattr(loader, name, value)
-
-
-def _compare(calls_by_name: dict[str, Callable[[], None]], calls: int) -> dict[str, float]:
-    """Median us per call of each of ``calls_by_name`` over ``ROUNDS`` rounds of ``calls`` calls, their rounds
-    alternating (a busy machine's drift hits every row alike)."""
-    for call in calls_by_name.values():
-        call()
-    rounds: dict[str, list[float]] = {name: [] for name in calls_by_name}
-    for _ in range(ROUNDS):
-        for name, call in calls_by_name.items():
-            start = time.perf_counter()
-            for _ in range(calls):
-                call()
-            rounds[name].append((time.perf_counter() - start) / calls * 1e6)
-    return {name: statistics.median(values) for name, values in rounds.items()}
 
 
 def _launch_with(launcher: str, source: str, name: str, args: tuple) -> Callable[[], None]:
@@ -143,8 +109,8 @@ def _launch_with(launcher: str, source: str, name: str, args: tuple) -> Callable
 def measure(calls: int) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as workdir:
         library = _noop_library(workdir)
-        with _stand_ins(library):
-            noop = loader._DRIVER_KERNELS[next(iter(loader._DRIVER_KERNELS))].driver.launch_kernel_ex
+        with _stand_ins(library) as driver:
+            noop = driver.launch_kernel_ex
             eleven = library["zc_noop_launch11"]  # called as cuLaunchKernel would be
             eleven.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
             eleven.restype = ctypes.c_int
@@ -153,15 +119,16 @@ def measure(calls: int) -> list[dict[str, Any]]:
                 target = loader._DRIVER_KERNELS[(source, name, 0)]
                 target.launch(1056, 256, 0, args)  # this thread's block
                 block = target.block()
-                timed = _compare({
+                timed = per_call_seconds({
                     "cupy us": _launch_with("cupy", source, name, args),
                     "driver us": _launch_with("driver", source, name, args),
-                    "pack us": lambda: block.write(1056, 256, 0, args),  # noqa: B023 (_compare calls it in this iteration)
+                    "pack us": lambda: block.write(1056, 256, 0, args),  # noqa: B023 (called in this iteration)
                     "ctypes call us": lambda: noop(1, 0, 1, None),
                     "11-argument call us": lambda: eleven(0, 1056, 1, 1, 256, 1, 1, 0, 0, 1, None),
                     "empty call us": lambda: None,
-                }, calls)  # fmt: skip
-                rows.append({"kernel": name, "arguments": len(args), **timed})
+                }, rounds=ROUNDS, repeat=calls)  # fmt: skip
+                rows.append({"kernel": name, "arguments": len(args),
+                             **{column: statistics.median(seconds) * 1e6 for column, seconds in timed.items()}})
     return rows
 
 

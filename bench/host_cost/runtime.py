@@ -1,30 +1,15 @@
 """Host cost of a ZeRO training step: what qwZ and qgZ add to stage 3's Python work per step.
 
-``python -m bench.host_cost --runtime [--configs zero3 zero3+qwz zero3+qgz zeropp]
-[--layers 64] [--width 64] [--steps 20] [--rounds 4] [--world 1] [--device cpu] [--json PATH]``;
-why a host-bound step is measured on a CPU: bench/TRAINING.md, "A host-bound step".
-
-The model's compute is negligible: an MLP of ``--layers`` Linear layers of ``--width``
-features (``bench.train.models.MLP``), fp32, world size 1 (``--world N``: N gloo ranks on
-this machine, rank 0's figures). The engine config is ``bench.train``'s for the configuration
-(:func:`bench.train.configs.zero_runtime_config`) plus :data:`HOST_BOUND_KEYS`: every Linear
-its own stage-3 unit and its own gradient bucket, as the Linear layers of the speed report's
-160M GPT get from the defaults, so a step makes one gather and one reduce-scatter per layer.
-
-Two measurements per configuration, after ``--warmup`` steps:
-
-* **calls per step**: the Python functions the step enters (``sys.setprofile`` "call"
-  events; C functions not counted), deterministic on any machine, by phase (forward,
-  backward, optimizer step, zero_grad) and by thread (the training thread, zcomm's CPU
-  workers); then the functions a configuration enters per step beyond the baseline.
-* **wall time per step**: the median over ``--steps`` steps, in ``--rounds`` rounds that
-  alternate the order of the configurations; the ratio to ``--baseline`` is the median of
-  the per-round ratios.
-
-``--device cuda`` (NCCL, rank r on GPU r, steps timed to the end of their GPU work): the
-quantized chains run on the training thread, so the counts are a GPU step's host path, except
-that autograd's CUDA backward runs on a C++ device thread a Python profile function does not
-reach: there the backward column counts only the training thread's part (the heading says so).
+``python -m bench.host_cost --runtime`` (what it prints: docs/benchmarks.md; why on a CPU:
+bench/TRAINING.md, "A host-bound step"). The model is an MLP of ``--layers`` Linear layers of
+``--width`` features, fp32, with ``bench.train``'s engine config plus :data:`HOST_BOUND_KEYS`:
+every Linear its own stage-3 unit and gradient bucket, as the 160M GPT's are by default. Calls
+per step are ``sys.setprofile``'s "call" events (Python functions only) by phase and thread;
+step times the median of ``--steps`` steps per round, in ``--rounds`` rounds alternating the
+configurations' order, the ratio to ``--baseline`` the median of the per-round ratios. With
+``--device cuda`` the quantized chains run on the training thread, but autograd's CUDA backward
+runs on a C++ thread a profile function does not reach: the backward column counts the
+training thread's part only (the heading says so).
 """
 
 from __future__ import annotations
@@ -36,7 +21,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,12 +30,16 @@ import torch
 import torch.distributed as dist
 
 import zero_runtime
+from bench.harness.ranks import spawn
+from bench.harness.table import markdown
+from bench.harness.timing import per_call_seconds
 from bench.train.configs import select_configs, zero_runtime_config
 from bench.train.models import MLP
 
 DEFAULT_CONFIGS = ("zero3", "zero3+qwz", "zero3+qgz", "zeropp")
 HOST_BOUND_KEYS = {"zcomm_stage3_fuse_numel": 0, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 1}
 PHASES = ("forward", "backward", "step", "zero_grad")
+BATCH, COUNT_STEPS, TOP = 4, 2, 25  # rows per step; steps whose calls are counted; functions listed beyond the baseline
 
 
 class _CallCounter:
@@ -89,30 +77,18 @@ class _CallCounter:
 
 @dataclass
 class Engine:
-    name: str
-    model: torch.nn.Module
     opt: Any
-    batch: torch.Tensor
-    target: torch.Tensor
-
-    def phases(self) -> list[tuple[str, Callable[[], object]]]:
-        state: dict[str, torch.Tensor] = {}
-
-        def forward() -> None:
-            state["loss"] = torch.nn.functional.mse_loss(self.model(self.batch), self.target)
-
-        return [("forward", forward), ("backward", lambda: self.opt.backward(state["loss"])),
-                ("step", self.opt.step), ("zero_grad", self.opt.zero_grad)]
+    phases: list[tuple[str, Callable[[], object]]]  # one training step, in :data:`PHASES`
 
     def step(self) -> None:
-        for _, run in self.phases():
+        for _, run in self.phases:
             run()
 
 
 def build(name: str, args: argparse.Namespace) -> Engine:
     (config,) = select_configs([name])
-    # one node of ``--world`` ranks: hpZ (in zeropp) over all of them
-    engine_config = zero_runtime_config(config, local_size=args.world, bf16=False, gradient_clipping=0.0)
+    # one node of ``--world-size`` ranks: hpZ (in zeropp) over all of them
+    engine_config = zero_runtime_config(config, local_size=args.world_size, bf16=False, gradient_clipping=0.0)
     engine_config["zero_optimization"].update(HOST_BOUND_KEYS)
     torch.manual_seed(0)
     # this rank's device: the CPU, or (--device cuda) the GPU of its rank
@@ -120,9 +96,10 @@ def build(name: str, args: argparse.Namespace) -> Engine:
     model = MLP(d_in=args.width, d_hidden=args.width, d_out=args.width, depth=args.layers).to(device)
     model, opt = zero_runtime.initialize(model, lambda params: torch.optim.AdamW(params, lr=1e-3), engine_config)
     generator = torch.Generator().manual_seed(1)
-    batch = torch.randn(args.batch, args.width, generator=generator).to(device)
-    target = torch.randn(args.batch, args.width, generator=generator).to(device)
-    return Engine(name, model, opt, batch, target)
+    batch, target = (torch.randn(BATCH, args.width, generator=generator).to(device) for _ in range(2))
+    loss = {}
+    return Engine(opt, [("forward", lambda: loss.update(value=torch.nn.functional.mse_loss(model(batch), target))),
+                        ("backward", lambda: opt.backward(loss["value"])), ("step", opt.step), ("zero_grad", opt.zero_grad)])
 
 
 @dataclass
@@ -133,16 +110,16 @@ class Result:
     step_ms: list[float] = field(default_factory=list)  # per round: the median step
 
 
-def count_calls(engine: Engine, counter: _CallCounter, steps: int) -> Result:
+def count_calls(name: str, engine: Engine, counter: _CallCounter, steps: int) -> Result:
     """Calls per step by phase and thread, and per function, over ``steps`` steps."""
     counter.counts.clear()
     for _ in range(steps):
-        for phase, run in engine.phases():
+        for phase, run in engine.phases:
             counter.phase = phase
             run()
             counter.phase = None
         time.sleep(0.01)  # let a worker's last calls of the step land in the step's phase
-    result = Result(engine.name)
+    result = Result(name)
     functions: collections.Counter[str] = collections.Counter()
     for (phase, thread, fn), n in counter.counts.items():
         result.calls.setdefault(phase, {}).setdefault(thread, 0)
@@ -153,17 +130,10 @@ def count_calls(engine: Engine, counter: _CallCounter, steps: int) -> Result:
     return result
 
 
-def time_steps(engine: Engine, steps: int) -> float:
+def time_steps(engine: Engine, steps: int, device: str) -> float:
     """The median step in ms; on CUDA each step is timed to the end of its GPU work."""
-    sync = torch.cuda.synchronize if engine.batch.is_cuda else (lambda: None)
-    times = []
-    for _ in range(steps):
-        sync()
-        start = time.perf_counter()
-        engine.step()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    return statistics.median(per_call_seconds({"": engine.step}, rounds=steps, warmup=0, sync=sync, synced=True)[""]) * 1e3
 
 
 def _total(result: Result, thread: str | None = None) -> int:
@@ -174,67 +144,48 @@ def report(results: dict[str, Result], baseline: str, args: argparse.Namespace) 
     machine = f"CPU {platform.processor() or platform.machine()}"
     machine = f"{torch.cuda.get_device_name(0)}, {machine}" if args.device == "cuda" else machine
     lines = [f"# zero_runtime host cost per step: MLP of {args.layers} Linear({args.width}, {args.width}), batch "
-             f"{args.batch}, fp32, world size {args.world} (rank 0's figures), {machine}, "
+             f"{BATCH}, fp32, world size {args.world_size} (rank 0's figures), {machine}, "
              f"1 torch thread per rank, load average {os.getloadavg()[0]:.2f}",
              f"# engine: bench.train's config + {HOST_BOUND_KEYS}",
              "# backward counts: the training thread only (autograd's CUDA device thread is not profiled)"
-             if args.device == "cuda" else "# backward counts: complete (a CPU backward runs on the training thread)", "",
-             "| config | calls/step main | calls/step worker | " + " | ".join(f"{p} main/worker" for p in PHASES)
-             + " | step ms (median of rounds) | min | max | ratio to " + baseline + " |",
-             "|---|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|---:|---:|"]
-    base = results[baseline]
+             if args.device == "cuda" else "# backward counts: complete (a CPU backward runs on the training thread)", ""]
+    base, rows = results[baseline], []
     for name, result in results.items():
-        per_phase = " | ".join(f"{result.calls.get(p, {}).get('main', 0)}/{result.calls.get(p, {}).get('worker', 0)}"
-                               for p in PHASES)
         ratios = [a / b for a, b in zip(result.step_ms, base.step_ms, strict=True)]
-        timing = (f"{statistics.median(result.step_ms):.2f} | {min(result.step_ms):.2f} | {max(result.step_ms):.2f} | "
-                  f"{statistics.median(ratios):.3f}" if ratios else "n/a | | | ")
-        lines.append(f"| {name} | {_total(result, 'main')} | {_total(result, 'worker')} | {per_phase} | {timing} |")
+        rows.append({"config": name, "calls/step main": _total(result, "main"), "calls/step worker": _total(result, "worker"),
+                     **{f"{p} main/worker": "/".join(str(result.calls.get(p, {}).get(t, 0)) for t in ("main", "worker"))
+                        for p in PHASES},
+                     "step ms (median of rounds)": statistics.median(result.step_ms), "min": min(result.step_ms),
+                     "max": max(result.step_ms), f"ratio to {baseline}": f"{statistics.median(ratios):.3f}"})  # fmt: skip
+    lines += markdown(rows)
     for name, result in results.items():
         if name == baseline:
             continue
         extra = sorted(((n - base.functions.get(fn, 0.0), fn) for fn, n in result.functions.items()
                         if n - base.functions.get(fn, 0.0) >= 1), reverse=True)
         lines += ["", f"## {name}: functions entered per step beyond {baseline} "
-                  f"({sum(d for d, _ in extra):.0f} calls; top {args.top})"]
-        lines += [f"    {d:8.1f}  {fn}" for d, fn in extra[: args.top]]
+                  f"({sum(d for d, _ in extra):.0f} calls; top {TOP})"]
+        lines += [f"    {d:8.1f}  {fn}" for d, fn in extra[:TOP]]
     return "\n".join(lines)
 
 
-def _rank(rank: int, args: argparse.Namespace, tmp: str) -> dict[str, Result]:
-    """Every configuration's calls per step and its step times on this rank of ``args.world``."""
-    torch.set_num_threads(1)
-    backend = "gloo"
-    if args.device == "cuda":  # no device_id bound, as bench.harness.dist_env does: set_device instead
-        torch.cuda.set_device(rank)
-        backend = "nccl"
-    dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=args.world)
-    try:
-        counter = _CallCounter()
-        counter.install()
-        engines = {name: build(name, args) for name in args.configs}
-        results = {}
-        for name, engine in engines.items():
-            for _ in range(args.warmup):
-                engine.step()
-            results[name] = count_calls(engine, counter, args.count_steps)
-        counter.remove()
-        for r in range(args.rounds):
-            order = list(engines) if r % 2 == 0 else list(reversed(engines))
-            for name in order:
-                results[name].step_ms.append(time_steps(engines[name], args.steps))
-        for engine in engines.values():
-            engine.opt.close()
-    finally:
-        dist.destroy_process_group()
+def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Result]:
+    """Every configuration's calls per step and its step times on this rank of ``world``."""
+    counter = _CallCounter()
+    counter.install()
+    engines = {name: build(name, args) for name in args.configs}
+    results = {}
+    for name, engine in engines.items():
+        for _ in range(args.warmup):
+            engine.step()
+        results[name] = count_calls(name, engine, counter, COUNT_STEPS)
+    counter.remove()
+    for r in range(args.rounds):
+        for name in reversed(engines) if r % 2 else engines:
+            results[name].step_ms.append(time_steps(engines[name], args.steps, args.device))
+    for engine in engines.values():
+        engine.opt.close()
     return results
-
-
-def _spawned(rank: int, args: argparse.Namespace, tmp: str) -> None:
-    results = _rank(rank, args, tmp)
-    if rank == 0:
-        with open(f"{tmp}/results.json", "w") as f:
-            json.dump({name: vars(result) for name, result in results.items()}, f)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,13 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", default=None, help="default: the first configuration")
     parser.add_argument("--layers", type=int, default=64)
     parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--count-steps", type=int, default=2, help="steps whose calls are counted")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--world", type=int, default=1, help="ranks on this machine (rank 0's figures)")
+    parser.add_argument("--world-size", type=int, default=1, help="ranks on this machine (rank 0's figures)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: NCCL, each rank on its GPU, steps timed to the end of their GPU work")
     parser.add_argument("--json", default=None)
@@ -257,13 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     baseline = args.baseline or args.configs[0]
     if baseline not in args.configs:
         parser.error(f"--baseline {baseline} is not in --configs")
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.world == 1:
-            results = _rank(0, args, tmp)
-        else:
-            torch.multiprocessing.start_processes(_spawned, args=(args, tmp), nprocs=args.world, start_method="spawn")
-            with open(f"{tmp}/results.json") as f:
-                results = {name: Result(**fields) for name, fields in json.load(f).items()}
+    # one path for every world size, 1 too: ranks of their own (with NCCL, rank r on GPU r)
+    results = spawn(_rank, args.world_size, args, backend="nccl" if args.device == "cuda" else "gloo", timeout=3600)[0]
     print(report(results, baseline, args))
     if args.json:
         with open(args.json, "w") as f:

@@ -1,6 +1,4 @@
-import sys
-
 from .config import parse_config
 from .launcher import launch
 
-sys.exit(launch(parse_config()))
+raise SystemExit(launch(parse_config()))

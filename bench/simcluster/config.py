@@ -8,15 +8,14 @@ import re
 from typing import Sequence
 
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
-_RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$", re.IGNORECASE)
-MAX_NODES = 250
+MAX_NODES = 250  # the nodes' addresses: 10.213.0.1 to .250 (bench.simcluster.network)
 
 
 def parse_rate(text: str) -> int | None:
     """``"200mbit"`` -> 200_000_000 bits per second (tc's SI units); ``"unlimited"`` -> None (no shaping)."""
     if text.strip().lower() == "unlimited":
         return None
-    match = _RATE_RE.match(text.strip())
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)", text.strip(), re.IGNORECASE)
     if match is None:
         raise ValueError(f"rate must look like 200mbit (units {', '.join(_RATE_UNITS)}), got {text!r}")
     bits = float(match.group(1)) * _RATE_UNITS[match.group(2).lower()]
@@ -34,14 +33,6 @@ class ClusterConfig:
     local_size: int
     rate_bps: int | None
     command: tuple[str, ...]
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.num_nodes <= MAX_NODES:
-            raise ValueError(f"--num-nodes must be in 1..{MAX_NODES}, got {self.num_nodes}")
-        if self.local_size < 1:
-            raise ValueError(f"--local-size must be >= 1, got {self.local_size}")
-        if not self.command:
-            raise ValueError("no command given: put it after --, e.g. -- python -m bench.collectives")
 
     @property
     def world_size(self) -> int:
@@ -62,9 +53,14 @@ def parse_config(argv: Sequence[str] | None = None) -> ClusterConfig:
                         help="each node's link rate, both directions (tc units: 200mbit), or 'unlimited'")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
     args = parser.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    command = tuple(args.command[1:] if args.command[:1] == ["--"] else args.command)
+    for failed, message in ((not 1 <= args.num_nodes <= MAX_NODES, f"--num-nodes must be in 1..{MAX_NODES}, got {args.num_nodes}"),
+                            (args.local_size < 1, f"--local-size must be >= 1, got {args.local_size}"),
+                            (not command, "no command given: put it after --, e.g. -- python -m bench.collectives")):  # fmt: skip
+        if failed:
+            parser.error(message)
     try:
         return ClusterConfig(num_nodes=args.num_nodes, local_size=args.local_size, rate_bps=parse_rate(args.rate),
-                             command=tuple(command))
+                             command=command)
     except ValueError as exc:
         parser.error(str(exc))

@@ -55,20 +55,6 @@ def rank_env(config: ClusterConfig, rank: int, master_addr: str, master_port: in
     return env
 
 
-def start(network: SimNetwork, command: Sequence[str]) -> list[subprocess.Popen]:
-    """Start every rank; the caller must :func:`terminate` them whatever happens."""
-    config = network.config
-    # Node 0's namespace is new and holds only our ranks, and the kernel hands out ephemeral
-    # ports from 32768 up, so any port below that is free there: no probing needed.
-    port = random.randrange(20000, 30000)
-    procs = []
-    for rank in range(config.world_size):
-        env = rank_env(config, rank, network.node_addr(0), port, os.environ)
-        argv = ["ip", "netns", "exec", network.node_ns(rank // config.local_size), *command]
-        procs.append(subprocess.Popen(argv, env=env, start_new_session=True))
-    return procs
-
-
 def exit_status(returncode: int) -> int:
     """A shell-style status: ``128 + n`` for signal ``n``."""
     return 128 - returncode if returncode < 0 else returncode
@@ -109,9 +95,7 @@ _HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class _Stopped(Exception):
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.status = 128 + signum
+    """Raised by the handler of a signal in ``_HANDLED``, with its number."""
 
 
 def _raise_stopped(signum: int, _frame: object) -> None:
@@ -130,17 +114,23 @@ def missing_prerequisite() -> str | None:
 
 
 def _run_ranks(network: SimNetwork, procs: list[subprocess.Popen]) -> int:
+    """Build the network, start every rank into ``procs`` (the caller :func:`terminate` s them), wait, report."""
+    config = network.config
     network.build()
-    procs.extend(start(network, network.config.command))
+    # Node 0's namespace is new and holds only our ranks, and the kernel hands out ephemeral
+    # ports from 32768 up, so any port below that is free there: no probing needed.
+    port = random.randrange(20000, 30000)
+    for rank in range(config.world_size):
+        argv = ["ip", "netns", "exec", network.node_ns(rank // config.local_size), *config.command]
+        env = rank_env(config, rank, network.node_addr(0), port, os.environ)
+        procs.append(subprocess.Popen(argv, env=env, start_new_session=True))
     status, failed = wait(procs)
     if failed is not None:
         print(f"# simcluster: rank {failed} exited with status {status}; stopping the others", file=sys.stderr)
-    total = 0
-    for node in range(network.config.num_nodes):
-        tx, rx = network.counters(node)
-        total += tx
+    counters = [network.counters(node) for node in range(config.num_nodes)]
+    for node, (tx, rx) in enumerate(counters):
         print(f"# simcluster node {node} ({network.node_addr(node)}): {tx} bytes sent, {rx} bytes received on its link")
-    print(f"# simcluster: {total} bytes crossed between nodes", flush=True)
+    print(f"# simcluster: {sum(tx for tx, _ in counters)} bytes crossed between nodes", flush=True)
     return status
 
 
@@ -160,9 +150,10 @@ def launch(config: ClusterConfig) -> int:
     except NetworkError as exc:
         print(f"bench.simcluster: could not set up the network: {exc}", file=sys.stderr)
         return 2
-    except (_Stopped, KeyboardInterrupt) as exc:
-        print(f"# simcluster: interrupted ({exc or 'SIGINT'}); cleaning up", file=sys.stderr)
-        return exc.status if isinstance(exc, _Stopped) else 130
+    except _Stopped as exc:
+        (signum,) = exc.args
+        print(f"# simcluster: interrupted ({signal.Signals(signum).name}); cleaning up", file=sys.stderr)
+        return 128 + signum
     finally:
         # A second Ctrl-C must not cut the clean-up short.
         for sig in _HANDLED:

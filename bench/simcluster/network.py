@@ -38,16 +38,6 @@ def _run(*argv: str) -> str:
     return result.stdout
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 def _delete(name: str) -> bool:
     return subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False).returncode == 0
 
@@ -55,7 +45,7 @@ def _delete(name: str) -> bool:
 def remove_stale() -> list[str]:
     """Delete namespaces left by launches whose process is gone; returns their names."""
     names = [line.split()[0] for line in _run("ip", "netns", "list").splitlines() if line.strip()]  # "name (id: k)"
-    stale = [name for name in names if (m := _OURS.match(name)) and not _alive(int(m.group(1)))]
+    stale = [name for name in names if (m := _OURS.match(name)) and not os.path.exists(f"/proc/{m.group(1)}")]
     for name in stale:
         _delete(name)
     return stale
