@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from .harness.checkout import checkout_environment
+from .harness.checkout import run_from_checkout
+from .simcluster.config import launch_argv
 from .simcluster.launcher import missing_prerequisite
 from .train.loop import ConfigResult
 from .train.report import COLUMN_LEGEND, FIGURES, figure, figures, meta_lines
@@ -39,17 +38,14 @@ KEPT = ("train.json", "results.md", "demo.png", "loss_vs_step.png", "step_time.p
 def command(job: tuple[str, ...], simulated: bool) -> list[str]:
     ranks = [sys.executable, *job]
     if simulated:
-        launcher = [sys.executable, "-m", "bench.simcluster", "--num-nodes", str(NUM_NODES), "--local-size", str(LOCAL_SIZE),
-                    "--rate", RATE]  # fmt: skip
-        return [*launcher, "--", *ranks]
+        return launch_argv(NUM_NODES, LOCAL_SIZE, RATE, ranks)
     mpirun = Path(sys.executable).parent / "mpirun"
     return [str(mpirun) if mpirun.exists() else "mpirun", "-n", str(NUM_NODES * LOCAL_SIZE), *ranks]
 
 
 def _run(argv: list[str]) -> int:
     print("$ " + " ".join(argv), flush=True)
-    env = dict(checkout_environment(os.environ), ZCOMM_LOCAL_SIZE=str(LOCAL_SIZE))
-    return subprocess.run(argv, env=env, check=False).returncode
+    return run_from_checkout(argv, ZCOMM_LOCAL_SIZE=str(LOCAL_SIZE))
 
 
 def default_out_dir(now: float | None = None) -> Path:

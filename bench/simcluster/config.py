@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import sys
 from typing import Sequence
 
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
@@ -37,6 +38,12 @@ class ClusterConfig:
     @property
     def world_size(self) -> int:
         return self.num_nodes * self.local_size
+
+
+def launch_argv(num_nodes: int, local_size: int, rate: str, command: Sequence[str]) -> list[str]:
+    """The ``python -m bench.simcluster`` command line that runs ``command`` on such a cluster (the demo, the sweep)."""
+    return [sys.executable, "-m", "bench.simcluster", "--num-nodes", str(num_nodes), "--local-size", str(local_size),
+            "--rate", rate, "--", *command]  # fmt: skip
 
 
 def parse_config(argv: Sequence[str] | None = None) -> ClusterConfig:

@@ -16,17 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
 import statistics
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from bench.harness.checkout import checkout_environment
-from bench.simcluster.config import parse_rate
+from bench.harness.checkout import run_from_checkout
+from bench.simcluster.config import launch_argv, parse_rate
 from bench.simcluster.launcher import missing_prerequisite
 
 from .configs import select_configs
@@ -229,9 +227,8 @@ def json_path(out_dir: Path, rate: str, launch: int) -> Path:
 def launch_command(rate: str, launch: int, configs: list[str], args: argparse.Namespace) -> list[str]:
     """The simulated-cluster launch of ``bench.train`` at ``rate``."""
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    return [sys.executable, "-m", "bench.simcluster", "--num-nodes", str(NUM_NODES), "--local-size", str(LOCAL_SIZE),
-            "--rate", rate, "--", sys.executable, "-m", "bench.train", "--configs", *configs, *train_args,
-            "--json", str(json_path(args.out_dir, rate, launch))]  # fmt: skip
+    return launch_argv(NUM_NODES, LOCAL_SIZE, rate, [sys.executable, "-m", "bench.train", "--configs", *configs,
+                                                    *train_args, "--json", str(json_path(args.out_dir, rate, launch))])  # fmt: skip
 
 
 def run_rate(rate: str, launch: int, args: argparse.Namespace) -> int:
@@ -239,8 +236,7 @@ def run_rate(rate: str, launch: int, args: argparse.Namespace) -> int:
     print("$ " + shlex.join(command), flush=True)
     log = json_path(args.out_dir, rate, launch).with_suffix(".log")
     with open(log, "w") as out:
-        code = subprocess.run(command, env=checkout_environment(os.environ), stdout=out, stderr=subprocess.STDOUT,
-                              check=False).returncode  # fmt: skip
+        code = run_from_checkout(command, out)
     print(f"  -> {log} (exit {code})", flush=True)
     return code
 
