@@ -22,12 +22,10 @@ overrun cannot cost the other stages their results.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -36,6 +34,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from bench.harness.checkout import REPO, checkout_environment
+from bench.simcluster.launcher import terminate
 
 TOTAL_BUDGET_S = 315.0
 NCCL_LIMIT_S = 150.0
@@ -120,17 +119,6 @@ def stage_environment(base: Mapping[str, str], extra: Mapping[str, str]) -> dict
     return {**env, "PYTHONUNBUFFERED": "1", **extra}
 
 
-def _kill(process: subprocess.Popen) -> None:
-    """SIGTERM the stage's process group, SIGKILL it if it lingers."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-
-
 def run_stage(stage: Stage, out_dir: Path, deadline: float, base_env: Mapping[str, str] | None = None) -> StageResult:
     """Run ``stage`` with its output in ``out_dir/<name>.log``, within its limit and ``deadline`` (``time.monotonic``)."""
     log = out_dir / f"{stage.name}.log"
@@ -164,10 +152,10 @@ def run_stage(stage: Stage, out_dir: Path, deadline: float, base_env: Mapping[st
         try:
             returncode = process.wait(timeout=limit)
         except subprocess.TimeoutExpired:
-            _kill(process)
+            terminate([process], grace_s=10)
             return result("timed out", [f"killed after its {limit:.0f} s limit", *stage.missing], time.monotonic() - start)
         except BaseException:  # Ctrl-C reaches only the driver: the stage runs in its own session and would outlive it
-            _kill(process)
+            terminate([process], grace_s=10)
             raise
     seconds = time.monotonic() - start
     problems = ([f"exited with status {returncode}"] if returncode else []) + list(stage.missing)

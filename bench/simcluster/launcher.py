@@ -77,12 +77,13 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
 
 
-def terminate(procs: Sequence[subprocess.Popen]) -> None:
-    """SIGTERM every rank still running, SIGKILL what is left after ``GRACE_S``, reap all."""
+def terminate(procs: Sequence[subprocess.Popen], grace_s: float = GRACE_S) -> None:
+    """SIGTERM the process group (own session) of every process still running, SIGKILL what is left
+    after ``grace_s``, reap all: the ranks here, a gpu-check stage (:mod:`bench.gpu_check.stages`)."""
     running = [proc for proc in procs if proc.poll() is None]
     for proc in running:
         _signal_group(proc, signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_S
+    deadline = time.monotonic() + grace_s
     for proc in running:
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))

@@ -289,7 +289,7 @@ def test_an_interrupted_check_takes_its_stage_down(tmp_path, monkeypatch):
     real_wait = subprocess.Popen.wait
 
     def wait(self, timeout=None):
-        if timeout is not None and timeout > 20:  # the stage's own wait, not _kill's
+        if timeout is not None and timeout > 20:  # the stage's own wait, not terminate's
             log = tmp_path / "interrupted.log"
             deadline = time.monotonic() + 30
             while len(log.read_text().splitlines()) < 2 and time.monotonic() < deadline:
