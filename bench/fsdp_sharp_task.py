@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bench.harness.table import table
 from bench.train.configs import CONFIGS, EngineSetup, engine_config
 from bench.train.models import ModelSpec
 from bench.train.runner import RUNNERS, Runner
@@ -120,12 +121,10 @@ def _report(args, rows: dict[str, list[float]], setup: EngineSetup) -> None:
     print(f"sharp task: {nodes} node(s) x {setup.local_size} rank(s), torch {torch.__version__}, "
           f"{BLOCKS} pre-LN residual blocks, hidden {args.hidden}, MLP {args.width}, AdamW lr {LR}, "
           f"{STEPS} steps on one fixed batch of {world * BATCH_PER_RANK}, seed {args.seed}")
-    print("| config | " + " | ".join(str(s + 1) for s in range(STEPS)) + " | final vs fsdp2 |")
-    print("|---|" + "---|" * (STEPS + 1))
     plain = rows["fsdp2"][-1]
-    for name, losses in rows.items():
-        gap = (losses[-1] - plain) / plain
-        print(f"| {name} | " + " | ".join(f"{v:.4f}" for v in losses) + f" | {gap:+.2%} |")
+    print("\n".join(table(["config", *(str(s + 1) for s in range(STEPS)), "final vs fsdp2"],
+                          [(name, *(f"{v:.4f}" for v in losses), f"{(losses[-1] - plain) / plain:+.2%}")
+                           for name, losses in rows.items()])))  # fmt: skip
     if "hsdp" in rows:
         plain = rows["hsdp"][-1]
         print(f"hsdp-zeropp's final loss vs hsdp: {(rows['hsdp-zeropp'][-1] - plain) / plain:+.2%}")

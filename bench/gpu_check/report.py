@@ -10,6 +10,8 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from bench.harness.table import table
+
 from . import speed_plan
 from .stages import GPU_CHECK_ENV, StageResult, junit_counts
 
@@ -26,18 +28,12 @@ def _section(path: Path, render: Callable[[Path], list[str]], missing: str | Non
         return [f"(could not read this stage's output {path.name}: {type(exc).__name__}: {exc})"]
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str = "") -> list[str]:
-    """A markdown table; ``align`` holds one letter per column, ``r`` for right-aligned."""
-    rule = "".join("---:|" if a == "r" else "---|" for a in align.ljust(len(header), "l"))
-    return [f"| {' | '.join(header)} |", f"|{rule}", *(f"| {' | '.join(map(str, row))} |" for row in rows)]
-
-
 def environment_table(environment: Mapping[str, str] | None) -> list[str]:
     return ["| | |", "|---|---|", *[f"| {key} | {value} |" for key, value in (environment or {}).items()]]
 
 
 def _stage_table(results: Sequence[StageResult], noun: str, cell: Callable[[StageResult], str]) -> list[str]:
-    lines = _table([noun, f"what it {'checks' if noun == 'stage' else 'measures'}", "result", "seconds", "limit (s)", "log"],
+    lines = table([noun, f"what it {'checks' if noun == 'stage' else 'measures'}", "result", "seconds", "limit (s)", "log"],
                    [(r.stage.name, r.stage.title, cell(r), f"{r.seconds:.0f}", f"{r.limit_s:.0f}",
                      f"[{r.log.name}]({r.log.name})") for r in results], "lllrrl")  # fmt: skip
     for r in results:
@@ -90,7 +86,7 @@ def _checks(path: Path) -> list[str]:
     r = json.loads(path.read_text())
     return [f"{r['world_size']} ranks ({r['world_size'] // r['local_size']} nodes x {r['local_size']}) over "
             f"{r['backend']}, device {r['device']}, {r['seconds']:.0f} s.", "",
-            *_table(["check", "result", "detail"], [(c["check"], "ok" if c["ok"] else "FAILED", c["detail"]) for c in r["checks"]]),
+            *table(["check", "result", "detail"], [(c["check"], "ok" if c["ok"] else "FAILED", c["detail"]) for c in r["checks"]]),
             *[f"- {problem}" for problem in r["problems"]]]  # fmt: skip
 
 
@@ -141,7 +137,7 @@ def _cell(value: Any) -> str:
 def rows_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """A markdown table of ``rows`` with the union of their keys as columns, in first-seen order."""
     columns = list(dict.fromkeys(key for row in rows for key in row))
-    return _table(columns, [[_cell(row.get(c)) for c in columns] for row in rows]) if columns else ["(no rows)"]
+    return table(columns, [[_cell(row.get(c)) for c in columns] for row in rows]) if columns else ["(no rows)"]
 
 
 def _host_cost(out_dir: Path, devices: Sequence[str]) -> list[str]:
