@@ -3,13 +3,14 @@
 A CPU without native bf16 emulates bf16 matmuls, so every bf16 step there is compute-bound and
 hides what communication costs (``bench/PERFORMANCE.md``). ``auto`` therefore picks bf16 on a GPU
 that supports it and on a CPU whose ``/proc/cpuinfo`` flags name native bf16 (on every
-processor), and fp32 everywhere else; every implementation in a run uses the same choice.
+processor), and fp32 everywhere else; every implementation in a run uses the same choice, and
+every rank: bf16 only when every rank's hardware has it (:func:`agreed_precision`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 CPUINFO = Path("/proc/cpuinfo")
 # Linux's names for the CPU features that execute bf16 dot products natively (x86: AMX
@@ -71,3 +72,17 @@ def choose_precision(requested: str, *, cpuinfo: str, cuda_bf16: bool | None) ->
         return Precision("bf16", f"auto: {model} has native bf16 ({', '.join(flags)})")
     names = "/".join(NATIVE_BF16_FLAGS[:2])
     return Precision("fp32", f"auto: {model} has no native bf16 (no {names} flag), so bf16 would be emulated")
+
+
+def agreed_precision(requested: str, device: Any) -> Precision:
+    """:func:`choose_precision` on every rank (on ``device``); bf16 only if every rank's hardware has it (collective)."""
+    import torch
+    import torch.distributed as dist
+
+    cuda_bf16 = torch.cuda.is_bf16_supported() if device.type == "cuda" else None
+    local = choose_precision(requested, cpuinfo=read_cpuinfo(), cuda_bf16=cuda_bf16)
+    everywhere = torch.tensor([int(local.dtype == "bf16")], device=device)
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
+    if local.dtype == "bf16" and not everywhere.item():
+        return Precision("fp32", f"auto: another rank's hardware has no native bf16 (here: {local.reason})")
+    return local

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from bench.harness import dist_env
 from bench.harness.dist_env import DistContext
 from bench.harness.link import measure_link_throughput
-from bench.harness.precision import DTYPE_CHOICES, Precision, choose_precision, cpu_model, read_cpuinfo
+from bench.harness.precision import DTYPE_CHOICES, agreed_precision, cpu_model, read_cpuinfo
 
 from .configs import CONFIGS, EngineSetup, TrainConfig, engine_config, select_configs
 from .data import VOCAB_SIZE, ByteCorpus
@@ -104,17 +104,6 @@ class Launch:
     corpus: ByteCorpus
     facts: RunFacts
     setup: EngineSetup
-
-
-def agreed_precision(requested: str, ctx: DistContext) -> Precision:
-    """:func:`choose_precision` on every rank; bf16 only if every rank's hardware has it (collective)."""
-    cuda_bf16 = torch.cuda.is_bf16_supported() if ctx.device.type == "cuda" else None
-    local = choose_precision(requested, cpuinfo=read_cpuinfo(), cuda_bf16=cuda_bf16)
-    everywhere = torch.tensor([int(local.dtype == "bf16")], device=ctx.device)
-    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
-    if local.dtype == "bf16" and not everywhere.item():
-        return Precision("fp32", f"auto: another rank's hardware has no native bf16 (here: {local.reason})")
-    return local
 
 
 class StepProgress:
@@ -223,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     ctx = join(parser, args.batch)
     env = ctx.env
-    precision = agreed_precision(args.dtype, ctx)
+    precision = agreed_precision(args.dtype, ctx.device)
     if env.rank == 0:
         print(f"[bench.train] precision: {precision.dtype} ({precision.reason}); measuring the inter-node link",
               file=sys.stderr, flush=True)  # fmt: skip
