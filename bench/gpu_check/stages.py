@@ -169,19 +169,20 @@ def run_stage(stage: Stage, out_dir: Path, deadline: float, base_env: Mapping[st
 # ---- the stages' outputs
 
 
-def _suites(path: Path) -> list[ElementTree.Element]:
+def junit_suites(path: Path) -> list[ElementTree.Element]:
+    """The ``testsuite`` elements of a JUnit file (pytest's: one under ``testsuites``; the test runner's merged: several)."""
     root = ElementTree.parse(path).getroot()
     return [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
 
 
 def junit_counts(path: Path) -> dict[str, int]:
     """tests / failures / errors / skipped summed over the suites of a pytest ``--junitxml`` file."""
-    return {key: sum(int(suite.get(key, 0)) for suite in _suites(path)) for key in ("tests", "failures", "errors", "skipped")}
+    return {key: sum(int(suite.get(key, 0)) for suite in junit_suites(path)) for key in ("tests", "failures", "errors", "skipped")}
 
 
 def crashed_tests(path: Path) -> list[str]:
     """The names of the tests that crashed their pytest process, from the merged JUnit file."""
-    return [case.get("name", "?") for suite in _suites(path) if suite.get("name") == "crashes" for case in suite.iter("testcase")]
+    return [case.get("name", "?") for suite in junit_suites(path) if suite.get("name") == "crashes" for case in suite.iter("testcase")]
 
 
 def failed_tests(path: Path, limit: int = 30) -> list[str]:

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Mapping, NamedTuple, Sequence
 
-from bench.gpu_check.stages import junit_counts
+from bench.gpu_check.stages import junit_counts, junit_suites
 
 MERGED = "cuda-tests.xml"
 # pytest -v's outcome words, and the JUnit element each becomes (None: a pass)
@@ -95,8 +95,7 @@ def merge(outcomes: Sequence[FileOutcome], path: Path) -> dict[str, int]:
     """Write the merged JUnit file; return its counts."""
     root = ElementTree.Element("testsuites")
     for xml in (xml for outcome in outcomes for xml in outcome.xmls):
-        parsed = ElementTree.parse(xml).getroot()
-        root.extend([parsed] if parsed.tag == "testsuite" else list(parsed.iter("testsuite")))
+        root.extend(junit_suites(xml))
     crashes = [crash for outcome in outcomes for crash in outcome.crashes]
     _suite(root, "crashes", [(c.file, c.name, "failure", f"the pytest process died with {c.describe()} while running "
                               f"{c.name}; the file's later tests did not run") for c in crashes])  # fmt: skip
