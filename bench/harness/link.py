@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .dist_env import DistContext
+from .timing import reduce_over_ranks
 from .wire import read_wire_bytes
 
 FIRST_BYTES = 1 << 20
@@ -59,9 +60,8 @@ def measure_link_throughput(ctx: DistContext) -> float | None:
     None when there is no second node or no wire counters (not under ``bench.simcluster``),
     decided alike on every rank.
     """
-    has_counters = torch.tensor([int(read_wire_bytes() is not None)], device=ctx.device)
-    dist.all_reduce(has_counters, op=dist.ReduceOp.MIN)
-    if ctx.env.num_nodes < 2 or not bool(has_counters.item()):
+    (has_counters,) = reduce_over_ranks([float(read_wire_bytes() is not None)], dist.ReduceOp.MIN, device=ctx.device)
+    if ctx.env.num_nodes < 2 or not has_counters:
         return None
     nbytes = FIRST_BYTES
     while True:
