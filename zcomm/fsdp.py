@@ -132,12 +132,32 @@ _MAX_PREPARED = 8
 
 
 class _GroupTopologies:
-    """The topology of the unit's shard group, and of its subgroups (FSDP2's hpZ groups) derived from it."""
+    """The topology of the unit's shard group, and of its subgroups (FSDP2's hpZ groups) derived from it.
+
+    [Note: the shard group by its ranks] FSDP2 may call a unit's comms with another
+    ``ProcessGroup`` object than the one its parameters' mesh holds, over the same ranks: a
+    ``DeviceMesh`` sliced again (a second ``init_device_mesh(...)["shard"]`` in the process)
+    gives FSDP2 new groups while the parameters' DTensor mesh keeps the first ones, and
+    ``set_separate_reduce_scatter_group`` gives the reduce-scatter its own. So the shard group is
+    recognised by its ranks, in order, not by identity (each group object still gets its own
+    prepared calls, so every collective runs on the group FSDP2 gave). Another group (hpZ's
+    post-forward group inside the node) is gathered unquantized, as documented.
+    """
 
     def __init__(self, shard_group: dist.ProcessGroup, topology: Topology) -> None:
         self.shard_group = shard_group
+        self._shard_ranks = dist.get_process_group_ranks(shard_group)
         self._found: weakref.WeakKeyDictionary[dist.ProcessGroup, Topology] = weakref.WeakKeyDictionary()
         self._found[shard_group] = topology
+        self._is_shard: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()
+        self._is_shard[shard_group] = True
+
+    def is_shard(self, group: dist.ProcessGroup) -> bool:
+        """Whether ``group`` holds the shard group's ranks in its order ([Note: the shard group by its ranks])."""
+        found = self._is_shard.get(group)
+        if found is None:
+            found = self._is_shard[group] = dist.get_process_group_ranks(group) == self._shard_ranks
+        return found
 
     def of(self, group: dist.ProcessGroup) -> Topology:
         if group not in self._found:
@@ -216,7 +236,7 @@ class ZeroppAllGather(_ZeroppComm, AllGather):
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> dist.Work | None:
-        if self._quantized and group is self._topologies.shard_group:
+        if self._quantized and self._topologies.is_shard(group):
             if input_tensor.dtype in SUPPORTED_DTYPES:
                 layout = self._layout_for(input_tensor.numel(), "weight all-gather")
                 if layout is None:

@@ -324,6 +324,21 @@ def check_stats(rank: int, meshes: _Meshes) -> None:
             assert "reduce_scatter_q4" not in stats
 
 
+def check_fresh_mesh(rank: int, meshes: _Meshes) -> None:
+    """A second 2-D mesh in the process gives FSDP2 new shard groups while the parameters'
+    DTensor mesh keeps the first mesh's ([Note: the shard group by its ranks] in zcomm.fsdp): a
+    model sharded on its rows still gathers its weights with qwZ, bit for bit as on the first."""
+    losses = []
+    for current in (meshes, _Meshes(meshes.nodes, meshes.local)):
+        model = current.zeropp(_build(current.shard, bf16=False), quantized_gradients=False)
+        zcomm.reset_comm_stats()
+        with torch.no_grad():
+            losses.append(_loss(model, 0, rank))
+        stats = zcomm.comm_stats()
+        assert stats["all_gather_q8"].calls > 0 and "all_gather_into_tensor" not in stats, stats
+    assert torch.equal(losses[0], losses[1])
+
+
 def check_error_feedback(rank: int, meshes: _Meshes) -> None:
     """``error_feedback=True``: one ErrorFeedback per unit, each advanced once per step, and the
     training still tracks plain HSDP; calling enable_zeropp again without ``replicate_group``

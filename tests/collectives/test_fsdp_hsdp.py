@@ -19,7 +19,7 @@ import zcomm
 import zcomm.fsdp
 from spawn_harness import run_distributed
 
-CHECKS = ("exact", "gradients", "division", "stats", "tracking", "error_feedback", "errors")
+CHECKS = ("exact", "gradients", "division", "stats", "tracking", "error_feedback", "fresh_mesh", "errors")
 
 
 def test_hsdp_with_zcomm_against_plain_hsdp():
