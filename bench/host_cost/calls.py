@@ -34,17 +34,19 @@ import zcomm.quant as q
 from bench.harness.flags import parse_size
 from bench.harness.table import markdown
 from bench.harness.timing import per_call_seconds
-from zcomm._torch_compat import all_gather_single, reduce_scatter_single  # the yardsticks, as this torch names them
 
 GROUP_SIZE = 256
+# torch 2.13 renamed the flat collectives (the old names warn); the yardstick is whichever exists
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 ROWS = 4  # payload rows of dequantize / dequant_reduce, chunks of reorder_quantize
 DEFAULT_SIZES = "1M,16M"
 CPU_QUANTIZE_NUMEL = 1024
 CPU_QUANTIZE_TARGET_US = 25.0
 # the thin host path's targets on CUDA beyond every op's 2x x.clone(): (call, yardstick) -> most host time, x the yardstick's
-CUDA_HOST_TARGETS = {("all_gather_q8", f"dist.{all_gather_single.__name__}"): 1.5,
-                     ("reduce_scatter_q4 1 stage", f"dist.{reduce_scatter_single.__name__}"): 2.0,
-                     ("reduce_scatter_q4 4 stages", f"dist.{reduce_scatter_single.__name__}"): 2.0,
+CUDA_HOST_TARGETS = {("all_gather_q8", f"dist.{_ALL_GATHER.__name__}"): 1.5,
+                     ("reduce_scatter_q4 1 stage", f"dist.{_REDUCE_SCATTER.__name__}"): 2.0,
+                     ("reduce_scatter_q4 4 stages", f"dist.{_REDUCE_SCATTER.__name__}"): 2.0,
                      ("reduce_scatter_q4 4 stages", "reduce_scatter_q4 1 stage"): 1.3}  # fmt: skip
 BUCKET = 4  # tensors of the coalesced reduce-scatter's bucket
 COALESCED = f"reduce_scatter_q4_coalesced x{BUCKET}"
@@ -173,11 +175,11 @@ def _collective_rows(timer: Timer, numel: int, dtype: torch.dtype) -> list[Row]:
     fsdp_gather = zcomm.fsdp.ZeroppAllGather(topologies, **common)
     fsdp_reduce = zcomm.fsdp.ZeroppReduceScatter(topologies, **common)  # first_hop_bits=8, as enable_zeropp's default
     premul = partial(dist._make_nccl_premul_sum, 1.0 / world)  # an op built anew per call, as FSDP2 passes it
-    gather, reduce = f"dist.{all_gather_single.__name__}", f"dist.{reduce_scatter_single.__name__}"
+    gather, reduce = f"dist.{_ALL_GATHER.__name__}", f"dist.{_REDUCE_SCATTER.__name__}"
     calls = {
-        gather: lambda: all_gather_single(full, shard),
+        gather: lambda: _ALL_GATHER(full, shard),
         "all_gather_q8": lambda: zcomm.all_gather_q8(full, shard),
-        reduce: lambda: reduce_scatter_single(out, grads),
+        reduce: lambda: _REDUCE_SCATTER(out, grads),
         **{_stages(k): partial(zcomm.reduce_scatter_q4, out, grads, pipeline_stages=k) for k in (1, 4)},
         **_bucket_calls(grads, out),
         "all_gather_q8 prepared": lambda: prepared_gather(full, shard),
