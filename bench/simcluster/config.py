@@ -35,6 +35,14 @@ class ClusterConfig:
     rate_bps: int | None
     command: tuple[str, ...]
 
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_nodes <= MAX_NODES:
+            raise ValueError(f"--num-nodes must be in 1..{MAX_NODES}, got {self.num_nodes}")
+        if self.local_size < 1:
+            raise ValueError(f"--local-size must be >= 1, got {self.local_size}")
+        if not self.command:
+            raise ValueError("no command given: put it after --, e.g. -- python -m bench.collectives")
+
     @property
     def world_size(self) -> int:
         return self.num_nodes * self.local_size
@@ -61,11 +69,6 @@ def parse_config(argv: Sequence[str] | None = None) -> ClusterConfig:
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
     args = parser.parse_args(argv)
     command = tuple(args.command[1:] if args.command[:1] == ["--"] else args.command)
-    for failed, message in ((not 1 <= args.num_nodes <= MAX_NODES, f"--num-nodes must be in 1..{MAX_NODES}, got {args.num_nodes}"),
-                            (args.local_size < 1, f"--local-size must be >= 1, got {args.local_size}"),
-                            (not command, "no command given: put it after --, e.g. -- python -m bench.collectives")):  # fmt: skip
-        if failed:
-            parser.error(message)
     try:
         return ClusterConfig(num_nodes=args.num_nodes, local_size=args.local_size, rate_bps=parse_rate(args.rate),
                              command=command)
