@@ -79,10 +79,11 @@ def agreed_precision(requested: str, device: Any) -> Precision:
     import torch
     import torch.distributed as dist
 
+    from .timing import reduce_over_ranks
+
     cuda_bf16 = torch.cuda.is_bf16_supported() if device.type == "cuda" else None
     local = choose_precision(requested, cpuinfo=read_cpuinfo(), cuda_bf16=cuda_bf16)
-    everywhere = torch.tensor([int(local.dtype == "bf16")], device=device)
-    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
-    if local.dtype == "bf16" and not everywhere.item():
+    (everywhere,) = reduce_over_ranks([float(local.dtype == "bf16")], dist.ReduceOp.MIN, device=device)
+    if local.dtype == "bf16" and not everywhere:
         return Precision("fp32", f"auto: another rank's hardware has no native bf16 (here: {local.reason})")
     return local
