@@ -150,10 +150,11 @@ class _GroupTopologies:
         self._found: weakref.WeakKeyDictionary[dist.ProcessGroup, Topology] = weakref.WeakKeyDictionary()
         self._found[shard_group] = topology
         self._is_shard: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()
-        self._is_shard[shard_group] = True
 
     def is_shard(self, group: dist.ProcessGroup) -> bool:
         """Whether ``group`` holds the shard group's ranks in its order ([Note: the shard group by its ranks])."""
+        if group is self.shard_group:  # the usual call: no lookup on the hot path
+            return True
         found = self._is_shard.get(group)
         if found is None:
             found = self._is_shard[group] = dist.get_process_group_ranks(group) == self._shard_ranks
