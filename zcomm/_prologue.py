@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ._contract import GroupInfo
 from ._device_guard import check_distinct_gpus
 from .quant import SUPPORTED_DTYPES
+from .quant._plain import PLAIN_TENSORS
 from .topology import Topology
 
 
@@ -58,12 +59,12 @@ def coalesced_key(
     reason)."""
     if type(outputs) not in (list, tuple) or type(inputs) not in (list, tuple):
         return None
-    if not inputs or len(outputs) != len(inputs) or type(inputs[0]) is not torch.Tensor:
+    if not inputs or len(outputs) != len(inputs) or type(inputs[0]) not in PLAIN_TENSORS:
         return None
     dtype, device = inputs[0].dtype, inputs[0].device
     numels = []
     for tensor in (*outputs, *inputs):
-        if type(tensor) is not torch.Tensor or tensor.dtype != dtype or tensor.device != device:
+        if type(tensor) not in PLAIN_TENSORS or tensor.dtype != dtype or tensor.device != device:
             return None
         if not tensor.is_contiguous():
             return None

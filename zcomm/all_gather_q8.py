@@ -89,6 +89,7 @@ from ._prologue import prologue
 from ._torch_compat import all_gather_single
 from .comm_stats import stats_row
 from .quant._contract import dequantize_use, quantize_use
+from .quant._plain import PLAIN_TENSORS
 from .topology import Topology
 
 __all__ = ["GATHER_STAGE_BYTES", "PreparedAllGatherQ8", "all_gather_q8", "default_pipeline_stages",
@@ -149,7 +150,7 @@ def all_gather_q8(
     """
     group = group if group is not None else dist.group.WORLD
     plan = None
-    if type(output) is torch.Tensor and type(input) is torch.Tensor and output.is_contiguous() and input.is_contiguous():
+    if type(output) in PLAIN_TENSORS and type(input) in PLAIN_TENSORS and output.is_contiguous() and input.is_contiguous():
         plan = find_plan(group, _key(output, input, topology, group_size, pipeline_stages))
     if plan is None:
         plan = _plan_of_call(group, output, input, topology, group_size, pipeline_stages)
@@ -176,8 +177,8 @@ class PreparedAllGatherQ8:
     def __call__(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Handle | None:
         """:func:`all_gather_q8` of ``output`` and ``input`` as prepared."""
         if (
-            type(output) is not torch.Tensor
-            or type(input) is not torch.Tensor
+            type(output) not in PLAIN_TENSORS
+            or type(input) not in PLAIN_TENSORS
             or not output.is_contiguous()
             or not input.is_contiguous()
             or (output.numel(), input.numel(), output.dtype, input.dtype, output.device, input.device)
@@ -206,7 +207,7 @@ def prepare_all_gather_q8(
     its sequence of collectives."""
     group = group if group is not None else dist.group.WORLD
     plan = _plan_of_call(group, output, input, topology, group_size, pipeline_stages)
-    if type(output) is not torch.Tensor or type(input) is not torch.Tensor:
+    if type(output) not in PLAIN_TENSORS or type(input) not in PLAIN_TENSORS:
         raise ValueError("a prepared all_gather_q8 needs plain torch.Tensor objects")
     signature = (output.numel(), input.numel(), output.dtype, input.dtype, output.device, input.device)
     return PreparedAllGatherQ8(plan, group, signature)

@@ -75,6 +75,7 @@ from .all_gather_q8 import PreparedAllGatherQ8, all_gather_q8, prepare_all_gathe
 from .hierarchical_gather import all_gather_hierarchical
 from .plain_collectives import all_gather_into_tensor
 from .quant import SUPPORTED_DTYPES, QuantSpec, dequantize, quantize
+from .quant._plain import PLAIN_TENSORS
 from .reduce_scatter_q4 import PreparedReduceScatterQ4, prepare_reduce_scatter_q4_coalesced, reduce_scatter_q4
 from .topology import Topology
 
@@ -152,7 +153,7 @@ class PreparedAllReduceQ4:
     def __call__(self, tensor: torch.Tensor, *, async_op: bool = False,
                  error_feedback: ErrorFeedback | None = None) -> Handle | None:
         """:func:`all_reduce_q4` of ``tensor`` as prepared."""
-        if (type(tensor) is not torch.Tensor or not tensor.is_contiguous()
+        if (type(tensor) not in PLAIN_TENSORS or not tensor.is_contiguous()
                 or (tensor.numel(), tensor.dtype, tensor.device) != self._signature):
             raise ValueError("a prepared all_reduce_q4 got a tensor of another numel, dtype or device (or not a plain "
                              "contiguous tensor) than it was prepared for: prepare another one")

@@ -101,6 +101,7 @@ from .all_gather_q8 import all_gather_q8, prepare_all_gather_q8
 from .all_reduce_q4 import check_gather, gather_group_size_of
 from .plain_collectives import all_gather_into_tensor, reduce_scatter_tensor
 from .quant import SUPPORTED_DTYPES, QuantSpec
+from .quant._plain import PLAIN_TENSORS
 from .reduce_scatter_q4 import (
     check_first_hop_bits,
     check_hadamard_block,
@@ -337,7 +338,7 @@ class ZeroppReduceScatter(_ZeroppComm, ReduceScatter):
 
 def _plain(output: torch.Tensor, input: torch.Tensor) -> bool:
     """Whether both are plain contiguous tensors, as a prepared call takes them."""
-    return (type(output) is torch.Tensor and type(input) is torch.Tensor and output.is_contiguous()
+    return (type(output) in PLAIN_TENSORS and type(input) in PLAIN_TENSORS and output.is_contiguous()
             and input.is_contiguous())  # fmt: skip
 
 

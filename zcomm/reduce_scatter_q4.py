@@ -109,6 +109,7 @@ from ._prologue import coalesced_key, prologue, prologue_coalesced
 from ._slice_reorder import first_hop_rows, reorder_permutation
 from .comm_stats import stats_row
 from .quant._contract import dequantize_use, quantize_use, reorder_use, requant_use
+from .quant._plain import PLAIN_TENSORS
 from .topology import Topology
 
 __all__ = [
@@ -192,7 +193,7 @@ def reduce_scatter_q4(
         _check_feedback(error_feedback)
     options = _options(group_size, pipeline_stages, first_hop_bits, hadamard_block, error_feedback is not None)
     plan = None
-    if type(output) is torch.Tensor and type(input) is torch.Tensor and output.is_contiguous() and input.is_contiguous():
+    if type(output) in PLAIN_TENSORS and type(input) in PLAIN_TENSORS and output.is_contiguous() and input.is_contiguous():
         plan = find_plan(group, _key(output, input, topology, options))
     if plan is None:
         plan = _plan_of_call(group, [output], [input], topology, options, coalesced=False)

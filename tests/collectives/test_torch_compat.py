@@ -120,3 +120,16 @@ def test_tensor_use_count_counts_the_references_a_gloo_work_holds(gloo_world):
             break
         time.sleep(0.001)
     assert torch_compat.tensor_use_count(send) == torch_compat.tensor_use_count(received) == 1
+
+
+def test_fake_tensors_are_the_one_subclass_taken_as_plain():
+    """[Note: plain tensors] in ``zcomm.quant._plain``: a tensor made under ``FakeTensorMode`` is
+    of the class zcomm names, and a wrapper subclass is not taken as plain."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zcomm.quant._plain import PLAIN_TENSORS
+
+    with FakeTensorMode():
+        fake = torch.empty(4)
+    assert type(fake) in PLAIN_TENSORS and type(torch.empty(4)) in PLAIN_TENSORS
+    assert torch.nn.Parameter not in PLAIN_TENSORS  # a Parameter goes through the full checks, as before

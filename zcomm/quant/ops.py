@@ -29,6 +29,7 @@ import torch
 
 from . import _contract, _registry
 from ._bounded_cache import BoundedCache
+from ._plain import PLAIN_TENSORS
 from .spec import GroupSize, QuantSpec
 from .wire_format import ALIGN, SCALE_BYTES, SUPPORTED_DTYPES
 
@@ -166,7 +167,7 @@ def quantize(
 
     Returns a 1-D ``uint8`` tensor of ``payload_nbytes(x.numel(), bits, group_size)`` bytes.
     """
-    if type(x) is not torch.Tensor or x.dtype not in _FLOAT_DTYPES or not x.is_contiguous():
+    if type(x) not in PLAIN_TENSORS or x.dtype not in _FLOAT_DTYPES or not x.is_contiguous():
         _check_float_input(x, "x")  # raises for the exact reason
     numel = x.numel()
     spec, group = _spec(bits, group_size)
@@ -195,7 +196,7 @@ def dequantize(
     ``numel`` is the element count of each payload; the result has ``k * numel`` elements
     of ``dtype``, payload ``i`` landing at ``[i * numel, (i + 1) * numel)``.
     """
-    if type(payload) is not torch.Tensor or payload.dtype != _UINT8 or not payload.is_contiguous():
+    if type(payload) not in PLAIN_TENSORS or payload.dtype != _UINT8 or not payload.is_contiguous():
         _check_payloads(payload, "payload")  # raises for the exact reason
     if type(numel) is not int or numel < 0:
         _check_numel(numel)
