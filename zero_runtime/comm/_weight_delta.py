@@ -20,10 +20,11 @@ falls back to qwZ for that group only: when the difference's quantization step
 replace the group's reference (the flags travel with the differences, so every rank knows
 which groups; [Note: fallback slots] says where the values travel). So no group is ever
 further from the master than qwZ would leave it, and ``fallback_groups`` counts the groups
-that fell back. Reading the largest count of any rank is one small host read per unit and
-step, after the gather. Large steps against small weights fall back (a zero-initialized
-bias's first steps, Adam's steps of 1e-2 against weights of 0.02); steps of 1e-4 against
-the same weights are ten times below the threshold.
+that fell back. Reading the largest count of any rank (with the total) is one small host
+read per unit and step, after the gather ([Note: host syncs] in ``zero_runtime._host_sync``).
+Large steps against small weights fall back (a zero-initialized bias's first steps, Adam's
+steps of 1e-2 against weights of 0.02); steps of 1e-4 against the same weights are ten
+times below the threshold.
 
 [Note: fallback slots] Each rank's payload carries, after the differences and the flags, the
 INT8 values of its first flagged groups, one slot per ``_GROUPS_PER_SLOT`` groups of its shard
@@ -54,6 +55,7 @@ import torch.distributed as dist
 import zcomm
 from zcomm.quant import QMAX, QuantSpec, dequantize, payload_nbytes, quantize
 
+from .. import _host_sync
 from .._contract import AllGather, Handle, Phase
 
 _INT8_QMAX = QMAX[8]
@@ -113,7 +115,7 @@ class _DeltaGather:
         send[self.payload_nbytes:self.payload_nbytes + groups].copy_(self.flags)
         send[self.payload_nbytes + groups:self.slots_offset].zero_()
         if self.slots:
-            quantize(self._first_flagged(), 8, size, out=send[self.slots_offset:])
+            quantize(self._flagged(0, self.slots).view(-1), 8, size, out=send[self.slots_offset:])
         self.received = torch.empty(world * send.numel(), dtype=torch.uint8, device=input.device)
         self.work = None
         if owner.hierarchical:
@@ -128,16 +130,16 @@ class _DeltaGather:
         """This rank's new values as (groups, group_size), zero-padded, in the input's dtype."""
         return _padded(self.input.view(1, -1), self.groups * self.group_size).view(self.groups, self.group_size)
 
-    def _first_flagged(self) -> torch.Tensor:
-        """The new values (fp32, flat) of this rank's first ``slots`` flagged groups, zeros past
-        the last one: found by a search of the flags' running count, so that no shape depends
-        on the flags ([Note: fallback slots])."""
-        count = self.flags.cumsum(0)
-        wanted = torch.arange(1, self.slots + 1, device=count.device, dtype=count.dtype)
-        positions = torch.searchsorted(count, wanted)
+    def _flagged(self, skip: int, count: int) -> torch.Tensor:
+        """The new values (fp32, ``(count, group_size)``) of this rank's flagged groups after its
+        first ``skip`` ones, in group order, zeros past its last one: found by a search of the
+        flags' running count, so that no shape depends on the flags ([Note: fallback slots])."""
+        running = self.flags.cumsum(0)
+        wanted = torch.arange(skip + 1, skip + count + 1, device=running.device, dtype=running.dtype)
+        positions = torch.searchsorted(running, wanted)
         present = positions < self.groups
         chosen = self._new_groups().index_select(0, positions.clamp(max=self.groups - 1)).float()
-        return torch.where(present.unsqueeze(1), chosen, torch.zeros_like(chosen)).view(-1)
+        return torch.where(present.unsqueeze(1), chosen, torch.zeros_like(chosen))
 
     def wait(self) -> None:
         if self.done:
@@ -151,41 +153,46 @@ class _DeltaGather:
         updated = deltas.view(world, numel).add_(self.output.view(world, numel))
         flags = rows[:, self.payload_nbytes:self.payload_nbytes + self.groups].bool()
         counts = flags.sum(dim=1)
-        most = int(counts.max())  # the one host read ([Note: weight differences])
+        most, fallen = _host_sync.read_counts(torch.stack((counts.max(), counts.sum())))  # [Note: host syncs]
         if most:
             updated = _padded(updated, self.groups * size)
             self._replace_flagged(updated.view(world, self.groups, size), rows, flags, most)
         self.output.view(world, numel).copy_(updated[:, :numel])
         owner.delta_groups += world * self.groups
-        owner.fallback_groups += int(counts.sum())
+        owner.fallback_groups += fallen
         self.done, self.received = True, None
 
     def _replace_flagged(self, groups: torch.Tensor, rows: torch.Tensor, flags: torch.Tensor, most: int) -> None:
         """Every rank's flagged groups of ``groups`` (world, groups, size) replaced by their INT8
         values: the first ``slots`` of each rank from the payload's slots, the rest (a rank that
-        flagged more) from a second gather ([Note: fallback slots])."""
+        flagged more) from a second gather ([Note: fallback slots]). Selections by masks of
+        fixed shape: nothing here waits for the device ([Note: host syncs])."""
         size, slots = self.group_size, self.slots
-        order = flags.cumsum(dim=1) - 1
+        order = flags.cumsum(dim=1) - 1  # a flagged group's place among its rank's flagged ones
         if slots:
             in_slots = dequantize(rows[:, self.slots_offset:].contiguous(), slots * size, 8, size, torch.float32)
-            ranks, found = (flags & (order < slots)).nonzero(as_tuple=True)
-            groups[ranks, found] = in_slots.view(self.world, slots, size)[ranks, order[ranks, found]]
+            _put(groups, flags, order, in_slots.view(self.world, slots, size), 0)
         if most > slots:
-            later = self._later_flagged(most - slots)
-            ranks, found = (flags & (order >= slots)).nonzero(as_tuple=True)
-            groups[ranks, found] = later.view(self.world, most - slots, size)[ranks, order[ranks, found] - slots]
+            _put(groups, flags, order, self._later_flagged(most - slots), slots)
 
     def _later_flagged(self, count: int) -> torch.Tensor:
         """Every rank's flagged groups past the slots, as qwZ sends values (blocked INT8, one scale
-        per group), in group order, padded to ``count`` groups per rank; dequantized to fp32."""
-        owner, size, device = self.owner, self.group_size, self.input.device
-        values = torch.zeros(count, size, dtype=torch.float32, device=device)
-        chosen = self._new_groups()[self.flags.bool()][self.slots:]
-        values[:chosen.shape[0]] = chosen
-        send = quantize(values.view(-1), 8, size)
-        received = torch.empty(self.world * send.numel(), dtype=torch.uint8, device=device)
+        per group), in group order, padded to ``count`` groups per rank; dequantized to fp32,
+        ``(world, count, size)``."""
+        owner, size = self.owner, self.group_size
+        send = quantize(self._flagged(self.slots, count).view(-1), 8, size)
+        received = torch.empty(self.world * send.numel(), dtype=torch.uint8, device=send.device)
         zcomm.all_gather_hierarchical(received, send, group=owner.group, topology=owner.topology)
-        return dequantize(received.view(self.world, -1), count * size, 8, size, torch.float32)
+        return dequantize(received.view(self.world, -1), count * size, 8, size, torch.float32).view(self.world, count, size)
+
+
+def _put(groups: torch.Tensor, flags: torch.Tensor, order: torch.Tensor, values: torch.Tensor, skip: int) -> None:
+    """``groups`` (world, groups, size): each rank's flagged groups of places ``skip`` to
+    ``skip + count - 1`` among its flagged ones set to ``values`` (world, count, size), in order."""
+    count = values.shape[1]
+    chosen = flags & (order >= skip) & (order < skip + count)
+    index = (order - skip).clamp(0, count - 1).unsqueeze(2).expand(-1, -1, groups.shape[2])
+    groups.copy_(torch.where(chosen.unsqueeze(2), values.gather(1, index), groups))
 
 
 def _padded(rows: torch.Tensor, width: int) -> torch.Tensor:
