@@ -181,8 +181,6 @@ def test_every_gpu_test_file_runs_in_a_stage():
         relative = path.relative_to(REPO).as_posix()
         if relative.startswith("tests/bench/") or relative == "tests/test_cuda_support.py":
             continue  # the benches' own tests and the marks' tests run their GPU parts through gpu-check itself
-        if relative == "tests/runtime/test_zero_fake_cuda.py":
-            continue  # fake CUDA tensors: it steps aside where a real device is
         if any(mark in path.read_text() for mark in gpu_marks) and relative not in staged:
             unstaged.append(relative)
     assert not unstaged, f"GPU tests that no gpu-check stage runs: {unstaged}"

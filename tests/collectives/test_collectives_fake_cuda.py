@@ -4,11 +4,10 @@ On a CPU machine, torch's ``FakeTensorMode`` makes ``cuda`` tensors without a GP
 ``fake`` backend (``torch.testing._internal.distributed.fake_pg``) plays rank 1 of 4 without
 peers. A dispatch mode checks that every tensor the calls create or return is on CUDA.
 
-What this cannot reach on a CPU build of torch: the quantized collectives' chains. Python
-indexing of a fake CUDA tensor (``t[a:b]``, ``t[i]``) enters the CUDA device guard, which a
-CPU build lacks ("PyTorch is not linked with support for cuda devices"); the async CUDA path
-creates ``torch.cuda.Stream``/``Event``; the ``cuda`` backend needs cupy and a GPU. Those run
-in ``tests/collectives/test_collectives_cuda.py`` on a GPU (``make gpu-check``).
+The quantized collectives' chains need more than ``FakeTensorMode`` on a CPU build of torch
+(Python indexing of a fake CUDA tensor enters the CUDA device guard, which a CPU build lacks;
+the async path makes CUDA streams and events): they run on the fake CUDA machine of
+``tests/fake_cuda.py``, in ``test_collectives_fake_nccl.py``.
 """
 
 from __future__ import annotations

@@ -2,22 +2,23 @@
 
 The cases (``zero_fake_cuda_cases``) train stages 1-3, hpZ, bf16/fp32 with gradient
 clipping and fp16 with dynamic loss scaling, and save/load checkpoints, on fake CUDA
-tensors and an NCCL-like fake group (see [Note: fake CUDA] in ``zero_fake_cuda``). They run
+tensors and an NCCL-like fake group (see [Note: fake CUDA] in ``fake_cuda``). They run
 in one fresh interpreter; these tests check what each observed. A tensor created on the
 wrong device fails a case where it meets a CUDA tensor or a collective, a host read fails
 it where it happens, and the placement checks below catch the rest.
 
-Not covered here (no fake equivalent; ``test_zero_cuda.py`` runs them on a GPU): qwZ and
-qgZ (zcomm's quantized collectives run cupy kernels on a CUDA side stream), real NCCL
-(object collectives and ``torch.cuda.device``), and numerical results.
+ZeRO++ (qwZ, qgZ, hpZ, weight differences) on 4 fake ranks as 2 nodes is checked by
+``test_zeropp_fake_cuda.py``. Not covered on the fake machine (``test_zero_cuda.py`` runs
+them on a GPU): zcomm's CUDA kernels (the fake machine quantizes on zcomm's reference
+backend), stream ordering, real NCCL (object collectives and ``torch.cuda.device``), and
+numerical results.
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from zero_fake_cuda import ShimUnavailable, build_shim, run_cases
+from fake_cuda import run_on_fake_machine
 
 GPU = ["cuda:0"]
 TRAINING = ["s1-accum-clip", "s2-clip", "s2-noclip", "s3-clip", "s3-fused-accum", "s3-hpz-fp32-clip",
@@ -28,20 +29,7 @@ WITHOUT_HOST_READS = ["s1-accum-clip", "s2-clip", "s2-noclip", "s3-clip", "s3-fu
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("fake_cuda")
-    if torch.version.hip is not None:
-        pytest.skip("a ROCm build of torch: the fake CUDA machine is built for CUDA and CPU-only builds")
-    if torch.version.cuda is None:
-        try:
-            shim = build_shim(root)
-        except ShimUnavailable as err:
-            pytest.skip(f"the fake CUDA machine cannot be built here: {err}")
-    elif torch.cuda.is_available():
-        shim = None  # a real CUDA runtime carries fake CUDA tensors by itself
-    else:
-        pytest.skip("a CUDA build of torch without a usable GPU: neither the shim (CPU-only builds) nor a "
-                    "real CUDA runtime can carry fake CUDA tensors through autograd")
-    return run_cases(shim, root / "results.json", timeout=900)
+    return run_on_fake_machine(tmp_path_factory.mktemp("fake_cuda"), "zero_fake_cuda_cases")
 
 
 def _ok(results: dict, name: str) -> dict:

@@ -1,5 +1,5 @@
 """The runtime on fake CUDA tensors and a CUDA-only fake process group (see [Note: fake
-CUDA] in ``zero_fake_cuda``); run by ``python tests/runtime/zero_fake_cuda.py``, checked by
+CUDA] in ``fake_cuda``); run by ``python tests/fake_cuda.py``, checked by
 ``test_zero_fake_cuda.py``.
 
 Each case returns what it observed, as JSON: where the runtime's tensors live (device
@@ -20,9 +20,10 @@ import torch.distributed as dist
 
 import zcomm
 import zero_runtime
-from zero_fake_cuda import FAKE_NCCL, RANK, WORLD, fake_cuda
+from fake_cuda import FAKE_NCCL, fake_cuda
 from zero_workloads import global_batch, local_slice, loss_of, make_model, make_optimizer, optimizer_state_placement
 
+WORLD, RANK = 2, 0  # the fake world the driver starts, and this process's rank in it
 CUDA = torch.device("cuda", 0)
 # Every parameter of the small models partitioned, one unit per module, freed after each use
 # unless the prefetch window covers the next (DeepSpeed's default threshold keeps them all whole).

@@ -1,4 +1,4 @@
-// A fake CUDA runtime for a CPU-only build of torch, loaded by tests/zero_fake_cuda.py
+// A fake CUDA runtime for a CPU-only build of torch, loaded by tests/fake_cuda.py
 // before torch is imported. It never allocates or computes: FakeTensorMode owns every
 // `cuda` tensor (shape, dtype and device only). It supplies what a CPU-only build lacks
 // for those tensors to pass through torch's C++ layers unchanged:

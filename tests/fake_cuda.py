@@ -19,13 +19,24 @@ error on a CPU machine:
 
 A CPU-only build of torch lacks two C++ pieces fake CUDA tensors need on their way through
 torch (a CUDA device guard for the Python bindings and CUDA hooks for the autograd engine's
-stream bookkeeping); ``zero_fake_cuda_shim.cpp`` supplies no-op ones (it computes and
+stream bookkeeping); ``fake_cuda_shim.cpp`` supplies no-op ones (it computes and
 allocates nothing, see its header). It must be loaded before torch is imported, so the
-cases run in a fresh interpreter: ``python tests/runtime/zero_fake_cuda.py SHIM OUT`` (SHIM is
-``-`` on a machine with a usable CUDA build, which needs no shim), which writes one JSON
-object with each case's observations or traceback to OUT. The runtime's sanctioned host
-reads (``zero_runtime._host_sync.read_flag``) cannot run on fake tensors; a case that expects
-them scripts their answers and counts them (``fake_cuda(flags=...)``).
+cases run in a fresh interpreter: ``python tests/fake_cuda.py SHIM OUT CASES``
+(SHIM is ``-`` on a machine with a usable CUDA build, which needs no shim; CASES names a
+module whose ``CASES``, ``WORLD`` and ``RANK`` say what to run, in which world, as which
+rank), which writes one JSON object with each case's observations or traceback to OUT.
+The runtime's sanctioned host reads (``zero_runtime._host_sync``) cannot run on fake
+tensors; a case that expects them scripts their answers and counts them
+(``fake_cuda(flags=...)``).
+
+[Note: fake CUDA streams] With the shim, ``torch.cuda``'s Python stream API (``Stream``,
+``Event``, ``current_stream``, ``set_stream``, ``stream``, the current device) and CUDA
+futures (``torch.futures.Future(devices=...)``) do not exist either; ``fake_cuda`` stands
+in for them with objects that order nothing (events are always complete) and records the
+devices they are asked for, so the asynchronous paths (zcomm's side streams, the DDP
+hook) run their code as on a GPU. What they would order on a GPU is not checked here:
+stream ordering needs a GPU (``make gpu-check``). zcomm's quantization runs on its
+``reference`` backend (``ZCOMM_BACKEND``): the ``cuda`` backend's kernels need a GPU.
 """
 
 from __future__ import annotations
@@ -41,9 +52,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-SHIM_SOURCE = Path(__file__).with_name("zero_fake_cuda_shim.cpp")
+SHIM_SOURCE = Path(__file__).with_name("fake_cuda_shim.cpp")
 FAKE_NCCL = "zero_fake_nccl"
-WORLD, RANK = 2, 0
 
 
 class ShimUnavailable(RuntimeError):
@@ -58,7 +68,7 @@ def build_shim(out_dir: Path) -> Path:
     compiler = shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise ShimUnavailable(f"no C++ compiler (g++/c++) on PATH to build {SHIM_SOURCE}")
-    out = out_dir / "zero_fake_cuda_shim.so"
+    out = out_dir / "fake_cuda_shim.so"
     command = [compiler, "-std=c++20", "-O1", "-shared", "-fPIC", "-w",
                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                *[f"-I{path}" for path in cpp_extension.include_paths()], str(SHIM_SOURCE),
@@ -71,13 +81,17 @@ def build_shim(out_dir: Path) -> Path:
     return out
 
 
-def run_cases(shim: Path | None, out: Path, timeout: float) -> dict[str, Any]:
-    """Run every case of ``zero_fake_cuda_cases`` in a fresh interpreter; their results by name."""
+def run_cases(shim: Path | None, out: Path, timeout: float, cases: str = "zero_fake_cuda_cases") -> dict[str, Any]:
+    """Run every case of the module ``cases`` (importable from tests/ or its folders) in a fresh
+    interpreter; their results by name."""
     here = Path(__file__).resolve()
-    repo = here.parents[2]
-    # The script's own folder comes first on sys.path (its cases and workloads live there).
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(here), str(shim or "-"), str(out)],
+    repo = here.parents[1]
+    # The cases and the helpers they import live in tests/ and its folders, as pytest finds them.
+    tests = repo / "tests"
+    folders = sorted(str(p) for p in tests.iterdir() if p.is_dir() and not p.name.startswith("_"))
+    path = [str(repo), str(tests), *folders, os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "ZCOMM_BACKEND": "reference"}
+    done = subprocess.run([sys.executable, str(here), str(shim or "-"), str(out), cases],
                           cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode or not out.exists():
         raise RuntimeError(f"the fake-CUDA driver failed (exit {done.returncode}):\n{done.stdout[-4000:]}\n"
@@ -85,16 +99,36 @@ def run_cases(shim: Path | None, out: Path, timeout: float) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
-class HostReads:
-    """Stands in for ``zero_runtime._host_sync.read_flag``: answers from a script, checks the
-    flag it is asked about lives on the fake GPU, and counts the calls."""
+def run_on_fake_machine(root: Path, cases: str, timeout: float = 900) -> dict[str, Any]:
+    """The results of ``run_cases`` for the module ``cases``, the shim built into ``root`` where
+    torch is a CPU build; skips (pytest) where the fake machine cannot run."""
+    import pytest
+    import torch
 
-    def __init__(self, answers: list[bool]) -> None:
+    if torch.version.hip is not None:
+        pytest.skip("a ROCm build of torch: the fake CUDA machine is built for CUDA and CPU-only builds")
+    shim = None  # a real CUDA runtime carries fake CUDA tensors by itself
+    if torch.version.cuda is None:
+        try:
+            shim = build_shim(root)
+        except ShimUnavailable as err:
+            pytest.skip(f"the fake CUDA machine cannot be built here: {err}")
+    elif not torch.cuda.is_available():
+        pytest.skip("a CUDA build of torch without a usable GPU: neither the shim (CPU-only builds) nor a "
+                    "real CUDA runtime can carry fake CUDA tensors through autograd")
+    return run_cases(shim, root / "results.json", timeout=timeout, cases=cases)
+
+
+class HostReads:
+    """Stands in for ``zero_runtime._host_sync``'s reads: answers from a script, records the
+    device of each value it is asked about, and counts the calls."""
+
+    def __init__(self, answers: list) -> None:
         self.answers = list(answers)
         self.devices: list[str] = []
 
-    def __call__(self, flag) -> bool:
-        self.devices.append(str(flag.device))
+    def __call__(self, value):
+        self.devices.append(str(value.device))
         assert self.answers, "the runtime read a device value on the host more often than the case expects"
         return self.answers.pop(0)
 
@@ -111,11 +145,14 @@ def _device_audit():
             super().__init__()
             self.transfers: list[str] = []
             self.host_collectives: list[str] = []
+            self.collectives: list[str] = []  # the name of every collective seen, in order
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            if func.namespace == "c10d" and any(t.device.type != "cuda" for t in inputs):
-                self.host_collectives.append(f"{func} on {_devices(inputs)}")
+            if func.namespace == "c10d":
+                self.collectives.append(func.__name__)
+                if any(t.device.type != "cuda" for t in inputs):
+                    self.host_collectives.append(f"{func} on {_devices(inputs)}")
             result = func(*args, **(kwargs or {}))
             outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
             if any(t.device.type == "cuda" for t in inputs) and any(t.device.type == "cpu" for t in outputs):
@@ -130,28 +167,36 @@ def _devices(tensors) -> str:
 
 
 @contextlib.contextmanager
-def fake_cuda(flags: list[bool] | None = None) -> Iterator[dict[str, Any]]:
-    """Fake tensors and the device audit for the block. With ``flags``, ``read_flag`` answers
-    them in order; without, it is left alone (any host read then raises). Yields a dict whose
-    ``transfers``, ``host_collectives`` and ``host_reads`` (devices of the flags read) fill in
-    as the block runs."""
+def fake_cuda(flags: list | None = None) -> Iterator[dict[str, Any]]:
+    """Fake tensors and the device audit for the block. With ``flags``, the runtime's host
+    reads (``_host_sync.read_flag`` and ``read_counts``) answer them in order; without, they
+    are left alone (any host read then raises). Yields a dict whose ``transfers``,
+    ``host_collectives``, ``collectives`` (each ``c10d`` operator's name, in order),
+    ``host_reads`` (devices of the values read) and ``streams`` ([Note: fake CUDA streams])
+    fill in as the block runs."""
+    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    probe: dict[str, Any] = {"host_reads": []}
+    probe: dict[str, Any] = {"host_reads": [], "streams": []}
     audit = _device_audit()
     with contextlib.ExitStack() as stack:
         if flags is not None:
             from zero_runtime import _host_sync
 
             reads = HostReads(flags)
-            original = _host_sync.read_flag
-            _host_sync.read_flag = reads
-            stack.callback(setattr, _host_sync, "read_flag", original)
+            for name in ("read_flag", "read_counts"):
+                stack.callback(setattr, _host_sync, name, getattr(_host_sync, name))
+                setattr(_host_sync, name, reads)
             probe["host_reads"] = reads.devices
+        if torch.version.cuda is None:
+            from fake_cuda_streams import stand_in_for_cuda_streams
+
+            stack.enter_context(stand_in_for_cuda_streams(probe["streams"]))
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         stack.enter_context(audit)
         probe["transfers"] = audit.transfers
         probe["host_collectives"] = audit.host_collectives
+        probe["collectives"] = audit.collectives
         yield probe
 
 
@@ -174,19 +219,20 @@ def _run(case: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return {"error": traceback.format_exc()}
 
 
-def main(shim: str, out: str) -> None:
+def main(shim: str, out: str, cases: str) -> None:
     if shim != "-":
         assert "torch" not in sys.modules, "the shim must be loaded before torch"
         ctypes.CDLL(shim, mode=ctypes.RTLD_GLOBAL)
+    import importlib
+
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     _register_fake_nccl()
-    dist.init_process_group(FAKE_NCCL, store=dist.HashStore(), rank=RANK, world_size=WORLD)
-    import zero_fake_cuda_cases
-
-    results = {name: _run(case) for name, case in zero_fake_cuda_cases.CASES.items()}
+    module = importlib.import_module(cases)
+    dist.init_process_group(FAKE_NCCL, store=dist.HashStore(), rank=module.RANK, world_size=module.WORLD)
+    results = {name: _run(case) for name, case in module.CASES.items()}
     Path(out).write_text(json.dumps(results))
     sys.stdout.flush()
     # The shim's autograd device thread is never joined; skip interpreter teardown.

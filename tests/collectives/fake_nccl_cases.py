@@ -1,0 +1,142 @@
+"""zcomm's quantized collectives, their prepared calls and the DDP hook on fake CUDA tensors and
+a CUDA-only fake process group of 4 ranks as 2 nodes x 2 ([Note: fake CUDA] in
+``tests/fake_cuda.py``); run by ``python tests/fake_cuda.py SHIM OUT
+fake_nccl_cases``, checked by ``test_collectives_fake_nccl.py``.
+
+This process is rank 3 (the second rank of the second node). Each case makes its calls twice
+(a second call takes the fast path of a planned or prepared call) and returns the audit
+(device-to-host copies, collectives handed host tensors) and the streams, futures and
+``record_stream`` calls the code asked for ([Note: fake CUDA streams]). A host read raises on
+fake tensors, failing the case where it happens. Values are meaningless and never inspected.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+import zcomm
+import zcomm.ddp
+from fake_cuda import fake_cuda
+
+WORLD, RANK = 4, 3  # the fake world the driver starts, and this process's rank in it
+TOPOLOGY = zcomm.Topology(world_size=WORLD, local_size=2)
+CUDA = torch.device("cuda", 0)
+CALLS = 2
+NUMEL = 4 * 3000 + 40  # a shard of 3010: not a multiple of a group or of the stages
+
+
+def _wait(handle: Any) -> None:
+    if handle is not None:
+        handle.wait()
+
+
+def _case(run: Callable[[], None]) -> Callable[[], dict[str, Any]]:
+    def case() -> dict[str, Any]:
+        with fake_cuda() as probe:
+            for _ in range(CALLS):
+                run()
+            return {key: sorted(set(probe[key])) for key in ("transfers", "host_collectives", "streams", "collectives")}
+
+    return case
+
+
+def _gather(dtype: torch.dtype, async_op: bool, stages: int | None, prepared: bool = False, **options) -> None:
+    shard = NUMEL // WORLD
+    input = torch.randn(shard, device=CUDA).to(dtype)
+    output = torch.empty(shard * WORLD, device=CUDA, dtype=dtype)
+    if prepared:
+        call = zcomm.prepare_all_gather_q8(output, input, pipeline_stages=stages, topology=TOPOLOGY, **options)
+        _wait(call(output, input, async_op=async_op))
+    else:
+        _wait(zcomm.all_gather_q8(output, input, None, async_op, pipeline_stages=stages, topology=TOPOLOGY, **options))
+
+
+def _reduce(dtype: torch.dtype, async_op: bool, stages: int | None, op: str = "AVG", coalesced: bool = False,
+            prepared: bool = False, feedback: bool = False, **options) -> None:
+    numels = (NUMEL, WORLD * 100) if coalesced or prepared else (NUMEL,)
+    inputs = [torch.randn(n, device=CUDA).to(dtype) for n in numels]
+    outputs = [torch.empty(n // WORLD, device=CUDA, dtype=dtype) for n in numels]
+    reduce_op = dist._make_nccl_premul_sum(0.3) if op == "PREMUL_SUM" else getattr(dist.ReduceOp, op)
+    options = dict(pipeline_stages=stages, topology=TOPOLOGY, **options)
+    error_feedback = _FEEDBACK.setdefault((dtype, coalesced, prepared, stages), zcomm.ErrorFeedback()) if feedback else None
+    if prepared:
+        call = zcomm.prepare_reduce_scatter_q4_coalesced(outputs, inputs, reduce_op, with_error_feedback=feedback,
+                                                         **options)
+        _wait(call(outputs, inputs, async_op=async_op, error_feedback=error_feedback))
+    elif coalesced:
+        _wait(zcomm.reduce_scatter_q4_coalesced(outputs, inputs, reduce_op, None, async_op,
+                                                error_feedback=error_feedback, **options))
+    else:
+        _wait(zcomm.reduce_scatter_q4(outputs[0], inputs[0], reduce_op, None, async_op,
+                                      error_feedback=error_feedback, **options))
+
+
+def _all_reduce(dtype: torch.dtype, async_op: bool, prepared: bool = False, feedback: bool = False, **options) -> None:
+    tensor = torch.randn(NUMEL + 3, device=CUDA).to(dtype)
+    error_feedback = _FEEDBACK.setdefault((dtype, "all_reduce", prepared), zcomm.ErrorFeedback()) if feedback else None
+    if prepared:
+        call = zcomm.prepare_all_reduce_q4(tensor, dist.ReduceOp.AVG, topology=TOPOLOGY,
+                                           with_error_feedback=feedback, **options)
+        _wait(call(tensor, async_op=async_op, error_feedback=error_feedback))
+    else:
+        _wait(zcomm.all_reduce_q4(tensor, dist.ReduceOp.AVG, None, async_op, topology=TOPOLOGY,
+                                  error_feedback=error_feedback, **options))
+
+
+def _hierarchical(dtype: torch.dtype) -> None:
+    input = torch.randn(1000, device=CUDA).to(dtype)
+    output = torch.empty(WORLD * 1000, device=CUDA, dtype=dtype)
+    zcomm.all_gather_hierarchical(output, input, topology=TOPOLOGY)
+
+
+class _Bucket:
+    """What ``quantized_allreduce_hook`` reads of DDP's ``GradBucket``: its index and flat buffer."""
+
+    def __init__(self, index: int, numel: int) -> None:
+        self._index, self._buffer = index, torch.randn(numel, device=CUDA)
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+
+def _ddp_hook(state: zcomm.ddp.QuantizedAllReduceState) -> None:
+    """One step's two buckets through the hook, as DDP calls it, and DDP's wait on each future."""
+    for index, numel in enumerate((NUMEL, 777)):
+        future = zcomm.ddp.quantized_allreduce_hook(state, _Bucket(index, numel))
+        assert future.wait().device == CUDA
+
+
+# the error feedback of each stream of calls, kept across its calls as a training run keeps it
+_FEEDBACK: dict[tuple, zcomm.ErrorFeedback] = {}
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+_p = functools.partial
+
+CASES: dict[str, Callable[[], dict[str, Any]]] = {
+    "all_gather_q8 bf16 sync": _case(_p(_gather, BF16, False, 1)),
+    "all_gather_q8 fp16 async 4 stages": _case(_p(_gather, FP16, True, 4)),
+    "all_gather_q8 fp32 tensor groups": _case(_p(_gather, FP32, False, None, group_size="tensor")),
+    "all_gather_q8 bf16 prepared async": _case(_p(_gather, BF16, True, 2, prepared=True)),
+    "reduce_scatter_q4 bf16 sync": _case(_p(_reduce, BF16, False, 1)),
+    "reduce_scatter_q4 fp32 async 4 stages SUM": _case(_p(_reduce, FP32, True, 4, op="SUM")),
+    "reduce_scatter_q4 fp16 PREMUL_SUM int8 hop": _case(_p(_reduce, FP16, False, 2, op="PREMUL_SUM", first_hop_bits=8)),
+    "reduce_scatter_q4 bf16 hadamard": _case(_p(_reduce, BF16, True, None, hadamard_block=256)),
+    "reduce_scatter_q4 bf16 error feedback": _case(_p(_reduce, BF16, False, 2, feedback=True)),
+    "reduce_scatter_q4_coalesced bf16 async": _case(_p(_reduce, BF16, True, 2, coalesced=True)),
+    "reduce_scatter_q4_coalesced fp32 prepared feedback": _case(_p(_reduce, FP32, True, 2, prepared=True,
+                                                                   feedback=True)),
+    "all_reduce_q4 bf16 sync": _case(_p(_all_reduce, BF16, False)),
+    "all_reduce_q4 fp16 async int4 gather": _case(_p(_all_reduce, FP16, True, gather_bits=4)),
+    "all_reduce_q4 fp32 prepared feedback": _case(_p(_all_reduce, FP32, True, prepared=True, feedback=True)),
+    "all_reduce_q4 bf16 prepared hadamard": _case(_p(_all_reduce, BF16, False, prepared=True, hadamard_block=256)),
+    "all_gather_hierarchical bf16": _case(_p(_hierarchical, BF16)),
+    "ddp hook": _case(_p(_ddp_hook, zcomm.ddp.QuantizedAllReduceState(topology=TOPOLOGY))),
+    "ddp hook int4 gather feedback": _case(_p(_ddp_hook, zcomm.ddp.QuantizedAllReduceState(
+        topology=TOPOLOGY, gather_bits=4, error_feedback=True))),
+}

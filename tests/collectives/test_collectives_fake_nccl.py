@@ -1,0 +1,44 @@
+"""zcomm's quantized collectives on a fake CUDA machine of 4 ranks as 2 nodes x 2.
+
+The cases (``fake_nccl_cases``) call ``all_gather_q8``, ``reduce_scatter_q4`` (single and
+coalesced), ``all_reduce_q4`` and ``all_gather_hierarchical``, sync and async, planned and
+prepared, with the options that change their chains (pipeline stages, the INT8 first hop,
+the Hadamard rotation, error feedback, the INT4 gather, the reduction ops), and the DDP hook,
+on fake CUDA tensors and an NCCL-like fake group, as rank 3 of 4 ([Note: fake CUDA] in
+``tests/fake_cuda.py``). NCCL with more than one rank has not run them on GPUs
+yet; on a CPU machine this is what can be known before it does: every collective of their
+hops is handed GPU tensors only, nothing is copied to the host, and nothing is read on the
+host (a host read raises on fake tensors). Quantization runs on zcomm's reference backend;
+its CUDA kernels and stream ordering need a GPU (``make gpu-check``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fake_cuda import run_on_fake_machine
+from fake_nccl_cases import CASES
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    return run_on_fake_machine(tmp_path_factory.mktemp("fake_nccl"), "fake_nccl_cases")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_hops_run_on_gpu_tensors_without_host_reads_or_copies(results, name):
+    case = results[name]
+    assert case["error"] is None, f"case {name} failed:\n{case['error']}"
+    assert case["collectives"], "the case ran no collective: it would pass vacuously"
+    assert case["transfers"] == [] and case["host_collectives"] == []
+
+
+@pytest.mark.slow
+def test_async_calls_and_the_ddp_hook_ask_for_cuda_streams_and_futures_only(results):
+    """Side streams are made once per kind and device; the hook's future and ``record_stream`` name
+    the bucket's device ([Note: fake CUDA streams] records them)."""
+    assert results["all_gather_q8 fp16 async 4 stages"]["streams"] == ["stream on cuda:0"]
+    assert results["reduce_scatter_q4 fp32 async 4 stages SUM"]["streams"] == ["stream on cuda:0"]
+    assert results["ddp hook"]["streams"] == ["future on cuda:0", "record_stream of a cuda:0 tensor",
+                                              "stream on cuda:0"]
