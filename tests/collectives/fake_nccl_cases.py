@@ -1,5 +1,5 @@
-"""zcomm's quantized collectives, their prepared calls and the DDP hook on fake CUDA tensors and
-a CUDA-only fake process group of 4 ranks as 2 nodes x 2 ([Note: fake CUDA] in
+"""zcomm's quantized collectives, their prepared calls, the DDP hook and ``zcomm.fsdp`` (FSDP2 and
+HSDP) on fake CUDA tensors and a CUDA-only fake process group of 4 ranks as 2 nodes x 2 ([Note: fake CUDA] in
 ``tests/fake_cuda.py``); run by ``python tests/fake_cuda.py SHIM OUT
 fake_nccl_cases``, checked by ``test_collectives_fake_nccl.py``.
 
@@ -20,7 +20,9 @@ import torch.distributed as dist
 
 import zcomm
 import zcomm.ddp
+import zcomm.fsdp
 from fake_cuda import fake_cuda
+from fake_cuda_streams import stand_in_for_cuda_streams
 
 WORLD, RANK = 4, 3  # the fake world the driver starts, and this process's rank in it
 TOPOLOGY = zcomm.Topology(world_size=WORLD, local_size=2)
@@ -113,6 +115,40 @@ def _ddp_hook(state: zcomm.ddp.QuantizedAllReduceState) -> None:
         assert future.wait().device == CUDA
 
 
+def _fsdp_case(hsdp: bool, **options) -> Callable[[], dict[str, Any]]:
+    """Two training steps of a small MLP under ``fully_shard`` with :func:`zcomm.fsdp.enable_zeropp`:
+    on the node's shard group (2 ranks), and with ``hsdp`` replicated across the 2 nodes, its
+    gradients all-reduced by the adapter's hook. Returns the audit and the calls of each zcomm op."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def case() -> dict[str, Any]:
+        with stand_in_for_cuda_streams([]):  # the mesh's metadata and groups are made on the host
+            mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("replicate", "shard"))
+        zcomm.reset_comm_stats()
+        with fake_cuda() as probe:
+            with torch.device(CUDA):
+                model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 8))
+            for layer in (model[0], model[2], model):
+                fully_shard(layer, mesh=mesh["shard"], reshard_after_forward=True)
+            if hsdp:  # one rank per node: given, as detecting it exchanges host names (Python objects)
+                options.update(replicate_group=mesh.get_group("replicate"),
+                               replicate_topology=zcomm.Topology(world_size=2, local_size=1))
+            # its check that the replicas shard alike exchanges Python objects with the peers, which
+            # a fake group cannot; the ranks' real groups are checked on the CPU (test_fsdp_hsdp.py)
+            checked, zcomm.fsdp.check_replicate_group = zcomm.fsdp.check_replicate_group, lambda *args: None
+            try:
+                zcomm.fsdp.enable_zeropp(model, topology=zcomm.Topology(world_size=2, local_size=2), **options)
+            finally:
+                zcomm.fsdp.check_replicate_group = checked
+            for _ in range(2):
+                model(torch.randn(4, 64, device=CUDA)).sum().backward()
+            audit = {key: sorted(set(probe[key])) for key in ("transfers", "host_collectives", "streams", "collectives")}
+            return {**audit, "calls": {op: stats.calls for op, stats in zcomm.comm_stats().items()}}
+
+    return case
+
+
 # the error feedback of each stream of calls, kept across its calls as a training run keeps it
 _FEEDBACK: dict[tuple, zcomm.ErrorFeedback] = {}
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -137,6 +173,9 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "all_reduce_q4 bf16 prepared hadamard": _case(_p(_all_reduce, BF16, False, prepared=True, hadamard_block=256)),
     "all_gather_hierarchical bf16": _case(_p(_hierarchical, BF16)),
     "ddp hook": _case(_p(_ddp_hook, zcomm.ddp.QuantizedAllReduceState(topology=TOPOLOGY))),
+    "fsdp2 zeropp": _fsdp_case(False),
+    "hsdp zeropp": _fsdp_case(True, replicate_gather_bits=4),
+    "hsdp exact in the node": _fsdp_case(True, quantized_weights=False, quantized_gradients=False),
     "ddp hook int4 gather feedback": _case(_p(_ddp_hook, zcomm.ddp.QuantizedAllReduceState(
         topology=TOPOLOGY, gather_bits=4, error_feedback=True))),
 }

@@ -1,10 +1,11 @@
-"""zcomm's quantized collectives on a fake CUDA machine of 4 ranks as 2 nodes x 2.
+"""zcomm's quantized collectives and adapters on a fake CUDA machine of 4 ranks as 2 nodes x 2.
 
 The cases (``fake_nccl_cases``) call ``all_gather_q8``, ``reduce_scatter_q4`` (single and
 coalesced), ``all_reduce_q4`` and ``all_gather_hierarchical``, sync and async, planned and
 prepared, with the options that change their chains (pipeline stages, the INT8 first hop,
-the Hadamard rotation, error feedback, the INT4 gather, the reduction ops), and the DDP hook,
-on fake CUDA tensors and an NCCL-like fake group, as rank 3 of 4 ([Note: fake CUDA] in
+the Hadamard rotation, error feedback, the INT4 gather, the reduction ops), the DDP hook and
+FSDP2 with ``zcomm.fsdp.enable_zeropp`` (sharded in the node, and HSDP across the nodes), on
+fake CUDA tensors and an NCCL-like fake group, as rank 3 of 4 ([Note: fake CUDA] in
 ``tests/fake_cuda.py``). NCCL with more than one rank has not run them on GPUs
 yet; on a CPU machine this is what can be known before it does: every collective of their
 hops is handed GPU tensors only, nothing is copied to the host, and nothing is read on the
@@ -42,3 +43,16 @@ def test_async_calls_and_the_ddp_hook_ask_for_cuda_streams_and_futures_only(resu
     assert results["reduce_scatter_q4 fp32 async 4 stages SUM"]["streams"] == ["stream on cuda:0"]
     assert results["ddp hook"]["streams"] == ["future on cuda:0", "record_stream of a cuda:0 tensor",
                                               "stream on cuda:0"]
+
+
+@pytest.mark.slow
+def test_fsdp2_and_hsdp_send_every_unit_through_zcomm(results):
+    """Two steps of two units with parameters (the root holds none), weights gathered again for
+    backward: qwZ gathers each unit 4 times and qgZ reduces it twice; under HSDP each unit's
+    reduce-scatter output is also all-reduced across the 2 nodes (a qgZ reduce-scatter and, with
+    ``replicate_gather_bits=4``, an INT4 hierarchical gather; by default an INT8 ``all_gather_q8``)."""
+    calls = {name: results[name]["calls"] for name in ("fsdp2 zeropp", "hsdp zeropp", "hsdp exact in the node")}
+    assert calls["fsdp2 zeropp"] == {"all_gather_q8": 8, "reduce_scatter_q4": 4}
+    assert calls["hsdp zeropp"] == {"all_gather_q8": 8, "reduce_scatter_q4": 8, "all_gather_hierarchical": 4}
+    assert calls["hsdp exact in the node"] == {"all_gather_into_tensor": 8, "reduce_scatter_tensor": 4,
+                                               "reduce_scatter_q4": 4, "all_gather_q8": 4}
