@@ -165,7 +165,7 @@ class _GroupTopologies:
         if group not in self._found:
             shard_topology = self._found[self.shard_group]
             shard_ranks = [dist.get_group_rank(self.shard_group, g) for g in dist.get_process_group_ranks(group)]
-            self._found[group] = Topology.from_node_ids([shard_topology.node_of(r) for r in shard_ranks])
+            self._found[group] = shard_topology.of_ranks(shard_ranks)
         return self._found[group]
 
 

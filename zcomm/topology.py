@@ -79,6 +79,11 @@ class Topology:
         """The group ranks with local rank ``local_rank``, one per node, in node order."""
         return range(local_rank, self.world_size, self.local_size)
 
+    def of_ranks(self, ranks: Sequence[int]) -> Topology:
+        """The topology of the subgroup whose members are ``ranks`` of this group, in the
+        subgroup's order (``ValueError`` where they do not form equal, node-major nodes)."""
+        return Topology.from_node_ids([self.node_of(rank) for rank in ranks])
+
     @classmethod
     def from_node_ids(cls, node_ids: Sequence[Hashable]) -> Topology:
         """The topology of ranks whose node is ``node_ids[rank]`` (any hashable labels).

@@ -16,6 +16,15 @@ def test_explicit_local_size():
     assert topo.same_node(3, 5) and not topo.same_node(2, 3)
 
 
+def test_of_ranks_lays_out_a_subgroup():
+    topo = Topology(world_size=6, local_size=3)
+    assert topo.of_ranks(range(1, 6, 3)) == Topology(world_size=2, local_size=1)  # one rank per node
+    assert topo.of_ranks([3, 4, 5, 0, 1, 2]) == Topology(world_size=6, local_size=3)  # nodes in another order
+    assert topo.of_ranks([4, 5]) == Topology(world_size=2, local_size=2)
+    with pytest.raises(ValueError, match="unequal numbers of ranks"):
+        topo.of_ranks([0, 1, 3])
+
+
 def test_world_not_divisible_by_local_size():
     with pytest.raises(ValueError, match="not divisible by the local size 3"):
         Topology(world_size=4, local_size=3)

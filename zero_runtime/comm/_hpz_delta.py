@@ -46,7 +46,7 @@ import zcomm
 from zcomm.quant import QuantSpec
 
 from .._contract import AllGather, Handle, Phase
-from ._hpz_gather import SecondaryShard, hpz_block_topology, topology_of
+from ._hpz_gather import SecondaryShard, hpz_block_topology
 from ._plain import PlainAllGather
 from ._weight_delta import WeightDeltaAllGather
 
@@ -63,7 +63,7 @@ class HpzDeltaGather(AllGather):
         self.peers = world // partition_size
         position = rank % partition_size
         peers = zcomm.block_peers_group(group, partition_size)
-        peers_topology = topology_of(topology, range(position, world, partition_size))
+        peers_topology = topology.of_ranks(range(position, world, partition_size))
         self.refresh = WeightDeltaAllGather(peers, peers_topology, spec=spec, hierarchical=False,
                                             exact=PlainAllGather(peers, peers_topology))
         self.whole = WeightDeltaAllGather(group, topology, spec=spec, exact=PlainAllGather(group, topology))

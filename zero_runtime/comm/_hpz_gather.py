@@ -59,12 +59,7 @@ def hpz_block_topology(topology: zcomm.Topology, rank: int, partition_size: int)
                          f"{local_size}) or be a multiple of it, so that its blocks of consecutive ranks line up "
                          "with nodes")
     start = rank // partition_size * partition_size
-    return topology_of(topology, range(start, start + partition_size))
-
-
-def topology_of(topology: zcomm.Topology, ranks: range) -> zcomm.Topology:
-    """The node layout of the subgroup holding ``ranks`` (in group order), taken from ``topology``."""
-    return zcomm.Topology.from_node_ids([topology.node_of(r) for r in ranks])
+    return topology.of_ranks(range(start, start + partition_size))
 
 
 @dataclass
