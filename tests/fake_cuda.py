@@ -119,6 +119,13 @@ def run_on_fake_machine(root: Path, cases: str, timeout: float = 900) -> dict[st
     return run_cases(shim, root / "results.json", timeout=timeout, cases=cases)
 
 
+def case_ok(results: dict[str, Any], name: str) -> dict[str, Any]:
+    """The observations of the case ``name``, failing the test with its traceback if it raised."""
+    case = results[name]
+    assert case["error"] is None, f"case {name} failed:\n{case['error']}"
+    return case
+
+
 class HostReads:
     """Stands in for ``zero_runtime._host_sync``'s reads: answers from a script, records the
     device of each value it is asked about, and counts the calls."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from fake_cuda import run_on_fake_machine
+from fake_cuda import case_ok, run_on_fake_machine
 
 GPU = ["cuda:0"]
 TRAINING = ["s1-accum-clip", "s2-clip", "s2-noclip", "s3-clip", "s3-fused-accum", "s3-hpz-fp32-clip",
@@ -32,16 +32,10 @@ def results(tmp_path_factory) -> dict:
     return run_on_fake_machine(tmp_path_factory.mktemp("fake_cuda"), "zero_fake_cuda_cases")
 
 
-def _ok(results: dict, name: str) -> dict:
-    case = results[name]
-    assert case["error"] is None, f"case {name} failed:\n{case['error']}"
-    return case
-
-
 @pytest.mark.slow
 def test_fake_machine_rejects_each_class_of_device_error(results):
     """Without this the other tests could pass vacuously."""
-    caught = _ok(results, "harness_has_teeth")
+    caught = case_ok(results, "harness_has_teeth")
     assert caught["mix"] == "FakeTensorDeviceMismatchError"
     assert caught["item"] and caught["bool"]  # host reads of a value the fake GPU does not have
     assert caught["host_collectives"] == ["c10d.allreduce_.default on cpu"]
@@ -51,7 +45,7 @@ def test_fake_machine_rejects_each_class_of_device_error(results):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", TRAINING)
 def test_training_keeps_every_tensor_on_the_gpu(results, name):
-    case = _ok(results, name)
+    case = case_ok(results, name)
     for kind in ("masters", "grad_shards", "full", "shards", "parameters", "full_state_dict"):
         assert case[kind] == GPU, (kind, case[kind])
     assert case["full_grads"] == (GPU if name.startswith("s1") else [])  # stage 1 keeps them
@@ -67,7 +61,7 @@ def test_training_keeps_every_tensor_on_the_gpu(results, name):
 @pytest.mark.parametrize("name", WITHOUT_HOST_READS)
 def test_no_host_reads_without_dynamic_loss_scaling(results, name):
     """Clipping included: it multiplies by a clamped device scalar (see [Note: host syncs])."""
-    case = _ok(results, name)
+    case = case_ok(results, name)
     assert case["host_reads"] == []
     assert [entry[2] for entry in case["log"]] == [1, 2]  # every step updated
 
@@ -75,23 +69,23 @@ def test_no_host_reads_without_dynamic_loss_scaling(results, name):
 @pytest.mark.slow
 def test_fp16_dynamic_scaling_reads_one_gpu_flag_per_step(results):
     """Step 2's flag says overflow (scripted): it is skipped and the scale halves (hysteresis 1)."""
-    case = _ok(results, "s2-fp16-dynamic")
+    case = case_ok(results, "s2-fp16-dynamic")
     assert case["host_reads"] == GPU * 3
     assert case["log"] == [[False, 256.0, 1], [True, 128.0, 1], [False, 128.0, 2]]
-    assert _ok(results, "s3-fp16-dynamic")["host_reads"] == GPU * 2
+    assert case_ok(results, "s3-fp16-dynamic")["host_reads"] == GPU * 2
 
 
 @pytest.mark.slow
 def test_stage3_prefetches_and_hpz_gathers_from_secondaries(results):
     for name in ("s3-clip", "s3-fused-accum", "s3-hpz-fp32-clip", "s3-persistent"):
-        assert _ok(results, name)["prefetches"] > 0, name
-    assert _ok(results, "s3-hpz-fp32-clip")["fallbacks"] == 0  # every backward gather used a secondary
+        assert case_ok(results, name)["prefetches"] > 0, name
+    assert case_ok(results, "s3-hpz-fp32-clip")["fallbacks"] == 0  # every backward gather used a secondary
 
 
 @pytest.mark.slow
 def test_failed_checkpoint_load_agrees_on_the_gpu(results):
     """The agreement flag is reduced on the GPU; this rank's own failure needs no host read."""
-    case = _ok(results, "missing_checkpoint")
+    case = case_ok(results, "missing_checkpoint")
     assert "no complete checkpoint" in case["raised"]
     assert case["host_collectives"] == [] and case["transfers"] == [] and case["host_reads"] == []
 
@@ -100,7 +94,7 @@ def test_failed_checkpoint_load_agrees_on_the_gpu(results):
 def test_checkpoint_load_places_optimizer_state_as_torch_does(results):
     """A CPU checkpoint loaded on the GPU: masters on the GPU, AdamW's ``step`` counters where
     an optimizer that never saw a checkpoint keeps them (the CPU, fp32), moments on the GPU."""
-    case = _ok(results, "checkpoint_roundtrip")
+    case = case_ok(results, "checkpoint_roundtrip")
     loaded = case["loaded"]
     assert loaded["optimizer"] == case["fresh"] == case["oracle_optimizer"]
     assert case["fresh"]["step"] == ["cpu/torch.float32"]
@@ -113,7 +107,7 @@ def test_checkpoint_load_places_optimizer_state_as_torch_does(results):
 
 @pytest.mark.slow
 def test_initialize_rejects_parameters_the_group_cannot_reduce(results):
-    case = _ok(results, "wrong_devices")
+    case = case_ok(results, "wrong_devices")
     assert "parameters are on cpu" in case["cpu_on_nccl"] and "runs on cuda only" in case["cpu_on_nccl"]
     assert "several devices (cpu, cuda:0)" in case["mixed"]
 
@@ -125,7 +119,7 @@ def test_offloaded_optimizer_moves_only_gradients_to_the_host(results, name):
     one-time copy of each master to the host at start-up; the states and the kernel's tensors
     live on the CPU, the parameters and shards the model computes with on the GPU. The same
     with the update during backward (``zcomm_overlap_step``)."""
-    case = _ok(results, name)
+    case = case_ok(results, name)
     units = case["units"]
     copy = "aten._to_copy.default: cuda:0 -> cpu"
     assert case["at_start"] == [copy] * units
@@ -144,7 +138,7 @@ def test_offloaded_parameters_live_on_the_host_and_gather_on_the_gpu(results):
     """One device-to-host copy per partitioned unit at start-up (its home) and one per unit per
     step (the step's new shard going home); between steps no shard holds GPU memory; what the
     model computes with, the gathers and the optimizer stay on the GPU."""
-    case = _ok(results, "offload_param_cpu")
+    case = case_ok(results, "offload_param_cpu")
     units = case["units"]
     assert case["at_start"] == ["aten._to_copy.default: cuda:0 -> cpu"] * units
     assert case["transfers"][units:] == ["aten.copy_.default: cpu,cuda:0 -> cpu"] * (2 * units)
@@ -157,7 +151,7 @@ def test_offloaded_parameters_live_on_the_host_and_gather_on_the_gpu(results):
 
 @pytest.mark.slow
 def test_partitioned_init_builds_on_the_gpu(results):
-    case = _ok(results, "partitioned_init")
+    case = case_ok(results, "partitioned_init")
     assert case["slices"] == GPU
     for kind in ("masters", "grad_shards", "shards", "parameters", "full_state_dict"):
         assert case[kind] == GPU, (kind, case[kind])

@@ -49,6 +49,7 @@ def _training(zero: dict, *, kind: str = "gpt", reads: list | None = None, clip:
                 opt.step()
             gather = opt.plan.forward_gather if opt.config.stage < 3 else opt.plan.backward_gather
             return {**_placement(opt), **_audit(probe), "streams": sorted(set(probe["streams"])),
+                    "collectives": sorted(set(probe["collectives"])),
                     "units": len(opt.units), "global_step": opt.global_step,
                     "fallback_groups": getattr(gather, "fallback_groups", None)}
 
