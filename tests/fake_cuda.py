@@ -30,9 +30,9 @@ tensors; a case that expects them scripts their answers and counts them
 (``fake_cuda(flags=...)``).
 
 [Note: fake CUDA streams] With the shim, ``torch.cuda``'s Python stream API (``Stream``,
-``Event``, ``current_stream``, ``set_stream``, ``stream``, the current device) and CUDA
-futures (``torch.futures.Future(devices=...)``) do not exist either; ``fake_cuda`` stands
-in for them with objects that order nothing (events are always complete) and records the
+``Event``, ``current_stream``, ``set_stream``, ``stream``, the current device and its
+capability) and CUDA futures (``torch.futures.Future(devices=...)``) do not exist either;
+``fake_cuda`` stands in for them with objects that order nothing (events are always complete) and records the
 devices they are asked for, so the asynchronous paths (zcomm's side streams, the DDP
 hook) run their code as on a GPU. What they would order on a GPU is not checked here:
 stream ordering needs a GPU (``make gpu-check``). zcomm's quantization runs on its

@@ -1,5 +1,6 @@
-"""Stand-ins for ``torch.cuda``'s stream API and CUDA futures on the fake CUDA machine of a
-CPU build of torch ([Note: fake CUDA streams] in ``fake_cuda``).
+"""Stand-ins for ``torch.cuda``'s stream API, its current device and capability, and CUDA
+futures on the fake CUDA machine of a CPU build of torch ([Note: fake CUDA streams] in
+``fake_cuda``; the capability is an H100's, which torch's ``broadcast`` asks for).
 
 They order nothing: every event is complete, every wait returns at once. What they keep is
 the record of what the code asked for (``streams``, a list of strings): streams made and
@@ -103,7 +104,8 @@ def stand_in_for_cuda_streams(log: list[str]) -> Iterator[None]:
     patches = [
         mock.patch.multiple(torch.cuda, Stream=make_stream, Event=_Event, current_stream=current_stream,
                             default_stream=lambda device=None: default, set_stream=set_stream, stream=use_stream,
-                            current_device=lambda: 0, set_device=lambda device: None),
+                            current_device=lambda: 0, set_device=lambda device: None,
+                            get_device_capability=lambda device=None: (9, 0)),  # torch's broadcast asks
         mock.patch.object(torch.Tensor, "record_stream", record_stream),
         mock.patch.object(torch.futures, "Future", Future),
     ]

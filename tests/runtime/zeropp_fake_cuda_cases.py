@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
+
 import zcomm
 import zero_runtime
 from fake_cuda import fake_cuda
@@ -34,8 +36,10 @@ FALLBACK = [[1, 2], [3, 5]] * 32
 
 
 def _training(zero: dict, *, kind: str = "gpt", reads: list | None = None, clip: float = 1.0,
-              precision: str = "bf16") -> Callable[[], dict[str, Any]]:
-    """A case: ``STEPS`` optimizer steps of ``kind`` under ``zero`` options, 2 nodes x 2 ranks."""
+              precision: str = "bf16", edit_after: int | None = None) -> Callable[[], dict[str, Any]]:
+    """A case: ``STEPS`` optimizer steps of ``kind`` under ``zero`` options, 2 nodes x 2 ranks;
+    with ``edit_after``, rank 0 edits every weight in a ``GatheredParameters`` block after that
+    many steps (the next gathers start again from exact values)."""
 
     def case() -> dict[str, Any]:
         config: dict[str, Any] = {"zero_optimization": zero, "gradient_clipping": clip}
@@ -44,6 +48,10 @@ def _training(zero: dict, *, kind: str = "gpt", reads: list | None = None, clip:
         with fake_cuda(reads) as probe:
             model, opt = zero_runtime.initialize(_cuda_model(kind), make_optimizer(), config, topology=TOPOLOGY)
             for step in range(STEPS):
+                if step == edit_after:
+                    with zero_runtime.GatheredParameters(model, modifier_rank=0), torch.no_grad():
+                        for param in model.parameters():
+                            param.mul_(0.5)
                 batch = tuple(t.to(CUDA) for t in local_slice(global_batch(kind, step), RANK, WORLD))
                 opt.backward(loss_of(kind, model, batch))
                 opt.step()
@@ -64,6 +72,8 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
                                         "zcomm_qgz_hadamard_block": 16}, precision="fp32"),
     "s1-delta4": _training({"stage": 1, **QUANTIZED, "zcomm_weight_delta_bits": 4}, reads=NO_FALLBACK),
     "s2-delta4-fallback": _training({"stage": 2, **QUANTIZED, "zcomm_weight_delta_bits": 4}, reads=FALLBACK),
+    "s2-delta4-edit": _training({"stage": 2, **QUANTIZED, "zcomm_weight_delta_bits": 4}, reads=NO_FALLBACK,
+                                edit_after=1),
     "s2-delta8": _training({"stage": 2, **QUANTIZED, "zcomm_weight_delta_bits": 8}, kind="mlp", reads=NO_FALLBACK),
     "s3-zeropp": _training({**PARTITIONED, **QUANTIZED, "zero_hpz_partition_size": 2}),
     "s3-zeropp-delta4-fallback": _training({**PARTITIONED, **QUANTIZED, "zero_hpz_partition_size": 2,
