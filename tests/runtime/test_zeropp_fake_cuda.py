@@ -18,7 +18,8 @@ from fake_cuda import case_ok, run_on_fake_machine
 from zeropp_fake_cuda_cases import CASES, FALLBACK, STEPS
 
 GPU = ["cuda:0"]
-DELTA_CASES = [name for name in CASES if "delta" in name]
+TRAINING = [name for name in CASES if "offload" not in name]
+DELTA_CASES = [name for name in TRAINING if "delta" in name]
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def results(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", TRAINING)
 def test_zeropp_keeps_every_tensor_and_collective_on_the_gpu(results, name):
     case = case_ok(results, name)
     for kind in ("masters", "grad_shards", "full", "shards", "parameters"):
@@ -40,7 +41,7 @@ def test_zeropp_keeps_every_tensor_and_collective_on_the_gpu(results, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [name for name in CASES if name not in DELTA_CASES])
+@pytest.mark.parametrize("name", [name for name in TRAINING if name not in DELTA_CASES])
 def test_quantized_gradients_and_weights_read_nothing_on_the_host(results, name):
     assert case_ok(results, name)["host_reads"] == []
 
@@ -56,3 +57,17 @@ def test_weight_differences_read_one_pair_of_counts_per_unit_and_step(results, n
     assert case["host_reads"] == GPU * reads
     expected = sum(total for _, total in FALLBACK[:reads]) if "fallback" in name else 0
     assert case["fallback_groups"] == expected
+
+
+@pytest.mark.slow
+def test_offloaded_optimizer_under_zeropp_moves_only_gradients_to_the_host(results):
+    """qwZ, qgZ and hpZ with the optimizer on the CPU, updating during backward: the same
+    device-to-host copies as without ZeRO++ (``test_zero_fake_cuda``), one per unit per step."""
+    case = case_ok(results, "s3-zeropp-offload-overlap")
+    units, copy = case["units"], "aten._to_copy.default: cuda:0 -> cpu"
+    assert case["at_start"] == [copy] * units
+    assert case["transfers"] == [copy] * units + ["aten.copy_.default: cpu,cuda:0 -> cpu"] * (2 * units)
+    assert case["kernel_devices"] == ["cpu"] and case["host_states"] == ["cpu"]
+    for kind in ("shards", "masters", "parameters"):
+        assert case[kind] == GPU, (kind, case[kind])
+    assert case["host_collectives"] == [] and case["host_reads"] == []

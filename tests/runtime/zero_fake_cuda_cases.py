@@ -178,13 +178,16 @@ def checkpoint_roundtrip() -> dict[str, Any]:
                 **_audit(probe)}
 
 
-def offload_cpu(overlap: bool = False) -> dict[str, Any]:
+def offload_cpu(overlap: bool = False, zero: dict | None = None, topology: zcomm.Topology = ONE_NODE,
+                rank: int = RANK, world: int = WORLD) -> dict[str, Any]:
     """``offload_optimizer: cpu`` on a CUDA run: masters and moments on the host, the step on
     the CPU, fed by one device-to-host copy of each unit's gradient shard per step, and the
     updated compute-dtype shards copied back to the GPU. The fused CPU kernel reads its
     tensors' data, which fake tensors do not have, so a stand-in with its signature records
     the devices it is given and writes ``out`` (``test_offload`` checks the kernel's numbers).
-    ``overlap``: with ``zcomm_overlap_step``, the copies and updates happen during backward."""
+    ``overlap``: with ``zcomm_overlap_step``, the copies and updates happen during backward;
+    ``zero``: more ``zero_optimization`` options (ZeRO++), for this process as ``rank`` of ``world``
+    ranks laid out by ``topology``."""
     from zero_runtime.offload import _optimizer as _offload
 
     calls = []
@@ -193,15 +196,18 @@ def offload_cpu(overlap: bool = False) -> dict[str, Any]:
         calls.append(_devices([param, grad, exp_avg, exp_avg_sq, out]))
         out.copy_(param)
 
-    config = {"zero_optimization": {**PARTITIONED, "stage3_prefetch_bucket_size": 3000,
+    config = {"zero_optimization": {**PARTITIONED, "stage3_prefetch_bucket_size": 3000, **(zero or {}),
                                     "offload_optimizer": {"device": "cpu", "zcomm_overlap_step": overlap}},
               "bf16": {"enabled": True}}
     kernel, _offload.adam_step = _offload.adam_step, stand_in
     try:
         with fake_cuda() as probe:
-            model, opt = zero_runtime.initialize(_cuda_model("gpt"), make_optimizer(), config, topology=ONE_NODE)
+            model, opt = zero_runtime.initialize(_cuda_model("gpt"), make_optimizer(), config, topology=topology)
             at_start = list(probe["transfers"])
-            _train("gpt", model, opt, range(2))
+            for step in range(2):
+                batch = tuple(t.to(CUDA) for t in local_slice(global_batch("gpt", step), rank, world))
+                opt.backward(loss_of("gpt", model, batch))
+                opt.step()
             report = opt.memory_report()
             return {"units": len(opt.units), "at_start": at_start, "kernel_calls": len(calls),
                     "kernel_devices": sorted({d for call in calls for d in call}),

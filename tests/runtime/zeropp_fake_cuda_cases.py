@@ -1,4 +1,5 @@
-"""ZeRO++ in the runtime (stages 0-3, qwZ, qgZ, hpZ, weight differences) on fake CUDA tensors
+"""ZeRO++ in the runtime (stages 0-3, qwZ, qgZ, hpZ, weight differences, with an edit between
+steps and with the optimizer offloaded to the CPU) on fake CUDA tensors
 and a CUDA-only fake process group of 4 ranks as 2 nodes x 2 ([Note: fake CUDA] in
 ``fake_cuda``); run by ``python tests/fake_cuda.py SHIM OUT
 zeropp_fake_cuda_cases``, checked by ``test_zeropp_fake_cuda.py``.
@@ -13,6 +14,7 @@ asked for ([Note: fake CUDA streams]). Values are meaningless and never inspecte
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -20,7 +22,7 @@ import torch
 import zcomm
 import zero_runtime
 from fake_cuda import fake_cuda
-from zero_fake_cuda_cases import CUDA, PARTITIONED, _audit, _cuda_model, _placement
+from zero_fake_cuda_cases import CUDA, PARTITIONED, _audit, _cuda_model, _placement, offload_cpu
 from zero_workloads import global_batch, local_slice, loss_of, make_optimizer
 
 WORLD, RANK = 4, 3  # the fake world the driver starts, and this process's rank in it
@@ -76,6 +78,9 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
                                 edit_after=1),
     "s2-delta8": _training({"stage": 2, **QUANTIZED, "zcomm_weight_delta_bits": 8}, kind="mlp", reads=NO_FALLBACK),
     "s3-zeropp": _training({**PARTITIONED, **QUANTIZED, "zero_hpz_partition_size": 2}),
+    # the offloaded optimizer's device-to-host copies are checked as without ZeRO++ (test_zero_fake_cuda)
+    "s3-zeropp-offload-overlap": functools.partial(offload_cpu, overlap=True, topology=TOPOLOGY, rank=RANK,
+                                                   world=WORLD, zero={**QUANTIZED, "zero_hpz_partition_size": 2}),
     "s3-zeropp-delta4-fallback": _training({**PARTITIONED, **QUANTIZED, "zero_hpz_partition_size": 2,
                                    "zcomm_weight_delta_bits": 4}, reads=FALLBACK),
 }
