@@ -99,6 +99,9 @@ def run_cases(shim: Path | None, out: Path, timeout: float, cases: str = "zero_f
     return json.loads(out.read_text())
 
 
+_BUILT: dict[str, Path] = {}  # the shim, built into the first caller's folder (pytest keeps it for the session)
+
+
 def run_on_fake_machine(root: Path, cases: str, timeout: float = 900) -> dict[str, Any]:
     """The results of ``run_cases`` for the module ``cases``, the shim built into ``root`` where
     torch is a CPU build; skips (pytest) where the fake machine cannot run."""
@@ -110,7 +113,7 @@ def run_on_fake_machine(root: Path, cases: str, timeout: float = 900) -> dict[st
     shim = None  # a real CUDA runtime carries fake CUDA tensors by itself
     if torch.version.cuda is None:
         try:
-            shim = build_shim(root)
+            shim = _BUILT.get("shim") or _BUILT.setdefault("shim", build_shim(root))  # once per process
         except ShimUnavailable as err:
             pytest.skip(f"the fake CUDA machine cannot be built here: {err}")
     elif not torch.cuda.is_available():
