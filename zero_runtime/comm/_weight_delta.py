@@ -155,15 +155,16 @@ class _DeltaGather:
         counts = flags.sum(dim=1)
         most, fallen = _host_sync.read_counts(torch.stack((counts.max(), counts.sum())))  # [Note: host syncs]
         if most:
-            updated = _padded(updated, self.groups * size)
-            self._replace_flagged(updated.view(world, self.groups, size), rows, flags, most)
+            groups = _padded(updated, self.groups * size).view(world, self.groups, size)
+            updated = self._replace_flagged(groups, rows, flags, most).view(world, -1)
         self.output.view(world, numel).copy_(updated[:, :numel])
         owner.delta_groups += world * self.groups
         owner.fallback_groups += fallen
         self.done, self.received = True, None
 
-    def _replace_flagged(self, groups: torch.Tensor, rows: torch.Tensor, flags: torch.Tensor, most: int) -> None:
-        """Every rank's flagged groups of ``groups`` (world, groups, size) replaced by their INT8
+    def _replace_flagged(self, groups: torch.Tensor, rows: torch.Tensor, flags: torch.Tensor,
+                         most: int) -> torch.Tensor:
+        """``groups`` (world, groups, size) with every rank's flagged groups replaced by their INT8
         values: the first ``slots`` of each rank from the payload's slots, the rest (a rank that
         flagged more) from a second gather ([Note: fallback slots]). Selections by masks of
         fixed shape: nothing here waits for the device ([Note: host syncs])."""
@@ -171,9 +172,10 @@ class _DeltaGather:
         order = flags.cumsum(dim=1) - 1  # a flagged group's place among its rank's flagged ones
         if slots:
             in_slots = dequantize(rows[:, self.slots_offset:].contiguous(), slots * size, 8, size, torch.float32)
-            _put(groups, flags, order, in_slots.view(self.world, slots, size), 0)
+            groups = _put(groups, flags, order, in_slots.view(self.world, slots, size), 0)
         if most > slots:
-            _put(groups, flags, order, self._later_flagged(most - slots), slots)
+            groups = _put(groups, flags, order, self._later_flagged(most - slots), slots)
+        return groups
 
     def _later_flagged(self, count: int) -> torch.Tensor:
         """Every rank's flagged groups past the slots, as qwZ sends values (blocked INT8, one scale
@@ -183,16 +185,18 @@ class _DeltaGather:
         send = quantize(self._flagged(self.slots, count).view(-1), 8, size)
         received = torch.empty(self.world * send.numel(), dtype=torch.uint8, device=send.device)
         zcomm.all_gather_hierarchical(received, send, group=owner.group, topology=owner.topology)
-        return dequantize(received.view(self.world, -1), count * size, 8, size, torch.float32).view(self.world, count, size)
+        values = dequantize(received.view(self.world, -1), count * size, 8, size, torch.float32)
+        return values.view(self.world, count, size)
 
 
-def _put(groups: torch.Tensor, flags: torch.Tensor, order: torch.Tensor, values: torch.Tensor, skip: int) -> None:
-    """``groups`` (world, groups, size): each rank's flagged groups of places ``skip`` to
-    ``skip + count - 1`` among its flagged ones set to ``values`` (world, count, size), in order."""
+def _put(groups: torch.Tensor, flags: torch.Tensor, order: torch.Tensor, values: torch.Tensor,
+         skip: int) -> torch.Tensor:
+    """``groups`` (world, groups, size) with each rank's flagged groups of places ``skip`` to
+    ``skip + count - 1`` among its flagged ones taken from ``values`` (world, count, size), in order."""
     count = values.shape[1]
     chosen = flags & (order >= skip) & (order < skip + count)
     index = (order - skip).clamp(0, count - 1).unsqueeze(2).expand(-1, -1, groups.shape[2])
-    groups.copy_(torch.where(chosen.unsqueeze(2), values.gather(1, index), groups))
+    return torch.where(chosen.unsqueeze(2), values.gather(1, index), groups)
 
 
 def _padded(rows: torch.Tensor, width: int) -> torch.Tensor:
