@@ -32,9 +32,9 @@ tensors; a case that expects them scripts their answers and counts them
 [Note: fake CUDA streams] With the shim, ``torch.cuda``'s Python stream API (``Stream``,
 ``Event``, ``current_stream``, ``set_stream``, ``stream``, the current device and its
 capability) and CUDA futures (``torch.futures.Future(devices=...)``) do not exist either;
-``fake_cuda`` stands in for them with objects that order nothing (events are always complete) and records the
-devices they are asked for, so the asynchronous paths (zcomm's side streams, the DDP
-hook) run their code as on a GPU. What they would order on a GPU is not checked here:
+``fake_cuda`` stands in for them with objects that order nothing (events are always
+complete) and records the devices they are asked for, so the asynchronous paths (zcomm's
+side streams, the DDP hook) run their code as on a GPU. What they would order on a GPU is not checked here:
 stream ordering needs a GPU (``make gpu-check``). zcomm's quantization runs on its
 ``reference`` backend (``ZCOMM_BACKEND``): the ``cuda`` backend's kernels need a GPU.
 """
@@ -113,7 +113,9 @@ def run_on_fake_machine(root: Path, cases: str, timeout: float = 900) -> dict[st
     shim = None  # a real CUDA runtime carries fake CUDA tensors by itself
     if torch.version.cuda is None:
         try:
-            shim = _BUILT.get("shim") or _BUILT.setdefault("shim", build_shim(root))  # once per process
+            if "shim" not in _BUILT:  # once per process
+                _BUILT["shim"] = build_shim(root)
+            shim = _BUILT["shim"]
         except ShimUnavailable as err:
             pytest.skip(f"the fake CUDA machine cannot be built here: {err}")
     elif not torch.cuda.is_available():

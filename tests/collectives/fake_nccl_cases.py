@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from typing import Any, Callable
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -36,12 +37,16 @@ def _wait(handle: Any) -> None:
         handle.wait()
 
 
+def _audit(probe: dict[str, Any]) -> dict[str, list[str]]:
+    return {key: sorted(set(probe[key])) for key in ("transfers", "host_collectives", "streams", "collectives")}
+
+
 def _case(run: Callable[[], None]) -> Callable[[], dict[str, Any]]:
     def case() -> dict[str, Any]:
         with fake_cuda() as probe:
             for _ in range(CALLS):
                 run()
-            return {key: sorted(set(probe[key])) for key in ("transfers", "host_collectives", "streams", "collectives")}
+            return _audit(probe)
 
     return case
 
@@ -131,20 +136,17 @@ def _fsdp_case(hsdp: bool, **options) -> Callable[[], dict[str, Any]]:
                 model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 8))
             for layer in (model[0], model[2], model):
                 fully_shard(layer, mesh=mesh["shard"], reshard_after_forward=True)
-            if hsdp:  # one rank per node: given, as detecting it exchanges host names (Python objects)
-                options.update(replicate_group=mesh.get_group("replicate"),
-                               replicate_topology=zcomm.Topology(world_size=2, local_size=1))
+            # one rank per node: given, as detecting it exchanges host names (Python objects)
+            replicas = dict(replicate_group=mesh.get_group("replicate"),
+                            replicate_topology=zcomm.Topology(world_size=2, local_size=1)) if hsdp else {}
             # its check that the replicas shard alike exchanges Python objects with the peers, which
             # a fake group cannot; the ranks' real groups are checked on the CPU (test_fsdp_hsdp.py)
-            checked, zcomm.fsdp.check_replicate_group = zcomm.fsdp.check_replicate_group, lambda *args: None
-            try:
-                zcomm.fsdp.enable_zeropp(model, topology=zcomm.Topology(world_size=2, local_size=2), **options)
-            finally:
-                zcomm.fsdp.check_replicate_group = checked
+            with mock.patch.object(zcomm.fsdp, "check_replicate_group", lambda *args: None):
+                zcomm.fsdp.enable_zeropp(model, topology=zcomm.Topology(world_size=2, local_size=2), **replicas,
+                                         **options)
             for _ in range(2):
                 model(torch.randn(4, 64, device=CUDA)).sum().backward()
-            audit = {key: sorted(set(probe[key])) for key in ("transfers", "host_collectives", "streams", "collectives")}
-            return {**audit, "calls": {op: stats.calls for op, stats in zcomm.comm_stats().items()}}
+            return {**_audit(probe), "calls": {op: stats.calls for op, stats in zcomm.comm_stats().items()}}
 
     return case
 

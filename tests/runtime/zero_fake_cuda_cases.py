@@ -38,9 +38,10 @@ def _cuda_model(kind: str) -> torch.nn.Module:
         return make_model(kind)
 
 
-def _train(kind: str, model, opt, steps: range, *, ranks: int = WORLD, accumulation: int = 1) -> None:
+def _train(kind: str, model, opt, steps: range, *, rank: int = RANK, ranks: int = WORLD,
+           accumulation: int = 1) -> None:
     for step in steps:
-        mine = local_slice(global_batch(kind, step), RANK, ranks)
+        mine = local_slice(global_batch(kind, step), rank, ranks)
         for micro in range(accumulation):
             batch = tuple(t.to(CUDA) for t in local_slice(mine, micro, accumulation))
             opt.backward(loss_of(kind, model, batch))
@@ -204,10 +205,7 @@ def offload_cpu(overlap: bool = False, zero: dict | None = None, topology: zcomm
         with fake_cuda() as probe:
             model, opt = zero_runtime.initialize(_cuda_model("gpt"), make_optimizer(), config, topology=topology)
             at_start = list(probe["transfers"])
-            for step in range(2):
-                batch = tuple(t.to(CUDA) for t in local_slice(global_batch("gpt", step), rank, world))
-                opt.backward(loss_of("gpt", model, batch))
-                opt.step()
+            _train("gpt", model, opt, range(2), rank=rank, ranks=world)
             report = opt.memory_report()
             return {"units": len(opt.units), "at_start": at_start, "kernel_calls": len(calls),
                     "kernel_devices": sorted({d for call in calls for d in call}),

@@ -1,8 +1,8 @@
 """ZeRO++ in the runtime (stages 0-3, qwZ, qgZ, hpZ, weight differences, with an edit between
-steps and with the optimizer offloaded to the CPU) on fake CUDA tensors
-and a CUDA-only fake process group of 4 ranks as 2 nodes x 2 ([Note: fake CUDA] in
-``fake_cuda``); run by ``python tests/fake_cuda.py SHIM OUT
-zeropp_fake_cuda_cases``, checked by ``test_zeropp_fake_cuda.py``.
+steps and with the optimizer offloaded to the CPU) on fake CUDA tensors and a CUDA-only fake
+process group of 4 ranks as 2 nodes x 2 ([Note: fake CUDA] in ``fake_cuda``); run by
+``python tests/fake_cuda.py SHIM OUT zeropp_fake_cuda_cases``, checked by
+``test_zeropp_fake_cuda.py``.
 
 This process is rank 3 (the second rank of the second node), so no step of a hierarchical
 collective is that of a first rank. Each case trains ``STEPS`` steps and returns where the
@@ -22,8 +22,8 @@ import torch
 import zcomm
 import zero_runtime
 from fake_cuda import fake_cuda
-from zero_fake_cuda_cases import CUDA, PARTITIONED, _audit, _cuda_model, _placement, offload_cpu
-from zero_workloads import global_batch, local_slice, loss_of, make_optimizer
+from zero_fake_cuda_cases import PARTITIONED, _audit, _cuda_model, _placement, _train, offload_cpu
+from zero_workloads import make_optimizer
 
 WORLD, RANK = 4, 3  # the fake world the driver starts, and this process's rank in it
 TOPOLOGY = zcomm.Topology(world_size=WORLD, local_size=2)
@@ -54,9 +54,7 @@ def _training(zero: dict, *, kind: str = "gpt", reads: list | None = None, clip:
                     with zero_runtime.GatheredParameters(model, modifier_rank=0), torch.no_grad():
                         for param in model.parameters():
                             param.mul_(0.5)
-                batch = tuple(t.to(CUDA) for t in local_slice(global_batch(kind, step), RANK, WORLD))
-                opt.backward(loss_of(kind, model, batch))
-                opt.step()
+                _train(kind, model, opt, range(step, step + 1), rank=RANK, ranks=WORLD)
             gather = opt.plan.forward_gather if opt.config.stage < 3 else opt.plan.backward_gather
             return {**_placement(opt), **_audit(probe), "streams": sorted(set(probe["streams"])),
                     "collectives": sorted(set(probe["collectives"])),
